@@ -1,0 +1,54 @@
+"""Engine settings: a frozen dataclass, loadable from configs/*.yaml and overridable by flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache_fraction: float = 1.0  # share of all routed experts that fit in the fast tier
+    cache_bytes: int | None = None  # alternative to cache_fraction: fast-tier budget in bytes
+    offload: str = "ram"  # slow tier: "ram" (host memory) or "disk" (checkpoint files, uncached reads)
+    link: str | None = None  # emulated link in front of the slow tier: a name or "MBPS[:LATENCY_US]"
+    policy: str = "fetch-all"  # miss policy, by name (policies.registry)
+    eviction: str = "lru"  # eviction policy, by name
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    dtype: str = "auto"  # "auto" (fp32 on CPU, checkpoint dtype on GPU), "float32", "bfloat16", "float16"
+    transfer_workers: int = 2  # background transfer threads
+    warm_start: bool = True  # fill the fast tier at load time instead of taking cold misses
+    direct_io: bool = True  # disk tier: try O_DIRECT before pread + fadvise(DONTNEED)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cache_fraction <= 1.0:
+            raise ConfigError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        if self.offload not in ("ram", "disk"):
+            raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
+        if self.transfer_workers < 1:
+            raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
+
+    def with_overrides(self, **overrides: Any) -> "EngineConfig":
+        """Apply flags on top of file settings; None means 'not given on the command line'."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        section = data.get("engine", data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**section)

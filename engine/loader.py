@@ -1,0 +1,195 @@
+"""Builds a transformers model whose routed experts live in the tiered expert store.
+
+Steps: read config.json -> build the transformers model on the meta device (nothing is
+allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fused
+expert parameters) -> materialize the rest on the compute device and fill it from the
+safetensors files by name -> build slow tier, fast tier and transfer engine.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+from engine.arch import arch_for, disk_name
+from engine.checkpoint import index_checkpoint, read_tensor
+from engine.config import EngineConfig
+from engine.errors import CheckpointError, ConfigError
+from engine.expert_layout import ExpertLocator, ExpertShape
+from engine.expert_store import ExpertStore
+from engine.link import EmulatedLink, parse_link
+from engine.moe_block import OffloadedMoeBlock, is_sparse_moe_block
+from engine.moe_executor import MoeExecutor
+from engine.slow_tier import DiskTier, RamTier, SlowTier
+from engine.stats import EngineStats
+from engine.transfers import TransferEngine
+from policies import make_eviction, make_miss_policy
+
+
+@dataclass
+class OffloadedModel:
+    model: PreTrainedModel
+    config: PretrainedConfig
+    tokenizer: object | None
+    generation_config: GenerationConfig | None
+    engine_config: EngineConfig
+    store: ExpertStore
+    transfers: TransferEngine
+    executor: MoeExecutor
+    stats: EngineStats
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+    model_dir: Path
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.generation_config, self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        return ids
+
+    def close(self) -> None:
+        self.transfers.close()
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
+    return dev
+
+
+def _resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU bf16 matmuls are slow and lose the parity guarantee
+        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        return d if isinstance(d, torch.dtype) else getattr(torch, str(d or "bfloat16"))
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def _read_config(model_dir: Path) -> PretrainedConfig:
+    cfg_path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory not found")
+    if not cfg_path.exists():
+        raise CheckpointError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        model_type = json.loads(cfg_path.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    arch_for(str(model_type), str(cfg_path))  # fail early on unsupported architectures
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _n_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
+    if cfg.cache_bytes is not None:
+        n = cfg.cache_bytes // slot_bytes
+    else:
+        n = round(cfg.cache_fraction * total)
+    return int(min(total, max(1, n)))
+
+
+def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> OffloadedModel:
+    model_dir = Path(model_dir)
+    config = _read_config(model_dir)
+    spec = arch_for(config.model_type)
+    tensors = index_checkpoint(model_dir)
+    device = _resolve_device(cfg.device)
+    dtype = _resolve_dtype(cfg.dtype, config, device)
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = model.model.layers
+    moe_layers = [i for i, layer in enumerate(layers) if is_sparse_moe_block(layer.mlp)]
+    if not moe_layers:
+        raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
+    native0 = layers[moe_layers[0]].mlp
+    E, two_i, H = native0.experts.gate_up_proj.shape
+    shape = ExpertShape(hidden=H, intermediate=two_i // 2)
+    top_k = native0.gate.top_k
+
+    stats = EngineStats(num_layers=len(layers))
+    locator = ExpertLocator(spec, tensors, moe_layers, E, shape)
+    link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
+    tier: SlowTier
+    if cfg.offload == "ram":
+        tier = RamTier(locator, moe_layers, dtype, pin=device.type == "cuda", link=link)
+    else:
+        tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
+    slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
+    total = len(layers) * E  # keys are layer*E+e over all layers; only MoE layers are used
+    n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
+    store = ExpertStore(n_slots, shape.numel, dtype, device, make_eviction(cfg.eviction), stats)
+    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
+    act_fn = native0.experts.act_fn
+    executor = MoeExecutor(store, transfers, make_miss_policy(cfg.policy), stats, shape, E, act_fn)
+    for i in moe_layers:
+        layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor)
+    assert total >= n_slots
+
+    _materialize(model, config, spec, tensors, device, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists() else None
+    gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
+    om = OffloadedModel(model, config, tokenizer, gen_cfg, cfg, store, transfers, executor, stats, moe_layers, E, top_k, model_dir, device)
+    if cfg.warm_start:
+        _warm(om)
+    return om
+
+
+def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors, device: torch.device, model_dir: Path) -> None:
+    """Allocate the non-expert weights on `device` and fill them from the checkpoint."""
+    model.to_empty(device=device)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, param in tqdm(state.items(), desc="loading dense weights", unit="tensor", leave=False):
+            key = disk_name(spec, name)
+            loc = tensors.get(key)
+            if loc is None:
+                if tied and name == "lm_head.weight":
+                    continue  # shares storage with the input embedding
+                raise CheckpointError(f"{model_dir}: checkpoint is missing tensor {key}")
+            if tuple(loc.shape) != tuple(param.shape):
+                raise CheckpointError(f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(read_tensor(loc))
+        # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
+        for parent in [model.model]:
+            rotary = getattr(parent, "rotary_emb", None)
+            if rotary is not None:
+                parent.rotary_emb = type(rotary)(config=rotary.config).to(device)
+    if tied:
+        model.tie_weights()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert not t.is_meta, f"{name} was left on the meta device"
+    model.eval()
+
+
+def _warm(om: OffloadedModel) -> None:
+    """Fill the fast tier round-robin across layers so the first tokens do not all miss."""
+    per_layer = math.ceil(om.store.n_slots / len(om.moe_layers))
+    pending = []
+    order = [(layer, e) for e in range(min(per_layer, om.num_experts)) for layer in om.moe_layers][: om.store.n_slots]
+    for layer, e in order:
+        t = om.transfers.submit(layer, e, "prefetch")
+        if t is not None:
+            pending.append(t)
+    for t in tqdm(pending, desc="warming expert cache", unit="expert", leave=False):
+        t.done.wait()
+        if t.error is not None:
+            raise t.error
+    om.stats.reset()  # warm-up transfers are not part of any run

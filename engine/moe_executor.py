@@ -1,0 +1,127 @@
+"""Runs the routed experts of one MoE layer for the T token rows of a step.
+
+Order of work per layer:
+1. the policy turns the router's choice into an ExpertPlan (pure decision);
+2. resident experts are pinned, missing ones are requested as demand loads;
+3. experts run as soon as their weights are present, each over all of its rows at once
+   (grouped per expert; no Python loop over tokens), then are unpinned so their slot
+   can take the next load when the layer needs more experts than there are slots;
+4. each row's contributions are summed in ascending expert order, the same order in
+   which transformers' reference accumulates, so the exact policy matches it bit for bit
+   in practice (and always within float tolerance).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.expert_layout import ExpertShape
+from engine.expert_store import ExpertStore
+from engine.stats import EngineStats
+from engine.transfers import Transfer, TransferEngine
+from policies.base import MissPolicy
+
+
+class MoeExecutor:
+    def __init__(
+        self,
+        store: ExpertStore,
+        transfers: TransferEngine,
+        policy: MissPolicy,
+        stats: EngineStats,
+        shape: ExpertShape,
+        num_experts: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.store, self.transfers, self.policy, self.stats = store, transfers, policy, stats
+        self.shape, self.num_experts, self.act_fn = shape, num_experts, act_fn
+
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids, weights: [T, k] from the native router. Returns [T, H]."""
+        E = self.num_experts
+        ids_list = ids.tolist()
+        plan = self.policy.plan(layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e))
+        if plan.experts is not ids_list:
+            ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
+        if plan.weights is not None:
+            weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
+
+        T, k = ids.shape
+        flat = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
+        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        groups = dict(zip(uniq.tolist(), torch.split(order, counts.tolist())))
+
+        ready, pending = self._pin_resident(layer, list(groups), set(plan.fetch))
+        waiting: dict[int, Transfer] = {}
+        contrib = torch.empty((T * k, x.shape[1]), dtype=x.dtype, device=x.device)  # [T*k, H]
+        w_flat = weights.reshape(-1)
+        while ready or waiting or pending:
+            pending = self._submit(layer, pending, ready, waiting)
+            if not ready:
+                if not waiting:
+                    raise RuntimeError("fast tier deadlock: every slot is pinned and a needed expert cannot load")
+                e = next(iter(waiting))  # oldest submitted first
+                self.transfers.wait(waiting.pop(e))
+                ready.append(e)
+            e = ready.pop(0)
+            self._compute(layer * E + e, x, groups[e], k, w_flat, contrib)
+            self.store.unpin(layer * E + e)  # frees the slot for the next load if the layer needs more
+            for e2 in [e2 for e2, t in waiting.items() if t.done.is_set()]:
+                self.transfers.wait(waiting.pop(e2))
+                ready.append(e2)
+
+        # Sum each row's k contributions in ascending expert order (transformers' order).
+        perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
+        c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
+        out = c[:, 0].clone()
+        for j in range(1, k):
+            out += c[:, j]
+        return out
+
+    def _pin_resident(self, layer: int, needed: list[int], missing: set[int]) -> tuple[list[int], list[int]]:
+        """Pin the needed experts that are resident; return (ready, to_load). Counts hits and misses."""
+        E = self.num_experts
+        ready: list[int] = []
+        to_load: list[int] = []
+        with self.store.lock:  # check-and-pin atomically: a background load may be evicting
+            for e in needed:
+                key = layer * E + e
+                if e not in missing and self.store.is_resident(key):
+                    self.store.pin(key)
+                    self.store.touch(key)
+                    ready.append(e)
+                else:
+                    to_load.append(e)
+        self.stats.record_lookups(layer, len(ready), len(to_load))
+        return ready, to_load
+
+    def _submit(self, layer: int, to_load: list[int], ready: list[int], waiting: dict[int, Transfer]) -> list[int]:
+        """Submit demand loads while slots allow; returns the experts still waiting for a slot."""
+        E = self.num_experts
+        for i, e in enumerate(to_load):
+            key = layer * E + e
+            with self.store.lock:
+                t = self.transfers.submit(layer, e, "demand", pin=True)
+                if t is None and self.store.is_resident(key):  # it landed meanwhile (e.g. a prefetch)
+                    self.store.pin(key)
+                    ready.append(e)
+                    continue
+            if t is None:
+                return to_load[i:]  # every slot is pinned; retry after computing something
+            waiting[e] = t
+        return []
+
+    def _compute(self, key: int, x: torch.Tensor, rows: torch.Tensor, k: int, w_flat: torch.Tensor, contrib: torch.Tensor) -> None:
+        """One expert over all of its row-slots: SwiGLU(x W_gu^T) W_d^T, scaled by the gate weight."""
+        I, H = self.shape.intermediate, self.shape.hidden
+        buf = self.store.weights(key)
+        gate_up = buf[: 2 * I * H].view(2 * I, H)  # [2I, H]
+        down = buf[2 * I * H :].view(H, I)  # [H, I]
+        tok = rows // k
+        h = F.linear(x[tok], gate_up)  # [n, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(self.act_fn(gate) * up, down)  # [n, H]
+        contrib[rows] = y * w_flat[rows, None]

@@ -1,0 +1,94 @@
+"""The slow tier: where every routed expert lives. Host RAM, or the checkpoint on disk.
+
+`fetch(layer, expert)` returns the expert's packed buffer as a flat host tensor (see
+expert_layout). The transfer engine then copies it into a fast-tier slot.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.checkpoint import TensorLocation, read_tensor
+from engine.expert_layout import ExpertLocator
+from engine.link import EmulatedLink
+from engine.uncached_io import UncachedReader
+
+
+class SlowTier(ABC):
+    name: str
+
+    def __init__(self, locator: ExpertLocator, link: EmulatedLink | None) -> None:
+        self.locator = locator
+        self.link = link
+
+    def fetch(self, layer: int, expert: int) -> tuple[torch.Tensor, int]:
+        """Return (flat host tensor, bytes that crossed the link). Honours the emulated link."""
+        nbytes = self.expert_nbytes(layer, expert)
+        deadline = self.link.reserve(nbytes) if self.link else None
+        buf = self._fetch(layer, expert)
+        if deadline is not None:
+            EmulatedLink.wait_until(deadline)
+        return buf, nbytes
+
+    @abstractmethod
+    def expert_nbytes(self, layer: int, expert: int) -> int: ...
+
+    @abstractmethod
+    def _fetch(self, layer: int, expert: int) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        pass
+
+
+class RamTier(SlowTier):
+    """All experts packed in host RAM (pinned when CUDA is present, so copies are async)."""
+
+    name = "ram"
+
+    def __init__(self, locator: ExpertLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None) -> None:
+        super().__init__(locator, link)
+        n, E = len(layers), locator.num_experts
+        self._row = {layer: i for i, layer in enumerate(layers)}
+        self._data = torch.empty((n * E, locator.shape.numel), dtype=dtype, pin_memory=pin)
+        with tqdm(total=n * E, desc="loading experts to RAM", unit="expert", leave=False) as bar:
+            for layer in layers:
+                for e in range(E):
+                    self._data[self._row[layer] * E + e] = _pack([read_tensor(s) for s in locator.segments(layer, e)])
+                    bar.update()
+
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        return self._data.shape[1] * self._data.element_size()
+
+    def _fetch(self, layer: int, expert: int) -> torch.Tensor:
+        return self._data[self._row[layer] * self.locator.num_experts + expert]
+
+
+class DiskTier(SlowTier):
+    """Reads experts from the checkpoint files on every fetch, bypassing the page cache."""
+
+    name = "disk"
+
+    def __init__(self, locator: ExpertLocator, link: EmulatedLink | None = None, prefer_direct: bool = True) -> None:
+        super().__init__(locator, link)
+        self.reader = UncachedReader(prefer_direct)
+
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        return self.locator.nbytes_on_disk(layer, expert)
+
+    def _fetch(self, layer: int, expert: int) -> torch.Tensor:
+        segs = self.locator.segments(layer, expert)
+        return _pack([self._read(s) for s in segs])
+
+    def _read(self, seg: TensorLocation) -> torch.Tensor:
+        raw = self.reader.read(seg.path, seg.offset, seg.nbytes)
+        return torch.frombuffer(raw, dtype=seg.dtype)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate segments into one flat buffer in [gate | up | down] order (see expert_layout)."""
+    return torch.cat([p.reshape(-1) for p in parts])

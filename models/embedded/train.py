@@ -1,0 +1,403 @@
+"""Train the embedded default model pair (Qwen3-MoE target + dense Qwen3 draft) on the corpus
+built by ``models/embedded/build_corpus.py``.
+
+One command:   python -m models.embedded.train          (rebuilds the corpus/tokenizer if missing)
+
+Stage 1 trains the MoE target with next-token cross entropy + the router load-balancing aux loss.
+Stage 2 trains the dense draft with a mix of cross entropy and KL distillation from the trained
+target's logits.  Weights (bf16 safetensors), generation_config.json and tokenizer files are saved
+into models/embedded/target/ and models/embedded/draft/ every --save-every steps and at the end, so a
+partial run leaves usable weights.  Loss curves go to docs/embedded_loss.png, raw numbers to
+models/embedded/train_log.json.
+
+The number of optimiser steps is either given (--target-steps / --draft-steps) or derived from a
+wall-clock budget (--target-minutes / --draft-minutes): the script times a few warm-up steps and
+sizes the cosine schedule to fit.  Batches are sampled with a fixed seed; only the step count
+depends on measured speed when a minute budget is used (the chosen counts are logged).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DATA = os.path.join(HERE, "data")
+TARGET_DIR = os.path.join(HERE, "target")
+DRAFT_DIR = os.path.join(HERE, "draft")
+LOG_JSON = os.path.join(HERE, "train_log.json")
+PLOT = os.path.join(ROOT, "docs", "embedded_loss.png")
+DOC_SEP = "\n<|endoftext|>\n"
+
+EOS_ID, BOS_ID, PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3, 4
+
+
+# ----------------------------------------------------------------------------- configs
+def target_config(args):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="silu",
+        max_position_embeddings=1024, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True, attention_bias=False, attention_dropout=0.0,
+        num_experts=64, num_experts_per_tok=args.top_k, moe_intermediate_size=64,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=args.aux_coef,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=0.02,
+    )
+
+
+def draft_config(args):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=8192, hidden_size=48, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_act="silu",
+        max_position_embeddings=1024, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True, attention_bias=False, attention_dropout=0.0,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=0.02,
+    )
+
+
+def active_params(cfg) -> dict:
+    """Parameters touched by matmuls for one token (lm_head counted once, embedding lookup free)."""
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", h // cfg.num_attention_heads)
+    attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_key_value_heads * hd * 2  # q,o + k,v
+    if hasattr(cfg, "num_experts"):
+        mlp = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts  # experts + router
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    lm_head = h * cfg.vocab_size
+    per_layer = attn + mlp
+    total = L * per_layer + lm_head
+    return {"attention_per_layer": attn, "mlp_per_layer": mlp, "lm_head": lm_head,
+            "active_params": total, "flops_per_token": 2 * total}
+
+
+# ----------------------------------------------------------------------------- data
+def ensure_corpus():
+    need = [os.path.join(DATA, "train.txt"), os.path.join(TARGET_DIR, "tokenizer.json")]
+    if not all(os.path.exists(p) for p in need):
+        from models.embedded import build_corpus
+
+        build_corpus.main([])
+
+
+def load_stream(tok, path, cache=None):
+    if cache and os.path.exists(cache) and os.path.getmtime(cache) > os.path.getmtime(path):
+        return np.load(cache)
+    docs = [d for d in open(path, encoding="utf-8").read().split(DOC_SEP) if d.strip()]
+    ids = []
+    for enc in tok(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(EOS_ID)
+    arr = np.asarray(ids, dtype=np.int32)
+    if cache:
+        np.save(cache, arr)
+    return arr
+
+
+def build_chat_pool(tok, path, n, seed, n_shakes_docs):
+    """Synthetic single-turn chats: user asks to continue a passage, assistant continues it."""
+    rng = random.Random(seed)
+    docs = [d for d in open(path, encoding="utf-8").read().split(DOC_SEP) if d.strip()]
+    pool = []
+    prompts_a = ["Continue the scene:\n{c}", "Continue this passage from the play:\n{c}", "Write the next lines.\n{c}"]
+    prompts_b = ["Continue this passage from the Python documentation:\n{c}",
+                 "Explain further:\n{c}", "Continue the text:\n{c}"]
+    bare_a = ["Continue the scene.", "Write a short scene.", "Say something in the style of Shakespeare."]
+    bare_b = ["Tell me about Python.", "Explain a Python module.", "Write some Python documentation."]
+    while len(pool) < n:
+        di = rng.randrange(len(docs))
+        shakes = di < n_shakes_docs
+        paras = [p for p in docs[di].split("\n\n") if p.strip()]
+        if len(paras) < 3:
+            continue
+        i = rng.randrange(len(paras) - 2)
+        ctx = paras[i][:300]
+        resp, j = "", i + 1
+        while j < len(paras) and len(resp) < 500:
+            resp += ("\n\n" if resp else "") + paras[j]
+            j += 1
+        if rng.random() < 0.25:
+            user = rng.choice(bare_a if shakes else bare_b)
+        else:
+            user = rng.choice(prompts_a if shakes else prompts_b).format(c=ctx)
+        text = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{resp[:800]}<|im_end|>\n"
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [EOS_ID]
+        pool.append(np.asarray(ids, dtype=np.int32))
+    return pool
+
+
+class Batcher:
+    def __init__(self, stream, chat_pool, seq_len, batch, chat_frac, seed):
+        self.s, self.pool, self.T, self.B, self.cf = stream, chat_pool, seq_len, batch, chat_frac
+        self.rng = np.random.default_rng(seed)
+
+    def next(self):
+        out = np.empty((self.B, self.T + 1), dtype=np.int64)
+        for b in range(self.B):
+            off = self.rng.integers(0, len(self.s) - self.T - 1)
+            row = self.s[off: off + self.T + 1]
+            if self.pool and self.rng.random() < self.cf:
+                c = self.pool[self.rng.integers(len(self.pool))][: self.T + 1]
+                row = np.concatenate([c, row[: self.T + 1 - len(c)]])
+            out[b] = row
+        x = torch.from_numpy(out)
+        return x[:, :-1], x[:, 1:]
+
+
+def fixed_eval_batches(stream, seq_len, n_seqs, batch):
+    """Deterministic non-overlapping windows spread over the split."""
+    n_avail = (len(stream) - 1) // seq_len
+    idx = np.linspace(0, n_avail - 1, num=min(n_seqs, n_avail)).astype(int)
+    rows = np.stack([stream[i * seq_len: i * seq_len + seq_len + 1] for i in idx]).astype(np.int64)
+    t = torch.from_numpy(rows)
+    return [(t[i:i + batch, :-1], t[i:i + batch, 1:]) for i in range(0, len(t), batch)]
+
+
+@torch.no_grad()
+def eval_loss(model, batches):
+    model.eval()
+    tot, n = 0.0, 0
+    for x, y in batches:
+        logits = model(input_ids=x).logits
+        tot += F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="sum").item()
+        n += y.numel()
+    model.train()
+    return tot / n
+
+
+# ----------------------------------------------------------------------------- saving / plots
+def save_model(model, out_dir, tok):
+    from transformers import GenerationConfig
+
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    m.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
+                                           pad_token_id=PAD_ID, do_sample=False, max_new_tokens=256)
+    m.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    # re-apply the template/ids into tokenizer_config.json (kept identical to build_corpus output)
+    from models.embedded.build_corpus import CHAT_TEMPLATE
+
+    p = os.path.join(out_dir, "tokenizer_config.json")
+    cfg = json.load(open(p))
+    cfg.update(chat_template=CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast",
+               add_bos_token=False, add_eos_token=False)
+    json.dump(cfg, open(p, "w"), indent=2)
+
+
+def write_log(log):
+    json.dump(log, open(LOG_JSON, "w"), indent=2)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, name in zip(axes, ["target", "draft"]):
+            r = log.get(name)
+            if not r:
+                ax.set_title(f"{name}: not trained yet")
+                continue
+            tr = np.asarray(r["train"])
+            if len(tr):
+                k = max(1, len(tr) // 100)
+                sm = np.convolve(tr[:, 1], np.ones(k) / k, mode="valid")
+                ax.plot(tr[k - 1:, 0], sm, label="train CE (smoothed)", lw=1)
+            va = np.asarray(r["valid"])
+            if len(va):
+                ax.plot(va[:, 0], va[:, 1], "o-", label="valid CE", ms=3)
+            ax.set_xlabel("step")
+            ax.set_ylabel("cross entropy (nats/token)")
+            ax.set_title(f"{name} ({r.get('desc', '')})", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(PLOT), exist_ok=True)
+        fig.savefig(PLOT, dpi=110)
+        plt.close(fig)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- training
+def lr_at(step, total, peak, warmup, min_ratio=0.1):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, steps, minutes, peak_lr,
+              teacher=None):
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    rec = log.setdefault(name, {"train": [], "valid": [], "aux": []})
+    rec.update(train=[], valid=[], aux=[])
+    alpha, T = args.distill_alpha, args.distill_temp
+
+    def step_fn(step, total):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, peak_lr, args.warmup)
+        x, y = batcher.next()
+        out = model(input_ids=x, labels=None)
+        logits = out.logits.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss = ce
+        aux = None
+        if getattr(out, "aux_loss", None) is not None:
+            aux = out.aux_loss
+            loss = loss + model.config.router_aux_loss_coef * aux
+        if teacher is not None and alpha > 0:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=x).logits.float()
+            kl = F.kl_div(F.log_softmax(logits / T, -1).reshape(-1, logits.size(-1)),
+                          F.log_softmax(t_logits / T, -1).reshape(-1, logits.size(-1)),
+                          log_target=True, reduction="batchmean") * T * T
+            loss = (1 - alpha) * ce + alpha * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        return ce.item(), (aux.item() if aux is not None else None)
+
+    t0 = time.time()
+    if steps is None:  # size the schedule from measured speed
+        nb = args.bench_steps
+        tb = time.time()
+        for s in range(nb):
+            ce, aux = step_fn(s, 10 ** 9)
+            rec["train"].append([s, ce])
+        dt = (time.time() - tb) / nb
+        steps = max(nb + 1, int(minutes * 60 / (dt * 1.06)))  # ~6% margin for evals/saves
+        print(f"[{name}] {dt:.3f}s/step ({args.batch_size * args.seq_len / dt:.0f} tok/s) -> {steps} steps "
+              f"for {minutes} min", flush=True)
+        start = nb
+    else:
+        start = 0
+    rec.update(steps=steps, tokens_per_step=args.batch_size * args.seq_len)
+    bar = tqdm(range(start, steps), desc=name, mininterval=10, file=sys.stdout)
+    for s in bar:
+        ce, aux = step_fn(s, steps)
+        rec["train"].append([s, ce])
+        if aux is not None:
+            rec["aux"].append([s, aux])
+        if (s + 1) % args.eval_every == 0 or s + 1 == steps:
+            v = eval_loss(model, valid_batches)
+            rec["valid"].append([s + 1, v])
+            bar.set_postfix(ce=f"{ce:.3f}", valid=f"{v:.3f}", aux=f"{aux:.3f}" if aux is not None else "-")
+            print(f"\n[{name}] step {s + 1}/{steps} train_ce {ce:.4f} valid_ce {v:.4f} "
+                  f"ppl {math.exp(v):.1f} elapsed {(time.time() - t0) / 60:.1f} min", flush=True)
+        if (s + 1) % args.save_every == 0 or s + 1 == steps:
+            rec["train_seconds"] = time.time() - t0
+            rec["steps_done"] = s + 1
+            save_model(model, out_dir, tok)
+            write_log(log)
+    rec["train_seconds"] = time.time() - t0
+    rec["steps_done"] = steps
+    write_log(log)
+    return model
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["both", "target", "draft"], default="both",
+                    help="train target then draft (both), or only one; 'draft' loads the saved target as teacher")
+    ap.add_argument("--seed", type=int, default=0, help="seed for init, batch sampling and chat synthesis")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value")
+    ap.add_argument("--seq-len", type=int, default=256, help="training sequence length in tokens")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
+    ap.add_argument("--top-k", type=int, default=8, help="experts per token of the MoE target (4..8)")
+    ap.add_argument("--aux-coef", type=float, default=0.02, help="router load-balancing aux loss coefficient")
+    ap.add_argument("--target-steps", type=int, default=None, help="target optimiser steps (overrides minutes)")
+    ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target")
+    ap.add_argument("--draft-steps", type=int, default=None, help="draft optimiser steps (overrides minutes)")
+    ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft")
+    ap.add_argument("--target-lr", type=float, default=3e-3, help="peak AdamW learning rate of the target")
+    ap.add_argument("--draft-lr", type=float, default=4e-3, help="peak AdamW learning rate of the draft")
+    ap.add_argument("--warmup", type=int, default=100, help="linear warm-up steps (then cosine to 10%%)")
+    ap.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay on matrices")
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    ap.add_argument("--chat-frac", type=float, default=0.05, help="fraction of training rows that are synthetic chats")
+    ap.add_argument("--distill-alpha", type=float, default=0.7,
+                    help="draft loss = (1-a)*CE + a*KL(target||draft); 0 disables distillation")
+    ap.add_argument("--distill-temp", type=float, default=1.0, help="distillation softmax temperature")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
+    ap.add_argument("--valid-seqs", type=int, default=48, help="fixed validation windows used for the curve")
+    ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoint saves")
+    ap.add_argument("--bench-steps", type=int, default=5, help="steps timed to size a minute budget")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    sys.path.insert(0, ROOT)
+    ensure_corpus()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TARGET_DIR)
+    train_ids = load_stream(tok, os.path.join(DATA, "train.txt"), cache="/tmp/embedded_train_ids.npy")
+    valid_ids = load_stream(tok, os.path.join(DATA, "valid.txt"))
+    stats = json.load(open(os.path.join(HERE, "corpus_stats.json")))
+    pool = build_chat_pool(tok, os.path.join(DATA, "train.txt"), 4000, args.seed,
+                           stats["documents"]["shakespeare"]["train"])
+    valid_batches = fixed_eval_batches(valid_ids, args.seq_len, args.valid_seqs, args.batch_size)
+    print(f"train tokens {len(train_ids)}  valid tokens {len(valid_ids)}  chat pool {len(pool)}", flush=True)
+    log = json.load(open(LOG_JSON)) if os.path.exists(LOG_JSON) and args.stage != "both" else {}
+    log["args"] = vars(args)
+    log["train_tokens"] = int(len(train_ids))
+
+    tcfg, dcfg = target_config(args), draft_config(args)
+    ta, da = active_params(tcfg), active_params(dcfg)
+    ratio = da["flops_per_token"] / ta["flops_per_token"]
+    print(f"active FLOPs/token target {ta['flops_per_token']:,} draft {da['flops_per_token']:,} ratio {ratio:.4f}")
+    assert ratio <= 1 / 8, "draft exceeds 1/8 of target active FLOPs"
+
+    if args.stage in ("both", "target"):
+        torch.manual_seed(args.seed)
+        target = Qwen3MoeForCausalLM(tcfg)
+        n = sum(p.numel() for p in target.parameters())
+        log["target"] = {"desc": f"Qwen3-MoE {n / 1e6:.2f}M params, 64 experts top-{args.top_k}"}
+        print(f"target params {n:,}", flush=True)
+        train_one("target", target, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
+                                                       args.chat_frac, args.seed + 1),
+                  valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr)
+    if args.stage in ("both", "draft"):
+        teacher = None
+        if args.distill_alpha > 0:
+            teacher = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32)
+            teacher.config.output_router_logits = False
+            teacher.eval()
+        torch.manual_seed(args.seed + 7)
+        draft = Qwen3ForCausalLM(dcfg)
+        n = sum(p.numel() for p in draft.parameters())
+        log["draft"] = {"desc": f"dense Qwen3 {n / 1e6:.2f}M params" + (", distilled" if teacher else "")}
+        print(f"draft params {n:,}", flush=True)
+        train_one("draft", draft, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
+                                                     args.chat_frac, args.seed + 2),
+                  valid_batches, log, DRAFT_DIR, args.draft_steps, args.draft_minutes, args.draft_lr,
+                  teacher=teacher)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
