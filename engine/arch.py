@@ -35,8 +35,13 @@ def arch_for(model_type: str, config_path: str = "config.json") -> ArchSpec:
     return ARCHS[model_type]
 
 
-def disk_name(spec: ArchSpec, memory_name: str) -> str:
-    """Translate an in-memory parameter name to its checkpoint name (Mixtral renames its block)."""
-    if spec.disk_block != "mlp":
-        return memory_name.replace(".mlp.", f".{spec.disk_block}.")
-    return memory_name
+def disk_names(spec: ArchSpec, memory_name: str) -> list[str]:
+    """Checkpoint names an in-memory parameter may have, most likely first.
+
+    Mixtral checkpoints call the block `block_sparse_moe`; ones saved from transformers 5's
+    in-memory layout (fused experts) keep `mlp`.
+    """
+    names = [memory_name]
+    if spec.disk_block != "mlp" and ".mlp." in memory_name:
+        names.insert(0, memory_name.replace(".mlp.", f".{spec.disk_block}."))
+    return names

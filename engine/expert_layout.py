@@ -41,6 +41,8 @@ class ExpertLocator:
         H, I = shape.hidden, shape.intermediate
         for layer in moe_layers:
             prefix = f"model.layers.{layer}.{spec.disk_block}.experts"
+            if f"model.layers.{layer}.mlp.experts.gate_up_proj" in tensors:
+                prefix = f"model.layers.{layer}.mlp.experts"  # fused checkpoints keep transformers' name
             fused_gu, fused_down = tensors.get(f"{prefix}.gate_up_proj"), tensors.get(f"{prefix}.down_proj")
             for e in range(num_experts):
                 if fused_gu is not None and fused_down is not None:

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.arch import arch_for, disk_name
+from engine.arch import arch_for, disk_names
 from engine.checkpoint import index_checkpoint, read_tensor
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
@@ -158,7 +158,8 @@ def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, param in tqdm(state.items(), desc="loading dense weights", unit="tensor", leave=False):
-            key = disk_name(spec, name)
+            candidates = disk_names(spec, name)
+            key = next((n for n in candidates if n in tensors), candidates[0])
             loc = tensors.get(key)
             if loc is None:
                 if tied and name == "lm_head.weight":

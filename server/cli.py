@@ -1,0 +1,141 @@
+"""The `moe-offload` command line: generate (and, as they land, serve, eval, trace, bench)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from engine.errors import MoeOffloadError
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model."""
+    g = p.add_argument_group("model and memory")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + *.safetensors + tokenizer). Default: the embedded model shipped in models/embedded/target")
+    g.add_argument("--config", metavar="YAML", help="engine settings file (see configs/); flags given here override it")
+    g.add_argument("--cache-fraction", type=float, metavar="F", help="share of all routed experts kept in the fast tier, in (0, 1]. Default 1.0")
+    g.add_argument("--cache-bytes", type=int, metavar="N", help="fast-tier budget in bytes (overrides --cache-fraction)")
+    g.add_argument("--offload", choices=["ram", "disk"], help="slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O. Default ram")
+    g.add_argument("--link", metavar="NAME|MBPS[:US]", help="emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500")
+    g.add_argument("--policy", metavar="NAME", help="miss policy (default fetch-all: wait for every missing expert; exact)")
+    g.add_argument("--eviction", metavar="NAME", help="eviction policy (default lru)")
+    g.add_argument("--device", metavar="DEV", help="compute device: auto (default), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)")
+    g.add_argument("--transfer-workers", type=int, metavar="N", help="background transfer threads (default 2)")
+    g.add_argument("--no-warm", action="store_true", help="start with an empty fast tier instead of filling it at load time")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    base = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    return base.with_overrides(
+        cache_fraction=args.cache_fraction,
+        cache_bytes=args.cache_bytes,
+        offload=args.offload,
+        link=args.link,
+        policy=args.policy,
+        eviction=args.eviction,
+        device=args.device,
+        dtype=args.dtype,
+        transfer_workers=args.transfer_workers,
+        warm_start=False if args.no_warm else None,
+    )
+
+
+def resolve_model_dir(arg: str | None) -> str:
+    if arg:
+        return arg
+    from models import EMBEDDED_TARGET
+
+    if not (EMBEDDED_TARGET / "config.json").exists():
+        raise MoeOffloadError(f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run models/embedded/train.py")
+    return str(EMBEDDED_TARGET)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.generation import stream_generate
+    from engine.loader import load_model
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    om = load_model(resolve_model_dir(args.model), engine_config_from_args(args))
+    try:
+        if om.tokenizer is None:
+            raise MoeOffloadError(f"{om.model_dir}: no tokenizer files; add tokenizer.json/tokenizer_config.json")
+        if args.chat:
+            ids = om.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = om.tokenizer(args.prompt)["input_ids"]
+        printed = 0
+        res = None
+        for res in stream_generate(om, ids, params):
+            if not args.json:
+                sys.stdout.write(res.text[printed:])
+                sys.stdout.flush()
+                printed = len(res.text)
+        assert res is not None
+        if args.json:
+            stats = om.stats.snapshot()
+            print(json.dumps({
+                "text": res.text,
+                "tokens": res.tokens,
+                "prompt_tokens": res.prompt_tokens,
+                "finish_reason": res.finish_reason,
+                "prefill_seconds": res.prefill_seconds,
+                "decode_seconds": res.decode_seconds,
+                "decode_tokens_per_s": res.decode_tokens_per_s,
+                "fast_tier_slots": om.store.n_slots,
+                "stats": stats,
+            }, indent=2))
+        else:
+            print()
+    finally:
+        om.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-offload", description="Run Mixture-of-Experts models whose experts do not fit in fast memory.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for one prompt with offloaded experts.")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the tokenizer's chat template")
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="maximum new tokens (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (default 0 = off)")
+    g.add_argument("--seed", type=int, metavar="S", help="random seed for sampling (reproducible output)")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop when this text appears (repeatable); it is not included in the output")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens and statistics (hits, misses, bytes moved, stall seconds, tokens/s, per layer)")
+    add_engine_flags(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (MoeOffloadError, ValueError) as e:
+        print(f"moe-offload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
