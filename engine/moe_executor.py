@@ -49,15 +49,49 @@ class MoeExecutor:
             weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
 
         T, k = ids.shape
+        if T == 1 and len(set(plan.experts[0])) == k:
+            return self._run_single_row(layer, x, plan.experts[0], weights[0], set(plan.fetch))
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
         groups = dict(zip(uniq.tolist(), torch.split(order, counts.tolist())))
-
-        ready, pending = self._pin_resident(layer, list(groups), set(plan.fetch))
-        waiting: dict[int, Transfer] = {}
         contrib = torch.empty((T * k, x.shape[1]), dtype=x.dtype, device=x.device)  # [T*k, H]
         w_flat = weights.reshape(-1)
+
+        def compute(e: int) -> None:
+            rows = groups[e]
+            contrib[rows] = self._expert(layer * E + e, x[rows // k]) * w_flat[rows, None]
+
+        self._run_experts(layer, list(groups), set(plan.fetch), compute)
+        # Sum each row's k contributions in ascending expert order (transformers' order).
+        perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
+        c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
+        out = c[:, 0].clone()
+        for j in range(1, k):
+            out += c[:, j]
+        return out
+
+    def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor, fetch: set[int]) -> torch.Tensor:
+        """Plain decode (T=1): no grouping needed. Same arithmetic and summation order as the general path."""
+        E = self.num_experts
+        slot_of = {e: j for j, e in enumerate(experts)}
+        results: dict[int, torch.Tensor] = {}
+
+        def compute(e: int) -> None:
+            results[e] = self._expert(layer * E + e, x) * weights[slot_of[e]]
+
+        self._run_experts(layer, experts, fetch, compute)
+        ordered = [results[e] for e in sorted(results)]
+        out = ordered[0].clone()
+        for y in ordered[1:]:
+            out += y
+        return out
+
+    def _run_experts(self, layer: int, needed: list[int], fetch: set[int], compute: Callable[[int], None]) -> None:
+        """Run `compute(e)` for every needed expert as soon as its weights are in the fast tier."""
+        E = self.num_experts
+        ready, pending = self._pin_resident(layer, needed, fetch)
+        waiting: dict[int, Transfer] = {}
         while ready or waiting or pending:
             pending = self._submit(layer, pending, ready, waiting)
             if not ready:
@@ -67,19 +101,11 @@ class MoeExecutor:
                 self.transfers.wait(waiting.pop(e))
                 ready.append(e)
             e = ready.pop(0)
-            self._compute(layer * E + e, x, groups[e], k, w_flat, contrib)
+            compute(e)
             self.store.unpin(layer * E + e)  # frees the slot for the next load if the layer needs more
             for e2 in [e2 for e2, t in waiting.items() if t.done.is_set()]:
                 self.transfers.wait(waiting.pop(e2))
                 ready.append(e2)
-
-        # Sum each row's k contributions in ascending expert order (transformers' order).
-        perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
-        c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
-        out = c[:, 0].clone()
-        for j in range(1, k):
-            out += c[:, j]
-        return out
 
     def _pin_resident(self, layer: int, needed: list[int], missing: set[int]) -> tuple[list[int], list[int]]:
         """Pin the needed experts that are resident; return (ready, to_load). Counts hits and misses."""
@@ -114,14 +140,9 @@ class MoeExecutor:
             waiting[e] = t
         return []
 
-    def _compute(self, key: int, x: torch.Tensor, rows: torch.Tensor, k: int, w_flat: torch.Tensor, contrib: torch.Tensor) -> None:
-        """One expert over all of its row-slots: SwiGLU(x W_gu^T) W_d^T, scaled by the gate weight."""
+    def _expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert over its rows x [n, H]: SwiGLU(x W_gu^T) W_d^T -> [n, H], unscaled."""
         I, H = self.shape.intermediate, self.shape.hidden
         buf = self.store.weights(key)
-        gate_up = buf[: 2 * I * H].view(2 * I, H)  # [2I, H]
-        down = buf[2 * I * H :].view(H, I)  # [H, I]
-        tok = rows // k
-        h = F.linear(x[tok], gate_up)  # [n, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = F.linear(self.act_fn(gate) * up, down)  # [n, H]
-        contrib[rows] = y * w_flat[rows, None]
+        gate, up = F.linear(x, buf[: 2 * I * H].view(2 * I, H)).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act_fn(gate) * up, buf[2 * I * H :].view(H, I))
