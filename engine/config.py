@@ -46,7 +46,9 @@ class EngineConfig:
             raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-        section = data.get("engine", data)
+        section = data.get("engine", data) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings (optionally under 'engine:')")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
