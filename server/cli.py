@@ -1,4 +1,4 @@
-"""The `moe-offload` command line: generate (and, as they land, serve, eval, trace, bench)."""
+"""The `moe-offload` command line: serve, generate (and, as they land, eval, trace, bench)."""
 from __future__ import annotations
 
 import argparse
@@ -105,9 +105,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from engine.engine_process import EngineArgs, max_model_len_of
+    from server.app import create_app
+    from server.config import ServerConfig
+    from server.launch import run_server
+    from server.state import ServeSettings
+
+    base = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
+    scfg = base.with_overrides(
+        host=args.host, port=args.port, api_keys=tuple(args.api_key) if args.api_key else None,
+        served_model_name=args.served_model_name, max_running=args.max_running, max_queue=args.max_queue,
+        max_model_len=args.max_model_len, drain_timeout=args.drain_timeout, log_level=args.log_level,
+    )
+    model_dir = resolve_model_dir(args.model)
+    if args.draft and not (Path(args.draft) / "config.json").exists():
+        raise MoeOffloadError(f"{args.draft}: not a model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = EngineArgs(
+        model_dir=model_dir, engine_config=engine_config_from_args(args), max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
+        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, draft_dir=args.draft,
+    )
+    settings = ServeSettings(engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue, scfg.drain_timeout)
+    logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
+    return 0
+
+
+def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    s = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). "
+        "Settings come from --config YAML (sections engine: and server:), overridden by these flags.",
+    )
+    g = s.add_argument_group("server")
+    g.add_argument("--host", metavar="ADDR", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, metavar="N", help="TCP port (default 8000)")
+    g.add_argument("--api-key", action="append", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: any listed key is accepted); /health and /metrics stay public")
+    g.add_argument("--served-model-name", metavar="NAME", help="model id clients must send and /v1/models lists (default: the model directory's name)")
+    g.add_argument("--draft", metavar="DIR", help="draft model directory for speculative decoding (accepted and checked; speculation is not active yet)")
+    g.add_argument("--max-running", type=int, metavar="N", help="sequences decoded together in one engine step (default 64)")
+    g.add_argument("--max-queue", type=int, metavar="N", help="sequences allowed to wait beyond --max-running; more get 503 with Retry-After (default 256)")
+    g.add_argument("--max-model-len", type=int, metavar="N", help="context length: prompt + max_tokens must fit (default: the model's max_position_embeddings)")
+    g.add_argument("--drain-timeout", type=float, metavar="S", help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted (default 30)")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
+    add_engine_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-offload", description="Run Mixture-of-Experts models whose experts do not fit in fast memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_parser(sub)
 
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for one prompt with offloaded experts.")
     g.add_argument("--prompt", required=True, help="the prompt text")

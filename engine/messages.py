@@ -1,0 +1,78 @@
+"""Typed messages between the front end and the engine process (plain data, picklable).
+
+In: GenerateRequest, AbortRequest, Shutdown.  Out: EngineReady, RequestOutput, StatsUpdate,
+EngineDead.  Nothing here holds tensors or locks, so every message crosses a spawn boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob plus top-k
+    prompt_logprobs: int | None = None  # same, for every prompt position (completions echo)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort everything, free the model and exit; the front end sends it, never a signal."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request since its previous output (token ids and the text they add)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, with the first output
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative, exact (a terminating EOS is not counted)
+    queue_seconds: float | None = None  # set on the first output: arrival -> first scheduled
+
+
+@dataclass(frozen=True)
+class StatsUpdate:
+    num_running: int
+    num_waiting: int
+    engine: dict[str, Any]  # EngineStats.snapshot()
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    model_dir: str
+    max_model_len: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    error: str
+
+
+EngineInput = Union[GenerateRequest, AbortRequest, Shutdown]
+EngineOutput = Union[EngineReady, RequestOutput, StatsUpdate, EngineDead]

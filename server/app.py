@@ -1,0 +1,97 @@
+"""FastAPI app factory: OpenAI routes, /health, /metrics, auth, and the engine's lifespan."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server import routes
+from server.engine_client import EngineState
+from server.errors import ApiError, install_error_handlers
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState, ServeSettings
+
+log = logging.getLogger("moe_offload.server")
+
+
+def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
+    """One app per server; all state hangs off the app (no module-level singletons)."""
+    st = ServerState(settings, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        st.client.start()  # spawns the engine; /health says 503 until it reports ready
+        try:
+            yield
+        finally:
+            st.client.abort_all()
+            await st.client.close()
+
+    app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = st
+    install_error_handlers(app)
+
+    async def require_api_key(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not any(secrets.compare_digest(key, k) for k in settings.api_keys):
+            raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await routes.chat_completions(st, body, raw)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await routes.completions(st, body, raw)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "moe-offload", "max_model_len": settings.engine.max_model_len,
+        }]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = "draining" if st.draining else st.client.state.value
+        body: dict[str, Any] = {"status": status}
+        if st.client.state is EngineState.DEAD:
+            body["error"] = st.client.error
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def drain(st: ServerState, timeout: float) -> None:
+    """SIGTERM: refuse new requests, let in-flight ones finish for up to `timeout`, abort the rest."""
+    st.draining = True
+    deadline = time.monotonic() + timeout
+    log.info("draining %d in-flight sequence(s) (up to %.0f s)", st.client.in_flight, timeout)
+    while st.client.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if st.client.in_flight:
+        log.warning("drain timeout: aborting %d sequence(s)", st.client.in_flight)
+        st.client.abort_all()
+        end = time.monotonic() + 5.0
+        while st.client.in_flight and time.monotonic() < end:  # let streams send their error + [DONE]
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # let the last responses flush before uvicorn closes connections

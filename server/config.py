@@ -1,0 +1,54 @@
+"""Server settings: a frozen dataclass, read from the `server:` section of configs/*.yaml."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    served_model_name: str | None = None  # default: the model directory's name
+    max_running: int = 64  # sequences decoded together in one engine step
+    max_queue: int = 256  # further sequences allowed to wait; beyond this: 503 + Retry-After
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    prefill_token_budget: int = 1024  # prompt tokens prefilled per engine step (decodes keep flowing)
+    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may take before being aborted
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_running < 1 or self.max_queue < 0:
+            raise ConfigError("max_running must be >= 1 and max_queue >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefill_token_budget < 1 or self.drain_timeout < 0:
+            raise ConfigError("prefill_token_budget must be >= 1 and drain_timeout >= 0")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+
+    def with_overrides(self, **overrides: Any) -> "ServerConfig":
+        """Flags on top of file settings; None means 'not given on the command line'."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ServerConfig":
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        section = data.get("server") or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown server setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**section)

@@ -1,0 +1,74 @@
+"""OpenAI wire objects built from engine outputs: logprobs, SSE framing, accumulated choices."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.messages import RequestOutput, TokenLogprob
+from server.errors import error_body
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(status: int, message: str, code: str | None) -> str:
+    """In-band failure after the 200 header went out; the stream still ends with [DONE]."""
+    return sse(error_body(status, message, None, code))
+
+
+def chat_logprobs(entries: list[TokenLogprob], text_of: Callable[[int], str]) -> dict[str, Any]:
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        s = text_of(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(ids: list[int], entries: list[TokenLogprob | None], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """Legacy format; `offset` is the character position of the first token in the choice text."""
+    tokens, offsets = [], []
+    for t in ids:
+        offsets.append(offset)
+        s = text_of(t)
+        tokens.append(s)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else {text_of(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Accumulated:
+    """One choice's full result, for non-streamed responses."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_output_tokens: int = 0
+
+    def add(self, o: RequestOutput) -> None:
+        self.text += o.text
+        self.token_ids += o.token_ids
+        self.logprobs += o.logprobs or []
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
+        self.num_output_tokens = o.num_output_tokens
+        if o.finish_reason is not None:
+            self.finish_reason, self.error = o.finish_reason, o.error
+
+
+def failure_of(reason: str | None, error: str | None) -> tuple[int, str, str] | None:
+    """(status, message, code) when a choice ended without a result, else None."""
+    if reason == "abort":
+        return 503, "The request was aborted (server shutting down).", "aborted"
+    if reason == "error":
+        return 500, f"The engine failed on this request: {error}", "engine_error"
+    return None

@@ -1,0 +1,57 @@
+"""Run the app under uvicorn with a graceful drain on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import drain
+from server.state import ServerState
+
+log = logging.getLogger("moe_offload.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn stops listening at once on a signal; we first keep answering (503 for new
+    requests) while in-flight requests finish, then exit with status 0.  A second signal
+    forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the
+        # process would die by the signal instead of exiting cleanly after the drain.
+        if self._drain_task is not None or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._drain_task is not None
+            return
+        log.info("signal %d: draining", sig)
+        self._drain_task = True  # type: ignore[assignment]  # mark at once; the task starts on the loop
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self.state, self.drain_timeout)
+        finally:
+            self.should_exit = True
+
+
+def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    DrainingServer(config, app.state.server, drain_timeout).run()

@@ -1,0 +1,71 @@
+"""Prometheus metrics (prefix moe_offload_, base units, _total counters, 0-1 ratios).
+
+Front-end metrics are ordinary prometheus-client objects in a per-app registry (no global
+singletons).  Engine metrics come from the latest EngineStats snapshot the engine process
+sent, exported by a custom Collector, so they are exactly the engine's own counters.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+P = "moe_offload_"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# (metric name without prefix, snapshot key, help) for scalar engine counters.
+_ENGINE_COUNTERS = (
+    ("expert_bytes_transferred", "bytes_moved", "Bytes of expert weights copied from the slow tier to the fast tier."),
+    ("expert_stall_seconds", "stall_seconds", "Seconds the forward waited on expert transfers."),
+    ("expert_evictions", "evictions", "Experts evicted from the fast tier."),
+    ("expert_substitutions", "substitutions", "Missing experts replaced by a resident substitute."),
+    ("expert_substituted_gate_mass", "substituted_mass", "Sum of router gate weight given to substituted experts."),
+    ("expert_cpu_fallback_calls", "cpu_fallback_calls", "Expert calls computed on the CPU instead of being fetched."),
+    ("spec_drafts", "spec_drafts", "Speculative-decoding draft windows proposed."),
+    ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding draft tokens proposed."),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding draft tokens accepted."),
+)
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        hits = CounterMetricFamily(P + "expert_cache_hits", "Expert lookups served from the fast tier, per MoE layer.", labels=["layer"])
+        misses = CounterMetricFamily(P + "expert_cache_misses", "Expert lookups not in the fast tier, per MoE layer.", labels=["layer"])
+        for row in s.get("per_layer", []):
+            hits.add_metric([str(row["layer"])], row["hits"])
+            misses.add_metric([str(row["layer"])], row["misses"])
+        yield hits
+        yield misses
+        yield GaugeMetricFamily(P + "expert_cache_hit_ratio", "Share of expert lookups that hit the fast tier (0-1).", value=s.get("hit_rate", 0.0))
+        transfers = CounterMetricFamily(P + "expert_transfers", "Expert transfers by kind (demand, prefetch, admission).", labels=["kind"])
+        for kind, n in sorted(s.get("transfers", {"demand": 0, "prefetch": 0, "admission": 0}).items()):
+            transfers.add_metric([kind], n)
+        yield transfers
+        for name, key, doc in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(P + name, doc, value=s.get(key, 0))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.engine = EngineStatsCollector()
+        r.register(self.engine)
+        self.running = Gauge(P + "requests_running", "Requests in the engine's running batch.", registry=r)
+        self.waiting = Gauge(P + "requests_waiting", "Requests queued in the engine, not yet scheduled.", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(P + "requests_finished", "Sequences finished, by finish_reason (stop, length, abort, error).", ["finish_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens of a request.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival in the engine to first scheduled.", buckets=_LATENCY_BUCKETS, registry=r)

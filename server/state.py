@@ -1,0 +1,148 @@
+"""Front-end state shared by the routes: tokenizer, engine client, metrics, admission checks."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from engine.engine_process import EngineArgs
+from engine.messages import GenerateRequest, RequestOutput
+from engine.sampling import SamplingParams
+from server.engine_client import EngineClient, EngineFailure, EngineState
+from server.errors import ApiError
+from server.metrics import ServerMetrics
+from server.protocol import ChatMessage, _SamplingFields
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    engine: EngineArgs
+    served_model_name: str
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 256  # requests allowed to wait beyond the running cap before 503
+    drain_timeout: float = 30.0  # SIGTERM: seconds to let in-flight requests finish
+
+
+class ServerState:
+    def __init__(self, settings: ServeSettings, tokenizer: Any) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = ServerMetrics()
+        self.client = EngineClient(settings.engine, self.metrics)
+        self.draining = False
+        cfg = json.loads((Path(settings.engine.model_dir) / "config.json").read_text())
+        self.vocab_size = int(cfg.get("text_config", cfg).get("vocab_size") or len(tokenizer))
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.settings.engine.max_model_len
+
+    # -- admission -------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.settings.served_model_name}`.", param="model", code="model_not_found")
+
+    def check_accepting(self, n_seqs: int) -> None:
+        retry = {"Retry-After": "1"}
+        if self.draining:
+            raise ApiError(503, "The server is shutting down.", code="shutting_down", headers=retry)
+        if self.client.state is EngineState.LOADING:
+            raise ApiError(503, "The model is still loading.", code="loading", headers=retry)
+        if self.client.state is EngineState.DEAD:
+            raise ApiError(503, f"The engine is not running: {self.client.error}", code="engine_dead", headers={"Retry-After": "30"})
+        cap = self.settings.engine.max_running + self.settings.max_queue
+        if self.client.in_flight + n_seqs > cap:
+            raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
+
+    # -- prompts ---------------------------------------------------------------------
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def text_prompts(self, prompt: Any) -> list[list[int]]:
+        """Completions prompt: str, [str], [int] or [[int]] -> token id lists."""
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        out = []
+        for p in prompts:
+            ids = list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
+            if not ids:
+                raise ApiError(400, "prompt must contain at least one token", param="prompt")
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ApiError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            out.append(ids)
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- engine requests ---------------------------------------------------------------
+    def make_requests(self, rid: str, prompts: list[list[int]], body: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> list[GenerateRequest]:
+        reqs = []
+        for pi, ids in enumerate(prompts):
+            limit = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
+            if len(ids) + max(limit, 1) > self.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested {len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} in the completion).", param="max_tokens", code="context_length_exceeded")
+            if body.min_tokens > limit:
+                raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit})", param="min_tokens")
+            for i in range(body.n):
+                try:
+                    params = SamplingParams(
+                        max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                        # n > 1 with a seed: distinct but reproducible choices.
+                        seed=None if body.seed is None else (body.seed + pi * body.n + i) % 2**63,  # any int is valid
+                        stop=body.stop_list(), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                    )
+                except ValueError as e:
+                    raise ApiError(400, str(e)) from None
+                reqs.append(GenerateRequest(f"{rid}-{pi * body.n + i}", ids, params, logprobs, prompt_logprobs, body.presence_penalty, body.frequency_penalty))
+        return reqs
+
+    def submit(self, reqs: list[GenerateRequest]) -> "Choices":
+        self.check_accepting(len(reqs))
+        return Choices(self.client, [r.request_id for r in reqs], self.client.submit(reqs))
+
+
+class Choices:
+    """The outputs of one HTTP request's sequences (choices), in arrival order."""
+
+    def __init__(self, client: EngineClient, rids: list[str], q: asyncio.Queue[RequestOutput | EngineFailure]) -> None:
+        self.client, self.rids, self.q = client, rids, q
+        self.index = {r: i for i, r in enumerate(rids)}
+        self.unfinished = set(rids)
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput] | None:
+        """The next output and its choice index; None on timeout; raises EngineFailure."""
+        try:
+            item = await asyncio.wait_for(self.q.get(), timeout) if timeout else await self.q.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, EngineFailure):
+            self.unfinished.clear()
+            raise item
+        if item.finish_reason is not None:
+            self.unfinished.discard(item.request_id)
+        return self.index[item.request_id], item
+
+    def abort_unfinished(self) -> None:
+        """Client gone or request failed: free the engine's KV caches and slots now."""
+        for rid in self.unfinished:
+            self.client.abort(rid)

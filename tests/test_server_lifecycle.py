@@ -1,0 +1,130 @@
+"""Server lifecycle: API keys, queue full, SIGTERM drain, engine death, the embedded model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_fixtures import REPO, serve
+
+MSGS = [{"role": "user", "content": "Hello"}]
+LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "stream": True, "ignore_eos": True, "temperature": 0}
+
+
+def _events(r: httpx.Response) -> list[str]:
+    return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.timeout(120)
+def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--api-key", "k1", "--api-key", "k2", "--max-running", "1", "--max-queue", "0"]
+    with serve(args, tmp_path / "log") as srv:
+        assert httpx.get(srv.base_url + "/health").status_code == 200  # public
+        assert httpx.get(srv.base_url + "/metrics").status_code == 200  # public
+        for key in (None, "wrong"):
+            h = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.get(srv.v1 + "/models", headers=h)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.v1, api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=srv.v1, api_key="k2", max_retries=0)
+        assert ok.models.list().data[0].id == "tiny"
+        auth = {"Authorization": "Bearer k1"}
+        with httpx.Client(timeout=60) as hc, hc.stream("POST", srv.v1 + "/completions", json=LONG, headers=auth) as long:
+            next(long.iter_lines())  # the only slot is now taken
+            full = hc.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
+            assert full.status_code == 503 and full.headers["retry-after"] and full.json()["error"]["code"] == "queue_full"
+        deadline = time.monotonic() + 10  # the hang-up frees the slot
+        while True:
+            try:
+                assert ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+                break
+            except openai.InternalServerError:
+                assert time.monotonic() < deadline, "slot not freed after disconnect"
+                time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_process_group_drains_in_flight(tiny_ckpt, tmp_path: Path) -> None:
+    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--drain-timeout", "30"], tmp_path / "log") as srv:
+        engine_pid = srv.engine_pid()
+        result: dict[str, object] = {}
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", srv.v1 + "/completions", json=LONG, timeout=60) as r:
+                events = []
+                for line in r.iter_lines():
+                    started.set()
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                result["events"] = events
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)  # the stream is running (300 tokens: seconds of work left)
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # front end AND engine get it
+        time.sleep(0.3)
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        refused = httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        t.join(60)
+        events = result["events"]
+        assert isinstance(events, list) and events[-1] == "[DONE]"
+        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert finals[-1] == "length" and finals.count("length") == 1
+        assert srv.proc.wait(30) == 0
+        assert engine_pid is not None and not Path(f"/proc/{engine_pid}").exists() or _zombie(engine_pid)
+
+
+def _zombie(pid: int | None) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_engine_death_fails_requests_cleanly(tiny_ckpt, tmp_path: Path) -> None:
+    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log") as srv:
+        with httpx.Client(timeout=30) as hc, hc.stream("POST", srv.v1 + "/completions", json=LONG) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(srv.engine_pid(), signal.SIGKILL)
+            events = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        deadline = time.monotonic() + 5
+        while httpx.get(srv.base_url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        r2 = httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r2.status_code == 503 and "error" in r2.json() and time.monotonic() - t0 < 2
+
+
+EMBEDDED = REPO / "models" / "embedded" / "target"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not (EMBEDDED / "config.json").exists(), reason="embedded model not trained yet (models/embedded/target/config.json missing)")
+def test_embedded_default_model(tmp_path: Path) -> None:
+    with serve([], tmp_path / "log", ready_timeout=240) as srv:
+        client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        full = client.chat.completions.create(model=name, messages=MSGS, max_tokens=16, temperature=0)
+        chunks = list(client.chat.completions.create(model=name, messages=MSGS, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+        lp = client.chat.completions.create(model=name, messages=MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+        assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
+        assert all(-1e4 < e.logprob <= 0 for e in lp.choices[0].logprobs.content)
+        kw = dict(model=name, messages=MSGS, max_tokens=8, temperature=0.8, n=2, seed=7)
+        a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+        assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
