@@ -16,8 +16,13 @@ class EngineConfig:
     cache_bytes: int | None = None  # alternative to cache_fraction: fast-tier budget in bytes
     offload: str = "ram"  # slow tier: "ram" (host memory) or "disk" (checkpoint files, uncached reads)
     link: str | None = None  # emulated link in front of the slow tier: a name or "MBPS[:LATENCY_US]"
-    policy: str = "fetch-all"  # miss policy, by name (policies.registry)
-    eviction: str = "lru"  # eviction policy, by name
+    policy: str = "fetch-all"  # miss policy or preset: fetch-all, threshold, first-choice, quality-first, speed-first
+    eviction: str | None = None  # lru | frequency; None = the policy's default (presets: frequency, else lru)
+    admission: str | None = None  # none | background; None = the policy's default (presets: background)
+    substitute: str = "best-resident"  # what stands in for a substituted miss: best-resident | drop
+    threshold: float = 0.15  # the threshold rule's gate cut-off (normalized gate weight)
+    admission_beta: float = 0.5  # background admission: accumulated substituted mass that admits an expert
+    frequency_decay: float = 0.999  # frequency eviction: score decay per cache access
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (fp32 on CPU, checkpoint dtype on GPU), "float32", "bfloat16", "float16"
     transfer_workers: int = 2  # background transfer threads
@@ -33,6 +38,16 @@ class EngineConfig:
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
+
+    def policies(self):
+        """The policy objects these settings name (fresh state each call)."""
+        from policies import make_policies
+
+        try:
+            return make_policies(self.policy, self.eviction, self.admission, self.substitute,
+                                 self.threshold, self.admission_beta, self.frequency_decay)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def with_overrides(self, **overrides: Any) -> "EngineConfig":
         """Apply flags on top of file settings; None means 'not given on the command line'."""

@@ -28,7 +28,6 @@ from engine.moe_executor import MoeExecutor
 from engine.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
 from engine.transfers import TransferEngine
-from policies import make_eviction, make_miss_policy
 
 
 @dataclass
@@ -134,10 +133,11 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
     total = len(layers) * E  # keys are layer*E+e over all layers; only MoE layers are used
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
-    store = ExpertStore(n_slots, shape.numel, dtype, device, make_eviction(cfg.eviction), stats)
+    policies = cfg.policies()
+    store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats)
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
     act_fn = native0.experts.act_fn
-    executor = MoeExecutor(store, transfers, make_miss_policy(cfg.policy), stats, shape, E, act_fn)
+    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn)
     for i in moe_layers:
         layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor)
     assert total >= n_slots

@@ -33,7 +33,7 @@ class OffloadedMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, H)  # [T, H]
         logits, weights, ids = self.gate(x)  # [T, E], [T, k], [T, k]
         self.last_router_logits = logits
-        out = self.executor.run(self.layer, x, ids, weights)
+        out = self.executor.run(self.layer, x, ids, weights, logits)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -21,7 +21,7 @@ from engine.expert_layout import ExpertShape
 from engine.expert_store import ExpertStore
 from engine.stats import EngineStats
 from engine.transfers import Transfer, TransferEngine
-from policies.base import MissPolicy
+from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
 
 
 class MoeExecutor:
@@ -30,32 +30,48 @@ class MoeExecutor:
         store: ExpertStore,
         transfers: TransferEngine,
         policy: MissPolicy,
+        admission: AdmissionPolicy,
         stats: EngineStats,
         shape: ExpertShape,
         num_experts: int,
         act_fn: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.store, self.transfers, self.policy, self.stats = store, transfers, policy, stats
+        self.admission = admission
         self.shape, self.num_experts, self.act_fn = shape, num_experts, act_fn
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; ids, weights: [T, k] from the native router. Returns [T, H]."""
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
-        plan = self.policy.plan(layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e))
+        plan = self.policy.plan(
+            layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e),
+            logits.tolist() if self.policy.needs_logits else None,
+        )
+        self._account(plan)
+        out = self._run_plan(layer, x, ids, weights, ids_list, plan)
+        if plan.substituted:
+            self._admit(layer, plan)  # after compute, so admissions never evict what this layer used
+        return out
+
+    def _run_plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan) -> torch.Tensor:
+        E = self.num_experts
         if plan.experts is not ids_list:
             ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
         if plan.weights is not None:
             weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
 
         T, k = ids.shape
-        if T == 1 and len(set(plan.experts[0])) == k:
+        alive = [e for e in plan.experts[0] if e != DROPPED]
+        if T == 1 and len(set(alive)) == len(alive):
             return self._run_single_row(layer, x, plan.experts[0], weights[0], set(plan.fetch))
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
         groups = dict(zip(uniq.tolist(), torch.split(order, counts.tolist())))
         contrib = torch.empty((T * k, x.shape[1]), dtype=x.dtype, device=x.device)  # [T*k, H]
+        if DROPPED in groups:
+            contrib[groups.pop(DROPPED)] = 0.0
         w_flat = weights.reshape(-1)
 
         def compute(e: int) -> None:
@@ -74,13 +90,13 @@ class MoeExecutor:
     def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor, fetch: set[int]) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. Same arithmetic and summation order as the general path."""
         E = self.num_experts
-        slot_of = {e: j for j, e in enumerate(experts)}
+        slot_of = {e: j for j, e in enumerate(experts) if e != DROPPED}
         results: dict[int, torch.Tensor] = {}
 
         def compute(e: int) -> None:
             results[e] = self._expert(layer * E + e, x) * weights[slot_of[e]]
 
-        self._run_experts(layer, experts, fetch, compute)
+        self._run_experts(layer, list(slot_of), fetch, compute)
         ordered = [results[e] for e in sorted(results)]
         out = ordered[0].clone()
         for y in ordered[1:]:
@@ -106,6 +122,21 @@ class MoeExecutor:
             for e2 in [e2 for e2, t in waiting.items() if t.done.is_set()]:
                 self.transfers.wait(waiting.pop(e2))
                 ready.append(e2)
+
+    def _account(self, plan: ExpertPlan) -> None:
+        """Per-call counters: hit, fetched, substituted, and the substituted gate mass."""
+        self.stats.add(calls_hit=plan.calls_hit, calls_fetched=plan.calls_fetched,
+                       substitutions=len(plan.substituted), substituted_mass=sum(m for _, m in plan.substituted))
+
+    def _admit(self, layer: int, plan: ExpertPlan) -> None:
+        """Background admission of experts that keep being substituted."""
+        admitted = 0
+        for e in self.admission.observe(layer, plan.substituted):
+            # Asynchronous: queued behind demand loads; compute never waits for it.
+            if self.transfers.submit(layer, e, "admission") is not None:
+                admitted += 1
+        if admitted:
+            self.stats.add(admissions=admitted)
 
     def _pin_resident(self, layer: int, needed: list[int], missing: set[int]) -> tuple[list[int], list[int]]:
         """Pin the needed experts that are resident; return (ready, to_load). Counts hits and misses."""

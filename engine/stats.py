@@ -24,7 +24,9 @@ class EngineStats:
     transfers_cancelled: int = 0
     evictions: int = 0
     # Filled by later features (substitution, CPU fallback, prefetch, speculation); exported from day one.
-    substitutions: int = 0
+    calls_hit: int = 0  # selected (token, slot) expert calls served from the fast tier
+    calls_fetched: int = 0  # ... served by waiting for a load
+    substitutions: int = 0  # ... served by a stand-in (or dropped)
     substituted_mass: float = 0.0
     admissions: int = 0
     cpu_fallback_calls: int = 0
@@ -95,6 +97,8 @@ class EngineStats:
                 "transfer_seconds": dict(self.transfer_seconds),
                 "transfers_cancelled": self.transfers_cancelled,
                 "evictions": self.evictions,
+                "calls_hit": self.calls_hit,
+                "calls_fetched": self.calls_fetched,
                 "substitutions": self.substitutions,
                 "substituted_mass": self.substituted_mass,
                 "admissions": self.admissions,

@@ -1,34 +1,62 @@
 """Interfaces between the engine (mechanism) and the policies (decisions).
 
-Contract: policies are called from the engine's scheduler thread, with plain Python
-numbers. They must not touch tensors, the transfer engine or the store; the engine
-carries out what they decide.
+Contract: policies are called from the engine's scheduler thread with plain Python
+numbers (expert ids, gate weights, router logits, a residency predicate). They never
+touch tensors, the transfer engine or the store; the engine carries out what they decide.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+DROPPED = -1  # expert id of a row slot that runs nothing (its gate mass was dropped)
 
 
 @dataclass(frozen=True)
 class ExpertPlan:
     """What the MoE layer runs for the T token rows of one step.
 
-    experts[t][j] / weights[t][j]: the expert and gate weight used for row t, slot j.
-    `weights is None` means "the router's own weights, unchanged" (the exact path).
-    fetch: experts that are not resident and must be loaded before they run.
+    experts[t][j] / weights[t][j]: the expert and gate weight used for row t, slot j
+    (DROPPED means the slot runs nothing). `weights is None` means the router's own
+    weights, unchanged (the exact path).
+    fetch: non-resident experts that must be loaded before they run.
+    substituted: one (missed expert, normalized gate mass) per substituted call.
+    calls_hit / calls_fetched: selected (row, slot) calls served from the fast tier / by a load.
     """
 
     experts: Sequence[Sequence[int]]
     weights: Sequence[Sequence[float]] | None
     fetch: Sequence[int]
+    substituted: Sequence[tuple[int, float]] = field(default_factory=tuple)
+    calls_hit: int = 0
+    calls_fetched: int = 0
+
+
+class SubstituteChoice(ABC):
+    """Decides what stands in for a missed expert that the miss policy chose not to wait for."""
+
+    name: str = "abstract"
+    needs_logits: bool = False
+
+    @abstractmethod
+    def choose(
+        self,
+        row_experts: Sequence[int],
+        slot: int,
+        logits: Sequence[float] | None,
+        is_resident: Callable[[int], bool],
+    ) -> int | None:
+        """The resident expert to run in `slot` instead (it takes the missed expert's weight),
+        DROPPED to drop the slot and renormalize the row, or None when nothing can stand in
+        (the engine then fetches the missed expert after all). Pure."""
 
 
 class MissPolicy(ABC):
     """Decides, for each selected expert that is not resident, whether to wait for it."""
 
     name: str = "abstract"
+    needs_logits: bool = False  # set when the plan needs the full router logits per row
 
     @abstractmethod
     def plan(
@@ -37,8 +65,25 @@ class MissPolicy(ABC):
         experts: Sequence[Sequence[int]],
         weights: Sequence[Sequence[float]],
         is_resident: Callable[[int], bool],
+        logits: Sequence[Sequence[float]] | None = None,
     ) -> ExpertPlan:
-        """Called once per MoE layer per step, before any expert runs. Pure: no side effects."""
+        """Called once per MoE layer per step, before any expert runs. Pure: no side effects.
+
+        experts/weights: [T][k], each row sorted by gate weight, highest (first choice) first.
+        """
+
+
+class AdmissionPolicy(ABC):
+    """Decides which substituted experts are worth bringing into the fast tier in the background."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def observe(self, layer: int, substituted: Sequence[tuple[int, float]]) -> list[int]:
+        """Record this step's substitutions; return experts of `layer` to admit now.
+
+        Stateful (it accumulates evidence) but touches nothing outside itself.
+        """
 
 
 class EvictionPolicy(ABC):

@@ -1,23 +1,79 @@
-"""Policies are chosen by name from config files and the command line."""
+"""Policies are chosen by name from config files and the command line.
+
+A *policy name* picks a miss rule and, for the presets, the eviction and admission that
+go with it; an explicit eviction or admission name overrides the preset's choice.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
-from policies.base import EvictionPolicy, MissPolicy
-from policies.fetch_all import FetchAll
+from policies.admission import BackgroundAdmission, NoAdmission
+from policies.base import AdmissionPolicy, EvictionPolicy, MissPolicy, SubstituteChoice
+from policies.fetch_all import FetchAll, FirstChoicePolicy, ThresholdPolicy
+from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
+from policies.substitute import BestResident, DropRenormalize
 
-MISS_POLICIES: dict[str, Callable[[], MissPolicy]] = {"fetch-all": FetchAll}
-EVICTIONS: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUEviction}
+MISS_RULES = ("fetch-all", "threshold", "first-choice")
+# preset -> (miss rule, default eviction, default admission)
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "quality-first": ("threshold", "frequency", "background"),
+    "speed-first": ("first-choice", "frequency", "background"),
+}
+POLICY_NAMES = MISS_RULES + tuple(PRESETS)
+EVICTIONS = ("lru", "frequency")
+ADMISSIONS = ("none", "background")
+SUBSTITUTES = ("best-resident", "drop")
 
 
-def make_miss_policy(name: str) -> MissPolicy:
-    if name not in MISS_POLICIES:
-        raise ValueError(f"unknown miss policy {name!r}; choose one of: {', '.join(sorted(MISS_POLICIES))}")
-    return MISS_POLICIES[name]()
+@dataclass(frozen=True)
+class PolicyBundle:
+    miss: MissPolicy
+    eviction: EvictionPolicy
+    admission: AdmissionPolicy
 
 
-def make_eviction(name: str) -> EvictionPolicy:
-    if name not in EVICTIONS:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of: {', '.join(sorted(EVICTIONS))}")
-    return EVICTIONS[name]()
+def _pick(kind: str, name: str, choices: tuple[str, ...]) -> str:
+    if name not in choices:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of: {', '.join(choices)}")
+    return name
+
+
+def make_substitute(name: str) -> SubstituteChoice:
+    return BestResident() if _pick("substitute choice", name, SUBSTITUTES) == "best-resident" else DropRenormalize()
+
+
+def make_miss_policy(name: str, substitute: str = "best-resident", threshold: float = 0.15) -> MissPolicy:
+    rule = PRESETS[name][0] if name in PRESETS else _pick("miss policy", name, POLICY_NAMES)
+    if rule == "fetch-all":
+        return FetchAll()
+    if rule == "threshold":
+        return ThresholdPolicy(make_substitute(substitute), threshold)
+    return FirstChoicePolicy(make_substitute(substitute))
+
+
+def make_eviction(name: str, decay: float = 0.999) -> EvictionPolicy:
+    return LRUEviction() if _pick("eviction policy", name, EVICTIONS) == "lru" else FrequencyEviction(decay)
+
+
+def make_admission(name: str, beta: float = 0.5) -> AdmissionPolicy:
+    return NoAdmission() if _pick("admission policy", name, ADMISSIONS) == "none" else BackgroundAdmission(beta)
+
+
+def make_policies(
+    policy: str,
+    eviction: str | None = None,
+    admission: str | None = None,
+    substitute: str = "best-resident",
+    threshold: float = 0.15,
+    beta: float = 0.5,
+    decay: float = 0.999,
+) -> PolicyBundle:
+    """Build the miss, eviction and admission policies; None means the preset's (or plain) default."""
+    _pick("miss policy", policy, POLICY_NAMES)
+    default_evict, default_admit = PRESETS[policy][1:] if policy in PRESETS else ("lru", "none")
+    return PolicyBundle(
+        miss=make_miss_policy(policy, substitute, threshold),
+        eviction=make_eviction(eviction or default_evict, decay),
+        admission=make_admission(admission or default_admit, beta),
+    )

@@ -13,9 +13,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def test_shipped_configs_load() -> None:
     for f in CONFIGS.glob("*.yaml"):
-        cfg = EngineConfig.from_yaml(f)
-        make_miss_policy(cfg.policy)
-        make_eviction(cfg.eviction)
+        EngineConfig.from_yaml(f).policies()
     assert EngineConfig.from_yaml(CONFIGS / "offload-disk-25.yaml").offload == "disk"
 
 
@@ -48,3 +46,5 @@ def test_unknown_policy_names() -> None:
         make_miss_policy("nope")
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_eviction("nope")
+    with pytest.raises(ConfigError, match="unknown miss policy 'fastest'"):
+        EngineConfig(policy="fastest").policies()

@@ -1,0 +1,33 @@
+"""What stands in for a missed expert that we chose not to wait for."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from policies.base import DROPPED, SubstituteChoice
+
+
+class BestResident(SubstituteChoice):
+    """The resident expert with the highest router logit that the row does not already use;
+    it takes over the missed expert's gate weight."""
+
+    name = "best-resident"
+    needs_logits = True
+
+    def choose(self, row_experts, slot, logits, is_resident) -> int | None:
+        assert logits is not None, "best-resident needs router logits"
+        taken = set(row_experts)
+        for e in sorted(range(len(logits)), key=logits.__getitem__, reverse=True):
+            if e not in taken and is_resident(e):
+                return e
+        return None
+
+
+class DropRenormalize(SubstituteChoice):
+    """Run nothing in the slot; the row's other gates are scaled up to keep its total mass."""
+
+    name = "drop"
+
+    def choose(self, row_experts, slot, logits, is_resident) -> int | None:
+        # Keep at least one expert per row: dropping every slot would zero the MoE output.
+        alive = [e for j, e in enumerate(row_experts) if j != slot and e != DROPPED]
+        return DROPPED if alive else None
