@@ -6,6 +6,8 @@ run through the MoeExecutor against the tiered expert store.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,13 +28,15 @@ class OffloadedMoeBlock(nn.Module):
         self.shared_expert = getattr(native, "shared_expert", None)
         self.shared_expert_gate = getattr(native, "shared_expert_gate", None)
         self.executor = executor  # plain attribute, not a submodule: it owns no parameters
-        self.last_router_logits: torch.Tensor | None = None  # [T, E], kept for traces and prefetchers
+        # Optional hook (x, logits, ids, weights) for traces and prefetchers; None costs nothing.
+        self.observer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, S, H = hidden_states.shape
         x = hidden_states.reshape(-1, H)  # [T, H]
         logits, weights, ids = self.gate(x)  # [T, E], [T, k], [T, k]
-        self.last_router_logits = logits
+        if self.observer is not None:
+            self.observer(x, logits, ids, weights)
         out = self.executor.run(self.layer, x, ids, weights, logits)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

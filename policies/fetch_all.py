@@ -83,14 +83,17 @@ class ThresholdPolicy(SubstitutingPolicy):
 
     name = "threshold"
 
-    def __init__(self, substitute: SubstituteChoice, threshold: float = 0.15) -> None:
+    def __init__(self, substitute: SubstituteChoice, threshold: float = 0.15, protect_first: bool = True) -> None:
         super().__init__(substitute)
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
+        self.protect_first = protect_first
+        if not protect_first:
+            self.name = "threshold-noprotect"
 
     def must_fetch(self, rank: int, normalized_weight: float) -> bool:
-        return rank == 0 or normalized_weight >= self.threshold
+        return (rank == 0 and self.protect_first) or normalized_weight >= self.threshold
 
 
 class FirstChoicePolicy(SubstitutingPolicy):

@@ -14,7 +14,7 @@ from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
 from policies.substitute import BestResident, DropRenormalize
 
-MISS_RULES = ("fetch-all", "threshold", "first-choice")
+MISS_RULES = ("fetch-all", "threshold", "first-choice", "threshold-noprotect")
 # preset -> (miss rule, default eviction, default admission)
 PRESETS: dict[str, tuple[str, str, str]] = {
     "quality-first": ("threshold", "frequency", "background"),
@@ -47,8 +47,8 @@ def make_miss_policy(name: str, substitute: str = "best-resident", threshold: fl
     rule = PRESETS[name][0] if name in PRESETS else _pick("miss policy", name, POLICY_NAMES)
     if rule == "fetch-all":
         return FetchAll()
-    if rule == "threshold":
-        return ThresholdPolicy(make_substitute(substitute), threshold)
+    if rule in ("threshold", "threshold-noprotect"):
+        return ThresholdPolicy(make_substitute(substitute), threshold, protect_first=rule == "threshold")
     return FirstChoicePolicy(make_substitute(substitute))
 
 

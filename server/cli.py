@@ -18,8 +18,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-bytes", type=int, metavar="N", help="fast-tier budget in bytes (overrides --cache-fraction)")
     g.add_argument("--offload", choices=["ram", "disk"], help="slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O. Default ram")
     g.add_argument("--link", metavar="NAME|MBPS[:US]", help="emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500")
-    g.add_argument("--policy", metavar="NAME", help="miss policy (default fetch-all: wait for every missing expert; exact)")
-    g.add_argument("--eviction", metavar="NAME", help="eviction policy (default lru)")
+    g.add_argument("--policy", metavar="NAME", help="miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)")
+    g.add_argument("--eviction", metavar="NAME", help="eviction policy: lru or frequency (decayed LFU). Default: frequency for the presets, else lru")
+    g.add_argument("--admission", metavar="NAME", help="admission policy: none, or background (load an expert asynchronously once its substituted gate mass adds up to --admission-beta). Default: background for the presets, else none")
+    g.add_argument("--substitute", metavar="NAME", help="what stands in for a substituted miss: best-resident (default; highest-logit resident expert takes its gate weight) or drop (renormalize the remaining gates)")
+    g.add_argument("--threshold", type=float, metavar="G", help="gate cut-off of the threshold rule (default 0.15)")
+    g.add_argument("--admission-beta", type=float, metavar="B", help="substituted mass that triggers background admission (default 0.5)")
     g.add_argument("--device", metavar="DEV", help="compute device: auto (default), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)")
     g.add_argument("--transfer-workers", type=int, metavar="N", help="background transfer threads (default 2)")
@@ -37,6 +41,10 @@ def engine_config_from_args(args: argparse.Namespace):
         link=args.link,
         policy=args.policy,
         eviction=args.eviction,
+        admission=args.admission,
+        substitute=args.substitute,
+        threshold=args.threshold,
+        admission_beta=args.admission_beta,
         device=args.device,
         dtype=args.dtype,
         transfer_workers=args.transfer_workers,
@@ -176,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens and statistics (hits, misses, bytes moved, stall seconds, tokens/s, per layer)")
     add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    from server.cli_eval import add_eval_parsers
+
+    add_eval_parsers(sub)
     return parser
 
 

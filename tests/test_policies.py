@@ -130,3 +130,9 @@ def test_presets() -> None:
     assert isinstance(plain.eviction, LRUEviction) and plain.admission.name == "none"
     with pytest.raises(ValueError, match="unknown miss policy"):
         make_policies("fastest")
+
+
+def test_unprotected_threshold_substitutes_light_first_choices() -> None:
+    pol = make_policies("threshold-noprotect").miss
+    plan = pol.plan(0, [[6, 1]], [[0.1, 0.9]], resident(0, 1), LOGITS)
+    assert plan.fetch == [] and plan.experts == [[0, 1]]

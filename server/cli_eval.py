@@ -1,0 +1,125 @@
+"""`moe-offload eval` (teacher-forced perplexity per policy) and `moe-offload trace` (router traces)."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from engine.errors import MoeOffloadError
+
+
+def _read_tokens(om, data: str, max_tokens: int) -> list[int]:
+    path = Path(data)
+    if not path.is_file():
+        raise MoeOffloadError(f"{path}: data file not found; pass --data with a UTF-8 text file")
+    if om.tokenizer is None:
+        raise MoeOffloadError(f"{om.model_dir}: no tokenizer files; eval and trace need one")
+    ids = om.tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+    if len(ids) < 2:
+        raise MoeOffloadError(f"{path}: too little text (need at least 2 tokens)")
+    return ids[:max_tokens] if max_tokens else ids
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.evaluation import teacher_forced_eval
+    from engine.loader import load_model
+    from engine.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
+    from server.cli import engine_config_from_args, resolve_model_dir
+
+    base = engine_config_from_args(args)
+    model_dir = resolve_model_dir(args.model)
+    runs = dict(POLICY_SWEEP) if args.all_policies else {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
+    results = {}
+    ids: list[int] | None = None
+    for label, overrides in runs.items():
+        om = load_model(model_dir, replace(base, **overrides))
+        try:
+            ids = ids or _read_tokens(om, args.data, args.max_tokens)
+            results[label] = teacher_forced_eval(om, ids, args.window, label)
+        finally:
+            om.close()
+    ref = results["fetch-all"].ppl
+    rows = []
+    print(f"{'policy':28s} {'PPL':>9s} {'ΔPPL %':>8s} {'subst. calls':>12s} {'subst. mass':>11s} {'fetches/tok':>11s} {'admissions':>10s}")
+    for label, r in results.items():
+        d = 100.0 * (r.ppl / ref - 1.0)
+        rows.append({"label": label, "delta_ppl_pct": d, **r.to_dict()})
+        print(f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}")
+    out = {"model": model_dir, "data": args.data, "tokens": len(ids or []), "window": args.window,
+           "cache_fraction": base.cache_fraction, "results": rows}
+    if args.all_policies:
+        prot = [r for r in rows if r["label"] not in UNPROTECTED]
+        out["mass_hypothesis_pearson_r"] = pearson([r["mean_substituted_mass"] for r in prot], [r["delta_ppl_pct"] for r in prot])
+        print(f"mass hypothesis: Pearson r(substituted mass, ΔPPL) over first-choice-protecting policies = {out['mass_hypothesis_pearson_r']:.3f}")
+    if args.out_json:
+        Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out_json).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        _plot(rows, Path(args.plot), base.cache_fraction)
+    return 0
+
+
+def _plot(rows: list[dict], path: Path, fraction: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.policy_sweep import UNPROTECTED
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in rows:
+        unprot = r["label"] in UNPROTECTED
+        ax.scatter(r["mean_substituted_mass"], r["delta_ppl_pct"], marker="x" if unprot else "o", color="tab:red" if unprot else "tab:blue")
+        ax.annotate(r["label"], (r["mean_substituted_mass"], r["delta_ppl_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("mean substituted gate mass per token-layer")
+    ax.set_ylabel("ΔPPL vs fetch-all (%)")
+    ax.set_title(f"Quality cost of substitution (cache {fraction:.0%}); x = first choice not protected", fontsize=9)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.loader import load_model
+    from engine.trace import record_trace, save_trace
+    from server.cli import resolve_model_dir
+
+    om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto"))
+    try:
+        ids = _read_tokens(om, args.data, args.max_tokens)
+        path = save_trace(record_trace(om, ids, args.window, logits=args.logits, hidden=args.hidden), args.out)
+    finally:
+        om.close()
+    print(f"wrote {path}: {len(ids)} tokens x {len(om.moe_layers)} MoE layers")
+    return 0
+
+
+def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from server.cli import add_engine_flags
+
+    e = sub.add_parser("eval", help="teacher-forced perplexity per miss policy",
+                       description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
+    e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")
+    e.add_argument("--all-policies", action="store_true", help="run every policy and preset (see engine/policy_sweep.py), print one table, and check the mass hypothesis")
+    e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score only the first N tokens (default 2048; 0 = all)")
+    e.add_argument("--window", type=int, default=256, metavar="W", help="context window: the KV cache restarts every W tokens (default 256)")
+    e.add_argument("--out-json", metavar="PATH", help="write all numbers as JSON here")
+    e.add_argument("--plot", metavar="PNG", help="write a scatter plot of ΔPPL against substituted mass here")
+    add_engine_flags(e)
+    e.set_defaults(func=cmd_eval)
+
+    t = sub.add_parser("trace", help="record router traces (top-k ids and weights per token and layer)",
+                       description="Record, for every token and MoE layer, the router's top-k expert ids and gate weights (optionally full logits and the router input hidden state) into a compressed .npz file; the format is documented in engine/trace.py.")
+    t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to run through the model")
+    t.add_argument("--out", required=True, metavar="PATH", help="output .npz path")
+    t.add_argument("--model", metavar="DIR", help="model directory (default: the embedded model)")
+    t.add_argument("--logits", action="store_true", help="also store full router logits [N, L, E] (float16)")
+    t.add_argument("--hidden", action="store_true", help="also store router input hidden states [N, L, H] (float16)")
+    t.add_argument("--max-tokens", type=int, default=0, metavar="N", help="trace only the first N tokens (default 0 = all)")
+    t.add_argument("--window", type=int, default=256, metavar="W", help="tokens per forward pass (default 256)")
+    t.add_argument("--device", metavar="DEV", help="compute device (default auto)")
+    t.set_defaults(func=cmd_trace)
