@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -65,6 +66,19 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
+def score_window(om: OffloadedModel, chunk: list[int], on_token: Callable[[], object] = lambda: None) -> float:
+    """Summed NLL of chunk[1:], feeding one token per step through a fresh KV cache."""
+    cache = DynamicCache(config=om.config)
+    total = 0.0
+    for pos in range(len(chunk) - 1):
+        inp = torch.tensor([[chunk[pos]]], device=om.device)
+        logits = om.model(input_ids=inp, cache=cache, use_cache=True).logits[0, -1].float()
+        total -= F.log_softmax(logits, dim=-1)[chunk[pos + 1]].item()
+        on_token()
+    return total
+
+
+@torch.inference_mode()
 def teacher_forced_eval(om: OffloadedModel, ids: list[int], window: int = 256, label: str = "", progress: bool = True) -> EvalResult:
     om.stats.reset()
     nll_sum, n = 0.0, 0
@@ -72,13 +86,8 @@ def teacher_forced_eval(om: OffloadedModel, ids: list[int], window: int = 256, l
     chunks = windows(ids, window)
     bar = tqdm(total=sum(len(c) - 1 for c in chunks), desc=f"eval {label}".strip(), unit="tok", disable=not progress, leave=False)
     for chunk in chunks:
-        cache = DynamicCache(config=om.config)
-        for pos in range(len(chunk) - 1):
-            inp = torch.tensor([[chunk[pos]]], device=om.device)
-            logits = om.model(input_ids=inp, cache=cache, use_cache=True).logits[0, -1].float()
-            nll_sum -= F.log_softmax(logits, dim=-1)[chunk[pos + 1]].item()
-            n += 1
-            bar.update()
+        nll_sum += score_window(om, chunk, bar.update)
+        n += len(chunk) - 1
     bar.close()
     s = om.stats.snapshot()
     return EvalResult(

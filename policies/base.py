@@ -44,10 +44,11 @@ class SubstituteChoice(ABC):
         self,
         row_experts: Sequence[int],
         slot: int,
-        logits: Sequence[float] | None,
+        ranking: Sequence[int] | None,
         is_resident: Callable[[int], bool],
     ) -> int | None:
-        """The resident expert to run in `slot` instead (it takes the missed expert's weight),
+        """ranking: all experts of the layer by router logit for this row, best first (given
+        when `needs_logits`). Returns the resident expert to run in `slot` instead (it takes the missed expert's weight),
         DROPPED to drop the slot and renormalize the row, or None when nothing can stand in
         (the engine then fetches the missed expert after all). Pure."""
 

@@ -51,13 +51,17 @@ class SubstitutingPolicy(MissPolicy):
             total = sum(wrow) or 1.0
             new_row, new_w = list(row), list(wrow)
             dropped = 0.0
+            ranking: list[int] | None = None  # computed once per row, only if a miss is substituted
             for j, (e, w) in enumerate(zip(row, wrow)):
                 if is_resident(e):
                     hit += 1
                     continue
-                stand_in = None if self.must_fetch(j, w / total) else self.substitute.choose(
-                    new_row, j, logits[t] if logits is not None else None, is_resident
-                )
+                stand_in = None
+                if not self.must_fetch(j, w / total):
+                    if ranking is None and logits is not None:
+                        lrow = logits[t]
+                        ranking = sorted(range(len(lrow)), key=lrow.__getitem__, reverse=True)
+                    stand_in = self.substitute.choose(new_row, j, ranking, is_resident)
                 if stand_in is None:
                     fetch.add(e)
                     fetched += 1

@@ -13,10 +13,10 @@ class BestResident(SubstituteChoice):
     name = "best-resident"
     needs_logits = True
 
-    def choose(self, row_experts, slot, logits, is_resident) -> int | None:
-        assert logits is not None, "best-resident needs router logits"
+    def choose(self, row_experts, slot, ranking, is_resident) -> int | None:
+        assert ranking is not None, "best-resident needs the router's ranking"
         taken = set(row_experts)
-        for e in sorted(range(len(logits)), key=logits.__getitem__, reverse=True):
+        for e in ranking:
             if e not in taken and is_resident(e):
                 return e
         return None
@@ -27,7 +27,7 @@ class DropRenormalize(SubstituteChoice):
 
     name = "drop"
 
-    def choose(self, row_experts, slot, logits, is_resident) -> int | None:
+    def choose(self, row_experts, slot, ranking, is_resident) -> int | None:
         # Keep at least one expert per row: dropping every slot would zero the MoE output.
         alive = [e for j, e in enumerate(row_experts) if j != slot and e != DROPPED]
         return DROPPED if alive else None

@@ -61,8 +61,9 @@ def test_first_choice_substitutes_everything_else() -> None:
 
 def test_best_resident_skips_experts_already_in_the_row() -> None:
     choice = BestResident()
-    assert choice.choose([0, 6], 1, LOGITS[0], resident(0, 3)) == 3
-    assert choice.choose([0, 6], 1, LOGITS[0], resident(0)) is None  # nothing can stand in
+    ranking = list(range(E))  # expert 0 best, then 1, 2, ...
+    assert choice.choose([0, 6], 1, ranking, resident(0, 3)) == 3
+    assert choice.choose([0, 6], 1, ranking, resident(0)) is None  # nothing can stand in
 
 
 def test_drop_renormalizes_the_row() -> None:

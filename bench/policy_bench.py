@@ -1,0 +1,144 @@
+"""Decode speed per miss policy against fetch-all, measured side by side in one run.
+
+For each slow-tier setting (disk, and disk behind an emulated link) one engine per policy
+is loaded, plus the all-resident engine (cache 1.0, RAM) as the ceiling. Two workloads,
+both one token per forward step, round-robin across engines so machine noise spreads:
+  teacher-forced: windows of held-out text fed token by token (realistic routing);
+  generate:       greedy generation from prompts taken from the same text.
+Statistics are decode-only (the prefill of `generate` is excluded).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.evaluation import score_window, windows
+from engine.generation import stream_generate
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+
+POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
+COUNTERS = ("calls_hit", "calls_fetched", "substitutions", "bytes_moved", "stall_seconds", "admissions")
+
+
+def _counters(om) -> dict[str, float]:
+    s = om.stats.snapshot()
+    return {k: s[k] for k in COUNTERS}
+
+
+class Tally:
+    """Decode-only time and counter deltas for one engine and one workload."""
+
+    def __init__(self) -> None:
+        self.steps, self.seconds = 0, 0.0
+        self.c = {k: 0.0 for k in COUNTERS}
+
+    def add(self, steps: int, seconds: float, before: dict, after: dict) -> None:
+        self.steps += steps
+        self.seconds += seconds
+        for k in COUNTERS:
+            self.c[k] += after[k] - before[k]
+
+    def row(self) -> dict[str, float]:
+        calls = self.c["calls_hit"] + self.c["calls_fetched"] + self.c["substitutions"]
+        return {
+            "tok_s": self.steps / self.seconds,
+            "stall_share": self.c["stall_seconds"] / self.seconds,
+            "hit_share": self.c["calls_hit"] / calls if calls else 1.0,
+            "fetched_per_step": self.c["calls_fetched"] / self.steps,
+            "substituted_per_step": self.c["substitutions"] / self.steps,
+            "MB_per_step": self.c["bytes_moved"] / self.steps / 1e6,
+            "admissions": self.c["admissions"],
+        }
+
+
+def run_teacher_forced(om, chunk: list[int], tally: Tally) -> None:
+    before, t0 = _counters(om), time.perf_counter()
+    score_window(om, chunk)
+    tally.add(len(chunk) - 1, time.perf_counter() - t0, before, _counters(om))
+
+
+def run_generate(om, prompt: list[int], tokens: int, tally: Tally) -> None:
+    before, t0 = None, 0.0
+    for res in stream_generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)):
+        if before is None:  # first token comes from the prefill: start the decode clock here
+            before, t0 = _counters(om), time.perf_counter()
+    tally.add(tokens, time.perf_counter() - t0, before, _counters(om))
+
+
+def table(rows: list[dict], workload: str) -> list[str]:
+    out = [f"**{workload}**", "",
+           "| slow tier | policy | decode tok/s | × fetch-all (same tier) | × all-resident | stall share | hit share of calls | fetched calls/step | substituted calls/step | MB moved/step | admissions |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['setting']} | {r['policy']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['vs_ceiling']:.2f}× | {r['stall_share']:.0%} | "
+                   f"{r['hit_share']:.0%} | {r['fetched_per_step']:.2f} | {r['substituted_per_step']:.2f} | {r['MB_per_step']:.3f} | {int(r['admissions'])} |")
+    return out + [""]
+
+
+def main() -> None:
+    from server.cli import resolve_model_dir
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the embedded model)")
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="held-out text (default: the embedded test split)")
+    ap.add_argument("--cache-fraction", type=float, default=0.25, help="fast-tier share of experts (default 0.25)")
+    ap.add_argument("--link", default="sdcard", help="emulated slow link for the second setting (default sdcard: 80 MB/s, 1 ms)")
+    ap.add_argument("--windows", type=int, default=4, help="teacher-forced windows (default 4)")
+    ap.add_argument("--window", type=int, default=128, help="tokens per teacher-forced window (default 128)")
+    ap.add_argument("--prompts", type=int, default=3, help="generation prompts (default 3)")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy decode tokens per prompt (default 48)")
+    ap.add_argument("--out", type=Path, help="write markdown tables here")
+    ap.add_argument("--out-json", type=Path, help="write raw numbers here")
+    args = ap.parse_args()
+
+    model_dir = resolve_model_dir(args.model)
+    settings = {"disk": dict(offload="disk"), f"disk + {args.link}": dict(offload="disk", link=args.link)}
+    engines = {("all-resident (ram)", "fetch-all"): load_model(model_dir, EngineConfig(cache_fraction=1.0))}
+    for sname, kw in settings.items():
+        for p in POLICIES:
+            engines[(sname, p)] = load_model(model_dir, EngineConfig(cache_fraction=args.cache_fraction, policy=p, **kw))
+    tok = next(iter(engines.values())).tokenizer
+    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
+    stride = len(ids) // (args.windows + args.prompts)
+    spaced = [ids[i * stride : i * stride + args.window] for i in range(args.windows + args.prompts)]
+    chunks, prompts = spaced[: args.windows], [c[:64] for c in spaced[args.windows :]]
+    tallies = {w: {k: Tally() for k in engines} for w in ("teacher-forced", "generate")}
+    for chunk in tqdm(chunks, desc="teacher-forced windows"):
+        for key, om in engines.items():
+            run_teacher_forced(om, chunk, tallies["teacher-forced"][key])
+    for prompt in tqdm(prompts, desc="generation prompts"):
+        for key, om in engines.items():
+            run_generate(om, prompt, args.tokens, tallies["generate"][key])
+    for om in engines.values():
+        om.close()
+
+    header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {model_dir}. "
+              f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
+              f"generate: {len(prompts)} prompts of 64 tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
+    md, raw = [header, ""], {}
+    for workload, t in tallies.items():
+        rows = [{"setting": s, "policy": p, **t[(s, p)].row()} for (s, p) in engines]
+        ceiling = rows[0]["tok_s"]
+        for r in rows:
+            base = next(x for x in rows if x["setting"] == r["setting"] and x["policy"] == "fetch-all")
+            r["vs_fetch_all"], r["vs_ceiling"] = r["tok_s"] / base["tok_s"], r["tok_s"] / ceiling
+        md += table(rows, workload)
+        raw[workload] = rows
+    print("\n".join(md))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(md))
+    if args.out_json:
+        args.out_json.write_text(json.dumps({"header": header, **raw}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
