@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.evaluation import score_window, windows
+from engine.evaluation import score_window
 from engine.generation import stream_generate
 from engine.loader import load_model
 from engine.sampling import SamplingParams

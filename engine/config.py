@@ -1,17 +1,16 @@
 """Engine settings: a frozen dataclass, loadable from configs/*.yaml and overridable by flags."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import Any
-
-import yaml
+from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.settings_file import YamlSection
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(YamlSection):
+    SECTION = "engine"
+
     cache_fraction: float = 1.0  # share of all routed experts that fit in the fast tier
     cache_bytes: int | None = None  # alternative to cache_fraction: fast-tier budget in bytes
     offload: str = "ram"  # slow tier: "ram" (host memory) or "disk" (checkpoint files, uncached reads)
@@ -48,24 +47,3 @@ class EngineConfig:
                                  self.threshold, self.admission_beta, self.frequency_decay)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-    def with_overrides(self, **overrides: Any) -> "EngineConfig":
-        """Apply flags on top of file settings; None means 'not given on the command line'."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "EngineConfig":
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-        section = data.get("engine", data) if isinstance(data, dict) else None
-        if not isinstance(section, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings (optionally under 'engine:')")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(f"{path}: unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**section)

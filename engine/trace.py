@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.evaluation import windows
 from engine.loader import OffloadedModel
 from engine.moe_block import OffloadedMoeBlock
 

@@ -1,17 +1,16 @@
 """Server settings: a frozen dataclass, read from the `server:` section of configs/*.yaml."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import Any
-
-import yaml
+from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.settings_file import YamlSection
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(YamlSection):
+    SECTION = "server"
+
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -33,22 +32,3 @@ class ServerConfig:
         if self.prefill_token_budget < 1 or self.drain_timeout < 0:
             raise ConfigError("prefill_token_budget must be >= 1 and drain_timeout >= 0")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
-
-    def with_overrides(self, **overrides: Any) -> "ServerConfig":
-        """Flags on top of file settings; None means 'not given on the command line'."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "ServerConfig":
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-        section = data.get("server") or {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(f"{path}: unknown server setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**section)

@@ -135,7 +135,7 @@ def test_cancel_queued_prefetch_frees_its_slot() -> None:
 def test_demand_jumps_ahead_of_prefetches() -> None:
     store, tier, te, _ = make(n_slots=6, workers=1)
     tier.gate.clear()
-    first = te.submit(0, 0, "prefetch")
+    te.submit(0, 0, "prefetch")
     time.sleep(0.05)  # the worker is now holding `first`
     for e in (1, 2, 3):
         te.submit(0, e, "prefetch")
