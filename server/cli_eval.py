@@ -9,7 +9,9 @@ from pathlib import Path
 from engine.errors import MoeOffloadError
 
 
-def _read_tokens(om, data: str, max_tokens: int) -> list[int]:
+def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
+    """Token ids of the data file. With max_tokens, take whole windows spread evenly over the
+    file (not just its beginning), so every part of a multi-domain test split is represented."""
     path = Path(data)
     if not path.is_file():
         raise MoeOffloadError(f"{path}: data file not found; pass --data with a UTF-8 text file")
@@ -18,7 +20,13 @@ def _read_tokens(om, data: str, max_tokens: int) -> list[int]:
     ids = om.tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
     if len(ids) < 2:
         raise MoeOffloadError(f"{path}: too little text (need at least 2 tokens)")
-    return ids[:max_tokens] if max_tokens else ids
+    if not max_tokens or max_tokens >= len(ids):
+        return ids
+    if window <= 0:
+        return ids[:max_tokens]
+    n = max(1, max_tokens // window)
+    stride = (len(ids) - window) // max(n - 1, 1) if n > 1 else 0
+    return [t for i in range(n) for t in ids[i * stride : i * stride + window]]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -35,7 +43,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for label, overrides in runs.items():
         om = load_model(model_dir, replace(base, **overrides))
         try:
-            ids = ids or _read_tokens(om, args.data, args.max_tokens)
+            ids = ids or _read_tokens(om, args.data, args.max_tokens, args.window)
             results[label] = teacher_forced_eval(om, ids, args.window, label)
         finally:
             om.close()
@@ -105,7 +113,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
     e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")
     e.add_argument("--all-policies", action="store_true", help="run every policy and preset (see engine/policy_sweep.py), print one table, and check the mass hypothesis")
-    e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score only the first N tokens (default 2048; 0 = all)")
+    e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score about N tokens: whole windows spread evenly over the file (default 2048; 0 = all)")
     e.add_argument("--window", type=int, default=256, metavar="W", help="context window: the KV cache restarts every W tokens (default 256)")
     e.add_argument("--out-json", metavar="PATH", help="write all numbers as JSON here")
     e.add_argument("--plot", metavar="PNG", help="write a scatter plot of ΔPPL against substituted mass here")
