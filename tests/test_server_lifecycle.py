@@ -128,3 +128,19 @@ def test_embedded_default_model(tmp_path: Path) -> None:
         kw = dict(model=name, messages=MSGS, max_tokens=8, temperature=0.8, n=2, seed=7)
         a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
         assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+@pytest.mark.timeout(120)
+def test_policy_counters_reach_prometheus(tiny_ckpt, tmp_path: Path) -> None:
+    """A substituting preset on a small cache: its decisions show up in /metrics."""
+    model = tiny_ckpt("qwen3_moe")
+    with serve(["--model", str(model), "--policy", "speed-first", "--cache-fraction", "0.25"], tmp_path / "log") as srv:
+        for prompt in ("To be, or not to be", "def main():", "Mixture-of-Experts models"):
+            r = httpx.post(srv.v1 + "/completions", json={"model": model.name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+        m = srv.metrics()
+    value = lambda name: m.get(("moe_offload_" + name, ()), 0.0)  # noqa: E731
+    assert value("expert_substitutions_total") > 0
+    assert 0 < value("expert_substituted_gate_mass_total") < value("expert_substitutions_total")
+    assert value("expert_calls_fetched_total") > 0 and value("expert_calls_hit_total") > 0
+    assert ("moe_offload_expert_admissions_total", ()) in m
