@@ -106,6 +106,31 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.link import parse_link
+    from engine.policy_sweep import POLICY_SWEEP
+    from engine.simulator import HardwareProfile, load_trace, simulate
+
+    trace = load_trace(args.trace)
+    hw = HardwareProfile(parse_link(args.link), int(args.expert_bytes or trace["meta"]["expert_nbytes"]),
+                         args.layer_compute_us * 1e-6, args.expert_compute_us * 1e-6)
+    runs = dict(POLICY_SWEEP) if args.all_policies else {args.policy: {"policy": args.policy}}
+    rows = []
+    print(f"SIMULATED: link {hw.link.name}, {hw.expert_nbytes} B/expert, cache {args.cache_fraction}, {trace['ids'].shape[0]} tokens")
+    print(f"{'policy':28s} {'tok/s':>8s} {'stall':>6s} {'hit share':>9s} {'fetch/tok':>9s} {'subst/tok':>9s} {'mass':>7s}")
+    for label, overrides in runs.items():
+        if args.substitute:
+            overrides = {**overrides, "substitute": args.substitute}
+        res = simulate(trace, EngineConfig(**overrides).policies(), args.cache_fraction, hw).to_dict()
+        rows.append({"label": label, **res})
+        print(f"{label:28s} {res['tokens_per_s']:8.1f} {res['stall_share']:6.0%} {res['hit_share']:9.0%} {res['fetched_per_token']:9.2f} "
+              f"{res['substituted_per_token']:9.2f} {res['mean_substituted_mass']:7.4f}")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps({"simulated": True, "link": hw.link.name, "rows": rows}, indent=2))
+    return 0
+
+
 def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     from server.cli import add_engine_flags
 
@@ -131,3 +156,17 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     t.add_argument("--window", type=int, default=256, metavar="W", help="tokens per forward pass (default 256)")
     t.add_argument("--device", metavar="DEV", help="compute device (default auto)")
     t.set_defaults(func=cmd_trace)
+
+    m = sub.add_parser("simulate", help="replay a router trace under a policy and a hardware profile (simulated figures)",
+                       description="Replay a trace from `moe-offload trace` through the same policy objects the engine uses, against a model of the fast tier and of a serial link, and estimate tokens/s, stall share and cache behaviour. All figures are simulated; the exact routing is replayed even for substituting policies.")
+    m.add_argument("--trace", required=True, metavar="NPZ", help="trace file written by `moe-offload trace` (use --logits there for best-resident substitution)")
+    m.add_argument("--policy", default="fetch-all", metavar="NAME", help="policy or preset to replay (default fetch-all)")
+    m.add_argument("--all-policies", action="store_true", help="replay every policy of the eval sweep")
+    m.add_argument("--substitute", metavar="NAME", help="override the stand-in choice (best-resident or drop)")
+    m.add_argument("--cache-fraction", type=float, default=0.25, metavar="F", help="fast-tier share of all routed experts (default 0.25)")
+    m.add_argument("--link", default="nvme", metavar="NAME|MBPS[:US]", help="the link that loads experts (default nvme)")
+    m.add_argument("--expert-bytes", type=int, metavar="N", help="bytes per expert on the link (default: from the trace)")
+    m.add_argument("--layer-compute-us", type=float, default=700.0, metavar="US", help="dense compute per layer and token, µs (default 700, the embedded model on 2 CPU cores)")
+    m.add_argument("--expert-compute-us", type=float, default=150.0, metavar="US", help="compute per routed expert and token, µs (default 150)")
+    m.add_argument("--out-json", metavar="PATH", help="write the numbers as JSON")
+    m.set_defaults(func=cmd_simulate)

@@ -106,3 +106,19 @@ def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
     missing = subprocess.run([sys.executable, "-m", "server.cli", "eval", "--model", str(ckpt), "--data", str(tmp_path / "none.txt")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "data file not found" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.timeout(300)
+def test_trace_then_simulate_cli(ckpt, tmp_path) -> None:
+    data = tmp_path / "d.txt"
+    data.write_text(TEXT)
+    trace = tmp_path / "t.npz"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "server.cli", *a], capture_output=True, text=True, timeout=250)  # noqa: E731
+    p = run("trace", "--model", str(ckpt), "--data", str(data), "--out", str(trace), "--logits")
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run("simulate", "--trace", str(trace), "--all-policies", "--link", "sdcard", "--out-json", str(tmp_path / "s.json"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("SIMULATED")
+    rows = {r["label"]: r for r in json.loads((tmp_path / "s.json").read_text())["rows"]}
+    assert rows["speed-first"]["fetched_per_token"] < rows["fetch-all"]["fetched_per_token"]
+    assert all(r["simulated"] for r in rows.values())
