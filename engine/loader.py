@@ -92,7 +92,10 @@ def _read_config(model_dir: Path) -> PretrainedConfig:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     arch_for(str(model_type), str(cfg_path))  # fail early on unsupported architectures
-    return AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    # Training checkpoints often keep this on; at inference it only adds an aux-loss pass per step.
+    config.output_router_logits = False
+    return config
 
 
 def _n_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
