@@ -37,7 +37,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     base = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
-    runs = dict(POLICY_SWEEP) if args.all_policies else {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
+    if args.policies:
+        unknown = [p for p in args.policies.split(",") if p not in POLICY_SWEEP]
+        if unknown:
+            raise MoeOffloadError(f"unknown --policies entry {unknown[0]!r}; choose from: {', '.join(POLICY_SWEEP)}")
+        runs = {"fetch-all": POLICY_SWEEP["fetch-all"], **{p: POLICY_SWEEP[p] for p in args.policies.split(",")}}
+    elif args.all_policies:
+        runs = dict(POLICY_SWEEP)
+    else:
+        runs = {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
     results = {}
     ids: list[int] | None = None
     for label, overrides in runs.items():
@@ -56,7 +64,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}")
     out = {"model": model_dir, "data": args.data, "tokens": len(ids or []), "window": args.window,
            "cache_fraction": base.cache_fraction, "results": rows}
-    if args.all_policies:
+    if len(rows) > 2:
         prot = [r for r in rows if r["label"] not in UNPROTECTED]
         out["mass_hypothesis_pearson_r"] = pearson([r["mean_substituted_mass"] for r in prot], [r["delta_ppl_pct"] for r in prot])
         print(f"mass hypothesis: Pearson r(substituted mass, ΔPPL) over first-choice-protecting policies = {out['mass_hypothesis_pearson_r']:.3f}")
@@ -138,6 +146,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
     e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")
     e.add_argument("--all-policies", action="store_true", help="run every policy and preset (see engine/policy_sweep.py), print one table, and check the mass hypothesis")
+    e.add_argument("--policies", metavar="A,B,...", help="run fetch-all plus these entries of the sweep (labels as in --all-policies, e.g. threshold,quality-first)")
     e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score about N tokens: whole windows spread evenly over the file (default 2048; 0 = all)")
     e.add_argument("--window", type=int, default=256, metavar="W", help="context window: the KV cache restarts every W tokens (default 256)")
     e.add_argument("--out-json", metavar="PATH", help="write all numbers as JSON here")
