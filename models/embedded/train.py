@@ -222,6 +222,9 @@ def write_log(log):
             va = np.asarray(r["valid"])
             if len(va):
                 ax.plot(va[:, 0], va[:, 1], "o-", label="valid CE", ms=3)
+            if r.get("resumed_at_step"):
+                ax.axvline(r["resumed_at_step"], color="gray", ls="--", lw=1,
+                           label=f"resumed at {r['resumed_at_step']} (per-layer aux, new optimiser)")
             ax.set_xlabel("step")
             ax.set_ylabel("cross entropy (nats/token)")
             ax.set_title(f"{name} ({r.get('desc', '')})", fontsize=9)
@@ -236,35 +239,63 @@ def write_log(log):
 
 
 # ----------------------------------------------------------------------------- training
-def lr_at(step, total, peak, warmup, min_ratio=0.1):
+def per_layer_aux_loss(router_logits, top_k, num_experts):
+    """Switch-style load-balancing loss computed PER LAYER and averaged over layers.
+
+    transformers' load_balancing_loss_func pools the counts of all layers before multiplying, so an
+    expert that is overloaded in one layer and starved in another looks balanced; on this model that
+    left ~40% of the experts of every layer under 1/4 of the uniform share.  Balanced value = top_k.
+    """
+    tot = 0.0
+    for rl in router_logits:
+        probs = F.softmax(rl.float(), dim=-1)
+        idx = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        f = torch.zeros(num_experts, device=rl.device).scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float))
+        f = f / probs.shape[0]
+        tot = tot + num_experts * (f * probs.mean(0)).sum()
+    return tot / len(router_logits)
+
+
+def lr_at(step, progress, peak, warmup, min_ratio=0.1):
+    """Linear warm-up over `warmup` steps, then cosine from peak to min_ratio*peak as progress goes 0->1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    p = min(1.0, max(0.0, progress))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, steps, minutes, peak_lr,
-              teacher=None):
+              teacher=None, start_step=0):
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     rec = log.setdefault(name, {"train": [], "valid": [], "aux": []})
-    rec.update(train=[], valid=[], aux=[])
+    if start_step:  # resumed: keep the earlier curve up to the checkpoint
+        rec["resumed_at_step"] = start_step
+        rec["seconds_before_resume"] = rec.get("train_seconds", 0.0)
+        for k in ("train", "valid", "aux"):
+            rec[k] = [r for r in rec.get(k, []) if r[0] < start_step or (k == "valid" and r[0] <= start_step)]
+    else:
+        rec.update(train=[], valid=[], aux=[])
+    warm0 = start_step
     alpha, T = args.distill_alpha, args.distill_temp
 
-    def step_fn(step, total):
+    def step_fn(step, progress):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, peak_lr, args.warmup)
+            g["lr"] = lr_at(step - warm0, progress, peak_lr, args.warmup)
         x, y = batcher.next()
         out = model(input_ids=x, labels=None)
         logits = out.logits.float()
         ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         loss = ce
         aux = None
-        if getattr(out, "aux_loss", None) is not None:
-            aux = out.aux_loss
+        if getattr(out, "router_logits", None) is not None:
+            if args.pooled_aux:
+                aux = out.aux_loss
+            else:
+                aux = per_layer_aux_loss(out.router_logits, model.config.num_experts_per_tok, model.config.num_experts)
             loss = loss + model.config.router_aux_loss_coef * aux
         if teacher is not None and alpha > 0:
             with torch.no_grad():
@@ -280,39 +311,46 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
         return ce.item(), (aux.item() if aux is not None else None)
 
     t0 = time.time()
-    if steps is None:  # size the schedule from measured speed
+    budget = None
+    if steps is None:  # size the schedule from measured speed; the cosine then follows wall-clock progress
         nb = args.bench_steps
         tb = time.time()
-        for s in range(nb):
-            ce, aux = step_fn(s, 10 ** 9)
+        for s in range(start_step, start_step + nb):
+            ce, aux = step_fn(s, 0.0)
             rec["train"].append([s, ce])
         dt = (time.time() - tb) / nb
-        steps = max(nb + 1, int(minutes * 60 / (dt * 1.06)))  # ~6% margin for evals/saves
-        print(f"[{name}] {dt:.3f}s/step ({args.batch_size * args.seq_len / dt:.0f} tok/s) -> {steps} steps "
+        budget = minutes * 60
+        steps = max(nb + 1, int(budget / (dt * 1.06)))  # ~6% margin for evals/saves
+        print(f"[{name}] {dt:.3f}s/step ({args.batch_size * args.seq_len / dt:.0f} tok/s) -> ~{steps} steps "
               f"for {minutes} min", flush=True)
-        start = nb
+        start = start_step + nb
     else:
-        start = 0
-    rec.update(steps=steps, tokens_per_step=args.batch_size * args.seq_len)
-    bar = tqdm(range(start, steps), desc=name, mininterval=10, file=sys.stdout)
+        start = start_step
+    rec.update(steps_planned=steps, tokens_per_step=args.batch_size * args.seq_len)
+    bar = tqdm(range(start, 10 ** 9 if budget else steps), desc=name, total=steps, mininterval=10, file=sys.stdout)
+    s = start
     for s in bar:
-        ce, aux = step_fn(s, steps)
+        progress = (time.time() - t0) / budget if budget else (s - start_step) / steps
+        last = (progress >= 1.0) if budget else (s + 1 - start_step == steps)
+        ce, aux = step_fn(s, progress)
         rec["train"].append([s, ce])
         if aux is not None:
             rec["aux"].append([s, aux])
-        if (s + 1) % args.eval_every == 0 or s + 1 == steps:
+        if (s + 1) % args.eval_every == 0 or last:
             v = eval_loss(model, valid_batches)
             rec["valid"].append([s + 1, v])
             bar.set_postfix(ce=f"{ce:.3f}", valid=f"{v:.3f}", aux=f"{aux:.3f}" if aux is not None else "-")
             print(f"\n[{name}] step {s + 1}/{steps} train_ce {ce:.4f} valid_ce {v:.4f} "
                   f"ppl {math.exp(v):.1f} elapsed {(time.time() - t0) / 60:.1f} min", flush=True)
-        if (s + 1) % args.save_every == 0 or s + 1 == steps:
-            rec["train_seconds"] = time.time() - t0
+        if (s + 1) % args.save_every == 0 or last:
+            rec["train_seconds"] = time.time() - t0 + rec.get("seconds_before_resume", 0.0)
             rec["steps_done"] = s + 1
             save_model(model, out_dir, tok)
             write_log(log)
-    rec["train_seconds"] = time.time() - t0
-    rec["steps_done"] = steps
+        if last:
+            break
+    rec["train_seconds"] = time.time() - t0 + rec.get("seconds_before_resume", 0.0)
+    rec["steps_done"] = s + 1
     write_log(log)
     return model
 
@@ -322,10 +360,15 @@ def main(argv=None):
     ap.add_argument("--stage", choices=["both", "target", "draft"], default="both",
                     help="train target then draft (both), or only one; 'draft' loads the saved target as teacher")
     ap.add_argument("--seed", type=int, default=0, help="seed for init, batch sampling and chat synthesis")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value (2 on an idle 2-core box; use 1 when the CPU is shared: oversubscribed OpenMP barriers made 2 threads 2x slower here)")
     ap.add_argument("--seq-len", type=int, default=256, help="training sequence length in tokens")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
     ap.add_argument("--top-k", type=int, default=8, help="experts per token of the MoE target (4..8)")
+    ap.add_argument("--pooled-aux", action="store_true",
+                    help="use transformers' aux loss (counts pooled over layers) instead of the per-layer one")
+    ap.add_argument("--target-resume", type=int, default=0, metavar="STEP",
+                    help="continue the target from the checkpoint in models/embedded/target/ saved at STEP "
+                         "(fresh optimiser, warm-up again; curve kept from train_log.json)")
     ap.add_argument("--aux-coef", type=float, default=0.02, help="router load-balancing aux loss coefficient")
     ap.add_argument("--target-steps", type=int, default=None, help="target optimiser steps (overrides minutes)")
     ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target")
@@ -333,7 +376,7 @@ def main(argv=None):
     ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft")
     ap.add_argument("--target-lr", type=float, default=3e-3, help="peak AdamW learning rate of the target")
     ap.add_argument("--draft-lr", type=float, default=4e-3, help="peak AdamW learning rate of the draft")
-    ap.add_argument("--warmup", type=int, default=100, help="linear warm-up steps (then cosine to 10%%)")
+    ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (then cosine to 10%%)")
     ap.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay on matrices")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     ap.add_argument("--chat-frac", type=float, default=0.05, help="fraction of training rows that are synthetic chats")
@@ -344,7 +387,11 @@ def main(argv=None):
     ap.add_argument("--valid-seqs", type=int, default=48, help="fixed validation windows used for the curve")
     ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoint saves")
     ap.add_argument("--bench-steps", type=int, default=5, help="steps timed to size a minute budget")
+    ap.add_argument("--plot-only", action="store_true", help="redraw docs/embedded_loss.png from train_log.json and exit")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        write_log(json.load(open(LOG_JSON)))
+        return
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -362,7 +409,8 @@ def main(argv=None):
                            stats["documents"]["shakespeare"]["train"])
     valid_batches = fixed_eval_batches(valid_ids, args.seq_len, args.valid_seqs, args.batch_size)
     print(f"train tokens {len(train_ids)}  valid tokens {len(valid_ids)}  chat pool {len(pool)}", flush=True)
-    log = json.load(open(LOG_JSON)) if os.path.exists(LOG_JSON) and args.stage != "both" else {}
+    resume = args.target_resume and args.stage in ("both", "target")
+    log = json.load(open(LOG_JSON)) if os.path.exists(LOG_JSON) and (args.stage != "both" or resume) else {}
     log["args"] = vars(args)
     log["train_tokens"] = int(len(train_ids))
 
@@ -374,13 +422,19 @@ def main(argv=None):
 
     if args.stage in ("both", "target"):
         torch.manual_seed(args.seed)
-        target = Qwen3MoeForCausalLM(tcfg)
+        if resume:
+            target = Qwen3MoeForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32)
+            target.config.router_aux_loss_coef = args.aux_coef
+        else:
+            target = Qwen3MoeForCausalLM(tcfg)
+            log["target"] = {}
         n = sum(p.numel() for p in target.parameters())
-        log["target"] = {"desc": f"Qwen3-MoE {n / 1e6:.2f}M params, 64 experts top-{args.top_k}"}
+        log["target"]["desc"] = f"Qwen3-MoE {n / 1e6:.2f}M params, 64 experts top-{args.top_k}"
         print(f"target params {n:,}", flush=True)
         train_one("target", target, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
-                                                       args.chat_frac, args.seed + 1),
-                  valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr)
+                                                       args.chat_frac, args.seed + 1 + args.target_resume),
+                  valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr,
+                  start_step=args.target_resume)
     if args.stage in ("both", "draft"):
         teacher = None
         if args.distill_alpha > 0:
