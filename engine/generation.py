@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engine.loader import OffloadedModel
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams, make_generator, sample
 
 
@@ -35,7 +35,7 @@ def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
 
 
 @torch.inference_mode()
-def stream_generate(om: OffloadedModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationResult]:
+def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationResult]:
     """Yield the (growing) result after each new token; the last yield has finish_reason set."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
@@ -72,7 +72,7 @@ def stream_generate(om: OffloadedModel, prompt_ids: list[int], params: SamplingP
         logits = om.model(input_ids=inp, cache=cache, use_cache=True).logits[0, -1]
 
 
-def generate(om: OffloadedModel, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+def generate(om: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
     res = None
     for res in stream_generate(om, prompt_ids, params):
         pass
@@ -81,6 +81,6 @@ def generate(om: OffloadedModel, prompt_ids: list[int], params: SamplingParams) 
 
 
 @torch.inference_mode()
-def prompt_logits(om: OffloadedModel, ids: list[int]) -> torch.Tensor:
+def prompt_logits(om: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Full-sequence logits [S, V] for a prompt in one forward pass (used by parity tests)."""
     return om.model(input_ids=torch.tensor([ids], device=om.device), use_cache=False).logits[0]

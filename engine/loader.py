@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,21 +31,15 @@ from engine.transfers import TransferEngine
 
 
 @dataclass
-class OffloadedModel:
+class LoadedModel:
+    """What generation needs from any model: the module, its config, tokenizer and device."""
+
     model: PreTrainedModel
     config: PretrainedConfig
     tokenizer: object | None
     generation_config: GenerationConfig | None
-    engine_config: EngineConfig
-    store: ExpertStore
-    transfers: TransferEngine
-    executor: MoeExecutor
-    stats: EngineStats
-    moe_layers: list[int]
-    num_experts: int
-    top_k: int
     model_dir: Path
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -57,7 +51,27 @@ class OffloadedModel:
         return ids
 
     def close(self) -> None:
+        pass
+
+
+@dataclass
+class OffloadedModel(LoadedModel):
+    """A MoE model whose routed experts live in the tiered expert store."""
+
+    engine_config: EngineConfig
+    store: ExpertStore
+    transfers: TransferEngine
+    executor: MoeExecutor
+    stats: EngineStats
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+
+    def close(self) -> None:
         self.transfers.close()
+
+
+DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -91,7 +105,8 @@ def _read_config(model_dir: Path) -> PretrainedConfig:
         model_type = json.loads(cfg_path.read_text()).get("model_type")
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    arch_for(str(model_type), str(cfg_path))  # fail early on unsupported architectures
+    if str(model_type) not in DENSE_ARCHS:
+        arch_for(str(model_type), str(cfg_path))  # fail early on unsupported architectures
     config = AutoConfig.from_pretrained(model_dir)
     # Training checkpoints often keep this on; at inference it only adds an aux-loss pass per step.
     config.output_router_logits = False
@@ -104,6 +119,26 @@ def _n_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
     else:
         n = round(cfg.cache_fraction * total)
     return int(min(total, max(1, n)))
+
+
+def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, GenerationConfig | None]:
+    has_tok = (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tok else None
+    gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
+    return tokenizer, gen_cfg
+
+
+def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """A small dense model (a speculative-decoding draft) kept whole on the compute device."""
+    model_dir = Path(model_dir)
+    config = _read_config(model_dir)
+    if config.model_type not in DENSE_ARCHS:
+        raise CheckpointError(f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})")
+    index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
+    dev = _resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, config, dev)).to(dev).eval()
+    tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
+    return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev)
 
 
 def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> OffloadedModel:
@@ -146,9 +181,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     assert total >= n_slots
 
     _materialize(model, config, spec, tensors, device, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir) if (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists() else None
-    gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
-    om = OffloadedModel(model, config, tokenizer, gen_cfg, cfg, store, transfers, executor, stats, moe_layers, E, top_k, model_dir, device)
+    tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
+    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, cfg, store, transfers, executor, stats, moe_layers, E, top_k)
     if cfg.warm_start:
         _warm(om)
     return om

@@ -1,0 +1,114 @@
+"""The shipped embedded model pair: configs, sizes, tokenizer, chat template, and generation through the engine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.generation import generate
+from engine.loader import load_dense_model, load_model
+from engine.sampling import SamplingParams
+from models import EMBEDDED_DIR, EMBEDDED_DRAFT, EMBEDDED_TARGET
+
+
+def _cfg(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def active_flops_per_token(cfg: dict) -> float:
+    """2 x active parameters in matmuls: attention projections, active experts, lm_head."""
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    attn = H * hd * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    if cfg["model_type"] == "qwen3_moe":
+        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg.get("num_experts", 64) * H  # + router
+    else:
+        mlp = 3 * H * cfg["intermediate_size"]
+    return 2.0 * (L * (attn + mlp) + cfg["vocab_size"] * H)
+
+
+def test_target_config_and_size() -> None:
+    cfg = _cfg(EMBEDDED_TARGET)
+    assert cfg["model_type"] == "qwen3_moe"
+    moe_layers = [i for i in range(cfg["num_hidden_layers"]) if i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0]
+    assert len(moe_layers) >= 4
+    assert cfg.get("num_experts", cfg.get("num_local_experts")) >= 64
+    assert 4 <= cfg["num_experts_per_tok"] <= 8
+    assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size <= 40 * 1024 * 1024
+
+
+def test_draft_config_and_flops_budget() -> None:
+    t, d = _cfg(EMBEDDED_TARGET), _cfg(EMBEDDED_DRAFT)
+    assert d["model_type"] == "qwen3" and d["vocab_size"] == t["vocab_size"]
+    assert active_flops_per_token(d) <= active_flops_per_token(t) / 8
+
+
+def test_both_models_share_one_tokenizer_that_round_trips() -> None:
+    tt, td = AutoTokenizer.from_pretrained(EMBEDDED_TARGET), AutoTokenizer.from_pretrained(EMBEDDED_DRAFT)
+    for text in ("To be, or not to be: that is the question.", "The :mod:`asyncio` module provides `async def` coroutines.\n", "naïve café — ünïcödé ✓"):
+        ids = tt(text)["input_ids"]
+        assert ids == td(text)["input_ids"]
+        assert tt.decode(ids) == text
+    assert len(tt) == 8192
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|bos|>"):
+        assert len(tt(special, add_special_tokens=False)["input_ids"]) == 1, special
+
+
+def test_chat_template() -> None:
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    gen = json.loads((EMBEDDED_TARGET / "generation_config.json").read_text())
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in (gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]])
+
+
+def test_target_generates_through_the_engine_like_transformers() -> None:
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
+    ids = tok("ROMEO. But soft, what light")["input_ids"]
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk"))
+    try:
+        res = generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        om.close()
+    ref = AutoModelForCausalLM.from_pretrained(EMBEDDED_TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expect = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    assert res.tokens == expect
+    assert len(res.text) > 10
+
+
+def test_draft_loads_through_the_engine_and_generates() -> None:
+    dm = load_dense_model(EMBEDDED_DRAFT)
+    ids = dm.tokenizer("def main():")["input_ids"]
+    res = generate(dm, ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(res.tokens) == 8 and res.text
+    with pytest.raises(Exception, match="unsupported architecture model_type='qwen3'"):
+        load_model(EMBEDDED_DRAFT)
+
+
+def test_model_card_reports_the_required_figures() -> None:
+    card = (EMBEDDED_DIR / "README.md").read_text()
+    ev = json.loads((EMBEDDED_DIR / "eval.json").read_text())
+    assert "perplexity" in card.lower() and "accepted" in card.lower()
+    ppl = ev["perplexity"]
+    assert ppl["target"]["all"]["ppl"] < 0.8 * ppl["draft"]["all"]["ppl"]  # target clearly stronger
+    assert all(p >= 95.0 for p in ev["no_dead_experts"]["pct_per_layer"])
+    assert ev["speculative"]["k"] == 4 and ev["speculative"]["mean_tokens_per_verification_incl_bonus"] >= 1.5
+
+
+@pytest.mark.timeout(180)
+def test_generate_without_model_uses_the_embedded_model() -> None:
+    p = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--prompt", "To be, or not to be", "--max-tokens", "8", "--json"],
+                       capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == 4 * 64
