@@ -312,7 +312,7 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
 
     t0 = time.time()
     budget = None
-    if steps is None:  # size the schedule from measured speed; the cosine then follows wall-clock progress
+    if not steps:  # size the schedule from measured speed; the cosine then follows wall-clock progress
         nb = args.bench_steps
         tb = time.time()
         for s in range(start_step, start_step + nb):
@@ -370,10 +370,12 @@ def main(argv=None):
                     help="continue the target from the checkpoint in models/embedded/target/ saved at STEP "
                          "(fresh optimiser, warm-up again; curve kept from train_log.json)")
     ap.add_argument("--aux-coef", type=float, default=0.02, help="router load-balancing aux loss coefficient")
-    ap.add_argument("--target-steps", type=int, default=None, help="target optimiser steps (overrides minutes)")
-    ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target")
-    ap.add_argument("--draft-steps", type=int, default=None, help="draft optimiser steps (overrides minutes)")
-    ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft")
+    # Step counts by default, so a rerun with the same seed is step-exact (about 40 + 15 min at 1 thread here);
+    # 0 switches to the wall-clock budgets below, whose step count depends on the machine's speed.
+    ap.add_argument("--target-steps", type=int, default=640, help="target optimiser steps (default 640; 0 = size from --target-minutes)")
+    ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target when --target-steps is 0")
+    ap.add_argument("--draft-steps", type=int, default=240, help="draft optimiser steps (default 240; 0 = size from --draft-minutes)")
+    ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft when --draft-steps is 0")
     ap.add_argument("--target-lr", type=float, default=3e-3, help="peak AdamW learning rate of the target")
     ap.add_argument("--draft-lr", type=float, default=4e-3, help="peak AdamW learning rate of the draft")
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (then cosine to 10%%)")
