@@ -27,6 +27,26 @@ class HardwareProfile:
     expert_nbytes: int
     layer_compute_s: float  # dense part of one layer for one token (attention, norms, router)
     expert_compute_s: float  # one routed expert for one token
+    workers: int = 2  # concurrent transfers, as the engine's transfer_workers
+
+
+class LinkModel:
+    """The engine's link: bandwidth is one serial pipe, latency overlaps across the
+    `workers` transfers that can be in flight at once (each worker waits for its own)."""
+
+    def __init__(self, hw: HardwareProfile) -> None:
+        self.bw_s = hw.expert_nbytes / (hw.link.mb_per_s * 1e6)
+        self.latency_s = hw.link.latency_us * 1e-6
+        self.pipe_free_at = 0.0
+        self.worker_free_at = [0.0] * hw.workers
+
+    def transfer(self, now: float) -> float:
+        """Start a transfer no earlier than `now`; return when it lands."""
+        w = min(range(len(self.worker_free_at)), key=self.worker_free_at.__getitem__)
+        start = max(now, self.worker_free_at[w], self.pipe_free_at)
+        self.pipe_free_at = start + self.bw_s
+        self.worker_free_at[w] = self.pipe_free_at + self.latency_s
+        return self.worker_free_at[w]
 
 
 @dataclass
@@ -101,9 +121,8 @@ def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, hw: Har
                 if len(cache.resident) < cache.n_slots:
                     cache.admit(layer * E + e, set())
     r = SimResult(N, 0, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, token_layers=N * L)
-    link_free_at = 0.0  # time at which the serial link is idle, on the simulated clock
-    clock = 0.0
-    per_transfer = hw.link.seconds_for(hw.expert_nbytes)
+    link = LinkModel(hw)
+    clock = 0.0  # the compute thread's simulated time
     for t in range(N):
         for layer in range(L):
             row = [int(e) for e in ids[t, layer]]
@@ -116,11 +135,11 @@ def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, hw: Har
                 if layer * E + e in cache.resident:
                     policies.eviction.on_access(layer * E + e)
             # Demand loads queue behind whatever the link is already doing (admissions).
+            landed = clock
             for e in plan.fetch:
-                start = max(clock, link_free_at)
-                link_free_at = start + per_transfer
+                landed = max(landed, link.transfer(clock))
                 cache.admit(layer * E + e, pinned)
-            stall = max(0.0, link_free_at - clock) if plan.fetch else 0.0
+            stall = landed - clock
             compute = hw.layer_compute_s + hw.expert_compute_s * len(used)
             clock += stall + compute
             r.stall_s += stall
@@ -131,9 +150,9 @@ def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, hw: Har
             r.calls_substituted += len(plan.substituted)
             r.substituted_mass += sum(m for _, m in plan.substituted)
             for e in policies.admission.observe(layer, plan.substituted):
-                # Background: occupies the link, never the compute clock.
+                # Background: occupies the link and a worker, never the compute clock.
                 if cache.admit(layer * E + e, pinned):
-                    link_free_at = max(clock, link_free_at) + per_transfer
+                    link.transfer(clock)
                     r.admissions += 1
     r.evictions = cache.evictions
     return r

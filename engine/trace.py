@@ -6,7 +6,7 @@ Format (one .npz file, numpy's zip of arrays; load with `numpy.load(path)`):
   weights  [N, L, k] float32    their gate weights (as the model uses them)
   logits   [N, L, E] float16    full router logits (only with --logits)
   hidden   [N, L, H] float16    router input hidden state (only with --hidden; for learned prefetchers)
-  meta     0-d str              JSON: model dir, moe_layers, num_experts, top_k, window, expert_nbytes (slow-tier bytes per expert)
+  meta     0-d str              JSON: model dir, moe_layers, num_experts, top_k, window, expert_nbytes (bytes per expert in the checkpoint)
 Traces are recorded with the exact policy (fetch-all), one batched forward per window of
 `window` tokens, so routing is the model's own, independent of cache state.
 """
@@ -55,7 +55,7 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
         "meta": np.asarray(json.dumps({
             "model": str(om.model_dir), "moe_layers": om.moe_layers, "num_experts": om.num_experts,
             "top_k": om.top_k, "window": window,
-            "expert_nbytes": om.transfers.tier.expert_nbytes(om.moe_layers[0], 0),
+            "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0),
         })),
     }
     if logits:

@@ -106,7 +106,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto"))
     try:
-        ids = _read_tokens(om, args.data, args.max_tokens)
+        ids = _read_tokens(om, args.data, args.max_tokens, args.window)
         path = save_trace(record_trace(om, ids, args.window, logits=args.logits, hidden=args.hidden), args.out)
     finally:
         om.close()
@@ -122,7 +122,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     hw = HardwareProfile(parse_link(args.link), int(args.expert_bytes or trace["meta"]["expert_nbytes"]),
-                         args.layer_compute_us * 1e-6, args.expert_compute_us * 1e-6)
+                         args.layer_compute_us * 1e-6, args.expert_compute_us * 1e-6, args.workers)
     runs = dict(POLICY_SWEEP) if args.all_policies else {args.policy: {"policy": args.policy}}
     rows = []
     print(f"SIMULATED: link {hw.link.name}, {hw.expert_nbytes} B/expert, cache {args.cache_fraction}, {trace['ids'].shape[0]} tokens")
@@ -161,7 +161,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     t.add_argument("--model", metavar="DIR", help="model directory (default: the embedded model)")
     t.add_argument("--logits", action="store_true", help="also store full router logits [N, L, E] (float16)")
     t.add_argument("--hidden", action="store_true", help="also store router input hidden states [N, L, H] (float16)")
-    t.add_argument("--max-tokens", type=int, default=0, metavar="N", help="trace only the first N tokens (default 0 = all)")
+    t.add_argument("--max-tokens", type=int, default=0, metavar="N", help="trace about N tokens: whole windows spread evenly over the file, as eval does (default 0 = all)")
     t.add_argument("--window", type=int, default=256, metavar="W", help="tokens per forward pass (default 256)")
     t.add_argument("--device", metavar="DEV", help="compute device (default auto)")
     t.set_defaults(func=cmd_trace)
@@ -177,5 +177,6 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     m.add_argument("--expert-bytes", type=int, metavar="N", help="bytes per expert on the link (default: from the trace)")
     m.add_argument("--layer-compute-us", type=float, default=700.0, metavar="US", help="dense compute per layer and token, µs (default 700, the embedded model on 2 CPU cores)")
     m.add_argument("--expert-compute-us", type=float, default=150.0, metavar="US", help="compute per routed expert and token, µs (default 150)")
+    m.add_argument("--workers", type=int, default=2, metavar="N", help="transfers in flight at once, as the engine's --transfer-workers (default 2)")
     m.add_argument("--out-json", metavar="PATH", help="write the numbers as JSON")
     m.set_defaults(func=cmd_simulate)
