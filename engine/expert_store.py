@@ -61,6 +61,9 @@ class ExpertStore:
         with self.lock:
             return [k for k, s in self._state.items() if s is SlotState.RESIDENT]
 
+    def slot_index(self, key: int) -> int:
+        return self._slot_of[key]
+
     def weights(self, key: int) -> torch.Tensor:
         """The flat buffer of a resident (or just-loaded) expert."""
         return self.slots[self._slot_of[key]]

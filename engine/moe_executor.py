@@ -38,7 +38,13 @@ class MoeExecutor:
     ) -> None:
         self.store, self.transfers, self.policy, self.stats = store, transfers, policy, stats
         self.admission = admission
-        self.shape, self.num_experts, self.act_fn = shape, num_experts, act_fn
+        self.shape, self.num_experts = shape, num_experts
+        # SiLU is the common case (transformers' SiLUActivation.forward is F.silu); calling the
+        # functional form directly skips the module-call overhead once per expert per layer.
+        self.act_fn = F.silu if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else act_fn
+        # Per-slot weight views, made once: [2I, H] and [H, I] windows onto each contiguous slot.
+        I, H = shape.intermediate, shape.hidden
+        self._views = [(row[: 2 * I * H].view(2 * I, H), row[2 * I * H :].view(H, I)) for row in store.slots]
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
@@ -173,7 +179,6 @@ class MoeExecutor:
 
     def _expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
         """One expert over its rows x [n, H]: SwiGLU(x W_gu^T) W_d^T -> [n, H], unscaled."""
-        I, H = self.shape.intermediate, self.shape.hidden
-        buf = self.store.weights(key)
-        gate, up = F.linear(x, buf[: 2 * I * H].view(2 * I, H)).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(self.act_fn(gate) * up, buf[2 * I * H :].view(H, I))
+        gate_up, down = self._views[self.store.slot_index(key)]  # [2I, H], [H, I]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act_fn(gate) * up, down)
