@@ -128,6 +128,16 @@ def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, Ge
     return tokenizer, gen_cfg
 
 
+def check_model_dir(model_dir: str | Path, need_tokenizer: bool = False) -> None:
+    """Validate a model directory cheaply (config, supported architecture, weight files, tokenizer)
+    so front ends can fail with one line before starting anything heavy."""
+    model_dir = Path(model_dir)
+    _read_config(model_dir)
+    index_checkpoint(model_dir)
+    if need_tokenizer and not ((model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()):
+        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); the server needs one")
+
+
 def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """A small dense model (a speculative-decoding draft) kept whole on the compute device."""
     model_dir = Path(model_dir)
@@ -146,6 +156,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     config = _read_config(model_dir)
     spec = arch_for(config.model_type)
     tensors = index_checkpoint(model_dir)
+    policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = _resolve_device(cfg.device)
     dtype = _resolve_dtype(cfg.dtype, config, device)
 
@@ -171,7 +182,6 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
     total = len(layers) * E  # keys are layer*E+e over all layers; only MoE layers are used
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
-    policies = cfg.policies()
     store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats)
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
     act_fn = native0.experts.act_fn

@@ -131,12 +131,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_running=args.max_running, max_queue=args.max_queue,
         max_model_len=args.max_model_len, drain_timeout=args.drain_timeout, log_level=args.log_level,
     )
+    from engine.loader import check_model_dir
+
     model_dir = resolve_model_dir(args.model)
+    check_model_dir(model_dir, need_tokenizer=True)  # one-line errors before the engine process starts
     if args.draft and not (Path(args.draft) / "config.json").exists():
         raise MoeOffloadError(f"{args.draft}: not a model directory (no config.json)")
+    engine_config = engine_config_from_args(args)
+    engine_config.policies()  # unknown policy names: one line now, not an engine crash later
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
-        model_dir=model_dir, engine_config=engine_config_from_args(args), max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
+        model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
         max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, draft_dir=args.draft,
     )
     settings = ServeSettings(engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue, scfg.drain_timeout)

@@ -37,6 +37,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     base = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
+    if not Path(args.data).is_file():
+        raise MoeOffloadError(f"{args.data}: data file not found; pass --data with a UTF-8 text file")
     if args.policies:
         unknown = [p for p in args.policies.split(",") if p not in POLICY_SWEEP]
         if unknown:
@@ -120,7 +122,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from engine.policy_sweep import POLICY_SWEEP
     from engine.simulator import HardwareProfile, load_trace, simulate
 
-    trace = load_trace(args.trace)
+    if not Path(args.trace).is_file():
+        raise MoeOffloadError(f"{args.trace}: trace file not found; record one with `moe-offload trace`")
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError, KeyError) as e:
+        raise MoeOffloadError(f"{args.trace}: not a trace written by `moe-offload trace` ({e})") from None
     hw = HardwareProfile(parse_link(args.link), int(args.expert_bytes or trace["meta"]["expert_nbytes"]),
                          args.layer_compute_us * 1e-6, args.expert_compute_us * 1e-6, args.workers)
     runs = dict(POLICY_SWEEP) if args.all_policies else {args.policy: {"policy": args.policy}}

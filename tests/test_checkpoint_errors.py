@@ -96,3 +96,22 @@ def test_cli_reports_one_line(tiny_ckpt, tmp_path) -> None:
         capture_output=True, text=True, timeout=110,
     )
     assert bad.returncode == 2 and "cache_fraction must be in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--model", "/nonexistent-model", "--port", "1"], "model directory not found"),
+        (["serve", "--policy", "nope", "--port", "1"], "unknown miss policy 'nope'"),
+        (["generate", "--prompt", "hi", "--link", "warp-speed"], "bad --link"),
+        (["simulate", "--trace", "/nonexistent.npz"], "trace file not found"),
+        (["eval", "--data", "/nonexistent.txt"], "data file not found"),
+        (["generate", "--prompt", "hi", "--config", "/nonexistent.yaml"], "cannot read config"),
+    ],
+)
+def test_cli_bad_input_is_one_line(argv: list[str], message: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=110)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-1500:]
+    assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr[-1500:]
