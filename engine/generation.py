@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams, make_generator, sample
 
@@ -28,12 +29,6 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
-def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
-    """Index where the earliest stop string begins at or after `search_from`, or -1."""
-    hits = [i for s in stops if (i := text.find(s, max(0, search_from - len(s) + 1))) >= 0]
-    return min(hits) if hits else -1
-
-
 @torch.inference_mode()
 def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationResult]:
     """Yield the (growing) result after each new token; the last yield has finish_reason set."""
@@ -43,7 +38,7 @@ def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingPara
     eos = set() if params.ignore_eos else om.eos_token_ids
     gen = make_generator(params, om.device)
     cache = DynamicCache(config=om.config)
-    tok = om.tokenizer
+    detok = IncrementalDetokenizer(om.tokenizer, params.stop)
 
     t0 = time.perf_counter()
     inp = torch.tensor([prompt_ids], device=om.device)
@@ -56,11 +51,10 @@ def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingPara
         if nxt in eos and len(res.tokens) > params.min_tokens:
             res.tokens.pop()  # EOS ends the text and is not part of it
             res.finish_reason = "stop"
-        elif tok is not None:
-            prev_len = len(res.text)
-            res.text = tok.decode(res.tokens, skip_special_tokens=True)
-            if params.stop and (cut := _find_stop(res.text, params.stop, prev_len)) >= 0:
-                res.text = res.text[:cut]
+        else:
+            detok.append([nxt])  # decodes and cuts the text before a stop string
+            res.text = detok.text
+            if detok.stopped:
                 res.finish_reason = "stop"
         if res.finish_reason is None and len(res.tokens) >= params.max_tokens:
             res.finish_reason = "length"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from policies.admission import BackgroundAdmission, NoAdmission
 from policies.base import AdmissionPolicy, EvictionPolicy, MissPolicy, SubstituteChoice
-from policies.fetch_all import FetchAll, FirstChoicePolicy, ThresholdPolicy
+from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
 from policies.substitute import BestResident, DropRenormalize

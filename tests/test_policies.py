@@ -5,7 +5,7 @@ import pytest
 
 from policies import DROPPED, make_policies
 from policies.admission import BackgroundAdmission
-from policies.fetch_all import FetchAll, FirstChoicePolicy, ThresholdPolicy
+from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
 from policies.substitute import BestResident, DropRenormalize
