@@ -57,20 +57,12 @@ class ExpertStore:
     def state(self, key: int) -> SlotState | None:
         return self._state.get(key)
 
-    def resident_keys(self) -> list[int]:
-        with self.lock:
-            return [k for k, s in self._state.items() if s is SlotState.RESIDENT]
-
     def slot_index(self, key: int) -> int:
         return self._slot_of[key]
 
     def weights(self, key: int) -> torch.Tensor:
         """The flat buffer of a resident (or just-loaded) expert."""
         return self.slots[self._slot_of[key]]
-
-    def can_reserve(self) -> bool:
-        with self.lock:
-            return bool(self._free) or any(self._evictable())
 
     # -- pinning ---------------------------------------------------------------
     def pin(self, key: int) -> None:
