@@ -180,7 +180,6 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
     slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
-    total = len(layers) * E  # keys are layer*E+e over all layers; only MoE layers are used
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
     store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats)
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
@@ -188,7 +187,6 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn)
     for i in moe_layers:
         layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor)
-    assert total >= n_slots
 
     _materialize(model, config, spec, tensors, device, model_dir)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
