@@ -20,6 +20,8 @@ import argparse
 import glob
 import json
 import os
+import shutil
+import subprocess
 import random
 import re
 import sys
@@ -118,6 +120,11 @@ def clean_rst(text: str) -> str:
 
 def load_pydocs() -> list[tuple[str, str]]:
     docs = []
+    if not os.path.isdir(PYDOC_SRC) and shutil.which("apt-get") and os.geteuid() == 0:
+        # The shipped corpus used Debian's docs; install them rather than silently building another corpus.
+        print("installing python3.11-doc (apt-get) for the Python-docs domain", file=sys.stderr)
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "python3.11-doc"], check=False)
     if os.path.isdir(PYDOC_SRC):
         for d in PYDOC_DIRS:
             p = os.path.join(PYDOC_SRC, d)
@@ -130,7 +137,7 @@ def load_pydocs() -> list[tuple[str, str]]:
         import pkgutil
         import pydoc
 
-        print("python3.11-doc not installed; falling back to pydoc docstrings", file=sys.stderr)
+        print("python3.11-doc not available; falling back to pydoc docstrings: this corpus will differ from the shipped one", file=sys.stderr)
         for mod in sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_")):
             try:
                 t = pydoc.render_doc(mod, renderer=pydoc.plaintext)
