@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampling import SamplingParams, ban_eos_before_min_tokens, make_generator, sample
 
 
 @dataclass
@@ -36,6 +36,7 @@ def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingPara
         raise ValueError("the prompt must contain at least one token")
     res = GenerationResult(prompt_tokens=len(prompt_ids))
     eos = set() if params.ignore_eos else om.eos_token_ids
+    eos_list = sorted(eos)
     gen = make_generator(params, om.device)
     cache = DynamicCache(config=om.config)
     detok = IncrementalDetokenizer(om.tokenizer, params.stop)
@@ -46,9 +47,9 @@ def stream_generate(om: LoadedModel, prompt_ids: list[int], params: SamplingPara
     res.prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     while True:
-        nxt = sample(logits, params, gen)
+        nxt = sample(ban_eos_before_min_tokens(logits, eos_list, len(res.tokens), params), params, gen)
         res.tokens.append(nxt)
-        if nxt in eos and len(res.tokens) > params.min_tokens:
+        if nxt in eos:
             res.tokens.pop()  # EOS ends the text and is not part of it
             res.finish_reason = "stop"
         else:

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from engine.loader import OffloadedModel
 from engine.messages import GenerateRequest, TokenLogprob
-from engine.sampling import make_generator, sample
+from engine.sampling import ban_eos_before_min_tokens, make_generator, sample
 from engine.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 
 
@@ -68,10 +68,7 @@ class ModelRunner:
             ids = torch.tensor(w.output_ids, device=logits.device)
             counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)  # [V]
             logits -= req.frequency_penalty * counts + req.presence_penalty * (counts > 0).to(logits.dtype)
-        if self.eos_ids and not req.params.ignore_eos and len(w.output_ids) < req.params.min_tokens:
-            logits = logits.clone()
-            logits[self.eos_ids] = float("-inf")
-        return logits
+        return ban_eos_before_min_tokens(logits, self.eos_ids, len(w.output_ids), req.params)
 
 
 def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:

@@ -54,6 +54,14 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generated: int, params: SamplingParams) -> torch.Tensor:
+    """min_tokens: make EOS impossible until enough tokens exist (so it is never emitted as text)."""
+    if eos_ids and not params.ignore_eos and generated < params.min_tokens:
+        logits = logits.clone()
+        logits[eos_ids] = float("-inf")
+    return logits
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick one token id from [V] logits."""
     if params.greedy:

@@ -62,6 +62,9 @@ def test_max_tokens_and_eos(om) -> None:
         assert res.finish_reason == "stop" and res.tokens == first[:cut]
         res = generate(om, _ids(om), SamplingParams(max_tokens=8, ignore_eos=True))
         assert res.finish_reason == "length" and len(res.tokens) == 8
+        # min_tokens bans EOS until then: it is never emitted as an ordinary token.
+        res = generate(om, _ids(om), SamplingParams(max_tokens=8, min_tokens=cut + 2))
+        assert len(res.tokens) >= cut + 2 and first[cut] not in res.tokens[: cut + 2]
     finally:
         om.generation_config.eos_token_id, om.config.eos_token_id = saved
 
