@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.generation import generate
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
 from models.tiny import load_reference, make_tiny_checkpoint
 
 

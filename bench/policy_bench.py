@@ -19,10 +19,10 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.evaluation import score_window
+from engine.offline.evaluation import score_window
 from engine.generation import stream_generate
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
 
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
 COUNTERS = ("calls_hit", "calls_fetched", "substitutions", "bytes_moved", "stall_seconds", "admissions")

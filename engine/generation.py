@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams, ban_eos_before_min_tokens, make_generator, sample
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.worker.loader import LoadedModel
+from engine.worker.sampling import SamplingParams, ban_eos_before_min_tokens, make_generator, sample
 
 
 @dataclass

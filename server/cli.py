@@ -64,8 +64,8 @@ def resolve_model_dir(arg: str | None) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.generation import stream_generate
-    from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from engine.worker.loader import load_model
+    from engine.worker.sampling import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.engine_process import EngineArgs, max_model_len_of
+    from engine.core.engine_process import EngineArgs, max_model_len_of
     from server.app import create_app
     from server.config import ServerConfig
     from server.launch import run_server
@@ -131,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_running=args.max_running, max_queue=args.max_queue,
         max_model_len=args.max_model_len, drain_timeout=args.drain_timeout, log_level=args.log_level,
     )
-    from engine.loader import check_model_dir
+    from engine.worker.loader import check_model_dir
 
     model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)  # one-line errors before the engine process starts

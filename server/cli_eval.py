@@ -30,9 +30,9 @@ def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.evaluation import teacher_forced_eval
-    from engine.loader import load_model
-    from engine.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
+    from engine.offline.evaluation import teacher_forced_eval
+    from engine.worker.loader import load_model
+    from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
     from server.cli import engine_config_from_args, resolve_model_dir
 
     base = engine_config_from_args(args)
@@ -84,7 +84,7 @@ def _plot(rows: list[dict], path: Path, fraction: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine.policy_sweep import UNPROTECTED
+    from server.policy_sweep import UNPROTECTED
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for r in rows:
@@ -102,8 +102,8 @@ def _plot(rows: list[dict], path: Path, fraction: float) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from engine.loader import load_model
-    from engine.trace import record_trace, save_trace
+    from engine.worker.loader import load_model
+    from engine.offline.trace import record_trace, save_trace
     from server.cli import resolve_model_dir
 
     om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto"))
@@ -118,9 +118,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from engine.link import parse_link
-    from engine.policy_sweep import POLICY_SWEEP
-    from engine.simulator import HardwareProfile, load_trace, simulate
+    from engine.experts.link import parse_link
+    from server.policy_sweep import POLICY_SWEEP
+    from engine.offline.simulator import HardwareProfile, load_trace, simulate
 
     if not Path(args.trace).is_file():
         raise MoeOffloadError(f"{args.trace}: trace file not found; record one with `moe-offload trace`")
@@ -152,7 +152,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     e = sub.add_parser("eval", help="teacher-forced perplexity per miss policy",
                        description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
     e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")
-    e.add_argument("--all-policies", action="store_true", help="run every policy and preset (see engine/policy_sweep.py), print one table, and check the mass hypothesis")
+    e.add_argument("--all-policies", action="store_true", help="run every policy and preset (see server/policy_sweep.py), print one table, and check the mass hypothesis")
     e.add_argument("--policies", metavar="A,B,...", help="run fetch-all plus these entries of the sweep (labels as in --all-policies, e.g. threshold,quality-first)")
     e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score about N tokens: whole windows spread evenly over the file (default 2048; 0 = all)")
     e.add_argument("--window", type=int, default=256, metavar="W", help="context window: the KV cache restarts every W tokens (default 256)")
@@ -162,7 +162,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("trace", help="record router traces (top-k ids and weights per token and layer)",
-                       description="Record, for every token and MoE layer, the router's top-k expert ids and gate weights (optionally full logits and the router input hidden state) into a compressed .npz file; the format is documented in engine/trace.py.")
+                       description="Record, for every token and MoE layer, the router's top-k expert ids and gate weights (optionally full logits and the router input hidden state) into a compressed .npz file; the format is documented in engine/offline/trace.py.")
     t.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to run through the model")
     t.add_argument("--out", required=True, metavar="PATH", help="output .npz path")
     t.add_argument("--model", metavar="DIR", help="model directory (default: the embedded model)")

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.engine_process import EngineArgs, engine_main
-from engine.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
+from engine.core.engine_process import EngineArgs, engine_main
+from engine.core.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("moe_offload.server")

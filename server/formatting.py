@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.messages import RequestOutput, TokenLogprob
+from engine.core.messages import RequestOutput, TokenLogprob
 from server.errors import error_body
 
 

@@ -8,9 +8,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine.engine_process import EngineArgs
-from engine.messages import GenerateRequest, RequestOutput
-from engine.sampling import SamplingParams
+from engine.core.engine_process import EngineArgs
+from engine.core.messages import GenerateRequest, RequestOutput
+from engine.worker.sampling import SamplingParams
 from server.engine_client import EngineClient, EngineFailure, EngineState
 from server.errors import ApiError
 from server.metrics import ServerMetrics

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
-from engine.loader import load_model
+from engine.worker.loader import load_model
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -7,8 +7,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.generation import generate, prompt_logits
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
 from tiny_models import ARCHS, load_reference
 
 LAYOUTS = ("per-expert", "fused")

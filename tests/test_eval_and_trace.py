@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.evaluation import reference_nll, teacher_forced_eval
-from engine.loader import load_model
-from engine.trace import record_trace, save_trace
+from engine.offline.evaluation import reference_nll, teacher_forced_eval
+from engine.worker.loader import load_model
+from engine.offline.trace import record_trace, save_trace
 from tiny_models import load_reference
 
 TEXT = ("To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. " * 6)

@@ -10,8 +10,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.generation import generate
-from engine.loader import load_model
-from engine.sampling import SamplingParams, filter_logits, sample
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams, filter_logits, sample
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """Scheduler and detokenizer on CPU, without a model: the runner is faked with plain data."""
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import GenerateRequest
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SeqResult, StepOutput, StepPlan
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.messages import GenerateRequest
+from engine.worker.sampling import SamplingParams
+from engine.core.scheduler import Scheduler, SeqResult, StepOutput, StepPlan
 
 
 class CharTok:

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.link import parse_link
-from engine.simulator import HardwareProfile, simulate
+from engine.experts.link import parse_link
+from engine.offline.simulator import HardwareProfile, simulate
 
 
 def synthetic_trace(N: int = 200, L: int = 2, E: int = 16, k: int = 4, seed: int = 0) -> dict:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from engine.errors import CheckpointError
-from engine.uncached_io import UncachedReader
+from engine.experts.uncached_io import UncachedReader
 
 
 @pytest.mark.parametrize("prefer_direct", [True, False])

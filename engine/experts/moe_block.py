@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe_executor import MoeExecutor
+from engine.experts.moe_executor import MoeExecutor
 
 
 def is_sparse_moe_block(module: nn.Module) -> bool:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from engine.loader import OffloadedModel
+from engine.worker.loader import OffloadedModel
 
 
 @dataclass(frozen=True)

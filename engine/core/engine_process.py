@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
+from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
 
@@ -48,9 +48,9 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        from engine.loader import load_model
-        from engine.runner import ModelRunner
-        from engine.scheduler import Scheduler
+        from engine.worker.loader import load_model
+        from engine.worker.runner import ModelRunner
+        from engine.core.scheduler import Scheduler
 
         om = load_model(args.model_dir, args.engine_config)
         sched = Scheduler(om.tokenizer, om.eos_token_ids, args.max_running, args.prefill_token_budget, args.max_model_len)

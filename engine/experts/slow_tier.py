@@ -10,10 +10,10 @@ from abc import ABC, abstractmethod
 import torch
 from tqdm.auto import tqdm
 
-from engine.checkpoint import TensorLocation, read_tensor
-from engine.expert_layout import ExpertLocator
-from engine.link import EmulatedLink
-from engine.uncached_io import UncachedReader
+from engine.weights.checkpoint import TensorLocation, read_tensor
+from engine.weights.expert_layout import ExpertLocator
+from engine.experts.link import EmulatedLink
+from engine.experts.uncached_io import UncachedReader
 
 
 class SlowTier(ABC):

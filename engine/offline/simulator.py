@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.link import LinkSpec
+from engine.experts.link import LinkSpec
 from policies.registry import PolicyBundle
 
 
@@ -77,7 +77,7 @@ class SimResult:
 
 
 class SimCache:
-    """Residency model of the fast tier: same rules as engine.expert_store, without tensors."""
+    """Residency model of the fast tier: same rules as engine.experts.expert_store, without tensors."""
 
     def __init__(self, n_slots: int, policies: PolicyBundle) -> None:
         self.n_slots, self.ev = n_slots, policies.eviction

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from engine.sampling import SamplingParams
+from engine.worker.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

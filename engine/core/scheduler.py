@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import GenerateRequest, RequestOutput, TokenLogprob
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.messages import GenerateRequest, RequestOutput, TokenLogprob
 
 
 class Status(Enum):

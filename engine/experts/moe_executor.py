@@ -17,10 +17,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.expert_layout import ExpertShape
-from engine.expert_store import ExpertStore
+from engine.weights.expert_layout import ExpertShape
+from engine.experts.expert_store import ExpertStore
 from engine.stats import EngineStats
-from engine.transfers import Transfer, TransferEngine
+from engine.experts.transfers import Transfer, TransferEngine
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
 
 

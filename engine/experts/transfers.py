@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.expert_store import ExpertStore
-from engine.slow_tier import SlowTier
+from engine.experts.expert_store import ExpertStore
+from engine.experts.slow_tier import SlowTier
 from engine.stats import EngineStats
 
 PRIORITY = {"demand": 0, "admission": 1, "prefetch": 2}  # lower runs first

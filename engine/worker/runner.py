@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from engine.loader import OffloadedModel
-from engine.messages import GenerateRequest, TokenLogprob
-from engine.sampling import ban_eos_before_min_tokens, make_generator, sample
-from engine.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
+from engine.worker.loader import OffloadedModel
+from engine.core.messages import GenerateRequest, TokenLogprob
+from engine.worker.sampling import ban_eos_before_min_tokens, make_generator, sample
+from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 
 
 class ModelRunner:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.arch import ArchSpec
-from engine.checkpoint import TensorLocation
+from engine.weights.arch import ArchSpec
+from engine.weights.checkpoint import TensorLocation
 from engine.errors import CheckpointError
 
 

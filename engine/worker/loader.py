@@ -16,18 +16,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.arch import arch_for, disk_names
-from engine.checkpoint import index_checkpoint, read_tensor
+from engine.weights.arch import arch_for, disk_names
+from engine.weights.checkpoint import index_checkpoint, read_tensor
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.expert_layout import ExpertLocator, ExpertShape
-from engine.expert_store import ExpertStore
-from engine.link import EmulatedLink, parse_link
-from engine.moe_block import OffloadedMoeBlock, is_sparse_moe_block
-from engine.moe_executor import MoeExecutor
-from engine.slow_tier import DiskTier, RamTier, SlowTier
+from engine.weights.expert_layout import ExpertLocator, ExpertShape
+from engine.experts.expert_store import ExpertStore
+from engine.experts.link import EmulatedLink, parse_link
+from engine.experts.moe_block import OffloadedMoeBlock, is_sparse_moe_block
+from engine.experts.moe_executor import MoeExecutor
+from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
-from engine.transfers import TransferEngine
+from engine.experts.transfers import TransferEngine
 
 
 @dataclass

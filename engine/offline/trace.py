@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.loader import OffloadedModel
-from engine.moe_block import OffloadedMoeBlock
+from engine.worker.loader import OffloadedModel
+from engine.experts.moe_block import OffloadedMoeBlock
 
 
 @torch.inference_mode()
