@@ -6,7 +6,8 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: docker/test-image.sh [--setup] [--base IMAGE] [--tag TAG] [--port N] [--drain-timeout S] [--keep]
+Usage: docker/test-image.sh [--setup] [--base IMAGE] [--tag TAG] [--name NAME] [--port N] [--drain-timeout S]
+                            [--keep] [--dry-run]
 
 Builds docker/Dockerfile.cpu from the repository root and tests the image.
 
@@ -17,9 +18,13 @@ Builds docker/Dockerfile.cpu from the repository root and tests the image.
                      `debootstrap --variant=minbase bookworm` + `docker import`, for machines that cannot pull
                      from a registry).  Use --base debian:bookworm-slim where registries are reachable
   --tag TAG          image tag (default moe-offload:cpu)
+  --name NAME        container name (default moe-offload; the script refuses to touch an existing one)
   --port N           port the container serves on (default 18080; the container uses host networking)
-  --drain-timeout S  the server's --drain-timeout (default 20)
+  --drain-timeout S  the server's --drain-timeout (default 30, the server's own default); Docker's
+                     --stop-timeout is 15 s more
   --keep             leave the container running after the checks instead of stopping it
+  --dry-run          print the docker build/run/stop commands this would run, and exit (the README's
+                     "Run in Docker" commands are checked against these by tests/test_docker_files.py)
   -h, --help         this text
 
 Why it is built this way:
@@ -39,14 +44,18 @@ EOF
 BASE=local/debian:bookworm
 TAG=moe-offload:cpu
 PORT=18080
-DRAIN=20
+NAME=moe-offload
+DRAIN=30
 SETUP=0
 KEEP=0
+DRY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --setup) SETUP=1 ;;
     --base) BASE="$2"; shift ;;
     --tag) TAG="$2"; shift ;;
+    --name) NAME="$2"; shift ;;
+    --dry-run) DRY=1 ;;
     --port) PORT="$2"; shift ;;
     --drain-timeout) DRAIN="$2"; shift ;;
     --keep) KEEP=1 ;;
@@ -58,9 +67,32 @@ done
 
 cd "$(dirname "$0")/.."
 TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' docker/Dockerfile.cpu)
-NAME="moe-offload-test-$$"
+STOP_TIMEOUT=$((DRAIN + 15))  # Docker's SIGKILL comes this long after SIGTERM: after the drain, not during it
 say() { printf '== %s\n' "$*"; }
 run() { printf '$ %s\n' "$*"; "$@"; }
+
+# The torch wheel: from the local find-links folder(s) of this machine's pip, if it has one there.
+torch_wheel=""
+find_links=$(python3 -m pip config get global.find-links 2>/dev/null || true)
+for dir in ${PIP_FIND_LINKS:-$find_links}; do
+  for whl in "$dir"/torch-"$TORCH_VERSION"+cpu-*.whl; do [ -f "$whl" ] && torch_wheel="$whl"; done
+done
+pip_cert=$(python3 -m pip config get global.cert 2>/dev/null || true)
+pip_cert="${PIP_CERT:-$pip_cert}"
+
+# The commands under test, built once: --dry-run prints exactly these.
+BUILD=(docker build --network host -f docker/Dockerfile.cpu -t "$TAG" --build-arg BASE_IMAGE="$BASE")
+[ -n "${APT_MIRROR:-}" ] && BUILD+=(--build-arg APT_MIRROR="$APT_MIRROR")
+[ -n "${PIP_INDEX_URL:-}" ] && BUILD+=(--build-arg PIP_INDEX_URL="$PIP_INDEX_URL")
+[ -n "$torch_wheel" ] && BUILD+=(--build-arg TORCH_INDEX_URL=)  # the wheel in docker/wheels/ is enough
+BUILD+=(.)
+RUN=(docker run -d --name "$NAME" --network host -e PORT="$PORT" --stop-timeout "$STOP_TIMEOUT" "$TAG" --drain-timeout "$DRAIN")
+STOP=(docker stop "$NAME")
+if [ "$DRY" = 1 ]; then
+  printf '%s\n' "${BUILD[*]}" "${RUN[*]}" "${STOP[*]}"
+  exit 0
+fi
+
 fail() { printf 'FAIL: %s\n' "$*" >&2; docker logs --tail 40 "$NAME" >&2 2>&1 || true; exit 1; }
 now() { date +%s.%N; }
 elapsed() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$2"; }
@@ -83,33 +115,25 @@ if [ "$SETUP" = 1 ]; then
   fi
 fi
 docker info > /dev/null 2>&1 || { echo "no Docker daemon answers; run with --setup, or start dockerd" >&2; exit 1; }
-
-# The torch wheel, from the local find-links folder(s) of this machine's pip, if it has one.
-TORCH_INDEX_ARG=()
-find_links=$(python3 -m pip config get global.find-links 2>/dev/null || true)
-find_links="${PIP_FIND_LINKS:-$find_links}"
-rm -f docker/wheels/*.whl docker/certs/*.crt
-for dir in $find_links; do
-  for whl in "$dir"/torch-"$TORCH_VERSION"+cpu-*.whl; do
-    [ -f "$whl" ] || continue
-    say "torch wheel from local disk: $(basename "$whl")"
-    cp "$whl" docker/wheels/
-    TORCH_INDEX_ARG=(--build-arg TORCH_INDEX_URL=)
-  done
-done
-cert=$(python3 -m pip config get global.cert 2>/dev/null || true)
-cert="${PIP_CERT:-$cert}"
-if [ -n "$cert" ] && [ -f "$cert" ]; then
-  say "pip trusts $cert here: the build stage will trust it too"
-  cp "$cert" docker/certs/build-ca.crt
+if docker container inspect "$NAME" > /dev/null 2>&1; then
+  echo "a container named $NAME exists already; remove it or pass --name" >&2
+  exit 1
 fi
+
+rm -f docker/wheels/*.whl docker/certs/*.crt
 trap 'rm -f docker/wheels/*.whl docker/certs/*.crt' EXIT
+if [ -n "$torch_wheel" ]; then
+  say "torch wheel from local disk: $(basename "$torch_wheel")"
+  cp "$torch_wheel" docker/wheels/
+fi
+if [ -n "$pip_cert" ] && [ -f "$pip_cert" ]; then
+  say "pip trusts $pip_cert here: the build stage will trust it too"
+  cp "$pip_cert" docker/certs/build-ca.crt
+fi
 
 say "build"
 t0=$(now)
-run docker build --network host -f docker/Dockerfile.cpu -t "$TAG" \
-  --build-arg BASE_IMAGE="$BASE" --build-arg APT_MIRROR="${APT_MIRROR:-}" --build-arg PIP_INDEX_URL="${PIP_INDEX_URL:-}" \
-  "${TORCH_INDEX_ARG[@]}" .
+run "${BUILD[@]}"
 t1=$(now)
 size=$(docker image inspect -f '{{.Size}}' "$TAG")
 say "built in $(elapsed "$t0" "$t1") s; image size $((size / 1000000)) MB"
@@ -118,7 +142,7 @@ say "run"
 trap 'rm -f docker/wheels/*.whl docker/certs/*.crt; [ "$KEEP" = 1 ] || docker rm -f "$NAME" > /dev/null 2>&1 || true' EXIT
 t_run=$(now)
 # --stop-timeout: give the drain its time before Docker's SIGKILL (Docker's default is 10 s).
-run docker run -d --name "$NAME" --network host -e PORT="$PORT" --stop-timeout $((DRAIN + 15)) "$TAG" --drain-timeout "$DRAIN"
+run "${RUN[@]}"
 url="http://127.0.0.1:$PORT"
 t_health=""
 for _ in $(seq 600); do
@@ -164,7 +188,7 @@ curl_pid=$!
 for _ in $(seq 100); do grep -q '^data: {' "$stream" && break; sleep 0.1; done
 grep -q '^data: {' "$stream" || fail "the stream did not start"
 t0=$(now)
-run docker stop "$NAME" > /dev/null
+run "${STOP[@]}" > /dev/null
 t1=$(now)
 wait "$curl_pid" || fail "the streamed request failed during the drain"
 code=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")

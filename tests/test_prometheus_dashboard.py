@@ -88,6 +88,29 @@ def test_dashboard_covers_the_operator_panels() -> None:
             assert 'instance=~"$instance"' in sel and 'model=~"$model"' in sel, expr
 
 
+def exported_metric_names() -> set[str]:
+    """Every metric /metrics exposes, as Prometheus names them (counters with _total)."""
+    from server.metrics import ServerMetrics
+
+    return {f.name + ("_total" if f.type == "counter" else "") for f in ServerMetrics().registry.collect()}
+
+
+def test_readme_monitor_table_lists_every_exported_metric() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Monitor", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(moe_offload_[a-z0-9_]+)` \|", section, re.M))
+    exported = exported_metric_names()
+    assert documented == exported, f"undocumented: {sorted(exported - documented)}; not exported: {sorted(documented - exported)}"
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    """Without Prometheus: a query naming a metric the server does not export can never return data."""
+    exported = exported_metric_names()
+    exported |= {n + s for n in exported for s in ("_bucket", "_sum", "_count")}
+    queried = set().union(*(metric_names(e) for _, e in panel_queries(json.loads(DASHBOARD.read_text()))))
+    assert queried <= exported, f"not exported: {sorted(queried - exported)}"
+
+
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
 
