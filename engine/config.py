@@ -1,34 +1,43 @@
-"""Engine settings: a frozen dataclass, loadable from configs/*.yaml and overridable by flags."""
+"""Engine settings: a frozen dataclass, loadable from configs/*.yaml and overridable by flags.
+
+Each field's `setting(...)` carries its command-line help, so the flags of every command are
+generated from this class (engine/settings_file.py) and cannot drift from it.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
-from engine.settings_file import YamlSection
+from engine.settings_file import YamlSection, setting
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class EngineConfig(YamlSection):
     SECTION = "engine"
 
-    cache_fraction: float = 1.0  # share of all routed experts that fit in the fast tier
-    cache_bytes: int | None = None  # alternative to cache_fraction: fast-tier budget in bytes
-    offload: str = "ram"  # slow tier: "ram" (host memory) or "disk" (checkpoint files, uncached reads)
-    link: str | None = None  # emulated link in front of the slow tier: a name or "MBPS[:LATENCY_US]"
-    policy: str = "fetch-all"  # miss policy or preset: fetch-all, threshold, first-choice, quality-first, speed-first
-    eviction: str | None = None  # lru | frequency; None = the policy's default (presets: frequency, else lru)
-    admission: str | None = None  # none | background; None = the policy's default (presets: background)
-    substitute: str = "best-resident"  # what stands in for a substituted miss: best-resident | drop
-    threshold: float = 0.15  # the threshold rule's gate cut-off (normalized gate weight)
-    admission_beta: float = 0.5  # background admission: accumulated substituted mass that admits an expert
-    frequency_decay: float = 0.999  # frequency eviction: score decay per cache access
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    dtype: str = "auto"  # "auto" (fp32 on CPU, checkpoint dtype on GPU), "float32", "bfloat16", "float16"
-    transfer_workers: int = 2  # background transfer threads
-    warm_start: bool = True  # fill the fast tier at load time instead of taking cold misses
-    direct_io: bool = True  # disk tier: try O_DIRECT before pread + fadvise(DONTNEED)
+    cache_fraction: float = setting(1.0, "share of all routed experts kept in the fast tier, in (0, 1]. Default 1.0", metavar="F")
+    cache_bytes: int | None = setting(None, "fast-tier budget in bytes (overrides --cache-fraction)", metavar="N")
+    offload: str = setting("ram", "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O. Default ram", choices=("ram", "disk"))
+    link: str | None = setting(None, "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500", metavar="NAME|MBPS[:US]")
+    policy: str = setting("fetch-all", "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)", metavar="NAME")
+    eviction: str | None = setting(None, "eviction policy: lru or frequency (decayed LFU). Default: frequency for the presets, else lru", metavar="NAME")
+    admission: str | None = setting(None, "admission policy: none, or background (load an expert asynchronously once its substituted gate mass adds up to --admission-beta). Default: background for the presets, else none", metavar="NAME")
+    substitute: str = setting("best-resident", "what stands in for a substituted miss: best-resident (default; highest-logit resident expert takes its gate weight) or drop (renormalize the remaining gates)", metavar="NAME")
+    threshold: float = setting(0.15, "gate cut-off of the threshold rule (default 0.15)", metavar="G")
+    admission_beta: float = setting(0.5, "substituted gate mass that triggers background admission (default 0.5)", metavar="B")
+    frequency_decay: float = setting(0.999, "frequency eviction: score decay per cache access (default 0.999)", metavar="D")
+    device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
+    dtype: str = setting("auto", "compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)", choices=DTYPES)
+    transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
+    warm_start: bool = setting(True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm")
+    direct_io: bool = setting(True, "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only", flag="--no-direct-io")
 
     def __post_init__(self) -> None:
+        # Everything that can be checked without a model is checked here, so every front end
+        # (serve before it listens, generate, eval) fails with one line before any work.
         if not 0.0 < self.cache_fraction <= 1.0:
             raise ConfigError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
@@ -37,6 +46,17 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"bad device {self.device!r}; use auto, cpu, cuda or cuda:N")
+        if not 0.0 <= self.threshold <= 1.0 or self.admission_beta <= 0 or not 0.0 < self.frequency_decay <= 1.0:
+            raise ConfigError("threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]")
+        if self.link:
+            from engine.experts.link import parse_link
+
+            parse_link(self.link)
+        self.policies()
 
     def policies(self):
         """The policy objects these settings name (fresh state each call)."""

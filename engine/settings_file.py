@@ -1,9 +1,9 @@
-"""Shared loading of frozen settings dataclasses from a section of a YAML file."""
+"""Frozen settings dataclasses: loaded from a section of a YAML file, and turned into flags."""
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -37,3 +37,51 @@ class YamlSection:
         if unknown:
             raise ConfigError(f"{path}: unknown {cls.SECTION} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**section)
+
+
+# -- command-line flags generated from the settings dataclasses (one source of truth) -----------
+
+def setting(default: Any, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
+            flag: str | None = None, repeat: bool = False) -> Any:
+    """A dataclass field that also describes its command-line flag.
+
+    flag: the option string (default --field-name; for a bool that defaults to True, give the
+    negative form such as --no-warm). repeat: the flag may be given several times (a tuple).
+    """
+    return field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices, "flag": flag, "repeat": repeat})
+
+
+def _base_type(tp: Any) -> Any:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one argparse flag per `setting` field of `cls`; its default is None ('not given'),
+    so file settings apply unless a flag overrides them."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta or f.name in skip:
+            continue
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "help": meta["help"], "default": None}
+        if tp is bool:
+            kw["action"] = "store_const"
+            kw["const"] = not f.default if flag.startswith("--no-") else True
+        elif meta["repeat"]:
+            kw.update(action="append", metavar=meta["metavar"])
+        else:
+            kw.update(type=_base_type(get_args(tp)[0]) if get_origin(tp) is tuple else tp, metavar=meta["metavar"], choices=meta["choices"])
+        group.add_argument(flag, **kw)
+
+
+def overrides_from_args(args: Any, cls: type) -> dict[str, Any]:
+    """The flags of `cls` that were given, as field overrides."""
+    out = {}
+    for f in fields(cls):
+        if "help" in f.metadata and getattr(args, f.name, None) is not None:
+            v = getattr(args, f.name)
+            out[f.name] = tuple(v) if f.metadata["repeat"] else v
+    return out

@@ -23,18 +23,14 @@ class EngineStats:
     transfer_seconds: dict[str, float] = field(default_factory=dict)
     transfers_cancelled: int = 0
     evictions: int = 0
-    # Filled by later features (substitution, CPU fallback, prefetch, speculation); exported from day one.
     calls_hit: int = 0  # selected (token, slot) expert calls served from the fast tier
     calls_fetched: int = 0  # ... served by waiting for a load
     substitutions: int = 0  # ... served by a stand-in (or dropped)
     substituted_mass: float = 0.0
     admissions: int = 0
-    cpu_fallback_calls: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    prefetch_issued: int = 0  # protected prefetch transfers submitted
+    prefetch_used: int = 0  # ... whose expert a plan used (or a demand load joined) before expiry
+    prefetch_wasted: int = 0  # ... evicted or expired unused
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,12 +98,9 @@ class EngineStats:
                 "substitutions": self.substitutions,
                 "substituted_mass": self.substituted_mass,
                 "admissions": self.admissions,
-                "cpu_fallback_calls": self.cpu_fallback_calls,
+                "prefetch_issued": self.prefetch_issued,
                 "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted,
-                "spec_drafts": self.spec_drafts,
-                "spec_draft_tokens": self.spec_draft_tokens,
-                "spec_accepted_tokens": self.spec_accepted_tokens,
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m} for i, (h, m) in enumerate(zip(self.hits, self.misses))
                 ],

@@ -7,6 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import MoeOffloadError
+from engine.paths import portable_path
+from server.cli_common import add_engine_flags, engine_config_from_args, resolve_model_dir
 
 
 def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
@@ -33,7 +35,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from engine.offline.evaluation import teacher_forced_eval
     from engine.worker.loader import load_model
     from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
-    from server.cli import engine_config_from_args, resolve_model_dir
 
     base = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
@@ -64,7 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         d = 100.0 * (r.ppl / ref - 1.0)
         rows.append({"label": label, "delta_ppl_pct": d, **r.to_dict()})
         print(f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}")
-    out = {"model": model_dir, "data": args.data, "tokens": len(ids or []), "window": args.window,
+    out = {"model": portable_path(model_dir), "data": portable_path(args.data), "tokens": len(ids or []), "window": args.window,
            "cache_fraction": base.cache_fraction, "results": rows}
     if len(rows) > 2:
         prot = [r for r in rows if r["label"] not in UNPROTECTED]
@@ -104,7 +105,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.worker.loader import load_model
     from engine.offline.trace import record_trace, save_trace
-    from server.cli import resolve_model_dir
 
     om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto"))
     try:
@@ -147,8 +147,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from server.cli import add_engine_flags
-
     e = sub.add_parser("eval", help="teacher-forced perplexity per miss policy",
                        description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
     e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")

@@ -4,23 +4,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
-from engine.settings_file import YamlSection
+from engine.settings_file import YamlSection, setting
 
 
 @dataclass(frozen=True)
 class ServerConfig(YamlSection):
     SECTION = "server"
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    served_model_name: str | None = None  # default: the model directory's name
-    max_running: int = 64  # sequences decoded together in one engine step
-    max_queue: int = 256  # further sequences allowed to wait; beyond this: 503 + Retry-After
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    prefill_token_budget: int = 1024  # prompt tokens prefilled per engine step (decodes keep flowing)
-    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may take before being aborted
-    log_level: str = "info"
+    host: str = setting("127.0.0.1", "address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)", metavar="ADDR")
+    port: int = setting(8000, "TCP port (default 8000)", metavar="N")
+    api_keys: tuple[str, ...] = setting((), "require 'Authorization: Bearer KEY' on /v1/* (repeatable: any listed key is accepted); /health and /metrics stay public", metavar="KEY", flag="--api-key", repeat=True)
+    served_model_name: str | None = setting(None, "model id clients must send and /v1/models lists (default: the model directory's name)", metavar="NAME")
+    max_running: int = setting(64, "sequences decoded together in one engine step (default 64)", metavar="N")
+    max_queue: int = setting(256, "sequences allowed to wait beyond --max-running; more get 503 with Retry-After (default 256)", metavar="N")
+    max_model_len: int | None = setting(None, "context length: prompt + max_tokens must fit (default: the model's max_position_embeddings)", metavar="N")
+    prefill_token_budget: int = setting(1024, "prompt tokens prefilled per engine step; longer prompts are prefilled in chunks while decodes keep flowing (default 1024)", metavar="N")
+    drain_timeout: float = setting(30.0, "on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted (default 30)", metavar="S")
+    log_level: str = setting("info", "log verbosity (default info)", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -23,7 +23,6 @@ class ServeSettings:
     served_model_name: str
     api_keys: tuple[str, ...] = ()
     max_queue: int = 256  # requests allowed to wait beyond the running cap before 503
-    drain_timeout: float = 30.0  # SIGTERM: seconds to let in-flight requests finish
 
 
 class ServerState:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.generation import generate
+from engine.core.completion import generate
 from engine.worker.loader import load_dense_model, load_model
 from engine.worker.sampling import SamplingParams
 from models import EMBEDDED_DIR, EMBEDDED_DRAFT, EMBEDDED_TARGET

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.generation import generate, prompt_logits
+from engine.core.completion import generate
+from engine.worker.runner import prompt_logits
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from tiny_models import ARCHS, load_reference

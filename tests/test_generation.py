@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.generation import generate
+from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams, filter_logits, sample
 

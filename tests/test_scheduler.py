@@ -1,6 +1,8 @@
 """Scheduler and detokenizer on CPU, without a model: the runner is faked with plain data."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.messages import GenerateRequest
 from engine.worker.sampling import SamplingParams
@@ -22,17 +24,59 @@ def req(rid: str, n_prompt: int = 3, **kw: object) -> GenerateRequest:
     return GenerateRequest(rid, list(range(1, n_prompt + 1)), SamplingParams(**kw))  # type: ignore[arg-type]
 
 
-def test_decodes_interleave_and_prefills_respect_budget() -> None:
+def test_decodes_interleave_and_long_prompts_prefill_in_chunks() -> None:
     s = Scheduler(CharTok(), {0}, max_running=8, prefill_token_budget=5, max_model_len=100)
     for r in ("a", "b", "c"):
         s.add(req(r, n_prompt=3, max_tokens=3))
     plan = s.schedule()
-    assert [(w.request_id, w.is_prefill) for w in plan.work] == [("a", True)]  # b would exceed the budget
-    s.update(plan, fake_execute(plan))
-    plan = s.schedule()
-    assert [(w.request_id, w.is_prefill, w.start_pos) for w in plan.work] == [("a", False, 3), ("b", True, 0)]
+    # a fits whole; b gets the 2 tokens left of the budget, a chunk that does not sample yet.
+    assert [(w.request_id, w.input_ids, w.start_pos, w.samples) for w in plan.work] == [("a", [1, 2, 3], 0, True), ("b", [1, 2], 0, False)]
     outs = s.update(plan, fake_execute(plan))
-    assert [o.text for o in outs] == ["b", "a"]
+    assert [o.request_id for o in outs] == ["a"] and s.running["b"].num_computed == 2
+    plan = s.schedule()
+    assert [(w.request_id, w.input_ids, w.start_pos, w.samples) for w in plan.work] == [
+        ("a", [ord("a")], 3, True), ("b", [3], 2, True), ("c", [1, 2, 3], 0, True)]
+    outs = s.update(plan, fake_execute(plan))
+    assert [o.text for o in outs] == ["b", "a", "a"]
+
+
+def test_rollback_advances_by_kept_positions() -> None:
+    """A verification window [last, d1, d2, d3] that keeps 2 positions (1 draft accepted) emits
+    2 tokens and advances the position count by 2, not by the window's length."""
+    s = Scheduler(CharTok(), {0}, max_running=8, prefill_token_budget=100, max_model_len=100)
+    s.add(req("r", n_prompt=3, max_tokens=10))
+    plan = s.schedule()
+    s.update(plan, fake_execute(plan))
+    w = s.schedule().work[0]
+    assert w.max_draft == 8  # 9 more tokens allowed, the window's own sample is one of them
+    window = StepPlan([replace(w, input_ids=w.input_ids + [98, 99, 100], num_draft=3)])
+    outs = s.update(window, StepOutput({"r": SeqResult(sampled=[98, 120], num_kept=2)}))
+    seq = s.running["r"]
+    assert outs[0].token_ids == [98, 120] and seq.num_computed == 3 + 2 and len(seq.output_ids) == 3
+    nxt = s.schedule().work[0]
+    assert nxt.input_ids == [120] and nxt.start_pos == 5
+
+
+def test_stop_inside_a_window_emits_nothing_after_it() -> None:
+    s = Scheduler(CharTok(), {0}, max_running=8, prefill_token_budget=100, max_model_len=100)
+    s.add(req("r", n_prompt=3, max_tokens=10, stop=("yz",)))
+    plan = s.schedule()
+    s.update(plan, fake_execute(plan))
+    w = s.schedule().work[0]
+    outs = s.update(StepPlan([w]), StepOutput({"r": SeqResult(sampled=[ord(c) for c in "xyzw"], num_kept=4)}))
+    # "w" after the stop string is dropped; usage counts the tokens up to the stop (as vLLM does).
+    assert outs[0].finish_reason == "stop" and outs[0].text == "x" and outs[0].token_ids == [120, 121, 122] and outs[0].num_output_tokens == 4
+
+
+def test_context_cap_inside_a_window() -> None:
+    s = Scheduler(CharTok(), {0}, max_running=8, prefill_token_budget=100, max_model_len=6)
+    s.add(req("r", n_prompt=3, max_tokens=50))
+    plan = s.schedule()
+    s.update(plan, fake_execute(plan))
+    w = s.schedule().work[0]
+    assert w.max_draft == 1  # 6 - (3 prompt + 1 output) - 1
+    outs = s.update(StepPlan([w]), StepOutput({"r": SeqResult(sampled=[98, 99, 100], num_kept=3)}))
+    assert outs[0].finish_reason == "length" and outs[0].num_output_tokens == 3  # 3 + 3 = max_model_len
 
 
 def test_length_stop_and_abort_free_caches() -> None:

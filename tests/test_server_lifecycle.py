@@ -14,7 +14,7 @@ import pytest
 from server_fixtures import REPO, serve
 
 MSGS = [{"role": "user", "content": "Hello"}]
-LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "stream": True, "ignore_eos": True, "temperature": 0}
+LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "stream": True, "ignore_eos": True, "temperature": 0}
 
 
 def _events(r: httpx.Response) -> list[str]:

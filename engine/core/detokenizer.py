@@ -1,8 +1,11 @@
 """Incremental detokenization with stop strings, for streaming.
 
-Text is re-decoded from all output tokens (exact for any tokenizer), and only a *safe* prefix
-is released: text ending in an incomplete UTF-8 sequence, or in a prefix of a stop string, is
-held back, so the concatenated stream always equals the final text.
+Cost per token is bounded, whatever the output length: like vLLM, only a short tail of tokens
+is decoded each time (`prefix_offset`..end against `prefix_offset`..`read_offset`), and the
+new characters are appended. A byte-level BPE token may hold part of a UTF-8 character;
+while the tail decodes to a trailing U+FFFD the text is not advanced, so the concatenated
+stream always equals a full decode. Text ending in a prefix of a stop string is held back
+until it is resolved.
 """
 from __future__ import annotations
 
@@ -24,33 +27,52 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
+        self.max_stop = max((len(s) for s in self.stops), default=0)
         self.tokens: list[int] = []
-        self.text = ""  # full decoded text so far (truncated at a stop string once found)
+        self.text = ""  # decoded text so far (truncated at a stop string once found)
         self.released = 0  # characters of `text` already sent
         self.stopped = False
+        # tokens[prefix_offset:read_offset] were decoded last time: context for the next decode,
+        # so tokenizers that merge spaces or bytes across token boundaries decode correctly.
+        self._prefix_offset = 0
+        self._read_offset = 0
 
     def append(self, token_ids: list[int]) -> None:
         """Add tokens; sets `stopped` when a stop string appears (text is cut before it)."""
+        self.tokens.extend(token_ids)
         if self.tokenizer is None or self.stopped:
-            self.tokens.extend(token_ids)
             return
         prev = len(self.text)
-        self.tokens.extend(token_ids)
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if self.stops:
+        self.text += self._new_text()
+        if self.stops and len(self.text) > prev:
             # A stop string may straddle the previous end: search from just before it.
-            start = max(0, min(prev, self.released) - max(len(s) for s in self.stops) + 1)
+            start = max(0, prev - self.max_stop + 1)
             hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
 
+    def _new_text(self) -> str:
+        dec = self.tokenizer.decode
+        prefix = dec(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = dec(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete multi-byte character (or nothing visible yet): wait
+        new = full[len(prefix):]
+        self._prefix_offset = self._read_offset  # the tokens just decoded are the next context
+        self._read_offset = len(self.tokens)
+        return new
+
     def release(self, final: bool) -> str:
         """Text that is safe to send now; everything left when `final`."""
+        if final and not self.stopped and self.tokenizer is not None and self._read_offset < len(self.tokens):
+            # Flush what is still held back (e.g. an incomplete character at the very end).
+            full = self.tokenizer.decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+            prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+            self.text += full[len(prefix):]
+            self._read_offset = len(self.tokens)
         end = len(self.text)
         if not final:
-            if self.text.endswith("\ufffd"):  # a multi-byte character is still incomplete
-                end = len(self.text.rstrip("\ufffd"))
             end = min(end, len(self.text) - _stop_prefix_overlap(self.text, self.stops))
         end = max(end, self.released)
         out = self.text[self.released : end]

@@ -33,7 +33,6 @@ class EngineArgs:
     max_model_len: int
     max_running: int = 64
     prefill_token_budget: int = 1024
-    draft_dir: str | None = None  # speculative decoding lands later; accepted and recorded now
 
 
 def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
@@ -48,18 +47,16 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        from engine.core.engine_core import CoreLimits, EngineCore
         from engine.worker.loader import load_model
-        from engine.worker.runner import ModelRunner
-        from engine.core.scheduler import Scheduler
 
         om = load_model(args.model_dir, args.engine_config)
-        sched = Scheduler(om.tokenizer, om.eos_token_ids, args.max_running, args.prefill_token_budget, args.max_model_len)
-        runner = ModelRunner(om)
+        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len))
     except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
         out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
         return
     inbox: queue.Queue[EngineInput] = queue.Queue()
-    loop = threading.Thread(target=_scheduler_loop, args=(sched, runner, inbox, out_q), name="scheduler", daemon=True)
+    loop = threading.Thread(target=_scheduler_loop, args=(core, om.stats, inbox, out_q), name="scheduler", daemon=True)
     loop.start()
     out_q.put(EngineReady(args.model_dir, args.max_model_len, os.getpid()))
     parent = mp.parent_process()
@@ -78,14 +75,15 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     om.close()
 
 
-def _scheduler_loop(sched: Any, runner: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue) -> None:
+def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue) -> None:
+    """Owns the engine core: moves messages in, steps, sends outputs and statistics out."""
     last_stats = 0.0
     dirty = True
     try:
         while True:
             # Block only when idle, so running requests keep decoding while messages arrive.
             msgs: list[EngineInput] = []
-            if not sched.has_work() and not dirty:
+            if not core.has_work() and not dirty:
                 msgs.append(inbox.get())
             while True:
                 try:
@@ -94,25 +92,26 @@ def _scheduler_loop(sched: Any, runner: Any, inbox: queue.Queue[EngineInput], ou
                     break
             for msg in msgs:
                 if isinstance(msg, Shutdown):
-                    for o in sched.abort_all():
+                    for o in core.abort_all():
                         out_q.put(o)
                     return
                 if isinstance(msg, GenerateRequest):
-                    sched.add(msg)
-                elif isinstance(msg, AbortRequest) and (o := sched.abort(msg.request_id)) is not None:
+                    core.add(msg)
+                elif isinstance(msg, AbortRequest) and (o := core.abort(msg.request_id)) is not None:
                     out_q.put(o)
                 dirty = True
-            if sched.has_work():
-                plan = sched.schedule()
-                outputs: list[RequestOutput] = sched.update(plan, runner.execute(plan))
-                for o in outputs:
+            if core.has_work():
+                for o in core.step():
                     out_q.put(o)
                 dirty = True
             now = time.monotonic()
-            idle = not sched.has_work()
+            idle = not core.has_work()
             if dirty and (idle or now - last_stats >= STATS_INTERVAL_S):
-                out_q.put(StatsUpdate(len(sched.running), len(sched.waiting), runner.om.stats.snapshot()))
+                out_q.put(StatsUpdate(len(core.scheduler.running), len(core.scheduler.waiting), stats.snapshot()))
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
         out_q.put(EngineDead(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # os._exit skips the queue's feeder thread: flush it first, or the reason never arrives.
+        out_q.close()
+        out_q.join_thread()
         os._exit(1)

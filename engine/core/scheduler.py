@@ -1,16 +1,17 @@
-"""Request states and the per-step plan: which requests run, with which input positions.
+"""Request states and the per-step plan: which requests run, with which window of positions.
 
 The scheduler holds no tensors (the runner owns KV caches and RNGs), so it is testable on CPU
-without a model.  One engine step is
+without a model.  One engine step (engine/core/engine_core.py) is
 
-    plan = scheduler.schedule()        # decide: decodes for every running request + admitted prefills
-    out = runner.execute(plan)         # compute: forward each window, sample
-    outputs = scheduler.update(plan, out)   # account: append tokens, stop checks, detokenize, free
+    plan = scheduler.schedule()              # decide: a window for every running request
+    out = runner.execute(plan)               # compute: one packed forward, sample / verify
+    outputs = scheduler.update(plan, out)    # account: advance, stop checks, detokenize, free
 
-Every work item is a *window* of positions (`input_ids`, starting at `start_pos`): the whole
-prompt at prefill, the last sampled token at decode, and later the last token plus k draft
-tokens for speculative verification; `SeqResult.sampled` may then hold up to k+1 accepted
-tokens and the runner crops the KV cache back to `start_pos + accepted`.
+Every work item is a *window* of positions (`input_ids`, starting at `start_pos`): a chunk of
+the prompt at prefill, the last sampled token at decode, or the last token plus k proposed
+tokens for speculative verification.  `SeqResult.num_kept` says how many positions of the
+window stay in the KV cache (the runner has already cropped it to that), and the scheduler
+advances by exactly that count, so a window that keeps 1 of 5 positions rolls back cleanly.
 """
 from __future__ import annotations
 
@@ -53,9 +54,21 @@ class SeqWork:
     request_id: str
     input_ids: list[int]  # [T] positions to run
     start_pos: int  # KV cache length before this window
-    is_prefill: bool
+    is_prefill: bool  # the window holds prompt tokens (the first chunk creates the KV cache)
     req: GenerateRequest
     output_ids: tuple[int, ...]  # tokens generated so far (penalties, min_tokens)
+    samples: bool = True  # False for a prompt chunk that does not reach the prompt's end
+    num_draft: int = 0  # the last num_draft input_ids are proposed tokens to verify
+    max_draft: int = 0  # proposals the request can still use (max_tokens and context left)
+    draft_probs: object | None = None  # the proposer's distributions [num_draft, V], None = deterministic
+
+    @property
+    def new_seq(self) -> bool:
+        return self.is_prefill and self.start_pos == 0
+
+    @property
+    def draft_ids(self) -> list[int]:
+        return self.input_ids[len(self.input_ids) - self.num_draft:] if self.num_draft else []
 
 
 @dataclass
@@ -66,7 +79,8 @@ class StepPlan:
 
 @dataclass
 class SeqResult:
-    sampled: list[int] = field(default_factory=list)  # accepted new tokens (1 without speculation)
+    sampled: list[int] = field(default_factory=list)  # new tokens: accepted proposals + one sampled
+    num_kept: int | None = None  # window positions kept in the KV cache; None = all of them
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
@@ -80,8 +94,10 @@ class StepOutput:
 class Scheduler:
     """FCFS admission under a running-request cap and a per-step prefill token budget.
 
-    Decodes of running requests are never starved: every step decodes every running request,
-    and admits new prefills only up to `prefill_token_budget` prompt tokens (at least one).
+    Decodes of running requests are never starved: every step decodes every running request.
+    Prompt tokens are prefilled up to `prefill_token_budget` per step; a longer prompt is
+    split into chunks over several steps (chunks and decodes share a step). A prompt that
+    asks for prompt logprobs is prefilled whole, in one step.
     """
 
     def __init__(self, tokenizer: Any, eos_ids: set[int], max_running: int, prefill_token_budget: int, max_model_len: int) -> None:
@@ -122,23 +138,35 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(free_ids=self._to_free)
         self._to_free = []
-        for seq in self.running.values():
-            plan.work.append(SeqWork(seq.request_id, [seq.output_ids[-1]], seq.num_computed, False, seq.req, tuple(seq.output_ids)))
         budget = self.prefill_token_budget
-        admitted = 0
-        while self.waiting and len(self.running) < self.max_running:
+        for seq in self.running.values():
+            n_prompt = len(seq.req.prompt_ids)
+            if seq.num_computed < n_prompt:  # a prompt still being prefilled in chunks
+                if budget > 0:
+                    plan.work.append(self._prefill_chunk(seq, budget))
+                    budget -= len(plan.work[-1].input_ids)
+                continue
+            total = n_prompt + len(seq.output_ids)
+            room = min(seq.req.params.max_tokens - len(seq.output_ids), self.max_model_len - total) - 1
+            plan.work.append(SeqWork(seq.request_id, [seq.output_ids[-1]], seq.num_computed, False, seq.req,
+                                     tuple(seq.output_ids), max_draft=max(room, 0)))
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
-            n = len(seq.req.prompt_ids)
-            if admitted and n > budget:
-                break
+            if seq.req.prompt_logprobs is not None and len(seq.req.prompt_ids) > budget and budget < self.prefill_token_budget:
+                break  # needs a whole-prompt step; it gets the next one
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.queue_seconds = time.monotonic() - seq.arrival
             self.running[seq.request_id] = seq
-            plan.work.append(SeqWork(seq.request_id, list(seq.req.prompt_ids), 0, True, seq.req, ()))
-            budget -= n
-            admitted += 1
+            plan.work.append(self._prefill_chunk(seq, budget))
+            budget -= len(plan.work[-1].input_ids)
         return plan
+
+    def _prefill_chunk(self, seq: SeqState, budget: int) -> SeqWork:
+        prompt = seq.req.prompt_ids
+        start = seq.num_computed
+        end = len(prompt) if seq.req.prompt_logprobs is not None else min(len(prompt), start + budget)
+        return SeqWork(seq.request_id, list(prompt[start:end]), start, True, seq.req, (), samples=end == len(prompt))
 
     def update(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -151,11 +179,15 @@ class Scheduler:
                 if (o := self.abort(w.request_id, "error", res.error)) is not None:
                     outputs.append(o)
                 continue
-            seq.num_computed = w.start_pos + len(w.input_ids)
+            # Advance by what the runner kept (a rejected speculative tail is already cropped).
+            seq.num_computed = w.start_pos + (len(w.input_ids) if res.num_kept is None else res.num_kept)
+            if not w.samples:  # a prompt chunk short of the prompt's end: nothing to emit yet
+                continue
             new: list[int] = []
             lps: list[TokenLogprob] = []
             finish: str | None = None
             p = seq.req.params
+            n_prompt = len(seq.req.prompt_ids)
             for i, tok in enumerate(res.sampled):
                 if tok in self.eos_ids and not p.ignore_eos:
                     finish = "stop"  # EOS ends the text and is not part of it (nor of usage)
@@ -167,10 +199,10 @@ class Scheduler:
                 seq.detok.append([tok])
                 if seq.detok.stopped:
                     finish = "stop"
-                elif len(seq.output_ids) >= p.max_tokens or seq.num_computed + 1 >= self.max_model_len:
+                elif len(seq.output_ids) >= p.max_tokens or n_prompt + len(seq.output_ids) >= self.max_model_len:
                     finish = "length"
                 if finish:
-                    break
+                    break  # nothing after a stop is emitted, even if the window produced more
             if finish:
                 seq.status = Status.FINISHED
                 del self.running[w.request_id]

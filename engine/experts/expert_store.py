@@ -5,13 +5,21 @@ device, so loading an expert is one copy and nothing is allocated on the hot pat
 
 Keys are ints (layer * num_experts + expert) to keep the per-layer bookkeeping cheap.
 A key is in one of two states: LOADING (slot reserved, copy in flight) or RESIDENT.
-Pinned keys (in use by the current layer, or being loaded) are never evicted; the
-eviction *choice* among unpinned residents is delegated to a policy object.
+
+Three things keep a resident expert from being evicted:
+- a pin: it is in use by the current layer (held through an `ExpertLease`), or being loaded;
+- protection: it was prefetched and has not been used yet (a separate protection set, as in
+  MoE-Infinity's expert cache), until it is used or its protection expires;
+- the eviction policy's ranking among everything else.
+Every method takes `lock`, which is also the transfer engine's queue lock, so a plan that
+reads residency and pins what it uses is atomic with respect to every thread that evicts.
 """
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from enum import Enum
+from types import TracebackType
 
 import torch
 
@@ -24,6 +32,42 @@ class SlotState(Enum):
     RESIDENT = "resident"
 
 
+class ExpertLease:
+    """Pins held by one user of the fast tier (one MoE layer's run).
+
+    `with store.lease() as lease:` always unpins what is still held on exit, including on
+    exceptions, so a failed read or an aborted step can never leave slots pinned for good.
+    """
+
+    def __init__(self, store: ExpertStore) -> None:
+        self.store = store
+        self.held: Counter[int] = Counter()
+
+    def pin(self, key: int) -> None:
+        self.store.pin(key)
+        self.held[key] += 1
+
+    def adopt(self, key: int) -> None:
+        """Take over a pin someone already took on our behalf (a demand load's consumer pin)."""
+        self.held[key] += 1
+
+    def release(self, key: int) -> None:
+        """Unpin early, e.g. to free the slot for the next load of a layer that streams."""
+        if self.held[key] > 0:
+            self.held[key] -= 1
+            self.store.unpin(key)
+
+    def __enter__(self) -> ExpertLease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        with self.store.lock:
+            for key, n in self.held.items():
+                for _ in range(n):
+                    self.store.unpin(key)
+        self.held.clear()
+
+
 class ExpertStore:
     def __init__(
         self,
@@ -33,6 +77,7 @@ class ExpertStore:
         device: torch.device,
         eviction: EvictionPolicy,
         stats: EngineStats,
+        protect_ticks: int = 16,
     ) -> None:
         if n_slots < 1:
             raise ValueError("the fast tier needs at least one expert slot")
@@ -40,9 +85,12 @@ class ExpertStore:
         self.slots = torch.empty((n_slots, numel), dtype=dtype, device=device)  # [n_slots, 3*I*H]
         self.eviction = eviction
         self.stats = stats
+        self.protect_ticks = protect_ticks  # how many MoE layer runs a prefetched expert is protected for
         self._slot_of: dict[int, int] = {}
         self._state: dict[int, SlotState] = {}
         self._pins: dict[int, int] = {}
+        self._protected: dict[int, int] = {}  # key -> tick at which its protection expires
+        self._clock = 0  # advanced once per MoE layer run (see tick)
         self._free: list[int] = list(range(n_slots - 1, -1, -1))
         self.lock = threading.RLock()
 
@@ -64,7 +112,22 @@ class ExpertStore:
         """The flat buffer of a resident (or just-loaded) expert."""
         return self.slots[self._slot_of[key]]
 
+    def pinned_count(self) -> int:
+        with self.lock:
+            return len(self._pins)
+
+    def has_room(self) -> bool:
+        """A demand load could get a slot now (free, or an unpinned resident to evict)."""
+        with self.lock:
+            return bool(self._free) or any(s is SlotState.RESIDENT and k not in self._pins for k, s in self._state.items())
+
+    def is_protected(self, key: int) -> bool:
+        return key in self._protected
+
     # -- pinning ---------------------------------------------------------------
+    def lease(self) -> ExpertLease:
+        return ExpertLease(self)
+
     def pin(self, key: int) -> None:
         with self.lock:
             self._pins[key] = self._pins.get(key, 0) + 1
@@ -78,19 +141,41 @@ class ExpertStore:
                 self._pins.pop(key, None)
 
     def touch(self, key: int) -> None:
+        """A plan uses this resident expert: tell the eviction policy; a prefetch pays off."""
         with self.lock:
             self.eviction.on_access(key)
+            if self._protected.pop(key, None) is not None:
+                self.stats.add(prefetch_used=1)
+
+    # -- protection of prefetched experts -----------------------------------------
+    def protect(self, key: int) -> None:
+        """Shield a prefetched expert from eviction until it is used or `protect_ticks` pass."""
+        with self.lock:
+            self._protected[key] = self._clock + self.protect_ticks
+
+    def tick(self) -> None:
+        """One MoE layer ran: expire protections that were never used (wasted prefetches)."""
+        with self.lock:
+            self._clock += 1
+            expired = [k for k, t in self._protected.items() if t <= self._clock]
+            for k in expired:
+                del self._protected[k]
+            if expired:
+                self.stats.add(prefetch_wasted=len(expired))
 
     # -- slot lifecycle (called by the transfer engine) -------------------------
-    def reserve(self, key: int) -> int | None:
-        """Claim a slot for `key` (state LOADING, pinned). Evicts an unpinned resident if needed.
+    def reserve(self, key: int, may_evict_protected: bool = True) -> int | None:
+        """Claim a slot for `key` (state LOADING, pinned). Evicts an unpinned resident if needed:
+        unprotected ones first; protected ones only when `may_evict_protected` (demand loads).
 
-        Returns the slot index, or None if every slot is pinned.
+        Returns the slot index, or None if nothing can be evicted.
         """
         with self.lock:
             assert key not in self._state, f"expert key {key} already has a slot"
             if not self._free:
-                victim = self.eviction.victim(self._evictable())
+                victim = self.eviction.victim(self._evictable(protected=False))
+                if victim is None and may_evict_protected:
+                    victim = self.eviction.victim(self._evictable(protected=True))
                 if victim is None:
                     return None
                 self._drop(victim)
@@ -108,17 +193,21 @@ class ExpertStore:
             self.eviction.on_insert(key)
 
     def abort(self, key: int) -> None:
-        """A load was cancelled or failed: give the slot back."""
+        """A load was cancelled or failed: give the slot back (and every pin on it)."""
         with self.lock:
             if self._state.get(key) is SlotState.LOADING:
                 self._pins.pop(key, None)
+                self._protected.pop(key, None)
                 self._free.append(self._slot_of.pop(key))
                 del self._state[key]
 
-    def _evictable(self) -> list[int]:
-        return [k for k, s in self._state.items() if s is SlotState.RESIDENT and k not in self._pins]
+    def _evictable(self, protected: bool) -> list[int]:
+        return [k for k, s in self._state.items()
+                if s is SlotState.RESIDENT and k not in self._pins and (k in self._protected) == protected]
 
     def _drop(self, key: int) -> None:
         self._free.append(self._slot_of.pop(key))
         del self._state[key]
+        if self._protected.pop(key, None) is not None:
+            self.stats.add(prefetch_wasted=1)  # evicted before anything used it
         self.eviction.on_remove(key)

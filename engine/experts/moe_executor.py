@@ -18,10 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.weights.expert_layout import ExpertShape
-from engine.experts.expert_store import ExpertStore
+from engine.experts.expert_store import ExpertLease, ExpertStore
 from engine.stats import EngineStats
 from engine.experts.transfers import Transfer, TransferEngine
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
+
+
+class ExpertLoadError(RuntimeError):
+    """An expert could not be loaded; `rows` are the step's rows that needed it."""
+
+    def __init__(self, layer: int, expert: int, cause: BaseException) -> None:
+        super().__init__(f"expert {expert} of layer {layer} could not be loaded: {type(cause).__name__}: {cause}")
+        self.layer, self.expert = layer, expert
+        self.rows: list[int] = []
 
 
 class MoeExecutor:
@@ -50,17 +59,33 @@ class MoeExecutor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
-        plan = self.policy.plan(
-            layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e),
-            logits.tolist() if self.policy.needs_logits else None,
-        )
-        self._account(plan)
-        out = self._run_plan(layer, x, ids, weights, ids_list, plan)
+        logit_rows = logits.tolist() if self.policy.needs_logits else None
+        with self.store.lease() as lease:
+            # Plan and pin under the store lock: no thread can evict an expert between the
+            # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.
+            with self.store.lock:
+                plan = self.policy.plan(layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e), logit_rows)
+                fetch = set(plan.fetch)
+                needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
+                ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
+                for e in ready:
+                    lease.pin(layer * E + e)
+                    self.store.touch(layer * E + e)
+            self.store.tick()
+            self.stats.record_lookups(layer, len(ready), len(needed) - len(ready))
+            self._account(plan)
+            try:
+                out = self._run_plan(layer, x, ids, weights, ids_list, plan, lease, ready, [e for e in needed if e not in ready])
+            except ExpertLoadError as err:
+                # Which rows needed the expert that failed: the runner fails only their requests.
+                err.rows = sorted({t for t, row in enumerate(plan.experts) if err.expert in row})
+                raise
         if plan.substituted:
             self._admit(layer, plan)  # after compute, so admissions never evict what this layer used
         return out
 
-    def _run_plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan) -> torch.Tensor:
+    def _run_plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan,
+                  lease: ExpertLease, ready: list[int], to_load: list[int]) -> torch.Tensor:
         E = self.num_experts
         if plan.experts is not ids_list:
             ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
@@ -70,7 +95,7 @@ class MoeExecutor:
         T, k = ids.shape
         alive = [e for e in plan.experts[0] if e != DROPPED]
         if T == 1 and len(set(alive)) == len(alive):
-            return self._run_single_row(layer, x, plan.experts[0], weights[0], set(plan.fetch))
+            return self._run_single_row(layer, x, plan.experts[0], weights[0], lease, ready, to_load)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -84,7 +109,7 @@ class MoeExecutor:
             rows = groups[e]
             contrib[rows] = self._expert(layer * E + e, x[rows // k]) * w_flat[rows, None]
 
-        self._run_experts(layer, list(groups), set(plan.fetch), compute)
+        self._run_experts(layer, lease, ready, to_load, compute)
         # Sum each row's k contributions in ascending expert order (transformers' order).
         perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
         c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
@@ -93,7 +118,8 @@ class MoeExecutor:
             out += c[:, j]
         return out
 
-    def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor, fetch: set[int]) -> torch.Tensor:
+    def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
+                        lease: ExpertLease, ready: list[int], to_load: list[int]) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. Same arithmetic and summation order as the general path."""
         E = self.num_experts
         slot_of = {e: j for j, e in enumerate(experts) if e != DROPPED}
@@ -102,32 +128,46 @@ class MoeExecutor:
         def compute(e: int) -> None:
             results[e] = self._expert(layer * E + e, x) * weights[slot_of[e]]
 
-        self._run_experts(layer, list(slot_of), fetch, compute)
+        self._run_experts(layer, lease, ready, to_load, compute)
         ordered = [results[e] for e in sorted(results)]
         out = ordered[0].clone()
         for y in ordered[1:]:
             out += y
         return out
 
-    def _run_experts(self, layer: int, needed: list[int], fetch: set[int], compute: Callable[[int], None]) -> None:
-        """Run `compute(e)` for every needed expert as soon as its weights are in the fast tier."""
+    def _run_experts(self, layer: int, lease: ExpertLease, ready: list[int], pending: list[int], compute: Callable[[int], None]) -> None:
+        """Run `compute(e)` for every needed expert as soon as its weights are in the fast tier.
+
+        `ready` experts are resident and pinned by `lease`; `pending` ones are loaded on demand.
+        Every pin is the lease's, so whatever happens here the lease's exit unpins it.
+        """
         E = self.num_experts
-        ready, pending = self._pin_resident(layer, needed, fetch)
+        ready = list(ready)
         waiting: dict[int, Transfer] = {}
         while ready or waiting or pending:
-            pending = self._submit(layer, pending, ready, waiting)
+            pending = self._submit(layer, pending, ready, waiting, lease)
             if not ready:
                 if not waiting:
-                    raise RuntimeError("fast tier deadlock: every slot is pinned and a needed expert cannot load")
+                    # Every slot is pinned. Loads started by other threads (prefetch, admission)
+                    # free their slots when they land; if none is in flight, nothing ever will.
+                    if not self.transfers.wait_for_any_landing():
+                        raise RuntimeError("fast tier deadlock: every slot is pinned and a needed expert cannot load")
+                    continue
                 e = next(iter(waiting))  # oldest submitted first
-                self.transfers.wait(waiting.pop(e))
+                self._wait(e, waiting.pop(e))
                 ready.append(e)
             e = ready.pop(0)
             compute(e)
-            self.store.unpin(layer * E + e)  # frees the slot for the next load if the layer needs more
+            lease.release(layer * E + e)  # frees the slot for the next load if the layer needs more
             for e2 in [e2 for e2, t in waiting.items() if t.done.is_set()]:
-                self.transfers.wait(waiting.pop(e2))
+                self._wait(e2, waiting.pop(e2))
                 ready.append(e2)
+
+    def _wait(self, expert: int, t: Transfer) -> None:
+        try:
+            self.transfers.wait(t)
+        except Exception as e:  # noqa: BLE001 - any read failure becomes one clear error
+            raise ExpertLoadError(t.layer, expert, e) from e
 
     def _account(self, plan: ExpertPlan) -> None:
         """Per-call counters: hit, fetched, substituted, and the substituted gate mass."""
@@ -144,32 +184,18 @@ class MoeExecutor:
         if admitted:
             self.stats.add(admissions=admitted)
 
-    def _pin_resident(self, layer: int, needed: list[int], missing: set[int]) -> tuple[list[int], list[int]]:
-        """Pin the needed experts that are resident; return (ready, to_load). Counts hits and misses."""
-        E = self.num_experts
-        ready: list[int] = []
-        to_load: list[int] = []
-        with self.store.lock:  # check-and-pin atomically: a background load may be evicting
-            for e in needed:
-                key = layer * E + e
-                if e not in missing and self.store.is_resident(key):
-                    self.store.pin(key)
-                    self.store.touch(key)
-                    ready.append(e)
-                else:
-                    to_load.append(e)
-        self.stats.record_lookups(layer, len(ready), len(to_load))
-        return ready, to_load
-
-    def _submit(self, layer: int, to_load: list[int], ready: list[int], waiting: dict[int, Transfer]) -> list[int]:
+    def _submit(self, layer: int, to_load: list[int], ready: list[int], waiting: dict[int, Transfer], lease: ExpertLease) -> list[int]:
         """Submit demand loads while slots allow; returns the experts still waiting for a slot."""
         E = self.num_experts
         for i, e in enumerate(to_load):
             key = layer * E + e
             with self.store.lock:
                 t = self.transfers.submit(layer, e, "demand", pin=True)
-                if t is None and self.store.is_resident(key):  # it landed meanwhile (e.g. a prefetch)
-                    self.store.pin(key)
+                if t is not None:
+                    lease.adopt(key)  # submit(pin=True) pinned it for us
+                elif self.store.is_resident(key):  # it landed meanwhile (e.g. a prefetch)
+                    lease.pin(key)
+                    self.store.touch(key)
                     ready.append(e)
                     continue
             if t is None:

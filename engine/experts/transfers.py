@@ -41,6 +41,7 @@ class Transfer:
     t_start: float = 0.0
     t_end: float = 0.0
     nbytes: int = 0
+    protect: bool = False  # a prefetch: shield it from eviction once it lands, until used or expired
 
     @property
     def seconds(self) -> float:
@@ -63,8 +64,8 @@ class TransferEngine:
         self._inflight: dict[int, Transfer] = {}
         self._cv = threading.Condition(store.lock)  # one lock for residency + queue: no lock-order bugs
         self._closed = False
+        self._landed = 0  # finished transfers, for waiters that need any slot to free up
         self._stream = torch.cuda.Stream(device=store.slots.device) if store.slots.is_cuda else None
-        self.history: list[Transfer] = []  # finished transfers, for benchmarks (bounded below)
         self._threads = [threading.Thread(target=self._worker, name=f"expert-transfer-{i}", daemon=True) for i in range(workers)]
         for t in self._threads:
             t.start()
@@ -73,10 +74,13 @@ class TransferEngine:
         return layer * self.num_experts + expert
 
     # -- API for the compute thread ------------------------------------------------
-    def submit(self, layer: int, expert: int, kind: str, pin: bool = False) -> Transfer | None:
+    def submit(self, layer: int, expert: int, kind: str, pin: bool = False, protect: bool = False) -> Transfer | None:
         """Start (or join) a load. Returns None if resident already or no slot can be freed.
 
-        With pin=True the caller also pins the expert and must `store.unpin` it after use.
+        With pin=True the caller also pins the expert and must unpin it after use (through
+        an ExpertLease). With protect=True (prefetches) the landed expert is shielded from
+        eviction until a plan uses it or the protection expires; it is counted as issued.
+        Only demand loads may evict protected prefetches: a guess never displaces a guess.
         """
         key = self.key(layer, expert)
         with self._cv:
@@ -84,17 +88,23 @@ class TransferEngine:
             if t is None:
                 if self.store.state(key) is not None:  # resident
                     return None
-                slot = self.store.reserve(key)
+                slot = self.store.reserve(key, may_evict_protected=kind == "demand")
                 if slot is None:
                     return None
-                t = Transfer(key, layer, expert, kind, slot)
+                t = Transfer(key, layer, expert, kind, slot, protect=protect)
                 self._inflight[key] = t
                 heapq.heappush(self._queue, (PRIORITY[kind], next(self._seq), t))
                 self._cv.notify()
-            elif PRIORITY[kind] < PRIORITY[t.kind] and not t.started:
-                t.kind = kind  # promote; the stale heap entry is skipped by the worker
-                heapq.heappush(self._queue, (PRIORITY[kind], next(self._seq), t))
-                self._cv.notify()
+                if protect:
+                    self.stats.add(prefetch_issued=1)
+            elif PRIORITY[kind] < PRIORITY[t.kind]:
+                if t.protect:  # compute needs what was prefetched: the prediction paid off
+                    t.protect = False
+                    self.stats.add(prefetch_used=1)
+                if not t.started:
+                    t.kind = kind  # promote; the stale heap entry is skipped by the worker
+                    heapq.heappush(self._queue, (PRIORITY[kind], next(self._seq), t))
+                    self._cv.notify()
             if pin:
                 self.store.pin(key)
             return t
@@ -123,6 +133,19 @@ class TransferEngine:
             raise t.error
         if t.cuda_event is not None:
             torch.cuda.current_stream(self.store.slots.device).wait_event(t.cuda_event)
+
+    def wait_for_any_landing(self, timeout: float = 30.0) -> bool:
+        """Block until some in-flight transfer finishes (its slot becomes evictable again).
+        Returns whether a retry can succeed: False only when nothing is in flight and no slot
+        is free or evictable (every slot pinned by its users)."""
+        with self._cv:
+            if not self._inflight:
+                return self.store.has_room()
+            n = self._landed
+            t0 = time.perf_counter()
+            self._cv.wait_for(lambda: self._landed != n or not self._inflight, timeout)
+        self.stats.record_stall(time.perf_counter() - t0)
+        return True
 
     def pending(self) -> int:
         with self._cv:
@@ -160,7 +183,9 @@ class TransferEngine:
                         dst.copy_(host, non_blocking=True)
                         t.cuda_event = torch.cuda.Event()
                         t.cuda_event.record(self._stream)
-                    t.cuda_event.synchronize()  # keeps `host` alive until the copy has read it
+                    # A CPU-side wait, in this transfer thread only: it keeps `host` alive until
+                    # the copy has read it. The compute stream waits on the event on the GPU.
+                    t.cuda_event.synchronize()
                 else:
                     dst.copy_(host)
             except BaseException as e:  # surfaced to the waiter, never swallowed
@@ -169,12 +194,13 @@ class TransferEngine:
             with self._cv:
                 if t.error is None:
                     self.store.commit(t.key)
+                    if t.protect:
+                        self.store.protect(t.key)
                     self.store.unpin(t.key)  # the reservation's pin; consumers hold their own
                     self.stats.record_transfer(t.kind, t.nbytes, t.seconds)
                 else:
                     self.store.abort(t.key)
                 self._inflight.pop(t.key, None)
-                self.history.append(t)
-                if len(self.history) > 100_000:
-                    del self.history[:50_000]
+                self._landed += 1
+                self._cv.notify_all()
             t.done.set()

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from engine.worker.loader import OffloadedModel
+from engine.worker.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def score_window(om: OffloadedModel, chunk: list[int], on_token: Callable[[], object] = lambda: None) -> float:
-    """Summed NLL of chunk[1:], feeding one token per step through a fresh KV cache."""
-    cache = DynamicCache(config=om.config)
+def score_window(runner: ModelRunner, chunk: list[int], on_token: Callable[[], object] = lambda: None) -> float:
+    """Summed NLL of chunk[1:], feeding one token per step through a fresh KV cache, with the
+    same runner forward (packed attention, MoE path) that generation uses."""
+    cache = DynamicCache(config=runner.lm.config)
     total = 0.0
     for pos in range(len(chunk) - 1):
-        inp = torch.tensor([[chunk[pos]]], device=om.device)
-        logits = om.model(input_ids=inp, cache=cache, use_cache=True).logits[0, -1].float()
+        logits = runner.forward([[chunk[pos]]], [pos], [cache], [[0]])[0][0].float()  # [V]
         total -= F.log_softmax(logits, dim=-1)[chunk[pos + 1]].item()
         on_token()
     return total
@@ -81,12 +82,13 @@ def score_window(om: OffloadedModel, chunk: list[int], on_token: Callable[[], ob
 @torch.inference_mode()
 def teacher_forced_eval(om: OffloadedModel, ids: list[int], window: int = 256, label: str = "", progress: bool = True) -> EvalResult:
     om.stats.reset()
+    runner = ModelRunner(om)
     nll_sum, n = 0.0, 0
     t0 = time.perf_counter()
     chunks = windows(ids, window)
     bar = tqdm(total=sum(len(c) - 1 for c in chunks), desc=f"eval {label}".strip(), unit="tok", disable=not progress, leave=False)
     for chunk in chunks:
-        nll_sum += score_window(om, chunk, bar.update)
+        nll_sum += score_window(runner, chunk, bar.update)
         n += len(chunk) - 1
     bar.close()
     s = om.stats.snapshot()

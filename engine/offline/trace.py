@@ -20,40 +20,36 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.worker.loader import OffloadedModel
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.routing_bus import RoutingEvent
+from engine.paths import portable_path
 
 
 @torch.inference_mode()
 def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: bool = False, hidden: bool = False) -> dict[str, np.ndarray]:
-    blocks = [om.model.model.layers[i].mlp for i in om.moe_layers]
-    assert all(isinstance(b, OffloadedMoeBlock) for b in blocks)
-    per_layer: dict[int, list[tuple]] = {i: [] for i in range(len(blocks))}
+    index = {layer: i for i, layer in enumerate(om.moe_layers)}
+    per_layer: dict[int, list[tuple]] = {i: [] for i in range(len(index))}
 
-    def observer(idx: int):
-        def fn(x: torch.Tensor, router_logits: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor) -> None:
-            per_layer[idx].append((top_ids.cpu(), top_w.float().cpu(),
-                                   router_logits.half().cpu() if logits else None, x.half().cpu() if hidden else None))
-        return fn
+    def listen(ev: RoutingEvent) -> None:
+        per_layer[index[ev.layer]].append((ev.ids.cpu(), ev.weights.float().cpu(),
+                                           ev.logits.half().cpu() if logits else None, ev.x.half().cpu() if hidden else None))
 
-    for i, b in enumerate(blocks):
-        b.observer = observer(i)
+    unsubscribe = om.bus.subscribe(listen)
     try:
         chunks = [c for c in (ids[i : i + window] for i in range(0, len(ids), window)) if c]
         for chunk in tqdm(chunks, desc="tracing", unit="window", leave=False):
             om.model(input_ids=torch.tensor([chunk], device=om.device), use_cache=False)
     finally:
-        for b in blocks:
-            b.observer = None
+        unsubscribe()
 
     def stack(j: int) -> np.ndarray:
-        return torch.stack([torch.cat([rec[j] for rec in per_layer[i]]) for i in range(len(blocks))], dim=1).numpy()
+        return torch.stack([torch.cat([rec[j] for rec in per_layer[i]]) for i in range(len(index))], dim=1).numpy()
 
     out = {
         "tokens": np.asarray(ids, dtype=np.int32),
         "ids": stack(0).astype(np.int16),
         "weights": stack(1).astype(np.float32),
         "meta": np.asarray(json.dumps({
-            "model": str(om.model_dir), "moe_layers": om.moe_layers, "num_experts": om.num_experts,
+            "model": portable_path(om.model_dir), "moe_layers": om.moe_layers, "num_experts": om.num_experts,
             "top_k": om.top_k, "window": window,
             "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0),
         })),

@@ -25,9 +25,11 @@ from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock, is_sparse_moe_block
 from engine.experts.moe_executor import MoeExecutor
+from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
 from engine.experts.transfers import TransferEngine
+from engine.worker.packed_batch import use_packed_attention
 
 
 @dataclass
@@ -63,6 +65,7 @@ class OffloadedModel(LoadedModel):
     transfers: TransferEngine
     executor: MoeExecutor
     stats: EngineStats
+    bus: RoutingBus
     moe_layers: list[int]
     num_experts: int
     top_k: int
@@ -147,6 +150,7 @@ def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
     dev = _resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, config, dev)).to(dev).eval()
+    use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev)
 
@@ -181,16 +185,19 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
     slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
-    store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats)
+    # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
+    store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
     act_fn = native0.experts.act_fn
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn)
+    bus = RoutingBus()
     for i in moe_layers:
-        layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor)
+        layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor, bus)
 
     _materialize(model, config, spec, tensors, device, model_dir)
+    use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, cfg, store, transfers, executor, stats, moe_layers, E, top_k)
+    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
     if cfg.warm_start:
         _warm(om)
     return om

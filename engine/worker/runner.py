@@ -1,74 +1,156 @@
-"""Executes a StepPlan on an OffloadedModel: forward each request's window, then sample.
+"""Executes a StepPlan: one packed forward over every request's window, then sample or verify.
+
+This is the only place where the engine runs the model for generation and picks tokens; the
+server's engine process, `moe-offload generate`, the benchmarks and teacher-forced eval all
+come through here (eval through `forward`).
 
 The runner owns the tensors of every request: its KV cache (a transformers DynamicCache,
-which can be cropped back after a rejected speculative window) and its RNG.  Requests run
-one after another inside a step; a batched forward over padded windows can replace the loop
-in `_forward` without changing the plan/output contract.
+cropped back after a partially accepted window) and its RNG. A failed expert read fails
+only the requests whose rows needed that expert: the others are rolled back to the start of
+the step and run again.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
-from engine.worker.loader import OffloadedModel
-from engine.core.messages import GenerateRequest, TokenLogprob
-from engine.worker.sampling import ban_eos_before_min_tokens, make_generator, sample
+from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
+from engine.experts.moe_executor import ExpertLoadError
+from engine.experts.routing_bus import StepContext
+from engine.worker.loader import LoadedModel
+from engine.worker.packed_batch import packed_forward
+from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator
+from engine.worker.verify import verify_window
 
 
 class ModelRunner:
-    def __init__(self, om: OffloadedModel) -> None:
-        self.om = om
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
         self.caches: dict[str, DynamicCache] = {}
         self.generators: dict[str, torch.Generator | None] = {}
-        self.eos_ids = sorted(om.eos_token_ids)
+        self.eos_ids = sorted(lm.eos_token_ids)
 
+    @property
+    def om(self) -> LoadedModel:  # the model, for callers that read its stats and store
+        return self.lm
+
+    # -- the model call ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
+                keep: list[list[int]], request_ids: tuple[str, ...] = ()) -> list[torch.Tensor]:
+        """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V])."""
+        bus = getattr(self.lm, "bus", None)
+        if bus is not None:
+            spans, s = [], 0
+            for w in windows:
+                spans.append((s, s + len(w)))
+                s += len(w)
+            bus.step = StepContext(request_ids, tuple(spans))
+        return packed_forward(self.lm.model, windows, starts, caches, keep, self.lm.device)
+
+    # -- a scheduler step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         for rid in plan.free_ids:  # finished or aborted: release KV cache memory now
-            self.caches.pop(rid, None)
-            self.generators.pop(rid, None)
+            self.drop(rid)
         out = StepOutput()
-        for w in plan.work:
+        work = list(plan.work)
+        for w in work:
+            if w.new_seq:
+                self.caches[w.request_id] = DynamicCache(config=self.lm.config)
+                self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
+        while work:
             try:
-                out.results[w.request_id] = self._run_one(w)
-            except Exception as e:  # noqa: BLE001 - one bad request must not kill the others
-                self.caches.pop(w.request_id, None)
-                self.generators.pop(w.request_id, None)
-                out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
+                logits = self.forward([w.input_ids for w in work], [w.start_pos for w in work],
+                                      [self.caches[w.request_id] for w in work], [self._rows(w) for w in work],
+                                      tuple(w.request_id for w in work))
+                break
+            except ExpertLoadError as e:
+                # Fail the requests that needed the lost expert; roll the rest back and rerun.
+                bad = self._requests_of_rows(work, e.rows) or {w.request_id for w in work}
+                for w in work:
+                    if w.request_id in bad:
+                        out.results[w.request_id] = SeqResult(error=str(e))
+                        self.drop(w.request_id)
+                    else:
+                        _truncate(self.caches[w.request_id], w.start_pos)
+                work = [w for w in work if w.request_id not in bad]
+            except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the engine
+                for w in work:
+                    out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
+                    self.drop(w.request_id)
+                return out
+        else:
+            return out
+        for w, lg in zip(work, logits):
+            out.results[w.request_id] = self._finish(w, lg)
         return out
 
-    def _run_one(self, w: SeqWork) -> SeqResult:
-        if w.is_prefill:
-            self.caches[w.request_id] = DynamicCache(config=self.om.config)
-            self.generators[w.request_id] = make_generator(w.req.params, self.om.device)
-        cache = self.caches[w.request_id]
-        assert cache.get_seq_length() == w.start_pos, "KV cache out of step with the scheduler"
-        want_prompt_lp = w.is_prefill and w.req.prompt_logprobs is not None
-        inp = torch.tensor([w.input_ids], device=self.om.device)  # [1, T]
-        logits = self.om.model(input_ids=inp, cache=cache, use_cache=True, logits_to_keep=0 if want_prompt_lp else 1).logits[0]  # [T or 1, V]
+    def drop(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    # -- per request ----------------------------------------------------------------------
+    @staticmethod
+    def _rows(w: SeqWork) -> list[int]:
+        if w.is_prefill and w.req.prompt_logprobs is not None:
+            return list(range(len(w.input_ids)))  # every position predicts the next prompt token
+        if not w.samples:
+            return []
+        T = len(w.input_ids)
+        return list(range(T - 1 - w.num_draft, T))  # the verified rows: [last token, proposals]
+
+    @staticmethod
+    def _requests_of_rows(work: list[SeqWork], rows: list[int]) -> set[str]:
+        bad, start = set(), 0
+        for w in work:
+            end = start + len(w.input_ids)
+            if any(start <= r < end for r in rows):
+                bad.add(w.request_id)
+            start = end
+        return bad
+
+    def _finish(self, w: SeqWork, logits: torch.Tensor) -> SeqResult:
+        """logits: [len(_rows(w)), V]."""
         res = SeqResult()
-        if want_prompt_lp:
-            assert w.req.prompt_logprobs is not None
+        if w.is_prefill and w.req.prompt_logprobs is not None:
             lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i+1
             res.prompt_logprobs = [None] + [_token_logprob(lp[i], t, w.req.prompt_logprobs) for i, t in enumerate(w.input_ids[1:])]
-        last = logits[-1]  # [V]
-        tok = sample(self._process(last, w), w.req.params, self.generators[w.request_id])
-        res.sampled = [tok]
+            logits = logits[-1:]
+        if not w.samples:
+            return res
+        drafts = w.draft_ids
+        probs = w.draft_probs if isinstance(w.draft_probs, torch.Tensor) else None
+        tokens = verify_window(logits, drafts, w.req.params, self.generators[w.request_id],
+                               lambda row, accepted: self._process(row, w, accepted), probs)
+        accepted = len(tokens) - 1
+        res.sampled = tokens
+        res.num_kept = len(w.input_ids) - w.num_draft + accepted  # the rejected tail leaves the cache
+        if res.num_kept < len(w.input_ids):
+            _truncate(self.caches[w.request_id], w.start_pos + res.num_kept)
         if w.req.logprobs is not None:
             # Logprobs of the model's raw distribution (before penalties/temperature), as vLLM does.
-            res.logprobs = [_token_logprob(torch.log_softmax(last.float(), dim=-1), tok, w.req.logprobs)]
+            lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+            res.logprobs = [_token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
         return res
 
-    def _process(self, logits: torch.Tensor, w: SeqWork) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, w: SeqWork, accepted: list[int]) -> torch.Tensor:
         """Penalties and the min_tokens EOS ban, applied before sampling. logits: [V]."""
-        req: GenerateRequest = w.req
-        if (req.presence_penalty or req.frequency_penalty) and w.output_ids:
-            logits = logits.float().clone()
-            ids = torch.tensor(w.output_ids, device=logits.device)
-            counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)  # [V]
-            logits -= req.frequency_penalty * counts + req.presence_penalty * (counts > 0).to(logits.dtype)
-        return ban_eos_before_min_tokens(logits, self.eos_ids, len(w.output_ids), req.params)
+        req = w.req
+        history = list(w.output_ids) + accepted
+        logits = apply_penalties(logits, history, req.presence_penalty, req.frequency_penalty)
+        return ban_eos_before_min_tokens(logits, self.eos_ids, len(history), req.params)
+
+
+def _truncate(cache: DynamicCache, length: int) -> None:
+    """Crop every layer of a KV cache back to `length` positions (layers may differ after a
+    forward that failed midway: the ones it reached hold the window, the others do not)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None:
+            extra = layer.keys.shape[-2] - length
+            if extra > 0:
+                layer.crop(-extra)
 
 
 def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
@@ -78,3 +160,9 @@ def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
         vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
         top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
     return TokenLogprob(token_id, float(lp[token_id]), top)
+
+
+def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Full-prompt logits [S, V] from one forward through the runner (parity checks)."""
+    runner = ModelRunner(lm)
+    return runner.forward([list(ids)], [0], [DynamicCache(config=lm.config)], [list(range(len(ids)))])[0]

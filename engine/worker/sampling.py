@@ -1,21 +1,24 @@
 """Next-token selection: greedy, or temperature / top-k / top-p sampling with a seed."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from engine.settings_file import setting
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    max_tokens: int = setting(64, "maximum new tokens (default 64)", metavar="N")
+    temperature: float = setting(0.0, "sampling temperature; 0 = greedy (default 0)", metavar="T")
+    top_p: float = setting(1.0, "nucleus sampling mass (default 1.0 = off)", metavar="P")
+    top_k: int = setting(0, "sample among the K most likely tokens (default 0 = off)", metavar="K")
+    seed: int | None = setting(None, "random seed for sampling (reproducible output)", metavar="S")
+    stop: tuple[str, ...] = setting((), "stop when this text appears (repeatable); it is not included in the output", metavar="TEXT", repeat=True)
+    ignore_eos: bool = setting(False, "keep generating past the end-of-sequence token")
+    min_tokens: int = setting(0, "do not end (EOS) before this many tokens (default 0)", metavar="N")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -26,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -62,9 +67,22 @@ def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generate
     return logits
 
 
+def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over the tokens generated so far. logits: [V]."""
+    if (presence or frequency) and output_ids:
+        logits = logits.float().clone()
+        counts = torch.bincount(torch.tensor(list(output_ids), device=logits.device), minlength=logits.shape[-1]).to(logits.dtype)  # [V]
+        logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, top-k, top-p applied. [V] -> [V]."""
+    return torch.softmax(filter_logits(logits, params), dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick one token id from [V] logits."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
