@@ -30,6 +30,12 @@ _ENGINE_COUNTERS = (
     ("expert_prefetches_issued", "prefetch_issued", "Expert prefetches submitted (protected until used or expired)."),
     ("expert_prefetches_used", "prefetch_used", "Prefetched experts used by a layer before eviction or expiry."),
     ("expert_prefetches_wasted", "prefetch_wasted", "Prefetched experts evicted or expired unused."),
+    # Exported (at 0) before the engine counts them, so dashboards, alerts and the README keep stable names:
+    # the engine's snapshot fills these keys once CPU fallback and speculative decoding report their counts.
+    ("expert_cpu_fallback_calls", "cpu_fallback_calls", "Expert calls computed on the CPU instead of being fetched."),
+    ("spec_drafts", "spec_drafts", "Speculative-decoding draft windows proposed."),
+    ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding draft tokens proposed."),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding draft tokens accepted."),
 )
 
 
