@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.generation import generate
+from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models.tiny import load_reference, make_tiny_checkpoint

@@ -20,7 +20,10 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.offline.evaluation import score_window
-from engine.generation import stream_generate
+from engine.paths import portable_path
+from engine.core.completion import request
+from engine.core.engine_core import CoreLimits, EngineCore
+from engine.worker.runner import ModelRunner
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 
@@ -61,15 +64,17 @@ class Tally:
 
 def run_teacher_forced(om, chunk: list[int], tally: Tally) -> None:
     before, t0 = _counters(om), time.perf_counter()
-    score_window(om, chunk)
+    score_window(ModelRunner(om), chunk)
     tally.add(len(chunk) - 1, time.perf_counter() - t0, before, _counters(om))
 
 
 def run_generate(om, prompt: list[int], tokens: int, tally: Tally) -> None:
-    before, t0 = None, 0.0
-    for res in stream_generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)):
-        if before is None:  # first token comes from the prefill: start the decode clock here
-            before, t0 = _counters(om), time.perf_counter()
+    core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=1 << 20))
+    core.add(request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)))
+    core.step()  # the prefill gives the first token: start the decode clock here
+    before, t0 = _counters(om), time.perf_counter()
+    while core.has_work():
+        core.step()
     tally.add(tokens, time.perf_counter() - t0, before, _counters(om))
 
 
@@ -84,7 +89,7 @@ def table(rows: list[dict], workload: str) -> list[str]:
 
 
 def main() -> None:
-    from server.cli import resolve_model_dir
+    from server.cli_common import resolve_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the embedded model)")
@@ -120,7 +125,7 @@ def main() -> None:
     for om in engines.values():
         om.close()
 
-    header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {model_dir}. "
+    header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
               f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
               f"generate: {len(prompts)} prompts of 64 tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
     md, raw = [header, ""], {}

@@ -1,6 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: validate, submit, stream or collect."""
 from __future__ import annotations
 
+import time
+
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,14 +21,18 @@ DISCONNECT_POLL_S = 0.5
 async def collect(choices: Choices, raw: Request) -> list[Accumulated] | None:
     """Wait for every choice; None if the client went away (its sequences are aborted)."""
     accs = [Accumulated() for _ in choices.rids]
+    last_check = time.monotonic()
     try:
         while not choices.done:
             got = await choices.next(timeout=DISCONNECT_POLL_S)
-            if got is None:
+            if got is not None:
+                accs[got[0]].add(got[1])
+            # Check on a clock, not only when the engine is quiet: while tokens keep coming,
+            # a client that left would otherwise be served to the end.
+            if got is None or time.monotonic() - last_check >= DISCONNECT_POLL_S:
+                last_check = time.monotonic()
                 if await raw.is_disconnected():
                     return None
-                continue
-            accs[got[0]].add(got[1])
     except EngineFailure as e:
         raise ApiError(503, f"The engine failed: {e}", code="engine_dead") from None
     finally:

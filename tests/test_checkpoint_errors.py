@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
 from engine.worker.loader import load_model
+from server_fixtures import free_port
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -108,10 +110,21 @@ def test_cli_reports_one_line(tiny_ckpt, tmp_path) -> None:
         (["simulate", "--trace", "/nonexistent.npz"], "trace file not found"),
         (["eval", "--data", "/nonexistent.txt"], "data file not found"),
         (["generate", "--prompt", "hi", "--config", "/nonexistent.yaml"], "cannot read config"),
+        # Every setting is checked before the server starts its engine or listens.
+        (["serve", "--link", "warp-speed"], "bad --link"),
+        (["serve", "--device", "tpu"], "bad device"),
+        (["serve", "--cache-fraction", "0"], "cache_fraction must be in (0, 1]"),
+        (["serve", "--eviction", "random"], "unknown eviction policy"),
     ],
 )
 def test_cli_bad_input_is_one_line(argv: list[str], message: str) -> None:
+    if argv[0] == "serve":
+        port = free_port()
+        argv = [*argv, "--port", str(port)] if "--port" not in argv else argv
+    t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=110)
+    if argv[0] == "serve":
+        assert time.monotonic() - t0 < 60, "a bad setting must fail fast, before any engine starts"
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and message in p.stderr, p.stderr[-1500:]
     assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr[-1500:]

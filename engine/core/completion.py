@@ -31,6 +31,10 @@ class Completion:
         return self.token_ids
 
     @property
+    def prefill_seconds(self) -> float:
+        return (self.t_first if self.t_first is not None else self.t_end) - self.t_submit
+
+    @property
     def decode_seconds(self) -> float:
         return self.t_end - (self.t_first if self.t_first is not None else self.t_end)
 

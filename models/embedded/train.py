@@ -97,8 +97,9 @@ def ensure_corpus():
 
 
 def load_stream(tok, path, cache=None):
-    if cache and os.path.exists(cache) and os.path.getmtime(cache) > os.path.getmtime(path):
-        return np.load(cache)
+    tok_file = os.path.join(TARGET_DIR, "tokenizer.json")
+    if cache and os.path.exists(cache) and os.path.getmtime(cache) > max(os.path.getmtime(path), os.path.getmtime(tok_file)):
+        return np.load(cache)  # newer than both the text and the tokenizer that encoded it
     docs = [d for d in open(path, encoding="utf-8").read().split(DOC_SEP) if d.strip()]
     ids = []
     for enc in tok(docs, add_special_tokens=False)["input_ids"]:
@@ -106,6 +107,7 @@ def load_stream(tok, path, cache=None):
         ids.append(EOS_ID)
     arr = np.asarray(ids, dtype=np.int32)
     if cache:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
         np.save(cache, arr)
     return arr
 
@@ -404,7 +406,8 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     tok = AutoTokenizer.from_pretrained(TARGET_DIR)
-    train_ids = load_stream(tok, os.path.join(DATA, "train.txt"), cache="/tmp/embedded_train_ids.npy")
+    # Token ids of the training split, cached beside the data (git-ignored) for reruns.
+    train_ids = load_stream(tok, os.path.join(DATA, "train.txt"), cache=os.path.join(HERE, ".cache", "train_ids.npy"))
     valid_ids = load_stream(tok, os.path.join(DATA, "valid.txt"))
     stats = json.load(open(os.path.join(HERE, "corpus_stats.json")))
     pool = build_chat_pool(tok, os.path.join(DATA, "train.txt"), 4000, args.seed,

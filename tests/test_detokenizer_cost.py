@@ -1,0 +1,45 @@
+"""The incremental detokenizer's work per token does not grow with the output length."""
+from __future__ import annotations
+
+import time
+
+from transformers import AutoTokenizer
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from models import EMBEDDED_TARGET
+
+
+class CountingTokenizer:
+    def __init__(self, tok) -> None:
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _stream(tok, ids: list[int]) -> tuple[str, list[float], int]:
+    counting = CountingTokenizer(tok)
+    d = IncrementalDetokenizer(counting, ("never appears in this text",))
+    out, per_token = "", []
+    for t in ids:
+        t0 = time.perf_counter()
+        d.append([t])
+        out += d.release(final=False)
+        per_token.append(time.perf_counter() - t0)
+    return out + d.release(final=True), per_token, counting.decoded
+
+
+def test_cost_per_token_is_flat_and_text_is_exact() -> None:
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
+    text = (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:60000]
+    ids = tok(text)["input_ids"][:4000]
+    assert len(ids) == 4000
+    streamed, per_token, decoded = _stream(tok, ids)
+    assert streamed == tok.decode(ids, skip_special_tokens=True)  # streaming never changes the text
+    # Work: tokens passed to decode per appended token stays a small constant (it was O(n)).
+    assert decoded / len(ids) < 8
+    # Time: the mean cost of tokens 3900-4000 is within 2x of tokens 400-500 (best of 3 runs).
+    early = min(sum(_stream(tok, ids)[1][400:500]) for _ in range(3))
+    late = min(sum(_stream(tok, ids)[1][3900:4000]) for _ in range(3))
+    assert late <= 2 * early, f"per-token cost grew: {early * 1e4:.3f} ms -> {late * 1e4:.3f} ms"
