@@ -31,12 +31,21 @@ class EngineStats:
     prefetch_issued: int = 0  # protected prefetch transfers submitted
     prefetch_used: int = 0  # ... whose expert a plan used (or a demand load joined) before expiry
     prefetch_wasted: int = 0  # ... evicted or expired unused
+    spec_drafts: int = 0  # verification windows that carried proposals
+    spec_draft_tokens: int = 0  # proposals made
+    spec_accepted_tokens: int = 0  # proposals accepted
+    spec_proposed_at: list[int] = field(default_factory=list)  # [position] windows with a proposal at that position
+    spec_accepted_at: list[int] = field(default_factory=list)  # [position] ... accepted there
+    window_distinct_experts: list[int] = field(default_factory=list)  # [layer] sum over windows of distinct experts
+    windows_seen: list[int] = field(default_factory=list)  # [layer] verification windows counted
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.hits:
             self.hits = [0] * self.num_layers
             self.misses = [0] * self.num_layers
+            self.window_distinct_experts = [0] * self.num_layers
+            self.windows_seen = [0] * self.num_layers
         for kind in TRANSFER_KINDS:
             self.transfers.setdefault(kind, 0)
             self.transfer_seconds.setdefault(kind, 0.0)
@@ -53,6 +62,25 @@ class EngineStats:
         with self._lock:
             self.hits[layer] += hits
             self.misses[layer] += misses
+
+    def record_window(self, proposed: int, accepted: int) -> None:
+        """One verification window: `proposed` tokens, the first `accepted` of them kept."""
+        with self._lock:
+            grow = proposed - len(self.spec_proposed_at)
+            if grow > 0:
+                self.spec_proposed_at += [0] * grow
+                self.spec_accepted_at += [0] * grow
+            self.spec_drafts += 1
+            self.spec_draft_tokens += proposed
+            self.spec_accepted_tokens += accepted
+            for i in range(proposed):
+                self.spec_proposed_at[i] += 1
+                self.spec_accepted_at[i] += i < accepted
+
+    def record_window_experts(self, layer: int, distinct: int) -> None:
+        with self._lock:
+            self.window_distinct_experts[layer] += distinct
+            self.windows_seen[layer] += 1
 
     def record_transfer(self, kind: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -101,7 +129,16 @@ class EngineStats:
                 "prefetch_issued": self.prefetch_issued,
                 "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted,
+                "spec_drafts": self.spec_drafts,
+                "spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
+                "spec_mean_accepted_length": self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0,
+                "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.spec_accepted_at, self.spec_proposed_at)],
+                "spec_accepted_at": list(self.spec_accepted_at),
+                "spec_proposed_at": list(self.spec_proposed_at),
                 "per_layer": [
-                    {"layer": i, "hits": h, "misses": m} for i, (h, m) in enumerate(zip(self.hits, self.misses))
+                    {"layer": i, "hits": h, "misses": m,
+                     "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}
+                    for i, (h, m) in enumerate(zip(self.hits, self.misses))
                 ],
             }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
-from server.cli_common import add_engine_flags, engine_config_from_args, resolve_model_dir
+from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_config_from_args
 from server.cli_eval import add_eval_parsers
 from server.config import ServerConfig
 
@@ -44,6 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**overrides_from_args(args, SamplingParams))
     model_dir = resolve_model_dir(args.model)
     ecfg = engine_config_from_args(args)
+    spec = spec_config_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
     om = load_model(model_dir, ecfg)
     try:
@@ -56,7 +57,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = list(om.tokenizer(opts.prompt)["input_ids"])
         if len(ids) >= max_len:
             raise MoeOffloadError(f"the prompt has {len(ids)} tokens but the context is {max_len}; shorten it or raise --max-model-len")
-        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len))
+        from engine.spec.factory import make_speculation
+
+        proposer, observers = make_speculation(spec, om)
+        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers)
         req = GenerateRequest("generate", ids, params, opts.logprobs, None, opts.presence_penalty, opts.frequency_penalty)
         text, tokens, logprobs, finish = "", [], [], None
         t0 = time.perf_counter()
@@ -114,10 +118,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)
+    spec = spec_config_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
         model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
-        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget,
+        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, spec=spec,
     )
     settings = ServeSettings(engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue)
     logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(s.add_argument_group("server"), ServerConfig)
     add_engine_flags(s)
+    add_spec_flags(s)
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate text for one prompt",
@@ -143,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(g.add_argument_group("prompt and output"), GenerateOptions)
     add_flags(g.add_argument_group("sampling"), SamplingParams)
     add_engine_flags(g)
+    add_spec_flags(g)
     g.set_defaults(func=cmd_generate)
 
     add_eval_parsers(sub)

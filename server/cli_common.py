@@ -7,6 +7,7 @@ import argparse
 from engine.config import EngineConfig
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args
+from engine.spec.config import SpecConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     base = EngineConfig.from_yaml(args.config) if getattr(args, "config", None) else EngineConfig()
     return base.with_overrides(**overrides_from_args(args, EngineConfig))
+
+
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    add_flags(p.add_argument_group("speculative decoding"), SpecConfig)
+
+
+def spec_config_from_args(args: argparse.Namespace, model_dir: str) -> SpecConfig:
+    """The speculation settings, resolved against the model (auto -> a draft found beside it),
+    with the draft checked against the target's vocabulary: one line on any problem."""
+    from engine.spec.factory import check_draft
+
+    base = SpecConfig.from_yaml(args.config) if getattr(args, "config", None) else SpecConfig()
+    spec = base.with_overrides(**overrides_from_args(args, SpecConfig)).resolve(model_dir)
+    if spec.draft is not None:
+        check_draft(model_dir, spec.draft)
+    return spec
 
 
 def resolve_model_dir(arg: str | None) -> str:

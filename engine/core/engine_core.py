@@ -3,6 +3,7 @@
     plan = scheduler.schedule()            # which windows run (no tensors)
     plan = proposer.propose(plan)          # optional: append proposed tokens to decode windows
     out = runner.execute(plan)             # one packed forward; sample or verify; crop KV caches
+    observers see (plan, out)              # acceptance statistics, the speculative sensor
     return scheduler.update(plan, out)     # advance by what was kept; stops; detokenize; free
 
 The server's engine process runs it behind a process boundary (engine/core/engine_process.py);
@@ -15,10 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.core.messages import GenerateRequest, RequestOutput
-from engine.core.scheduler import Scheduler, StepPlan
+from engine.core.scheduler import Scheduler, StepOutput, StepPlan
 
 
-class Proposer(Protocol):
+class StepObserver(Protocol):
+    """Sees each step's plan and results after execution (acceptance, the speculative sensor)."""
+
+    def observe(self, plan: StepPlan, out: StepOutput) -> None: ...
+
+
+class Proposer(StepObserver, Protocol):
     """Fills decode windows with proposed tokens (speculative decoding). It may use at most
     `SeqWork.max_draft` tokens per request and returns a new plan (SeqWork is frozen)."""
 
@@ -33,18 +40,21 @@ class CoreLimits:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Any, proposer: Proposer | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Any, proposer: Proposer | None = None,
+                 observers: tuple[StepObserver, ...] = ()) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
+        self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
         self.steps = 0
 
     @classmethod
-    def for_model(cls, lm: Any, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None) -> EngineCore:
+    def for_model(cls, lm: Any, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
+                  observers: tuple[StepObserver, ...] = ()) -> EngineCore:
         from engine.worker.runner import ModelRunner  # tensors live in worker/, not here
 
         sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len)
-        return cls(sched, ModelRunner(lm), proposer)
+        return cls(sched, ModelRunner(lm), proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -65,7 +75,10 @@ class EngineCore:
         if self.proposer is not None:
             plan = self.proposer.propose(plan)
         self.steps += 1
-        return self.scheduler.update(plan, self.runner.execute(plan))
+        out = self.runner.execute(plan)
+        for obs in self.observers:
+            obs.observe(plan, out)
+        return self.scheduler.update(plan, out)
 
     def generate(self, reqs: list[GenerateRequest]) -> Iterator[RequestOutput]:
         """Run requests to completion in-process, yielding outputs as they come."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.spec.config import SpecConfig
 from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
@@ -33,6 +34,7 @@ class EngineArgs:
     max_model_len: int
     max_running: int = 64
     prefill_token_budget: int = 1024
+    spec: SpecConfig = SpecConfig(speculative="off")  # resolved: off, ngram, or draft with its directory
 
 
 def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
@@ -50,8 +52,11 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         from engine.core.engine_core import CoreLimits, EngineCore
         from engine.worker.loader import load_model
 
+        from engine.spec.factory import make_speculation
+
         om = load_model(args.model_dir, args.engine_config)
-        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len))
+        proposer, observers = make_speculation(args.spec, om)
+        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
     except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
         out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
         return

@@ -32,18 +32,53 @@ class RoutingEvent:
     step: StepContext = field(default_factory=StepContext)
 
 
+@dataclass(frozen=True)
+class WindowCounts:
+    """The speculative sensor's reading for one request's verification window in one MoE layer.
+
+    counts[e]: activations of expert e over the window's rows (0..rows); accepted_counts[e]:
+    the same over the rows whose tokens were kept (the last token and the accepted proposals).
+    """
+
+    layer: int
+    request_id: str
+    rows: int  # 1 + proposals
+    kept: int  # rows whose positions were accepted
+    counts: torch.Tensor  # [E] int64
+    accepted_counts: torch.Tensor  # [E] int64
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """Every verification window of one step, per layer and request, plus the step's union."""
+
+    windows: tuple[WindowCounts, ...]
+    union: dict[int, torch.Tensor]  # layer -> [E] counts summed over the step's windows
+
+
 Listener = Callable[[RoutingEvent], None]
+WindowListener = Callable[[WindowReport], None]
 
 
 class RoutingBus:
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
+        self._window_listeners: list[WindowListener] = []
         self.step = StepContext()
 
     def subscribe(self, fn: Listener) -> Callable[[], None]:
         """Add a listener; returns the function that removes it."""
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn)
+
+    def subscribe_windows(self, fn: WindowListener) -> Callable[[], None]:
+        """Listen to the speculative sensor: one WindowReport after each verification step."""
+        self._window_listeners.append(fn)
+        return lambda: self._window_listeners.remove(fn)
+
+    def publish_windows(self, report: WindowReport) -> None:
+        for fn in list(self._window_listeners):
+            fn(report)
 
     @property
     def active(self) -> bool:

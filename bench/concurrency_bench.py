@@ -1,0 +1,122 @@
+"""Aggregate decode throughput against the number of concurrent streams, side by side.
+
+For each setting (cache 1.0 in RAM, cache 0.25 on disk, cache 0.25 on disk behind an emulated
+link) and each concurrency (1, 4, 8, 16 streams), N greedy requests with distinct prompts are
+submitted to one in-process engine core at once, as the server would. Once every request has
+its first token (prefill done), the decode clock and the counters start; the cell reports
+aggregate decode tok/s, demand loads per generated token and the stall share of wall time.
+
+Rounds are interleaved (every cell once per round, after a warm-up round) and medians of the
+per-round figures are reported; ratios are taken within a round, so they share its load.
+
+    python -m bench.concurrency_bench --out docs/benchmarks/concurrency.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core.completion import request
+from engine.core.engine_core import CoreLimits, EngineCore
+from engine.paths import portable_path
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
+from server.cli_common import resolve_model_dir
+
+STREAMS = (1, 4, 8, 16)
+
+
+def run_cell(om, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096))
+    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        core.add(r)
+    started: set[str] = set()
+    while len(started) < len(reqs):  # prefill (and any decode steps that share them) before the clock
+        started |= {o.request_id for o in core.step() if o.token_ids}
+    s0, t0 = om.stats.snapshot(), time.perf_counter()
+    produced = 0
+    while core.has_work():
+        produced += sum(len(o.token_ids) for o in core.step())
+    wall = time.perf_counter() - t0
+    s1 = om.stats.snapshot()
+    return {
+        "tok_s": produced / wall,
+        "demand_per_token": (s1["transfers"]["demand"] - s0["transfers"]["demand"]) / produced,
+        "stall_share": (s1["stall_seconds"] - s0["stall_seconds"]) / wall,
+        "tokens": produced,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the embedded model)")
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    ap.add_argument("--tokens", type=int, default=24, help="tokens generated per request (default 24)")
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up round (default 3)")
+    ap.add_argument("--link", default="hdd", help="emulated link of the third setting (default hdd: 150 MB/s, 8 ms)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model)
+    settings = {
+        "cache 1.0 (ram)": EngineConfig(cache_fraction=1.0, offload="ram"),
+        "cache 0.25 (disk)": EngineConfig(cache_fraction=0.25, offload="disk"),
+        f"cache 0.25 (disk + {args.link})": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link),
+    }
+    engines = {name: load_model(model_dir, cfg) for name, cfg in settings.items()}
+    tok = next(iter(engines.values())).tokenizer
+    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
+    stride = len(ids) // (max(STREAMS) + 1)
+    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(STREAMS))]
+    cells = [(s, n) for s in settings for n in STREAMS]
+    results: dict[tuple[str, int], list[dict[str, float]]] = {c: [] for c in cells}
+    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
+        for s, n in tqdm(cells, desc=f"round {rnd}", leave=False):
+            r = run_cell(engines[s], prompts[:n], args.tokens)
+            if rnd > 0:
+                results[(s, n)].append(r)
+    for om in engines.values():
+        om.close()
+
+    def med(s: str, n: int, key: str) -> float:
+        return statistics.median(r[key] for r in results[(s, n)])
+
+    def ratio(s: str, n: int, key: str) -> float:  # per-round ratio against 1 stream, then median
+        return statistics.median(a[key] / b[key] for a, b in zip(results[(s, n)], results[(s, 1)]) if b[key])
+
+    lines = ["| setting | streams | aggregate decode tok/s | × 1 stream | demand loads / token | × 1 stream | stall share |",
+             "|---|---|---|---|---|---|---|"]
+    rows = []
+    for s in settings:
+        for n in STREAMS:
+            row = {"setting": s, "streams": n, "tok_s": med(s, n, "tok_s"), "tok_s_vs_1": ratio(s, n, "tok_s"),
+                   "demand_per_token": med(s, n, "demand_per_token"), "stall_share": med(s, n, "stall_share")}
+            row["demand_vs_1"] = ratio(s, n, "demand_per_token") if row["demand_per_token"] else float("nan")
+            rows.append(row)
+            lines.append(f"| {s} | {n} | {row['tok_s']:.1f} | {row['tok_s_vs_1']:.2f}× | {row['demand_per_token']:.2f} | "
+                         f"{row['demand_vs_1']:.2f}× | {row['stall_share']:.0%} |")
+    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}. "
+              f"Model: {portable_path(model_dir)}. Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
+              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round. "
+              f"Link `{args.link}` is emulated.")
+    print(header)
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "rounds": {f"{s}|{n}": v for (s, n), v in results.items()}}, indent=2))
+        args.out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Draft-model proposals: a small dense model, fully resident, batched across requests.
+
+Each request keeps its own draft KV cache. Before proposing, the draft catches up with the
+request's confirmed tokens: whatever of its cache disagrees with them (rejected proposals of
+the last window) is cropped, and the missing tokens are fed as one window. Then it proposes
+k tokens one at a time; every one of these draft steps is a single packed forward over all
+speculating requests, exactly like the target's step.
+
+Proposals are processed like the target's own choice (penalties with the tokens proposed so
+far, the min_tokens EOS ban, temperature, top-k, top-p). Greedy requests take the draft's
+argmax; sampled requests draw from the draft's distribution q, which goes into the window so
+that verification can use the exact rejection rule.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from engine.core.scheduler import SeqWork, StepPlan
+from engine.spec.proposals import ProposerBase, history, with_drafts
+from engine.worker.loader import LoadedModel
+from engine.worker.runner import ModelRunner, _truncate
+from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator, target_probs
+
+
+class DraftProposer(ProposerBase):
+    def __init__(self, draft: LoadedModel, k, stats) -> None:
+        super().__init__(k, stats)
+        self.draft = draft
+        self.runner = ModelRunner(draft)
+        self.eos_ids = sorted(draft.eos_token_ids)
+        self.caches: dict[str, DynamicCache] = {}
+        self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        for d in (self.caches, self.fed, self.generators):
+            d.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> StepPlan:
+        for rid in plan.free_ids:
+            self.forget(rid)
+        active = [(i, w, k) for i, w in enumerate(plan.work) if (k := self.budget(w)) > 0]
+        if not active:
+            return plan
+        windows, starts, caches = [], [], []
+        for _, w, _ in active:
+            rid, full = w.request_id, history(w)
+            if rid not in self.caches:
+                self.caches[rid] = DynamicCache(config=self.draft.config)
+                self.fed[rid] = []
+                self.generators[rid] = _draft_generator(w, self.draft.device)
+            keep = _common_prefix(self.fed[rid], full)
+            _truncate(self.caches[rid], keep)  # drop the rejected tail of the last window
+            windows.append(full[keep:])
+            starts.append(keep)
+            caches.append(self.caches[rid])
+            self.fed[rid] = full
+        drafts: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        live = list(range(len(active)))
+        logits = self.runner.forward(windows, starts, caches, [[len(win) - 1] for win in windows])
+        for step in range(max(k for _, _, k in active)):
+            for j, lg in zip(live, logits):
+                _, w, _ = active[j]
+                tok, q = self._choose(lg[-1], w, drafts[j])
+                drafts[j].append(tok)
+                if q is not None:
+                    probs[j].append(q)
+            live = [j for j in live if len(drafts[j]) < active[j][2]]
+            if not live:
+                break
+            # Feed the tokens just proposed, one row per still-speculating request.
+            rids = [active[j][1].request_id for j in live]
+            logits = self.runner.forward([[drafts[j][-1]] for j in live], [len(self.fed[r]) for r in rids],
+                                         [self.caches[r] for r in rids], [[0]] * len(live))
+            for r, j in zip(rids, live):
+                self.fed[r] = self.fed[r] + [drafts[j][-1]]
+        work = list(plan.work)
+        for j, (i, w, _) in enumerate(active):
+            work[i] = with_drafts(w, drafts[j], torch.stack(probs[j]) if probs[j] else None)
+        return StepPlan(work, plan.free_ids)
+
+    def _choose(self, logits: torch.Tensor, w: SeqWork, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The draft's proposal from its [V] logits; its distribution q when sampling."""
+        req = w.req
+        done = list(w.output_ids) + proposed
+        logits = apply_penalties(logits, done, req.presence_penalty, req.frequency_penalty)
+        logits = ban_eos_before_min_tokens(logits, self.eos_ids, len(done), req.params)
+        if req.params.greedy:
+            return int(torch.argmax(logits)), None
+        q = target_probs(logits, req.params)  # [V]
+        return int(torch.multinomial(q, 1, generator=self.generators[w.request_id])), q
+
+
+def _draft_generator(w: SeqWork, device: torch.device) -> torch.Generator | None:
+    g = make_generator(w.req.params, device)
+    if g is not None and w.req.params.seed is not None:
+        g.manual_seed((w.req.params.seed * 1_000_003 + 17) % 2**63)  # its own stream, still reproducible
+    return g
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

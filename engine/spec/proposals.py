@@ -1,0 +1,50 @@
+"""Shared pieces of the proposers: which windows speculate, and how proposals enter a plan."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
+from engine.stats import EngineStats
+from policies.adaptive_k import AdaptiveK
+
+
+def history(w: SeqWork) -> list[int]:
+    """Every token of the request so far: prompt + output (the last one not yet in the KV cache)."""
+    return list(w.req.prompt_ids) + list(w.output_ids)
+
+
+def with_drafts(w: SeqWork, drafts: list[int], probs: torch.Tensor | None = None) -> SeqWork:
+    if not drafts:
+        return w
+    return replace(w, input_ids=w.input_ids + drafts, num_draft=len(drafts), draft_probs=probs)
+
+
+class ProposerBase:
+    """Chooses k per request (AdaptiveK), records acceptance, and fills the spec counters."""
+
+    def __init__(self, k: AdaptiveK, stats: EngineStats | None) -> None:
+        self.k = k
+        self.stats = stats
+
+    def budget(self, w: SeqWork) -> int:
+        """Proposals for this window: 0 for prefills and requests near their end."""
+        if w.is_prefill or not w.samples or w.max_draft <= 0:
+            return 0
+        return min(self.k.k_for(w.request_id), w.max_draft)
+
+    def forget(self, request_id: str) -> None:
+        self.k.forget(request_id)
+
+    def observe(self, plan: StepPlan, out: StepOutput) -> None:
+        for rid in plan.free_ids:
+            self.forget(rid)
+        for w in plan.work:
+            res: SeqResult | None = out.results.get(w.request_id)
+            if w.num_draft == 0 or res is None or res.error is not None:
+                continue
+            accepted = len(res.sampled) - 1
+            self.k.observe(w.request_id, w.num_draft, accepted)
+            if self.stats is not None:
+                self.stats.record_window(w.num_draft, accepted)
