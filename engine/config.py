@@ -27,6 +27,12 @@ class EngineConfig(YamlSection):
     transfer_workers: int = 2  # background transfer threads
     warm_start: bool = True  # fill the fast tier at load time instead of taking cold misses
     direct_io: bool = True  # disk tier: try O_DIRECT before pread + fadvise(DONTNEED)
+    # Routed experts as stored, moved and cached: "none" (checkpoint weights in the compute dtype), "int8"
+    # or "int4" (group-wise, dequantized on compute; engine/experts/quant.py). Quantizing happens once, into a
+    # sidecar file in quant_cache_dir (default: $XDG_CACHE_HOME/moe-offload/experts), reused on the next start.
+    expert_quant: str = "none"
+    expert_quant_group: int = 64  # weights per quantization group (one fp16 scale, and zero for int4, each)
+    quant_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.cache_fraction <= 1.0:
@@ -35,6 +41,10 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes}")
         if self.offload not in ("ram", "disk"):
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
+        if self.expert_quant not in ("none", "int8", "int4"):
+            raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
+        if self.expert_quant_group < 2 or self.expert_quant_group % 2:
+            raise ConfigError(f"expert_quant_group must be an even number >= 2, got {self.expert_quant_group}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
 

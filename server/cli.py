@@ -28,6 +28,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)")
     g.add_argument("--transfer-workers", type=int, metavar="N", help="background transfer threads (default 2)")
     g.add_argument("--no-warm", action="store_true", help="start with an empty fast tier instead of filling it at load time")
+    g.add_argument("--expert-quant", choices=["none", "int8", "int4"], help="store, move and cache routed experts quantized (group-wise, 64 weights a group; built once into a sidecar file in ~/.cache/moe-offload). Default none")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -49,6 +50,7 @@ def engine_config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         transfer_workers=args.transfer_workers,
         warm_start=False if args.no_warm else None,
+        expert_quant=args.expert_quant,
     )
 
 

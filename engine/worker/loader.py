@@ -16,14 +16,19 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.weights.arch import arch_for, disk_names
+from engine.weights.arch import arch_for, disk_names, text_config
+from engine.weights.arch_adapters import adapter_for
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
+from engine.weights.quant_cache import quantized_locator
 from engine.weights.checkpoint import index_checkpoint, read_tensor
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.weights.expert_layout import ExpertLocator, ExpertShape
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.moe_block import OffloadedMoeBlock, is_sparse_moe_block
+from engine.experts.expert_kernels import make_kernel
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.quant import make_format
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
@@ -155,6 +160,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     model_dir = Path(model_dir)
     config = _read_config(model_dir)
     spec = arch_for(config.model_type)
+    config = text_config(spec, config)  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = _resolve_device(cfg.device)
@@ -162,31 +168,35 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = model.model.layers
-    moe_layers = [i for i, layer in enumerate(layers) if is_sparse_moe_block(layer.mlp)]
+    layers = decoder_layers(model)
+    sites = find_moe_sites(model)  # sparse blocks found by structure (engine/weights/moe_hook.py)
+    moe_layers = [s.layer for s in sites]
     if not moe_layers:
         raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
-    native0 = layers[moe_layers[0]].mlp
-    E, two_i, H = native0.experts.gate_up_proj.shape
-    shape = ExpertShape(hidden=H, intermediate=two_i // 2)
-    top_k = native0.gate.top_k
+    native0 = sites[0].block
+    E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
+    shape = ExpertShape(hidden=H, intermediate=I)
+    # What an expert computes (kernel) and how a slot stores it (float, or int8/int4 quantized).
+    fmt = make_format(make_kernel(spec.kernel, native0.experts, H, I), cfg.expert_quant, cfg.expert_quant_group, dtype)
 
     stats = EngineStats(num_layers=len(layers))
-    locator = ExpertLocator(spec, tensors, moe_layers, E, shape)
+    locator = ExpertLocator(spec, tensors, moe_layers, E, shape, fmt.kernel.views)
+    if cfg.expert_quant != "none":
+        locator = quantized_locator(locator, fmt, moe_layers, cfg.quant_cache_dir)  # sidecar, built once
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
     if cfg.offload == "ram":
-        tier = RamTier(locator, moe_layers, dtype, pin=device.type == "cuda", link=link)
+        tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
-    slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
+    slot_bytes = fmt.slot_bytes
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
-    store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats)
+    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats)
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
-    act_fn = native0.experts.act_fn
-    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn)
-    for i in moe_layers:
-        layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor)
+    act_fn = getattr(native0.experts, "act_fn", None)
+    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
+    for s in sites:
+        setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, adapter_for(spec.model_type, s.block)))
 
     _materialize(model, config, spec, tensors, device, model_dir)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
