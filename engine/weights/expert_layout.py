@@ -50,7 +50,7 @@ class ExpertLocator:
         self.num_experts = num_experts
         self._segments: dict[tuple[int, int], list[TensorLocation]] = {}
         for layer in moe_layers:
-            blocks = _block_prefixes(spec, layer)
+            blocks = block_prefixes(spec, layer)
             fused = next((b for b in blocks if all(f"{b}.{n}" in tensors for n in spec.fused)), None)
             per_expert = next((b for b in blocks if spec.gate_up_down and f"{b}.experts.0.{spec.gate_up_down[0]}.weight" in tensors), blocks[0])
             for e in range(num_experts):
@@ -78,7 +78,7 @@ class ExpertLocator:
         return sum(s.nbytes for s in self._segments[(layer, expert)])
 
 
-def _block_prefixes(spec: ArchSpec, layer: int) -> list[str]:
+def block_prefixes(spec: ArchSpec, layer: int) -> list[str]:
     """Names the sparse block of `layer` may have on disk, most likely first."""
     names: list[str] = []
     for block in dict.fromkeys((spec.disk_block, "mlp")):

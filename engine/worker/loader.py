@@ -19,16 +19,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from engine.weights.arch import arch_for, disk_names, text_config
 from engine.weights.arch_adapters import adapter_for
 from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
-from engine.weights.quant_cache import quantized_locator
-from engine.weights.checkpoint import index_checkpoint, read_tensor
+from engine.weights.expert_source import expert_source, read_dense
+from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.weights.expert_layout import ExpertLocator, ExpertShape
+from engine.weights.expert_layout import ExpertShape
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.expert_kernels import make_kernel
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.experts.quant import make_format
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
@@ -176,13 +175,11 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
-    # What an expert computes (kernel) and how a slot stores it (float, or int8/int4 quantized).
-    fmt = make_format(make_kernel(spec.kernel, native0.experts, H, I), cfg.expert_quant, cfg.expert_quant_group, dtype)
+    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
+    kernel = make_kernel(spec.kernel, native0.experts, H, I)
+    fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
-    locator = ExpertLocator(spec, tensors, moe_layers, E, shape, fmt.kernel.views)
-    if cfg.expert_quant != "none":
-        locator = quantized_locator(locator, fmt, moe_layers, cfg.quant_cache_dir)  # sidecar, built once
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
     if cfg.offload == "ram":
@@ -222,7 +219,7 @@ def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors
                 raise CheckpointError(f"{model_dir}: checkpoint is missing tensor {key}")
             if tuple(loc.shape) != tuple(param.shape):
                 raise CheckpointError(f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}")
-            param.copy_(read_tensor(loc))
+            param.copy_(read_dense(tensors, loc, config))  # FP8 checkpoints: dequantized with their scales
         # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
         for parent in [model.model]:
             rotary = getattr(parent, "rotary_emb", None)
