@@ -102,7 +102,8 @@ def main() -> None:
         result = {
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": 1,
                         "torch": torch.__version__, "python": platform.python_version()},
-            "args": vars(args),
+            # The embedded model's path relative to the repository: no machine paths in committed results.
+            "args": {**vars(args), "model": os.path.relpath(args.model) if os.path.isabs(args.model) else args.model},
             "quality": quality(args.model, args.data, args.max_tokens, args.window, cache_dir),
             "speed": {link: speed(args.model, args.data, link, args.cache_fraction, args.rounds, args.tokens, cache_dir)
                       for link in args.links.split(",")},
