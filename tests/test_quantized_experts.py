@@ -108,3 +108,17 @@ def test_bad_quant_settings_are_config_errors() -> None:
         EngineConfig(expert_quant="int3")
     with pytest.raises(ConfigError, match="expert_quant_group"):
         EngineConfig(expert_quant="int8", expert_quant_group=63)
+
+
+def test_trace_records_the_quantized_expert_size(tiny_ckpt, tmp_path) -> None:
+    """`moe-offload trace --expert-quant` -> the simulator charges the quantized bytes per transfer."""
+    import json
+
+    from engine.offline.trace import record_trace
+
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(expert_quant="int8", quant_cache_dir=str(tmp_path)))
+    try:
+        meta = json.loads(str(record_trace(om, _prompt(om.config.vocab_size), 16)["meta"]))
+        assert meta["expert_nbytes"] == om.store.slot_bytes < om.executor.fmt.kernel.numel * 4
+    finally:
+        om.close()
