@@ -34,6 +34,11 @@ class EngineConfig(YamlSection):
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
     warm_start: bool = setting(True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm")
     direct_io: bool = setting(True, "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only", flag="--no-direct-io")
+    # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
+    # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
+    expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
+    expert_quant_group: int = setting(64, "weights per quantization group, each with one fp16 scale (and zero point for int4) (default 64)", metavar="N")
+    quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
         # Everything that can be checked without a model is checked here, so every front end
@@ -44,6 +49,10 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes}")
         if self.offload not in ("ram", "disk"):
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
+        if self.expert_quant not in ("none", "int8", "int4"):
+            raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
+        if self.expert_quant_group < 2 or self.expert_quant_group % 2:
+            raise ConfigError(f"expert_quant_group must be an even number >= 2, got {self.expert_quant_group}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.dtype not in DTYPES:

@@ -14,13 +14,38 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# Families opened by the generic MoE hook (engine/weights/moe_hook.py); tests/test_architectures.py.
+NEW_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2",
+             "llama4_text", "granitemoe", "phimoe", "ernie4_5_moe")
+_HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16)
+_MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 _ARCH_KW: dict[str, dict] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    # Expert intermediate 24 (not H/2 = 32) so a transposed [H, 2I] weight can never pass for [2I, H].
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, **_HYBRID),
+    "qwen3_5_moe_text": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, **_HYBRID),
+    # The first layer dense (first_k_dense_replace), two expert groups of which one is kept (group-limited routing).
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        moe_intermediate_size=24, n_shared_experts=1, num_hidden_layers=3, **_MLA),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     moe_intermediate_size=24, n_shared_experts=1, num_hidden_layers=3, head_dim=16),
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=16),
+    "llama4_text": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=24, intermediate_size_mlp=40, head_dim=16),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
+    "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
+    "ernie4_5_moe": dict(moe_num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, head_dim=16),
 }
+# Multimodal wrappers whose released checkpoints keep the text model under another prefix.
+_HUB_WRAPPERS = {"qwen3_5_moe_text": ("qwen3_5_moe", (("model.", "model.language_model."),)),
+                 "llama4_text": ("llama4", (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")))}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -69,11 +94,12 @@ def make_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer() if with_tokenizer else None
     vocab = len(tok) if tok is not None else 256
+    kw = {**_ARCH_KW[arch], **overrides}
     cfg = AutoConfig.for_model(
         arch,
         hidden_size=hidden,
-        intermediate_size=overrides.pop("intermediate_size", 48),
-        num_hidden_layers=num_layers,
+        intermediate_size=kw.pop("intermediate_size", 48),
+        num_hidden_layers=kw.pop("num_hidden_layers", num_layers),
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=vocab,
@@ -81,14 +107,20 @@ def make_tiny_checkpoint(
         eos_token_id=tok.eos_token_id if tok is not None else None,
         bos_token_id=None,
         pad_token_id=tok.pad_token_id if tok is not None else None,
-        **{**_ARCH_KW[arch], **overrides},
+        **kw,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init leaves routers near-uniform; scale them so routing is decisive, like a trained model.
+    # Routing-bias buffers (DeepSeek-style) start at zero; make them matter so a lost one shows.
+    from engine.weights.moe_hook import find_moe_sites, router_name
+
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
+        for site in find_moe_sites(model):
+            getattr(site.block, router_name(site.block)).weight.normal_(0.0, 0.5)
+            for name, buf in site.block.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.1)
     if layout == "per-expert":
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kw)
@@ -100,6 +132,8 @@ def make_tiny_checkpoint(
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         if model.generation_config is not None:
             model.generation_config.save_pretrained(path)
+    elif layout == "hub":
+        _save_hub_layout(model, cfg, path)
     else:
         raise ValueError(f"unknown layout {layout!r}")
     if tok is not None:
@@ -114,3 +148,22 @@ def load_reference(path: str | Path) -> torch.nn.Module:
 
 def config_dict(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def _save_hub_layout(model: torch.nn.Module, cfg: object, path: Path) -> None:
+    """The layout of released multimodal checkpoints (Qwen3.5/3.6 MoE, Llama 4): the wrapper's
+    config.json with our config as its text_config, the text weights under the wrapper's prefix,
+    and fused expert tensors as in memory."""
+    wrapper, prefixes = _HUB_WRAPPERS[cfg.model_type]
+    wcfg = AutoConfig.for_model(wrapper, text_config=cfg.to_dict())
+    wcfg.save_pretrained(path)
+    state = {}
+    for k, v in model.state_dict().items():
+        for mem, disk in prefixes:
+            if k.startswith(mem):
+                k = disk + k[len(mem):]
+                break
+        state[k] = v.contiguous()
+    if getattr(cfg, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -106,7 +106,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from engine.worker.loader import load_model
     from engine.offline.trace import record_trace, save_trace
 
-    om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto"))
+    # With --expert-quant the trace records the quantized expert size, which `simulate` then charges per transfer.
+    om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto", expert_quant=args.expert_quant))
     try:
         ids = _read_tokens(om, args.data, args.max_tokens, args.window)
         path = save_trace(record_trace(om, ids, args.window, logits=args.logits, hidden=args.hidden), args.out)
@@ -169,6 +170,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     t.add_argument("--max-tokens", type=int, default=0, metavar="N", help="trace about N tokens: whole windows spread evenly over the file, as eval does (default 0 = all)")
     t.add_argument("--window", type=int, default=256, metavar="W", help="tokens per forward pass (default 256)")
     t.add_argument("--device", metavar="DEV", help="compute device (default auto)")
+    t.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none", help="record the byte size of quantized experts (default none)")
     t.set_defaults(func=cmd_trace)
 
     m = sub.add_parser("simulate", help="replay a router trace under a policy and a hardware profile (simulated figures)",

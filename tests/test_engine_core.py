@@ -86,6 +86,9 @@ class ScriptedProposer:
             work.append(replace(w, input_ids=w.input_ids + drafts, num_draft=k))
         return StepPlan(work, plan.free_ids)
 
+    def observe(self, plan: StepPlan, out) -> None:
+        pass
+
 
 @pytest.mark.parametrize("offload,fraction", SETTINGS)
 def test_rollback_with_partial_acceptance(tiny_ckpt, offload: str, fraction: float) -> None:

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.weights.expert_layout import ExpertShape
+from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.expert_store import ExpertLease, ExpertStore
+from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.stats import EngineStats
 from engine.experts.transfers import Transfer, TransferEngine
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
@@ -44,6 +46,7 @@ class MoeExecutor:
         shape: ExpertShape,
         num_experts: int,
         act_fn: Callable[[torch.Tensor], torch.Tensor],
+        fmt: ExpertFormat | None = None,
     ) -> None:
         self.store, self.transfers, self.policy, self.stats = store, transfers, policy, stats
         self.admission = admission
@@ -51,9 +54,10 @@ class MoeExecutor:
         # SiLU is the common case (transformers' SiLUActivation.forward is F.silu); calling the
         # functional form directly skips the module-call overhead once per expert per layer.
         self.act_fn = F.silu if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else act_fn
-        # Per-slot weight views, made once: [2I, H] and [H, I] windows onto each contiguous slot.
-        I, H = shape.intermediate, shape.hidden
-        self._views = [(row[: 2 * I * H].view(2 * I, H), row[2 * I * H :].view(H, I)) for row in store.slots]
+        # What an expert computes and how a slot encodes it (engine/experts/quant.py); default: SwiGLU in floats.
+        self.fmt = fmt if fmt is not None else PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
+        # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).
+        self._views = [self.fmt.views(row) for row in store.slots]
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
@@ -204,7 +208,5 @@ class MoeExecutor:
         return []
 
     def _expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert over its rows x [n, H]: SwiGLU(x W_gu^T) W_d^T -> [n, H], unscaled."""
-        gate_up, down = self._views[self.store.slot_index(key)]  # [2I, H], [H, I]
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(self.act_fn(gate) * up, down)
+        """One expert over its rows x [n, H] -> [n, H], unscaled (dequantizing its slot first if quantized)."""
+        return self.fmt.forward(self._views[self.store.slot_index(key)], x)

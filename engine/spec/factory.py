@@ -29,6 +29,11 @@ def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
     """(proposer or None, step observers) for a resolved SpecConfig on the target `om`."""
     if spec.speculative == "off":
         return None, ()
+    from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES
+
+    if om.config.model_type in NO_ROLLBACK_MODEL_TYPES:
+        raise ConfigError(f"speculative decoding is not supported for {om.config.model_type} (its linear-attention state "
+                          "cannot be rolled back after a rejected proposal); use --speculative off")
     from engine.spec.sensor import SpecSensor
 
     k = AdaptiveK(spec.num_speculative_tokens, spec.adaptive)

@@ -29,6 +29,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 block-quantized checkpoints (DeepSeek-V3, MiniMax-M2, Qwen *-FP8)
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 _MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors library

@@ -16,14 +16,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.weights.arch import arch_for, disk_names
-from engine.weights.checkpoint import index_checkpoint, read_tensor
+from engine.weights.arch import arch_for, disk_names, text_config
+from engine.weights.arch_adapters import adapter_for
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
+from engine.weights.expert_source import expert_source, read_dense
+from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.weights.expert_layout import ExpertLocator, ExpertShape
+from engine.weights.expert_layout import ExpertShape
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.moe_block import OffloadedMoeBlock, is_sparse_moe_block
+from engine.experts.expert_kernels import make_kernel
+from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
@@ -42,6 +46,7 @@ class LoadedModel:
     generation_config: GenerationConfig | None
     model_dir: Path
     device: torch.device
+    packed: bool  # requests of a step share one packed forward (else one forward per request)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -150,15 +155,16 @@ def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
     dev = _resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, config, dev)).to(dev).eval()
-    use_packed_attention(model)
+    packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev)
+    return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
 
 
 def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> OffloadedModel:
     model_dir = Path(model_dir)
     config = _read_config(model_dir)
     spec = arch_for(config.model_type)
+    config = text_config(spec, config)  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = _resolve_device(cfg.device)
@@ -166,38 +172,40 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = model.model.layers
-    moe_layers = [i for i, layer in enumerate(layers) if is_sparse_moe_block(layer.mlp)]
+    layers = decoder_layers(model)
+    sites = find_moe_sites(model)  # sparse blocks found by structure (engine/weights/moe_hook.py)
+    moe_layers = [s.layer for s in sites]
     if not moe_layers:
         raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
-    native0 = layers[moe_layers[0]].mlp
-    E, two_i, H = native0.experts.gate_up_proj.shape
-    shape = ExpertShape(hidden=H, intermediate=two_i // 2)
-    top_k = native0.gate.top_k
+    native0 = sites[0].block
+    E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
+    shape = ExpertShape(hidden=H, intermediate=I)
+    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
+    kernel = make_kernel(spec.kernel, native0.experts, H, I)
+    fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
-    locator = ExpertLocator(spec, tensors, moe_layers, E, shape)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
     if cfg.offload == "ram":
-        tier = RamTier(locator, moe_layers, dtype, pin=device.type == "cuda", link=link)
+        tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
-    slot_bytes = shape.numel * torch.empty((), dtype=dtype).element_size()
+    slot_bytes = fmt.slot_bytes
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
     # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
-    store = ExpertStore(n_slots, shape.numel, dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
+    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
-    act_fn = native0.experts.act_fn
-    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn)
+    act_fn = getattr(native0.experts, "act_fn", None)
+    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
     bus = RoutingBus()
-    for i in moe_layers:
-        layers[i].mlp = OffloadedMoeBlock(layers[i].mlp, i, executor, bus)
+    for s in sites:
+        setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)))
 
     _materialize(model, config, spec, tensors, device, model_dir)
-    use_packed_attention(model)
+    packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
     if cfg.warm_start:
         _warm(om)
     return om
@@ -219,7 +227,7 @@ def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors
                 raise CheckpointError(f"{model_dir}: checkpoint is missing tensor {key}")
             if tuple(loc.shape) != tuple(param.shape):
                 raise CheckpointError(f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}")
-            param.copy_(read_tensor(loc))
+            param.copy_(read_dense(tensors, loc, config))  # FP8 checkpoints: dequantized with their scales
         # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
         for parent in [model.model]:
             rotary = getattr(parent, "rotary_emb", None)

@@ -29,6 +29,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PACKED_ATTENTION = "moe_offload_packed"
 
+# Architectures whose attention is plain `cache.update` + an attention function, verified
+# token-exact in packed steps (tests/test_architectures.py, tests/test_engine_core.py). The
+# others run each request's window as its own forward with transformers' native attention:
+# hybrid linear attention (qwen3_next, qwen3_5_moe) keeps recurrent state the packed cache
+# does not carry, gpt-oss adds attention sinks that SDPA does not take, and deepseek_v3's MLA
+# fails in packed mode (a head-count mismatch, not investigated yet).
+PACKED_MODEL_TYPES = frozenset({
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "llama4_text", "phimoe", "ernie4_5_moe", "granitemoe",
+    "qwen3", "qwen2", "llama", "mistral",  # dense drafts
+})
+# Caches with recurrent (linear-attention) state cannot be cropped back after a rejected
+# speculative window.
+NO_ROLLBACK_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
+
 
 @dataclass
 class PackedBatch:
@@ -94,16 +108,34 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
-def use_packed_attention(model: PreTrainedModel) -> None:
-    """Route every attention module of `model` through `packed_attention`."""
+def use_packed_attention(model: PreTrainedModel) -> bool:
+    """Route every attention module of `model` through `packed_attention`, where the
+    architecture supports it; returns whether it does."""
+    if model.config.model_type not in PACKED_MODEL_TYPES:
+        return False
     cfgs: list[PretrainedConfig] = [model.config] + [getattr(model.config, n) for n in ("text_config",) if hasattr(model.config, n)]
     for cfg in cfgs:
         cfg._attn_implementation = PACKED_ATTENTION
+    return True
 
 
 def positions(batch: PackedBatch, starts: list[int], device: torch.device) -> torch.Tensor:
     """Position ids [1, N]: each request's window continues its own sequence."""
     return torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(starts, batch.lengths)])[None]
+
+
+@torch.inference_mode()
+def one_by_one_forward(model: PreTrainedModel, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
+                       keep: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """The fallback for architectures without packed attention: one native forward per window
+    (correct, but each MoE layer then sees one request's rows at a time)."""
+    out = []
+    for w, start, cache, k in zip(windows, starts, caches, keep):
+        pos = torch.arange(start, start + len(w), device=device)[None]
+        logits = model(input_ids=torch.tensor([w], device=device), position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=torch.tensor(k, dtype=torch.long, device=device)).logits[0]
+        out.append(logits)
+    return out
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.worker.loader import LoadedModel
-from engine.worker.packed_batch import packed_forward
+from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward
 from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator
 from engine.worker.verify import verify_window
 
@@ -47,7 +47,8 @@ class ModelRunner:
                 spans.append((s, s + len(w)))
                 s += len(w)
             bus.step = StepContext(request_ids, tuple(spans))
-        return packed_forward(self.lm.model, windows, starts, caches, keep, self.lm.device)
+        run = packed_forward if self.lm.packed else one_by_one_forward
+        return run(self.lm.model, windows, starts, caches, keep, self.lm.device)
 
     # -- a scheduler step ------------------------------------------------------------------
     @torch.inference_mode()
@@ -68,7 +69,9 @@ class ModelRunner:
                 break
             except ExpertLoadError as e:
                 # Fail the requests that needed the lost expert; roll the rest back and rerun.
-                bad = self._requests_of_rows(work, e.rows) or {w.request_id for w in work}
+                bad = self._requests_of_rows(work, e.rows) if self.lm.packed else set()
+                if self.lm.config.model_type in NO_ROLLBACK_MODEL_TYPES or not bad:
+                    bad = {w.request_id for w in work}  # cannot tell or cannot roll back: fail the step
                 for w in work:
                     if w.request_id in bad:
                         out.results[w.request_id] = SeqResult(error=str(e))

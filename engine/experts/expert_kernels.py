@@ -1,0 +1,92 @@
+"""What one routed expert computes, and how its weights sit in its packed buffer.
+
+Every expert is one contiguous buffer (see engine/weights/expert_layout.py). A kernel names
+the weights in that buffer, in order, with their shapes (`views`), and computes the expert
+from float tensors of exactly those shapes. Storage formats (engine/experts/quant.py) decide
+how each weight is encoded in the slot and hand the kernel dequantized float tensors.
+
+Three kernels cover the architectures we run:
+- SwiGLU: `gate_up [2I, H] | down [H, I]`, `down(act(gate(x)) * up(x))` (Qwen, Mixtral,
+  DeepSeek, GLM, MiniMax, Granite, Phi, ERNIE). Gate and up are adjacent on disk, so the
+  per-expert layout [gate | up | down] and transformers' fused `gate_up_proj` row coincide.
+- gpt-oss: transposed weights `gate_up [H, 2I]` with gate/up *interleaved* on the last dim,
+  biases, and a clamped SwiGLU: `(clamp(up) + 1) * g * sigmoid(alpha * g)`, g = clamp(gate).
+- Llama 4: transposed weights `gate_up [H, 2I]` (gate | up halves) and `down [I, H]`.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
+
+
+class ExpertKernel(ABC):
+    views: tuple[View, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for _, s in self.views)
+
+    @abstractmethod
+    def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] and float weights shaped as `views` -> the unscaled expert output [n, H]."""
+
+
+def _fast_act(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    # transformers' SiLUActivation.forward is F.silu; calling the functional form skips a module call per expert.
+    return F.silu if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else act_fn
+
+
+class SwiGLUKernel(ExpertKernel):
+    def __init__(self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        H, I = hidden, intermediate
+        self.views = (("gate_up", (2 * I, H)), ("down", (H, I)))
+        self.act_fn = _fast_act(act_fn)
+
+    def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = w  # [2I, H], [H, I]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act_fn(gate) * up, down)
+
+
+class GptOssKernel(ExpertKernel):
+    def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
+        H, I = hidden, intermediate
+        self.views = (("gate_up", (H, 2 * I)), ("gate_up_bias", (2 * I,)), ("down", (I, H)), ("down_bias", (H,)))
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate_up, gate_up_bias, down, down_bias = w
+        gu = x @ gate_up + gate_up_bias  # [n, 2I], gate and up interleaved
+        gate = gu[..., ::2].clamp(min=None, max=self.limit)
+        up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ down + down_bias
+
+
+class Llama4Kernel(ExpertKernel):
+    def __init__(self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        H, I = hidden, intermediate
+        self.views = (("gate_up", (H, 2 * I)), ("down", (I, H)))
+        self.act_fn = _fast_act(act_fn)
+
+    def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = w  # [H, 2I], [I, H]
+        gate, up = (x @ gate_up).chunk(2, dim=-1)
+        return (up * self.act_fn(gate)) @ down
+
+
+def make_kernel(kind: str, experts: torch.nn.Module, hidden: int, intermediate: int) -> ExpertKernel:
+    """The kernel for a transformers experts module (`kind` comes from the architecture table)."""
+    if kind == "swiglu":
+        return SwiGLUKernel(hidden, intermediate, experts.act_fn)
+    if kind == "gpt_oss":
+        return GptOssKernel(hidden, intermediate, float(experts.alpha), float(experts.limit))
+    if kind == "llama4":
+        return Llama4Kernel(hidden, intermediate, experts.act_fn)
+    raise ValueError(f"unknown expert kernel {kind!r}")

@@ -1,0 +1,96 @@
+"""Experts that come quantized in the checkpoint, kept quantized until the matmul.
+
+- MXFP4 (gpt-oss): per expert, `gate_up_proj_blocks` [2I, H/32, 16] and `down_proj_blocks`
+  [H, I/32, 16] (two FP4 e2m1 codes per byte, low nibble first) with one power-of-two scale
+  per 32 weights (`*_scales`, uint8 e8m0: 2^(s - 127)), plus bf16 biases. The weights are
+  stored out-features-major, i.e. transposed against transformers' in-memory [H, 2I].
+- FP8 block (DeepSeek-V3/R1, Kimi-K2, MiniMax-M2, Qwen *-FP8): per expert projection an
+  F8_E4M3 `weight` [out, in] and an F32 `weight_scale_inv` [ceil(out/B), ceil(in/B)], one
+  scale per B x B block (B = 128 in every released checkpoint).
+
+The slot is the checkpoint's own bytes, concatenated (see NativeLayout in
+engine/weights/expert_source.py), so reads, transfers and the fast tier all carry the
+quantized size; dequantization happens per expert call, on the compute device.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.experts.expert_kernels import ExpertKernel
+from engine.experts.quant import ExpertFormat
+
+# FP4 e2m1 code -> value (the same table as transformers.integrations.mxfp4.FP4_VALUES).
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+Part = tuple[torch.dtype, tuple[int, ...]]
+
+
+class RawPartsFormat(ExpertFormat):
+    """A slot made of the checkpoint's tensors back to back, each viewed in place with its dtype."""
+
+    def __init__(self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: torch.dtype) -> None:
+        self.name, self.kernel, self.compute_dtype, self.slot_dtype = name, kernel, compute_dtype, torch.uint8
+        self._parts: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
+        at = 0
+        for dtype, shape in parts:
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if at % torch.empty((), dtype=dtype).element_size():
+                raise ValueError(f"{name}: part of dtype {dtype} at unaligned byte offset {at}")
+            self._parts.append((at, n, dtype, shape))
+            at += n
+        self.slot_numel = at
+
+    def views(self, row: torch.Tensor) -> list:
+        return [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in self._parts]
+
+
+def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [R, G, 16] uint8, scales [R, G] uint8 -> weights [R, G * 32]."""
+    lut = torch.tensor(_FP4, dtype=dtype, device=blocks.device)
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [R, G, 32]
+    return torch.ldexp(lut[codes], scales.to(torch.int32).unsqueeze(-1) - 127).flatten(-2)
+
+
+class Mxfp4GptOssFormat(RawPartsFormat):
+    """Slot: gate_up_bias | down_bias | gate_up blocks | gate_up scales | down blocks | down scales."""
+
+    def __init__(self, kernel: ExpertKernel, hidden: int, intermediate: int, bias_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        H, I = hidden, intermediate
+        parts = [(bias_dtype, (2 * I,)), (bias_dtype, (H,)),
+                 (torch.uint8, (2 * I, H // 32, 16)), (torch.uint8, (2 * I, H // 32)),
+                 (torch.uint8, (H, I // 32, 16)), (torch.uint8, (H, I // 32))]
+        super().__init__("mxfp4", kernel, parts, compute_dtype)
+
+    def weights(self, views: list) -> list[torch.Tensor]:
+        gu_bias, down_bias, gu_blocks, gu_scales, d_blocks, d_scales = views
+        dt = self.compute_dtype
+        gate_up = dequant_mxfp4(gu_blocks, gu_scales, dt).t()  # [2I, H] on disk -> [H, 2I] as the kernel wants
+        down = dequant_mxfp4(d_blocks, d_scales, dt).t()  # [H, I] -> [I, H]
+        return [gate_up, gu_bias.to(dt), down, down_bias.to(dt)]
+
+
+def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """w [out, in] float8, scale_inv [ceil(out/B), ceil(in/B)] -> w * scale per B x B block."""
+    rows, cols = w.shape
+    s = scale_inv.to(dtype).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return w.to(dtype) * s
+
+
+class Fp8BlockSwiGLUFormat(RawPartsFormat):
+    """Slot: gate, up, down scales (f32, first so they stay 4-byte aligned) | gate, up, down weights (fp8)."""
+
+    def __init__(self, kernel: ExpertKernel, hidden: int, intermediate: int, block: int, compute_dtype: torch.dtype) -> None:
+        H, I = hidden, intermediate
+        self.block = block
+        mats = [(I, H), (I, H), (H, I)]
+        parts = [(torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats]
+        parts += [(torch.float8_e4m3fn, shape) for shape in mats]
+        super().__init__("fp8-block", kernel, parts, compute_dtype)
+
+    def weights(self, views: list) -> list[torch.Tensor]:
+        sg, su, sd, g, u, d = views
+        dt, b = self.compute_dtype, self.block
+        gate_up = torch.cat((dequant_fp8_block(g, sg, b, dt), dequant_fp8_block(u, su, b, dt)))  # [2I, H]
+        return [gate_up, dequant_fp8_block(d, sd, b, dt)]

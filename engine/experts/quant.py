@@ -1,0 +1,177 @@
+"""Storage formats of a routed expert in its fast-tier slot, and dequant-on-compute.
+
+A format decides how the kernel's weights (engine/experts/expert_kernels.py) are encoded in
+one slot row, and turns a slot back into float weights right before the matmuls. The slot is
+what the slow tier stores and what a transfer copies, so a smaller encoding means fewer bytes
+on every link and more experts per byte of fast tier.
+
+- `PlainFormat`: the weights as floats in the compute dtype (the default, exact).
+- `GroupQuantFormat` (`--expert-quant int8|int4`): group-wise quantization of every 2-D weight
+  along its last dimension (the input dimension of `F.linear` weights), in groups of `group`
+  values (default 64; gcd(cols, group) when a dimension is not a multiple of it).
+  - int8: symmetric, q = round(w / s) in [-127, 127], s = max|w| / 127 per group, s in fp16.
+    1 byte + 2/group bytes per weight (1.03 B at group 64: 1.94x fewer than bf16).
+  - int4: asymmetric, w ~= s * (q - z), q in [0, 15], s and z in fp16 per group. Start from
+    round-to-nearest over [min, max], then refine s and z by least squares on the chosen codes
+    (the half-quadratic idea of HQQ with an L2 loss; a few closed-form steps, no calibration
+    data). Two codes per byte, low nibble first. 0.5 + 4/group bytes per weight (0.5625 B at
+    group 64: 3.56x fewer than bf16).
+  1-D weights (gpt-oss biases) stay float32: they are a few hundred bytes per expert.
+Each encoded part starts on a 16-byte boundary so it can be viewed in place as int8/fp16/fp32.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.experts.expert_kernels import ExpertKernel
+
+QUANT_KINDS = ("none", "int8", "int4")
+_ALIGN = 16
+
+
+class ExpertFormat(ABC):
+    name: str
+    kernel: ExpertKernel
+    slot_dtype: torch.dtype
+    slot_numel: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_numel * torch.empty((), dtype=self.slot_dtype).element_size()
+
+    @abstractmethod
+    def views(self, row: torch.Tensor) -> list:
+        """Per-slot windows onto one slot row, made once when the executor starts."""
+
+    @abstractmethod
+    def weights(self, views: list) -> list[torch.Tensor]:
+        """Float weights (compute dtype) shaped as the kernel's views."""
+
+    def forward(self, views: list, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.forward(self.weights(views), x)
+
+
+class PlainFormat(ExpertFormat):
+    """The checkpoint's weights converted to the compute dtype: `weights` is free (no copy)."""
+
+    def __init__(self, kernel: ExpertKernel, dtype: torch.dtype) -> None:
+        self.name, self.kernel, self.slot_dtype, self.slot_numel = "none", kernel, dtype, kernel.numel
+
+    def views(self, row: torch.Tensor) -> list:
+        out, at = [], 0
+        for _, shape in self.kernel.views:
+            n = math.prod(shape)
+            out.append(row[at : at + n].view(shape))
+            at += n
+        return out
+
+    def weights(self, views: list) -> list[torch.Tensor]:
+        return views
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class GroupQuantFormat(ExpertFormat):
+    def __init__(self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype) -> None:
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}")
+        if group < 2 or group % 2:
+            raise ValueError(f"quantization group size must be an even number >= 2, got {group}")
+        self.name, self.kernel, self.bits, self.group = kind, kernel, 8 if kind == "int8" else 4, group
+        self.compute_dtype = compute_dtype
+        self.slot_dtype = torch.uint8
+        # Byte layout of one slot: per view, its parts as (offset, nbytes, dtype, shape).
+        self._layout: list[list[tuple[int, int, torch.dtype, tuple[int, ...]]]] = []
+        at = 0
+        for _, shape in kernel.views:
+            parts = []
+            for dtype, pshape in self._parts(shape):
+                nbytes = math.prod(pshape) * torch.empty((), dtype=dtype).element_size()
+                parts.append((at, nbytes, dtype, pshape))
+                at = _aligned(at + nbytes)
+            self._layout.append(parts)
+        self.slot_numel = at
+
+    def group_of(self, cols: int) -> int:
+        return math.gcd(cols, self.group)
+
+    def _parts(self, shape: tuple[int, ...]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        if len(shape) != 2:
+            return [(torch.float32, shape)]  # biases: kept exact
+        rows, cols = shape
+        g = self.group_of(cols)
+        groups = (rows, cols // g, 1)
+        if self.bits == 8:
+            return [(torch.int8, (rows, cols // g, g)), (torch.float16, groups)]
+        return [(torch.uint8, (rows, cols // g, g // 2)), (torch.float16, groups), (torch.float16, groups)]
+
+    # -- encoding (when the slow tier is built) -------------------------------------
+    def encode(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Float weights shaped as the kernel's views -> one flat uint8 slot row."""
+        out = torch.zeros(self.slot_numel, dtype=torch.uint8)
+        for w, parts in zip(weights, self._layout):
+            w = w.detach().to(torch.float32)
+            encoded = [w] if w.dim() != 2 else (_int8(w, self.group_of(w.shape[1])) if self.bits == 8 else _int4(w, self.group_of(w.shape[1])))
+            for t, (off, nbytes, dtype, pshape) in zip(encoded, parts):
+                out[off : off + nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
+        return out
+
+    # -- decoding (on every expert call) ---------------------------------------------
+    def views(self, row: torch.Tensor) -> list:
+        return [[row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts] for parts in self._layout]
+
+    def weights(self, views: list) -> list[torch.Tensor]:
+        out = []
+        for parts, (_, shape) in zip(views, self.kernel.views):
+            if len(parts) == 1:
+                out.append(parts[0].to(self.compute_dtype))
+            elif self.bits == 8:
+                q, s = parts
+                out.append((q.to(self.compute_dtype) * s.to(self.compute_dtype)).view(shape))
+            else:
+                packed, s, z = parts
+                q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [rows, groups, g]
+                out.append(((q.to(self.compute_dtype) - z.to(self.compute_dtype)) * s.to(self.compute_dtype)).view(shape))
+        return out
+
+
+def _int8(w: torch.Tensor, g: int) -> list[torch.Tensor]:
+    rows, cols = w.shape
+    wg = w.view(rows, cols // g, g)
+    s = (wg.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16).to(torch.float32)
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale decodes to 0
+    q = torch.round(wg / s).clamp(-127, 127)
+    return [q, s]
+
+
+def _int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]:
+    rows, cols = w.shape
+    wg = w.view(rows, cols // g, g)
+    lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+    s = ((hi - lo) / 15.0).clamp(min=1e-8)
+    z = -lo / s
+    for _ in range(steps + 1):
+        s16, z16 = s.to(torch.float16).to(torch.float32), z.to(torch.float16).to(torch.float32)
+        q = torch.round(wg / s16 + z16).clamp(0, 15)
+        # Least squares w ~= a * q + b on the chosen codes, i.e. s = a, z = -b / a.
+        qm, wm = q.mean(dim=-1, keepdim=True), wg.mean(dim=-1, keepdim=True)
+        var = ((q - qm) ** 2).mean(dim=-1, keepdim=True)
+        a = ((q - qm) * (wg - wm)).mean(dim=-1, keepdim=True) / var.clamp(min=1e-12)
+        ok = (var > 1e-12) & (a > 1e-8)
+        s = torch.where(ok, a, s16)
+        z = torch.where(ok, -(wm - a * qm) / a.clamp(min=1e-8), z16)
+    s16, z16 = s.to(torch.float16).to(torch.float32), z.to(torch.float16).to(torch.float32)
+    q = torch.round(wg / s16 + z16).clamp(0, 15).to(torch.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return [packed, s16, z16]
+
+
+def make_format(kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype) -> ExpertFormat:
+    if kind == "none":
+        return PlainFormat(kernel, compute_dtype)
+    return GroupQuantFormat(kernel, kind, group, compute_dtype)

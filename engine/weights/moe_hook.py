@@ -1,0 +1,138 @@
+"""Finds the sparse MoE blocks of any transformers 5 model by their structure.
+
+A sparse block is a module with an `experts` child holding fused 3-D `gate_up_proj` and
+`down_proj` parameters, next to a router: the child whose weight is [num_experts, hidden].
+Everything else in the block (shared experts, their gate, routing-bias buffers) is dense and
+stays on the compute device, under the same names, so the checkpoint fills it as before.
+
+How a block *uses* its parts is captured by a BlockAdapter: the generic one calls the router
+as `router(x) -> (logits, top-k weights, top-k ids)` and adds `shared_expert(x)` (gated by
+`sigmoid(shared_expert_gate(x))` when there is one) or `shared_experts(x)`. Architectures that
+deviate get a small subclass in engine/weights/arch_adapters.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import CheckpointError
+
+# Dense parts of a sparse block that the generic adapter knows how to combine.
+_SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
+
+
+@dataclass
+class MoeSite:
+    """One sparse block: `getattr(parent, attr) is block`, in decoder layer `layer`."""
+
+    layer: int
+    parent: nn.Module
+    attr: str
+    block: nn.Module
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    for owner in (base, getattr(base, "language_model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise CheckpointError(f"{type(model).__name__}: cannot find the decoder layers (model.layers)")
+
+
+def _fused_experts(module: nn.Module) -> bool:
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+
+
+def router_name(block: nn.Module) -> str | None:
+    """The child that routes: its weight is [num_experts, hidden]."""
+    experts = getattr(block, "experts", None)
+    if experts is None or not _fused_experts(experts):
+        return None
+    E = experts.gate_up_proj.shape[0]
+    for name, child in block.named_children():
+        w = getattr(child, "weight", None)
+        if name != "experts" and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
+            return name
+    return None
+
+
+def is_sparse_moe_block(module: nn.Module) -> bool:
+    return router_name(module) is not None
+
+
+def find_moe_sites(model: nn.Module) -> list[MoeSite]:
+    sites = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for attr, child in layer.named_children():
+            if is_sparse_moe_block(child):
+                sites.append(MoeSite(i, layer, attr, child))
+    return sites
+
+
+class BlockAdapter:
+    """How a sparse block routes, adds its dense parts and returns. The generic case."""
+
+    returns_tuple = False  # gpt-oss and Llama 4 blocks return (hidden, router output)
+
+    def __init__(self, native: nn.Module, model_type: str) -> None:
+        self.router = router_name(native)
+        assert self.router is not None, "not a sparse MoE block"
+        unknown = [n for n, c in native.named_children()
+                   if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
+        if unknown:
+            raise CheckpointError(
+                f"model_type={model_type!r}: sparse block {type(native).__name__} has a part this engine does not "
+                f"know how to run ({unknown[0]!r}); it needs an adapter in engine/weights/arch_adapters.py"
+            )
+
+    def known_children(self) -> tuple[str, ...]:
+        return _SHARED
+
+    def adopt(self, block: nn.Module, native: nn.Module) -> None:
+        """Give `block` the native router, dense parts and buffers under their original names."""
+        for name, child in native.named_children():
+            if name != "experts":
+                block.add_module(name, child)
+        for name, buf in native.named_buffers(recurse=False):
+            block.register_buffer(name, buf, persistent=name not in native._non_persistent_buffers_set)
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> router logits [T, E], top-k weights [T, k], top-k ids [T, k]."""
+        logits, weights, ids = getattr(block, self.router)(x)
+        return logits, weights, ids
+
+    def expert_inputs(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the executor runs: the experts' input rows and the weights scaling their outputs."""
+        return x, weights
+
+    def dense(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The dense part of the block (shared experts), added to the routed output."""
+        shared = getattr(block, "shared_expert", None)
+        shared = getattr(block, "shared_experts", None) if shared is None else shared
+        if shared is None:
+            return None
+        out = shared(x)
+        gate = getattr(block, "shared_expert_gate", None)
+        return F.sigmoid(gate(x)) * out if gate is not None else out
+
+    def output(self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | tuple:
+        return out
+
+
+def expert_geometry(block: nn.Module, transposed: bool) -> tuple[int, int, int, int]:
+    """(num_experts E, hidden H, intermediate I, top_k) of a sparse block.
+
+    `gate_up_proj` is [E, 2I, H], or [E, H, 2I] for the transposed kernels (gpt-oss, Llama 4).
+    """
+    E, a, b = block.experts.gate_up_proj.shape
+    H, two_i = (a, b) if transposed else (b, a)
+    router = getattr(block, router_name(block) or "")
+    top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None)
+    if top_k is None:
+        raise CheckpointError(f"{type(block).__name__}: cannot tell how many experts its router picks (no top_k)")
+    return int(E), int(H), int(two_i) // 2, int(top_k)
