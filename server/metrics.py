@@ -30,12 +30,9 @@ _ENGINE_COUNTERS = (
     ("expert_prefetches_issued", "prefetch_issued", "Expert prefetches submitted (protected until used or expired)."),
     ("expert_prefetches_used", "prefetch_used", "Prefetched experts used by a layer before eviction or expiry."),
     ("expert_prefetches_wasted", "prefetch_wasted", "Prefetched experts evicted or expired unused."),
-    # Exported (at 0) before the engine counts them, so dashboards, alerts and the README keep stable names:
-    # the engine's snapshot fills these keys once CPU fallback and speculative decoding report their counts.
-    ("expert_cpu_fallback_calls", "cpu_fallback_calls", "Expert calls computed on the CPU instead of being fetched."),
-    ("spec_drafts", "spec_drafts", "Speculative-decoding draft windows proposed."),
-    ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding draft tokens proposed."),
-    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding draft tokens accepted."),
+    ("spec_drafts", "spec_drafts", "Speculative-decoding verification windows that carried proposals."),
+    ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding tokens proposed."),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding proposed tokens accepted."),
 )
 
 
@@ -59,6 +56,19 @@ class EngineStatsCollector(Collector):
         yield transfers
         for name, key, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(P + name, doc, value=s.get(key, 0))
+        proposed = CounterMetricFamily(P + "spec_proposed_at_position", "Verification windows with a proposal at this position (1 = first proposal).", labels=["position"])
+        accepted = CounterMetricFamily(P + "spec_accepted_at_position", "Proposals accepted at this position (acceptance per position = accepted / proposed).", labels=["position"])
+        for i, (pn, an) in enumerate(zip(s.get("spec_proposed_at", []), s.get("spec_accepted_at", []))):
+            proposed.add_metric([str(i + 1)], pn)
+            accepted.add_metric([str(i + 1)], an)
+        yield proposed
+        yield accepted
+        yield GaugeMetricFamily(P + "spec_mean_accepted_length", "Mean proposals accepted per verification window, since start.", value=s.get("spec_mean_accepted_length", 0.0))
+        distinct = GaugeMetricFamily(P + "spec_distinct_experts_per_window", "Mean distinct experts a verification window routes to, per MoE layer (one token routes to top_k).", labels=["layer"])
+        for row in s.get("per_layer", []):
+            if row.get("distinct_experts_per_window"):
+                distinct.add_metric([str(row["layer"])], row["distinct_experts_per_window"])
+        yield distinct
 
 
 class ServerMetrics:

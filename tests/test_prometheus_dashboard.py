@@ -42,13 +42,12 @@ REQUIRED_METRICS = {
     "moe_offload_expert_substitutions_total", "moe_offload_expert_substituted_gate_mass_total",
     "moe_offload_expert_prefetches_issued_total", "moe_offload_expert_prefetches_used_total",
     "moe_offload_expert_prefetches_wasted_total",
-    "moe_offload_expert_cpu_fallback_calls_total",
     "moe_offload_spec_accepted_tokens_total", "moe_offload_spec_draft_tokens_total", "moe_offload_spec_drafts_total",
     "moe_offload_requests_finished_total",
 }
 # Panels whose numbers this load must move (a quality-first policy at cache 0.25 misses, fetches and
 # substitutes).  The others must return series, possibly 0 or NaN: the running/waiting gauges read 0 once
-# the load is over, and prefetch, CPU fallback and speculation are not exercised in this configuration.
+# the load is over, and prefetch and speculation are not exercised in this configuration.
 MUST_BE_POSITIVE = (
     "Generation tokens per second", "Finished requests by reason",
     "Time to first token", "Inter-token latency", "End-to-end request latency",

@@ -1,0 +1,132 @@
+"""Speculative decoding on the embedded pair, side by side with plain decoding.
+
+Settings: cache 1.0 (RAM), cache 0.25 (disk), cache 0.25 (disk behind an emulated link).
+Configurations: off; draft with k = 2, 4, 6 (fixed); draft with adaptive k (k <= 4); n-gram (k <= 4).
+Each cell runs N concurrent greedy requests (N from --streams) through one in-process engine
+core. After every request has its first token the clock and counters start; the cell reports
+aggregate decode tok/s (and its ratio to `off` in the same round), tokens per verification
+(accepted + 1), acceptance per position, distinct experts per verification window against
+the top-k of a single token, expert bytes moved per generated token, and the stall share.
+Rounds are interleaved (every cell once per round) after a warm-up round.
+
+    python -m bench.spec_bench --out docs/benchmarks/speculative.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core.completion import request
+from engine.core.engine_core import CoreLimits, EngineCore
+from engine.paths import portable_path
+from engine.spec.config import SpecConfig
+from engine.spec.factory import make_speculation
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
+from models import EMBEDDED_TARGET
+
+CONFIGS = {
+    "off": SpecConfig(speculative="off"),
+    "draft k=2": SpecConfig(speculative="draft", num_speculative_tokens=2, adaptive=False),
+    "draft k=4": SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False),
+    "draft k=6": SpecConfig(speculative="draft", num_speculative_tokens=6, adaptive=False),
+    "draft adaptive (k<=4)": SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=True),
+    "ngram (k<=4)": SpecConfig(speculative="ngram", num_speculative_tokens=4, adaptive=True),
+}
+
+
+def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    proposer, observers = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048), proposer, observers)
+    for p in prompts:
+        core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in core.step() if o.token_ids}
+    om.stats.reset()
+    t0, produced = time.perf_counter(), 0
+    while core.has_work():
+        produced += sum(len(o.token_ids) for o in core.step())
+    wall = time.perf_counter() - t0
+    s = om.stats.snapshot()
+    per_layer = [r["distinct_experts_per_window"] for r in s["per_layer"] if r["distinct_experts_per_window"]]
+    return {
+        "tok_s": produced / wall,
+        "tokens_per_verification": (s["spec_accepted_tokens"] / s["spec_drafts"] + 1) if s["spec_drafts"] else 1.0,
+        "acceptance_by_position": s["spec_acceptance_by_position"],
+        "distinct_per_window": statistics.mean(per_layer) if per_layer else float(om.top_k),
+        "bytes_per_token": s["bytes_moved"] / produced,
+        "stall_share": s["stall_seconds"] / wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    ap.add_argument("--streams", default="1,8", help="comma-separated concurrency levels (default 1,8)")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round (default 2)")
+    ap.add_argument("--link", default="hdd", help="emulated link of the third setting (default hdd)")
+    ap.add_argument("--settings", default="ram,disk,link", help="which settings to run (default ram,disk,link)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--out", type=Path, help="markdown report (JSON beside it)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    all_settings = {
+        "ram": ("cache 1.0 (ram)", EngineConfig(cache_fraction=1.0)),
+        "disk": ("cache 0.25 (disk)", EngineConfig(cache_fraction=0.25, offload="disk")),
+        "link": (f"cache 0.25 (disk + {args.link})", EngineConfig(cache_fraction=0.25, offload="disk", link=args.link)),
+    }
+    settings = dict(all_settings[s] for s in args.settings.split(","))
+    engines = {name: load_model(EMBEDDED_TARGET, cfg) for name, cfg in settings.items()}
+    tok = next(iter(engines.values())).tokenizer
+    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
+    streams = [int(x) for x in args.streams.split(",")]
+    stride = len(ids) // (max(streams) + 1)
+    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(streams))]
+    cells = [(s, n, c) for s in settings for n in streams for c in CONFIGS]
+    res: dict[tuple, list[dict]] = {cell: [] for cell in cells}
+    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
+        for s, n, c in tqdm(cells, desc=f"round {rnd}", leave=False):
+            r = run_cell(engines[s], CONFIGS[c], prompts[:n], args.tokens)
+            if rnd:
+                res[(s, n, c)].append(r)
+    for om in engines.values():
+        om.close()
+
+    lines = ["| setting | streams | config | decode tok/s | × off | tokens / verification | acceptance by position | distinct experts / window (1 token: top-8) | expert MB / token | stall share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for s, n, c in cells:
+        runs = res[(s, n, c)]
+        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[(s, n, "off")]))
+        row = {"setting": s, "streams": n, "config": c, "vs_off": ratio,
+               **{k: statistics.median(r[k] for r in runs) for k in ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")},
+               "acceptance_by_position": runs[-1]["acceptance_by_position"]}
+        rows.append(row)
+        acc = " / ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "–"
+        lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
+                     f"{row['distinct_per_window']:.1f} | {row['bytes_per_token'] / 1e6:.2f} | {row['stall_share']:.0%} |")
+    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}. Model: the embedded pair "
+              f"({portable_path(EMBEDDED_TARGET)} + draft). Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
+              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round; "
+              f"link `{args.link}` emulated. Acceptance by position is from the last round.")
+    print(header)
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+        args.out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
