@@ -58,6 +58,10 @@ class MoeExecutor:
         self.fmt = fmt if fmt is not None else PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).
         self._views = [self.fmt.views(row) for row in store.slots]
+        # The grouped path reads slots as plain [gate | up | down] float matrices: SwiGLU, unquantized,
+        # with torch's grouped GEMM (a private op, hence the feature check).
+        self._grouped_ok = (isinstance(self.fmt, PlainFormat) and type(self.fmt.kernel) is SwiGLUKernel
+                            and hasattr(torch, "_grouped_mm") and store.slots.dtype in (torch.float32, torch.bfloat16))
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
@@ -108,6 +112,13 @@ class MoeExecutor:
         if DROPPED in groups:
             contrib[groups.pop(DROPPED)] = 0.0
         w_flat = weights.reshape(-1)
+        if len(ready) >= 2 and self._grouped_ok:
+            # Every resident expert of the step in one batched GEMM per projection: the per-expert
+            # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
+            self._run_grouped(layer, x, flat, order, uniq, counts, w_flat, ready, contrib, k)
+            for e in ready:
+                lease.release(layer * E + e)
+            ready = []
 
         def compute(e: int) -> None:
             rows = groups[e]
@@ -121,6 +132,30 @@ class MoeExecutor:
         for j in range(1, k):
             out += c[:, j]
         return out
+
+    def _run_grouped(self, layer: int, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, uniq: torch.Tensor,
+                     counts: torch.Tensor, w_flat: torch.Tensor, experts: list[int], contrib: torch.Tensor, k: int) -> None:
+        """SwiGLU of the resident `experts` over all their rows: one grouped GEMM per projection
+        straight over the slot pool (torch._grouped_mm with one group per slot, most of them
+        empty), so no weight is copied and no Python runs per expert."""
+        H, I = x.shape[1], self.shape.intermediate
+        n_slots = self.store.n_slots
+        sel = torch.isin(uniq, torch.tensor(experts, dtype=uniq.dtype, device=uniq.device))  # [G_all]
+        slot_of_group = torch.full((len(uniq),), n_slots, dtype=torch.long, device=flat.device)  # n_slots = not here
+        slot_of_group[sel] = torch.tensor([self.store.slot_index(layer * self.num_experts + int(e)) for e in uniq[sel].tolist()],
+                                          dtype=torch.long, device=flat.device)
+        group_of = torch.repeat_interleave(torch.arange(len(uniq), device=flat.device), counts)  # [T*k], along `order`
+        slot_of_row = slot_of_group[group_of]
+        by_slot = torch.argsort(slot_of_row, stable=True)
+        keep = by_slot[: int(sel[group_of].sum())]  # rows of resident experts, grouped by slot
+        rows = order[keep]  # flat row-slot indices, in slot order
+        offs = torch.cumsum(torch.bincount(slot_of_row[keep], minlength=n_slots), 0).to(torch.int32)  # [n_slots]
+        pool = self.store.slots  # [n_slots, 3*I*H]: [gate | up] rows, then down, per slot
+        gate_up = pool[:, : 2 * I * H].view(n_slots, 2 * I, H).transpose(1, 2)  # [n_slots, H, 2I]
+        down = pool[:, 2 * I * H :].view(n_slots, H, I).transpose(1, 2)  # [n_slots, I, H]
+        gate, up = torch._grouped_mm(x[torch.div(rows, k, rounding_mode="floor")], gate_up, offs=offs).chunk(2, dim=-1)  # [M, I]
+        y = torch._grouped_mm(self.fmt.kernel.act_fn(gate) * up, down, offs=offs)  # [M, H]
+        contrib[rows] = y * w_flat[rows, None]
 
     def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
                         lease: ExpertLease, ready: list[int], to_load: list[int]) -> torch.Tensor:
