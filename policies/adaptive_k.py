@@ -2,15 +2,16 @@
 
 Per request it keeps an exponential moving average of the per-token acceptance rate α of its
 recent windows. With k proposals and independent acceptances, a window yields on average
-(1 - α^(k+1)) / (1 - α) tokens, so a proposal only pays while it is likely to be accepted:
-k follows the expected run of accepted tokens, ceil(α / (1 - α)), capped at k_max. When α
-falls below `min_rate`, speculation is switched off for the request (k = 0: it decodes
-plainly, costing nothing extra) and probed again with k = 1 every `probe_every` steps, so a
-request whose text becomes predictable gets speculation back.
+(1 - α^(k+1)) / (1 - α) tokens. What the window costs, relative to a plain decode step, is
+1 + k·c + k·v: c is the measured cost of proposing one token (a draft forward; ~0 for the
+n-gram proposer) and v the cost of one more verified row in the target's window, both as
+fractions of a target step (c is measured online by the proposer; v is a constant, see below). k is chosen to
+maximise tokens per unit of cost; when no k beats plain decoding, k = 0 (the request decodes
+plainly, costing nothing extra), and it is probed again with k = 1 every `probe_every` steps
+so a request whose text becomes predictable gets speculation back.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -20,24 +21,44 @@ class _State:
     plain_steps: int = 0
 
 
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a window of k proposals yields on average (accepted run + the bonus/correction)."""
+    if rate >= 1.0:
+        return k + 1.0
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
 @dataclass
 class AdaptiveK:
     k_max: int
     adaptive: bool = True
-    decay: float = 0.7  # weight of the past in the moving average (about the last 3 windows)
-    start_rate: float = 0.6  # optimistic start: the first windows measure the draft
-    min_rate: float = 0.25  # below this, speculation costs more than it brings
-    probe_every: int = 8  # plain steps between probes of a switched-off request
+    decay: float = 0.7  # weight of the past in the moving averages (about the last 3 windows)
+    start_rate: float = 0.6  # optimistic start: the first windows measure the proposer
+    probe_every: int = 48  # plain steps between probes of a switched-off request (a probe costs ~2 steps: ~3 %)
+    proposal_cost: float = 0.0  # c: one proposed token, as a fraction of a target step (measured)
+    # v: one more verified row in the target's window. For an offloaded MoE a row is expensive: it
+    # routes to experts the others do not use. Measured on the embedded model (one stream, 1 CPU
+    # thread): a 5-row window costs about 2.8 plain steps, so v ≈ 0.44; the default is rounded.
+    row_cost: float = 0.4
     _states: dict[str, _State] = field(default_factory=dict)
+
+    def best_k(self, rate: float) -> int:
+        best, best_gain = 0, 1.0  # plain decoding: 1 token per unit of cost
+        for k in range(1, self.k_max + 1):
+            gain = expected_tokens(rate, k) / (1.0 + k * (self.proposal_cost + self.row_cost))
+            if gain > best_gain * 1.02:  # a clear win only: noise must not switch speculation on
+                best, best_gain = k, gain
+        return best
 
     def k_for(self, request_id: str) -> int:
         if not self.adaptive:
             return self.k_max
         st = self._states.setdefault(request_id, _State(self.start_rate))
-        if st.rate < self.min_rate:
+        k = self.best_k(st.rate)
+        if k == 0:
             st.plain_steps += 1
             return 1 if st.plain_steps % self.probe_every == 0 else 0
-        return max(1, min(self.k_max, math.ceil(st.rate / max(1e-6, 1.0 - st.rate))))
+        return k
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """A window with `proposed` tokens kept `accepted` of them."""
@@ -48,6 +69,13 @@ class AdaptiveK:
         # (or `proposed` when all were accepted); its per-token rate estimate:
         trials = min(proposed, accepted + 1)
         st.rate = self.decay * st.rate + (1.0 - self.decay) * (accepted / trials)
+
+    def observe_costs(self, proposal_cost: float | None, row_cost: float | None) -> None:
+        """Measured costs (fractions of a plain target step), folded into moving averages."""
+        if proposal_cost is not None:
+            self.proposal_cost = self.decay * self.proposal_cost + (1.0 - self.decay) * proposal_cost
+        if row_cost is not None:
+            self.row_cost = self.decay * self.row_cost + (1.0 - self.decay) * row_cost
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

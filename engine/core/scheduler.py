@@ -89,6 +89,7 @@ class SeqResult:
 @dataclass
 class StepOutput:
     results: dict[str, SeqResult] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the runner's execute (cost measurements, e.g. adaptive k)
 
 
 class Scheduler:

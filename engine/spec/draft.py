@@ -39,7 +39,7 @@ class DraftProposer(ProposerBase):
             d.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan) -> StepPlan:
+    def _propose(self, plan: StepPlan) -> StepPlan:
         for rid in plan.free_ids:
             self.forget(rid)
         active = [(i, w, k) for i, w in enumerate(plan.work) if (k := self.budget(w)) > 0]

@@ -28,7 +28,7 @@ class NgramProposer(ProposerBase):
         super().__init__(k, stats)
         self.ngram_max = ngram_max
 
-    def propose(self, plan: StepPlan) -> StepPlan:
+    def _propose(self, plan: StepPlan) -> StepPlan:
         work = []
         for w in plan.work:
             k = self.budget(w)

@@ -1,6 +1,7 @@
 """Shared pieces of the proposers: which windows speculate, and how proposals enter a plan."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -22,11 +23,25 @@ def with_drafts(w: SeqWork, drafts: list[int], probs: torch.Tensor | None = None
 
 
 class ProposerBase:
-    """Chooses k per request (AdaptiveK), records acceptance, and fills the spec counters."""
+    """Chooses k per request (AdaptiveK), records acceptance, and fills the spec counters.
+
+    Subclasses implement `_propose`; `propose` times it, so that the cost of proposing one
+    token, relative to the target's step, feeds adaptive k (policies/adaptive_k.py).
+    """
 
     def __init__(self, k: AdaptiveK, stats: EngineStats | None) -> None:
         self.k = k
         self.stats = stats
+        self._propose_s = 0.0
+
+    def propose(self, plan: StepPlan) -> StepPlan:
+        t0 = time.perf_counter()
+        out = self._propose(plan)
+        self._propose_s = time.perf_counter() - t0
+        return out
+
+    def _propose(self, plan: StepPlan) -> StepPlan:
+        raise NotImplementedError
 
     def budget(self, w: SeqWork) -> int:
         """Proposals for this window: 0 for prefills and requests near their end."""
@@ -40,6 +55,11 @@ class ProposerBase:
     def observe(self, plan: StepPlan, out: StepOutput) -> None:
         for rid in plan.free_ids:
             self.forget(rid)
+        deepest = max((w.num_draft for w in plan.work), default=0)
+        if deepest and out.seconds > 0:
+            # Proposing runs `deepest` sequential draft steps for the whole batch: one of them,
+            # against the target's (verification) step, is the cost of one more proposed token.
+            self.k.observe_costs(self._propose_s / deepest / out.seconds, None)
         for w in plan.work:
             res: SeqResult | None = out.results.get(w.request_id)
             if w.num_draft == 0 or res is None or res.error is not None:

@@ -11,6 +11,8 @@ the step and run again.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache
 
@@ -53,6 +55,12 @@ class ModelRunner:
     # -- a scheduler step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        out = self._execute(plan)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         for rid in plan.free_ids:  # finished or aborted: release KV cache memory now
             self.drop(rid)
         out = StepOutput()
