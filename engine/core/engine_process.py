@@ -115,4 +115,6 @@ def _scheduler_loop(sched: Any, runner: Any, inbox: queue.Queue[EngineInput], ou
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
         out_q.put(EngineDead(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        out_q.close()  # flush the feeder thread first: os._exit would drop the message (issue 14)
+        out_q.join_thread()
         os._exit(1)
