@@ -130,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_keys=tuple(args.api_key) if args.api_key else None,
         served_model_name=args.served_model_name, max_running=args.max_running, max_queue=args.max_queue,
         max_model_len=args.max_model_len, drain_timeout=args.drain_timeout, log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes, engine_restarts=args.engine_restarts,
     )
     from engine.worker.loader import check_model_dir
 
@@ -144,10 +145,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
         max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, draft_dir=args.draft,
     )
-    settings = ServeSettings(engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue, scfg.drain_timeout)
+    settings = ServeSettings(
+        engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue, scfg.drain_timeout,
+        scfg.max_body_bytes, scfg.max_messages, scfg.max_prompts, scfg.max_request_tokens, scfg.engine_restarts, scfg.engine_restart_window,
+    )
     logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
-    return 0
+    return run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
 
 
 def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -166,6 +169,8 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     g.add_argument("--max-queue", type=int, metavar="N", help="sequences allowed to wait beyond --max-running; more get 503 with Retry-After (default 256)")
     g.add_argument("--max-model-len", type=int, metavar="N", help="context length: prompt + max_tokens must fit (default: the model's max_position_embeddings)")
     g.add_argument("--drain-timeout", type=float, metavar="S", help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted (default 30)")
+    g.add_argument("--max-body-bytes", type=int, metavar="N", help="request bodies larger than this get 413 before they are read (default 8 MiB)")
+    g.add_argument("--engine-restarts", type=int, metavar="N", help="restarts of a dead engine allowed within 10 minutes; then the server exits 1 for its supervisor (default 3)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
     add_engine_flags(s)
     s.set_defaults(func=cmd_serve)

@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.app import drain
+from server.limits import RequestCounter
 from server.state import ServerState
 
 log = logging.getLogger("moe_offload.server")
@@ -20,12 +21,21 @@ class DrainingServer(uvicorn.Server):
     requests) while in-flight requests finish, then exit with status 0.  A second signal
     forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, requests: RequestCounter, drain_timeout: float) -> None:
         super().__init__(config)
         self.state = state
+        self.requests = requests
         self.drain_timeout = drain_timeout
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Future[None] | None = None
+        state.client.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        """The engine's restart budget is spent: stop serving and exit non-zero."""
+        self.exit_code = 1
+        self.state.draining = True
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -47,11 +57,14 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await drain(self.state, self.drain_timeout)
+            await drain(self.state, self.requests, self.drain_timeout)
         finally:
             self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
+def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> int:
+    """Serve until drained or the engine is beyond repair; returns the process exit status."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
-    DrainingServer(config, app.state.server, drain_timeout).run()
+    server = DrainingServer(config, app.state.server, app.state.requests, drain_timeout)
+    server.run()
+    return server.exit_code
