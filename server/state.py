@@ -19,6 +19,11 @@ from server.metrics import ServerMetrics
 from server.protocol import _SamplingFields
 
 
+# Below this, temperature means greedy (as vLLM does): logits / 1e-300 overflow to inf and the
+# softmax turns to NaN (found by tests/test_fuzz.py).
+TEMPERATURE_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     engine: EngineArgs
@@ -140,7 +145,7 @@ class ServerState:
             for i in range(body.n):
                 try:
                     params = SamplingParams(
-                        max_tokens=engine_limit, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                        max_tokens=engine_limit, temperature=body.temperature if body.temperature >= TEMPERATURE_EPS else 0.0, top_p=body.top_p, top_k=max(body.top_k, 0),
                         # n > 1 with a seed: distinct but reproducible choices.
                         seed=None if body.seed is None else (body.seed + pi * body.n + i) % 2**63,  # any int is valid
                         stop=body.stop_list(), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
