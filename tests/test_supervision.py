@@ -82,6 +82,7 @@ def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(tiny_ckpt, tmp_pat
         assert "leaked semaphore" not in srv.log()
 
 
+@pytest.mark.slow
 def test_in_flight_nonstreamed_request_gets_503_on_engine_death(tiny_ckpt, tmp_path: Path) -> None:
     with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log") as srv:
         pid = srv.engine_pid()
