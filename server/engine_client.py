@@ -128,10 +128,10 @@ class EngineClient:
         eng, self._engine = self._engine, None
         if eng is None:
             return
-        if eng.proc.is_alive():
+        if eng.proc.is_alive() and self.state is EngineState.READY:
             eng.in_q.put(Shutdown())
             await asyncio.get_running_loop().run_in_executor(None, eng.proc.join, timeout)
-        eng.release()
+        eng.release()  # an engine still loading has no work to finish: killed (it reads no input yet)
         self.state = EngineState.DEAD
 
     def retry_after(self) -> str:
