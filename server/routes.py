@@ -109,6 +109,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     _check_messages(st, body)
+    st.check_accepting(body.n)  # refuse early (draining, queue full) before any tokenizing
     mode = tool_mode(body)
     constraint = await _chat_constraint(st, body, mode)
     prompt = await st.off_loop(st.chat_prompt, template_messages(body), template_tools(body))
@@ -177,6 +178,8 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens 0 is only allowed with echo=true (prompt logprobs only)", param="max_tokens")
+    batch = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [body.prompt]
+    st.check_accepting(body.n * len(batch))  # refuse early (draining, queue full) before any tokenizing
     prompts = await st.off_loop(st.text_prompts, body.prompt)
     lp = body.logprobs
     plp = lp if (body.echo and lp is not None) else None
