@@ -85,6 +85,8 @@ class ServerState:
         if self.client.state is EngineState.DEAD:  # restart budget spent: the server is exiting
             raise ApiError(503, f"The engine is not running: {self.client.error}", code="engine_dead")
         cap = self.settings.engine.max_running + self.settings.max_queue
+        if n_seqs > cap:  # could never be admitted: retrying would not help, so not a 503
+            raise ApiError(400, f"This request needs {n_seqs} sequences (prompts x n); this server holds at most {cap} at once.", param="n")
         if self.client.in_flight + n_seqs > cap:
             raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
 

@@ -172,8 +172,10 @@ def test_request_size_limits(srv: RunningServer) -> None:
     assert e["param"] == "messages" and "1024" in e["message"]
     e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 65, "max_tokens": 1})
     assert e["param"] == "prompt"
-    e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 64, "n": 16, "max_tokens": 300})
+    e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 16, "n": 16, "max_tokens": 1100})
     assert e["param"] == "max_tokens" and "262144" in e["message"]
+    e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 64, "n": 16, "max_tokens": 1})
+    assert e["param"] == "n" and "1024 sequences" in e["message"]  # more than the server ever holds
     e = _err(srv, "/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17})
     assert e["param"] == "stop"
     e = _err(srv, "/completions", {"model": MODEL, "prompt": "x" * 10_000_00})
