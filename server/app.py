@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from server import routes
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
+from server.limits import BodyLimitMiddleware, RequestCounter
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, ServeSettings
 
@@ -25,6 +26,7 @@ log = logging.getLogger("moe_offload.server")
 def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     """One app per server; all state hangs off the app (no module-level singletons)."""
     st = ServerState(settings, tokenizer)
+    requests = RequestCounter()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -34,10 +36,13 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         finally:
             st.client.abort_all()
             await st.client.close()
+            st.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = st
+    app.state.requests = requests
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, counter=requests)
 
     async def require_api_key(request: Request) -> None:
         if not settings.api_keys:
@@ -70,9 +75,12 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     async def health() -> JSONResponse:
         status = "draining" if st.draining else st.client.state.value
         body: dict[str, Any] = {"status": status}
-        if st.client.state is EngineState.DEAD:
+        headers = None
+        if st.client.state in (EngineState.RESTARTING, EngineState.DEAD):
             body["error"] = st.client.error
-        return JSONResponse(body, status_code=200 if status == "ready" else 503)
+        if status in ("loading", "restarting"):
+            headers = {"Retry-After": st.client.retry_after()}
+        return JSONResponse(body, status_code=200 if status == "ready" else 503, headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -81,17 +89,23 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     return app
 
 
-async def drain(st: ServerState, timeout: float) -> None:
-    """SIGTERM: refuse new requests, let in-flight ones finish for up to `timeout`, abort the rest."""
+async def drain(st: ServerState, requests: RequestCounter, timeout: float) -> None:
+    """SIGTERM: refuse new requests (503), let in-flight ones finish for up to `timeout`, abort
+    the rest.  Done means every HTTP response has been written, not just every engine sequence
+    ended: the last chunks and [DONE] of a stream are still on their way when its final engine
+    output arrives, and closing the listener then cut them off."""
     st.draining = True
     deadline = time.monotonic() + timeout
-    log.info("draining %d in-flight sequence(s) (up to %.0f s)", st.client.in_flight, timeout)
-    while st.client.in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if st.client.in_flight:
+    log.info("draining %d in-flight sequence(s), %d HTTP request(s) (up to %.0f s)", st.client.in_flight, requests.active, timeout)
+
+    def busy() -> bool:
+        return bool(st.client.in_flight or requests.active)
+
+    while busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if busy():
         log.warning("drain timeout: aborting %d sequence(s)", st.client.in_flight)
         st.client.abort_all()
         end = time.monotonic() + 5.0
-        while st.client.in_flight and time.monotonic() < end:  # let streams send their error + [DONE]
-            await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)  # let the last responses flush before uvicorn closes connections
+        while busy() and time.monotonic() < end:  # let streams send their error + [DONE]
+            await asyncio.sleep(0.02)

@@ -124,10 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
         max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, spec=spec,
     )
-    settings = ServeSettings(engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue)
+    settings = ServeSettings(
+        engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue,
+        scfg.max_body_bytes, scfg.max_messages, scfg.max_prompts, scfg.max_request_tokens, scfg.engine_restarts, scfg.engine_restart_window,
+    )
     logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
-    return 0
+    return run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,13 @@ class ServerConfig(YamlSection):
     prefill_token_budget: int = setting(1024, "prompt tokens prefilled per engine step; longer prompts are prefilled in chunks while decodes keep flowing (default 1024)", metavar="N")
     drain_timeout: float = setting(30.0, "on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted (default 30)", metavar="S")
     log_level: str = setting("info", "log verbosity (default info)", choices=("debug", "info", "warning", "error"))
+    # Abuse limits and engine supervision:
+    max_body_bytes: int = setting(8 * 1024 * 1024, "request bodies over this many bytes get 413 before they are read (default 8 MiB)", metavar="N")
+    max_messages: int = setting(1024, "chat messages per request (default 1024)", metavar="N")
+    max_prompts: int = setting(64, "prompts in one /v1/completions batch (default 64)", metavar="N")
+    max_request_tokens: int = setting(262144, "n x max_tokens summed over a request's prompts (default 262144)", metavar="N")
+    engine_restarts: int = setting(3, "engine restarts allowed within --engine-restart-window before the server exits 1 so its supervisor restarts it (default 3)", metavar="N")
+    engine_restart_window: float = setting(600.0, "seconds over which engine restarts are counted (default 600)", metavar="S")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -31,4 +38,8 @@ class ServerConfig(YamlSection):
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.prefill_token_budget < 1 or self.drain_timeout < 0:
             raise ConfigError("prefill_token_budget must be >= 1 and drain_timeout >= 0")
+        if self.max_body_bytes < 1024 or min(self.max_messages, self.max_prompts, self.max_request_tokens) < 1:
+            raise ConfigError("max_body_bytes must be >= 1024; max_messages, max_prompts and max_request_tokens >= 1")
+        if self.engine_restarts < 0 or self.engine_restart_window <= 0:
+            raise ConfigError("engine_restarts must be >= 0 and engine_restart_window > 0")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))

@@ -1,20 +1,29 @@
-"""The front end's handle on the engine process.
+"""The front end's handle on the engine process, and its supervisor.
 
 A reader thread blocks on the engine's output queue and hands each message to the event loop
 with `call_soon_threadsafe`, so the loop never blocks on model work or on IPC.  Each HTTP
 request registers one asyncio.Queue that receives the RequestOutputs of all its choices.
+
+Supervision: when the engine process dies, every in-flight request gets an EngineFailure, the
+child is reaped, and a new engine is started after a backoff (1, 2, 4 ... s).  Each start gets
+fresh queues: a process killed while holding a queue's lock would leave it locked forever.
+After `max_restarts` restarts within `restart_window` seconds the client gives up and calls
+`on_fatal`, so the server exits non-zero and its own supervisor (systemd, Kubernetes) acts.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing as mp
 import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from engine.core.engine_process import EngineArgs, engine_main
 from engine.core.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
@@ -22,11 +31,14 @@ from server.metrics import ServerMetrics
 
 log = logging.getLogger("moe_offload.server")
 
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
 
 class EngineState(Enum):
     LOADING = "loading"
     READY = "ready"
-    DEAD = "dead"
+    RESTARTING = "restarting"
+    DEAD = "dead"  # gave up (restart budget spent, or shut down)
 
 
 class EngineFailure(Exception):
@@ -41,46 +53,97 @@ class _Track:
     last_token: float | None = None
 
 
+@dataclass
+class _Engine:
+    """One incarnation of the engine process with its own queues."""
+
+    gen: int
+    proc: Any  # multiprocessing SpawnProcess
+    in_q: Any
+    out_q: Any
+    started: float = field(default_factory=time.monotonic)
+
+    def release(self) -> None:
+        """Reap the (dead or killed) child and free the queues' pipes and feeder threads."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        for q in (self.in_q, self.out_q):
+            q.cancel_join_thread()  # unread items for a dead reader must not block exit
+            q.close()
+
+
 class EngineClient:
-    def __init__(self, args: EngineArgs, metrics: ServerMetrics) -> None:
+    def __init__(self, args: EngineArgs, metrics: ServerMetrics, max_restarts: int = 3, restart_window: float = 600.0) -> None:
         self.args = args
         self.metrics = metrics
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.engine_pid: int | None = None
+        self.on_fatal: Callable[[], None] | None = None  # set by the server: exit non-zero
         self._reqs: dict[str, _Track] = {}
-        ctx = mp.get_context("spawn")
-        self._in: mp.Queue = ctx.Queue()
-        self._out: mp.Queue = ctx.Queue()
-        self._proc = ctx.Process(target=engine_main, args=(args, self._in, self._out), name="moe-offload-engine", daemon=True)
+        self._ctx = mp.get_context("spawn")
+        self._engine: _Engine | None = None
+        self._gen = 0
+        self._restarts: list[float] = []  # monotonic times of restarts inside the window
+        self._restart_at: float | None = None  # when the pending restart spawns
+        self._restart_handle: asyncio.TimerHandle | None = None
+        self._load_seconds = 5.0  # last measured start-to-ready time, for Retry-After
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
         self._closing = False
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._restart_handle = self._restart_at = None
+        if self._closing:
+            return
+        self._gen += 1
+        eng = _Engine(self._gen, None, self._ctx.Queue(), self._ctx.Queue())
+        eng.proc = self._ctx.Process(target=engine_main, args=(self.args, eng.in_q, eng.out_q), name="moe-offload-engine", daemon=True)
         # Ignored signals stay ignored across exec: the child is immune from its first
         # instruction, even when a SIGTERM to the whole process group arrives during startup.
         saved = None
         if threading.current_thread() is threading.main_thread():
             saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._proc.start()
+            eng.proc.start()
         finally:
             for s, h in (saved or {}).items():
                 signal.signal(s, h)
-        self._reader = threading.Thread(target=self._read_loop, name="engine-reader", daemon=True)
-        self._reader.start()
+        self._engine = eng
+        if self.state is not EngineState.RESTARTING:
+            self.state = EngineState.LOADING
+        threading.Thread(target=self._read_loop, args=(eng,), name=f"engine-reader-{eng.gen}", daemon=True).start()
 
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
-        if self._proc.is_alive():
-            self._in.put(Shutdown())
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(2)
+        if self._restart_handle is not None:
+            self._restart_handle.cancel()
+        eng, self._engine = self._engine, None
+        if eng is None:
+            return
+        if eng.proc.is_alive() and self.state is EngineState.READY:
+            eng.in_q.put(Shutdown())
+            await asyncio.get_running_loop().run_in_executor(None, eng.proc.join, timeout)
+        eng.release()  # an engine still loading has no work to finish: killed (it reads no input yet)
+        self.state = EngineState.DEAD
+
+    def retry_after(self) -> str:
+        """Seconds until the engine should accept work: the pending backoff plus a load."""
+        now = time.monotonic()
+        if self.state is EngineState.RESTARTING and self._restart_at is not None:
+            wait = self._restart_at - now + self._load_seconds
+        elif self._engine is not None and self.state in (EngineState.LOADING, EngineState.RESTARTING):
+            wait = self._engine.started + self._load_seconds - now
+        else:
+            wait = 1.0
+        return str(max(1, math.ceil(wait)))
 
     # -- requests ------------------------------------------------------------------
     @property
@@ -88,41 +151,44 @@ class EngineClient:
         return len(self._reqs)
 
     def submit(self, reqs: list[GenerateRequest]) -> asyncio.Queue[RequestOutput | EngineFailure]:
+        assert self._engine is not None and self.state is EngineState.READY
         q: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
         for r in reqs:
             self._reqs[r.request_id] = _Track(q)
-            self._in.put(r)  # non-blocking: a feeder thread pickles and writes
+            self._engine.in_q.put(r)  # non-blocking: a feeder thread pickles and writes
         return q
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to drop a request; its final "abort" output still comes back."""
-        if request_id in self._reqs and self.state is not EngineState.DEAD:
-            self._in.put(AbortRequest(request_id))
+        if request_id in self._reqs and self.state is EngineState.READY and self._engine is not None:
+            self._engine.in_q.put(AbortRequest(request_id))
 
     def abort_all(self) -> None:
         for rid in list(self._reqs):
             self.abort(rid)
 
     # -- engine -> loop ------------------------------------------------------------
-    def _read_loop(self) -> None:
+    def _read_loop(self, eng: _Engine) -> None:
         assert self._loop is not None
         while True:
             try:
-                msg: EngineOutput = self._out.get(timeout=0.5)
+                msg: EngineOutput = eng.out_q.get(timeout=0.5)
             except queue.Empty:
-                if self._proc.is_alive():
+                if eng.proc.is_alive():
                     continue
-                msg = EngineDead(f"engine process exited (code {self._proc.exitcode})")
-            except (EOFError, OSError) as e:
+                msg = EngineDead(f"engine process exited (code {eng.proc.exitcode})")
+            except (EOFError, OSError, ValueError) as e:
                 msg = EngineDead(f"engine output channel broke: {e}")
             try:
-                self._loop.call_soon_threadsafe(self._on_message, msg)
+                self._loop.call_soon_threadsafe(self._on_message, eng.gen, msg)
             except RuntimeError:  # loop closed: the server is gone
                 return
             if isinstance(msg, EngineDead):
                 return
 
-    def _on_message(self, msg: EngineOutput) -> None:
+    def _on_message(self, gen: int, msg: EngineOutput) -> None:
+        if self._engine is None or gen != self._engine.gen:
+            return  # from an engine already replaced or closed
         if isinstance(msg, RequestOutput):
             self._on_output(msg)
         elif isinstance(msg, StatsUpdate):
@@ -131,17 +197,46 @@ class EngineClient:
             self.metrics.engine.snapshot = msg.engine
         elif isinstance(msg, EngineReady):
             self.state, self.engine_pid = EngineState.READY, msg.pid
-            log.info("engine ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
+            self._load_seconds = time.monotonic() - self._engine.started
+            log.info("engine ready (pid %d, max_model_len %d, %.1f s)", msg.pid, msg.max_model_len, self._load_seconds)
         elif isinstance(msg, EngineDead):
-            self.state, self.error = EngineState.DEAD, msg.error
-            if not self._closing:
-                log.error("engine died: %s", msg.error)
-            for rid, t in self._reqs.items():
-                t.queue.put_nowait(EngineFailure(msg.error))
-                self.metrics.finished.labels("error").inc()
-            self._reqs.clear()
-            self.metrics.running.set(0)
-            self.metrics.waiting.set(0)
+            self._on_death(msg.error)
+
+    def _on_death(self, error: str) -> None:
+        assert self._engine is not None
+        was_ready = self.state is EngineState.READY
+        self.error = error
+        self._fail_in_flight(error)
+        eng, self._engine = self._engine, None
+        eng.release()  # reaps: the child is dead or killed here, so join returns at once
+        if self._closing:
+            self.state = EngineState.DEAD
+            return
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < self.restart_window]
+        if not was_ready and self.engine_pid is None:
+            log.error("engine failed to start: %s", error)  # a first load that fails will fail again
+        elif len(self._restarts) < self.max_restarts:
+            delay = BACKOFF_S[min(len(self._restarts), len(BACKOFF_S) - 1)]
+            self._restarts.append(now)
+            self.state, self._restart_at = EngineState.RESTARTING, now + delay
+            log.error("engine died: %s; restart %d of %d in %.0f s", error, len(self._restarts), self.max_restarts, delay)
+            assert self._loop is not None
+            self._restart_handle = self._loop.call_later(delay, self._spawn)
+            return
+        else:
+            log.error("engine died: %s; %d restarts within %.0f s spent: giving up", error, self.max_restarts, self.restart_window)
+        self.state = EngineState.DEAD
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _fail_in_flight(self, error: str) -> None:
+        for t in self._reqs.values():
+            t.queue.put_nowait(EngineFailure(error))
+            self.metrics.finished.labels("error").inc()
+        self._reqs.clear()
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
 
     def _on_output(self, o: RequestOutput) -> None:
         t = self._reqs.get(o.request_id)

@@ -26,20 +26,36 @@ def chat_logprobs(entries: list[TokenLogprob], text_of: Callable[[int], str]) ->
     return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def completion_logprobs(ids: list[int], entries: list[TokenLogprob | None], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
-    """Legacy format; `offset` is the character position of the first token in the choice text."""
+def completion_logprobs(ids: list[int], entries: list[TokenLogprob | None], text_of: Callable[[int], str], offset: int, eos: TokenLogprob | None = None) -> dict[str, Any]:
+    """Legacy format; `offset` is the character position of the first token in the choice text.
+
+    As vLLM and OpenAI do (and lm_eval relies on): each top_logprobs dict also holds the chosen
+    token when it is not among the top k (up to k+1 entries), and a terminating EOS token is
+    listed last (`eos`) although its text is not part of the choice's text.
+    """
     tokens, offsets = [], []
     for t in ids:
         offsets.append(offset)
         s = text_of(t)
         tokens.append(s)
         offset += len(s)
+    if eos is not None:
+        ids, entries = [*ids, eos.token_id], [*entries, eos]
+        offsets.append(offset)
+        tokens.append(text_of(eos.token_id))
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e.logprob for e in entries],
-        "top_logprobs": [None if e is None else {text_of(t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [None if e is None else _top_with_chosen(e, text_of) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _top_with_chosen(e: TokenLogprob, text_of: Callable[[int], str]) -> dict[str, float]:
+    top = {text_of(t): lp for t, lp in e.top}
+    if e.top and all(t != e.token_id for t, _ in e.top):
+        top[text_of(e.token_id)] = e.logprob
+    return top
 
 
 @dataclass
@@ -53,6 +69,7 @@ class Accumulated:
     finish_reason: str | None = None
     error: str | None = None
     num_output_tokens: int = 0
+    eos_logprob: TokenLogprob | None = None
 
     def add(self, o: RequestOutput) -> None:
         self.text += o.text
@@ -61,6 +78,7 @@ class Accumulated:
         if o.prompt_logprobs is not None:
             self.prompt_logprobs = o.prompt_logprobs
         self.num_output_tokens = o.num_output_tokens
+        self.eos_logprob = o.eos_logprob or self.eos_logprob
         if o.finish_reason is not None:
             self.finish_reason, self.error = o.finish_reason, o.error
 

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import os
 import socket
+import sys
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from fastapi import FastAPI
 
 from server.app import drain
+from server.limits import RequestCounter
 from server.state import ServerState
 
 log = logging.getLogger("moe_offload.server")
@@ -20,12 +25,21 @@ class DrainingServer(uvicorn.Server):
     requests) while in-flight requests finish, then exit with status 0.  A second signal
     forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, requests: RequestCounter, drain_timeout: float) -> None:
         super().__init__(config)
         self.state = state
+        self.requests = requests
         self.drain_timeout = drain_timeout
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Future[None] | None = None
+        state.client.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        """The engine's restart budget is spent: stop serving and exit non-zero."""
+        self.exit_code = 1
+        self.state.draining = True
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -47,11 +61,25 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await drain(self.state, self.drain_timeout)
+            await drain(self.state, self.requests, self.drain_timeout)
         finally:
             self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
+def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> NoReturn:
+    """Serve until drained (exit 0) or the engine is beyond repair (exit 1); ends the process."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
-    DrainingServer(config, app.state.server, drain_timeout).run()
+    server = DrainingServer(config, app.state.server, app.state.requests, drain_timeout)
+    server.run()
+    exit_now(server.exit_code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown of torch and transformers, which took 3-10 s on
+    a loaded 2-core machine after every drain had finished.  atexit handlers still run: there
+    multiprocessing unlinks its semaphores and joins its queue threads, and logging flushes."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -18,19 +18,86 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class TextPart(_Lenient):
+class ContentPart(_Lenient):
+    """A content part; only "text" can be honoured (routes answer 400 for image/audio/file parts)."""
+
     type: str = "text"
     text: str = ""
 
 
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (history)
+    tool_call_id: str | None = None  # a tool result answers this call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text for p in self.content if p.type == "text")
+
+    def unsupported_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first content part this text-only server cannot read."""
+        if isinstance(self.content, list):
+            for j, p in enumerate(self.content):
+                if p.type != "text":
+                    return j, p.type
+        return None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    # Unknown types are a 400 naming response_format.type (never silently ignored).
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a `json_schema` object")
+        return self
 
 
 class _SamplingFields(_Lenient):
@@ -49,6 +116,12 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")  # as OpenAI
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -71,6 +144,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -83,7 +160,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptType
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo (prompt logprobs)
     suffix: str | None = None
 
     def token_limit(self) -> int | None:

@@ -12,8 +12,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.engine_client import EngineFailure
 from server.errors import ApiError
 from server.formatting import Accumulated, chat_logprobs, completion_logprobs, failure_of, sse, sse_error
+from engine.structured.constraint import check_spec
+from engine.structured.spec import ConstraintSpec
 from server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from server.state import Choices, ServerState
+from server.tools import ToolMode, ToolStream, parse_calls, template_messages, template_tools, tool_constraint, tool_mode
 
 DISCONNECT_POLL_S = 0.5
 
@@ -75,43 +78,96 @@ def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def _chat_constraint(st: ServerState, body: ChatCompletionRequest, mode: ToolMode) -> ConstraintSpec | None:
+    """The grammar a chat request's output must follow, checked here so a bad schema is a 400."""
+    fmt = body.response_format
+    wants_json = fmt is not None and fmt.type != "text"
+    if mode.constrained and wants_json:
+        raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format")
+    if mode.constrained:
+        spec, param = tool_constraint(body, mode), "tools"
+    elif fmt is not None and fmt.type == "json_object":
+        spec, param = ConstraintSpec("json_object"), "response_format"
+    elif fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None
+        spec, param = ConstraintSpec.json_schema(fmt.json_schema.schema_), "response_format.json_schema.schema"
+    else:
+        return None
+    assert spec is not None
+    if body.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with structured output (the grammar ends the output)", param="ignore_eos")
+    if (err := await st.off_loop(check_spec, spec)) is not None:
+        raise ApiError(400, f"invalid schema: {err}", param=param)
+    return spec
+
+
+def _check_messages(st: ServerState, body: ChatCompletionRequest) -> None:
+    if len(body.messages) > st.settings.max_messages:
+        raise ApiError(400, f"at most {st.settings.max_messages} messages per request", param="messages")
+    for i, m in enumerate(body.messages):
+        if (bad := m.unsupported_part()) is not None:
+            raise ApiError(400, f"content parts of type `{bad[1]}` are not supported: this server reads text only", param=f"messages[{i}].content[{bad[0]}].type", code="unsupported_content")
+    st.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
+
+
 async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Request) -> Any:
     st.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    prompt = st.chat_prompt(body.messages)
+    _check_messages(st, body)
+    st.check_accepting(body.n)  # refuse early (draining, queue full) before any tokenizing
+    mode = tool_mode(body)
+    constraint = await _chat_constraint(st, body, mode)
+    prompt = await st.off_loop(st.chat_prompt, template_messages(body), template_tools(body))
     lp = (body.top_logprobs or 0) if body.logprobs else None
     rid, created, model = new_id("chatcmpl"), now(), st.settings.served_model_name
-    choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None))
+    choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint))
     n_out = [0] * len(choices.rids)
+    names = [t.function.name for t in body.tools or []]
+    parse_tools = mode.kind != "none"
 
     if not body.stream:
         accs = await collect(choices, raw)
         if accs is None:
             return JSONResponse({}, status_code=499)
-        return {
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{
-                "index": i, "message": {"role": "assistant", "content": a.text},
-                "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None,
-                "finish_reason": a.finish_reason,
-            } for i, a in enumerate(accs)],
-            "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs)),
-        }
+        out = []
+        for i, a in enumerate(accs):
+            message: dict[str, Any] = {"role": "assistant", "content": a.text}
+            finish = a.finish_reason
+            if parse_tools:
+                content, calls = parse_calls(a.text, mode, names)
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            out.append({"index": i, "message": message, "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None, "finish_reason": finish})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs))}
 
     extra = {"usage": None} if body.include_usage() else {}
+    streams = [ToolStream(mode, names) for _ in choices.rids] if parse_tools else None
 
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:  # opening chunk: the role, once per choice
             delta: dict[str, Any] = {"role": "assistant", "content": ""}
             lps = None
+            finish = None
         else:
             n_out[i] = o.num_output_tokens
-            if not o.text and not o.finish_reason and not (lp is not None and o.token_ids):
+            finish = o.finish_reason
+            if streams is not None:
+                delta = streams[i].feed(o.text)
+                if finish is not None:
+                    last, has_calls = streams[i].finish()
+                    for k, v in last.items():  # content and tool_calls of the final piece
+                        delta[k] = delta.get(k, []) + v if k == "tool_calls" else delta.get(k, "") + v
+                    if has_calls and finish == "stop":
+                        finish = "tool_calls"
+            else:
+                delta = {"content": o.text} if o.text else {}
+            if not delta and not finish and not (lp is not None and o.token_ids):
                 return None
-            delta = {"content": o.text} if o.text else {}
             lps = chat_logprobs(o.logprobs or [], st.token_text) if lp is not None else None
-        c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": None if o is None else o.finish_reason}
+        c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c], **extra}
 
     def final() -> dict[str, Any] | None:
@@ -126,23 +182,30 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     st.check_model(body.model)
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    prompts = st.text_prompts(body.prompt)
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens 0 is only allowed with echo=true (prompt logprobs only)", param="max_tokens")
+    batch = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [body.prompt]
+    st.check_accepting(body.n * len(batch))  # refuse early (draining, queue full) before any tokenizing
+    prompts = await st.off_loop(st.text_prompts, body.prompt)
     lp = body.logprobs
     plp = lp if (body.echo and lp is not None) else None
+    prompt_only = body.max_tokens == 0  # the engine still samples one token; it is dropped here
     rid, created, model = new_id("cmpl"), now(), st.settings.served_model_name
     choices = st.submit(st.make_requests(rid, prompts, body, body.token_limit(), lp, plp))
     prompt_of = [prompts[i // body.n] for i in range(len(choices.rids))]
-    prompt_text = [st.tokenizer.decode(p) if body.echo else "" for p in prompt_of]
+    prompt_text = await st.off_loop(lambda: [st.tokenizer.decode(p) if body.echo else "" for p in prompt_of])
     n_prompt = sum(len(p) for p in prompts)
     n_out = [0] * len(choices.rids)
     offsets = [0] * len(choices.rids)  # characters of each choice's text already sent
 
-    def logprobs_of(i: int, ids: list[int], entries: list[Any], plps: list[Any] | None) -> dict[str, Any] | None:
+    def logprobs_of(i: int, ids: list[int], entries: list[Any], plps: list[Any] | None, eos: Any) -> dict[str, Any] | None:
         if lp is None:
             return None
+        if prompt_only:
+            ids, entries, eos = [], [], None
         if plps is not None:  # echo: the prompt's tokens come first
             ids, entries = prompt_of[i] + ids, plps + entries
-        return completion_logprobs(ids, entries, st.token_text, offsets[i])
+        return completion_logprobs(ids, entries, st.token_text, offsets[i], eos)
 
     if not body.stream:
         accs = await collect(choices, raw)
@@ -151,11 +214,11 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{
-                "index": i, "text": prompt_text[i] + a.text,
-                "logprobs": logprobs_of(i, a.token_ids, list(a.logprobs), a.prompt_logprobs),
-                "finish_reason": a.finish_reason,
+                "index": i, "text": prompt_text[i] + ("" if prompt_only else a.text),
+                "logprobs": logprobs_of(i, a.token_ids, list(a.logprobs), a.prompt_logprobs, a.eos_logprob),
+                "finish_reason": "length" if prompt_only else a.finish_reason,
             } for i, a in enumerate(accs)],
-            "usage": usage(n_prompt, sum(a.num_output_tokens for a in accs)),
+            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs)),
         }
 
     extra = {"usage": None} if body.include_usage() else {}
@@ -164,12 +227,14 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:
             return None
-        n_out[i] = o.num_output_tokens
-        text = o.text if started[i] else prompt_text[i] + o.text
+        n_out[i] = 0 if prompt_only else o.num_output_tokens
+        new = "" if prompt_only else o.text
+        text = new if started[i] else prompt_text[i] + new
         started[i] = True
-        if not text and not o.finish_reason and not (lp is not None and o.token_ids):
+        finish = ("length" if o.finish_reason else None) if prompt_only else o.finish_reason
+        if not text and not finish and not (lp is not None and o.token_ids and not prompt_only):
             return None
-        c = {"index": i, "text": text, "logprobs": logprobs_of(i, o.token_ids, list(o.logprobs or []), o.prompt_logprobs), "finish_reason": o.finish_reason}
+        c = {"index": i, "text": text, "logprobs": logprobs_of(i, o.token_ids, list(o.logprobs or []), o.prompt_logprobs, o.eos_logprob), "finish_reason": finish}
         offsets[i] += len(text)
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c], **extra}
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -10,11 +11,17 @@ from typing import Any
 
 from engine.core.engine_process import EngineArgs
 from engine.core.messages import GenerateRequest, RequestOutput
+from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams
 from server.engine_client import EngineClient, EngineFailure, EngineState
 from server.errors import ApiError
 from server.metrics import ServerMetrics
-from server.protocol import ChatMessage, _SamplingFields
+from server.protocol import _SamplingFields
+
+
+# Below this, temperature means greedy (as vLLM does): logits / 1e-300 overflow to inf and the
+# softmax turns to NaN (found by tests/test_fuzz.py).
+TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,12 @@ class ServeSettings:
     served_model_name: str
     api_keys: tuple[str, ...] = ()
     max_queue: int = 256  # requests allowed to wait beyond the running cap before 503
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413 before they are read
+    max_messages: int = 1024  # chat messages per request
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_request_tokens: int = 262144  # sum of max_tokens over a request's choices (n x prompts)
+    engine_restarts: int = 3  # engine restarts allowed within engine_restart_window, then exit 1
+    engine_restart_window: float = 600.0
 
 
 class ServerState:
@@ -30,11 +43,26 @@ class ServerState:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = ServerMetrics()
-        self.client = EngineClient(settings.engine, self.metrics)
+        self.client = EngineClient(settings.engine, self.metrics, settings.engine_restarts, settings.engine_restart_window)
         self.draining = False
         cfg = json.loads((Path(settings.engine.model_dir) / "config.json").read_text())
         self.vocab_size = int(cfg.get("text_config", cfg).get("vocab_size") or len(tokenizer))
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        # Tokenization and chat templating run here, never on the event loop: a long prompt
+        # must not stall /health or other clients.  Two workers: the fast tokenizer releases
+        # the GIL, and more threads would only queue behind the 2 cores.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # The longest vocabulary entry bounds characters per token from above, so a text with
+        # more than max_model_len * that many characters cannot fit: refused without tokenizing.
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def check_text_length(self, n_chars: int, param: str) -> None:
+        """Cheap bound before tokenizing: each token covers at most `max_token_chars` characters."""
+        if n_chars > self.max_model_len * self.max_token_chars:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the input ({n_chars} characters) is certainly longer.", param=param, code="context_length_exceeded")
 
     @property
     def max_model_len(self) -> int:
@@ -50,24 +78,28 @@ class ServerState:
         if self.draining:
             raise ApiError(503, "The server is shutting down.", code="shutting_down", headers=retry)
         if self.client.state is EngineState.LOADING:
-            raise ApiError(503, "The model is still loading.", code="loading", headers=retry)
-        if self.client.state is EngineState.DEAD:
-            raise ApiError(503, f"The engine is not running: {self.client.error}", code="engine_dead", headers={"Retry-After": "30"})
+            raise ApiError(503, "The model is still loading.", code="loading", headers={"Retry-After": self.client.retry_after()})
+        if self.client.state is EngineState.RESTARTING:
+            raise ApiError(503, f"The engine is restarting after a failure ({self.client.error}).", code="engine_restarting", headers={"Retry-After": self.client.retry_after()})
+        if self.client.state is EngineState.DEAD:  # restart budget spent: the server is exiting
+            raise ApiError(503, f"The engine is not running: {self.client.error}", code="engine_dead")
         cap = self.settings.engine.max_running + self.settings.max_queue
+        if n_seqs > cap:  # could never be admitted: retrying would not help, so not a 503
+            raise ApiError(400, f"This request needs {n_seqs} sequences (prompts x n); this server holds at most {cap} at once.", param="n")
         if self.client.in_flight + n_seqs > cap:
             raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
 
     # -- prompts ---------------------------------------------------------------------
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Runs in the tokenizer pool (blocking)."""
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def text_prompts(self, prompt: Any) -> list[list[int]]:
-        """Completions prompt: str, [str], [int] or [[int]] -> token id lists."""
+        """Completions prompt: str, [str], [int] or [[int]] -> token id lists (blocking; tokenizer pool)."""
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
         elif prompt and all(isinstance(x, int) for x in prompt):
@@ -76,6 +108,13 @@ class ServerState:
             prompts = list(prompt)
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
+        if len(prompts) > self.settings.max_prompts:
+            raise ApiError(400, f"at most {self.settings.max_prompts} prompts per request", param="prompt")
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_text_length(len(p), "prompt")
+            elif len(p) > self.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt has {len(p)}.", param="prompt", code="context_length_exceeded")
         out = []
         for p in prompts:
             ids = list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
@@ -90,25 +129,31 @@ class ServerState:
         return self.tokenizer.decode([token_id])
 
     # -- engine requests ---------------------------------------------------------------
-    def make_requests(self, rid: str, prompts: list[list[int]], body: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> list[GenerateRequest]:
+    def make_requests(self, rid: str, prompts: list[list[int]], body: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, constraint: ConstraintSpec | None = None) -> list[GenerateRequest]:
+        if max_tokens is not None and max_tokens * body.n * len(prompts) > self.settings.max_request_tokens:
+            raise ApiError(400, f"n x max_tokens over all prompts ({max_tokens * body.n * len(prompts)}) exceeds this server's limit of {self.settings.max_request_tokens} tokens per request", param="max_tokens")
         reqs = []
         for pi, ids in enumerate(prompts):
+            if max_tokens is None and len(ids) >= self.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has {len(ids)} tokens, leaving no room for a completion.", param="messages", code="context_length_exceeded")
             limit = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
-            if len(ids) + max(limit, 1) > self.max_model_len:
+            # max_tokens 0 (echo, prompt logprobs only) still runs one engine step, whose token is dropped.
+            engine_limit = max(limit, 1)
+            if len(ids) + limit > self.max_model_len:
                 raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested {len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} in the completion).", param="max_tokens", code="context_length_exceeded")
             if body.min_tokens > limit:
                 raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit})", param="min_tokens")
             for i in range(body.n):
                 try:
                     params = SamplingParams(
-                        max_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                        max_tokens=engine_limit, temperature=body.temperature if body.temperature >= TEMPERATURE_EPS else 0.0, top_p=body.top_p, top_k=max(body.top_k, 0),
                         # n > 1 with a seed: distinct but reproducible choices.
                         seed=None if body.seed is None else (body.seed + pi * body.n + i) % 2**63,  # any int is valid
                         stop=body.stop_list(), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                     )
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
-                reqs.append(GenerateRequest(f"{rid}-{pi * body.n + i}", ids, params, logprobs, prompt_logprobs, body.presence_penalty, body.frequency_penalty))
+                reqs.append(GenerateRequest(f"{rid}-{pi * body.n + i}", ids, params, logprobs, prompt_logprobs, body.presence_penalty, body.frequency_penalty, constraint))
         return reqs
 
     def submit(self, reqs: list[GenerateRequest]) -> "Choices":

@@ -205,3 +205,34 @@ def test_mismatched_draft_is_refused(tiny_ckpt, tmp_path: Path) -> None:
         SpecConfig(speculative="draft").resolve(tiny_ckpt("qwen3_moe"))
     assert SpecConfig().resolve(EMBEDDED_TARGET).draft is not None  # the embedded pair: draft by default
     assert SpecConfig().resolve(tiny_ckpt("qwen3_moe")).speculative == "off"
+
+
+def test_structured_output_with_speculation_equals_without() -> None:
+    """A JSON-schema request: the grammar masks the target at every verified row, proposals that
+    break it are rejected, and greedy output equals speculation off (and parses)."""
+    import json
+
+    from engine.structured.spec import ConstraintSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    om = load_model(EMBEDDED_TARGET, EngineConfig())
+    try:
+        ids = om.tokenizer("Describe Hamlet as JSON:")["input_ids"]
+        spec_c = ConstraintSpec.json_schema(schema)
+
+        def run(spec: SpecConfig) -> tuple[list[int], str]:
+            proposer, observers = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+            core = EngineCore.for_model(om, CoreLimits(max_running=2, max_model_len=2048), proposer, observers)
+            out = complete(core, [request(ids, SamplingParams(max_tokens=48), constraint=spec_c)])[0]
+            assert out.error is None, out.error
+            return out.token_ids, out.text
+
+        plain = run(SpecConfig(speculative="off"))
+        om.stats.reset()
+        assert run(SpecConfig(speculative="draft", adaptive=False)) == plain
+        assert om.stats.snapshot()["spec_drafts"] > 0
+        if len(plain[0]) < 48:  # the grammar closed the object before max_tokens
+            json.loads(plain[1])
+    finally:
+        om.close()

@@ -48,6 +48,11 @@ def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
 def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
+    # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     try:
         from engine.core.engine_core import CoreLimits, EngineCore
         from engine.worker.loader import load_model
@@ -78,6 +83,11 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
             break
     loop.join(timeout=10)
     om.close()
+    # Skip interpreter teardown (issue 14): tearing down torch and the model's objects took
+    # 5-15 s on a busy 2-core machine, which made every shutdown slow.  Flush output first.
+    out_q.close()
+    out_q.join_thread()
+    os._exit(0)
 
 
 def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue) -> None:

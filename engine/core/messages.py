@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams
 
 
@@ -20,6 +21,7 @@ class GenerateRequest:
     prompt_logprobs: int | None = None  # same, for every prompt position (completions echo)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraint: ConstraintSpec | None = None  # structured output: the grammar the output must match
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative, exact (a terminating EOS is not counted)
     queue_seconds: float | None = None  # set on the first output: arrival -> first scheduled
+    # lm_eval exactness (issue 14): the logprob of the EOS token that ended the sequence, when
+    # logprobs were asked for; EOS stays out of token_ids, text and usage, but the completions
+    # API lists it in `logprobs` as vLLM does.
+    eos_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)

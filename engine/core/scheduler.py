@@ -15,6 +15,7 @@ advances by exactly that count, so a window that keeps 1 of 5 positions rolls ba
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -187,11 +188,13 @@ class Scheduler:
             new: list[int] = []
             lps: list[TokenLogprob] = []
             finish: str | None = None
+            eos_lp: TokenLogprob | None = None
             p = seq.req.params
             n_prompt = len(seq.req.prompt_ids)
             for i, tok in enumerate(res.sampled):
                 if tok in self.eos_ids and not p.ignore_eos:
                     finish = "stop"  # EOS ends the text and is not part of it (nor of usage)
+                    eos_lp = res.logprobs[i] if res.logprobs is not None else None  # lm_eval exactness (issue 14)
                     break
                 seq.output_ids.append(tok)
                 new.append(tok)
@@ -208,7 +211,8 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 del self.running[w.request_id]
                 self._to_free.append(w.request_id)
-            outputs.append(self._output(seq, new, lps if res.logprobs is not None else None, res.prompt_logprobs, finish, None))
+            ro = self._output(seq, new, lps if res.logprobs is not None else None, res.prompt_logprobs, finish, None)
+            outputs.append(dataclasses.replace(ro, eos_logprob=eos_lp) if eos_lp is not None else ro)
         return outputs
 
     def _output(self, seq: SeqState, new: list[int], lps: list[TokenLogprob] | None, plps: list[TokenLogprob | None] | None, finish: str | None, error: str | None) -> RequestOutput:

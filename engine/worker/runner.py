@@ -20,6 +20,7 @@ from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
+from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward
 from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator
@@ -32,6 +33,10 @@ class ModelRunner:
         self.caches: dict[str, DynamicCache] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.eos_ids = sorted(lm.eos_token_ids)
+        # Structured output: each constrained request's grammar state, advanced by emitted tokens only
+        # (proposals are checked by the target's masked distribution, so rejections never touch it).
+        self.constraints: dict[str, TokenConstraint] = {}
+        self._grammar: GrammarCompiler | None = None  # built on first use
 
     @property
     def om(self) -> LoadedModel:  # the model, for callers that read its stats and store
@@ -69,6 +74,12 @@ class ModelRunner:
             if w.new_seq:
                 self.caches[w.request_id] = DynamicCache(config=self.lm.config)
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
+                if w.req.constraint is not None:
+                    try:
+                        self.constraints[w.request_id] = self._grammar_compiler().make(w.req.constraint)
+                    except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request
+                        out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
+        work = [w for w in work if w.request_id not in out.results]
         while work:
             try:
                 logits = self.forward([w.input_ids for w in work], [w.start_pos for w in work],
@@ -101,6 +112,12 @@ class ModelRunner:
     def drop(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.constraints.pop(request_id, None)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.lm.tokenizer, self.lm.config.get_text_config().vocab_size, self.eos_ids)
+        return self._grammar
 
     # -- per request ----------------------------------------------------------------------
     @staticmethod
@@ -133,8 +150,20 @@ class ModelRunner:
             return res
         drafts = w.draft_ids
         probs = w.draft_probs if isinstance(w.draft_probs, torch.Tensor) else None
-        tokens = verify_window(logits, drafts, w.req.params, self.generators[w.request_id],
-                               lambda row, accepted: self._process(row, w, accepted), probs)
+        grammar = self.constraints.get(w.request_id)
+        advanced = [0]  # emitted tokens of this window already fed to the grammar
+
+        def process(row: torch.Tensor, accepted: list[int]) -> torch.Tensor:
+            if grammar is not None:  # the grammar state must follow the tokens accepted so far
+                for t in accepted[advanced[0]:]:
+                    grammar.advance(t)
+                advanced[0] = len(accepted)
+            return self._process(row, w, accepted, grammar)
+
+        tokens = verify_window(logits, drafts, w.req.params, self.generators[w.request_id], process, probs)
+        if grammar is not None:
+            for t in tokens[advanced[0]:]:
+                grammar.advance(t)
         accepted = len(tokens) - 1
         res.sampled = tokens
         res.num_kept = len(w.input_ids) - w.num_draft + accepted  # the rejected tail leaves the cache
@@ -146,12 +175,18 @@ class ModelRunner:
             res.logprobs = [_token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
         return res
 
-    def _process(self, logits: torch.Tensor, w: SeqWork, accepted: list[int]) -> torch.Tensor:
-        """Penalties and the min_tokens EOS ban, applied before sampling. logits: [V]."""
+    def _process(self, logits: torch.Tensor, w: SeqWork, accepted: list[int], grammar: TokenConstraint | None = None) -> torch.Tensor:
+        """Penalties, the min_tokens EOS ban and the grammar's mask, applied before sampling. logits: [V]."""
         req = w.req
         history = list(w.output_ids) + accepted
         logits = apply_penalties(logits, history, req.presence_penalty, req.frequency_penalty)
-        return ban_eos_before_min_tokens(logits, self.eos_ids, len(history), req.params)
+        banned = ban_eos_before_min_tokens(logits, self.eos_ids, len(history), req.params)
+        if grammar is not None:
+            allowed = grammar.allowed().to(logits.device)  # [V] bool
+            masked = banned.masked_fill(~allowed, float("-inf"))
+            # The grammar outranks min_tokens: if only EOS may follow, let it.
+            banned = masked if bool(torch.isfinite(masked).any()) else logits.masked_fill(~allowed, float("-inf"))
+        return banned
 
 
 def _truncate(cache: DynamicCache, length: int) -> None:
