@@ -29,8 +29,6 @@ class SpecConfig(YamlSection):
             raise ConfigError(f"ngram_max must be >= 1, got {self.ngram_max}")
         if self.draft is not None and not (Path(self.draft) / "config.json").exists():
             raise ConfigError(f"{self.draft}: not a model directory (no config.json); pass --draft with a draft model")
-        if self.speculative == "draft" and self.draft is None:
-            pass  # resolved against the model directory by `resolve`
 
     def resolve(self, model_dir: str | Path) -> SpecConfig:
         """Pick the mode and the draft: `auto` uses a draft given with --draft or found as a
