@@ -14,7 +14,6 @@ per-round figures are reported; ratios are taken within a round, so they share i
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from bench.report import write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -110,12 +110,7 @@ def main() -> None:
               f"Model: {portable_path(model_dir)}. Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
               f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round. "
               f"Link `{args.link}` is emulated.")
-    print(header)
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "rounds": {f"{s}|{n}": v for (s, n), v in results.items()}}, indent=2))
-        args.out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+    write_report(args.out, header, lines, {"rows": rows, "rounds": {f"{s}|{n}": v for (s, n), v in results.items()}})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Rounds are interleaved (every cell once per round) after a warm-up round.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from bench.report import write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -120,12 +120,7 @@ def main() -> None:
               f"({portable_path(EMBEDDED_TARGET)} + draft). Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
               f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round; "
               f"link `{args.link}` emulated. Acceptance by position is from the last round.")
-    print(header)
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
-        args.out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+    write_report(args.out, header, lines, {"rows": rows})
 
 
 if __name__ == "__main__":
