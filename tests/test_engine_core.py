@@ -243,3 +243,15 @@ def test_routing_bus_has_many_listeners(tiny_ckpt) -> None:
         assert len(seen_a) == len(om.moe_layers) and len(seen_b) == 2 * len(om.moe_layers)
     finally:
         om.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("offload,fraction", SETTINGS)
+def test_embedded_model_batched_equals_solo(offload: str, fraction: float) -> None:
+    from models import EMBEDDED_TARGET
+
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=fraction, offload=offload))
+    try:
+        _batched_equals_alone(om)
+    finally:
+        om.close()

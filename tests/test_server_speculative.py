@@ -82,3 +82,19 @@ def test_n2_sampled_and_counters(srv: RunningServer, client: openai.OpenAI) -> N
 
 def test_log_mentions_no_error(srv: RunningServer) -> None:
     assert "Traceback" not in Path(srv.log_path).read_text(errors="replace")
+
+
+def test_eight_concurrent_requests_equal_solo(client: openai.OpenAI) -> None:
+    import asyncio
+
+    prompts = [f"{PROMPT}{w}" for w in ("JULIET:", "HAMLET:", "The file", "def main", "KING:", "To be", "import os", "Enter")]
+    solo = [client.completions.create(model="pair", prompt=p, max_tokens=12 + i, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text for i, p in enumerate(prompts)]
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120) as ac:
+            rs = await asyncio.gather(*(ac.completions.create(model="pair", prompt=p, max_tokens=12 + i, temperature=0,
+                                                              extra_body={"ignore_eos": True}) for i, p in enumerate(prompts)))
+            return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(main()) == solo
