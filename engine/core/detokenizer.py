@@ -52,11 +52,12 @@ class IncrementalDetokenizer:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
 
-    def _new_text(self) -> str:
+    def _new_text(self, final: bool = False) -> str:
+        """Text the tokens since the last call add; at the end (`final`), even an incomplete character."""
         dec = self.tokenizer.decode
         prefix = dec(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         full = dec(self.tokens[self._prefix_offset :], skip_special_tokens=True)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""  # an incomplete multi-byte character (or nothing visible yet): wait
         new = full[len(prefix):]
         self._prefix_offset = self._read_offset  # the tokens just decoded are the next context
@@ -65,12 +66,8 @@ class IncrementalDetokenizer:
 
     def release(self, final: bool) -> str:
         """Text that is safe to send now; everything left when `final`."""
-        if final and not self.stopped and self.tokenizer is not None and self._read_offset < len(self.tokens):
-            # Flush what is still held back (e.g. an incomplete character at the very end).
-            full = self.tokenizer.decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
-            prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-            self.text += full[len(prefix):]
-            self._read_offset = len(self.tokens)
+        if final and not self.stopped and self.tokenizer is not None:
+            self.text += self._new_text(final=True)  # flush what is held back (an incomplete character at the end)
         end = len(self.text)
         if not final:
             end = min(end, len(self.text) - _stop_prefix_overlap(self.text, self.stops))

@@ -46,7 +46,6 @@ class EngineCore:
         self.runner = runner
         self.proposer = proposer
         self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
-        self.steps = 0
 
     @classmethod
     def for_model(cls, lm: Any, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
@@ -74,7 +73,6 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             plan = self.proposer.propose(plan)
-        self.steps += 1
         out = self.runner.execute(plan)
         for obs in self.observers:
             obs.observe(plan, out)

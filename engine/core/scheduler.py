@@ -15,10 +15,9 @@ advances by exactly that count, so a window that keeps 1 of 5 positions rolls ba
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -212,7 +211,7 @@ class Scheduler:
                 del self.running[w.request_id]
                 self._to_free.append(w.request_id)
             ro = self._output(seq, new, lps if res.logprobs is not None else None, res.prompt_logprobs, finish, None)
-            outputs.append(dataclasses.replace(ro, eos_logprob=eos_lp) if eos_lp is not None else ro)
+            outputs.append(replace(ro, eos_logprob=eos_lp) if eos_lp is not None else ro)
         return outputs
 
     def _output(self, seq: SeqState, new: list[int], lps: list[TokenLogprob] | None, plps: list[TokenLogprob | None] | None, finish: str | None, error: str | None) -> RequestOutput:

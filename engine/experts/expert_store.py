@@ -119,7 +119,7 @@ class ExpertStore:
     def has_room(self) -> bool:
         """A demand load could get a slot now (free, or an unpinned resident to evict)."""
         with self.lock:
-            return bool(self._free) or any(s is SlotState.RESIDENT and k not in self._pins for k, s in self._state.items())
+            return bool(self._free or self._evictable(protected=False) or self._evictable(protected=True))
 
     def is_protected(self, key: int) -> bool:
         return key in self._protected

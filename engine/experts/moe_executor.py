@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.weights.expert_layout import ExpertShape
 from engine.experts.expert_kernels import SwiGLUKernel
@@ -51,9 +50,6 @@ class MoeExecutor:
         self.store, self.transfers, self.policy, self.stats = store, transfers, policy, stats
         self.admission = admission
         self.shape, self.num_experts = shape, num_experts
-        # SiLU is the common case (transformers' SiLUActivation.forward is F.silu); calling the
-        # functional form directly skips the module-call overhead once per expert per layer.
-        self.act_fn = F.silu if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else act_fn
         # What an expert computes and how a slot encodes it (engine/experts/quant.py); default: SwiGLU in floats.
         self.fmt = fmt if fmt is not None else PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).

@@ -19,8 +19,8 @@ from transformers import DynamicCache
 from engine.core.scheduler import SeqWork, StepPlan
 from engine.spec.proposals import ProposerBase, history, with_drafts
 from engine.worker.loader import LoadedModel
-from engine.worker.runner import ModelRunner, _truncate
-from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator, target_probs
+from engine.worker.runner import ModelRunner, truncate_cache
+from engine.worker.sampling import make_generator, process_logits, target_probs
 
 
 class DraftProposer(ProposerBase):
@@ -52,8 +52,9 @@ class DraftProposer(ProposerBase):
                 self.caches[rid] = DynamicCache(config=self.draft.config)
                 self.fed[rid] = []
                 self.generators[rid] = _draft_generator(w, self.draft.device)
-            keep = _common_prefix(self.fed[rid], full)
-            _truncate(self.caches[rid], keep)  # drop the rejected tail of the last window
+            # Only the last window's proposals can disagree with the confirmed tokens: compare the tail.
+            keep = _common_prefix(self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1))
+            truncate_cache(self.caches[rid], keep)  # drop the rejected tail of the last window
             windows.append(full[keep:])
             starts.append(keep)
             caches.append(self.caches[rid])
@@ -86,9 +87,7 @@ class DraftProposer(ProposerBase):
     def _choose(self, logits: torch.Tensor, w: SeqWork, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
         """The draft's proposal from its [V] logits; its distribution q when sampling."""
         req = w.req
-        done = list(w.output_ids) + proposed
-        logits = apply_penalties(logits, done, req.presence_penalty, req.frequency_penalty)
-        logits = ban_eos_before_min_tokens(logits, self.eos_ids, len(done), req.params)
+        logits = process_logits(logits, req.params, w.output_ids, proposed, req.presence_penalty, req.frequency_penalty, self.eos_ids)
         if req.params.greedy:
             return int(torch.argmax(logits)), None
         q = target_probs(logits, req.params)  # [V]
@@ -102,9 +101,10 @@ def _draft_generator(w: SeqWork, device: torch.device) -> torch.Generator | None
     return g
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that a[:start] == b[:start]."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i

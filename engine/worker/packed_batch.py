@@ -55,11 +55,16 @@ class PackedBatch:
     kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        spans, start = [], 0
-        for n in self.lengths:
-            spans.append((start, start + n))
-            start += n
-        self.spans = spans
+        self.spans = spans_of(self.lengths)
+
+
+def spans_of(lengths: list[int]) -> list[tuple[int, int]]:
+    """Row range [start, end) of each window in the packed sequence."""
+    spans, start = [], 0
+    for n in lengths:
+        spans.append((start, start + n))
+        start += n
+    return spans
 
 
 class PackedCache:

@@ -22,8 +22,8 @@ from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.loader import LoadedModel
-from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward
-from engine.worker.sampling import apply_penalties, ban_eos_before_min_tokens, make_generator
+from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
+from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
 
 
@@ -38,10 +38,6 @@ class ModelRunner:
         self.constraints: dict[str, TokenConstraint] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use
 
-    @property
-    def om(self) -> LoadedModel:  # the model, for callers that read its stats and store
-        return self.lm
-
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
@@ -49,11 +45,7 @@ class ModelRunner:
         """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V])."""
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
-            spans, s = [], 0
-            for w in windows:
-                spans.append((s, s + len(w)))
-                s += len(w)
-            bus.step = StepContext(request_ids, tuple(spans))
+            bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
         run = packed_forward if self.lm.packed else one_by_one_forward
         return run(self.lm.model, windows, starts, caches, keep, self.lm.device)
 
@@ -96,7 +88,7 @@ class ModelRunner:
                         out.results[w.request_id] = SeqResult(error=str(e))
                         self.drop(w.request_id)
                     else:
-                        _truncate(self.caches[w.request_id], w.start_pos)
+                        truncate_cache(self.caches[w.request_id], w.start_pos)
                 work = [w for w in work if w.request_id not in bad]
             except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the engine
                 for w in work:
@@ -131,13 +123,8 @@ class ModelRunner:
 
     @staticmethod
     def _requests_of_rows(work: list[SeqWork], rows: list[int]) -> set[str]:
-        bad, start = set(), 0
-        for w in work:
-            end = start + len(w.input_ids)
-            if any(start <= r < end for r in rows):
-                bad.add(w.request_id)
-            start = end
-        return bad
+        spans = spans_of([len(w.input_ids) for w in work])
+        return {w.request_id for w, (s, e) in zip(work, spans) if any(s <= r < e for r in rows)}
 
     def _finish(self, w: SeqWork, logits: torch.Tensor) -> SeqResult:
         """logits: [len(_rows(w)), V]."""
@@ -168,7 +155,7 @@ class ModelRunner:
         res.sampled = tokens
         res.num_kept = len(w.input_ids) - w.num_draft + accepted  # the rejected tail leaves the cache
         if res.num_kept < len(w.input_ids):
-            _truncate(self.caches[w.request_id], w.start_pos + res.num_kept)
+            truncate_cache(self.caches[w.request_id], w.start_pos + res.num_kept)
         if w.req.logprobs is not None:
             # Logprobs of the model's raw distribution (before penalties/temperature), as vLLM does.
             lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
@@ -178,9 +165,7 @@ class ModelRunner:
     def _process(self, logits: torch.Tensor, w: SeqWork, accepted: list[int], grammar: TokenConstraint | None = None) -> torch.Tensor:
         """Penalties, the min_tokens EOS ban and the grammar's mask, applied before sampling. logits: [V]."""
         req = w.req
-        history = list(w.output_ids) + accepted
-        logits = apply_penalties(logits, history, req.presence_penalty, req.frequency_penalty)
-        banned = ban_eos_before_min_tokens(logits, self.eos_ids, len(history), req.params)
+        banned = process_logits(logits, req.params, w.output_ids, accepted, req.presence_penalty, req.frequency_penalty, self.eos_ids)
         if grammar is not None:
             allowed = grammar.allowed().to(logits.device)  # [V] bool
             masked = banned.masked_fill(~allowed, float("-inf"))
@@ -189,7 +174,7 @@ class ModelRunner:
         return banned
 
 
-def _truncate(cache: DynamicCache, length: int) -> None:
+def truncate_cache(cache: DynamicCache, length: int) -> None:
     """Crop every layer of a KV cache back to `length` positions (layers may differ after a
     forward that failed midway: the ones it reached hold the window, the others do not)."""
     for layer in cache.layers:

@@ -76,6 +76,16 @@ def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: f
     return logits
 
 
+def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int], extra: Sequence[int],
+                   presence: float, frequency: float, eos_ids: list[int]) -> torch.Tensor:
+    """What every token choice (the target's, a draft's) applies before sampling: penalties over
+    the tokens so far (`output_ids` then `extra`, e.g. tokens accepted earlier in a window) and
+    the min_tokens EOS ban. The token history is only built when a penalty needs it."""
+    if presence or frequency:
+        logits = apply_penalties(logits, [*output_ids, *extra], presence, frequency)
+    return ban_eos_before_min_tokens(logits, eos_ids, len(output_ids) + len(extra), params)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: temperature, top-k, top-p applied. [V] -> [V]."""
     return torch.softmax(filter_logits(logits, params), dim=-1)
