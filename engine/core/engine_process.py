@@ -84,10 +84,15 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     loop.join(timeout=10)
     om.close()
     # Skip interpreter teardown (issue 14): tearing down torch and the model's objects took
-    # 5-15 s on a busy 2-core machine, which made every shutdown slow.  Flush output first.
+    # 5-15 s on a busy 2-core machine, which made every shutdown slow.
+    _flush_and_exit(out_q, 0)
+
+
+def _flush_and_exit(out_q: mp.Queue, code: int) -> None:
+    """os._exit skips the queue's feeder thread: flush it first, or the last messages never arrive."""
     out_q.close()
     out_q.join_thread()
-    os._exit(0)
+    os._exit(code)
 
 
 def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue) -> None:
@@ -126,7 +131,4 @@ def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
         out_q.put(EngineDead(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        # os._exit skips the queue's feeder thread: flush it first, or the reason never arrives.
-        out_q.close()
-        out_q.join_thread()
-        os._exit(1)
+        _flush_and_exit(out_q, 1)
