@@ -178,6 +178,43 @@ class Batcher:
         return x[:, :-1], x[:, 1:]
 
 
+@torch.no_grad()
+def target_continuations(teacher, stream, n, prompt_len, length, batch, seed) -> tuple[np.ndarray, float]:
+    """Sequence-level distillation data (Kim & Rush 2016): `prompt_len` training tokens followed by the
+    target's own greedy continuation, `length` tokens per row.  Speculative decoding accepts a draft
+    token only when it equals the target's greedy choice, so these rows show the draft exactly the
+    behaviour it is scored on, including the target's habit of falling into repetition loops.
+    Returns the (n, length) rows and the seconds spent generating them."""
+    rng = np.random.default_rng(seed)
+    offs = rng.integers(0, len(stream) - prompt_len - 1, size=n)
+    out = np.empty((n, length), dtype=np.int64)
+    t0 = time.time()
+    for i in tqdm(range(0, n, batch), desc="seq-KD data", mininterval=10, file=sys.stdout):
+        x = torch.from_numpy(np.stack([stream[o: o + prompt_len] for o in offs[i:i + batch]]).astype(np.int64))
+        g = teacher.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=length - prompt_len,
+                             min_new_tokens=length - prompt_len, do_sample=False, pad_token_id=PAD_ID)
+        out[i:i + len(x)] = g[:, :length].numpy()
+    secs = time.time() - t0
+    print(f"seq-KD: {n} target continuations in {secs / 60:.1f} min", flush=True)
+    return out, secs
+
+
+class MixBatcher:
+    """Replaces a fraction of the rows of another batcher's batches with seq-KD rows."""
+
+    def __init__(self, base: Batcher, rows: np.ndarray, frac: float, seed: int):
+        self.base, self.rows, self.frac = base, np.asarray(rows), frac
+        self.rng = np.random.default_rng(seed)
+
+    def next(self):
+        x, y = self.base.next()
+        full = torch.cat([x, y[:, -1:]], dim=1)
+        for b in range(full.size(0)):
+            if self.rng.random() < self.frac:
+                full[b] = torch.from_numpy(self.rows[self.rng.integers(len(self.rows))])
+        return full[:, :-1], full[:, 1:]
+
+
 def fixed_eval_batches(stream, seq_len, n_seqs, batch):
     """Deterministic non-overlapping windows spread over the split."""
     n_avail = (len(stream) - 1) // seq_len
@@ -527,6 +564,12 @@ def main(argv=None):
     ap.add_argument("--distill-alpha", type=float, default=0.7,
                     help="draft loss = (1-a)*CE + a*KL(target||draft); 0 disables distillation")
     ap.add_argument("--distill-temp", type=float, default=1.0, help="distillation softmax temperature")
+    ap.add_argument("--seqkd-seqs", type=int, default=0,
+                    help="draft: number of target greedy continuations generated for sequence-level distillation "
+                         "(0 = none, as in v1)")
+    ap.add_argument("--seqkd-prompt", type=int, default=32, help="draft: training-split prompt tokens of each seq-KD row")
+    ap.add_argument("--seqkd-frac", type=float, default=0.5, help="draft: fraction of training rows taken from seq-KD rows")
+    ap.add_argument("--seqkd-batch", type=int, default=64, help="draft: prompts generated together")
     ap.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
     ap.add_argument("--valid-seqs", type=int, default=48, help="fixed validation windows used for the curve")
     ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoint saves")
@@ -590,19 +633,29 @@ def main(argv=None):
                   start_step=args.target_resume, regulariser=reg)
     if args.stage in ("both", "draft"):
         teacher = None
-        if args.distill_alpha > 0:
-            teacher = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32)
+        if args.distill_alpha > 0 or args.seqkd_seqs:
+            teacher = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32,
+                                                           experts_implementation=args.experts_impl)
             teacher.config.output_router_logits = False
             teacher.eval()
+        batcher = Batcher(train_ids, pool, args.seq_len, args.batch_size, args.chat_frac, args.seed + 2)
+        seqkd_info = None
+        if args.seqkd_seqs:
+            rows, secs = target_continuations(teacher, train_ids, args.seqkd_seqs, args.seqkd_prompt, args.seq_len + 1,
+                                        args.seqkd_batch, args.seed + 3)
+            batcher = MixBatcher(batcher, rows, args.seqkd_frac, args.seed + 4)
+            seqkd_info = {"sequences": len(rows), "prompt_tokens": args.seqkd_prompt, "frac": args.seqkd_frac,
+                          "seconds": secs}
+        if args.distill_alpha <= 0:
+            teacher = None
         torch.manual_seed(args.seed + 7)
         draft = Qwen3ForCausalLM(dcfg)
         n = sum(p.numel() for p in draft.parameters())
-        log["draft"] = {"desc": f"dense Qwen3 {n / 1e6:.2f}M params" + (", distilled" if teacher else "")}
+        log["draft"] = {"desc": f"dense Qwen3 {n / 1e6:.2f}M params" + (", distilled" if teacher else "")
+                        + (", seq-KD" if seqkd_info else ""), "seqkd": seqkd_info}
         print(f"draft params {n:,}", flush=True)
-        train_one("draft", draft, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
-                                                     args.chat_frac, args.seed + 2),
-                  valid_batches, log, DRAFT_DIR, args.draft_steps, args.draft_minutes, args.draft_lr,
-                  teacher=teacher)
+        train_one("draft", draft, args, tok, batcher, valid_batches, log, DRAFT_DIR, args.draft_steps,
+                  args.draft_minutes, args.draft_lr, teacher=teacher)
     print("done", flush=True)
 
 
