@@ -335,21 +335,28 @@ class RoutingRegulariser:
     data makes necessary (the logged coefficients show how hard that was).
 
     **Balance guard**: the balance coefficient of a layer is raised in the same multiplicative way
-    while the least-used expert of that layer's window is below ``guard_share`` of the uniform share
-    (the model card requires >= 1/4 for every expert), and relaxes back towards ``coef`` otherwise.
+    (up to 10x) while the least-used expert of that layer's window is below ``guard_share`` of the
+    uniform share (the model card requires >= 1/4 for every expert), and relaxes back towards ``coef``
+    otherwise; experts below ``guard_share`` also get a revive term, -log of their mean router
+    probability, because the Switch gradient on a starved expert's logit is proportional to its tiny
+    probability and cannot bring back an expert no token selects.
 
     Both controllers depend only on the routing of the seeded batches, so a seeded rerun is
     step-exact.  All three pieces only change the loss; the saved checkpoint is a plain qwen2_moe.
     """
 
     def __init__(self, n_layers: int, num_experts: int, top_k: int, mode: str, coef: float, window: int,
-                 sticky_target: float, sticky_coef: float, guard_share: float, rate: float = 0.05):
+                 sticky_target: float, sticky_coef: float, guard_share: float, revive_coef: float,
+                 start_step: int, rate: float = 0.05):
         self.L, self.E, self.k, self.mode = n_layers, num_experts, top_k, mode
         self.coef0 = coef
         self.window = max(1, window if mode == "global" else 1)
         self.bal = [coef] * n_layers  # per-layer balance coefficients (guarded)
         self.sticky_target, self.sticky = sticky_target, [sticky_coef] * n_layers
-        self.guard_share, self.rate = guard_share, rate
+        self.guard_share, self.rate, self.revive_coef = guard_share, rate, revive_coef
+        # Controllers start after the warm-up: early routing is collapsed (all tokens share a hidden-state
+        # direction) and would otherwise wind the coefficients to their bounds before the model has features.
+        self.start_step, self.steps = start_step, 0
         self.hist: list[torch.Tensor] = []  # per step: (L, E) routing counts of earlier steps
         self.last: dict = {}
 
@@ -358,7 +365,7 @@ class RoutingRegulariser:
 
     def __call__(self, router_logits, batch: int, seq: int) -> torch.Tensor:
         E, k = self.E, self.k
-        bal_terms, sticky_terms, counts_now, overlaps, mins = [], [], [], [], []
+        bal_terms, sticky_terms, revive_terms, counts_now, overlaps, mins = [], [], [], [], [], []
         for l, rl in enumerate(router_logits):
             probs = F.softmax(rl.float(), dim=-1)  # (B*T, E)
             idx = torch.topk(probs, k, dim=-1).indices
@@ -368,6 +375,11 @@ class RoutingRegulariser:
             f = glob / glob.sum() * E  # 1 per expert when balanced
             bal_terms.append((f * probs.mean(0)).sum())
             mins.append(float(glob.min() / glob.mean()))
+            low = glob < self.guard_share * glob.mean()
+            if self.revive_coef > 0 and bool(low.any()):
+                # The Switch loss lifts a starved expert only in proportion to its (tiny) probability, so an
+                # expert that no token selects stays dead; this pulls its router row towards the tokens.
+                revive_terms.append(-torch.log(probs[:, low].clamp_min(1e-9)).mean())
             sel = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True).view(batch, seq, E)
             overlaps.append(float((sel[:, 1:] & sel[:, :-1]).sum(-1).float().mean() / k))
             if self.sticky_target > 0:
@@ -377,21 +389,25 @@ class RoutingRegulariser:
         loss = sum(c * t for c, t in zip(self.bal, bal_terms)) / self.L
         if sticky_terms:
             loss = loss + sum(c * t for c, t in zip(self.sticky, sticky_terms)) / self.L
+        if revive_terms:
+            loss = loss + self.revive_coef * sum(revive_terms) / self.L
         # controllers (no gradient): move each layer's coefficients for the next step
-        for l in range(self.L):
+        self.steps += 1
+        for l in range(self.L if self.steps > self.start_step else 0):
             if self.sticky_target > 0:
                 err = (self.sticky_target - overlaps[l]) / self.sticky_target
                 self.sticky[l] = float(min(10.0, max(1e-4, self.sticky[l] * math.exp(self.rate * err))))
             if self.guard_share > 0 and len(self.hist) + 1 >= self.window:
                 up = mins[l] < self.guard_share
                 nxt = self.bal[l] * math.exp(self.rate if up else -self.rate / 4)
-                self.bal[l] = float(min(100 * self.coef0, max(self.coef0, nxt)))
+                self.bal[l] = float(min(10 * self.coef0, max(self.coef0, nxt)))
         self.hist.append(torch.stack(counts_now).detach())
         if len(self.hist) > self.window - 1:
             self.hist.pop(0)
         self.last = {"overlap": overlaps, "min_share_vs_uniform": mins,
                      "balance_loss": [float(t.detach()) for t in bal_terms],
-                     "sticky_loss": [float(t.detach()) for t in sticky_terms]}
+                     "sticky_loss": [float(t.detach()) for t in sticky_terms],
+                     "layers_reviving": len(revive_terms)}
         return loss
 
 
@@ -539,6 +555,8 @@ def main(argv=None):
     ap.add_argument("--balance-guard", type=float, default=0.35,
                     help="global balancing: raise a layer's balance coefficient while its least-used expert in the "
                          "window is below this fraction of the uniform share (0 = fixed coefficient)")
+    ap.add_argument("--revive-coef", type=float, default=0.02,
+                    help="global balancing: coefficient of -log(router probability) of experts under --balance-guard")
     ap.add_argument("--sticky-target", type=float, default=0.5,
                     help="global balancing: consecutive-token overlap of selected experts the locality controller "
                          "aims at (0 = no locality term)")
@@ -626,7 +644,7 @@ def main(argv=None):
         if args.balance == "global":
             reg = RoutingRegulariser(tcfg.num_hidden_layers, tcfg.num_experts, tcfg.num_experts_per_tok, "global",
                                      args.aux_coef, args.balance_window, args.sticky_target, args.sticky_coef,
-                                     args.balance_guard)
+                                     args.balance_guard, args.revive_coef, args.warmup)
         train_one("target", target, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
                                                        args.chat_frac, args.seed + 1 + args.target_resume),
                   valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr,
