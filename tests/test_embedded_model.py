@@ -25,21 +25,26 @@ def active_flops_per_token(cfg: dict) -> float:
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     attn = H * hd * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
-    if cfg["model_type"] == "qwen3_moe":
-        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg.get("num_experts", 64) * H  # + router
+    if "num_experts" in cfg:  # routed experts + router, + the shared expert and its gate (qwen2_moe)
+        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg["num_experts"] * H
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        mlp += (3 * H * shared + H) if shared else 0
     else:
         mlp = 3 * H * cfg["intermediate_size"]
     return 2.0 * (L * (attn + mlp) + cfg["vocab_size"] * H)
 
 
 def test_target_config_and_size() -> None:
+    """v2 (issue 16): qwen2_moe, >= 128 fine-grained routed experts at top-8 plus a shared expert, >= 4 MoE layers, <= 40 MB."""
     cfg = _cfg(EMBEDDED_TARGET)
-    assert cfg["model_type"] == "qwen3_moe"
+    assert cfg["model_type"] == "qwen2_moe"
     moe_layers = [i for i in range(cfg["num_hidden_layers"]) if i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0]
     assert len(moe_layers) >= 4
-    assert cfg.get("num_experts", cfg.get("num_local_experts")) >= 64
-    assert 4 <= cfg["num_experts_per_tok"] <= 8
-    assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size <= 40 * 1024 * 1024
+    assert cfg["num_experts"] >= 128
+    assert cfg["num_experts_per_tok"] == 8
+    assert cfg["shared_expert_intermediate_size"] > 0
+    assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size <= 40_000_000
+    assert "experts_implementation" not in cfg  # a training-speed choice, not part of the shipped model
 
 
 def test_draft_config_and_flops_budget() -> None:
@@ -116,4 +121,5 @@ def test_generate_without_model_uses_the_embedded_model() -> None:
                        capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
-    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == 4 * 64
+    cfg = _cfg(EMBEDDED_TARGET)
+    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["num_experts"]  # cache 1.0

@@ -86,9 +86,10 @@ def test_sidecar_is_built_once_and_reused(tiny_ckpt, tmp_path) -> None:
     assert len(list(tmp_path.glob("*.safetensors"))) == 2  # another format is another file
 
 
-def test_bytes_per_expert_at_real_group_sizes() -> None:
-    """The embedded model's expert shape (H=256, I=64): int8 >= 1.7x and int4 >= 3x fewer bytes than bf16."""
-    kernel = SwiGLUKernel(256, 64, torch.nn.SiLU())
+@pytest.mark.parametrize("inter", [32, 64])
+def test_bytes_per_expert_at_real_group_sizes(inter: int) -> None:
+    """The embedded models' expert shapes (H=256; I=32 in v2, I=64 in v1): int8 >= 1.7x and int4 >= 3x fewer bytes than bf16."""
+    kernel = SwiGLUKernel(256, inter, torch.nn.SiLU())
     bf16 = kernel.numel * 2
     int8 = GroupQuantFormat(kernel, "int8", 64, torch.float32).slot_bytes
     int4 = GroupQuantFormat(kernel, "int4", 64, torch.float32).slot_bytes
