@@ -332,10 +332,11 @@ class RoutingRegulariser:
     cross entropy.  Its per-layer coefficient is set by a multiplicative controller that aims the
     measured consecutive-token overlap of selected experts at ``sticky_target``: the coefficient grows
     while a layer is below the target and shrinks when above, so the term only pushes as hard as the
-    data makes necessary (the logged coefficients show how hard that was).
+    data makes necessary (the logged coefficients show how hard that was).  It yields to balance: while
+    a layer has a starved expert its locality coefficient only shrinks.
 
     **Balance guard**: the balance coefficient of a layer is raised in the same multiplicative way
-    (up to 10x) while the least-used expert of that layer's window is below ``guard_share`` of the
+    (up to 50x) while the least-used expert of that layer's window is below ``guard_share`` of the
     uniform share (the model card requires >= 1/4 for every expert), and relaxes back towards ``coef``
     otherwise; experts below ``guard_share`` also get a revive term, -log of their mean router
     probability, because the Switch gradient on a starved expert's logit is proportional to its tiny
@@ -394,13 +395,17 @@ class RoutingRegulariser:
         # controllers (no gradient): move each layer's coefficients for the next step
         self.steps += 1
         for l in range(self.L if self.steps > self.start_step else 0):
+            starved = mins[l] < self.guard_share
             if self.sticky_target > 0:
+                # Balance is the hard constraint, locality the soft goal: while a layer has a starved expert its
+                # locality coefficient only decays (locality concentrates mass on few experts, which is what
+                # starved them), and it grows towards the target overlap only once the layer is balanced.
                 err = (self.sticky_target - overlaps[l]) / self.sticky_target
+                err = -abs(err) if starved else err
                 self.sticky[l] = float(min(10.0, max(1e-4, self.sticky[l] * math.exp(self.rate * err))))
             if self.guard_share > 0 and len(self.hist) + 1 >= self.window:
-                up = mins[l] < self.guard_share
-                nxt = self.bal[l] * math.exp(self.rate if up else -self.rate / 4)
-                self.bal[l] = float(min(10 * self.coef0, max(self.coef0, nxt)))
+                nxt = self.bal[l] * math.exp(self.rate if starved else -self.rate / 4)
+                self.bal[l] = float(min(50 * self.coef0, max(self.coef0, nxt)))
         self.hist.append(torch.stack(counts_now).detach())
         if len(self.hist) > self.window - 1:
             self.hist.pop(0)
@@ -555,7 +560,7 @@ def main(argv=None):
     ap.add_argument("--balance-guard", type=float, default=0.35,
                     help="global balancing: raise a layer's balance coefficient while its least-used expert in the "
                          "window is below this fraction of the uniform share (0 = fixed coefficient)")
-    ap.add_argument("--revive-coef", type=float, default=0.02,
+    ap.add_argument("--revive-coef", type=float, default=0.1,
                     help="global balancing: coefficient of -log(router probability) of experts under --balance-guard")
     ap.add_argument("--sticky-target", type=float, default=0.5,
                     help="global balancing: consecutive-token overlap of selected experts the locality controller "
