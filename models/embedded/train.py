@@ -355,6 +355,7 @@ class RoutingRegulariser:
         self.bal = [coef] * n_layers  # per-layer balance coefficients (guarded)
         self.sticky_target, self.sticky = sticky_target, [sticky_coef] * n_layers
         self.guard_share, self.rate, self.revive_coef = guard_share, rate, revive_coef
+        self.select_temp = 0.1  # logit units; router logits spread ~1 across experts
         # Controllers start after the warm-up: early routing is collapsed (all tokens share a hidden-state
         # direction) and would otherwise wind the coefficients to their bounds before the model has features.
         self.start_step, self.steps = start_step, 0
@@ -366,7 +367,7 @@ class RoutingRegulariser:
 
     def __call__(self, router_logits, batch: int, seq: int) -> torch.Tensor:
         E, k = self.E, self.k
-        bal_terms, sticky_terms, revive_terms, counts_now, overlaps, mins = [], [], [], [], [], []
+        bal_terms, sticky_terms, revive_terms, counts_now, overlaps, mins, n_starved = [], [], [], [], [], [], []
         for l, rl in enumerate(router_logits):
             probs = F.softmax(rl.float(), dim=-1)  # (B*T, E)
             idx = torch.topk(probs, k, dim=-1).indices
@@ -374,8 +375,18 @@ class RoutingRegulariser:
             counts_now.append(cnt)
             glob = cnt + sum(h[l] for h in self.hist) if self.hist else cnt
             f = glob / glob.sum() * E  # 1 per expert when balanced
-            bal_terms.append((f * probs.mean(0)).sum())
+            # Switch term: balances the mean router probabilities.  With k/E = 1/16 and near-flat logits that
+            # no longer tracks selection: experts with a mean probability only ~30% below average were chosen
+            # < 1/4 as often as average (run 3).  Selection term: a soft count of how often each expert clears
+            # the token's top-k threshold (midway between the k-th and (k+1)-th logit, detached), weighted by
+            # (f_i - 1) so under-selected experts are pushed up and over-selected ones down where it matters,
+            # at the top-k boundary.
+            srt = torch.topk(rl.float(), k + 1, dim=-1).values
+            thr = (0.5 * (srt[:, k - 1] + srt[:, k])).detach().unsqueeze(-1)
+            soft = torch.sigmoid((rl.float() - thr) / self.select_temp).mean(0) * (E / k)  # ~1 per expert
+            bal_terms.append((f * probs.mean(0)).sum() + ((f - 1.0) * soft).sum() / E)
             mins.append(float(glob.min() / glob.mean()))
+            n_starved.append(int((glob < self.guard_share * glob.mean()).sum()))
             low = glob < self.guard_share * glob.mean()
             if self.revive_coef > 0 and bool(low.any()):
                 # The Switch loss lifts a starved expert only in proportion to its (tiny) probability, so an
@@ -409,7 +420,7 @@ class RoutingRegulariser:
         self.hist.append(torch.stack(counts_now).detach())
         if len(self.hist) > self.window - 1:
             self.hist.pop(0)
-        self.last = {"overlap": overlaps, "min_share_vs_uniform": mins,
+        self.last = {"overlap": overlaps, "min_share_vs_uniform": mins, "experts_below_guard": n_starved,
                      "balance_loss": [float(t.detach()) for t in bal_terms],
                      "sticky_loss": [float(t.detach()) for t in sticky_terms],
                      "layers_reviving": len(revive_terms)}
@@ -509,7 +520,7 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
             rec["valid"].append([s + 1, v])
             if regulariser is not None:
                 st = regulariser.state()
-                print(f"[{name}] overlap {[round(o, 3) for o in st['overlap']]} min-share "
+                print(f"[{name}] overlap {[round(o, 3) for o in st['overlap']]} below-guard {st['experts_below_guard']} min-share "
                       f"{[round(m, 2) for m in st['min_share_vs_uniform']]} sticky-coef "
                       f"{[round(c, 4) for c in st['sticky_coef']]} balance-coef {[round(c, 4) for c in st['balance_coef']]}",
                       flush=True)
@@ -560,7 +571,7 @@ def main(argv=None):
     ap.add_argument("--balance-guard", type=float, default=0.35,
                     help="global balancing: raise a layer's balance coefficient while its least-used expert in the "
                          "window is below this fraction of the uniform share (0 = fixed coefficient)")
-    ap.add_argument("--revive-coef", type=float, default=0.1,
+    ap.add_argument("--revive-coef", type=float, default=0.0,
                     help="global balancing: coefficient of -log(router probability) of experts under --balance-guard")
     ap.add_argument("--sticky-target", type=float, default=0.5,
                     help="global balancing: consecutive-token overlap of selected experts the locality controller "
@@ -569,12 +580,12 @@ def main(argv=None):
     ap.add_argument("--target-resume", type=int, default=0, metavar="STEP",
                     help="continue the target from the checkpoint in models/embedded/target/ saved at STEP "
                          "(fresh optimiser, warm-up again; curve kept from train_log.json)")
-    ap.add_argument("--aux-coef", type=float, default=0.02,
+    ap.add_argument("--aux-coef", type=float, default=0.1,
                     help="router load-balancing loss coefficient (global: floor of the guarded coefficient, loss "
                          "normalised to 1 at balance; micro/pooled: v1's loss, top_k at balance)")
     # Step counts by default, so a rerun with the same seed is step-exact (about 40 + 15 min at 1 thread here);
     # 0 switches to the wall-clock budgets below, whose step count depends on the machine's speed.
-    ap.add_argument("--target-steps", type=int, default=1000, help="target optimiser steps (default 1000, about 50 min at 1 thread here; 0 = size from --target-minutes)")
+    ap.add_argument("--target-steps", type=int, default=900, help="target optimiser steps (default 900, about 40 min at 1 thread here; 0 = size from --target-minutes)")
     ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target when --target-steps is 0")
     ap.add_argument("--draft-steps", type=int, default=240, help="draft optimiser steps (default 240; 0 = size from --draft-minutes)")
     ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft when --draft-steps is 0")
