@@ -566,8 +566,10 @@ def main(argv=None):
                     help="load balancing: global = Qwen3-style global-batch Switch loss with expert counts over "
                          "--balance-window steps of sequences (v2); micro = v1's per-layer Switch loss over each "
                          "micro-batch; pooled = transformers' loss with counts pooled over layers (v1's first 200 steps)")
-    ap.add_argument("--balance-window", type=int, default=8,
-                    help="global balancing: steps whose routing counts form the global batch (x --batch-size sequences)")
+    ap.add_argument("--balance-window", type=int, default=1,
+                    help="global balancing: steps whose routing counts form the global batch (x --batch-size sequences). "
+                         "1 = the whole optimiser batch. Counts of earlier steps are stale (the router has moved since), "
+                         "and with 8 steps the balance oscillated and left ~40 of 128 experts per layer starved")
     ap.add_argument("--balance-guard", type=float, default=0.35,
                     help="global balancing: raise a layer's balance coefficient while its least-used expert in the "
                          "window is below this fraction of the uniform share (0 = fixed coefficient)")
@@ -585,7 +587,7 @@ def main(argv=None):
                          "normalised to 1 at balance; micro/pooled: v1's loss, top_k at balance)")
     # Step counts by default, so a rerun with the same seed is step-exact (about 40 + 15 min at 1 thread here);
     # 0 switches to the wall-clock budgets below, whose step count depends on the machine's speed.
-    ap.add_argument("--target-steps", type=int, default=900, help="target optimiser steps (default 900, about 40 min at 1 thread here; 0 = size from --target-minutes)")
+    ap.add_argument("--target-steps", type=int, default=800, help="target optimiser steps (default 800, about 36 min at 1 thread here; 0 = size from --target-minutes)")
     ap.add_argument("--target-minutes", type=float, default=42.0, help="wall-clock budget for the target when --target-steps is 0")
     ap.add_argument("--draft-steps", type=int, default=240, help="draft optimiser steps (default 240; 0 = size from --draft-minutes)")
     ap.add_argument("--draft-minutes", type=float, default=18.0, help="wall-clock budget for the draft when --draft-steps is 0")
