@@ -600,24 +600,26 @@ def write_card(res, target, draft):
              "`train_log.json`.\n")
     L.append("![loss curves](../../docs/embedded_loss.png)\n")
     if bal == "global":
-        L.append("**How the v2 target learns to route like a large MoE.** Three router terms, all in "
-                 "`RoutingRegulariser` in `train.py`; the checkpoint is a plain `qwen2_moe`:\n\n"
-                 "1. *Global-batch balancing* (Qwen3's method, Qiu et al. 2025) instead of v1's per-micro-batch "
-                 "Switch loss: the expert frequencies f_i are counted over the current step and the previous "
-                 f"{(a.get('balance_window') or 1) - 1} steps ({(a.get('balance_window') or 1) * (a.get('batch_size') or 0)} "
-                 "sequences) and only the current step's router probabilities carry gradient. Balance is demanded across "
-                 "many sequences, so an expert may specialise on a domain or a passage. DeepSeek-V3's auxiliary-loss-free "
-                 "bias balancing was not used: it routes on logits + a per-expert bias while weighting by the unbiased "
-                 "scores, and `qwen2_moe` has no place for that bias (the router is a bias-free linear), so the saved "
-                 "checkpoint would not route as trained.\n"
-                 "2. *Balance guard*: a layer's balance coefficient is raised while its least-used expert in the window "
-                 f"is below {a.get('balance_guard')} of the uniform share, and relaxes back otherwise (no expert may fall "
-                 "under ¼ of the uniform share).\n"
+        L.append("**How the v2 target is trained to route.** Router terms in `RoutingRegulariser` (`train.py`); the "
+                 "checkpoint is a plain `qwen2_moe`:\n\n"
+                 "1. *Balancing over the whole optimiser batch* (Qwen3's global-batch form of the Switch loss: expert "
+                 f"frequencies f_i counted over all {a.get('batch_size')} sequences of the step, gradient through the "
+                 "mean router probabilities), plus a *selection term*: with k/E = 1/16 and near-flat logits, equal mean "
+                 "probabilities no longer mean equal selection, so a soft count of how often each expert clears the "
+                 "token's top-k threshold is pushed towards the uniform share, weighted by f_i − 1. On one process the "
+                 "optimiser batch is the global batch; a window of counts from earlier steps (to emulate a larger global "
+                 "batch) was tried and abandoned: the stale counts made the balance oscillate and left about 40 of 128 "
+                 "experts per layer under ¼ of the uniform share. DeepSeek-V3's auxiliary-loss-free bias balancing was "
+                 "not used: it selects experts on logits + a per-expert bias, and `qwen2_moe`'s router is a bias-free "
+                 "linear map, so the saved checkpoint would not route as trained.\n"
+                 "2. *Balance guard*: a layer's balance coefficient rises (up to 50×) while an expert's share of the "
+                 f"step is below {a.get('balance_guard')} of the uniform share and relaxes back to {a.get('aux_coef')} "
+                 "otherwise.\n"
                  "3. *Temporal locality*: −log of the router mass token t puts on the experts token t−1 selected, with a "
-                 f"per-layer coefficient steered so that the consecutive-token overlap approaches {a.get('sticky_target')}. "
-                 "This is an explicit inductive bias, not an emergent property: a 4-layer model trained for an hour does "
-                 "not develop the routing persistence large MoEs show on its own (see the controller log in "
-                 "`train_log.json`, `target.routing`).\n")
+                 f"per-layer coefficient steered towards a consecutive-token overlap of {a.get('sticky_target')}; it "
+                 "only grows while the layer is balanced. This is an explicit training pressure, stated here so that "
+                 "nobody mistakes the locality for an emergent property; the controller's coefficients per step are in "
+                 "`train_log.json` (`target.routing`).\n")
     L.append("### Active FLOPs per token (draft ≤ 1/8 of target)\n")
     L.append("Counted as 2 × (parameters used in matmuls for one token); the tied embedding lookup is free, the lm_head "
              "matmul is counted; biases, norms and attention-score FLOPs (context-length dependent) are excluded for both.\n")

@@ -319,13 +319,15 @@ class RoutingRegulariser:
     """Router losses of the v2 target: global-batch load balancing plus a temporal-locality term.
 
     **Global-batch balancing** (Qiu et al. 2025, used by Qwen3): the Switch loss E * sum_i f_i * P_i
-    with the expert frequencies f_i counted over a *global* batch of many sequences instead of the
-    micro-batch.  Qwen3 all-reduces f_i over the data-parallel group; on one CPU the global batch is
-    the current step's 16 sequences plus the routing counts of the previous ``window - 1`` steps
-    (f is a count, so it carries no gradient; the gradient flows through this step's mean router
-    probabilities P_i).  Balance is then only demanded across ~window x 16 sequences, so an expert may
-    specialise on one domain or one passage, which is what makes a resident cache hit.  f is
-    normalised so that perfect balance gives 1 per layer (v1's per-micro-batch loss gave top_k).
+    with the expert frequencies f_i counted over the *global* batch, i.e. all sequences of the
+    optimiser step, instead of each micro-batch (Qwen3 all-reduces f_i over the data-parallel group).
+    On one process the optimiser batch is the global batch.  ``window`` > 1 adds the counts of earlier
+    steps to emulate a bigger one, but those counts are stale (the router has moved since): with 8
+    steps the balance oscillated and left ~40 of 128 experts per layer starved, so the default is 1.
+    f is a count, so it carries no gradient; the gradient flows through the mean router
+    probabilities P_i.  f is normalised so that perfect balance gives 1 per layer (v1's per-layer loss
+    gave top_k).  A selection term (see __call__) balances how often experts clear the top-k
+    threshold, which the mean probabilities stop tracking at k/E = 1/16.
 
     **Temporal locality**: -log(router probability mass that token t puts on the experts token t-1
     selected), per layer.  It asks consecutive tokens to agree on experts when that costs little
