@@ -350,15 +350,18 @@ class RoutingRegulariser:
 
     def __init__(self, n_layers: int, num_experts: int, top_k: int, mode: str, coef: float, window: int,
                  sticky_target: float, sticky_coef: float, guard_share: float, revive_coef: float,
-                 start_step: int, select_coef: float = 0.0, rate: float = 0.05):
+                 start_step: int, select_coef: float = 0.0, sticky_floor: float = 1e-4, sticky_yields: bool = True,
+                 bal_init: float = 0.0,
+                 rate: float = 0.05):
         self.L, self.E, self.k, self.mode = n_layers, num_experts, top_k, mode
         self.coef0 = coef
         self.window = max(1, window if mode == "global" else 1)
-        self.bal = [coef] * n_layers  # per-layer balance coefficients (guarded)
+        self.bal = [max(coef, bal_init)] * n_layers  # per-layer balance coefficients (guarded)
         self.sticky_target, self.sticky = sticky_target, [sticky_coef] * n_layers
         self.guard_share, self.rate, self.revive_coef = guard_share, rate, revive_coef
         self.select_temp = 1.0  # logit units: wide enough that a collapsed router (large logit gaps) still gets gradient
         self.select_coef = select_coef
+        self.sticky_floor, self.sticky_yields = sticky_floor, sticky_yields
         # Controllers start after the warm-up: early routing is collapsed (all tokens share a hidden-state
         # direction) and would otherwise wind the coefficients to their bounds before the model has features.
         self.start_step, self.steps = start_step, 0
@@ -416,8 +419,8 @@ class RoutingRegulariser:
                 # locality coefficient only decays (locality concentrates mass on few experts, which is what
                 # starved them), and it grows towards the target overlap only once the layer is balanced.
                 err = (self.sticky_target - overlaps[l]) / self.sticky_target
-                err = -abs(err) if starved else err
-                self.sticky[l] = float(min(10.0, max(1e-4, self.sticky[l] * math.exp(self.rate * err))))
+                err = -abs(err) if starved and self.sticky_yields else err
+                self.sticky[l] = float(min(10.0, max(self.sticky_floor, self.sticky[l] * math.exp(self.rate * err))))
             if self.guard_share > 0 and len(self.hist) + 1 >= self.window:
                 nxt = self.bal[l] * math.exp(self.rate if starved else -self.rate / 4)
                 self.bal[l] = float(min(50 * self.coef0, max(self.coef0, nxt)))
@@ -508,11 +511,13 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
     else:
         start = start_step
     rec.update(steps_planned=steps, tokens_per_step=args.batch_size * args.seq_len)
-    bar = tqdm(range(start, 10 ** 9 if budget else steps), desc=name, total=steps, mininterval=10, file=sys.stdout)
+    # with a step count, a resumed run trains `steps` more steps after start_step
+    bar = tqdm(range(start, 10 ** 9 if budget else start_step + steps), desc=name, total=steps, mininterval=10,
+               file=sys.stdout)
     s = start
     for s in bar:
         progress = (time.time() - t0) / budget if budget else (s - start_step) / steps
-        last = (progress >= 1.0) if budget else (s + 1 - start_step == steps)
+        last = (progress >= 1.0) if budget else (s + 1 - start_step == steps or s + 1 == args.stop_after)
         ce, aux = step_fn(s, progress)
         rec["train"].append([s, ce])
         if aux is not None:
@@ -586,6 +591,14 @@ def main(argv=None):
                     help="global balancing: consecutive-token overlap of selected experts the locality controller "
                          "aims at (0 = no locality term)")
     ap.add_argument("--sticky-coef", type=float, default=0.01, help="initial coefficient of the locality term")
+    ap.add_argument("--sticky-floor", type=float, default=1e-4, help="lower bound of the locality coefficient")
+    ap.add_argument("--balance-init", type=float, default=0.0,
+                    help="starting balance coefficient (e.g. where phase 1 of a resumed run left the guard)")
+    ap.add_argument("--sticky-no-yield", action="store_true",
+                    help="let the locality coefficient grow even while a layer has a starved expert (the balance guard "
+                         "still raises the balance coefficient); by default locality yields to balance")
+    ap.add_argument("--stop-after", type=int, default=0, metavar="STEP",
+                    help="save and stop after this step without shortening the schedule (phase 1 of a resumed run)")
     ap.add_argument("--target-resume", type=int, default=0, metavar="STEP",
                     help="continue the target from the checkpoint in models/embedded/target/ saved at STEP "
                          "(fresh optimiser, warm-up again; curve kept from train_log.json)")
@@ -669,7 +682,8 @@ def main(argv=None):
         if args.balance == "global":
             reg = RoutingRegulariser(tcfg.num_hidden_layers, tcfg.num_experts, tcfg.num_experts_per_tok, "global",
                                      args.aux_coef, args.balance_window, args.sticky_target, args.sticky_coef,
-                                     args.balance_guard, args.revive_coef, 0, args.select_coef)
+                                     args.balance_guard, args.revive_coef, 0, args.select_coef,
+                                     args.sticky_floor, not args.sticky_no_yield, args.balance_init)
         train_one("target", target, args, tok, Batcher(train_ids, pool, args.seq_len, args.batch_size,
                                                        args.chat_frac, args.seed + 1 + args.target_resume),
                   valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr,
