@@ -266,7 +266,8 @@ def measure(target_dir: str, draft_dir: str, tok, wins: dict, args, log: dict, s
         for name, m, d, ap_ in [("target", target, target_dir, ta), ("draft", draft, draft_dir, da)]}
     res["sizes"]["draft_to_target_active_flops"] = da["flops_per_token"] / ta["flops_per_token"]
     res["training"] = {n: {k: log.get(n, {}).get(k) for k in ("steps_done", "train_seconds", "tokens_per_step", "valid",
-                                                             "resumed_at_step", "seconds_before_resume", "seqkd")}
+                                                             "resumed_at_step", "seconds_before_resume", "seqkd",
+                                                             "argv", "phase1_argv")}
                        for n in ("target", "draft")}
     res["training"]["args"] = log.get("args")
 
@@ -532,11 +533,14 @@ def write_card(res, target, draft):
              "`\\n<|endoftext|>\\n`)\n"
              "* `corpus_stats.json`, `train_log.json`, `eval.json`; scripts `build_corpus.py`, `train.py`, `evaluate.py`\n")
     L.append("## Rebuild\n")
-    L.append("```bash\n.venv/bin/python -m models.embedded.build_corpus   # corpus splits + BPE tokenizer (deterministic)\n"
-             ".venv/bin/python -m models.embedded.train --threads 1 --stage target   # v2 target (see --help)\n"
-             ".venv/bin/python -m models.embedded.train --threads 1 --stage draft --seqkd-seqs "
-             f"{(tr['draft'].get('seqkd') or {}).get('sequences', 0)} --draft-steps {tr['draft'].get('steps_done')}\n"
-             ".venv/bin/python -m models.embedded.evaluate --threads 1 --compare-rev 89e4190   # eval.json + this README\n```\n")
+    cmds = [".venv/bin/python -m models.embedded.build_corpus   # corpus splits + BPE tokenizer (deterministic)"]
+    for key in ("phase1_argv", "argv"):
+        if tr["target"].get(key):
+            cmds.append(".venv/bin/python -m models.embedded.train " + " ".join(tr["target"][key]))
+    if tr["draft"].get("argv"):
+        cmds.append(".venv/bin/python -m models.embedded.train " + " ".join(tr["draft"]["argv"]))
+    cmds.append(".venv/bin/python -m models.embedded.evaluate --threads 1 --compare-rev 89e4190   # eval.json + this README")
+    L.append("```bash\n" + "\n".join(cmds) + "\n```\n")
     if a:
         L.append(f"The recorded runs used seq {a.get('seq_len')}, batch {a.get('batch_size')}, seed {a.get('seed')}, "
                  f"{a.get('threads')} thread(s) and fixed step counts, so a seeded rerun is step-exact "

@@ -655,6 +655,8 @@ def main(argv=None):
     print(f"train tokens {len(train_ids)}  valid tokens {len(valid_ids)}  chat pool {len(pool)}", flush=True)
     resume = args.target_resume and args.stage in ("both", "target")
     log = json.load(open(LOG_JSON)) if os.path.exists(LOG_JSON) and (args.stage != "both" or resume) else {}
+    if resume and isinstance(log.get("target"), dict):  # keep how phase 1 was run
+        log["target"]["phase1_argv"] = log["target"].get("argv")
     log["args"] = vars(args)
     log["train_tokens"] = int(len(train_ids))
 
@@ -677,6 +679,7 @@ def main(argv=None):
         n = sum(p.numel() for p in target.parameters())
         log["target"]["desc"] = (f"{args.arch} {n / 1e6:.2f}M params, {args.num_experts} experts top-{args.top_k}"
                                  + (f" + shared expert, {args.balance}-batch balancing" if args.arch == "qwen2_moe" else ""))
+        log["target"]["argv"] = list(argv if argv is not None else sys.argv[1:])
         print(f"target params {n:,}", flush=True)
         reg = None
         if args.balance == "global":
@@ -710,6 +713,7 @@ def main(argv=None):
         n = sum(p.numel() for p in draft.parameters())
         log["draft"] = {"desc": f"dense Qwen3 {n / 1e6:.2f}M params" + (", distilled" if teacher else "")
                         + (", seq-KD" if seqkd_info else ""), "seqkd": seqkd_info}
+        log["draft"]["argv"] = list(argv if argv is not None else sys.argv[1:])
         print(f"draft params {n:,}", flush=True)
         train_one("draft", draft, args, tok, batcher, valid_batches, log, DRAFT_DIR, args.draft_steps,
                   args.draft_minutes, args.draft_lr, teacher=teacher)
