@@ -624,6 +624,15 @@ def write_card(res, target, draft):
                  "only grows while the layer is balanced. This is an explicit training pressure, stated here so that "
                  "nobody mistakes the locality for an emergent property; the controller's coefficients per step are in "
                  "`train_log.json` (`target.routing`).\n")
+    rs = tr["target"].get("resumed_at_step")
+    if rs and bal == "global":
+        L.append(f"**Two phases.** Steps 0–{rs - 1} ran with the defaults, where locality yields to balance; balance "
+                 "took those steps to establish (at step 200, 1–16 experts per layer were still below the guard), so "
+                 "the locality coefficient sat at its floor. Training then resumed from the step-"
+                 f"{rs} checkpoint (fresh optimiser, warm-up again) with the balance coefficient starting where the guard "
+                 "had left it and a locality coefficient that grows regardless (the guard still raises balance when an "
+                 "expert starves). Both command lines are in the rebuild section; `train_log.json` keeps the whole "
+                 "curve.\n")
     L.append("### Active FLOPs per token (draft ≤ 1/8 of target)\n")
     L.append("Counted as 2 × (parameters used in matmuls for one token); the tied embedding lookup is free, the lm_head "
              "matmul is counted; biases, norms and attention-score FLOPs (context-length dependent) are excluded for both.\n")

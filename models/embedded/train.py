@@ -283,7 +283,7 @@ def write_log(log):
                 ax.plot(va[:, 0], va[:, 1], "o-", label="valid CE", ms=3)
             if r.get("resumed_at_step"):
                 ax.axvline(r["resumed_at_step"], color="gray", ls="--", lw=1,
-                           label=f"resumed at {r['resumed_at_step']} (per-layer aux, new optimiser)")
+                           label=f"resumed at {r['resumed_at_step']} (new optimiser, see the model card)")
             ax.set_xlabel("step")
             ax.set_ylabel("cross entropy (nats/token)")
             ax.set_title(f"{name} ({r.get('desc', '')})", fontsize=9)
