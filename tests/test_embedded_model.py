@@ -113,6 +113,13 @@ def test_model_card_matches_its_measurements() -> None:
     assert ppl["target"]["all"]["ppl"] < 0.8 * ppl["draft"]["all"]["ppl"]  # target clearly stronger
     assert all(p >= 95.0 for p in ev["no_dead_experts"]["pct_per_layer"])
     assert spec["k"] == 4 and spec["mean_tokens_per_verification_incl_bonus"] >= 1.5
+    # v2 was trained to route with locality (issue 16): measured in the same run against v1, it must be
+    # clearly stickier and cache-friendlier than v1, and the card must show both.
+    v1 = ev["compare"]
+    assert v1["label"] == "v1" and f"{v1['perplexity']['target']['all']['ppl']:.2f}" in card
+    assert ev["locality"]["consecutive_overlap_mean"] >= 1.5 * v1["locality"]["consecutive_overlap_mean"]
+    lru, lru1 = ev["cache"]["all"]["fetch_all_hit_rate_lru"], v1["cache"]["all"]["fetch_all_hit_rate_lru"]
+    assert lru >= lru1 + 0.1 and f"**{lru:.3f}**" in card
 
 
 @pytest.mark.timeout(180)
@@ -123,3 +130,19 @@ def test_generate_without_model_uses_the_embedded_model() -> None:
     out = json.loads(p.stdout)
     cfg = _cfg(EMBEDDED_TARGET)
     assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["num_experts"]  # cache 1.0
+
+
+def test_target_logits_equal_under_the_training_kernel() -> None:
+    """The target was trained with transformers' grouped_mm experts kernel; the shipped checkpoint must give
+    the same logits through the plain per-expert loop (eager), so training and serving see one model."""
+    from transformers import AutoModelForCausalLM
+
+    ids = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)("ROMEO. But soft, what light through yonder window breaks?")["input_ids"]
+    x = torch.tensor([ids])
+    logits = {}
+    for impl in ("eager", "grouped_mm"):
+        m = AutoModelForCausalLM.from_pretrained(EMBEDDED_TARGET, dtype=torch.float32, experts_implementation=impl).eval()
+        with torch.no_grad():
+            logits[impl] = m(input_ids=x).logits
+    assert torch.allclose(logits["eager"], logits["grouped_mm"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits["eager"].argmax(-1), logits["grouped_mm"].argmax(-1))
