@@ -695,6 +695,12 @@ def write_card(res, target, draft):
              "* The target's routing locality is partly trained in by an explicit loss term (above); how much the "
              "offloading results on this model transfer to a given large MoE still depends on that model's own routing "
              "statistics, which `moe-offload trace` and the simulator measure.\n")
+    if "compare" in res and p["target"]["all"]["ppl"] > res["compare"]["perplexity"]["target"]["all"]["ppl"]:
+        L.append(f"* The v2 target's test perplexity ({p['target']['all']['ppl']:.2f}) is worse than "
+                 f"{res['compare']['label']}'s ({res['compare']['perplexity']['target']['all']['ppl']:.2f}): in "
+                 f"{tr['target'].get('steps_done')} steps the balance guard (at its cap for most of the run) and the "
+                 "locality term cost cross entropy, and v2 is only modestly stronger than its draft. A longer run, or a "
+                 "locality target nearer 0.4, should trade some locality back for perplexity (not run).\n")
     L.append("## Acceptance checks\n")
     for k, v in res["checks"].items():
         L.append(f"* {k}: **{'PASS' if v else 'FAIL'}**")
