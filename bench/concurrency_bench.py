@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from bench.report import write_report
+from bench.report import cut_prompts, interleaved, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -76,16 +75,9 @@ def main() -> None:
     }
     engines = {name: load_model(model_dir, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer
-    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
-    stride = len(ids) // (max(STREAMS) + 1)
-    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(STREAMS))]
+    prompts = cut_prompts(tok, args.data, max(STREAMS), args.prompt_tokens)
     cells = [(s, n) for s in settings for n in STREAMS]
-    results: dict[tuple[str, int], list[dict[str, float]]] = {c: [] for c in cells}
-    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
-        for s, n in tqdm(cells, desc=f"round {rnd}", leave=False):
-            r = run_cell(engines[s], prompts[:n], args.tokens)
-            if rnd > 0:
-                results[(s, n)].append(r)
+    results = interleaved(cells, args.rounds, lambda cell: run_cell(engines[cell[0]], prompts[: cell[1]], args.tokens))
     for om in engines.values():
         om.close()
 

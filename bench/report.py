@@ -4,8 +4,11 @@ is kept when a rerun rewrites the table."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 ANALYSIS_START = "\nCommand:"
 
@@ -20,3 +23,22 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     old = out.read_text() if out.exists() else ""
     analysis = old[old.index(ANALYSIS_START):] if ANALYSIS_START in old else ""
     out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n" + analysis)
+
+
+def cut_prompts(tokenizer: Any, data: str | Path, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens, cut from evenly spaced places in the text file `data`."""
+    ids = tokenizer(Path(data).read_text(encoding="utf-8"))["input_ids"]
+    stride = len(ids) // (n + 1)
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def interleaved(cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dict]) -> dict[Any, list[dict]]:
+    """Run every cell once per round, a warm-up round first (discarded), so the measured rounds
+    of all cells share the machine's load; returns each cell's measured results in round order."""
+    res: dict[Any, list[dict]] = {cell: [] for cell in cells}
+    for rnd in tqdm(range(rounds + 1), desc="rounds (first is warm-up)"):
+        for cell in tqdm(cells, desc=f"round {rnd}", leave=False):
+            r = run(cell)
+            if rnd:
+                res[cell].append(r)
+    return res

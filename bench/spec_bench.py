@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from bench.report import write_report
+from bench.report import cut_prompts, interleaved, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -65,6 +64,8 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         "distinct_per_window": statistics.mean(per_layer) if per_layer else float(om.top_k),
         "bytes_per_token": s["bytes_moved"] / produced,
         "stall_share": s["stall_seconds"] / wall,
+        "produced": produced,
+        "stats": s,  # the whole decode-phase snapshot, for benchmarks that report more
     }
 
 
@@ -89,17 +90,15 @@ def main() -> None:
     settings = dict(all_settings[s] for s in args.settings.split(","))
     engines = {name: load_model(EMBEDDED_TARGET, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer
-    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
     streams = [int(x) for x in args.streams.split(",")]
-    stride = len(ids) // (max(streams) + 1)
-    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(streams))]
+    prompts = cut_prompts(tok, args.data, max(streams), args.prompt_tokens)
     cells = [(s, n, c) for s in settings for n in streams for c in CONFIGS]
-    res: dict[tuple, list[dict]] = {cell: [] for cell in cells}
-    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
-        for s, n, c in tqdm(cells, desc=f"round {rnd}", leave=False):
-            r = run_cell(engines[s], CONFIGS[c], prompts[:n], args.tokens)
-            if rnd:
-                res[(s, n, c)].append(r)
+
+    def measure(cell: tuple[str, int, str]) -> dict:
+        setting, n, config = cell
+        return run_cell(engines[setting], CONFIGS[config], prompts[:n], args.tokens)
+
+    res = interleaved(cells, args.rounds, measure)
     for om in engines.values():
         om.close()
 

@@ -124,6 +124,20 @@ class ExpertStore:
     def is_protected(self, key: int) -> bool:
         return key in self._protected
 
+    def has_free_slot(self) -> bool:
+        return bool(self._free)
+
+    def next_victim(self) -> int | None:
+        """The expert a prefetch would evict if no slot were free, or None when nothing can go.
+        Callers hold `lock` when they act on the answer."""
+        with self.lock:
+            return self.eviction.victim(self._evictable(protected=False))
+
+    def free_or_evictable(self) -> int:
+        """Slots a layer could take now without waiting: free ones plus unpinned residents."""
+        with self.lock:
+            return len(self._free) + sum(1 for k, s in self._state.items() if s is SlotState.RESIDENT and k not in self._pins)
+
     # -- pinning ---------------------------------------------------------------
     def lease(self) -> ExpertLease:
         return ExpertLease(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -33,6 +34,13 @@ from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
 from engine.experts.transfers import TransferEngine
+from engine.experts.cost_meter import CostMeter
+from engine.experts.cpu_experts import CpuExperts
+from engine.experts.quant import ExpertFormat
+from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.spec.sensor import sensor_for
+from policies.base import EvictionPolicy
+from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
 from engine.worker.packed_batch import use_packed_attention
 
 
@@ -74,9 +82,19 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
+    sensor: Any = None  # the speculative sensor (engine/spec/sensor.py), shared by speculation and utility
+    utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
+    cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
+
+    @property
+    def step_observers(self) -> tuple[Any, ...]:
+        """What every engine core of this model runs after each step (the sensor, if any)."""
+        return (self.sensor,) if self.sensor is not None else ()
 
     def close(self) -> None:
         self.transfers.close()
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
 
 
 DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
@@ -195,7 +213,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
     # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
     store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
-    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
+    meter = CostMeter() if cfg.cpu_experts != "off" else None
+    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
     bus = RoutingBus()
@@ -206,9 +225,33 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    _attach_spac(om, cfg, policies.eviction, tier, fmt, meter)
     if cfg.warm_start:
         _warm(om)
     return om
+
+
+def _attach_spac(om: OffloadedModel, cfg: EngineConfig, eviction: EvictionPolicy, tier: SlowTier, fmt: ExpertFormat,
+                 meter: CostMeter | None) -> None:
+    """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
+    speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
+    ranking; CPU workers for missed experts."""
+    wants_utility = cfg.prefetch == "utility" or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    if wants_utility:
+        estimator = SpeculativeUtilityEstimator(om.num_experts)
+        if isinstance(eviction, UtilityEviction):
+            eviction.estimator = estimator
+        prefetcher = UtilityPrefetcher(estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch=cfg.prefetch == "utility")
+        prefetcher.attach(om.bus)
+        sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
+        om.utility = prefetcher
+        om.executor.utility = estimator
+        if cfg.prefetch == "utility":
+            om.executor.after_layer = prefetcher.after_layer
+    if cfg.cpu_experts != "off":
+        assert meter is not None
+        om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
+        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = om.cpu_experts, cfg.cpu_experts, meter
 
 
 def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors, device: torch.device, model_dir: Path) -> None:
