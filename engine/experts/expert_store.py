@@ -161,6 +161,14 @@ class ExpertStore:
             if self._protected.pop(key, None) is not None:
                 self.stats.add(prefetch_used=1)
 
+    def refresh(self, keys: list[int]) -> None:
+        """A predictor expects these residents to be used soon: count it as a use for the eviction
+        policy's ranking, so the prefetches made for the same layer do not evict them first."""
+        with self.lock:
+            for key in keys:
+                if self._state.get(key) is SlotState.RESIDENT:
+                    self.eviction.on_access(key)
+
     # -- protection of prefetched experts -----------------------------------------
     def protect(self, key: int) -> None:
         """Shield a prefetched expert from eviction until it is used or `protect_ticks` pass."""

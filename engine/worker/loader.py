@@ -38,6 +38,7 @@ from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.quant import ExpertFormat
 from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.spec.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
@@ -85,6 +86,7 @@ class OffloadedModel(LoadedModel):
     sensor: Any = None  # the speculative sensor (engine/spec/sensor.py), shared by speculation and utility
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
+    adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
 
     @property
     def step_observers(self) -> tuple[Any, ...]:
@@ -213,7 +215,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
     # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
     store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
-    meter = CostMeter() if cfg.cpu_experts != "off" else None
+    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in cfg.prefetch_kinds else None
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
@@ -236,22 +238,40 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, eviction: EvictionPolicy
     """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
     speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
     ranking; CPU workers for missed experts."""
-    wants_utility = cfg.prefetch == "utility" or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    kinds = cfg.prefetch_kinds
+    wants_utility = "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
     if wants_utility:
         estimator = SpeculativeUtilityEstimator(om.num_experts)
         if isinstance(eviction, UtilityEviction):
             eviction.estimator = estimator
-        prefetcher = UtilityPrefetcher(estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch=cfg.prefetch == "utility")
+        prefetcher = UtilityPrefetcher(estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds)
         prefetcher.attach(om.bus)
         sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
         om.utility = prefetcher
         om.executor.utility = estimator
-        if cfg.prefetch == "utility":
+        if "utility" in kinds:
             om.executor.after_layer = prefetcher.after_layer
+    if "adapter" in kinds:
+        assert meter is not None
+        om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
     if cfg.cpu_experts != "off":
         assert meter is not None
         om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
         om.executor.cpu, om.executor.cpu_mode, om.executor.meter = om.cpu_experts, cfg.cpu_experts, meter
+
+
+def _adapter_prefetcher(om: OffloadedModel, cfg: EngineConfig, meter: CostMeter) -> AdapterPrefetcher:
+    """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
+    from engine.prefetch.adapter import FILE_NAME, load_adapter
+    from engine.prefetch.training import model_fingerprint, moe_blocks
+
+    if len(om.moe_layers) < 2:
+        raise ConfigError(f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)")
+    adapter = load_adapter(Path(cfg.prefetcher) if cfg.prefetcher else om.model_dir / FILE_NAME, model_fingerprint(om.model))
+    adapter.to(om.device)
+    prefetcher = AdapterPrefetcher(adapter, moe_blocks(om.model), om.store, om.transfers, om.moe_layers, om.top_k, meter, om.stats)
+    prefetcher.attach(om.bus)
+    return prefetcher
 
 
 def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors, device: torch.device, model_dir: Path) -> None:
