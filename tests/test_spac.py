@@ -169,21 +169,23 @@ def _settle(om, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int) -> None:
+def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, configs: dict[str, dict] = SPAC_CONFIGS) -> None:
     base = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk"))
     try:
         prompts = prompts_of(base)
         reference = _run(base, prompts, SpecConfig(speculative="off"), max_tokens)
     finally:
         base.close()
-    for name, kw in SPAC_CONFIGS.items():
+    for name, kw in configs.items():
         om = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", **kw))
         try:
             assert _run(om, prompts, spec, max_tokens) == reference, name
             s = om.stats.snapshot()
+            if "adapter" in kw.get("prefetch", ""):
+                assert s["prefetch_used"] > 0, name
             if kw.get("cpu_experts") == "all":
                 assert s["cpu_expert_calls"] > 0 and s["transfers"]["demand"] == 0, name
-            if kw.get("prefetch"):
+            if "utility" in kw.get("prefetch", ""):
                 assert s["utility_levels"] and sum(s["utility_levels"]) == len(om.moe_layers) * om.num_experts
         finally:
             om.close()
@@ -202,7 +204,10 @@ def test_spac_configurations_are_exact_on_the_embedded_pair() -> None:
         ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:40000])["input_ids"]
         return [ids[i * 900 : i * 900 + 16 + 4 * i] for i in range(8)]
 
-    _check_exact(EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="draft", adaptive=False), 16)
+    # With the embedded model's own SpecPrefetch adapter too (issue 11: prefetching never changes the output).
+    configs = {**SPAC_CONFIGS, "adapter + utility prefetch": dict(prefetch="adapter,utility", eviction="utility")}
+    _check_exact(EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="draft", adaptive=False), 16, configs)
+    _check_exact(EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="off"), 16, {"adapter prefetch": dict(prefetch="adapter")})
 
 
 def test_utility_prefetch_counts_wasted_predictions(tiny_ckpt) -> None:
@@ -244,5 +249,27 @@ def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -
         om.transfers.tier._fetch = fetch  # type: ignore[method-assign]
         ok = complete(core, [request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))])
         assert ok[0].error is None and len(ok[0].token_ids) == 4
+    finally:
+        om.close()
+
+
+def test_stale_utility_prefetches_are_cancelled(tiny_ckpt) -> None:
+    """Prefetches still queued when their expert's utility falls are cancelled, not loaded."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, offload="disk", link="1:300000", prefetch="utility",
+                                                         eviction="utility", warm_start=False))
+    try:
+        est, layer, E = om.utility.estimator, om.moe_layers[0], om.num_experts
+        hot = [4] * 6 + [1] * 2 + [0] * (E - 8)
+        for _ in range(3):
+            est.observe({la: (hot, hot) for la in om.moe_layers})
+        assert om.utility.top_up(layer)
+        queued = om.transfers.queued("prefetch")
+        assert queued, "the slow link keeps most prefetches queued"
+        cold = [0] * 8 + [1] * 2 + [0] * (E - 10)  # experts 0-7 are not used any more
+        for _ in range(est.patience):
+            est.observe({la: (cold, cold) for la in om.moe_layers})
+        om.utility.cancel_stale()
+        assert om.transfers.queued("prefetch") == []
+        assert om.stats.snapshot()["transfers_cancelled"] >= len(queued)
     finally:
         om.close()
