@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import cut_prompts, interleaved, write_report
+from bench.report import cut_prompts, interleaved, summarize, write_report
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
@@ -91,7 +91,7 @@ def recall_table(args: argparse.Namespace) -> tuple[list[str], dict]:
         rows[f"frequency (last {args.freq_window} tokens)"].append(recall_at_k(freq, truth))
         rows["utility"].append(recall_at_k(utility_predictions(trace["ids"], a + 1, E, freq), truth))
     layers = [f"layer {a + 1}" for a in range(data.anchors)]
-    lines = [f"| predictor | " + " | ".join(f"recall@{k} {n}" for n in layers) + " | mean |", "|---" * (len(layers) + 2) + "|"]
+    lines = ["| predictor | " + " | ".join(f"recall@{k} {n}" for n in layers) + " | mean |", "|---" * (len(layers) + 2) + "|"]
     for name, vals in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{v:.1%}" for v in vals) + f" | {statistics.mean(vals):.1%} |")
     share = adapter.trainable_parameters() / model_params
@@ -122,10 +122,9 @@ def speed_table(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
              "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for s, d, p in cells:
-        runs = res[(s, d, p)]
-        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[(s, d, "none")]))
-        med = {key: statistics.median(r[key] for r in runs) for key in ("tok_s", "stall_share", "hit_rate", "bytes_per_token", "prefetch_used", "prefetch_issued")}
-        rows.append({"setting": s, "decoding": d, "prefetch": p, "vs_none": ratio, **med})
+        med = summarize(res, (s, d, p), (s, d, "none"), ("tok_s", "stall_share", "hit_rate", "bytes_per_token", "prefetch_used", "prefetch_issued"))
+        ratio = med["ratio"]
+        rows.append({"setting": s, "decoding": d, "prefetch": p, **med})
         lines.append(f"| {s} | {d} | {p} | {med['tok_s']:.1f} | {ratio:.2f}× | {med['stall_share']:.0%} | {med['hit_rate']:.0%} | "
                      f"{med['prefetch_used']:.0f} / {med['prefetch_issued']:.0f} | {med['bytes_per_token'] / 1e6:.2f} |")
     return lines, rows

@@ -4,6 +4,7 @@ is kept when a rerun rewrites the table."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,3 +43,11 @@ def interleaved(cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dic
             if rnd:
                 res[cell].append(r)
     return res
+
+
+def summarize(res: dict[Any, list[dict]], cell: Any, baseline: Any, keys: Sequence[str]) -> dict[str, float]:
+    """Medians of `keys` over a cell's rounds, and `ratio`: the median over rounds of the cell's
+    tok/s divided by the baseline cell's in the same round (both ran under the same load)."""
+    runs = res[cell]
+    ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[baseline]))
+    return {"ratio": ratio, **{k: statistics.median(r[k] for r in runs) for k in keys}}

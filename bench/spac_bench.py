@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, write_report
+from bench.report import cut_prompts, interleaved, summarize, write_report
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.paths import portable_path
@@ -103,9 +102,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for s, n, c in cells:
-        runs = res[(s, n, c)]
-        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[(s, n, "plain")]))
-        row = {"setting": s, "streams": n, "config": c, "vs_plain": ratio, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+        row = {"setting": s, "streams": n, "config": c, **summarize(res, (s, n, c), (s, n, "plain"), list(res[(s, n, c)][0]))}
+        ratio = row["ratio"]
         rows.append(row)
         pct = lambda v: "–" if v != v else f"{v:.0%}"  # noqa: E731 - nan: no prefetch in this config
         lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {row['stall_share']:.0%} | "

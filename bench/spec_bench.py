@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, write_report
+from bench.report import cut_prompts, interleaved, summarize, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -106,11 +106,10 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for s, n, c in cells:
-        runs = res[(s, n, c)]
-        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[(s, n, "off")]))
-        row = {"setting": s, "streams": n, "config": c, "vs_off": ratio,
-               **{k: statistics.median(r[k] for r in runs) for k in ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")},
-               "acceptance_by_position": runs[-1]["acceptance_by_position"]}
+        keys = ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")
+        row = {"setting": s, "streams": n, "config": c, **summarize(res, (s, n, c), (s, n, "off"), keys),
+               "acceptance_by_position": res[(s, n, c)][-1]["acceptance_by_position"]}
+        ratio = row["ratio"]
         rows.append(row)
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "–"
         lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
