@@ -51,3 +51,19 @@ def summarize(res: dict[Any, list[dict]], cell: Any, baseline: Any, keys: Sequen
     runs = res[cell]
     ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[baseline]))
     return {"ratio": ratio, **{k: statistics.median(r[k] for r in runs) for k in keys}}
+
+
+def machine_line(threads: int, device: str = "") -> str:
+    """The first words of every report: what ran it."""
+    import platform
+
+    import torch
+
+    return f"Machine: {platform.machine()}, {threads} torch thread(s), torch {torch.__version__}" + (f", {device}" if device else "") + "."
+
+
+def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int, link: str) -> str:
+    from engine.paths import portable_path
+
+    return (f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "
+            f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated.")

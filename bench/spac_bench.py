@@ -22,12 +22,11 @@ expert bytes moved per generated token. Rounds are interleaved after a warm-up r
 from __future__ import annotations
 
 import argparse
-import platform
 from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, summarize, write_report
+from bench.report import cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.paths import portable_path
@@ -108,10 +107,8 @@ def main() -> None:
         pct = lambda v: "–" if v != v else f"{v:.0%}"  # noqa: E731 - nan: no prefetch in this config
         lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {row['stall_share']:.0%} | "
                      f"{row['hit_rate']:.0%} | {pct(row['precision'])} | {pct(row['recall'])} | {row['bytes_per_token'] / 1e6:.2f} | {row['cpu_calls_per_token']:.1f} |")
-    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, {_device_name(engines)}. Model: the embedded pair "
-              f"({portable_path(EMBEDDED_TARGET)} + draft). Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
-              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round; "
-              f"link `{args.link}` emulated.")
+    header = (f"{machine_line(args.threads, _device_name(engines))} Model: the embedded pair ({portable_path(EMBEDDED_TARGET)} + draft). "
+              + prompts_line(args.prompt_tokens, args.data, args.tokens, args.rounds, args.link))
     write_report(args.out, header, lines, {"rows": rows})
 
 

@@ -14,14 +14,13 @@ Rounds are interleaved (every cell once per round) after a warm-up round.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, summarize, write_report
+from bench.report import cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -114,10 +113,8 @@ def main() -> None:
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "–"
         lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
                      f"{row['distinct_per_window']:.1f} | {row['bytes_per_token'] / 1e6:.2f} | {row['stall_share']:.0%} |")
-    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}. Model: the embedded pair "
-              f"({portable_path(EMBEDDED_TARGET)} + draft). Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
-              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round; "
-              f"link `{args.link}` emulated. Acceptance by position is from the last round.")
+    header = (f"{machine_line(args.threads)} Model: the embedded pair ({portable_path(EMBEDDED_TARGET)} + draft). "
+              + prompts_line(args.prompt_tokens, args.data, args.tokens, args.rounds, args.link) + " Acceptance by position is from the last round.")
     write_report(args.out, header, lines, {"rows": rows})
 
 
