@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import cut_prompts, interleaved, summarize, write_report
+from bench.report import add_run_flags, cut_prompts, interleaved, summarize, write_report
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
@@ -132,15 +132,9 @@ def speed_table(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="held-out text (default: the test split)")
+    add_run_flags(ap, prompt_tokens=64, tokens=48, rounds=3, link="sdcard")
     ap.add_argument("--recall-tokens", type=int, default=20000, help="tokens of the held-out split traced for part 1 (default 20000)")
     ap.add_argument("--freq-window", type=int, default=32, help="tokens the frequency baseline counts over (default 32)")
-    ap.add_argument("--prompt-tokens", type=int, default=64, help="part 2: tokens per prompt (default 64)")
-    ap.add_argument("--tokens", type=int, default=48, help="part 2: tokens generated per request (default 48)")
-    ap.add_argument("--rounds", type=int, default=3, help="part 2: measured rounds after one warm-up round (default 3)")
-    ap.add_argument("--link", default="sdcard", help="part 2: emulated link of the second setting (default sdcard: 80 MB/s, 1 ms)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
-    ap.add_argument("--out", type=Path, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     recall_lines, recall = recall_table(args)

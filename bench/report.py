@@ -3,6 +3,7 @@ as JSON beside it. Hand-written analysis below the table (from a line starting `
 is kept when a rerun rewrites the table."""
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Callable, Hashable, Sequence
@@ -67,3 +68,14 @@ def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int,
 
     return (f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "
             f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated.")
+
+
+def add_run_flags(ap: argparse.ArgumentParser, prompt_tokens: int, tokens: int, rounds: int, link: str) -> None:
+    """The flags every decode benchmark shares: prompts, length, rounds, the emulated link, threads, output."""
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from (default: the test split)")
+    ap.add_argument("--prompt-tokens", type=int, default=prompt_tokens, help=f"tokens per prompt (default {prompt_tokens})")
+    ap.add_argument("--tokens", type=int, default=tokens, help=f"tokens generated per request (default {tokens})")
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"measured rounds after one warm-up round (default {rounds})")
+    ap.add_argument("--link", default=link, help=f"the emulated link of the slow-link setting (default {link})")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")

@@ -22,11 +22,10 @@ expert bytes moved per generated token. Rounds are interleaved after a warm-up r
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
+from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.paths import portable_path
@@ -65,18 +64,12 @@ def _device_name(engines: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    add_run_flags(ap, prompt_tokens=64, tokens=32, rounds=2, link="hdd")
     ap.add_argument("--streams", default="1", help="comma-separated concurrency levels (default 1: one user, the seed's setting)")
-    ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round (default 2)")
-    ap.add_argument("--link", default="hdd", help="emulated link of the second setting (default hdd: 150 MB/s, 8 ms)")
     ap.add_argument("--cache", type=float, default=0.25, help="fast-tier share of the routed experts (default 0.25)")
     ap.add_argument("--settings", default="disk,link",
                     help="which settings: ram (host-memory tier, the real link: PCIe on a GPU box), disk, link (disk behind --link). Default disk,link")
     ap.add_argument("--device", default="auto", help="compute device (default auto: CUDA when present)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
-    ap.add_argument("--out", type=Path, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     all_settings = {"ram": (f"cache {args.cache} (ram)", "ram", None), "disk": (f"cache {args.cache} (disk)", "disk", None),

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from bench.report import cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
+from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -70,15 +69,9 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    add_run_flags(ap, prompt_tokens=64, tokens=32, rounds=2, link="hdd")
     ap.add_argument("--streams", default="1,8", help="comma-separated concurrency levels (default 1,8)")
-    ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round (default 2)")
-    ap.add_argument("--link", default="hdd", help="emulated link of the third setting (default hdd)")
     ap.add_argument("--settings", default="ram,disk,link", help="which settings to run (default ram,disk,link)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--out", type=Path, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     all_settings = {
