@@ -70,12 +70,23 @@ def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int,
             f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated.")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the error into one line and exit status 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_run_flags(ap: argparse.ArgumentParser, prompt_tokens: int, tokens: int, rounds: int, link: str) -> None:
     """The flags every decode benchmark shares: prompts, length, rounds, the emulated link, threads, output."""
     ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from (default: the test split)")
-    ap.add_argument("--prompt-tokens", type=int, default=prompt_tokens, help=f"tokens per prompt (default {prompt_tokens})")
-    ap.add_argument("--tokens", type=int, default=tokens, help=f"tokens generated per request (default {tokens})")
-    ap.add_argument("--rounds", type=int, default=rounds, help=f"measured rounds after one warm-up round (default {rounds})")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=prompt_tokens, help=f"tokens per prompt (default {prompt_tokens})")
+    ap.add_argument("--tokens", type=positive_int, default=tokens, help=f"tokens generated per request (default {tokens})")
+    ap.add_argument("--rounds", type=positive_int, default=rounds, help=f"measured rounds after one warm-up round (default {rounds})")
     ap.add_argument("--link", default=link, help=f"the emulated link of the slow-link setting (default {link})")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1: steadier on a shared machine)")
     ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
