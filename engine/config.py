@@ -33,6 +33,7 @@ class EngineConfig(YamlSection):
     prefetcher: str | None = setting(None, "SpecPrefetch adapter file for --prefetch adapter (default: prefetcher.safetensors in the model directory; train one with `moe-offload train-prefetcher`)", metavar="FILE")
     cpu_experts: str = setting("off", "CPU-run experts: off (default), auto (a missed expert may be computed by CPU workers straight from the host tier; the workload balancer picks which, minimising each layer's makespan), or all (every miss runs on the CPU; a diagnostic)", choices=("off", "auto", "all"))
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
+    settle_background: bool = setting(False, "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off", flag="--settle-background")
     device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
     dtype: str = setting("auto", "compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)", choices=DTYPES)
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")

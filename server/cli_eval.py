@@ -37,6 +37,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
 
     base = engine_config_from_args(args)
+    if args.settle_background is None:  # eval is deterministic unless asked otherwise
+        base = replace(base, settle_background=True)
     model_dir = resolve_model_dir(args.model)
     if not Path(args.data).is_file():
         raise MoeOffloadError(f"{args.data}: data file not found; pass --data with a UTF-8 text file")
@@ -49,6 +51,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         runs = dict(POLICY_SWEEP)
     else:
         runs = {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
+    if args.async_rows:
+        # The server's behaviour: background loads land whenever the link delivers them.
+        runs.update({f"{label} (async)": {**overrides, "settle_background": False} for label, overrides in list(runs.items()) if label != "fetch-all"})
     results = {}
     ids: list[int] | None = None
     for label, overrides in runs.items():
@@ -68,7 +73,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = {"model": portable_path(model_dir), "data": portable_path(args.data), "tokens": len(ids or []), "window": args.window,
            "cache_fraction": base.cache_fraction, "results": rows}
     if len(rows) > 2:
-        prot = [r for r in rows if r["label"] not in UNPROTECTED]
+        prot = [r for r in rows if r["label"] not in UNPROTECTED and not r["label"].endswith("(async)")]
         out["mass_hypothesis_pearson_r"] = pearson([r["mean_substituted_mass"] for r in prot], [r["delta_ppl_pct"] for r in prot])
         print(f"mass hypothesis: Pearson r(substituted mass, ΔPPL) over first-choice-protecting policies = {out['mass_hypothesis_pearson_r']:.3f}")
     if args.out_json:
@@ -155,6 +160,7 @@ def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     e.add_argument("--policies", metavar="A,B,...", help="run fetch-all plus these entries of the sweep (labels as in --all-policies, e.g. threshold,quality-first)")
     e.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="score about N tokens: whole windows spread evenly over the file (default 2048; 0 = all)")
     e.add_argument("--window", type=int, default=256, metavar="W", help="context window: the KV cache restarts every W tokens (default 256)")
+    e.add_argument("--async-rows", action="store_true", help="also run each substituting policy with background loads landing asynchronously, as the server runs them (rows marked '(async)'; those numbers vary from run to run)")
     e.add_argument("--out-json", metavar="PATH", help="write all numbers as JSON here")
     e.add_argument("--plot", metavar="PNG", help="write a scatter plot of ΔPPL against substituted mass here")
     add_engine_flags(e)

@@ -121,7 +121,9 @@ def test_prefetching_never_changes_the_output(tiny_ckpt, tiny_adapter: Path, spe
             outs[kinds] = _outputs(om, spec)
             if "adapter" in kinds:
                 s = om.stats.snapshot()
-                assert s["prefetch_issued"] > 0 and s["prefetch_used"] > 0
+                # Issued, at least: whether a tiny random model's guesses are right is not the point here
+                # (tests/test_spac.py checks the embedded model's adapter gets prefetches used).
+                assert s["prefetch_issued"] > 0
         finally:
             om.close()
     assert outs["adapter"] == outs["none"] == outs["adapter,utility"]

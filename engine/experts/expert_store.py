@@ -206,13 +206,16 @@ class ExpertStore:
             self._slot_of[key] = slot
             self._state[key] = SlotState.LOADING
             self._pins[key] = self._pins.get(key, 0) + 1
+            # The eviction policy learns of the expert when it is requested, on the requesting
+            # thread, not when a transfer thread lands it: its ranking then depends on the order
+            # of requests only, never on transfer timing (deterministic eval relies on this).
+            self.eviction.on_insert(key)
             return slot
 
     def commit(self, key: int) -> None:
         """A load finished: the expert is resident (still pinned by its loader until released)."""
         with self.lock:
             self._state[key] = SlotState.RESIDENT
-            self.eviction.on_insert(key)
 
     def abort(self, key: int) -> None:
         """A load was cancelled or failed: give the slot back (and every pin on it)."""
@@ -222,6 +225,7 @@ class ExpertStore:
                 self._protected.pop(key, None)
                 self._free.append(self._slot_of.pop(key))
                 del self._state[key]
+                self.eviction.forget(key)
 
     def _evictable(self, protected: bool) -> list[int]:
         return [k for k, s in self._state.items()

@@ -76,12 +76,16 @@ class MoeExecutor:
         self.utility: SpeculativeUtilityEstimator | None = None
         self.after_layer: Callable[[int], None] | None = None
         self._balancer_calls = 0
+        # Deterministic residency (eval): background loads land before each plan, never mid-way.
+        self.settle_background = False
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
         logit_rows = logits.tolist() if self.policy.needs_logits else None
+        if self.settle_background:
+            self.transfers.settle(layer)
         with self.store.lease() as lease:
             # Plan and pin under the store lock: no thread can evict an expert between the
             # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.

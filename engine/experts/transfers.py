@@ -151,6 +151,16 @@ class TransferEngine:
         self.stats.record_stall(time.perf_counter() - t0, layer)
         return True
 
+    def settle(self, layer: int | None = None) -> None:
+        """Block until no background load (admission or prefetch) is in flight: the deterministic
+        point at which they take effect (EngineConfig.settle_background). The wait counts as stall."""
+        with self._cv:
+            if not any(t.kind != "demand" for t in self._inflight.values()):
+                return
+            t0 = time.perf_counter()
+            self._cv.wait_for(lambda: not any(t.kind != "demand" for t in self._inflight.values()))
+        self.stats.record_stall(time.perf_counter() - t0, layer)
+
     def queued(self, kind: str) -> list[tuple[int, int]]:
         """(layer, expert) of the transfers of `kind` that have not started (cancellable)."""
         with self._cv:

@@ -219,6 +219,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
+    executor.settle_background = cfg.settle_background
     bus = RoutingBus()
     for s in sites:
         setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)))
