@@ -273,3 +273,19 @@ def test_stale_utility_prefetches_are_cancelled(tiny_ckpt) -> None:
         assert om.stats.snapshot()["transfers_cancelled"] >= len(queued)
     finally:
         om.close()
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_cpu_run_quantized_experts_equal_the_copied_path(tiny_ckpt, tmp_path, quant: str) -> None:
+    """The CPU path reads the host tier's encoded bytes and dequantizes as a slot would."""
+    outs = {}
+    for mode in ("off", "all"):
+        om = load_model(tiny_ckpt("qwen2_moe"), EngineConfig(cache_fraction=0.25, offload="ram", expert_quant=quant, cpu_experts=mode,
+                                                            quant_cache_dir=str(tmp_path)))
+        try:
+            outs[mode] = _run(om, _prompts(om.config.vocab_size, 4), SpecConfig(speculative="off"), 8)
+            if mode == "all":
+                assert om.stats.snapshot()["cpu_expert_calls"] > 0
+        finally:
+            om.close()
+    assert outs["all"] == outs["off"]
