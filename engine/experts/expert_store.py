@@ -78,11 +78,13 @@ class ExpertStore:
         eviction: EvictionPolicy,
         stats: EngineStats,
         protect_ticks: int = 16,
+        slots: torch.Tensor | None = None,
     ) -> None:
         if n_slots < 1:
             raise ValueError("the fast tier needs at least one expert slot")
         self.n_slots = n_slots
-        self.slots = torch.empty((n_slots, numel), dtype=dtype, device=device)  # [n_slots, 3*I*H]
+        # [n_slots, 3*I*H]; `slots` given: an existing buffer serves as the pool (zero-copy, see adopt).
+        self.slots = slots if slots is not None else torch.empty((n_slots, numel), dtype=dtype, device=device)
         self.eviction = eviction
         self.stats = stats
         self.protect_ticks = protect_ticks  # how many MoE layer runs a prefetched expert is protected for
@@ -184,6 +186,17 @@ class ExpertStore:
                 del self._protected[k]
             if expired:
                 self.stats.add(prefetch_wasted=len(expired))
+
+    def adopt(self, rows: dict[int, int]) -> None:
+        """Zero-copy: every key is resident in row rows[key] of the pool, which is the slow tier's
+        own buffer (both tiers host memory, cache 1.0): nothing is ever copied or evicted."""
+        with self.lock:
+            assert not self._state and len(rows) == self.n_slots, "adopt() takes a fresh store covering every slot"
+            for key, row in rows.items():
+                self._slot_of[key] = row
+                self._state[key] = SlotState.RESIDENT
+                self.eviction.on_insert(key)
+            self._free = []
 
     # -- slot lifecycle (called by the transfer engine) -------------------------
     def reserve(self, key: int, may_evict_protected: bool = True) -> int | None:

@@ -214,7 +214,13 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     slot_bytes = fmt.slot_bytes
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
     # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
-    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
+    # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
+    # fast tier (zero-copy), instead of a second copy of every expert.
+    zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers),
+                        slots=tier.buffer if zero_copy else None)
+    if zero_copy:
+        store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in cfg.prefetch_kinds else None
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
