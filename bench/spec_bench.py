@@ -40,8 +40,20 @@ CONFIGS = {
 }
 
 
+_SPECULATION: dict[tuple[int, SpecConfig], tuple] = {}
+
+
+def speculation_for(om, spec: SpecConfig) -> tuple:
+    """One proposer per engine and configuration, kept across rounds as a server keeps it: what
+    adaptive k learns about costs in the warm-up round carries into the measured rounds."""
+    key = (id(om), spec)
+    if key not in _SPECULATION:
+        _SPECULATION[key] = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+    return _SPECULATION[key]
+
+
 def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
-    proposer, observers = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+    proposer, observers = speculation_for(om, spec)
     core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048), proposer, observers)
     for p in prompts:
         core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
