@@ -1,0 +1,206 @@
+"""Measure this machine's hardware profile for the simulator (configs/hardware/this-machine-*.yaml).
+
+What it measures, all on the embedded model through the engine itself (so the numbers include
+the engine's Python and dispatch costs, which dominate such small experts):
+- dense time per layer and step, and per-expert fast-tier compute: plain greedy decode at cache 1.0
+  (every expert resident) with 1 and 8 streams; forward hooks time every MoE block (router +
+  experts) and the routing bus says how many distinct experts and rows each block call ran. The
+  rest of the step (attention, norms, embeddings, LM head, sampling, scheduling) is divided over
+  the MoE layers as "dense per layer", fitted as a + b·rows over the two stream counts.
+- the slow-tier read: the engine's own transfer seconds (read with O_DIRECT + conversion into a
+  slot) at cache 0.25 on disk, plain fetch-all decode, and, from the same run, the compute thread's
+  extra time per demand load (what it spends beyond the cache-1.0 step and the recorded stall:
+  running a landed expert outside the grouped path, lock hand-offs, contention for the 2 cores);
+- the CPU-run path: the engine's cost meter fit h0 + h1·rows at cache 0.25 on disk with
+  --cpu-experts all (read from the host tier + conversion + compute);
+- one draft step: the draft proposer's forward timed around `_propose`, divided by the tokens proposed.
+
+    python -m bench.measure_hardware --out docs/benchmarks/this_machine_profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.report import cut_prompts
+from bench.spec_bench import run_cell
+from engine.config import EngineConfig
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.routing_bus import RoutingEvent
+from engine.spec.config import SpecConfig
+from engine.spec.draft import DraftProposer
+from engine.worker.loader import load_model
+from models import EMBEDDED_TARGET
+
+OFF = SpecConfig(speculative="off")
+
+
+def _timed_cell(om, prompts: list[list[int]], tokens: int, spec: SpecConfig = OFF) -> dict:
+    """run_cell with every MoE block call timed and its routing recorded (decode phase only)."""
+    calls: list[tuple[float, int, int]] = []  # (seconds, distinct experts, rows)
+    pending: list[RoutingEvent] = []
+    blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
+    originals = [b.forward for b in blocks]
+
+    def wrap(fwd):
+        def timed(hidden_states: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = fwd(hidden_states)
+            dt = time.perf_counter() - t0
+            ev = pending.pop() if pending else None
+            if ev is not None:
+                ids = ev.ids.reshape(-1).tolist()
+                calls.append((dt, len(set(ids)), ev.ids.shape[0]))
+            return out
+        return timed
+
+    for b, f in zip(blocks, originals):
+        b.forward = wrap(f)
+    unsubscribe = om.bus.subscribe(pending.append)
+    try:
+        r = run_cell(om, spec, prompts, tokens)
+    finally:
+        unsubscribe()
+        for b, f in zip(blocks, originals):
+            b.forward = f
+    # run_cell resets stats after the prompts: drop calls of prefill-sized blocks (> streams·(k+1) rows)
+    r["calls"] = [c for c in calls if c[2] <= len(prompts) * 8]
+    return r
+
+
+def time_gemms(hidden: int, inter: int, rows: int, repeats: int = 20) -> float:
+    """Seconds for one SwiGLU expert (fp32, the CPU's compute dtype) over `rows` rows."""
+    wg, wu, wd = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)
+    x = torch.randn(rows, hidden)
+    F = torch.nn.functional
+    for _ in range(3):
+        F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    return (time.perf_counter() - t0) / repeats
+
+
+def measure_shapes() -> dict:
+    """Per-expert and dense-layer GEMM time of the projected shapes on this CPU (1 thread): what the
+    profile charges when the embedded model's engine overheads are not measurable for a shape."""
+    from engine.offline.hardware import SHAPES
+    out = {}
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):
+        sh = SHAPES[name]
+        t1, t8 = statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 1) for _ in range(3)), \
+            statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 8) for _ in range(3))
+        # Dense part: a GEMV over the layer's dense parameters (+ its share of the LM head) as one square-ish matrix.
+        params = sh.dense_params_per_layer + sh.head_params / sh.layers
+        w = torch.randn(int(params // sh.hidden), sh.hidden)
+        x1, x8 = torch.randn(1, sh.hidden), torch.randn(8, sh.hidden)
+        def lin(x: torch.Tensor) -> float:
+            torch.nn.functional.linear(x, w)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                torch.nn.functional.linear(x, w)
+            return (time.perf_counter() - t0) / 5
+        d1, d8 = lin(x1), lin(x8)
+        out[name] = {"expert_a_s": t1 - (t8 - t1) / 7, "expert_b_s": (t8 - t1) / 7, "dense_a_s": d1 - (d8 - d1) / 7, "dense_b_s": (d8 - d1) / 7}
+        del w
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per request and cell (default 48)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of each cell; medians are reported (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the benchmarks)")
+    ap.add_argument("--out", type=Path, help="write the measured numbers as JSON here")
+    ap.add_argument("--shapes-only", action="store_true", help="only time the projected shapes' expert and dense GEMMs")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.shapes_only:
+        print(json.dumps(measure_shapes(), indent=2))
+        return
+
+    ram = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=1.0))
+    L = len(ram.moe_layers)
+    prompts = cut_prompts(ram.tokenizer, args.data, 8, 64)
+    res: dict = {"machine": f"{platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, {platform.python_version()}"}
+
+    # 1) cache 1.0: step time, MoE block time vs distinct experts and rows.
+    per_streams = {}
+    for n in (1, 8):
+        runs = [_timed_cell(ram, prompts[:n], args.tokens) for _ in range(args.repeats + 1)][1:]  # first is warm-up
+        step_s = statistics.median(n * 1.0 / r["tok_s"] for r in runs)  # every step makes n tokens
+        calls = [c for r in runs for c in r["calls"] if c[2] == n]
+        moe_s = statistics.median(c[0] for c in calls)
+        distinct = statistics.mean(c[1] for c in calls)
+        per_streams[n] = {"step_s": step_s, "moe_block_s": moe_s, "distinct": distinct, "rows": n,
+                          "dense_per_layer_s": (step_s - L * moe_s) / L}
+    res["ram"] = per_streams
+    # Per-expert cost on the fast tier: single-row path (rows 1: 8 experts per call) and the
+    # grouped path (8 rows: ~42 experts, 64 row-slots).
+    one, eight = per_streams[1], per_streams[8]
+    g_single = one["moe_block_s"] / one["distinct"]
+    res["fast_expert_single_row_s"] = g_single
+    res["fast_expert_grouped_s_per_expert"] = eight["moe_block_s"] / eight["distinct"]
+    d1, d8 = one["dense_per_layer_s"], eight["dense_per_layer_s"]
+    res["dense_fit"] = {"a_s": d1 - (d8 - d1) / 7, "b_s_per_row": (d8 - d1) / 7}
+
+    # 2) draft: time per proposed token (cache 1.0, one stream, k = 4 fixed).
+    spent: list[float] = []
+    orig = DraftProposer._propose
+
+    def timed_propose(self, plan):
+        t0 = time.perf_counter()
+        out = orig(self, plan)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    DraftProposer._propose = timed_propose  # type: ignore[method-assign]
+    try:
+        r = run_cell(ram, SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False), prompts[:1], args.tokens)
+    finally:
+        DraftProposer._propose = orig  # type: ignore[method-assign]
+    res["draft_token_s"] = statistics.median(spent) / 4
+    res["draft_k4"] = {"tokens_per_verification": r["tokens_per_verification"], "acceptance_by_position": r["acceptance_by_position"]}
+    ram.close()
+
+    # 3) cache 0.25 on disk: transfer seconds and the compute thread's extra time per load.
+    disk = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk"))
+    reps = []
+    for _ in range(args.repeats + 1):
+        r = run_cell(disk, OFF, prompts[:1], args.tokens)
+        s = r["stats"]
+        loads = s["transfers"].get("demand", 0)
+        wall = r["produced"] / r["tok_s"]
+        reps.append({"read_s": s["transfer_seconds"].get("demand", 0.0) / max(loads, 1), "loads_per_token": loads / r["produced"],
+                     "stall_s_per_token": s["stall_seconds"] / r["produced"], "step_s": wall / r["produced"],
+                     "extra_per_load_s": (wall - s["stall_seconds"] - r["produced"] * one["step_s"]) / max(loads, 1)})
+    reps = reps[1:]
+    res["disk"] = {k: statistics.median(x[k] for x in reps) for k in reps[0]}
+    disk.close()
+
+    # 4) CPU-run experts: the engine's own cost-meter fit (read + convert + compute on a CPU worker).
+    cpu = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all"))
+    for _ in range(args.repeats):
+        run_cell(cpu, OFF, prompts[:8], args.tokens // 2)
+        run_cell(cpu, OFF, prompts[:1], args.tokens // 2)
+    h = cpu.executor.meter.cpu.coefficients() if cpu.executor.meter is not None else None
+    res["cpu_expert_fit"] = {"h0_s": h[0], "h1_s_per_row": h[1]} if h else None
+    cpu.close()
+
+    res["shapes"] = measure_shapes()
+    print(json.dumps(res, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
