@@ -3,7 +3,7 @@
 What it measures, all on the embedded model through the engine itself (so the numbers include
 the engine's Python and dispatch costs, which dominate such small experts):
 - dense time per layer and step, and per-expert fast-tier compute: plain greedy decode at cache 1.0
-  (every expert resident) with 1 and 8 streams; forward hooks time every MoE block (router +
+  (every expert resident) with 1, 4, 8 and 16 streams; forward hooks time every MoE block (router +
   experts) and the routing bus says how many distinct experts and rows each block call ran. The
   rest of the step (attention, norms, embeddings, LM head, sampling, scheduling) is divided over
   the MoE layers as "dense per layer", fitted as a + b·rows over the two stream counts.
@@ -134,7 +134,8 @@ def main() -> None:
 
     # 1) cache 1.0: step time, MoE block time vs distinct experts and rows.
     per_streams = {}
-    for n in (1, 8):
+    prompts = cut_prompts(ram.tokenizer, args.data, 16, 64)
+    for n in (1, 4, 8, 16):
         runs = [_timed_cell(ram, prompts[:n], args.tokens) for _ in range(args.repeats + 1)][1:]  # first is warm-up
         step_s = statistics.median(n * 1.0 / r["tok_s"] for r in runs)  # every step makes n tokens
         calls = [c for r in runs for c in r["calls"] if c[2] == n]
@@ -149,8 +150,11 @@ def main() -> None:
     g_single = one["moe_block_s"] / one["distinct"]
     res["fast_expert_single_row_s"] = g_single
     res["fast_expert_grouped_s_per_expert"] = eight["moe_block_s"] / eight["distinct"]
-    d1, d8 = one["dense_per_layer_s"], eight["dense_per_layer_s"]
-    res["dense_fit"] = {"a_s": d1 - (d8 - d1) / 7, "b_s_per_row": (d8 - d1) / 7}
+    # Dense per layer = a + b.rows, least squares over 1, 4, 8 and 16 rows.
+    xs = np.array(sorted(per_streams), dtype=float)
+    ys = np.array([per_streams[int(n)]["dense_per_layer_s"] for n in xs])
+    b, a = np.polyfit(xs, ys, 1)
+    res["dense_fit"] = {"a_s": float(a), "b_s_per_row": float(b)}
 
     # 2) draft: time per proposed token (cache 1.0, one stream, k = 4 fixed).
     spent: list[float] = []

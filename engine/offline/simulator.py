@@ -341,17 +341,17 @@ class Simulator:
             for lst in lists:
                 if i < len(lst):
                     ranked.setdefault(int(lst[i]))
-        issued = 0
-        for e in ranked:
-            if issued >= budget:
-                break
-            key = (layer + 1) * E + e
+        chosen = list(ranked)[:budget]
+        nxt = (layer + 1) * E
+        # Never evict what the same prediction asks for (a resident predicted expert is about to be used).
+        cand = cache.evictable(self.clock, False) - {nxt + e for e in chosen}
+        for e in chosen:
+            key = nxt + e
             if key in cache.ready:
                 continue
-            if not cache.reserve(key, self.clock, may_evict_protected=False):
+            if not cache.reserve(key, self.clock, False, cand):
                 break
             self._prefetch(key)
-            issued += 1
 
     # -- one MoE layer of one step ----------------------------------------------------------
     def _layer(self, li: int, rows: list[int]) -> None:
@@ -370,7 +370,7 @@ class Simulator:
         else:
             rows_of = Counter(e for row in plan.experts for e in row if e != DROPPED)
         fetch = set(plan.fetch)
-        ready = [e for e in rows_of if e not in fetch]
+        ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
         cache.pinned = {base + e for e in rows_of}
         for e in ready:
             key = base + e
@@ -385,6 +385,8 @@ class Simulator:
         landing: list[tuple[float, int]] = []
         link = self.link
         cand: set[int] | None = None  # eviction candidates, computed once per layer
+        new_loads: list[int] = []  # demand transfers to start now, with the CPU experts' reads
+        joined: list[tuple[float, int]] = []
         for e in plan.fetch:
             if e in on_cpu:
                 continue
@@ -393,30 +395,36 @@ class Simulator:
             if t is not None:  # a prefetch (or admission) in flight or queued: join it, as transfers.submit does
                 if t == INF:
                     link.queue.remove(key)
-                    t = link.start(now)
-                    cache.land(key, t)
+                    new_loads.append(e)
+                else:
+                    joined.append((t, e))
                 if cache.protected.pop(key, None) is not None:
                     r.prefetch_used += 1
             else:
                 if cand is None and len(ready_at) >= cache.n_slots:
                     cand = cache.evictable(now, False)
                 cache.reserve(key, now, True, cand)  # if all slots are pinned it still runs (a spill)
-                t = link.start(now)
-                if key in ready_at:
-                    cache.land(key, t)
+                new_loads.append(e)
                 r.demand_loads += 1
-            landing.append((t, e))
-        end = now + busy
+        landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
+        landing += joined
+        end, stall = now + busy, 0.0
         if len(landing) > 1:
             landing.sort()
-        for t, e in landing:
-            end = max(end, t) + g(rows_of[e]) + c.per_load_s
-            busy += g(rows_of[e]) + c.per_load_s
-        if on_cpu:
-            end = max(end, self._run_cpu(on_cpu, rows_of, now))
+        for t, e in landing:  # each loaded expert runs as it lands (the executor's order)
+            if t > end:
+                stall += t - end
+                end = t
+            run = g(rows_of[e]) + c.per_load_s
+            end += run
+            busy += run
+        if on_cpu:  # the compute thread collects the CPU results last
+            if cpu_end > end:
+                stall += cpu_end - end
+                end = cpu_end
             r.cpu_expert_calls += len(on_cpu)
         r.compute_s += now - self.clock + busy
-        r.stall_s += (end - now) - busy
+        r.stall_s += stall
         self.clock = end
         r.calls += T * self.k
         r.calls_hit += plan.calls_hit
@@ -457,20 +465,38 @@ class Simulator:
             tau = choose_tau([rows_of[e] for e in ranked], costs, capacity, len(in_flight))
         return ranked[tau:]
 
-    def _run_cpu(self, experts: list[int], rows_of: dict[int, int], now: float) -> float:
-        """CPU workers: each reads its expert (over the link on a disk box) and computes it."""
-        c, free, end = self.costs, self.cpu_free_at, now
-        for e in experts:
+    def _schedule(self, base: int, loads: list[int], cpu: list[int], rows_of: dict[int, int], now: float) -> tuple[list[tuple[float, int]], float]:
+        """Start this layer's demand transfers (transfer workers) and CPU-run experts (CPU workers)
+        in time order: whichever pool has a worker free first takes its next job, so both share
+        the serial pipe as the engine's threads do. A CPU worker reads its expert (over the link
+        on a disk box) and computes it. Returns (landing time, expert) of the loads and the time
+        the last CPU expert finishes."""
+        link, c, free, cache = self.link, self.costs, self.cpu_free_at, self.cache
+        landing: list[tuple[float, int]] = []
+        end, i, j = now, 0, 0
+        while i < len(loads) or j < len(cpu):
+            tf = max(now, min(link.worker_free_at)) if i < len(loads) else INF
+            tc = max(now, min(free)) if j < len(cpu) else INF
+            if tf <= tc:
+                e = loads[i]
+                i += 1
+                t = link.start(now)
+                if base + e in cache.ready:
+                    cache.land(base + e, t)
+                landing.append((t, e))
+                continue
+            e = cpu[j]
+            j += 1
             w = free.index(min(free))
             start = max(now, free[w])
             if c.cpu_reads_over_link:
-                # A CPU worker's read books the same serial pipe, its latency waited out on the worker.
-                start = max(start, self.link.pipe_free_at)
-                self.link.pipe_free_at = start + self.link.bw_s
-                start = self.link.pipe_free_at + self.link.latency_s
+                # The read books the same serial pipe; its latency is waited out on the CPU worker.
+                start = max(start, link.pipe_free_at)
+                link.pipe_free_at = start + link.bw_s
+                start = link.pipe_free_at + link.latency_s
             free[w] = start + c.h(rows_of[e])
             end = max(end, free[w])
-        return end
+        return landing, end
 
     # -- steps ------------------------------------------------------------------------------
     def _warm(self) -> None:
