@@ -91,10 +91,19 @@ class Costs:
     fast: tuple[float, float]  # g(rows) = g0 + g1·rows, one expert on the fast device
     cpu: tuple[float, float]  # h(rows) = h0 + h1·rows, one expert on a CPU worker (compute; + read, see below)
     cpu_workers: int
-    dense: tuple[float, float]  # d(rows) = d0 + d1·rows, the dense part of one layer for a step of `rows` rows
+    dense: tuple[float, float]  # d = d0 + d1·requests + extra·(rows - requests): the dense part of one layer and step
     cpu_reads_over_link: bool = False  # CPU workers read the expert through the link (a disk box), else h includes the read
     per_load_s: float = 0.0  # compute-thread time per demand load beyond the expert's compute (measured here only)
     draft_token_s: float = 0.0  # one proposed token of the draft model (speculative decoding)
+    # Dense time per extra row of a request's verification window (its rows share the request's
+    # attention call, sampling, scheduling); None: the same as a request's (d1), as for GEMMs on a GPU.
+    dense_extra_row: float | None = None
+    # Measured dense time per layer at given row counts ((rows, seconds), rows ascending): when set,
+    # d() interpolates between the points (and extrapolates from the last two) instead of d0 + d1·rows.
+    dense_points: tuple[tuple[float, float], ...] | None = None
+    # The CPU workers compute on the fast device's own cores (a CPU-only box, a phone): a CPU-run
+    # expert's compute then holds the compute thread up; only its read overlaps.
+    cpu_is_fast_device: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def copy_seconds(self) -> float:
@@ -106,8 +115,34 @@ class Costs:
     def h(self, rows: int) -> float:
         return self.cpu[0] + self.cpu[1] * rows
 
-    def d(self, rows: int) -> float:
-        return self.dense[0] + self.dense[1] * rows
+    def d(self, rows: int, requests: int | None = None) -> float:
+        """Dense time of one layer for a step of `rows` rows from `requests` requests (default: one row each)."""
+        if self.dense_points:
+            return _interp(self.dense_points, rows)
+        if requests is None or self.dense_extra_row is None:
+            return self.dense[0] + self.dense[1] * rows
+        return self.dense[0] + self.dense[1] * requests + self.dense_extra_row * (rows - requests)
+
+
+def _interp(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear through `points`, extended linearly beyond both ends."""
+    if len(points) == 1:
+        return points[0][1]
+    i = 1
+    while i < len(points) - 1 and x > points[i][0]:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _points(node: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """A measured table {value: [[rows, us], ...], source: "..."} as (rows, seconds) pairs."""
+    if not isinstance(node, dict) or not str(node.get("source", "")).strip() or not isinstance(node.get("value"), list):
+        raise ProfileError(f"{where}: write a table as {{value: [[rows, us], ...], source: \"...\"}}")
+    pts = tuple(sorted((float(r), float(us) * 1e-6) for r, us in node["value"]))
+    if not pts:
+        raise ProfileError(f"{where}: empty table")
+    return pts
 
 
 def _num(node: Any, where: str) -> float:
@@ -147,6 +182,8 @@ def check_sources(node: Any, where: str) -> int:
     """Walk a profile: every number must sit in {value, source}. Returns how many numbers it has."""
     if isinstance(node, dict):
         if "value" in node:
+            if isinstance(node["value"], list):
+                return len(_points(node, where))
             _num(node, where)
             return 1
         return sum(check_sources(v, f"{where}.{k}") for k, v in node.items())
@@ -187,6 +224,9 @@ def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int 
             cpu_reads_over_link=bool(measured.get("cpu_reads_over_link", False)),
             per_load_s=m("per_load_us") * 1e-6 if "per_load_us" in measured else 0.0,
             draft_token_s=m("draft_token_us") * 1e-6 if "draft_token_us" in measured else 0.0,
+            dense_extra_row=m("dense_extra_row_us") * 1e-6 if "dense_extra_row_us" in measured else None,
+            dense_points=_points(measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows") if "dense_us_by_rows" in measured else None,
+            cpu_is_fast_device=bool(measured.get("cpu_is_fast_device", False)),
             notes=("measured",),
         )
         return costs
@@ -211,6 +251,7 @@ def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int 
         transfer_workers=int(_num(link["workers"], f"{name}.link.workers")),
         fast=g, cpu=h, cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")), dense=(d0, d1),
         cpu_reads_over_link=bool(cpu.get("reads_over_link", False)),
+        cpu_is_fast_device=bool(cpu.get("is_fast_device", False)),
         draft_token_s=_num(draft, f"{name}.draft_token_us") * 1e-6 if draft else 0.0,
         notes=("derived",),
     )

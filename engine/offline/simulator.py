@@ -285,6 +285,7 @@ class Simulator:
         self.k_policy = AdaptiveK(settings.k, adaptive=settings.adaptive)
         self.r = SimResult()
         self.clock = 0.0
+        self.bg_cpu_s = 0.0  # compute-thread time owed to background transfers (prefetch, admission)
 
     # -- the link and the queue of prefetches ---------------------------------------------
     def _advance(self, now: float) -> None:
@@ -293,6 +294,7 @@ class Simulator:
         while q and link.next_start() <= now:
             key = q.pop(0)
             self.cache.land(key, link.start(link.next_start()))
+            self.bg_cpu_s += self.costs.per_load_s
 
     def _prefetch(self, key: int) -> None:
         self.link.queue.append(key)
@@ -354,12 +356,15 @@ class Simulator:
             self._prefetch(key)
 
     # -- one MoE layer of one step ----------------------------------------------------------
-    def _layer(self, li: int, rows: list[int]) -> None:
+    def _layer(self, li: int, rows: list[int], requests: int) -> None:
         c, cache, r, pol = self.costs, self.cache, self.r, self.pol
         E, base = self.E, li * self.E
         T = len(rows)
         ready_at = cache.ready
-        now = self.clock + c.d(T)  # attention, norms and router run before the experts
+        # Attention, norms and router run before the experts; transfers started in the background
+        # since the last layer cost the compute thread their CPU share (per_load_s: 0 off a CPU-only box).
+        now = self.clock + c.d(T, requests) + self.bg_cpu_s
+        self.bg_cpu_s = 0.0
         self._advance(now)
         is_res = lambda e: ready_at.get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
         exp = [self.ids[t][li] for t in rows]
@@ -415,7 +420,9 @@ class Simulator:
             if t > end:
                 stall += t - end
                 end = t
-            run = g(rows_of[e]) + c.per_load_s
+            # A CPU-run expert on a box whose CPU is the fast device: its read overlapped, its
+            # compute holds the compute thread (same cores); a copied expert runs on the device.
+            run = c.h(rows_of[~e]) if e < 0 else g(rows_of[e]) + c.per_load_s
             end += run
             busy += run
         if on_cpu:  # the compute thread collects the CPU results last
@@ -439,6 +446,7 @@ class Simulator:
             key = base + e
             if key not in ready_at and cache.reserve(key, end, may_evict_protected=False):
                 cache.land(key, link.start(end))
+                self.bg_cpu_s += c.per_load_s
                 r.admissions += 1
         if cache.protected:
             cache.tick()
@@ -470,7 +478,8 @@ class Simulator:
         in time order: whichever pool has a worker free first takes its next job, so both share
         the serial pipe as the engine's threads do. A CPU worker reads its expert (over the link
         on a disk box) and computes it. Returns (landing time, expert) of the loads and the time
-        the last CPU expert finishes."""
+        the last CPU expert finishes. Where the CPU is the fast device, a CPU-run expert's compute
+        is left to the compute thread: it is returned among the landings as (read done, ~expert)."""
         link, c, free, cache = self.link, self.costs, self.cpu_free_at, self.cache
         landing: list[tuple[float, int]] = []
         end, i, j = now, 0, 0
@@ -494,6 +503,10 @@ class Simulator:
                 start = max(start, link.pipe_free_at)
                 link.pipe_free_at = start + link.bw_s
                 start = link.pipe_free_at + link.latency_s
+            if c.cpu_is_fast_device:
+                free[w] = start  # the worker is free once read; the compute joins the compute thread's queue
+                landing.append((start, ~e))  # ~e: a CPU-run expert (see _layer)
+                continue
             free[w] = start + c.h(rows_of[e])
             end = max(end, free[w])
         return landing, end
@@ -543,7 +556,7 @@ class Simulator:
                 r.draft_s += draft
             all_rows = [t for _, rows, _ in windows for t in rows]
             for li in range(L):
-                self._layer(li, all_rows)
+                self._layer(li, all_rows, len(windows))
             r.steps += 1
             if s.speculative and deepest:
                 # As engine/spec/proposals.py: proposal cost per token as a fraction of the step.
