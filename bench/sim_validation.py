@@ -9,7 +9,9 @@ Each comparison is a ratio to the same table's baseline in the same setting, sim
 profile of that setting (this-machine-disk, this-machine-disk-hdd; cache 1.0 needs no link).
 
 Inputs taken from the measured rows themselves, and why: a speculative row's acceptance by
-position (the draft's quality is an input to the simulator, not something it predicts).
+position (the draft's quality is an input to the simulator, not something it predicts). Workload
+shape as the benchmarks ran it: requests of 32 tokens (24 for concurrency) started together, a
+fresh adaptive-k state per batch of requests (bench/spec_bench.py builds a proposer per cell).
 
     python -m bench.sim_validation --out docs/benchmarks/simulator.md
 """
@@ -83,11 +85,11 @@ def validate(run: Runner) -> list[dict]:
 
     spac = json.loads((DOCS / "spac.json").read_text())["rows"]
     spec_rows = json.loads((DOCS / "speculative.json").read_text())["rows"]
-    acc_of = {(r["setting"], r["streams"]): r["acceptance_by_position"] for r in spec_rows if r["config"] == "draft k=4"}
+    acc_of = {(r["setting"], r["streams"]): r["acceptance_by_position"] for r in spec_rows if r["config"] == "draft adaptive (k<=4)"}
     for setting in ("cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
         for n in (1, 8):
             acc = Acceptance(tuple(acc_of[(setting, n)]))
-            sims = {c: run.tok_s(setting, pol_over, streams=n, acceptance=acc, **set_over) for c, (set_over, pol_over) in SPAC.items()}
+            sims = {c: run.tok_s(setting, pol_over, streams=n, acceptance=acc, request_tokens=32, **set_over) for c, (set_over, pol_over) in SPAC.items()}
             for r in spac:
                 if r["setting"] == setting and r["streams"] == n and r["config"] != "plain":
                     add("spac", setting, n, r["config"], "plain", r["vs_plain"], sims[r["config"]], sims["plain"])
@@ -97,14 +99,14 @@ def validate(run: Runner) -> list[dict]:
             sims = {}
             for c, over in SPEC.items():
                 acc = next((r["acceptance_by_position"] for r in spec_rows if (r["setting"], r["streams"], r["config"]) == (setting, n, c)), [])
-                sims[c] = run.tok_s(setting, streams=n, acceptance=Acceptance(tuple(acc) or (0.0,)), **over)
+                sims[c] = run.tok_s(setting, streams=n, acceptance=Acceptance(tuple(acc) or (0.0,)), request_tokens=32, **over)
             for r in spec_rows:
                 if r["setting"] == setting and r["streams"] == n and r["config"] in SPEC and r["config"] != "off":
                     add("speculative", setting, n, r["config"], "off", r["vs_off"], sims[r["config"]], sims["off"])
 
     conc = json.loads((DOCS / "concurrency.json").read_text())["rows"]
     for setting in ("cache 1.0 (ram)", "cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
-        sims = {n: run.tok_s(setting, streams=n) for n in (1, 4, 8, 16)}
+        sims = {n: run.tok_s(setting, streams=n, request_tokens=24) for n in (1, 4, 8, 16)}
         for r in conc:
             if r["setting"] == setting and r["streams"] != 1:
                 add("concurrency", setting, r["streams"], f"{r['streams']} streams", "1 stream", r["tok_s_vs_1"], sims[r["streams"]], sims[1])

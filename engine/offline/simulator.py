@@ -113,6 +113,9 @@ class SimSettings:
     prefetch: str = "none"  # none | utility
     cpu_experts: str = "off"  # off | auto | all
     max_tokens: int | None = None  # stop after this many generated tokens (all streams)
+    # Tokens per request: the streams' requests end together after this many tokens and new ones
+    # start with a fresh adaptive-k state, as the benchmarks' cells do (None: one request per stream).
+    request_tokens: int | None = None
     warm: bool = True  # the engine's warm start: fill the fast tier round-robin across layers
     seed: int = 0
     predictor: Any = None  # a Predictor, or None
@@ -531,35 +534,47 @@ class Simulator:
         starts = [i * N // S for i in range(S)]
         pos = list(starts)
         ends = [min(N, starts[i] + budget, starts[i + 1] if i + 1 < S else N) for i in range(S)]
+        cell = [0] * S  # tokens of each stream's current request
+        cells = 0
         while True:
-            live = [i for i in range(S) if pos[i] < ends[i]]
+            live = [i for i in range(S) if pos[i] < ends[i] and (not s.request_tokens or cell[i] < s.request_tokens)]
             if not live:
-                break
+                if not s.request_tokens or all(pos[i] >= ends[i] for i in range(S)):
+                    break
+                # Every request of the cell is done: the next cell's requests start, with a fresh
+                # proposer and adaptive-k state, as bench/spec_bench.py builds them per cell.
+                cell, cells = [0] * S, cells + 1
+                self.k_policy = AdaptiveK(s.k, adaptive=s.adaptive)
+                continue
             windows: list[tuple[int, list[int], int]] = []  # (stream, rows, kept rows)
             deepest = 0
             for i in live:
-                k = min(self.k_policy.k_for(str(i)) if s.speculative else 0, ends[i] - pos[i] - 1)
+                left = ends[i] - pos[i] - 1
+                if s.request_tokens:
+                    left = min(left, s.request_tokens - cell[i] - 1)
+                k = min(self.k_policy.k_for(f"{cells}.{i}") if s.speculative else 0, left)
                 rows = list(range(pos[i], pos[i] + k + 1))
                 kept = s.acceptance.draw(k, self.rng) if k else 0
                 if k:
-                    self.k_policy.observe(str(i), k, kept)
+                    self.k_policy.observe(f"{cells}.{i}", k, kept)
                     r.verifications += 1
                     r.verified_tokens += kept + 1
                 deepest = max(deepest, k)
                 windows.append((i, rows, kept + 1))
                 pos[i] += kept + 1
+                cell[i] += kept + 1
                 r.tokens += kept + 1
-            step_t0 = self.clock
             if deepest:
                 draft = deepest * self.costs.draft_token_s  # one batched draft forward per proposed position
                 self.clock += draft
                 r.draft_s += draft
+            step_t0 = self.clock
             all_rows = [t for _, rows, _ in windows for t in rows]
             for li in range(L):
                 self._layer(li, all_rows, len(windows))
             r.steps += 1
             if s.speculative and deepest:
-                # As engine/spec/proposals.py: proposal cost per token as a fraction of the step.
+                # As engine/spec/proposals.py: one proposed token against the target's (verification) step.
                 self.k_policy.observe_costs(self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None)
             if self.utility is not None:
                 self._observe(windows)
