@@ -16,6 +16,7 @@ the engine's Python and dispatch costs, which dominate such small experts):
 - one draft step: the draft proposer's forward timed around `_propose`, divided by the tokens proposed,
   and the dense part of a verification window (k = 4: one request, 5 rows) from the same runs;
 - the disk's sequential bandwidth: O_DIRECT reads of 1 MiB from the checkpoint;
+- the utility estimator's Python bookkeeping per step (observe, histogram, a ranked() per layer);
 - the projected shapes' expert and dense GEMMs in fp32 on 1 thread (`--shapes-only` runs just these).
 
     python -m bench.measure_hardware --out docs/benchmarks/this_machine_profile.json
@@ -103,6 +104,33 @@ def seq_read_mb_s(model_dir: Path, chunk: int = 1 << 20, n: int = 32) -> float:
         reader.read(path, i * chunk, chunk)
     reader.close()
     return chunk * n / (time.perf_counter() - t0) / 1e6
+
+
+def utility_step_s(rows: int = 5, layers: int = 4, experts: int = 64, top_k: int = 8, steps: int = 200) -> float:
+    """Seconds per step of the engine's utility bookkeeping in Python: SpeculativeUtilityEstimator
+    .observe on one window's counts, the level histogram, and one ranked() per layer (the top-ups)."""
+    import random
+
+    from policies.utility import SpeculativeUtilityEstimator
+
+    est, rng = SpeculativeUtilityEstimator(experts), random.Random(0)
+    reports = []
+    for _ in range(steps):
+        report = {}
+        for layer in range(layers):
+            tot = [0] * experts
+            for _ in range(rows):
+                for e in rng.sample(range(experts), top_k):
+                    tot[e] += 1
+            report[layer] = (tot, tot)
+        reports.append(report)
+    t0 = time.perf_counter()
+    for rep in reports:
+        est.observe(rep)
+        est.histogram(range(layers))
+        for layer in range(layers):
+            est.ranked(layer, 1)
+    return (time.perf_counter() - t0) / steps
 
 
 def measure_shapes() -> dict:
@@ -252,6 +280,7 @@ def main() -> None:
     cpu.close()
 
     res["seq_read_mb_s"] = seq_read_mb_s(Path(EMBEDDED_TARGET))
+    res["utility_step_s"] = {rows: statistics.median(utility_step_s(rows) for _ in range(3)) for rows in (1, 5, 40)}
     res["shapes"] = measure_shapes()
     print(json.dumps(res, indent=2))
     if args.out:

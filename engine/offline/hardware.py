@@ -104,6 +104,7 @@ class Costs:
     # The CPU workers compute on the fast device's own cores (a CPU-only box, a phone): a CPU-run
     # expert's compute then holds the compute thread up; only its read overlaps.
     cpu_is_fast_device: bool = False
+    utility_step_s: float = 0.0  # the utility estimator's update + top-ups per step, on the compute thread (Python)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def copy_seconds(self) -> float:
@@ -227,6 +228,7 @@ def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int 
             dense_extra_row=m("dense_extra_row_us") * 1e-6 if "dense_extra_row_us" in measured else None,
             dense_points=_points(measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows") if "dense_us_by_rows" in measured else None,
             cpu_is_fast_device=bool(measured.get("cpu_is_fast_device", False)),
+            utility_step_s=m("utility_step_us") * 1e-6 if "utility_step_us" in measured else 0.0,
             notes=("measured",),
         )
         return costs

@@ -425,7 +425,7 @@ class Simulator:
                 end = t
             # A CPU-run expert on a box whose CPU is the fast device: its read overlapped, its
             # compute holds the compute thread (same cores); a copied expert runs on the device.
-            run = c.h(rows_of[~e]) if e < 0 else g(rows_of[e]) + c.per_load_s
+            run = (c.h(rows_of[~e]) if e < 0 else g(rows_of[e])) + c.per_load_s  # every read from the slow tier costs per_load_s
             end += run
             busy += run
         if on_cpu:  # the compute thread collects the CPU results last
@@ -578,6 +578,9 @@ class Simulator:
                 self.k_policy.observe_costs(self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None)
             if self.utility is not None:
                 self._observe(windows)
+                # The estimator's update and the top-ups run on the compute thread between steps.
+                self.clock += self.costs.utility_step_s
+                r.compute_s += self.costs.utility_step_s
         r.evictions, r.prefetch_wasted = self.cache.evictions, self.cache.wasted
         r.replay_s = time.perf_counter() - t_wall
         return r
