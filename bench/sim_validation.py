@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -27,12 +26,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from bench.report import write_report
+
 from engine.config import EngineConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
 from engine.offline.projection import project_trace
 from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace
 
 DOCS = Path("docs/benchmarks")
+HEADER = ("# The router-trace simulator against the engine, and projections (all figures below are SIMULATED; "
+          "projected ones are also PROJECTED)")
 PROFILE_OF = {"disk": "this-machine-disk", "disk + hdd": "this-machine-disk-hdd",
               "cache 0.25 (disk)": "this-machine-disk", "cache 0.25 (disk + hdd)": "this-machine-disk-hdd",
               "cache 1.0 (ram)": "this-machine-disk", "all-resident (ram)": "this-machine-disk"}
@@ -160,14 +163,57 @@ def replay_speed(trace: dict) -> list[dict]:
     return out
 
 
+def render(d: dict) -> list[str]:
+    """The markdown tables of a validation run (d as written to the JSON)."""
+    rows, lines = d["validation"], []
+    lines += ["### Validation: SIMULATED speed-up next to the engine's MEASURED speed-up (this machine, embedded model)", "",
+              "| measured table | setting | streams | configuration | against | measured | SIMULATED | error | within 15 % | simulated tok/s | simulated stall | simulated loads / token |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['table']} | {r['setting']} | {r['streams']} | {r['config']} | {r['baseline']} | {r['measured_x']:.2f}× | {r['simulated_x']:.2f}× | "
+                     f"{r['error']:+.0%} | {'yes' if abs(r['error']) <= 0.15 else '**no**'} | {r['simulated_tok_s']:.1f} | {r['simulated_stall']:.0%} | {r['simulated_loads_per_token']:.2f} |")
+    errs = sorted(abs(r["error"]) for r in rows)
+    lines += ["", f"Within 15 %: **{d['within_15pct']} of {d['cells']}** cells; median |error| {statistics.median(errs):.1%}; "
+              f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}.", ""]
+    per_table: dict[str, list[float]] = {}
+    for r in rows:
+        per_table.setdefault(r["table"], []).append(abs(r["error"]))
+    lines += ["| measured table | cells | within 15 % | median abs. error |", "|---|---|---|---|"]
+    for t, es in per_table.items():
+        lines.append(f"| {t} | {len(es)} | {sum(e <= 0.15 for e in es)} | {statistics.median(es):.1%} |")
+    lines += ["", "### Replay speed (this machine, shared, 1 thread; best of 3)", "", "| case | token-layers replayed | token-layers / s |", "|---|---|---|"]
+    for sp in d["replay_speed"]:
+        lines.append(f"| {sp['case']} | {sp['token_layers']} | {sp['token_layers_per_s']:,.0f} |")
+    proj = d.get("projections") or []
+    if proj:
+        lines += ["", "### PROJECTED + SIMULATED decode tok/s (cache 0.25, one stream; engine/offline/projection.py states the assumptions)", ""]
+        for shape in dict.fromkeys(p["shape"] for p in proj):
+            configs = list(dict.fromkeys(p["config"] for p in proj if p["shape"] == shape))
+            lines += [f"**{shape}** (projected from the embedded model's trace)", "",
+                      "| profile | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+            for prof in dict.fromkeys(p["profile"] for p in proj if p["shape"] == shape):
+                cells = []
+                for c in configs:
+                    p = next(p for p in proj if (p["profile"], p["shape"], p["config"]) == (prof, shape, c))
+                    cells.append(f"{p['tokens_per_s']:.1f} ({p['x_fetch_all']:.2f}×, stall {p['stall_share']:.0%})")
+                lines.append(f"| {prof} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default="docs/benchmarks/embedded_test_trace.npz", help="trace with logits (moe-offload trace --logits)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="tokens per stream replayed per validation cell (default 1024)")
     ap.add_argument("--projection-tokens", type=int, default=256, help="tokens replayed per projected cell (default 256: 48-layer replays are slower)")
     ap.add_argument("--skip-projections", action="store_true", help="only the validation against measured tables")
-    ap.add_argument("--out", type=Path, help="write the numbers as JSON here (the .md is written by hand from them)")
+    ap.add_argument("--out", type=Path, help="write the tables here (.md; the numbers as JSON beside it; analysis from a line starting 'Command:' on is kept)")
+    ap.add_argument("--from-json", type=Path, help="render the tables of an earlier run's JSON instead of running")
     args = ap.parse_args()
+    if args.from_json:
+        d = json.loads(args.from_json.read_text())
+        write_report(args.out, d.get("header", HEADER), render(d), {k: v for k, v in d.items() if k != "header"})
+        return
     trace = load_trace(args.trace)
     run = Runner(trace, args.max_tokens)
     rows = validate(run)
@@ -182,9 +228,10 @@ def main() -> None:
     proj = [] if args.skip_projections else projections(trace, args.projection_tokens)
     for p in proj:
         print(f"PROJECTED {p['profile']:22s} {p['shape']:20s} {p['config']:36s} {p['tokens_per_s']:9.1f} tok/s {p['x_fetch_all']:6.2f}x")
+    d = {"simulated": True, "validation": rows, "replay_speed": speed, "projections": proj, "within_15pct": within, "cells": len(rows)}
+    d = json.loads(json.dumps(d, default=str).replace("NaN", "null"))
     if args.out:
-        args.out.write_text(json.dumps({"simulated": True, "validation": rows, "replay_speed": speed, "projections": proj,
-                                        "within_15pct": within, "cells": len(rows)}, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+        write_report(args.out, HEADER, render(d), d)
 
 
 if __name__ == "__main__":

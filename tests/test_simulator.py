@@ -134,6 +134,14 @@ def test_speculative_windows_follow_the_acceptance_model() -> None:
     assert none_in.token_layers == (97 * 5 + 4 + 3 + 2 + 1) * 2
 
 
+def test_requests_end_together_and_windows_never_cross_them() -> None:
+    tr = synthetic_trace(N=100)
+    costs = type(HW)(**{**vars(HW), "draft_token_s": 1e-3})
+    r = Simulator(tr, EngineConfig().policies(), costs, SimSettings(speculative=True, k=4, adaptive=False, request_tokens=10,
+                                                                   acceptance=Acceptance((1.0, 1.0, 1.0, 1.0)))).run()
+    assert r.tokens == 100 and r.steps == 20  # each 10-token request: two full windows of 5
+
+
 def test_utility_prefetch_and_eviction_use_the_engines_estimator() -> None:
     tr = synthetic_trace(N=400, topics=4)
     pol = EngineConfig(eviction="utility").policies()
@@ -194,6 +202,13 @@ def test_every_profile_parses_and_every_number_has_a_source() -> None:
             c = costs_for(name, shape)
             assert c.link_mb_per_s > 0 and c.copy_seconds() > 0 and c.g(1) > 0 and c.h(1) > 0 and c.d(1) > 0
             assert c.g(8) >= c.g(1) and c.d(8) >= c.d(1)
+
+
+def test_measured_dense_time_is_interpolated_between_its_points() -> None:
+    c = costs_for("this-machine-disk", "embedded")
+    assert c.d(1) == pytest.approx(1510e-6) and c.d(16) == pytest.approx(6203e-6)
+    assert c.d(6) == pytest.approx((3010e-6 + 4275e-6) / 2)  # halfway between the 4- and 8-row points
+    assert c.cpu_is_fast_device and c.cpu_reads_over_link and c.per_load_s > 0
 
 
 def test_a_number_without_a_source_is_refused(tmp_path: Path) -> None:

@@ -224,15 +224,19 @@ class _Cache:
         cand = ready.keys() - self.pinned - self.pending
         return cand & self.protected.keys() if protected else cand - self.protected.keys()
 
-    def reserve(self, key: int, now: float, may_evict_protected: bool, cand: set[int] | None = None) -> bool:
+    def reserve(self, key: int, now: float, may_evict_protected: bool, cand: set[int] | None = None, victim: int | None = None) -> bool:
         """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
         unpinned experts, unprotected first. False when nothing can be evicted. `cand`: the
-        unprotected candidates, kept by a caller that reserves several slots at one time."""
+        unprotected candidates, kept by a caller that reserves several slots at one time;
+        `victim`: the policy's victim, when the caller already asked for it (the eviction
+        policies scan every candidate, which dominates replays of 48-layer shapes)."""
         if len(self.ready) >= self.n_slots:
-            if cand is None:
-                cand = self.evictable(now, False)
-            victim = self.ev.victim(cand)
-            cand.discard(victim)
+            if victim is None:
+                if cand is None:
+                    cand = self.evictable(now, False)
+                victim = self.ev.victim(cand)
+            if cand is not None:
+                cand.discard(victim)
             if victim is None and may_evict_protected:
                 victim = self.ev.victim(self.evictable(now, True))
             if victim is None:
@@ -313,11 +317,12 @@ class Simulator:
             key = layer * E + e
             if key in cache.ready:  # resident, or already on its way
                 continue
+            victim = None
             if len(cache.ready) >= cache.n_slots:
                 victim = cache.ev.victim(cache.evictable(self.clock, False))
                 if victim is None or est.level(*divmod(int(victim), E)) >= est.level(layer, e):
                     return False
-            if not cache.reserve(key, self.clock, may_evict_protected=False):
+            if not cache.reserve(key, self.clock, False, victim=victim):
                 return False
             self._prefetch(key)
         return True
