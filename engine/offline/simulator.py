@@ -182,7 +182,7 @@ class SimLink:
         self.latency_s = costs.link_latency_s
         self.pipe_free_at = 0.0
         self.worker_free_at = [0.0] * workers
-        self.queue: list[int] = []  # prefetch keys, in submission order (they share one priority)
+        self.queue: dict[int, None] = {}  # prefetch keys in submission order (one priority); a dict: O(1) removal
 
     def start(self, now: float) -> float:
         """Start a transfer no earlier than `now` on the first free worker; return when it lands."""
@@ -293,18 +293,21 @@ class Simulator:
         self.r = SimResult()
         self.clock = 0.0
         self.bg_cpu_s = 0.0  # compute-thread time owed to background transfers (prefetch, admission)
+        self.predicted: set[int] = set()  # the predictor's prefetches still queued (not started)
 
     # -- the link and the queue of prefetches ---------------------------------------------
     def _advance(self, now: float) -> None:
         """Start queued prefetches that a worker would have picked up by `now`."""
-        q, link, ready = self.link.queue, self.link, self.cache.ready
+        q, link = self.link.queue, self.link
         while q and link.next_start() <= now:
-            key = q.pop(0)
+            key = next(iter(q))
+            del q[key]
+            self.predicted.discard(key)
             self.cache.land(key, link.start(link.next_start()))
             self.bg_cpu_s += self.costs.per_load_s
 
     def _prefetch(self, key: int) -> None:
-        self.link.queue.append(key)
+        self.link.queue[key] = None
         self.cache.protected[key] = self.cache.tick_no + PROTECT_TICKS
         self.r.prefetch_issued += 1
 
@@ -330,7 +333,7 @@ class Simulator:
     def _cancel_stale(self) -> None:
         est, cache = self.utility, self.cache
         assert est is not None
-        keep = []
+        keep: dict[int, None] = {}
         for key in self.link.queue:
             if est.level(*divmod(key, self.E)) < MIN_LEVEL:
                 cache.protected.pop(key, None)
@@ -338,7 +341,7 @@ class Simulator:
                 cache.ev.on_remove(key)
                 self.r.prefetch_cancelled += 1
             else:
-                keep.append(key)
+                keep[key] = None
         self.link.queue = keep
 
     def _predict(self, rows: list[int], layer: int) -> None:
@@ -362,6 +365,7 @@ class Simulator:
             if not cache.reserve(key, self.clock, False, cand):
                 break
             self._prefetch(key)
+            self.predicted.add(key)
 
     # -- one MoE layer of one step ----------------------------------------------------------
     def _layer(self, li: int, rows: list[int], requests: int) -> None:
@@ -407,7 +411,8 @@ class Simulator:
             t = ready_at.get(key)
             if t is not None:  # a prefetch (or admission) in flight or queued: join it, as transfers.submit does
                 if t == INF:
-                    link.queue.remove(key)
+                    del link.queue[key]
+                    self.predicted.discard(key)
                     new_loads.append(e)
                 else:
                     joined.append((t, e))
@@ -456,6 +461,17 @@ class Simulator:
                 cache.land(key, link.start(end))
                 self.bg_cpu_s += c.per_load_s
                 r.admissions += 1
+        if self.predicted:
+            # The predictor's prefetches for this layer that never started missed their window:
+            # cancelled (a queued transfer is cancellable, transfers.cancel), counted as cancelled.
+            for key in [k for k in self.predicted if base <= k < base + E]:
+                self.predicted.discard(key)
+                if key in link.queue:
+                    del link.queue[key]
+                    cache.protected.pop(key, None)
+                    del cache.ready[key]
+                    cache.ev.on_remove(key)
+                    r.prefetch_cancelled += 1
         if cache.protected:
             cache.tick()
         else:
