@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/simulator.png"), help="PNG to write")
     args = ap.parse_args()
     d = json.loads(args.json.read_text())
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2))
     rows = d["validation"]
     hi = max(max(r["measured_x"], r["simulated_x"]) for r in rows) * 1.1
     a.fill_between([0, hi], [0, hi * 0.85], [0, hi * 1.15], color="0.9", label="within 15 %")
@@ -51,7 +51,7 @@ def main() -> None:
     b.set_yscale("log")
     b.set_ylabel("PROJECTED + SIMULATED decode tok/s (cache 0.25, 1 stream)")
     b.set_title("Projected tok/s per hardware profile")
-    b.legend(fontsize=7)
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
