@@ -146,7 +146,7 @@ def measure_shapes() -> dict:
         params = sh.dense_params_per_layer + sh.head_params / sh.layers
         w = torch.randn(int(params // sh.hidden), sh.hidden)
         x1, x8 = torch.randn(1, sh.hidden), torch.randn(8, sh.hidden)
-        def lin(x: torch.Tensor) -> float:
+        def lin(x: torch.Tensor, w: torch.Tensor = w) -> float:
             torch.nn.functional.linear(x, w)
             t0 = time.perf_counter()
             for _ in range(5):
@@ -154,7 +154,6 @@ def measure_shapes() -> dict:
             return (time.perf_counter() - t0) / 5
         d1, d8 = lin(x1), lin(x8)
         out[name] = {"expert_a_s": t1 - (t8 - t1) / 7, "expert_b_s": (t8 - t1) / 7, "dense_a_s": d1 - (d8 - d1) / 7, "dense_b_s": (d8 - d1) / 7}
-        del w
     return out
 
 

@@ -30,7 +30,6 @@ Limitations, by construction:
 """
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import random
@@ -547,7 +546,7 @@ class Simulator:
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
-        s, r, N, L, E = self.s, self.r, self.N, self.L, self.E
+        s, r, N, L = self.s, self.r, self.N, self.L
         if s.warm:
             self._warm()
         S = max(1, s.streams)
