@@ -145,6 +145,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 link = parse_link(args.link)
                 costs = with_link(costs, link.mb_per_s, link.latency_us)
         else:
+            if args.project_to:
+                raise MoeOffloadError("--project-to needs --hardware: a projected shape's expert size and compute come from the profile")
             link = parse_link(args.link or "nvme")
             costs = manual_costs(link.mb_per_s, link.latency_us, int(expert_bytes or 0), args.layer_compute_us * 1e-6,
                                  args.expert_compute_us * 1e-6, args.workers)
