@@ -120,7 +120,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.experts.link import parse_link
-    from engine.offline.hardware import ProfileError, costs_for, list_profiles, with_link
+    from engine.offline.hardware import ProfileError, costs_for, with_link
     from engine.offline.projection import project_trace
     from engine.offline.simulator import Acceptance, OraclePredictor, SimSettings, Simulator, load_trace, manual_costs
     from server.policy_sweep import POLICY_SWEEP
@@ -151,7 +151,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             costs = manual_costs(link.mb_per_s, link.latency_us, int(expert_bytes or 0), args.layer_compute_us * 1e-6,
                                  args.expert_compute_us * 1e-6, args.workers)
     except ProfileError as e:
-        raise MoeOffloadError(f"{e} (profiles: {', '.join(list_profiles())})") from None
+        raise MoeOffloadError(str(e)) from None
     runs = dict(POLICY_SWEEP) if args.all_policies else {args.policy: {"policy": args.policy}}
     acceptance = Acceptance(tuple(float(x) for x in args.acceptance.split(","))) if args.acceptance else Acceptance()
     predictor = None
