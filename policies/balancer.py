@@ -23,7 +23,7 @@ Pure: numbers in, a number out.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -41,6 +41,13 @@ class LayerCosts:
 
     def h(self, rows: int) -> float:
         return self.cpu[0] + self.cpu[1] * rows
+
+
+def rank_misses(missed: Sequence[int], in_flight: Sequence[int], level: Callable[[int], int], rows: Mapping[int, int]) -> list[int]:
+    """The balancer's ranking of a layer's missed experts: those already on their way first (they
+    stay on the fast device), then hottest first (utility level, then rows in this step, then id)."""
+    moving = [e for e in missed if e in set(in_flight)]
+    return moving + sorted((e for e in missed if e not in moving), key=lambda e: (-level(e), -rows[e], e))
 
 
 def makespan(tau: int, rows: Sequence[int], costs: LayerCosts) -> float:

@@ -35,6 +35,13 @@ PATIENCE = 2  # consecutive windows a change must persist before a level moves
 REJECTED_WEIGHT = 0.5  # weight of a rejected row's activation against an accepted row's
 BOUNDARY_RATE = 0.1  # moving-average rate of the boundaries (about the last 10 windows)
 BOUNDARY_QUANTILES = (0.5, 0.8)  # quantiles of the non-zero counts behind b_2 .. b_K
+PREFETCH_MIN_LEVEL = 1  # level at which an expert is worth a prefetch: used in two consecutive windows
+PROTECTED_FORWARDS = 2  # a prefetched expert stays protected for this many forwards' worth of MoE layer runs
+
+
+def protect_ticks(num_moe_layers: int) -> int:
+    """MoE layer runs a prefetched expert stays protected from eviction by other guesses."""
+    return PROTECTED_FORWARDS * num_moe_layers
 
 
 class SpeculativeUtilityEstimator:

@@ -27,7 +27,7 @@ from engine.experts.expert_store import ExpertLease, ExpertStore
 from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.stats import EngineStats
 from engine.experts.transfers import Transfer, TransferEngine
-from policies.balancer import LayerCosts, choose_tau
+from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
 from policies.utility import SpeculativeUtilityEstimator
 
@@ -123,7 +123,7 @@ class MoeExecutor:
         rows = Counter(e for row in plan.experts for e in row if e != DROPPED)
         level = (lambda e: self.utility.level(layer, e)) if self.utility is not None else (lambda e: 0)
         forced = [e for e in to_load if self.transfers.in_flight(layer, e)] if self.cpu_mode != "all" else []
-        ranked = forced + sorted((e for e in to_load if e not in forced), key=lambda e: (-level(e), -rows[e], e))
+        ranked = rank_misses(to_load, forced, level, rows)
         tau = len(forced) if self.cpu_mode == "all" else self._choose_tau(ready, ranked, rows, len(forced))
         self.stats.record_balancer(tau, len(ranked))
         return ranked[tau:]

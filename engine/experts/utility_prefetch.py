@@ -18,14 +18,13 @@ from engine.experts.expert_store import ExpertStore
 from engine.experts.routing_bus import RoutingBus, WindowReport
 from engine.experts.transfers import TransferEngine
 from engine.stats import EngineStats
-from policies.utility import SpeculativeUtilityEstimator
+from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator
 
-MIN_LEVEL = 1  # utility level at which an expert is worth a prefetch (level 1 = "used lately" only)
 
 
 class UtilityPrefetcher:
     def __init__(self, estimator: SpeculativeUtilityEstimator, store: ExpertStore, transfers: TransferEngine,
-                 moe_layers: list[int], stats: EngineStats, prefetch: bool = True, min_level: int = MIN_LEVEL) -> None:
+                 moe_layers: list[int], stats: EngineStats, prefetch: bool = True, min_level: int = PREFETCH_MIN_LEVEL) -> None:
         self.estimator, self.store, self.transfers, self.stats = estimator, store, transfers, stats
         self.moe_layers, self.prefetch, self.min_level = moe_layers, prefetch, min_level
         self._next = {la: moe_layers[(i + 1) % len(moe_layers)] for i, la in enumerate(moe_layers)}

@@ -44,14 +44,12 @@ import numpy as np
 
 from engine.offline.hardware import Costs
 from policies.adaptive_k import AdaptiveK
-from policies.balancer import LayerCosts, choose_tau
+from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED
 from policies.registry import PolicyBundle
-from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
+from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 
 # Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
-MIN_LEVEL = 1  # engine/experts/utility_prefetch.py MIN_LEVEL: level at which an expert is worth a prefetch
-PROTECT_TICKS = 16  # engine/experts/expert_store.py protect_ticks: MoE layer runs a prefetch stays protected
 INF = math.inf
 
 # Measured on the embedded pair (docs/benchmarks/speculative.md, draft k=4, one stream, cache 0.25 disk):
@@ -307,7 +305,7 @@ class Simulator:
 
     def _prefetch(self, key: int) -> None:
         self.link.queue[key] = None
-        self.cache.protected[key] = self.cache.tick_no + PROTECT_TICKS
+        self.cache.protected[key] = self.cache.tick_no + protect_ticks(self.L)
         self.r.prefetch_issued += 1
 
     def _top_up(self, layer: int) -> bool:
@@ -315,7 +313,7 @@ class Simulator:
         the hottest missing experts, into a free slot or over a victim of strictly lower level."""
         est, cache, E = self.utility, self.cache, self.E
         assert est is not None
-        for e in est.ranked(layer, MIN_LEVEL):
+        for e in est.ranked(layer, PREFETCH_MIN_LEVEL):
             key = layer * E + e
             if key in cache.ready:  # resident, or already on its way
                 continue
@@ -334,7 +332,7 @@ class Simulator:
         assert est is not None
         keep: dict[int, None] = {}
         for key in self.link.queue:
-            if est.level(*divmod(key, self.E)) < MIN_LEVEL:
+            if est.level(*divmod(key, self.E)) < PREFETCH_MIN_LEVEL:
                 cache.protected.pop(key, None)
                 del cache.ready[key]
                 cache.ev.on_remove(key)
@@ -486,7 +484,7 @@ class Simulator:
         c, base = self.costs, li * self.E
         level = (lambda e: self.utility.level(li, e)) if self.utility is not None else (lambda e: 0)  # noqa: E731
         in_flight = [e for e in fetch if base + e in self.cache.ready] if self.s.cpu_experts != "all" else []
-        ranked = in_flight + sorted((e for e in fetch if e not in in_flight), key=lambda e: (-level(e), -rows_of[e], e))
+        ranked = rank_misses(fetch, in_flight, level, rows_of)
         if self.s.cpu_experts == "all":
             tau = len(in_flight)
         else:
