@@ -3,7 +3,6 @@ and eviction, and CPU-run experts, which must all leave exact configurations exa
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from policies.balancer import LayerCosts, choose_tau, makespan
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
+from engine_helpers import settle
 from tiny_models import ARCHS
 
 E = 8
@@ -157,16 +157,9 @@ def _run(om, prompts: list[list[int]], spec: SpecConfig, max_tokens: int) -> lis
     core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=256, max_model_len=2048), proposer, observers)
     outs = complete(core, [request(p, SamplingParams(max_tokens=max_tokens + 2 * (i % 3), ignore_eos=True)) for i, p in enumerate(prompts)])
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
-    _settle(om)
+    settle(om)
     assert om.store.pinned_count() == 0  # only in-flight loads pin a slot once requests are done
     return [o.token_ids for o in outs]
-
-
-def _settle(om, seconds: float = 10.0) -> None:
-    """Prefetches issued by the last step may still be in flight: let them land."""
-    deadline = time.monotonic() + seconds
-    while om.transfers.pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, configs: dict[str, dict] = SPAC_CONFIGS) -> None:
@@ -222,7 +215,7 @@ def test_utility_prefetch_counts_wasted_predictions(tiny_ckpt) -> None:
         assert om.utility.top_up(layer)
         issued = om.stats.snapshot()["prefetch_issued"]
         assert issued >= 2
-        _settle(om)
+        settle(om)
         for _ in range(om.store.protect_ticks):
             om.store.tick()  # no layer ever used them
         s = om.stats.snapshot()
