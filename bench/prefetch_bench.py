@@ -79,7 +79,7 @@ def recall_table(args: argparse.Namespace) -> tuple[list[str], dict]:
         trace = record_trace(om, ids, 256, logits=True, hidden=True)
         data = data_from_trace(trace, om.model, om.moe_layers)
         E, k = om.num_experts, om.top_k
-        model_params = sum(p.numel() for p in om.model.parameters()) + E * len(om.moe_layers) * om.store.slots.shape[1]
+        model_params = om.parameter_count()
     finally:
         om.close()
     rows: dict[str, list[float]] = {"adapter": [], "FATE-like": [], f"frequency (last {args.freq_window} tokens)": [], "utility": []}

@@ -46,8 +46,9 @@ class LayerCosts:
 def rank_misses(missed: Sequence[int], in_flight: Sequence[int], level: Callable[[int], int], rows: Mapping[int, int]) -> list[int]:
     """The balancer's ranking of a layer's missed experts: those already on their way first (they
     stay on the fast device), then hottest first (utility level, then rows in this step, then id)."""
-    moving = [e for e in missed if e in set(in_flight)]
-    return moving + sorted((e for e in missed if e not in moving), key=lambda e: (-level(e), -rows[e], e))
+    on_way = set(in_flight)
+    moving = [e for e in missed if e in on_way]
+    return moving + sorted((e for e in missed if e not in on_way), key=lambda e: (-level(e), -rows[e], e))
 
 
 def makespan(tau: int, rows: Sequence[int], costs: LayerCosts) -> float:

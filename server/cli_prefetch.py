@@ -42,8 +42,7 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
                                 seed=args.seed, valid=held)
         fate = [recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(held.anchors)]
         ours = evaluate(adapter, held)
-        total = sum(p.numel() for p in om.model.parameters()) + om.num_experts * len(om.moe_layers) * om.store.slots.shape[1]
-        share = adapter.trainable_parameters() / total
+        share = adapter.trainable_parameters() / om.parameter_count()
         print(f"held-out recall@{om.top_k} per anchor layer: adapter {[round(v, 3) for v in ours]} (mean {np.mean(ours):.3f}), "
               f"FATE-like {[round(v, 3) for v in fate]} (mean {np.mean(fate):.3f})")
         print(f"adapter: {adapter.trainable_parameters():,} parameters = {share:.3%} of the model's")

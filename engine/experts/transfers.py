@@ -14,6 +14,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -165,6 +166,12 @@ class TransferEngine:
         """(layer, expert) of the transfers of `kind` that have not started (cancellable)."""
         with self._cv:
             return [(t.layer, t.expert) for t in self._inflight.values() if t.kind == kind and not t.started]
+
+    def cancel_queued(self, kind: str, stale: Callable[[int, int], bool]) -> None:
+        """Cancel the transfers of `kind` that have not started and for which stale(layer, expert)."""
+        for layer, e in self.queued(kind):
+            if stale(layer, e):
+                self.cancel(layer, e)
 
     def in_flight(self, layer: int, expert: int) -> bool:
         with self._cv:

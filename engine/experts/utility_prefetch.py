@@ -49,9 +49,7 @@ class UtilityPrefetcher:
 
     def cancel_stale(self) -> None:
         """Queued prefetches whose expert fell below the prefetch level are cancelled."""
-        for layer, e in self.transfers.queued("prefetch"):
-            if self.estimator.level(layer, e) < self.min_level:
-                self.transfers.cancel(layer, e)
+        self.transfers.cancel_queued("prefetch", lambda layer, e: self.estimator.level(layer, e) < self.min_level)
 
     # -- between layers -----------------------------------------------------------------------
     def after_layer(self, layer: int) -> None:

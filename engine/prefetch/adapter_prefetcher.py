@@ -102,6 +102,4 @@ class AdapterPrefetcher:
     def _cancel_unpicked(self, ev: RoutingEvent) -> None:
         """Layer `ev.layer` has routed: its queued prefetches that it did not pick are wrong now."""
         picked = set(ev.ids.flatten().tolist())
-        for layer, e in self.transfers.queued("prefetch"):
-            if layer == ev.layer and e not in picked:
-                self.transfers.cancel(layer, e)
+        self.transfers.cancel_queued("prefetch", lambda layer, e: layer == ev.layer and e not in picked)

@@ -51,7 +51,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 def _router_weights(block: OffloadedMoeBlock) -> list[torch.Tensor]:
     router = getattr(block, block.adapter.router)
-    return [p for p in router.parameters()]
+    return list(router.parameters())
 
 
 @torch.inference_mode()

@@ -88,6 +88,12 @@ class OffloadedModel(LoadedModel):
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
 
+    def parameter_count(self) -> int:
+        """Dense parameters on the device plus every routed expert's (counted as weights, whatever
+        format the tiers store them in)."""
+        dense = sum(p.numel() for p in self.model.parameters())
+        return dense + len(self.moe_layers) * self.num_experts * self.executor.fmt.kernel.numel
+
     @property
     def step_observers(self) -> tuple[Any, ...]:
         """What every engine core of this model runs after each step (the sensor, if any)."""
