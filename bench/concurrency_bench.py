@@ -17,12 +17,10 @@ import argparse
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from bench.report import write_report
+from bench.report import add_run_flags, cut_prompts, interleaved, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -59,13 +57,7 @@ def run_cell(om, prompts: list[list[int]], tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the embedded model)")
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
-    ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (default 32)")
-    ap.add_argument("--tokens", type=int, default=24, help="tokens generated per request (default 24)")
-    ap.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up round (default 3)")
-    ap.add_argument("--link", default="hdd", help="emulated link of the third setting (default hdd: 150 MB/s, 8 ms)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
-    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    add_run_flags(ap, prompt_tokens=32, tokens=24, rounds=3, link="hdd")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
@@ -76,16 +68,9 @@ def main() -> None:
     }
     engines = {name: load_model(model_dir, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer
-    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
-    stride = len(ids) // (max(STREAMS) + 1)
-    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(STREAMS))]
+    prompts = cut_prompts(tok, args.data, max(STREAMS), args.prompt_tokens)
     cells = [(s, n) for s in settings for n in STREAMS]
-    results: dict[tuple[str, int], list[dict[str, float]]] = {c: [] for c in cells}
-    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
-        for s, n in tqdm(cells, desc=f"round {rnd}", leave=False):
-            r = run_cell(engines[s], prompts[:n], args.tokens)
-            if rnd > 0:
-                results[(s, n)].append(r)
+    results = interleaved(cells, args.rounds, lambda cell: run_cell(engines[cell[0]], prompts[: cell[1]], args.tokens))
     for om in engines.values():
         om.close()
 

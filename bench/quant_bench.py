@@ -24,6 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.offline.evaluation import score_window, teacher_forced_eval, windows
 from engine.worker.loader import load_model
+from engine.worker.runner import ModelRunner
 from models import EMBEDDED_TARGET
 from server.cli_eval import _read_tokens
 
@@ -49,10 +50,30 @@ def quality(model: str, data: str, max_tokens: int, window: int, cache_dir: str)
     return out
 
 
-def speed(model: str, data: str, link: str, cache_fraction: float, rounds: int, tokens: int, cache_dir: str) -> dict[str, dict]:
-    cfg = dict(cache_fraction=cache_fraction, offload="disk", link=link, quant_cache_dir=cache_dir)
-    engines = {q: load_model(model, EngineConfig(expert_quant=q, **cfg)) for q in FORMATS}
+def expert_bytes(model: str, cache_dir: str) -> dict[str, int]:
+    """Bytes of one expert as stored and moved, per format."""
+    out = {}
+    for q in FORMATS:
+        om = load_model(model, EngineConfig(offload="disk", expert_quant=q, quant_cache_dir=cache_dir, warm_start=False))
+        try:
+            out[q] = om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
+        finally:
+            om.close()
+    return out
+
+
+def speed(model: str, data: str, link: str, cache_fraction: float, rounds: int, tokens: int, cache_dir: str, budget: str = "experts") -> dict[str, dict]:
+    """budget "experts": every format keeps the same share of the experts in the fast tier.
+    budget "bytes": every format gets the fast-tier bytes that bf16 experts take at `cache_fraction`
+    (as on a GPU whose slots hold each format as stored), so smaller experts fit more of them."""
+    share = {q: cache_fraction for q in FORMATS}
+    if budget == "bytes":
+        nbytes = expert_bytes(model, cache_dir)
+        share = {q: min(1.0, cache_fraction * nbytes["none"] / nbytes[q]) for q in FORMATS}
+    engines = {q: load_model(model, EngineConfig(expert_quant=q, cache_fraction=share[q], offload="disk", link=link, quant_cache_dir=cache_dir))
+               for q in FORMATS}
     try:
+        runners = {q: ModelRunner(om) for q, om in engines.items()}  # the runner every client uses
         any_om = engines["none"]
         ids = _read_tokens(any_om, data, (rounds + 1) * (tokens + 1), tokens + 1)
         chunks = windows(ids, tokens + 1)
@@ -61,7 +82,7 @@ def speed(model: str, data: str, link: str, cache_fraction: float, rounds: int, 
             for q, om in engines.items():  # round-robin: every engine sees the same text in the same round
                 before = om.stats.snapshot()
                 t0 = time.perf_counter()
-                score_window(om, chunk)
+                score_window(runners[q], chunk)
                 dt = time.perf_counter() - t0
                 after = om.stats.snapshot()
                 if i == 0:
@@ -74,7 +95,7 @@ def speed(model: str, data: str, link: str, cache_fraction: float, rounds: int, 
                 t["fetched"] += after["calls_fetched"] - before["calls_fetched"]
         rows = {q: {"tok_s": t["steps"] / t["seconds"], "expert_bytes_per_token": t["bytes"] / t["steps"],
                     "stall_share": t["stall"] / t["seconds"], "fetched_per_token": t["fetched"] / t["steps"],
-                    "tokens": t["steps"]} for q, t in tally.items()}
+                    "tokens": t["steps"], "cache_fraction": share[q]} for q, t in tally.items()}
         for q in FORMATS:
             rows[q]["speedup_vs_bf16"] = rows[q]["tok_s"] / rows["none"]["tok_s"]
             rows[q]["bytes_reduction_vs_bf16"] = rows["none"]["expert_bytes_per_token"] / rows[q]["expert_bytes_per_token"]
@@ -94,6 +115,9 @@ def main() -> None:
     p.add_argument("--cache-fraction", type=float, default=0.25)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per link, after one warm-up round")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per engine per round")
+    p.add_argument("--budget", choices=("experts", "bytes"), default="experts",
+                   help="fast-tier budget per format: experts (the same share of experts, default) or bytes (the bytes bf16 takes at --cache-fraction: quantized formats fit more experts)")
+    p.add_argument("--skip-quality", action="store_true", help="time only (no perplexity part)")
     p.add_argument("--out-json")
     args = p.parse_args()
     torch.set_num_threads(1)  # see DESIGN.md section 7: 2-thread runs are erratic on the shared machine
@@ -104,8 +128,8 @@ def main() -> None:
                         "torch": torch.__version__, "python": platform.python_version()},
             # The embedded model's path relative to the repository: no machine paths in committed results.
             "args": {**vars(args), "model": os.path.relpath(args.model) if os.path.isabs(args.model) else args.model},
-            "quality": quality(args.model, args.data, args.max_tokens, args.window, cache_dir),
-            "speed": {link: speed(args.model, args.data, link, args.cache_fraction, args.rounds, args.tokens, cache_dir)
+            "quality": None if args.skip_quality else quality(args.model, args.data, args.max_tokens, args.window, cache_dir),
+            "speed": {link: speed(args.model, args.data, link, args.cache_fraction, args.rounds, args.tokens, cache_dir, args.budget)
                       for link in args.links.split(",")},
         }
         result["seconds"] = time.perf_counter() - t0

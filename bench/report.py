@@ -3,9 +3,14 @@ as JSON beside it. Hand-written analysis below the table (from a line starting `
 is kept when a rerun rewrites the table."""
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 ANALYSIS_START = "\nCommand:"
 
@@ -20,3 +25,68 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     old = out.read_text() if out.exists() else ""
     analysis = old[old.index(ANALYSIS_START):] if ANALYSIS_START in old else ""
     out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n" + analysis)
+
+
+def cut_prompts(tokenizer: Any, data: str | Path, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens, cut from evenly spaced places in the text file `data`."""
+    ids = tokenizer(Path(data).read_text(encoding="utf-8"))["input_ids"]
+    stride = len(ids) // (n + 1)
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def interleaved(cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dict]) -> dict[Any, list[dict]]:
+    """Run every cell once per round, a warm-up round first (discarded), so the measured rounds
+    of all cells share the machine's load; returns each cell's measured results in round order."""
+    res: dict[Any, list[dict]] = {cell: [] for cell in cells}
+    for rnd in tqdm(range(rounds + 1), desc="rounds (first is warm-up)"):
+        for cell in tqdm(cells, desc=f"round {rnd}", leave=False):
+            r = run(cell)
+            if rnd:
+                res[cell].append(r)
+    return res
+
+
+def summarize(res: dict[Any, list[dict]], cell: Any, baseline: Any, keys: Sequence[str]) -> dict[str, float]:
+    """Medians of `keys` over a cell's rounds, and `ratio`: the median over rounds of the cell's
+    tok/s divided by the baseline cell's in the same round (both ran under the same load)."""
+    runs = res[cell]
+    ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[baseline]))
+    return {"ratio": ratio, **{k: statistics.median(r[k] for r in runs) for k in keys}}
+
+
+def machine_line(threads: int, device: str = "") -> str:
+    """The first words of every report: what ran it."""
+    import platform
+
+    import torch
+
+    return f"Machine: {platform.machine()}, {threads} torch thread(s), torch {torch.__version__}" + (f", {device}" if device else "") + "."
+
+
+def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int, link: str) -> str:
+    from engine.paths import portable_path
+
+    return (f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "
+            f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated.")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the error into one line and exit status 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_run_flags(ap: argparse.ArgumentParser, prompt_tokens: int, tokens: int, rounds: int, link: str) -> None:
+    """The flags every decode benchmark shares: prompts, length, rounds, the emulated link, threads, output."""
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from (default: the test split)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=prompt_tokens, help=f"tokens per prompt (default {prompt_tokens})")
+    ap.add_argument("--tokens", type=positive_int, default=tokens, help=f"tokens generated per request (default {tokens})")
+    ap.add_argument("--rounds", type=positive_int, default=rounds, help=f"measured rounds after one warm-up round (default {rounds})")
+    ap.add_argument("--link", default=link, help=f"the emulated link of the slow-link setting (default {link})")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")

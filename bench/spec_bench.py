@@ -14,15 +14,12 @@ Rounds are interleaved (every cell once per round) after a warm-up round.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from bench.report import write_report
+from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -43,8 +40,20 @@ CONFIGS = {
 }
 
 
+_SPECULATION: dict[tuple[int, SpecConfig], tuple] = {}
+
+
+def speculation_for(om, spec: SpecConfig) -> tuple:
+    """One proposer per engine and configuration, kept across rounds as a server keeps it: what
+    adaptive k learns about costs in the warm-up round carries into the measured rounds."""
+    key = (id(om), spec)
+    if key not in _SPECULATION:
+        _SPECULATION[key] = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+    return _SPECULATION[key]
+
+
 def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
-    proposer, observers = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
+    proposer, observers = speculation_for(om, spec)
     core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048), proposer, observers)
     for p in prompts:
         core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
@@ -65,20 +74,16 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         "distinct_per_window": statistics.mean(per_layer) if per_layer else float(om.top_k),
         "bytes_per_token": s["bytes_moved"] / produced,
         "stall_share": s["stall_seconds"] / wall,
+        "produced": produced,
+        "stats": s,  # the whole decode-phase snapshot, for benchmarks that report more
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
+    add_run_flags(ap, prompt_tokens=64, tokens=32, rounds=2, link="hdd")
     ap.add_argument("--streams", default="1,8", help="comma-separated concurrency levels (default 1,8)")
-    ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round (default 2)")
-    ap.add_argument("--link", default="hdd", help="emulated link of the third setting (default hdd)")
     ap.add_argument("--settings", default="ram,disk,link", help="which settings to run (default ram,disk,link)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--out", type=Path, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     all_settings = {
@@ -89,17 +94,15 @@ def main() -> None:
     settings = dict(all_settings[s] for s in args.settings.split(","))
     engines = {name: load_model(EMBEDDED_TARGET, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer
-    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
     streams = [int(x) for x in args.streams.split(",")]
-    stride = len(ids) // (max(streams) + 1)
-    prompts = [ids[i * stride : i * stride + args.prompt_tokens] for i in range(max(streams))]
+    prompts = cut_prompts(tok, args.data, max(streams), args.prompt_tokens)
     cells = [(s, n, c) for s in settings for n in streams for c in CONFIGS]
-    res: dict[tuple, list[dict]] = {cell: [] for cell in cells}
-    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
-        for s, n, c in tqdm(cells, desc=f"round {rnd}", leave=False):
-            r = run_cell(engines[s], CONFIGS[c], prompts[:n], args.tokens)
-            if rnd:
-                res[(s, n, c)].append(r)
+
+    def measure(cell: tuple[str, int, str]) -> dict:
+        setting, n, config = cell
+        return run_cell(engines[setting], CONFIGS[config], prompts[:n], args.tokens)
+
+    res = interleaved(cells, args.rounds, measure)
     for om in engines.values():
         om.close()
 
@@ -107,19 +110,16 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for s, n, c in cells:
-        runs = res[(s, n, c)]
-        ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[(s, n, "off")]))
-        row = {"setting": s, "streams": n, "config": c, "vs_off": ratio,
-               **{k: statistics.median(r[k] for r in runs) for k in ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")},
-               "acceptance_by_position": runs[-1]["acceptance_by_position"]}
+        keys = ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")
+        row = {"setting": s, "streams": n, "config": c, **summarize(res, (s, n, c), (s, n, "off"), keys),
+               "acceptance_by_position": res[(s, n, c)][-1]["acceptance_by_position"]}
+        ratio = row["ratio"]
         rows.append(row)
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "–"
         lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
                      f"{row['distinct_per_window']:.1f} | {row['bytes_per_token'] / 1e6:.2f} | {row['stall_share']:.0%} |")
-    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}. Model: the embedded pair "
-              f"({portable_path(EMBEDDED_TARGET)} + draft). Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
-              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round; "
-              f"link `{args.link}` emulated. Acceptance by position is from the last round.")
+    header = (f"{machine_line(args.threads)} Model: the embedded pair ({portable_path(EMBEDDED_TARGET)} + draft). "
+              + prompts_line(args.prompt_tokens, args.data, args.tokens, args.rounds, args.link) + " Acceptance by position is from the last round.")
     write_report(args.out, header, lines, {"rows": rows})
 
 

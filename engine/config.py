@@ -23,12 +23,17 @@ class EngineConfig(YamlSection):
     offload: str = setting("ram", "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O. Default ram", choices=("ram", "disk"))
     link: str | None = setting(None, "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500", metavar="NAME|MBPS[:US]")
     policy: str = setting("fetch-all", "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)", metavar="NAME")
-    eviction: str | None = setting(None, "eviction policy: lru or frequency (decayed LFU). Default: frequency for the presets, else lru", metavar="NAME")
+    eviction: str | None = setting(None, "eviction policy: lru, frequency (decayed LFU) or utility (lowest speculative utility level first, then least recently used). Default: frequency for the presets, else lru", metavar="NAME")
     admission: str | None = setting(None, "admission policy: none, or background (load an expert asynchronously once its substituted gate mass adds up to --admission-beta). Default: background for the presets, else none", metavar="NAME")
     substitute: str = setting("best-resident", "what stands in for a substituted miss: best-resident (default; highest-logit resident expert takes its gate weight) or drop (renormalize the remaining gates)", metavar="NAME")
     threshold: float = setting(0.15, "gate cut-off of the threshold rule (default 0.15)", metavar="G")
     admission_beta: float = setting(0.5, "substituted gate mass that triggers background admission (default 0.5)", metavar="B")
     frequency_decay: float = setting(0.999, "frequency eviction: score decay per cache access (default 0.999)", metavar="D")
+    prefetch: str = setting("none", "prefetch: none (default); utility (MoE-SpAc: queue the experts whose speculative utility level is high, from the verification windows; cancel stale ones); adapter (SpecPrefetch: a learned adapter predicts layer l+1's experts while layer l runs; needs --prefetcher or prefetcher.safetensors beside the model); or both, adapter,utility. Predictions only start transfers: output is unchanged", metavar="KINDS")
+    prefetcher: str | None = setting(None, "SpecPrefetch adapter file for --prefetch adapter (default: prefetcher.safetensors in the model directory; train one with `moe-offload train-prefetcher`)", metavar="FILE")
+    cpu_experts: str = setting("off", "CPU-run experts: off (default), auto (a missed expert may be computed by CPU workers straight from the host tier; the workload balancer picks which, minimising each layer's makespan), or all (every miss runs on the CPU; a diagnostic)", choices=("off", "auto", "all"))
+    cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
+    settle_background: bool = setting(False, "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off", flag="--settle-background")
     device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
     dtype: str = setting("auto", "compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)", choices=DTYPES)
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
@@ -55,6 +60,13 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"expert_quant_group must be an even number >= 2, got {self.expert_quant_group}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
+        if self.cpu_workers < 1:
+            raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
+        kinds = self.prefetch_kinds
+        if not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds):
+            raise ConfigError(f"prefetch must be none, utility, adapter or adapter,utility; got {self.prefetch!r}")
+        if self.cpu_experts not in ("off", "auto", "all"):
+            raise ConfigError(f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -66,6 +78,11 @@ class EngineConfig(YamlSection):
 
             parse_link(self.link)
         self.policies()
+
+    @property
+    def prefetch_kinds(self) -> set[str]:
+        """The prefetchers --prefetch names (empty for none)."""
+        return set() if self.prefetch == "none" else {k.strip() for k in self.prefetch.split(",") if k.strip()}
 
     def policies(self):
         """The policy objects these settings name (fresh state each call)."""

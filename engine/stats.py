@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 TRANSFER_KINDS = ("demand", "prefetch", "admission")
+SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)  # upper bounds of τ/M: the share of missed experts copied
 
 
 @dataclass
@@ -38,6 +39,13 @@ class EngineStats:
     spec_accepted_at: list[int] = field(default_factory=list)  # [position] ... accepted there
     window_distinct_experts: list[int] = field(default_factory=list)  # [layer] sum over windows of distinct experts
     windows_seen: list[int] = field(default_factory=list)  # [layer] verification windows counted
+    stall_by_layer: list[float] = field(default_factory=list)  # [layer] stall seconds
+    cpu_expert_calls: int = 0  # missed experts computed by CPU workers from the host tier
+    balancer_calls: int = 0  # layer runs where the CPU/GPU balancer split the misses
+    balancer_copied: int = 0  # ... missed experts it sent to the fast device (sum of τ)
+    balancer_missed: int = 0  # ... missed experts it split (sum of M)
+    balancer_share: list[int] = field(default_factory=lambda: [0] * len(SHARE_BUCKETS))  # calls by τ/M, cumulative buckets
+    utility_levels: list[int] = field(default_factory=list)  # experts at each utility level, latest
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +54,7 @@ class EngineStats:
             self.misses = [0] * self.num_layers
             self.window_distinct_experts = [0] * self.num_layers
             self.windows_seen = [0] * self.num_layers
+            self.stall_by_layer = [0.0] * self.num_layers
         for kind in TRANSFER_KINDS:
             self.transfers.setdefault(kind, 0)
             self.transfer_seconds.setdefault(kind, 0.0)
@@ -92,9 +101,25 @@ class EngineStats:
         with self._lock:
             self.transfers_cancelled += 1
 
-    def record_stall(self, seconds: float) -> None:
+    def record_stall(self, seconds: float, layer: int | None = None) -> None:
         with self._lock:
             self.stall_seconds += seconds
+            if layer is not None and 0 <= layer < len(self.stall_by_layer):
+                self.stall_by_layer[layer] += seconds
+
+    def record_balancer(self, copied: int, missed: int) -> None:
+        """One CPU/GPU split: `copied` of `missed` experts go to the fast device (τ)."""
+        share = copied / missed if missed else 1.0
+        with self._lock:
+            self.balancer_calls += 1
+            self.balancer_copied += copied
+            self.balancer_missed += missed
+            for i, bound in enumerate(SHARE_BUCKETS):
+                self.balancer_share[i] += share <= bound
+
+    def set_utility_levels(self, histogram: list[int]) -> None:
+        with self._lock:
+            self.utility_levels = list(histogram)
 
     def record_eviction(self) -> None:
         with self._lock:
@@ -136,8 +161,12 @@ class EngineStats:
                 "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.spec_accepted_at, self.spec_proposed_at)],
                 "spec_accepted_at": list(self.spec_accepted_at),
                 "spec_proposed_at": list(self.spec_proposed_at),
+                "cpu_expert_calls": self.cpu_expert_calls,
+                "balancer": {"calls": self.balancer_calls, "copied": self.balancer_copied, "missed": self.balancer_missed,
+                             "share_buckets": list(SHARE_BUCKETS), "share_counts": list(self.balancer_share)},
+                "utility_levels": list(self.utility_levels),
                 "per_layer": [
-                    {"layer": i, "hits": h, "misses": m,
+                    {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}
                     for i, (h, m) in enumerate(zip(self.hits, self.misses))
                 ],

@@ -5,7 +5,8 @@ recent windows. With k proposals and independent acceptances, a window yields on
 (1 - α^(k+1)) / (1 - α) tokens. What the window costs, relative to a plain decode step, is
 1 + k·c + k·v: c is the measured cost of proposing one token (a draft forward; ~0 for the
 n-gram proposer) and v the cost of one more verified row in the target's window, both as
-fractions of a target step (c is measured online by the proposer; v is a constant, see below). k is chosen to
+fractions of a target step, both measured online (c from the proposer's time, v from the
+step times of windows with and without proposals at the same batch size). k is chosen to
 maximise tokens per unit of cost; when no k beats plain decoding, k = 0 (the request decodes
 plainly, costing nothing extra), and it is probed again with k = 1 every `probe_every` steps
 so a request whose text becomes predictable gets speculation back.
@@ -41,6 +42,28 @@ class AdaptiveK:
     # thread): a 5-row window costs about 2.8 plain steps, so v ≈ 0.44; the default is rounded.
     row_cost: float = 0.4
     _states: dict[str, _State] = field(default_factory=dict)
+    # Step time of a plain decode step (no proposals) per batch size, to measure v against. While
+    # the current batch size has none, requests decode plainly (one step measures it, and a plain
+    # step costs nothing against plain decoding): the row cost differs a lot between a model in
+    # memory and one behind a slow link, so the constant above is only a start.
+    _plain_step: dict[int, float] = field(default_factory=dict)
+    _batch: int = 0  # decode windows in the step being planned (0: unknown, no calibration)
+
+    def begin_step(self, batch: int) -> None:
+        """The proposer is planning a step with `batch` decode windows (0: a step with a prefill)."""
+        self._batch = batch
+
+    def observe_step(self, batch: int, extra_rows: int, seconds: float) -> None:
+        """A step of `batch` decode windows carried `extra_rows` proposals and took `seconds`."""
+        if batch <= 0 or seconds <= 0:
+            return
+        plain = self._plain_step.get(batch)
+        if extra_rows == 0:
+            self._plain_step[batch] = seconds if plain is None else self.decay * plain + (1.0 - self.decay) * seconds
+        elif plain is not None:
+            # One more row, as a fraction of one request's share of a plain step.
+            v = (seconds - plain) / extra_rows / (plain / batch)
+            self.observe_costs(None, min(max(v, 0.0), 5.0))
 
     def best_k(self, rate: float) -> int:
         best, best_gain = 0, 1.0  # plain decoding: 1 token per unit of cost
@@ -53,6 +76,8 @@ class AdaptiveK:
     def k_for(self, request_id: str) -> int:
         if not self.adaptive:
             return self.k_max
+        if self._batch and self._batch not in self._plain_step:
+            return 0  # measure a plain step at this batch size first (see _plain_step)
         st = self._states.setdefault(request_id, _State(self.start_rate))
         k = self.best_k(st.rate)
         if k == 0:

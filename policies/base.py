@@ -105,6 +105,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_remove(self, key: Hashable) -> None: ...
 
+    def forget(self, key: Hashable) -> None:
+        """A requested load was cancelled or failed before the expert was ever resident: drop it
+        without treating it as an eviction (default: the same as on_remove)."""
+        self.on_remove(key)
+
     @abstractmethod
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
         """The candidate to evict, or None when there is no candidate."""

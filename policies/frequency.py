@@ -48,5 +48,8 @@ class FrequencyEviction(EvictionPolicy):
         self._floor = (self.score(key), self.clock)
         del self._score[key]
 
+    def forget(self, key: Hashable) -> None:
+        self._score.pop(key, None)  # not an eviction: the aging floor stays where it is
+
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
         return min(candidates, key=self.score, default=None)

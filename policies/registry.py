@@ -13,6 +13,7 @@ from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
 from policies.substitute import BestResident, DropRenormalize
+from policies.utility import UtilityEviction
 
 MISS_RULES = ("fetch-all", "threshold", "first-choice", "threshold-noprotect")
 # preset -> (miss rule, default eviction, default admission)
@@ -21,7 +22,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "speed-first": ("first-choice", "frequency", "background"),
 }
 POLICY_NAMES = MISS_RULES + tuple(PRESETS)
-EVICTIONS = ("lru", "frequency")
+EVICTIONS = ("lru", "frequency", "utility")
 ADMISSIONS = ("none", "background")
 SUBSTITUTES = ("best-resident", "drop")
 
@@ -53,7 +54,10 @@ def make_miss_policy(name: str, substitute: str = "best-resident", threshold: fl
 
 
 def make_eviction(name: str, decay: float = 0.999) -> EvictionPolicy:
-    return LRUEviction() if _pick("eviction policy", name, EVICTIONS) == "lru" else FrequencyEviction(decay)
+    name = _pick("eviction policy", name, EVICTIONS)
+    if name == "utility":
+        return UtilityEviction()  # the loader binds it to the model's utility estimator
+    return LRUEviction() if name == "lru" else FrequencyEviction(decay)
 
 
 def make_admission(name: str, beta: float = 0.5) -> AdmissionPolicy:

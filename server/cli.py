@@ -1,4 +1,4 @@
-"""The `moe-offload` command line: serve, generate, and (cli_eval.py) eval, trace, simulate."""
+"""The `moe-offload` command line: serve, generate, (cli_eval.py) eval, trace, simulate, and (cli_prefetch.py) train-prefetcher."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
 from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_config_from_args
 from server.cli_eval import add_eval_parsers
+from server.cli_prefetch import add_prefetch_parser
 from server.config import ServerConfig
 
 
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     add_eval_parsers(sub)
+    add_prefetch_parser(sub)
     return parser
 
 

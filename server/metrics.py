@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 P = "moe_offload_"
@@ -30,6 +30,7 @@ _ENGINE_COUNTERS = (
     ("expert_prefetches_issued", "prefetch_issued", "Expert prefetches submitted (protected until used or expired)."),
     ("expert_prefetches_used", "prefetch_used", "Prefetched experts used by a layer before eviction or expiry."),
     ("expert_prefetches_wasted", "prefetch_wasted", "Prefetched experts evicted or expired unused."),
+    ("cpu_expert_calls", "cpu_expert_calls", "Missed experts computed by CPU workers straight from the host tier (--cpu-experts)."),
     ("spec_drafts", "spec_drafts", "Speculative-decoding verification windows that carried proposals."),
     ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding tokens proposed."),
     ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding proposed tokens accepted."),
@@ -49,6 +50,19 @@ class EngineStatsCollector(Collector):
             misses.add_metric([str(row["layer"])], row["misses"])
         yield hits
         yield misses
+        stall = CounterMetricFamily(P + "expert_stall_seconds_by_layer", "Seconds the forward waited on expert loads (or CPU-run experts), per MoE layer.", labels=["layer"])
+        for row in s.get("per_layer", []):
+            if "stall_seconds" in row:
+                stall.add_metric([str(row["layer"])], row["stall_seconds"])
+        yield stall
+        levels = GaugeMetricFamily(P + "expert_utility_level_experts", "Experts at each speculative utility level (0 = cold .. 3 = hot), all MoE layers.", labels=["level"])
+        for lv, n in enumerate(s.get("utility_levels", [])):
+            levels.add_metric([str(lv)], n)
+        yield levels
+        bal = s.get("balancer") or {"calls": 0, "copied": 0, "missed": 0, "share_buckets": [0.0, 0.25, 0.5, 0.75, 1.0], "share_counts": [0] * 5}
+        buckets = [(f"{b:g}" if b < 1 else "+Inf", n) for b, n in zip(bal["share_buckets"], bal["share_counts"])]
+        yield HistogramMetricFamily(P + "balancer_tau_share", "CPU/GPU balancer decisions by τ/M, the share of a layer's missed experts copied to the fast device (the rest ran on the CPU).",
+                                        buckets=buckets, sum_value=bal["copied"] / max(1, bal["missed"]) * bal["calls"])  # sum approximated by the mean share
         yield GaugeMetricFamily(P + "expert_cache_hit_ratio", "Share of expert lookups that hit the fast tier (0-1).", value=s.get("hit_rate", 0.0))
         transfers = CounterMetricFamily(P + "expert_transfers", "Expert transfers by kind (demand, prefetch, admission).", labels=["kind"])
         for kind, n in sorted(s.get("transfers", {"demand": 0, "prefetch": 0, "admission": 0}).items()):

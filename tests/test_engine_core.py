@@ -16,6 +16,7 @@ from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.scheduler import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
+from engine_helpers import settle
 from tiny_models import ARCHS
 
 SETTINGS = [("ram", 1.0), ("disk", 0.25)]
@@ -135,6 +136,7 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
         outs = complete(core, [request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts])
         failed = [c for c in outs if c.finish_reason == "error"]
         assert failed and all("could not be loaded" in c.error and "Input/output error" in c.error for c in failed)
+        settle(om)  # loads the failed step had started may still be landing
         assert om.store.pinned_count() == 0, "a failed read left slots pinned"
         assert om.transfers.pending() == 0
         # The survivors are exact, and the next request succeeds.
@@ -162,6 +164,7 @@ def test_exception_during_expert_compute_releases_leases(tiny_ckpt) -> None:
         om.executor._expert = boom  # type: ignore[method-assign]
         c = generate(om, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         assert c.finish_reason == "error" and "injected compute failure" in (c.error or "")
+        settle(om)  # loads the failed layer had started may still be landing
         assert om.store.pinned_count() == 0
     finally:
         om.close()

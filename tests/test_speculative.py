@@ -236,3 +236,18 @@ def test_structured_output_with_speculation_equals_without() -> None:
             json.loads(plain[1])
     finally:
         om.close()
+
+
+def test_adaptive_k_measures_the_row_cost() -> None:
+    """A step with proposals against a plain step of the same batch: expensive rows switch speculation off."""
+    k = AdaptiveK(k_max=4, row_cost=0.1)
+    k.begin_step(1)
+    assert k.k_for("r") == 0  # no plain step measured at batch 1 yet: decode plainly once
+    k.observe_step(1, 0, 0.010)
+    assert k.k_for("r") >= 1
+    for _ in range(12):
+        k.observe_step(1, 2, 0.030)  # 2 extra rows cost 2 plain steps: v = 1.0
+    assert abs(k.row_cost - 1.0) < 0.05
+    assert k.best_k(0.6) == 0  # 60 % acceptance does not pay for rows that expensive
+    k.begin_step(8)
+    assert k.k_for("r") == 0  # a new batch size is measured again

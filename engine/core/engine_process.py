@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.spec.config import SpecConfig
-from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
+from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
 

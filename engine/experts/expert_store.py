@@ -78,11 +78,13 @@ class ExpertStore:
         eviction: EvictionPolicy,
         stats: EngineStats,
         protect_ticks: int = 16,
+        slots: torch.Tensor | None = None,
     ) -> None:
         if n_slots < 1:
             raise ValueError("the fast tier needs at least one expert slot")
         self.n_slots = n_slots
-        self.slots = torch.empty((n_slots, numel), dtype=dtype, device=device)  # [n_slots, 3*I*H]
+        # [n_slots, 3*I*H]; `slots` given: an existing buffer serves as the pool (zero-copy, see adopt).
+        self.slots = slots if slots is not None else torch.empty((n_slots, numel), dtype=dtype, device=device)
         self.eviction = eviction
         self.stats = stats
         self.protect_ticks = protect_ticks  # how many MoE layer runs a prefetched expert is protected for
@@ -124,6 +126,20 @@ class ExpertStore:
     def is_protected(self, key: int) -> bool:
         return key in self._protected
 
+    def has_free_slot(self) -> bool:
+        return bool(self._free)
+
+    def next_victim(self) -> int | None:
+        """The expert a prefetch would evict if no slot were free, or None when nothing can go.
+        Callers hold `lock` when they act on the answer."""
+        with self.lock:
+            return self.eviction.victim(self._evictable(protected=False))
+
+    def free_or_evictable(self) -> int:
+        """Slots a layer could take now without waiting: free ones plus unpinned residents."""
+        with self.lock:
+            return len(self._free) + sum(1 for k, s in self._state.items() if s is SlotState.RESIDENT and k not in self._pins)
+
     # -- pinning ---------------------------------------------------------------
     def lease(self) -> ExpertLease:
         return ExpertLease(self)
@@ -147,6 +163,14 @@ class ExpertStore:
             if self._protected.pop(key, None) is not None:
                 self.stats.add(prefetch_used=1)
 
+    def refresh(self, keys: list[int]) -> None:
+        """A predictor expects these residents to be used soon: count it as a use for the eviction
+        policy's ranking, so the prefetches made for the same layer do not evict them first."""
+        with self.lock:
+            for key in keys:
+                if self._state.get(key) is SlotState.RESIDENT:
+                    self.eviction.on_access(key)
+
     # -- protection of prefetched experts -----------------------------------------
     def protect(self, key: int) -> None:
         """Shield a prefetched expert from eviction until it is used or `protect_ticks` pass."""
@@ -162,6 +186,17 @@ class ExpertStore:
                 del self._protected[k]
             if expired:
                 self.stats.add(prefetch_wasted=len(expired))
+
+    def adopt(self, rows: dict[int, int]) -> None:
+        """Zero-copy: every key is resident in row rows[key] of the pool, which is the slow tier's
+        own buffer (both tiers host memory, cache 1.0): nothing is ever copied or evicted."""
+        with self.lock:
+            assert not self._state and len(rows) == self.n_slots, "adopt() takes a fresh store covering every slot"
+            for key, row in rows.items():
+                self._slot_of[key] = row
+                self._state[key] = SlotState.RESIDENT
+                self.eviction.on_insert(key)
+            self._free = []
 
     # -- slot lifecycle (called by the transfer engine) -------------------------
     def reserve(self, key: int, may_evict_protected: bool = True) -> int | None:
@@ -184,13 +219,16 @@ class ExpertStore:
             self._slot_of[key] = slot
             self._state[key] = SlotState.LOADING
             self._pins[key] = self._pins.get(key, 0) + 1
+            # The eviction policy learns of the expert when it is requested, on the requesting
+            # thread, not when a transfer thread lands it: its ranking then depends on the order
+            # of requests only, never on transfer timing (deterministic eval relies on this).
+            self.eviction.on_insert(key)
             return slot
 
     def commit(self, key: int) -> None:
         """A load finished: the expert is resident (still pinned by its loader until released)."""
         with self.lock:
             self._state[key] = SlotState.RESIDENT
-            self.eviction.on_insert(key)
 
     def abort(self, key: int) -> None:
         """A load was cancelled or failed: give the slot back (and every pin on it)."""
@@ -200,6 +238,7 @@ class ExpertStore:
                 self._protected.pop(key, None)
                 self._free.append(self._slot_of.pop(key))
                 del self._state[key]
+                self.eviction.forget(key)
 
     def _evictable(self, protected: bool) -> list[int]:
         return [k for k, s in self._state.items()

@@ -12,17 +12,26 @@ Order of work per layer:
 """
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from engine.weights.expert_layout import ExpertShape
 from engine.experts.expert_kernels import SwiGLUKernel
+from engine.experts.cost_meter import CostMeter
+from engine.experts.cpu_experts import CpuExperts
 from engine.experts.expert_store import ExpertLease, ExpertStore
 from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.stats import EngineStats
 from engine.experts.transfers import Transfer, TransferEngine
+from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy
+from policies.utility import SpeculativeUtilityEstimator
+
+PROBE_EVERY = 256  # balancer calls between forced CPU runs that keep the CPU cost measurement fresh
 
 
 class ExpertLoadError(RuntimeError):
@@ -58,12 +67,25 @@ class MoeExecutor:
         # with torch's grouped GEMM (a private op, hence the feature check).
         self._grouped_ok = (isinstance(self.fmt, PlainFormat) and type(self.fmt.kernel) is SwiGLUKernel
                             and hasattr(torch, "_grouped_mm") and store.slots.dtype in (torch.float32, torch.bfloat16))
+        # MoE-SpAc (set by the loader when enabled): CPU-run experts, the balancer's cost meter and
+        # mode (auto: makespan-optimal split; all: every miss on the CPU, a diagnostic), the utility
+        # estimator that ranks misses, and a hook run after each layer (the utility prefetcher's top-up).
+        self.cpu: CpuExperts | None = None
+        self.cpu_mode = "off"
+        self.meter: CostMeter | None = None
+        self.utility: SpeculativeUtilityEstimator | None = None
+        self.after_layer: Callable[[int], None] | None = None
+        self._balancer_calls = 0
+        # Deterministic residency (eval): background loads land before each plan, never mid-way.
+        self.settle_background = False
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
         logit_rows = logits.tolist() if self.policy.needs_logits else None
+        if self.settle_background:
+            self.transfers.settle(layer)
         with self.store.lease() as lease:
             # Plan and pin under the store lock: no thread can evict an expert between the
             # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.
@@ -78,18 +100,50 @@ class MoeExecutor:
             self.store.tick()
             self.stats.record_lookups(layer, len(ready), len(needed) - len(ready))
             self._account(plan)
+            to_load = [e for e in needed if e not in ready]
+            on_cpu = self._cpu_split(layer, plan, ready, to_load) if self.cpu is not None and to_load else []
             try:
-                out = self._run_plan(layer, x, ids, weights, ids_list, plan, lease, ready, [e for e in needed if e not in ready])
+                out = self._run_plan(layer, x, ids, weights, ids_list, plan, lease, ready,
+                                     [e for e in to_load if e not in on_cpu], on_cpu)
             except ExpertLoadError as err:
                 # Which rows needed the expert that failed: the runner fails only their requests.
                 err.rows = sorted({t for t, row in enumerate(plan.experts) if err.expert in row})
                 raise
         if plan.substituted:
             self._admit(layer, plan)  # after compute, so admissions never evict what this layer used
+        if self.after_layer is not None:
+            self.after_layer(layer)  # this layer's slots are unpinned now: room for the next layer's prefetches
         return out
 
+    def _cpu_split(self, layer: int, plan: ExpertPlan, ready: list[int], to_load: list[int]) -> list[int]:
+        """The missed experts that run on the CPU, chosen by the workload balancer (policies/balancer.py).
+
+        Ranking: experts already on their way (a prefetch in flight) stay on the fast device;
+        the rest hottest first (utility level, then rows in this step)."""
+        rows = Counter(e for row in plan.experts for e in row if e != DROPPED)
+        level = (lambda e: self.utility.level(layer, e)) if self.utility is not None else (lambda e: 0)
+        forced = [e for e in to_load if self.transfers.in_flight(layer, e)] if self.cpu_mode != "all" else []
+        ranked = rank_misses(to_load, forced, level, rows)
+        tau = len(forced) if self.cpu_mode == "all" else self._choose_tau(ready, ranked, rows, len(forced))
+        self.stats.record_balancer(tau, len(ranked))
+        return ranked[tau:]
+
+    def _choose_tau(self, ready: list[int], ranked: list[int], rows: Counter, tau_min: int) -> int:
+        assert self.meter is not None and self.cpu is not None
+        M = len(ranked)
+        self._balancer_calls += 1
+        with self.meter.lock:
+            fast, cpu, copy = self.meter.fast.coefficients(), self.meter.cpu.coefficients(), self.meter.copy_seconds
+        if cpu is None or self._balancer_calls % PROBE_EVERY == 0:
+            return max(tau_min, M - 1)  # explore: measure (again) what one expert costs on the CPU
+        if fast is None or copy is None:
+            return M  # nothing copied or computed yet: the fast path's cost is unknown, keep it
+        g0, g1 = fast
+        costs = LayerCosts(sum(g0 + g1 * rows[e] for e in ready), copy, fast, cpu, self.transfers.workers, self.cpu.workers)
+        return choose_tau([rows[e] for e in ranked], costs, self.store.free_or_evictable(), tau_min)
+
     def _run_plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan,
-                  lease: ExpertLease, ready: list[int], to_load: list[int]) -> torch.Tensor:
+                  lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int]) -> torch.Tensor:
         E = self.num_experts
         if plan.experts is not ids_list:
             ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
@@ -99,7 +153,7 @@ class MoeExecutor:
         T, k = ids.shape
         alive = [e for e in plan.experts[0] if e != DROPPED]
         if T == 1 and len(set(alive)) == len(alive):
-            return self._run_single_row(layer, x, plan.experts[0], weights[0], lease, ready, to_load)
+            return self._run_single_row(layer, x, plan.experts[0], weights[0], lease, ready, to_load, on_cpu)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -111,16 +165,19 @@ class MoeExecutor:
         if len(ready) >= 2 and self._grouped_ok:
             # Every resident expert of the step in one batched GEMM per projection: the per-expert
             # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
+            t0 = time.perf_counter()
             self._run_grouped(layer, x, flat, order, uniq, counts, w_flat, ready, contrib, k)
+            if self.meter is not None:
+                self.meter.record_fast(round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready))
             for e in ready:
                 lease.release(layer * E + e)
             ready = []
 
-        def compute(e: int) -> None:
+        def finish(e: int, y: torch.Tensor) -> None:
             rows = groups[e]
-            contrib[rows] = self._expert(layer * E + e, x[rows // k]) * w_flat[rows, None]
+            contrib[rows] = y * w_flat[rows, None]
 
-        self._run_experts(layer, lease, ready, to_load, compute)
+        self._run_experts(layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu)
         # Sum each row's k contributions in ascending expert order (transformers' order).
         perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
         c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
@@ -154,29 +211,42 @@ class MoeExecutor:
         contrib[rows] = y * w_flat[rows, None]
 
     def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
-                        lease: ExpertLease, ready: list[int], to_load: list[int]) -> torch.Tensor:
+                        lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int]) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. Same arithmetic and summation order as the general path."""
-        E = self.num_experts
         slot_of = {e: j for j, e in enumerate(experts) if e != DROPPED}
         results: dict[int, torch.Tensor] = {}
 
-        def compute(e: int) -> None:
-            results[e] = self._expert(layer * E + e, x) * weights[slot_of[e]]
+        def finish(e: int, y: torch.Tensor) -> None:
+            results[e] = y * weights[slot_of[e]]
 
-        self._run_experts(layer, lease, ready, to_load, compute)
+        self._run_experts(layer, lease, ready, to_load, lambda e: x, finish, on_cpu)
         ordered = [results[e] for e in sorted(results)]
         out = ordered[0].clone()
         for y in ordered[1:]:
             out += y
         return out
 
-    def _run_experts(self, layer: int, lease: ExpertLease, ready: list[int], pending: list[int], compute: Callable[[int], None]) -> None:
-        """Run `compute(e)` for every needed expert as soon as its weights are in the fast tier.
+    def _run_experts(self, layer: int, lease: ExpertLease, ready: list[int], pending: list[int],
+                     inputs: Callable[[int], torch.Tensor], finish: Callable[[int, torch.Tensor], None], on_cpu: list[int]) -> None:
+        """Compute every needed expert over its rows `inputs(e)` and hand the result to `finish(e, y)`.
 
-        `ready` experts are resident and pinned by `lease`; `pending` ones are loaded on demand.
-        Every pin is the lease's, so whatever happens here the lease's exit unpins it.
+        `ready` experts are resident and pinned by `lease`; `pending` ones are loaded on demand and
+        run as soon as they land; `on_cpu` ones are computed by CPU workers from the host tier,
+        in parallel, and collected last. Every pin is the lease's, so whatever happens here the
+        lease's exit unpins it.
         """
         E = self.num_experts
+        assert self.cpu is not None or not on_cpu
+        cpu_jobs = {e: self.cpu.submit(layer, e, inputs(e)) for e in on_cpu} if on_cpu else {}
+
+        def compute(e: int) -> None:
+            xe = inputs(e)
+            t0 = time.perf_counter()
+            y = self._expert(layer * E + e, xe)
+            if self.meter is not None:
+                self.meter.record_fast(xe.shape[0], time.perf_counter() - t0)
+            finish(e, y)
+
         ready = list(ready)
         waiting: dict[int, Transfer] = {}
         while ready or waiting or pending:
@@ -185,7 +255,7 @@ class MoeExecutor:
                 if not waiting:
                     # Every slot is pinned. Loads started by other threads (prefetch, admission)
                     # free their slots when they land; if none is in flight, nothing ever will.
-                    if not self.transfers.wait_for_any_landing():
+                    if not self.transfers.wait_for_any_landing(layer=layer):
                         raise RuntimeError("fast tier deadlock: every slot is pinned and a needed expert cannot load")
                     continue
                 e = next(iter(waiting))  # oldest submitted first
@@ -197,6 +267,19 @@ class MoeExecutor:
             for e2 in [e2 for e2, t in waiting.items() if t.done.is_set()]:
                 self._wait(e2, waiting.pop(e2))
                 ready.append(e2)
+        for e, job in cpu_jobs.items():
+            finish(e, self._cpu_result(layer, e, job))
+
+    def _cpu_result(self, layer: int, expert: int, job: Future) -> torch.Tensor:
+        """A CPU worker's result; the compute thread's wait for it is stall, as for a load."""
+        t0 = time.perf_counter()
+        try:
+            y = job.result()
+        except Exception as e:  # noqa: BLE001 - any read failure becomes one clear error
+            raise ExpertLoadError(layer, expert, e) from e
+        finally:
+            self.stats.record_stall(time.perf_counter() - t0, layer)
+        return y
 
     def _wait(self, expert: int, t: Transfer) -> None:
         try:

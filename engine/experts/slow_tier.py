@@ -58,11 +58,19 @@ class RamTier(SlowTier):
                     self._data[self._row[layer] * E + e] = _pack([read_tensor(s) for s in locator.segments(layer, e)])
                     bar.update()
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """[layers * experts, numel]: every expert, one row each (the fast tier's pool when zero-copy)."""
+        return self._data
+
+    def row(self, layer: int, expert: int) -> int:
+        return self._row[layer] * self.locator.num_experts + expert
+
     def expert_nbytes(self, layer: int, expert: int) -> int:
         return self._data.shape[1] * self._data.element_size()
 
     def _fetch(self, layer: int, expert: int) -> torch.Tensor:
-        return self._data[self._row[layer] * self.locator.num_experts + expert]
+        return self._data[self.row(layer, expert)]
 
 
 class DiskTier(SlowTier):

@@ -14,10 +14,12 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.experts.cost_meter import CostMeter
 from engine.experts.expert_store import ExpertStore
 from engine.experts.slow_tier import SlowTier
 from engine.stats import EngineStats
@@ -56,8 +58,11 @@ class TransferEngine:
         stats: EngineStats,
         num_experts: int,
         workers: int = 2,
+        meter: CostMeter | None = None,
     ) -> None:
         self.store, self.tier, self.stats = store, tier, stats
+        self.workers = workers
+        self.meter = meter  # copy times feed the CPU/GPU balancer's cost model
         self.num_experts = num_experts
         self._queue: list[tuple[int, int, Transfer]] = []
         self._seq = itertools.count()
@@ -128,13 +133,13 @@ class TransferEngine:
         if not t.done.is_set():
             t0 = time.perf_counter()
             t.done.wait()
-            self.stats.record_stall(time.perf_counter() - t0)
+            self.stats.record_stall(time.perf_counter() - t0, t.layer)
         if t.error is not None:
             raise t.error
         if t.cuda_event is not None:
             torch.cuda.current_stream(self.store.slots.device).wait_event(t.cuda_event)
 
-    def wait_for_any_landing(self, timeout: float = 30.0) -> bool:
+    def wait_for_any_landing(self, timeout: float = 30.0, layer: int | None = None) -> bool:
         """Block until some in-flight transfer finishes (its slot becomes evictable again).
         Returns whether a retry can succeed: False only when nothing is in flight and no slot
         is free or evictable (every slot pinned by its users)."""
@@ -144,8 +149,33 @@ class TransferEngine:
             n = self._landed
             t0 = time.perf_counter()
             self._cv.wait_for(lambda: self._landed != n or not self._inflight, timeout)
-        self.stats.record_stall(time.perf_counter() - t0)
+        self.stats.record_stall(time.perf_counter() - t0, layer)
         return True
+
+    def settle(self, layer: int | None = None) -> None:
+        """Block until no background load (admission or prefetch) is in flight: the deterministic
+        point at which they take effect (EngineConfig.settle_background). The wait counts as stall."""
+        with self._cv:
+            if not any(t.kind != "demand" for t in self._inflight.values()):
+                return
+            t0 = time.perf_counter()
+            self._cv.wait_for(lambda: not any(t.kind != "demand" for t in self._inflight.values()))
+        self.stats.record_stall(time.perf_counter() - t0, layer)
+
+    def queued(self, kind: str) -> list[tuple[int, int]]:
+        """(layer, expert) of the transfers of `kind` that have not started (cancellable)."""
+        with self._cv:
+            return [(t.layer, t.expert) for t in self._inflight.values() if t.kind == kind and not t.started]
+
+    def cancel_queued(self, kind: str, stale: Callable[[int, int], bool]) -> None:
+        """Cancel the transfers of `kind` that have not started and for which stale(layer, expert)."""
+        for layer, e in self.queued(kind):
+            if stale(layer, e):
+                self.cancel(layer, e)
+
+    def in_flight(self, layer: int, expert: int) -> bool:
+        with self._cv:
+            return self.key(layer, expert) in self._inflight
 
     def pending(self) -> int:
         with self._cv:
@@ -198,6 +228,8 @@ class TransferEngine:
                         self.store.protect(t.key)
                     self.store.unpin(t.key)  # the reservation's pin; consumers hold their own
                     self.stats.record_transfer(t.kind, t.nbytes, t.seconds)
+                    if self.meter is not None:
+                        self.meter.record_copy(t.seconds)
                 else:
                     self.store.abort(t.key)
                 self._inflight.pop(t.key, None)

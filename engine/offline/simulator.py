@@ -1,102 +1,262 @@
 """Router-trace simulator: replay recorded routing under a policy and a hardware profile.
 
-It drives the very same policy objects as the engine (they are pure), against a model of
-the fast tier (a slot count, the eviction policy, pins for the current layer) and of the
-link (serial, bandwidth + latency), and estimates time per token and cache behaviour
-without running the model. Every figure it produces is *simulated*.
+It drives the very same policy objects as the engine (they are pure: the miss policy, the
+eviction and admission policies, the speculative utility estimator, the adaptive-k rule and
+the CPU/GPU balancer's `choose_tau`), against a discrete-time model of the fast tier (slots,
+pins of the current layer, protected prefetches) and of the machine (a serial link with
+per-transfer latency overlapped across the transfer workers, the compute thread, CPU
+workers), with costs from a hardware profile (engine/offline/hardware.py). It estimates
+tokens/s, stall, hits, loads and prefetch precision without running the model. Every figure
+it produces is *simulated*; on a projected shape (engine/offline/projection.py) also *projected*.
 
-Limitation, by construction: the trace holds the routing of the exact model. Under a
-substituting policy the real hidden states drift, so later layers' routing would differ
-slightly; the simulator replays the exact routing regardless.
+What one step does, as the engine does it (engine/core/engine_core.py, engine/experts/):
+1. each stream contributes one row (plain decode) or a verification window of k+1 rows
+   (speculative decoding; k from the adaptive-k policy, the draft's cost charged per proposed
+   token); the acceptance model draws how many proposals are kept (see `Acceptance`);
+2. per MoE layer: the dense part (d(rows)); the miss policy plans over all rows of the step;
+   resident experts run first, demand loads start on the link (joining a prefetch in flight),
+   and, with CPU-run experts, the balancer's cut τ over the ranked misses sends the rest to CPU
+   workers; the layer ends when the last landed expert and the last CPU expert are done;
+   background admissions follow; the utility prefetcher tops up the next layer, and an
+   optional `Predictor` (the learned adapter's hook) prefetches its predictions for the next layer;
+3. after the step the utility estimator observes the window counts (all rows, kept rows), stale
+   queued prefetches are cancelled and every layer is topped up.
+
+Limitations, by construction:
+- the trace holds the exact model's routing: under a substituting policy the real hidden
+  states drift and later layers' routing would differ slightly; rejected draft rows are
+  replayed with the routing of the true next tokens (the draft's guesses are not in the trace);
+- the engine's balancer learns its costs online and explores; here it is given the profile's.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from engine.experts.link import LinkSpec
+from engine.offline.hardware import Costs
+from policies.adaptive_k import AdaptiveK
+from policies.balancer import LayerCosts, choose_tau, rank_misses
+from policies.base import DROPPED
 from policies.registry import PolicyBundle
+from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
+
+# Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
+INF = math.inf
+
+# Measured on the embedded pair (docs/benchmarks/speculative.md, draft k=4, one stream, cache 0.25 disk):
+# share of windows whose accepted run reaches position i.
+MEASURED_ACCEPTANCE = (0.38, 0.33, 0.13, 0.07)
+
+
+class Predictor(Protocol):
+    """The hook for a learned next-layer predictor (SpecPrefetch's adapter), FATE, or an oracle.
+
+    `predict(token, layer)` is called after MoE layer `layer` ran on trace row `token` and
+    returns experts of layer `layer + 1`, most likely first. The simulator prefetches the union
+    over the step's rows, in rank order, up to `predictor_budget` per layer."""
+
+    def predict(self, token: int, layer: int) -> Sequence[int]: ...
+
+
+class OraclePredictor:
+    """Predicts the trace's own next-layer experts; with recall < 1 a share of them is replaced
+    by random wrong experts (a test of the hook and an upper bound for any predictor)."""
+
+    def __init__(self, trace: dict, recall: float = 1.0, seed: int = 0) -> None:
+        self.ids, self.recall = trace["ids"], recall
+        self.E = int(trace["meta"]["num_experts"])
+        self.rng = random.Random(seed)
+
+    def predict(self, token: int, layer: int) -> list[int]:
+        true = [int(e) for e in self.ids[token, layer + 1]]
+        return [e if self.rng.random() < self.recall else self.rng.randrange(self.E) for e in true]
 
 
 @dataclass(frozen=True)
-class HardwareProfile:
-    link: LinkSpec
-    expert_nbytes: int
-    layer_compute_s: float  # dense part of one layer for one token (attention, norms, router)
-    expert_compute_s: float  # one routed expert for one token
-    workers: int = 2  # concurrent transfers, as the engine's transfer_workers
+class Acceptance:
+    """How many of k proposals a verification window keeps: P(accepted run >= i) = by_position[i-1]
+    (made non-increasing), drawn independently per window from a seeded generator."""
+
+    by_position: tuple[float, ...] = MEASURED_ACCEPTANCE
+
+    def draw(self, k: int, rng: random.Random) -> int:
+        u, kept, bound = rng.random(), 0, 1.0
+        for i in range(k):
+            bound = min(bound, self.by_position[i] if i < len(self.by_position) else 0.0)
+            if u < bound:
+                kept += 1
+            else:
+                break
+        return kept
 
 
-class LinkModel:
-    """The engine's link: bandwidth is one serial pipe, latency overlaps across the
-    `workers` transfers that can be in flight at once (each worker waits for its own)."""
-
-    def __init__(self, hw: HardwareProfile) -> None:
-        self.bw_s = hw.expert_nbytes / (hw.link.mb_per_s * 1e6)
-        self.latency_s = hw.link.latency_us * 1e-6
-        self.pipe_free_at = 0.0
-        self.worker_free_at = [0.0] * hw.workers
-
-    def transfer(self, now: float) -> float:
-        """Start a transfer no earlier than `now`; return when it lands."""
-        w = min(range(len(self.worker_free_at)), key=self.worker_free_at.__getitem__)
-        start = max(now, self.worker_free_at[w], self.pipe_free_at)
-        self.pipe_free_at = start + self.bw_s
-        self.worker_free_at[w] = self.pipe_free_at + self.latency_s
-        return self.worker_free_at[w]
+@dataclass(frozen=True)
+class SimSettings:
+    cache_fraction: float = 0.25
+    streams: int = 1
+    speculative: bool = False
+    k: int = 4  # proposals per window (the most, with adaptive k)
+    adaptive: bool = True  # k per stream from the adaptive-k policy (policies/adaptive_k.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    prefetch: str = "none"  # none | utility
+    cpu_experts: str = "off"  # off | auto | all
+    max_tokens: int | None = None  # stop after this many generated tokens (all streams)
+    # Tokens per request: the streams' requests end together after this many tokens and new ones
+    # start with a fresh adaptive-k state, as the benchmarks' cells do (None: one request per stream).
+    request_tokens: int | None = None
+    warm: bool = True  # the engine's warm start: fill the fast tier round-robin across layers
+    seed: int = 0
+    predictor: Any = None  # a Predictor, or None
+    predictor_budget: int | None = None  # prefetches per layer and step from the predictor (default: top-k)
 
 
 @dataclass
 class SimResult:
-    tokens: int
-    calls: int
-    calls_hit: int
-    calls_fetched: int
-    calls_substituted: int
-    substituted_mass: float
-    admissions: int
-    evictions: int
-    stall_s: float
-    compute_s: float
-    token_layers: int = 0
+    tokens: int = 0
+    steps: int = 0
+    calls: int = 0
+    calls_hit: int = 0
+    calls_fetched: int = 0
+    calls_substituted: int = 0
+    substituted_mass: float = 0.0
+    admissions: int = 0
+    evictions: int = 0
+    demand_loads: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_cancelled: int = 0
+    cpu_expert_calls: int = 0
+    stall_s: float = 0.0
+    compute_s: float = 0.0
+    draft_s: float = 0.0
+    token_layers: int = 0  # rows x MoE layers replayed (the replay-speed unit)
+    verifications: int = 0  # windows with at least one proposal
+    verified_tokens: int = 0  # tokens those windows produced
+    replay_s: float = 0.0  # wall time of the replay itself
+
+    @property
+    def seconds(self) -> float:
+        return self.stall_s + self.compute_s + self.draft_s
 
     @property
     def seconds_per_token(self) -> float:
-        return (self.stall_s + self.compute_s) / self.tokens
+        return self.seconds / max(self.tokens, 1)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(simulated=True, tokens_per_s=1.0 / self.seconds_per_token, hit_share=self.calls_hit / self.calls,
-                 fetched_per_token=self.calls_fetched / self.tokens, substituted_per_token=self.calls_substituted / self.tokens,
+        calls = max(self.calls, 1)
+        d.update(simulated=True, tokens_per_s=self.tokens / self.seconds if self.seconds else float("inf"),
+                 hit_share=self.calls_hit / calls, fetched_per_token=self.calls_fetched / max(self.tokens, 1),
+                 substituted_per_token=self.calls_substituted / max(self.tokens, 1),
                  mean_substituted_mass=self.substituted_mass / max(self.token_layers, 1),
-                 stall_share=self.stall_s / (self.stall_s + self.compute_s))
+                 stall_share=self.stall_s / self.seconds if self.seconds else 0.0,
+                 loads_per_token=self.demand_loads / max(self.tokens, 1),
+                 tokens_per_verification=self.verified_tokens / self.verifications if self.verifications else 1.0,
+                 prefetch_precision=self.prefetch_used / (self.prefetch_used + self.prefetch_wasted) if self.prefetch_used + self.prefetch_wasted else float("nan"),
+                 prefetch_recall=self.prefetch_used / (self.prefetch_used + self.demand_loads) if self.prefetch_used + self.demand_loads else float("nan"),
+                 token_layers_per_s=self.token_layers / self.replay_s if self.replay_s else float("nan"))
         return d
 
 
-class SimCache:
-    """Residency model of the fast tier: same rules as engine.experts.expert_store, without tensors."""
+class SimLink:
+    """The engine's link: bandwidth is one serial pipe; each of the `workers` transfer threads
+    waits out its own transfer's latency, so latencies overlap (engine/experts/link.py).
+    Queued prefetches start only when a worker is idle (demand loads jump the queue, as the
+    transfer engine's priority queue does; a started transfer is never preempted)."""
+
+    def __init__(self, costs: Costs, workers: int) -> None:
+        self.bw_s = costs.expert_bytes / (costs.link_mb_per_s * 1e6)
+        self.latency_s = costs.link_latency_s
+        self.pipe_free_at = 0.0
+        self.worker_free_at = [0.0] * workers
+        self.queue: dict[int, None] = {}  # prefetch keys in submission order (one priority); a dict: O(1) removal
+
+    def start(self, now: float) -> float:
+        """Start a transfer no earlier than `now` on the first free worker; return when it lands."""
+        wf = self.worker_free_at
+        w = wf.index(min(wf))
+        start = max(now, wf[w], self.pipe_free_at)
+        self.pipe_free_at = start + self.bw_s
+        wf[w] = self.pipe_free_at + self.latency_s
+        return wf[w]
+
+    def next_start(self) -> float:
+        return max(min(self.worker_free_at), self.pipe_free_at)
+
+
+class _Cache:
+    """Residency of the fast tier, as engine/experts/expert_store.py keeps it, without tensors:
+    `ready[key]` is when the expert landed (or will land; INF while its prefetch is queued)."""
 
     def __init__(self, n_slots: int, policies: PolicyBundle) -> None:
         self.n_slots, self.ev = n_slots, policies.eviction
-        self.resident: set[int] = set()
+        self.ready: dict[int, float] = {}
+        self.pending: set[int] = set()  # keys whose `ready` time may still lie ahead (in flight or queued)
+        self.protected: dict[int, int] = {}  # key -> tick at which its protection expires
+        self.pinned: set[int] = set()
+        self.tick_no = 0
         self.evictions = 0
+        self.wasted = 0
 
-    def admit(self, key: int, pinned: set[int]) -> bool:
-        if key in self.resident:
-            return False
-        if len(self.resident) >= self.n_slots:
-            victim = self.ev.victim([k for k in self.resident if k not in pinned])
+    def land(self, key: int, t: float) -> None:
+        self.ready[key] = t
+        self.pending.add(key)
+
+    def evictable(self, now: float, protected: bool) -> set[int]:
+        """Landed, unpinned experts, protected ones or not (store._evictable). Set algebra, not a
+        scan: this runs once per load and is the replay's hot spot."""
+        ready = self.ready
+        if self.pending:
+            self.pending = {k for k in self.pending if ready.get(k, -1.0) > now}
+        cand = ready.keys() - self.pinned - self.pending
+        return cand & self.protected.keys() if protected else cand - self.protected.keys()
+
+    def reserve(self, key: int, now: float, may_evict_protected: bool, cand: set[int] | None = None, victim: int | None = None) -> bool:
+        """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
+        unpinned experts, unprotected first. False when nothing can be evicted. `cand`: the
+        unprotected candidates, kept by a caller that reserves several slots at one time;
+        `victim`: the policy's victim, when the caller already asked for it (the eviction
+        policies scan every candidate, which dominates replays of 48-layer shapes)."""
+        if len(self.ready) >= self.n_slots:
+            if victim is None:
+                if cand is None:
+                    cand = self.evictable(now, False)
+                victim = self.ev.victim(cand)
+            if cand is not None:
+                cand.discard(victim)
+            if victim is None and may_evict_protected:
+                victim = self.ev.victim(self.evictable(now, True))
             if victim is None:
                 return False
-            self.resident.discard(victim)
-            self.ev.on_remove(victim)
+            self.drop(victim)
             self.evictions += 1
-        self.resident.add(key)
+        self.land(key, INF)
         self.ev.on_insert(key)
         return True
+
+    def drop(self, key: int) -> None:
+        del self.ready[key]
+        if self.protected.pop(key, None) is not None:
+            self.wasted += 1  # a prefetch evicted before use
+        self.ev.on_remove(key)
+
+    def tick(self) -> None:
+        """One MoE layer ran: protections that were never used expire (wasted prefetches)."""
+        self.tick_no += 1
+        expired = [k for k, t in self.protected.items() if t <= self.tick_no]
+        for k in expired:
+            del self.protected[k]
+        self.wasted += len(expired)
 
 
 def load_trace(path: str | Path) -> dict:
@@ -106,53 +266,375 @@ def load_trace(path: str | Path) -> dict:
     return out
 
 
-def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, hw: HardwareProfile, warm: bool = True) -> SimResult:
-    ids, weights = trace["ids"], trace["weights"]  # [N, L, k]
-    logits = trace.get("logits")  # [N, L, E] or None
-    if policies.miss.needs_logits and logits is None:
-        raise ValueError("this policy ranks stand-ins by router logit: record the trace with --logits, or use --substitute drop")
-    N, L, k = ids.shape
-    E = int(trace["meta"]["num_experts"])
-    cache = SimCache(max(1, round(cache_fraction * L * E)), policies)
-    if warm:  # the engine's warm start: round-robin across layers
+class Simulator:
+    def __init__(self, trace: dict, policies: PolicyBundle, costs: Costs, settings: SimSettings = SimSettings()) -> None:
+        self.s, self.costs, self.pol = settings, costs, policies
+        ids, weights = trace["ids"], trace["weights"]  # [N, L, k]
+        self.logits = trace.get("logits")  # [N, L, E] or None
+        if policies.miss.needs_logits and self.logits is None:
+            raise ValueError("this policy ranks stand-ins by router logit: record the trace with --logits, or use --substitute drop")
+        self.N, self.L, self.k = ids.shape
+        self.E = int(trace["meta"]["num_experts"])
+        # Python lists once: the replay loop is per (row, layer) and numpy scalars are slow there.
+        self.ids = ids.astype(np.int64).tolist()
+        self.weights = weights.astype(np.float64).tolist()
+        self.cache = _Cache(max(1, round(settings.cache_fraction * self.L * self.E)), policies)
+        wants_utility = settings.prefetch == "utility" or isinstance(policies.eviction, UtilityEviction) or settings.cpu_experts != "off"
+        self.utility = SpeculativeUtilityEstimator(self.E) if wants_utility else None
+        if isinstance(policies.eviction, UtilityEviction) and policies.eviction.estimator is None:
+            policies.eviction.estimator = self.utility  # as the loader binds it
+        self.link = SimLink(costs, costs.transfer_workers)
+        self.cpu_free_at = [0.0] * costs.cpu_workers
+        self.rng = random.Random(settings.seed)
+        self.k_policy = AdaptiveK(settings.k, adaptive=settings.adaptive)
+        self.r = SimResult()
+        self.clock = 0.0
+        self.bg_cpu_s = 0.0  # compute-thread time owed to background transfers (prefetch, admission)
+        self.predicted: set[int] = set()  # the predictor's prefetches still queued (not started)
+
+    # -- the link and the queue of prefetches ---------------------------------------------
+    def _advance(self, now: float) -> None:
+        """Start queued prefetches that a worker would have picked up by `now`."""
+        q, link = self.link.queue, self.link
+        while q and link.next_start() <= now:
+            key = next(iter(q))
+            del q[key]
+            self.predicted.discard(key)
+            self.cache.land(key, link.start(link.next_start()))
+            self.bg_cpu_s += self.costs.per_load_s
+
+    def _prefetch(self, key: int) -> None:
+        self.link.queue[key] = None
+        self.cache.protected[key] = self.cache.tick_no + protect_ticks(self.L)
+        self.r.prefetch_issued += 1
+
+    def _top_up(self, layer: int) -> bool:
+        """engine/experts/utility_prefetch.py UtilityPrefetcher.top_up, over the simulated store:
+        the hottest missing experts, into a free slot or over a victim of strictly lower level."""
+        est, cache, E = self.utility, self.cache, self.E
+        assert est is not None
+        for e in est.ranked(layer, PREFETCH_MIN_LEVEL):
+            key = layer * E + e
+            if key in cache.ready:  # resident, or already on its way
+                continue
+            victim = None
+            if len(cache.ready) >= cache.n_slots:
+                victim = cache.ev.victim(cache.evictable(self.clock, False))
+                if victim is None or est.level(*divmod(int(victim), E)) >= est.level(layer, e):
+                    return False
+            if not cache.reserve(key, self.clock, False, victim=victim):
+                return False
+            self._prefetch(key)
+        return True
+
+    def _cancel_stale(self) -> None:
+        est, cache = self.utility, self.cache
+        assert est is not None
+        keep: dict[int, None] = {}
+        for key in self.link.queue:
+            if est.level(*divmod(key, self.E)) < PREFETCH_MIN_LEVEL:
+                cache.protected.pop(key, None)
+                del cache.ready[key]
+                cache.ev.on_remove(key)
+                self.r.prefetch_cancelled += 1
+            else:
+                keep[key] = None
+        self.link.queue = keep
+
+    def _predict(self, rows: list[int], layer: int) -> None:
+        """The predictor hook: prefetch the union of its ranked predictions for `layer + 1`."""
+        pred, cache, E = self.s.predictor, self.cache, self.E
+        budget = self.s.predictor_budget or self.k
+        ranked: dict[int, None] = {}
+        lists = [pred.predict(t, layer) for t in rows]
+        for i in range(max(map(len, lists), default=0)):  # interleave ranks across rows: rank 0 of every row first
+            for lst in lists:
+                if i < len(lst):
+                    ranked.setdefault(int(lst[i]))
+        chosen = list(ranked)[:budget]
+        nxt = (layer + 1) * E
+        # Never evict what the same prediction asks for (a resident predicted expert is about to be used).
+        cand = cache.evictable(self.clock, False) - {nxt + e for e in chosen}
+        for e in chosen:
+            key = nxt + e
+            if key in cache.ready:
+                continue
+            if not cache.reserve(key, self.clock, False, cand):
+                break
+            self._prefetch(key)
+            self.predicted.add(key)
+
+    # -- one MoE layer of one step ----------------------------------------------------------
+    def _layer(self, li: int, rows: list[int], requests: int) -> None:
+        c, cache, r, pol = self.costs, self.cache, self.r, self.pol
+        E, base = self.E, li * self.E
+        T = len(rows)
+        ready_at = cache.ready
+        # Attention, norms and router run before the experts; transfers started in the background
+        # since the last layer cost the compute thread their CPU share (per_load_s: 0 off a CPU-only box).
+        now = self.clock + c.d(T, requests) + self.bg_cpu_s
+        self.bg_cpu_s = 0.0
+        self._advance(now)
+        is_res = lambda e: ready_at.get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
+        exp = [self.ids[t][li] for t in rows]
+        logits = [self.logits[t, li].tolist() for t in rows] if pol.miss.needs_logits else None
+        plan = pol.miss.plan(li, exp, [self.weights[t][li] for t in rows], is_res, logits)
+        if len(exp) == 1:
+            rows_of = dict.fromkeys((e for e in plan.experts[0] if e != DROPPED), 1)
+        else:
+            rows_of = Counter(e for row in plan.experts for e in row if e != DROPPED)
+        fetch = set(plan.fetch)
+        ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
+        cache.pinned = {base + e for e in rows_of}
+        for e in ready:
+            key = base + e
+            cache.ev.on_access(key)
+            if cache.protected.pop(key, None) is not None:
+                r.prefetch_used += 1
+        on_cpu: list[int] = []
+        if self.s.cpu_experts != "off" and fetch:
+            on_cpu = self._cpu_split(li, plan.fetch, ready, rows_of, now)
+        g = c.g
+        busy = sum(g(rows_of[e]) for e in ready)
+        landing: list[tuple[float, int]] = []
+        link = self.link
+        cand: set[int] | None = None  # eviction candidates, computed once per layer
+        new_loads: list[int] = []  # demand transfers to start now, with the CPU experts' reads
+        joined: list[tuple[float, int]] = []
+        for e in plan.fetch:
+            if e in on_cpu:
+                continue
+            key = base + e
+            t = ready_at.get(key)
+            if t is not None:  # a prefetch (or admission) in flight or queued: join it, as transfers.submit does
+                if t == INF:
+                    del link.queue[key]
+                    self.predicted.discard(key)
+                    new_loads.append(e)
+                else:
+                    joined.append((t, e))
+                if cache.protected.pop(key, None) is not None:
+                    r.prefetch_used += 1
+            else:
+                if cand is None and len(ready_at) >= cache.n_slots:
+                    cand = cache.evictable(now, False)
+                cache.reserve(key, now, True, cand)  # if all slots are pinned it still runs (a spill)
+                new_loads.append(e)
+                r.demand_loads += 1
+        landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
+        landing += joined
+        end, stall = now + busy, 0.0
+        if len(landing) > 1:
+            landing.sort()
+        for t, e in landing:  # each loaded expert runs as it lands (the executor's order)
+            if t > end:
+                stall += t - end
+                end = t
+            # A CPU-run expert on a box whose CPU is the fast device: its read overlapped, its
+            # compute holds the compute thread (same cores); a copied expert runs on the device.
+            run = (c.h(rows_of[~e]) if e < 0 else g(rows_of[e])) + c.per_load_s  # every read from the slow tier costs per_load_s
+            end += run
+            busy += run
+        if on_cpu:  # the compute thread collects the CPU results last
+            if cpu_end > end:
+                stall += cpu_end - end
+                end = cpu_end
+            r.cpu_expert_calls += len(on_cpu)
+        r.compute_s += now - self.clock + busy
+        r.stall_s += stall
+        self.clock = end
+        r.calls += T * self.k
+        r.calls_hit += plan.calls_hit
+        r.calls_fetched += plan.calls_fetched
+        if plan.substituted:
+            r.calls_substituted += len(plan.substituted)
+            r.substituted_mass += sum(m for _, m in plan.substituted)
+        r.token_layers += T
+        cache.pinned = set()
+        for e in pol.admission.observe(li, plan.substituted):
+            # Background: the link and a worker, never the compute clock (after compute, as _admit).
+            key = base + e
+            if key not in ready_at and cache.reserve(key, end, may_evict_protected=False):
+                cache.land(key, link.start(end))
+                self.bg_cpu_s += c.per_load_s
+                r.admissions += 1
+        if self.predicted:
+            # The predictor's prefetches for this layer that never started missed their window:
+            # cancelled (a queued transfer is cancellable, transfers.cancel), counted as cancelled.
+            for key in [k for k in self.predicted if base <= k < base + E]:
+                self.predicted.discard(key)
+                if key in link.queue:
+                    del link.queue[key]
+                    cache.protected.pop(key, None)
+                    del cache.ready[key]
+                    cache.ev.on_remove(key)
+                    r.prefetch_cancelled += 1
+        if cache.protected:
+            cache.tick()
+        else:
+            cache.tick_no += 1
+        if self.utility is not None and self.s.prefetch == "utility" and self.utility.windows:
+            self._top_up((li + 1) % self.L)
+        if self.s.predictor is not None and li + 1 < self.L:
+            self._predict(rows, li)
+
+    def _cpu_split(self, li: int, fetch: Sequence[int], ready: list[int], rows_of: dict[int, int], now: float) -> list[int]:
+        """moe_executor._cpu_split: in-flight prefetches stay on the fast device, the rest hottest
+        first (utility level, then rows); τ from policies.balancer.choose_tau with the profile's costs."""
+        c, base = self.costs, li * self.E
+        level = (lambda e: self.utility.level(li, e)) if self.utility is not None else (lambda e: 0)  # noqa: E731
+        in_flight = [e for e in fetch if base + e in self.cache.ready] if self.s.cpu_experts != "all" else []
+        ranked = rank_misses(fetch, in_flight, level, rows_of)
+        if self.s.cpu_experts == "all":
+            tau = len(in_flight)
+        else:
+            cpu_h = c.cpu if not c.cpu_reads_over_link else (c.cpu[0] + c.copy_seconds(), c.cpu[1])
+            costs = LayerCosts(sum(c.g(rows_of[e]) for e in ready), c.copy_seconds(), c.fast, cpu_h, c.transfer_workers, c.cpu_workers)
+            capacity = self.cache.n_slots - len(self.cache.pinned)  # store.free_or_evictable
+            tau = choose_tau([rows_of[e] for e in ranked], costs, capacity, len(in_flight))
+        return ranked[tau:]
+
+    def _schedule(self, base: int, loads: list[int], cpu: list[int], rows_of: dict[int, int], now: float) -> tuple[list[tuple[float, int]], float]:
+        """Start this layer's demand transfers (transfer workers) and CPU-run experts (CPU workers)
+        in time order: whichever pool has a worker free first takes its next job, so both share
+        the serial pipe as the engine's threads do. A CPU worker reads its expert (over the link
+        on a disk box) and computes it. Returns (landing time, expert) of the loads and the time
+        the last CPU expert finishes. Where the CPU is the fast device, a CPU-run expert's compute
+        is left to the compute thread: it is returned among the landings as (read done, ~expert)."""
+        link, c, free, cache = self.link, self.costs, self.cpu_free_at, self.cache
+        landing: list[tuple[float, int]] = []
+        end, i, j = now, 0, 0
+        while i < len(loads) or j < len(cpu):
+            tf = max(now, min(link.worker_free_at)) if i < len(loads) else INF
+            tc = max(now, min(free)) if j < len(cpu) else INF
+            if tf <= tc:
+                e = loads[i]
+                i += 1
+                t = link.start(now)
+                if base + e in cache.ready:
+                    cache.land(base + e, t)
+                landing.append((t, e))
+                continue
+            e = cpu[j]
+            j += 1
+            w = free.index(min(free))
+            start = max(now, free[w])
+            if c.cpu_reads_over_link:
+                # The read books the same serial pipe; its latency is waited out on the CPU worker.
+                start = max(start, link.pipe_free_at)
+                link.pipe_free_at = start + link.bw_s
+                start = link.pipe_free_at + link.latency_s
+            if c.cpu_is_fast_device:
+                free[w] = start  # the worker is free once read; the compute joins the compute thread's queue
+                landing.append((start, ~e))  # ~e: a CPU-run expert (see _layer)
+                continue
+            free[w] = start + c.h(rows_of[e])
+            end = max(end, free[w])
+        return landing, end
+
+    # -- steps ------------------------------------------------------------------------------
+    def _warm(self) -> None:
+        cache, E, L = self.cache, self.E, self.L
         per_layer = -(-cache.n_slots // L)
         for e in range(min(per_layer, E)):
             for layer in range(L):
-                if len(cache.resident) < cache.n_slots:
-                    cache.admit(layer * E + e, set())
-    r = SimResult(N, 0, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, token_layers=N * L)
-    link = LinkModel(hw)
-    clock = 0.0  # the compute thread's simulated time
-    for t in range(N):
-        for layer in range(L):
-            row = [int(e) for e in ids[t, layer]]
-            plan = policies.miss.plan(layer, [row], [[float(w) for w in weights[t, layer]]],
-                                      lambda e: layer * E + e in cache.resident,
-                                      [logits[t, layer].tolist()] if policies.miss.needs_logits else None)
-            used = {e for e in plan.experts[0] if e >= 0}
-            pinned = {layer * E + e for e in used}
-            for e in used:
-                if layer * E + e in cache.resident:
-                    policies.eviction.on_access(layer * E + e)
-            # Demand loads queue behind whatever the link is already doing (admissions).
-            landed = clock
-            for e in plan.fetch:
-                landed = max(landed, link.transfer(clock))
-                cache.admit(layer * E + e, pinned)
-            stall = landed - clock
-            compute = hw.layer_compute_s + hw.expert_compute_s * len(used)
-            clock += stall + compute
-            r.stall_s += stall
-            r.compute_s += compute
-            r.calls += k
-            r.calls_hit += plan.calls_hit
-            r.calls_fetched += plan.calls_fetched
-            r.calls_substituted += len(plan.substituted)
-            r.substituted_mass += sum(m for _, m in plan.substituted)
-            for e in policies.admission.observe(layer, plan.substituted):
-                # Background: occupies the link and a worker, never the compute clock.
-                if cache.admit(layer * E + e, pinned):
-                    link.transfer(clock)
-                    r.admissions += 1
-    r.evictions = cache.evictions
-    return r
+                if len(cache.ready) < cache.n_slots:
+                    cache.reserve(layer * E + e, 0.0, False)
+                    cache.ready[layer * E + e] = 0.0
+
+    def run(self) -> SimResult:
+        t_wall = time.perf_counter()
+        s, r, N, L = self.s, self.r, self.N, self.L
+        if s.warm:
+            self._warm()
+        S = max(1, s.streams)
+        budget = (s.max_tokens or N) // S  # tokens per stream
+        starts = [i * N // S for i in range(S)]
+        pos = list(starts)
+        ends = [min(N, starts[i] + budget, starts[i + 1] if i + 1 < S else N) for i in range(S)]
+        cell = [0] * S  # tokens of each stream's current request
+        cells = 0
+        while True:
+            live = [i for i in range(S) if pos[i] < ends[i] and (not s.request_tokens or cell[i] < s.request_tokens)]
+            if not live:
+                if not s.request_tokens or all(pos[i] >= ends[i] for i in range(S)):
+                    break
+                # Every request of the cell is done: the next cell's requests start, with a fresh
+                # proposer and adaptive-k state, as bench/spec_bench.py builds them per cell.
+                cell, cells = [0] * S, cells + 1
+                self.k_policy = AdaptiveK(s.k, adaptive=s.adaptive)
+                continue
+            windows: list[tuple[int, list[int], int]] = []  # (stream, rows, kept rows)
+            deepest = 0
+            for i in live:
+                left = ends[i] - pos[i] - 1
+                if s.request_tokens:
+                    left = min(left, s.request_tokens - cell[i] - 1)
+                k = min(self.k_policy.k_for(f"{cells}.{i}") if s.speculative else 0, left)
+                rows = list(range(pos[i], pos[i] + k + 1))
+                kept = s.acceptance.draw(k, self.rng) if k else 0
+                if k:
+                    self.k_policy.observe(f"{cells}.{i}", k, kept)
+                    r.verifications += 1
+                    r.verified_tokens += kept + 1
+                deepest = max(deepest, k)
+                windows.append((i, rows, kept + 1))
+                pos[i] += kept + 1
+                cell[i] += kept + 1
+                r.tokens += kept + 1
+            if deepest:
+                draft = deepest * self.costs.draft_token_s  # one batched draft forward per proposed position
+                self.clock += draft
+                r.draft_s += draft
+            step_t0 = self.clock
+            all_rows = [t for _, rows, _ in windows for t in rows]
+            for li in range(L):
+                self._layer(li, all_rows, len(windows))
+            r.steps += 1
+            if s.speculative and deepest:
+                # As engine/spec/proposals.py: one proposed token against the target's (verification) step.
+                self.k_policy.observe_costs(self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None)
+            if self.utility is not None:
+                self._observe(windows)
+                # The estimator's update and the top-ups run on the compute thread between steps.
+                self.clock += self.costs.utility_step_s
+                r.compute_s += self.costs.utility_step_s
+        r.evictions, r.prefetch_wasted = self.cache.evictions, self.cache.wasted
+        r.replay_s = time.perf_counter() - t_wall
+        return r
+
+    def _observe(self, windows: list[tuple[int, list[int], int]]) -> None:
+        """The sensor's report (all rows, kept rows per layer) into the estimator, then the
+        utility prefetcher's after-step work (UtilityPrefetcher.on_windows)."""
+        E, est = self.E, self.utility
+        assert est is not None
+        counts: dict[int, tuple[list[int], list[int]]] = {}
+        for li in range(self.L):
+            tot, acc = [0] * E, [0] * E
+            for _, rows, kept in windows:
+                for j, t in enumerate(rows):
+                    for e in self.ids[t][li]:
+                        tot[e] += 1
+                        if j < kept:
+                            acc[e] += 1
+            counts[li] = (tot, acc)
+        est.observe(counts)
+        if self.s.prefetch == "utility":
+            self._cancel_stale()
+            for li in range(self.L):
+                if not self._top_up(li):
+                    break
+
+
+def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, costs: Costs, warm: bool = True, **settings: Any) -> SimResult:
+    """Replay `trace` under `policies` on `costs` (see SimSettings for the other settings)."""
+    return Simulator(trace, policies, costs, SimSettings(cache_fraction=cache_fraction, warm=warm, **settings)).run()
+
+
+def manual_costs(link_mb_per_s: float, latency_us: float, expert_bytes: int, layer_compute_s: float,
+                 expert_compute_s: float, workers: int = 2) -> Costs:
+    """Costs from a few flat numbers (no profile): dense and per-expert time independent of rows."""
+    return Costs(profile=f"manual ({link_mb_per_s:g} MB/s + {latency_us:g} us)", shape="trace", expert_bytes=expert_bytes,
+                 link_mb_per_s=link_mb_per_s, link_latency_s=latency_us * 1e-6, transfer_workers=workers,
+                 fast=(expert_compute_s, 0.0), cpu=(expert_compute_s, 0.0), cpu_workers=2,
+                 dense=(layer_compute_s, 0.0), notes=("manual",))

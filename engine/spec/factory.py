@@ -34,10 +34,10 @@ def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
     if om.config.model_type in NO_ROLLBACK_MODEL_TYPES:
         raise ConfigError(f"speculative decoding is not supported for {om.config.model_type} (its linear-attention state "
                           "cannot be rolled back after a rejected proposal); use --speculative off")
-    from engine.spec.sensor import SpecSensor
+    from engine.spec.sensor import sensor_for
 
     k = AdaptiveK(spec.num_speculative_tokens, spec.adaptive)
-    sensor = SpecSensor(om.bus, om.stats, om.num_experts)
+    sensor = sensor_for(om)
     if spec.speculative == "ngram":
         from engine.spec.ngram import NgramProposer
 

@@ -22,6 +22,13 @@ def with_drafts(w: SeqWork, drafts: list[int], probs: torch.Tensor | None = None
     return replace(w, input_ids=w.input_ids + drafts, num_draft=len(drafts), draft_probs=probs)
 
 
+def _decode_batch(plan: StepPlan) -> int:
+    """Decode windows in the step; 0 when a prompt chunk shares it (its time says nothing about rows)."""
+    if any(w.is_prefill for w in plan.work):
+        return 0
+    return len(plan.work)
+
+
 class ProposerBase:
     """Chooses k per request (AdaptiveK), records acceptance, and fills the spec counters.
 
@@ -35,6 +42,7 @@ class ProposerBase:
         self._propose_s = 0.0
 
     def propose(self, plan: StepPlan) -> StepPlan:
+        self.k.begin_step(_decode_batch(plan))
         t0 = time.perf_counter()
         out = self._propose(plan)
         self._propose_s = time.perf_counter() - t0
@@ -56,6 +64,7 @@ class ProposerBase:
         for rid in plan.free_ids:
             self.forget(rid)
         deepest = max((w.num_draft for w in plan.work), default=0)
+        self.k.observe_step(_decode_batch(plan), sum(w.num_draft for w in plan.work), out.seconds)
         if deepest and out.seconds > 0:
             # Proposing runs `deepest` sequential draft steps for the whole batch: one of them,
             # against the target's (verification) step, is the cost of one more proposed token.

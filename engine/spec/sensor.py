@@ -8,6 +8,8 @@ are counted in EngineStats next to the plain per-token top-k.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.core.scheduler import StepOutput, StepPlan
@@ -18,6 +20,9 @@ from engine.stats import EngineStats
 class SpecSensor:
     def __init__(self, bus: RoutingBus, stats: EngineStats, num_experts: int) -> None:
         self.bus, self.stats, self.num_experts = bus, stats, num_experts
+        # Also report plain decode steps as one-row windows (the utility estimator listens even
+        # when a request decodes without proposals); they are kept out of the window metrics.
+        self.include_plain = False
         self._step: dict[int, RoutingEvent] = {}
         bus.subscribe(self._on_routing)
 
@@ -32,7 +37,8 @@ class SpecSensor:
             span_of = dict(zip(ev.step.request_ids, ev.step.spans))
             for w in plan.work:
                 res = out.results.get(w.request_id)
-                if w.num_draft == 0 or res is None or res.error is not None or w.request_id not in span_of:
+                plain = w.num_draft == 0
+                if (plain and (w.is_prefill or not self.include_plain)) or res is None or res.error is not None or w.request_id not in span_of:
                     continue
                 s, e = span_of[w.request_id]
                 first = e - 1 - w.num_draft  # window rows: [last token, proposals]
@@ -42,6 +48,15 @@ class SpecSensor:
                 acc = torch.bincount(ids[:kept].flatten(), minlength=self.num_experts).cpu()
                 windows.append(WindowCounts(layer, w.request_id, e - first, kept, counts, acc))
                 union[layer] = union.get(layer, torch.zeros_like(counts)) + counts
-                self.stats.record_window_experts(layer, int((counts > 0).sum()))
+                if not plain:
+                    self.stats.record_window_experts(layer, int((counts > 0).sum()))
         if windows:
             self.bus.publish_windows(WindowReport(tuple(windows), union))
+
+
+def sensor_for(om: Any) -> SpecSensor:
+    """The model's one sensor (speculation and the utility estimator share it, so every window
+    is reported once); created on first use and run by every engine core of this model."""
+    if om.sensor is None:
+        om.sensor = SpecSensor(om.bus, om.stats, om.num_experts)
+    return om.sensor

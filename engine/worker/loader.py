@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -33,6 +34,14 @@ from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.stats import EngineStats
 from engine.experts.transfers import TransferEngine
+from engine.experts.cost_meter import CostMeter
+from engine.experts.cpu_experts import CpuExperts
+from engine.experts.quant import ExpertFormat
+from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
+from engine.spec.sensor import sensor_for
+from policies.base import EvictionPolicy
+from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 from engine.worker.packed_batch import use_packed_attention
 
 
@@ -74,9 +83,26 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
+    sensor: Any = None  # the speculative sensor (engine/spec/sensor.py), shared by speculation and utility
+    utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
+    cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
+    adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
+
+    def parameter_count(self) -> int:
+        """Dense parameters on the device plus every routed expert's (counted as weights, whatever
+        format the tiers store them in)."""
+        dense = sum(p.numel() for p in self.model.parameters())
+        return dense + len(self.moe_layers) * self.num_experts * self.executor.fmt.kernel.numel
+
+    @property
+    def step_observers(self) -> tuple[Any, ...]:
+        """What every engine core of this model runs after each step (the sensor, if any)."""
+        return (self.sensor,) if self.sensor is not None else ()
 
     def close(self) -> None:
         self.transfers.close()
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
 
 
 DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
@@ -193,11 +219,18 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
     slot_bytes = fmt.slot_bytes
     n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
-    # Prefetches stay protected for about two forward passes' worth of MoE layer runs.
-    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=2 * len(moe_layers))
-    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers)
+    # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
+    # fast tier (zero-copy), instead of a second copy of every expert.
+    zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=protect_ticks(len(moe_layers)),
+                        slots=tier.buffer if zero_copy else None)
+    if zero_copy:
+        store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
+    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in cfg.prefetch_kinds else None
+    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
+    executor.settle_background = cfg.settle_background
     bus = RoutingBus()
     for s in sites:
         setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)))
@@ -206,9 +239,51 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    _attach_spac(om, cfg, policies.eviction, tier, fmt, meter)
     if cfg.warm_start:
         _warm(om)
     return om
+
+
+def _attach_spac(om: OffloadedModel, cfg: EngineConfig, eviction: EvictionPolicy, tier: SlowTier, fmt: ExpertFormat,
+                 meter: CostMeter | None) -> None:
+    """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
+    speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
+    ranking; CPU workers for missed experts."""
+    kinds = cfg.prefetch_kinds
+    wants_utility = "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    if wants_utility:
+        estimator = SpeculativeUtilityEstimator(om.num_experts)
+        if isinstance(eviction, UtilityEviction):
+            eviction.estimator = estimator
+        prefetcher = UtilityPrefetcher(estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds)
+        prefetcher.attach(om.bus)
+        sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
+        om.utility = prefetcher
+        om.executor.utility = estimator
+        if "utility" in kinds:
+            om.executor.after_layer = prefetcher.after_layer
+    if "adapter" in kinds:
+        assert meter is not None
+        om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
+    if cfg.cpu_experts != "off":
+        assert meter is not None
+        om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
+        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = om.cpu_experts, cfg.cpu_experts, meter
+
+
+def _adapter_prefetcher(om: OffloadedModel, cfg: EngineConfig, meter: CostMeter) -> AdapterPrefetcher:
+    """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
+    from engine.prefetch.adapter import FILE_NAME, load_adapter
+    from engine.prefetch.training import model_fingerprint, moe_blocks
+
+    if len(om.moe_layers) < 2:
+        raise ConfigError(f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)")
+    adapter = load_adapter(Path(cfg.prefetcher) if cfg.prefetcher else om.model_dir / FILE_NAME, model_fingerprint(om.model))
+    adapter.to(om.device)
+    prefetcher = AdapterPrefetcher(adapter, moe_blocks(om.model), om.store, om.transfers, om.moe_layers, om.top_k, meter, om.stats)
+    prefetcher.attach(om.bus)
+    return prefetcher
 
 
 def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors, device: torch.device, model_dir: Path) -> None:

@@ -1,0 +1,238 @@
+"""The simulator against the engine: predicted speed-up next to the engine's measured speed-up on
+this machine, for every policy / configuration in the measured tables, and projected tok/s for
+every hardware profile and projected shape.
+
+Measured tables (read from their JSON, nothing re-run): docs/benchmarks/policies_speed.json
+(miss policies vs fetch-all), spac.json (speculation, utility prefetch/eviction, CPU-run experts
+vs plain), speculative.json (draft k and adaptive k vs off), concurrency.json (streams vs one).
+Each comparison is a ratio to the same table's baseline in the same setting, simulated on the
+profile of that setting (this-machine-disk, this-machine-disk-hdd; cache 1.0 needs no link).
+
+Inputs taken from the measured rows themselves, and why: a speculative row's acceptance by
+position (the draft's quality is an input to the simulator, not something it predicts). Workload
+shape as the benchmarks ran it: requests of 32 tokens (24 for concurrency) started together, a
+fresh adaptive-k state per batch of requests (bench/spec_bench.py builds a proposer per cell).
+
+    python -m bench.sim_validation --out docs/benchmarks/simulator.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from bench.report import write_report
+
+from engine.config import EngineConfig
+from engine.offline.hardware import SHAPES, costs_for, list_profiles
+from engine.offline.projection import project_trace
+from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace
+
+DOCS = Path("docs/benchmarks")
+HEADER = ("# The router-trace simulator against the engine, and projections (all figures below are SIMULATED; "
+          "projected ones are also PROJECTED)")
+PROFILE_OF = {"disk": "this-machine-disk", "disk + hdd": "this-machine-disk-hdd",
+              "cache 0.25 (disk)": "this-machine-disk", "cache 0.25 (disk + hdd)": "this-machine-disk-hdd",
+              "cache 1.0 (ram)": "this-machine-disk", "all-resident (ram)": "this-machine-disk"}
+POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
+SPAC = {  # bench/spac_bench.py CONFIGS, as simulator settings
+    "plain": ({}, {}),
+    "spec": ({"speculative": True}, {}),
+    "spec+utility": ({"speculative": True, "prefetch": "utility"}, {"eviction": "utility"}),
+    "spec+utility+cpu": ({"speculative": True, "prefetch": "utility", "cpu_experts": "auto"}, {"eviction": "utility"}),
+    "spec+utility+cpu speed-first": ({"speculative": True, "prefetch": "utility", "cpu_experts": "auto"}, {"eviction": "utility", "policy": "speed-first"}),
+}
+SPEC = {"off": {}, "draft k=2": {"speculative": True, "k": 2, "adaptive": False}, "draft k=4": {"speculative": True, "k": 4, "adaptive": False},
+        "draft k=6": {"speculative": True, "k": 6, "adaptive": False}, "draft adaptive (k<=4)": {"speculative": True, "k": 4, "adaptive": True}}
+
+
+class Runner:
+    def __init__(self, trace: dict, max_tokens: int) -> None:
+        self.trace, self.max_tokens = trace, max_tokens
+        self.replay: list[tuple[int, float]] = []  # (token-layers, seconds) of every run
+
+    def tok_s(self, setting: str, policy: dict[str, Any] | None = None, **settings: Any) -> dict:
+        cache = 1.0 if "ram" in setting else 0.25
+        costs = costs_for(PROFILE_OF[setting], "embedded", self.trace["meta"]["expert_nbytes"])
+        s = SimSettings(cache_fraction=cache, max_tokens=self.max_tokens * settings.get("streams", 1), **settings)
+        res = Simulator(self.trace, EngineConfig(**(policy or {})).policies(), costs, s).run()
+        self.replay.append((res.token_layers, res.replay_s))
+        return res.to_dict()
+
+
+def _err(sim: float, meas: float) -> float:
+    return sim / meas - 1.0
+
+
+def validate(run: Runner) -> list[dict]:
+    rows: list[dict] = []
+
+    def add(table: str, setting: str, streams: int, config: str, base: str, meas: float, sim_r: dict, sim_base: dict) -> None:
+        sim = sim_r["tokens_per_s"] / sim_base["tokens_per_s"]
+        rows.append({"table": table, "setting": setting, "streams": streams, "config": config, "baseline": base,
+                     "measured_x": meas, "simulated_x": sim, "error": _err(sim, meas),
+                     "simulated_tok_s": sim_r["tokens_per_s"], "simulated_stall": sim_r["stall_share"], "simulated_loads_per_token": sim_r["loads_per_token"]})
+
+    pol = json.loads((DOCS / "policies_speed.json").read_text())
+    for setting in ("disk", "disk + hdd"):
+        sims = {p: run.tok_s(setting, {"policy": p}) for p in POLICIES}
+        for mode in ("teacher-forced", "generate"):
+            for r in pol[mode]:
+                if r["setting"] == setting and r["policy"] != "fetch-all":
+                    add(f"policies_speed ({mode})", setting, 1, r["policy"], "fetch-all", r["vs_fetch_all"], sims[r["policy"]], sims["fetch-all"])
+
+    spac = json.loads((DOCS / "spac.json").read_text())["rows"]
+    spec_rows = json.loads((DOCS / "speculative.json").read_text())["rows"]
+    acc_of = {(r["setting"], r["streams"]): r["acceptance_by_position"] for r in spec_rows if r["config"] == "draft adaptive (k<=4)"}
+    for setting in ("cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
+        for n in (1, 8):
+            acc = Acceptance(tuple(acc_of[(setting, n)]))
+            sims = {c: run.tok_s(setting, pol_over, streams=n, acceptance=acc, request_tokens=32, **set_over) for c, (set_over, pol_over) in SPAC.items()}
+            for r in spac:
+                if r["setting"] == setting and r["streams"] == n and r["config"] != "plain":
+                    add("spac", setting, n, r["config"], "plain", r["vs_plain"], sims[r["config"]], sims["plain"])
+
+    for setting in ("cache 1.0 (ram)", "cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
+        for n in (1, 8):
+            sims = {}
+            for c, over in SPEC.items():
+                acc = next((r["acceptance_by_position"] for r in spec_rows if (r["setting"], r["streams"], r["config"]) == (setting, n, c)), [])
+                sims[c] = run.tok_s(setting, streams=n, acceptance=Acceptance(tuple(acc) or (0.0,)), request_tokens=32, **over)
+            for r in spec_rows:
+                if r["setting"] == setting and r["streams"] == n and r["config"] in SPEC and r["config"] != "off":
+                    add("speculative", setting, n, r["config"], "off", r["vs_off"], sims[r["config"]], sims["off"])
+
+    conc = json.loads((DOCS / "concurrency.json").read_text())["rows"]
+    for setting in ("cache 1.0 (ram)", "cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
+        sims = {n: run.tok_s(setting, streams=n, request_tokens=24) for n in (1, 4, 8, 16)}
+        for r in conc:
+            if r["setting"] == setting and r["streams"] != 1:
+                add("concurrency", setting, r["streams"], f"{r['streams']} streams", "1 stream", r["tok_s_vs_1"], sims[r["streams"]], sims[1])
+    return rows
+
+
+def projections(trace: dict, max_tokens: int) -> list[dict]:
+    """Projected tok/s per policy and configuration, for every profile and projected shape."""
+    out = []
+    configs = {
+        "fetch-all": ({}, {"policy": "fetch-all"}),
+        "threshold": ({}, {"policy": "threshold", "substitute": "drop"}),
+        "first-choice": ({}, {"policy": "first-choice", "substitute": "drop"}),
+        "quality-first": ({}, {"policy": "quality-first", "substitute": "drop"}),
+        "speed-first": ({}, {"policy": "speed-first", "substitute": "drop"}),
+        "spec+utility+cpu (exact)": ({"speculative": True, "prefetch": "utility", "cpu_experts": "auto"}, {"eviction": "utility"}),
+        "oracle next-layer prefetch (bound)": ({"predictor": "oracle"}, {}),
+    }
+    from engine.offline.simulator import OraclePredictor
+    cells = [(p, sh) for sh in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for p in list_profiles()]
+    for prof, shape in tqdm(cells, desc="projections"):
+        pt = project_trace(trace, shape)
+        costs = costs_for(prof, SHAPES[shape])
+        base = None
+        for name, (set_over, pol_over) in configs.items():
+            set_over = dict(set_over)
+            if set_over.get("predictor") == "oracle":
+                set_over["predictor"] = OraclePredictor(pt)
+            res = Simulator(pt, EngineConfig(**pol_over).policies(), costs, SimSettings(max_tokens=max_tokens, **set_over)).run().to_dict()
+            base = base or res["tokens_per_s"]
+            out.append({"profile": prof, "shape": shape, "config": name, "tokens_per_s": res["tokens_per_s"], "x_fetch_all": res["tokens_per_s"] / base,
+                        "stall_share": res["stall_share"], "loads_per_token": res["loads_per_token"], "hit_share": res["hit_share"],
+                        "cpu_per_token": res["cpu_expert_calls"] / max(res["tokens"], 1), "token_layers_per_s": res["token_layers_per_s"]})
+    return out
+
+
+def replay_speed(trace: dict) -> list[dict]:
+    """Token-layers per second of replay (best of 3 runs each; the machine is shared)."""
+    out = []
+    costs = costs_for("this-machine-disk-hdd", "embedded", trace["meta"]["expert_nbytes"])
+    cases = [("fetch-all, 1 stream", {"policy": "fetch-all"}, {}), ("speed-first, 1 stream", {"policy": "speed-first"}, {}),
+             ("fetch-all, 8 streams", {"policy": "fetch-all"}, {"streams": 8}),
+             ("spec+utility+cpu, 1 stream", {"eviction": "utility"}, {"speculative": True, "prefetch": "utility", "cpu_experts": "auto"})]
+    for name, pol, st in cases:
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            res = Simulator(trace, EngineConfig(**pol).policies(), costs, SimSettings(**st)).run()
+            best = max(best, res.token_layers / (time.perf_counter() - t0))
+        out.append({"case": name, "token_layers": res.token_layers, "token_layers_per_s": best})
+    return out
+
+
+def render(d: dict) -> list[str]:
+    """The markdown tables of a validation run (d as written to the JSON)."""
+    rows, lines = d["validation"], []
+    lines += ["### Validation: SIMULATED speed-up next to the engine's MEASURED speed-up (this machine, embedded model)", "",
+              "| measured table | setting | streams | configuration | against | measured | SIMULATED | error | within 15 % | simulated tok/s | simulated stall | simulated loads / token |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['table']} | {r['setting']} | {r['streams']} | {r['config']} | {r['baseline']} | {r['measured_x']:.2f}× | {r['simulated_x']:.2f}× | "
+                     f"{r['error']:+.0%} | {'yes' if abs(r['error']) <= 0.15 else '**no**'} | {r['simulated_tok_s']:.1f} | {r['simulated_stall']:.0%} | {r['simulated_loads_per_token']:.2f} |")
+    errs = sorted(abs(r["error"]) for r in rows)
+    lines += ["", f"Within 15 %: **{d['within_15pct']} of {d['cells']}** cells; median |error| {statistics.median(errs):.1%}; "
+              f"90th percentile {errs[int(0.9 * (len(errs) - 1))]:.1%}.", ""]
+    per_table: dict[str, list[float]] = {}
+    for r in rows:
+        per_table.setdefault(r["table"], []).append(abs(r["error"]))
+    lines += ["| measured table | cells | within 15 % | median abs. error |", "|---|---|---|---|"]
+    for t, es in per_table.items():
+        lines.append(f"| {t} | {len(es)} | {sum(e <= 0.15 for e in es)} | {statistics.median(es):.1%} |")
+    lines += ["", "### Replay speed (this machine, shared, 1 thread; best of 3)", "", "| case | token-layers replayed | token-layers / s |", "|---|---|---|"]
+    for sp in d["replay_speed"]:
+        lines.append(f"| {sp['case']} | {sp['token_layers']} | {sp['token_layers_per_s']:,.0f} |")
+    proj = d.get("projections") or []
+    if proj:
+        lines += ["", "### PROJECTED + SIMULATED decode tok/s (cache 0.25, one stream; engine/offline/projection.py states the assumptions)", ""]
+        for shape in dict.fromkeys(p["shape"] for p in proj):
+            configs = list(dict.fromkeys(p["config"] for p in proj if p["shape"] == shape))
+            lines += [f"**{shape}** (projected from the embedded model's trace)", "",
+                      "| profile | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+            for prof in dict.fromkeys(p["profile"] for p in proj if p["shape"] == shape):
+                cells = []
+                for c in configs:
+                    p = next(p for p in proj if (p["profile"], p["shape"], p["config"]) == (prof, shape, c))
+                    cells.append(f"{p['tokens_per_s']:.1f} ({p['x_fetch_all']:.2f}×, stall {p['stall_share']:.0%})")
+                lines.append(f"| {prof} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default="docs/benchmarks/embedded_test_trace.npz", help="trace with logits (moe-offload trace --logits)")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="tokens per stream replayed per validation cell (default 1024)")
+    ap.add_argument("--projection-tokens", type=int, default=256, help="tokens replayed per projected cell (default 256: 48-layer replays are slower)")
+    ap.add_argument("--skip-projections", action="store_true", help="only the validation against measured tables")
+    ap.add_argument("--out", type=Path, help="write the tables here (.md; the numbers as JSON beside it; analysis from a line starting 'Command:' on is kept)")
+    ap.add_argument("--from-json", type=Path, help="render the tables of an earlier run's JSON instead of running")
+    args = ap.parse_args()
+    if args.from_json:
+        d = json.loads(args.from_json.read_text())
+        write_report(args.out, d.get("header", HEADER), render(d), {k: v for k, v in d.items() if k != "header"})
+        return
+    trace = load_trace(args.trace)
+    run = Runner(trace, args.max_tokens)
+    rows = validate(run)
+    print(f"{'table':28s} {'setting':24s} {'n':>2s} {'config':30s} {'measured':>8s} {'simulated':>9s} {'error':>7s}")
+    for r in rows:
+        print(f"{r['table']:28s} {r['setting']:24s} {r['streams']:2d} {r['config']:30s} {r['measured_x']:7.2f}x {r['simulated_x']:8.2f}x {r['error']:+7.0%}")
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    print(f"within 15 %: {within} of {len(rows)}; median |error| {statistics.median(abs(r['error']) for r in rows):.1%}")
+    speed = replay_speed(trace)
+    for s in speed:
+        print(f"replay {s['case']}: {s['token_layers_per_s']:.0f} token-layers/s")
+    proj = [] if args.skip_projections else projections(trace, args.projection_tokens)
+    for p in proj:
+        print(f"PROJECTED {p['profile']:22s} {p['shape']:20s} {p['config']:36s} {p['tokens_per_s']:9.1f} tok/s {p['x_fetch_all']:6.2f}x")
+    d = {"simulated": True, "validation": rows, "replay_speed": speed, "projections": proj, "within_15pct": within, "cells": len(rows)}
+    d = json.loads(json.dumps(d, default=str).replace("NaN", "null"))
+    if args.out:
+        write_report(args.out, HEADER, render(d), d)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""CPU-run experts (MoE-SpAc): a missed expert computed by CPU worker threads straight from the
+host tier, instead of being copied into a fast-tier slot.
+
+On a GPU box the expert's rows go to the host, the CPU computes them against the host copy of
+the weights (no transfer over PCIe, no slot taken, nothing evicted) and the result goes back,
+while the GPU computes the resident experts. On a CPU-only box the "fast device" and the CPU
+are the same hardware: the path still skips the slot copy and the eviction, and runs in
+parallel with the compute thread, but the benefit MoE-SpAc reports needs a real GPU.
+
+Exactness: the weights are converted to the slot's dtype exactly as a copy into a slot would
+(or used in place when the host tier already holds them in that dtype), and the same kernel
+runs, so on the CPU the result is bit-identical to the copied path. The disk tier's reads go
+through the same emulated link as a transfer: on disk, the read is the cost either way.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.experts.cost_meter import CostMeter
+from engine.experts.quant import ExpertFormat, PlainFormat
+from engine.experts.slow_tier import SlowTier
+from engine.stats import EngineStats
+
+
+class CpuExperts:
+    def __init__(self, tier: SlowTier, fmt: ExpertFormat, workers: int, meter: CostMeter, stats: EngineStats) -> None:
+        self.tier, self.fmt, self.meter, self.stats = tier, fmt, meter, stats
+        self.workers = workers
+        # Plain float experts compute in fp32 on the CPU (bf16 matmuls are slow there); quantized
+        # slots keep their byte layout and dequantize in the format's own compute dtype.
+        self.weight_dtype = torch.float32 if isinstance(fmt, PlainFormat) and fmt.slot_dtype != torch.float32 else fmt.slot_dtype
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cpu-expert")
+        self._local = threading.local()
+
+    def submit(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
+        """Compute expert `expert` of `layer` over rows x [n, H] on a CPU worker; the future's
+        result is the unscaled expert output [n, H] on x's device and in x's dtype."""
+        x_host = x.to("cpu", torch.float32 if x.is_cuda else x.dtype)
+        return self._pool.submit(self._run, layer, expert, x_host, x.device, x.dtype)
+
+    def _run(self, layer: int, expert: int, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        t0 = time.perf_counter()
+        host, _ = self.tier.fetch(layer, expert)
+        y = self.fmt.forward(self.fmt.views(self._weights(host)), x)
+        self.meter.record_cpu(x.shape[0], time.perf_counter() - t0)
+        self.stats.add(cpu_expert_calls=1)
+        return y.to(device, dtype)
+
+    def _weights(self, host: torch.Tensor) -> torch.Tensor:
+        """The host buffer in the dtype the kernel reads: in place when it already is (the RAM
+        tier stores slot-ready rows), else converted into this worker's scratch row."""
+        if host.dtype == self.weight_dtype and host.device.type == "cpu":
+            return host
+        scratch = getattr(self._local, "row", None)
+        if scratch is None or scratch.numel() != host.numel():
+            scratch = self._local.row = torch.empty(host.numel(), dtype=self.weight_dtype)
+        scratch.copy_(host)
+        return scratch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

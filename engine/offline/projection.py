@@ -1,0 +1,65 @@
+"""Project a trace of the embedded model onto a real model's routing shape (`simulate --project-to`).
+
+The embedded model (4 MoE layers, 64 experts, top-8) is not Qwen3-30B-A3B (48 layers, 128
+experts, top-8) or Qwen3-Next-80B-A3B (48 layers, 512 experts, top-10, one shared expert). A
+projection keeps what the trace measures (which tokens reuse which experts, how the routing
+mass is spread, how it drifts with the text) and rescales the rest. What it assumes:
+
+1. **Layers.** Projected layer l replays the trace's layer l mod L (L = 4), with its own
+   independent draws below, so a 48-layer model sees 12 differently relabelled copies of each
+   embedded layer. Cross-layer correlation beyond the 4 traced layers is not modelled.
+2. **Experts.** With E' = m·E experts, each embedded expert e is split into m children
+   e·m .. e·m + m-1 (m = 2 for Qwen3-30B, 8 for Qwen3-Next). A token routed to e goes to one
+   child drawn uniformly at random per (token, layer): a parent's demand spreads evenly over its
+   children, so the chance that two consecutive tokens share an expert falls by about m, as it
+   would for routing that is as close to uniform in the bigger model as in the embedded one.
+   A real model with skewed, sticky routing (the seeds' Qwen3 models) reuses more: projected hit
+   rates are a pessimistic estimate for such models.
+3. **Top-k.** k' experts per token: the k' best by the trace's router logits (k' = 10 needs a
+   trace recorded with `--logits`); gate weights are the softmax over those k' logits,
+   renormalized (Qwen3's norm_topk_prob). Without logits and k' <= k, the first k' ids and
+   their renormalized weights.
+4. **Shared experts** run on the fast device for every token: they are part of the shape's dense
+   time per layer (engine/offline/hardware.py SHAPES), never offloaded.
+5. **Logits are not projected** (48 x 512 per token would be large and invented): a projected
+   trace has none, so substituting policies stand in with `drop` (renormalize), not best-resident.
+
+Every number from a projected trace is labelled *projected* (and *simulated*).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.offline.hardware import ModelShape, SHAPES
+
+
+def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
+    """A trace of `shape`'s routing shape built from `trace` (see the module docstring)."""
+    sh = SHAPES[shape] if isinstance(shape, str) else shape
+    ids, weights, logits = trace["ids"], trace["weights"], trace.get("logits")
+    N, L, k = ids.shape
+    E = int(trace["meta"]["num_experts"])
+    if sh.experts % E:
+        raise ValueError(f"cannot project {E} experts onto {sh.experts}: not a multiple")
+    m = sh.experts // E
+    kk = sh.top_k
+    src_layers = np.arange(sh.layers) % L
+    if kk <= k and logits is None:
+        top = ids[:, src_layers, :kk].astype(np.int64)
+        w = weights[:, src_layers, :kk].astype(np.float64)
+    else:
+        if logits is None:
+            raise ValueError(f"projecting top-{k} onto top-{kk} needs router logits: record the trace with `moe-offload trace --logits`")
+        lg = logits[:, src_layers, :].astype(np.float32)  # [N, L', E]
+        top = np.argsort(-lg, axis=-1, kind="stable")[..., :kk].astype(np.int64)
+        tl = np.take_along_axis(lg, top, -1)
+        w = np.exp(tl - tl.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    rng = np.random.default_rng(seed)
+    child = rng.integers(0, m, size=top.shape) if m > 1 else 0
+    out_ids = (top * m + child).astype(np.int16 if sh.experts < 32768 else np.int32)
+    meta = dict(trace["meta"])
+    meta.update(num_experts=sh.experts, top_k=kk, moe_layers=list(range(sh.layers)), projected=sh.name,
+                projected_from={"layers": L, "experts": E, "top_k": k}, projection_seed=seed)
+    meta.pop("expert_nbytes", None)  # the shape's expert size comes from the hardware profile
+    return {"tokens": trace.get("tokens"), "ids": out_ids, "weights": w.astype(np.float32), "meta": meta}

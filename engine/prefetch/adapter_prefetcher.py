@@ -1,0 +1,105 @@
+"""SpecPrefetch in the engine: when layer l routes, predict layer l+1's experts with the router
+adapter and start their transfers, so they load while layer l computes.
+
+- Runs on the routing bus, before layer l's experts run; the rows are the whole step's (every
+  request's window), so a speculative window predicts the union over its rows.
+- The window-aware scheduler (policies/prefetch_window.py) decides what to submit, from the
+  predictions, residency, pending transfers, the measured copy time and the measured time
+  between consecutive MoE layers. A prediction's confidence is the measured precision of its
+  rank (how often the adapter's r-th guess per row was really picked), so the threshold means
+  the same thing on every model and workload.
+- Predictions never change which experts run: layer l+1's native router still decides, and a
+  missed prediction falls back to a demand load. When layer l+1 routes, its queued (not yet
+  started) prefetches that it did not pick are cancelled; predicted experts that landed but go
+  unused expire and count as wasted (engine/experts/expert_store.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.experts.cost_meter import CostMeter
+from engine.experts.expert_store import ExpertStore
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.routing_bus import RoutingBus, RoutingEvent
+from engine.experts.transfers import TransferEngine
+from engine.prefetch.adapter import RouterAdapter
+from engine.stats import EngineStats
+from policies.prefetch_window import PrefetchCandidate, schedule_prefetches
+
+GAP_RATE = 0.1  # moving-average rate of the measured time between consecutive MoE layers
+PRECISION_RATE = 0.02  # moving-average rate of the measured precision per prediction rank
+MIN_CONFIDENCE = 0.5  # prefetch only what is more likely right than wrong: a wrong one costs a
+#                      transfer and an eviction about as much as a right one saves
+
+
+class AdapterPrefetcher:
+    def __init__(self, adapter: RouterAdapter, blocks: dict[int, OffloadedMoeBlock], store: ExpertStore, transfers: TransferEngine,
+                 moe_layers: list[int], top_k: int, meter: CostMeter, stats: EngineStats) -> None:
+        self.adapter, self.blocks, self.store, self.transfers = adapter, blocks, store, transfers
+        self.moe_layers, self.top_k, self.meter, self.stats = moe_layers, top_k, meter, stats
+        self._anchor = {layer: i for i, layer in enumerate(moe_layers[:-1])}
+        self._next = dict(zip(moe_layers, moe_layers[1:]))
+        # A layer's fair share of the fast tier bounds its prefetches, so predictions for one
+        # layer never flush the others.
+        self.budget = max(1, store.n_slots // len(moe_layers))
+        self._last: tuple[int, float] | None = None  # (layer, time) of the previous routing event
+        self.gap_seconds: float | None = None
+        # Confidence is calibrated, not the adapter's raw softmax: the measured share of the
+        # predictions at each rank (1st .. top_k-th per row) that the next layer really picked.
+        self.precision_at_rank = [0.5] * top_k
+        self._predicted: dict[int, torch.Tensor] = {}  # layer -> [T, top_k] predicted ids, best first
+
+    def attach(self, bus: RoutingBus) -> None:
+        bus.subscribe(self.on_routing)
+
+    def on_routing(self, ev: RoutingEvent) -> None:
+        now = time.perf_counter()
+        if self._last is not None and self._next.get(self._last[0]) == ev.layer:
+            gap = now - self._last[1]
+            self.gap_seconds = gap if self.gap_seconds is None else self.gap_seconds + GAP_RATE * (gap - self.gap_seconds)
+        self._last = (ev.layer, now)
+        self._calibrate(ev)
+        self._cancel_unpicked(ev)
+        nxt = self._next.get(ev.layer)
+        if nxt is None:
+            return  # the last MoE layer: the next layer to run is the next step's first
+        for e in self._plan(ev, nxt):
+            if self.transfers.submit(nxt, e, "prefetch", protect=True) is None:
+                break  # no slot can take a prefetch now
+
+    @torch.inference_mode()
+    def _plan(self, ev: RoutingEvent, nxt: int) -> list[int]:
+        block = self.blocks[nxt]
+        base = block.adapter.route(block, ev.x)[0].float() if self.adapter.fate_base else None
+        ids = self.adapter(ev.x.float(), self._anchor[ev.layer], base).topk(self.top_k, dim=-1).indices  # [T, k]
+        self._predicted[nxt] = ids
+        best: dict[int, float] = {}  # a window needs the union of its rows: an expert's best row counts
+        for row in ids.tolist():
+            for rank, e in enumerate(row):
+                best[e] = max(best.get(e, 0.0), self.precision_at_rank[rank])
+        E = self.transfers.num_experts
+        # Likely picks that are resident already: keep this layer's own prefetches from evicting them.
+        self.store.refresh([nxt * E + e for e, c in best.items() if c >= MIN_CONFIDENCE])
+        with self.meter.lock:
+            copy = self.meter.copy_seconds
+        return schedule_prefetches(
+            [PrefetchCandidate(e, c) for e, c in best.items()],
+            lambda e: self.store.state(nxt * E + e) is not None, lambda e: self.transfers.in_flight(nxt, e),
+            copy_seconds=copy or 0.0, workers=self.transfers.workers, queued=self.transfers.pending(),
+            time_to_next=self.gap_seconds or 0.0, budget=self.budget, min_confidence=MIN_CONFIDENCE)
+
+    def _calibrate(self, ev: RoutingEvent) -> None:
+        """Layer `ev.layer` has routed: score what was predicted for it, rank by rank."""
+        pred = self._predicted.pop(ev.layer, None)
+        if pred is None or pred.shape[0] != ev.ids.shape[0]:
+            return
+        hit = (pred.unsqueeze(-1) == ev.ids.unsqueeze(-2)).any(dim=-1).float().mean(dim=0)  # [k] share right per rank
+        for r, h in enumerate(hit.tolist()):
+            self.precision_at_rank[r] += PRECISION_RATE * (h - self.precision_at_rank[r])
+
+    def _cancel_unpicked(self, ev: RoutingEvent) -> None:
+        """Layer `ev.layer` has routed: its queued prefetches that it did not pick are wrong now."""
+        picked = set(ev.ids.flatten().tolist())
+        self.transfers.cancel_queued("prefetch", lambda layer, e: layer == ev.layer and e not in picked)

@@ -1,0 +1,127 @@
+"""Training the router adapter (`moe-offload train-prefetcher`) and measuring its recall.
+
+Data: a router trace with hidden states and logits (engine/offline/trace.py, recorded with the
+exact policy), or text that is traced on the fly. For every token and anchor layer l (every MoE
+layer but the last) one example: input x_l (layer l's router input), base = router_{l+1}(x_l)
+(the FATE guess, computed once with the model's own router), teacher = layer l+1's logits.
+Loss: cross entropy of the adapter's softmax against the teacher's softmax (KL up to a constant):
+the router's whole distribution, so the ranking below the top-k is learned too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.prefetch.adapter import RouterAdapter, router_fingerprint
+
+
+@dataclass
+class AdapterData:
+    x: torch.Tensor  # [N, A, D] router inputs of the anchor layers
+    base: torch.Tensor  # [N, A, E] next router applied to x (FATE guess)
+    teacher: torch.Tensor  # [N, A, E] next layer's native router logits
+    true_ids: torch.Tensor  # [N, A, k] the experts the next layer really picked
+
+    @property
+    def anchors(self) -> int:
+        return self.x.shape[1]
+
+    def split(self, frac: float) -> tuple[AdapterData, AdapterData]:
+        """First `frac` of the tokens / the rest (contiguous: no leakage between neighbours)."""
+        n = int(self.x.shape[0] * frac)
+        a = AdapterData(self.x[:n], self.base[:n], self.teacher[:n], self.true_ids[:n])
+        b = AdapterData(self.x[n:], self.base[n:], self.teacher[n:], self.true_ids[n:])
+        return a, b
+
+
+def moe_blocks(model: torch.nn.Module) -> dict[int, OffloadedMoeBlock]:
+    return {m.layer: m for m in model.modules() if isinstance(m, OffloadedMoeBlock)}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    blocks = moe_blocks(model)
+    return router_fingerprint([w for layer in sorted(blocks) for w in _router_weights(blocks[layer])])
+
+
+def _router_weights(block: OffloadedMoeBlock) -> list[torch.Tensor]:
+    router = getattr(block, block.adapter.router)
+    return list(router.parameters())
+
+
+@torch.inference_mode()
+def next_router_logits(block: OffloadedMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The next layer's own router on this layer's input: the FATE/ProMoE-style guess [T, E]."""
+    return block.adapter.route(block, x)[0].float()
+
+
+@torch.inference_mode()
+def data_from_trace(trace: dict[str, np.ndarray], model: torch.nn.Module, moe_layers: list[int]) -> AdapterData:
+    if "hidden" not in trace or "logits" not in trace:
+        raise ValueError("the trace has no hidden states or logits; record it with `moe-offload trace --hidden --logits`")
+    blocks = moe_blocks(model)
+    hidden = torch.from_numpy(trace["hidden"].astype(np.float32))  # [N, L, D]
+    logits = torch.from_numpy(trace["logits"].astype(np.float32))  # [N, L, E]
+    ids = torch.from_numpy(trace["ids"].astype(np.int64))  # [N, L, k]
+    dev = next(model.parameters()).device
+    base = torch.stack([
+        torch.cat([next_router_logits(blocks[moe_layers[a + 1]], chunk.to(dev)).cpu() for chunk in hidden[:, a].split(4096)])
+        for a in range(len(moe_layers) - 1)], dim=1)
+    return AdapterData(hidden[:, :-1].contiguous(), base, logits[:, 1:].contiguous(), ids[:, 1:].contiguous())
+
+
+def recall_at_k(pred: torch.Tensor, true_ids: torch.Tensor, k: int | None = None) -> float:
+    """Mean share of the truly selected experts found among the top-k predicted ([T, E] vs [T, k_true])."""
+    k = k or true_ids.shape[-1]
+    top = pred.topk(k, dim=-1).indices  # [T, k]
+    hit = (top.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(dim=-2)  # [T, k_true]
+    return float(hit.float().mean())
+
+
+@torch.inference_mode()
+def predict(adapter: RouterAdapter, data: AdapterData, anchor: int) -> torch.Tensor:
+    return torch.cat([adapter(x, anchor, b) for x, b in zip(data.x[:, anchor].split(8192), data.base[:, anchor].split(8192))])
+
+
+def evaluate(adapter: RouterAdapter, data: AdapterData) -> list[float]:
+    """Recall@k per anchor layer."""
+    return [recall_at_k(predict(adapter, data, a), data.true_ids[:, a]) for a in range(data.anchors)]
+
+
+def train_adapter(data: AdapterData, rank: int = 64, steps: int = 1500, batch: int = 1024, lr: float = 3e-3,
+                  bias: bool = True, fate_base: bool = True, seed: int = 0, valid: AdapterData | None = None) -> RouterAdapter:
+    torch.manual_seed(seed)
+    N, A, D = data.x.shape
+    E = data.teacher.shape[-1]
+    adapter = RouterAdapter(D, E, rank, A, bias, fate_base)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    teacher_p = F.softmax(data.teacher, dim=-1)
+    bar = tqdm(range(steps), desc="training prefetcher", unit="step")
+    for step in bar:
+        for group in opt.param_groups:  # cosine decay to 10 %: stable last steps on a small dataset
+            group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        rows = torch.randint(0, N, (batch,), generator=g)
+        anchors = torch.randint(0, A, (batch,), generator=g)
+        x, base, p = data.x[rows, anchors], data.base[rows, anchors], teacher_p[rows, anchors]
+        out = (x @ adapter.A.T) @ adapter.B.T
+        if adapter.bias is not None:
+            out = out + adapter.bias[anchors]
+        if fate_base:
+            out = out + base
+        loss = -(p * F.log_softmax(out, dim=-1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            post = {"loss": f"{loss.item():.4f}"}
+            if valid is not None and (step % 500 == 0 or step == steps - 1):
+                post["valid recall@k"] = f"{np.mean(evaluate(adapter.eval(), valid)):.3f}"
+                adapter.train()
+            bar.set_postfix(post)
+    return adapter.eval()
