@@ -60,6 +60,18 @@ def target_config(args):
         output_router_logits=False, router_aux_loss_coef=args.aux_coef,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=0.02,
     )
+    if args.arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        # DeepSeek-V3-style routing: sigmoid scores, top-k chosen on score + a per-expert correction bias (the
+        # auxiliary-loss-free balancing buffer), gates = the chosen scores renormalised; one shared expert of
+        # n_shared_experts x moe_intermediate_size; every layer sparse (first_k_dense_replace=0); one group.
+        g = {k: v for k, v in common.items() if k not in ("num_experts", "decoder_sparse_step", "mlp_only_layers",
+                                                           "output_router_logits", "router_aux_loss_coef")}
+        g["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 1.0}
+        return Glm4MoeConfig(n_routed_experts=args.num_experts, n_shared_experts=args.shared_intermediate // args.moe_intermediate,
+                             first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                             attention_bias=True, use_qk_norm=False, num_mtp_layers=0, **g)
     if args.arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -88,7 +100,11 @@ def active_params(cfg) -> dict:
     hd = getattr(cfg, "head_dim", h // cfg.num_attention_heads)
     shared = 0
     attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_key_value_heads * hd * 2  # q,o + k,v
-    if hasattr(cfg, "num_experts"):
+    if getattr(cfg, "n_routed_experts", None):  # glm4_moe: shared expert without a gate
+        mlp = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.n_routed_experts
+        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+        mlp += 3 * h * shared
+    elif hasattr(cfg, "num_experts"):
         mlp = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts  # experts + router
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
         if shared:  # qwen2_moe: always-on shared expert + its 1-output sigmoid gate
@@ -99,7 +115,7 @@ def active_params(cfg) -> dict:
     per_layer = attn + mlp
     total = L * per_layer + lm_head
     return {"attention_per_layer": attn, "mlp_per_layer": mlp, "lm_head": lm_head,
-            "shared_expert_per_layer": (3 * h * shared + h) if shared else 0,
+            "shared_expert_per_layer": (3 * h * shared + (0 if getattr(cfg, "n_routed_experts", None) else h)) if shared else 0,
             "active_params": total, "flops_per_token": 2 * total}
 
 
@@ -315,6 +331,70 @@ def per_layer_aux_loss(router_logits, top_k, num_experts):
     return tot / len(router_logits)
 
 
+class BiasBalancer:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3, Wang et al. 2024) plus a temporal-locality term,
+    for routers that choose experts on score + ``e_score_correction_bias`` (glm4_moe here).
+
+    **Balance** carries no gradient: after each optimiser step every layer's bias moves by ``rate`` towards
+    balance, up for experts chosen less than the mean over the whole step's batch (all sequences: the global
+    batch), down for those chosen more. The bias only changes which experts are *chosen*; the gates are the
+    unbiased scores, so cross entropy never pays for balance, and since the counts are global a sequence may
+    concentrate on the experts of its domain (specialisation).
+
+    **Locality**: -log of the normalised router mass token t puts on the experts token t-1 chose, with a
+    per-layer coefficient steered (multiplicatively, ``ctl_rate`` per step) towards a consecutive-token
+    overlap of ``sticky_target`` and capped at ``sticky_cap``. This is an explicit training pressure; the
+    model card says so. Routing is read from forward hooks on each layer's router, so the checkpoint is a
+    plain glm4_moe.
+    """
+
+    def __init__(self, model, rate: float, sticky_target: float, sticky_coef: float, sticky_floor: float,
+                 sticky_cap: float, ctl_rate: float = 0.05):
+        self.routers = [layer.mlp.gate for layer in model.model.layers]
+        self.L, self.k = len(self.routers), self.routers[0].top_k
+        self.rate, self.ctl_rate = rate, ctl_rate
+        self.sticky_target, self.sticky = sticky_target, [sticky_coef] * self.L
+        self.sticky_floor, self.sticky_cap = sticky_floor, sticky_cap
+        self.seen: list = [None] * self.L
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(i))
+        self.last: dict = {}
+
+    def _hook(self, i: int):
+        def record(module, inputs, output):
+            if torch.is_grad_enabled():  # training forward only; evaluation leaves the record alone
+                self.seen[i] = (output[0], output[2])  # raw logits (grad), chosen ids
+        return record
+
+    def state(self) -> dict:
+        return {"sticky_coef": list(self.sticky), "bias_abs_max": [float(r.e_score_correction_bias.abs().max())
+                                                                   for r in self.routers], **self.last}
+
+    def __call__(self, router_logits, batch: int, seq: int) -> torch.Tensor:
+        """Locality loss of this step's forward; also updates the biases and the controller (no gradient)."""
+        terms, overlaps, mins = [], [], []
+        for l, (logits, ids) in enumerate(self.seen):
+            E = logits.shape[-1]
+            sel = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True).view(batch, seq, E)
+            overlaps.append(float((sel[:, 1:] & sel[:, :-1]).sum(-1).float().mean() / self.k))
+            if self.sticky_target > 0:
+                s = torch.sigmoid(logits.float()).view(batch, seq, E)
+                p = s / s.sum(-1, keepdim=True)
+                terms.append(-torch.log((p[:, 1:] * sel[:, :-1].float()).sum(-1).clamp_min(1e-6)).mean())
+            with torch.no_grad():
+                cnt = torch.bincount(ids.reshape(-1), minlength=E).float()
+                mins.append(float(cnt.min() / cnt.mean()))
+                self.routers[l].e_score_correction_bias.add_(self.rate * torch.sign(cnt.mean() - cnt))
+            if self.sticky_target > 0:
+                err = (self.sticky_target - overlaps[l]) / self.sticky_target
+                self.sticky[l] = float(min(self.sticky_cap, max(self.sticky_floor, self.sticky[l] * math.exp(self.ctl_rate * err))))
+        self.seen = [None] * self.L
+        self.last = {"overlap": overlaps, "min_share_vs_uniform": mins}
+        if not terms:
+            return torch.zeros(())
+        return sum(c * t for c, t in zip(self.sticky, terms)) / self.L
+
+
 class RoutingRegulariser:
     """Router losses of the v2 target: global-batch load balancing plus a temporal-locality term.
 
@@ -470,7 +550,10 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
         ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         loss = ce
         aux = None
-        if getattr(out, "router_logits", None) is not None:
+        if isinstance(regulariser, BiasBalancer):  # routing read by hooks; balance by bias, no loss
+            aux = regulariser(None, x.size(0), x.size(1))
+            loss = loss + aux
+        elif getattr(out, "router_logits", None) is not None:
             if regulariser is not None:  # v2: global-batch balance + locality, coefficients inside
                 aux = regulariser(out.router_logits, x.size(0), x.size(1))
                 loss = loss + aux
@@ -529,10 +612,8 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
             rec["valid"].append([s + 1, v])
             if regulariser is not None:
                 st = regulariser.state()
-                print(f"[{name}] overlap {[round(o, 3) for o in st['overlap']]} below-guard {st['experts_below_guard']} min-share "
-                      f"{[round(m, 2) for m in st['min_share_vs_uniform']]} sticky-coef "
-                      f"{[round(c, 4) for c in st['sticky_coef']]} balance-coef {[round(c, 4) for c in st['balance_coef']]}",
-                      flush=True)
+                print(f"[{name}] " + " ".join(f"{k} {[round(v, 3) for v in vals]}" for k, vals in st.items()
+                                              if isinstance(vals, list)), flush=True)
             bar.set_postfix(ce=f"{ce:.3f}", valid=f"{v:.3f}", aux=f"{aux:.3f}" if aux is not None else "-")
             print(f"\n[{name}] step {s + 1}/{steps} train_ce {ce:.4f} valid_ce {v:.4f} "
                   f"ppl {math.exp(v):.1f} elapsed {(time.time() - t0) / 60:.1f} min", flush=True)
@@ -557,7 +638,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value (2 on an idle 2-core box; use 1 when the CPU is shared: oversubscribed OpenMP barriers made 2 threads 2x slower here)")
     ap.add_argument("--seq-len", type=int, default=256, help="training sequence length in tokens")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
-    ap.add_argument("--arch", choices=["qwen2_moe", "qwen3_moe"], default="qwen2_moe",
+    ap.add_argument("--bias-rate", type=float, default=1e-3,
+                    help="glm4_moe: per-step change of the auxiliary-loss-free balancing bias (DeepSeek-V3's 0.001)")
+    ap.add_argument("--sticky-cap", type=float, default=10.0, help="upper bound of the locality coefficient")
+    ap.add_argument("--arch", choices=["glm4_moe", "qwen2_moe", "qwen3_moe"], default="qwen2_moe",
                     help="target architecture: qwen2_moe = v2 (shared expert + fine-grained routed experts, the "
                          "default); qwen3_moe = v1 (64 experts, no shared expert; use with --num-experts 64 "
                          "--moe-intermediate 64 --balance micro)")
@@ -678,11 +762,15 @@ def main(argv=None):
             log["target"] = {}
         n = sum(p.numel() for p in target.parameters())
         log["target"]["desc"] = (f"{args.arch} {n / 1e6:.2f}M params, {args.num_experts} experts top-{args.top_k}"
-                                 + (f" + shared expert, {args.balance}-batch balancing" if args.arch == "qwen2_moe" else ""))
+                                 + (f" + shared expert, {args.balance}-batch balancing" if args.arch == "qwen2_moe" else "")
+                                 + (" + shared expert, aux-loss-free bias balancing" if args.arch == "glm4_moe" else ""))
         log["target"]["argv"] = list(argv if argv is not None else sys.argv[1:])
         print(f"target params {n:,}", flush=True)
         reg = None
-        if args.balance == "global":
+        if args.arch == "glm4_moe":
+            reg = BiasBalancer(target, args.bias_rate, args.sticky_target, args.sticky_coef, args.sticky_floor,
+                               args.sticky_cap)
+        elif args.balance == "global":
             reg = RoutingRegulariser(tcfg.num_hidden_layers, tcfg.num_experts, tcfg.num_experts_per_tok, "global",
                                      args.aux_coef, args.balance_window, args.sticky_target, args.sticky_coef,
                                      args.balance_guard, args.revive_coef, 0, args.select_coef,
