@@ -86,8 +86,8 @@ def recall_table(args: argparse.Namespace) -> tuple[list[str], dict]:
     for a in range(data.anchors):
         truth = data.true_ids[:, a]
         freq = frequency_predictions(trace["ids"], a + 1, k, E, args.freq_window)
-        rows["adapter"].append(recall_at_k(predict(adapter, data, a), truth))
-        rows["FATE-like"].append(recall_at_k(data.base[:, a], truth))
+        rows["adapter"].append(recall_at_k(data.ranked(predict(adapter, data, a), a), truth))
+        rows["FATE-like"].append(recall_at_k(data.ranked(data.base[:, a], a), truth))
         rows[f"frequency (last {args.freq_window} tokens)"].append(recall_at_k(freq, truth))
         rows["utility"].append(recall_at_k(utility_predictions(trace["ids"], a + 1, E, freq), truth))
     layers = [f"layer {a + 1}" for a in range(data.anchors)]

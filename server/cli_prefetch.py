@@ -16,7 +16,7 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.offline.trace import record_trace
     from engine.prefetch.adapter import FILE_NAME, save_adapter
-    from engine.prefetch.training import data_from_trace, evaluate, model_fingerprint, recall_at_k, train_adapter
+    from engine.prefetch.training import data_from_trace, evaluate, evaluate_base, model_fingerprint, train_adapter
     from engine.worker.loader import load_model
     from server.cli_eval import _read_tokens
 
@@ -40,7 +40,7 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
         fit, held = examples.split(1.0 - args.valid_frac)
         adapter = train_adapter(fit, args.rank, args.steps, lr=args.lr, bias=not args.no_bias, fate_base=not args.no_fate_base,
                                 seed=args.seed, valid=held)
-        fate = [recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(held.anchors)]
+        fate = evaluate_base(held)
         ours = evaluate(adapter, held)
         share = adapter.trainable_parameters() / om.parameter_count()
         print(f"held-out recall@{om.top_k} per anchor layer: adapter {[round(v, 3) for v in ours]} (mean {np.mean(ours):.3f}), "

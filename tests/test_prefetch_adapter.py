@@ -146,3 +146,25 @@ def test_train_prefetcher_cli(tiny_ckpt, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "server.cli", "train-prefetcher", "--data", str(tmp_path / "missing.txt")],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "data file not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@torch.inference_mode()
+def test_selection_scores_rank_like_a_bias_corrected_router(tiny_ckpt) -> None:
+    """DeepSeek-V3-style routers (glm4_moe here) pick on sigmoid(logits) + a balancing bias: the
+    prefetcher ranks predictions the same way, so with the true logits it picks the router's experts."""
+    from engine.prefetch.training import moe_blocks
+
+    om = load_model(tiny_ckpt("glm4_moe"), EngineConfig())
+    try:
+        g = torch.Generator().manual_seed(3)
+        for block in moe_blocks(om.model).values():
+            router = getattr(block, block.adapter.router)
+            router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape, generator=g))
+            x = torch.randn(64, om.config.hidden_size, generator=g)
+            logits, _, ids = block.adapter.route(block, x)
+            mine = block.adapter.selection_scores(block, logits.float()).topk(ids.shape[1], dim=-1).indices
+            assert torch.equal(mine.sort(-1).values, ids.sort(-1).values)
+            plain = logits.topk(ids.shape[1], dim=-1).indices  # ranking raw logits ignores the bias and misses
+            assert not torch.equal(plain.sort(-1).values, ids.sort(-1).values)
+    finally:
+        om.close()

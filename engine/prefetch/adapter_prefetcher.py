@@ -73,7 +73,8 @@ class AdapterPrefetcher:
     def _plan(self, ev: RoutingEvent, nxt: int) -> list[int]:
         block = self.blocks[nxt]
         base = block.adapter.route(block, ev.x)[0].float() if self.adapter.fate_base else None
-        ids = self.adapter(ev.x.float(), self._anchor[ev.layer], base).topk(self.top_k, dim=-1).indices  # [T, k]
+        pred = self.adapter(ev.x.float(), self._anchor[ev.layer], base)
+        ids = block.adapter.selection_scores(block, pred).topk(self.top_k, dim=-1).indices  # [T, k]
         self._predicted[nxt] = ids
         best: dict[int, float] = {}  # a window needs the union of its rows: an expert's best row counts
         for row in ids.tolist():

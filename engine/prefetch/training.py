@@ -27,6 +27,7 @@ class AdapterData:
     base: torch.Tensor  # [N, A, E] next router applied to x (FATE guess)
     teacher: torch.Tensor  # [N, A, E] next layer's native router logits
     true_ids: torch.Tensor  # [N, A, k] the experts the next layer really picked
+    score_bias: torch.Tensor | None = None  # [A, E] next layer's selection bias (sigmoid routers), else None
 
     @property
     def anchors(self) -> int:
@@ -35,9 +36,13 @@ class AdapterData:
     def split(self, frac: float) -> tuple[AdapterData, AdapterData]:
         """First `frac` of the tokens / the rest (contiguous: no leakage between neighbours)."""
         n = int(self.x.shape[0] * frac)
-        a = AdapterData(self.x[:n], self.base[:n], self.teacher[:n], self.true_ids[:n])
-        b = AdapterData(self.x[n:], self.base[n:], self.teacher[n:], self.true_ids[n:])
+        a = AdapterData(self.x[:n], self.base[:n], self.teacher[:n], self.true_ids[:n], self.score_bias)
+        b = AdapterData(self.x[n:], self.base[n:], self.teacher[n:], self.true_ids[n:], self.score_bias)
         return a, b
+
+    def ranked(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
+        """What the next layer's router ranks, for (predicted) logits [T, E] of anchor `anchor`."""
+        return logits if self.score_bias is None else torch.sigmoid(logits) + self.score_bias[anchor]
 
 
 def moe_blocks(model: torch.nn.Module) -> dict[int, OffloadedMoeBlock]:
@@ -72,7 +77,10 @@ def data_from_trace(trace: dict[str, np.ndarray], model: torch.nn.Module, moe_la
     base = torch.stack([
         torch.cat([next_router_logits(blocks[moe_layers[a + 1]], chunk.to(dev)).cpu() for chunk in hidden[:, a].split(4096)])
         for a in range(len(moe_layers) - 1)], dim=1)
-    return AdapterData(hidden[:, :-1].contiguous(), base, logits[:, 1:].contiguous(), ids[:, 1:].contiguous())
+    # Sigmoid routers with a correction bias rank sigmoid(logits) + bias: read it off each next layer once.
+    biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in moe_layers[1:]]
+    score_bias = None if any(b is None for b in biases) else torch.stack([b.cpu() for b in biases])
+    return AdapterData(hidden[:, :-1].contiguous(), base, logits[:, 1:].contiguous(), ids[:, 1:].contiguous(), score_bias)
 
 
 def recall_at_k(pred: torch.Tensor, true_ids: torch.Tensor, k: int | None = None) -> float:
@@ -90,7 +98,12 @@ def predict(adapter: RouterAdapter, data: AdapterData, anchor: int) -> torch.Ten
 
 def evaluate(adapter: RouterAdapter, data: AdapterData) -> list[float]:
     """Recall@k per anchor layer."""
-    return [recall_at_k(predict(adapter, data, a), data.true_ids[:, a]) for a in range(data.anchors)]
+    return [recall_at_k(data.ranked(predict(adapter, data, a), a), data.true_ids[:, a]) for a in range(data.anchors)]
+
+
+def evaluate_base(data: AdapterData) -> list[float]:
+    """Recall@k per anchor layer of the FATE-like guess (the next router on this layer's input)."""
+    return [recall_at_k(data.ranked(data.base[:, a], a), data.true_ids[:, a]) for a in range(data.anchors)]
 
 
 def train_adapter(data: AdapterData, rank: int = 64, steps: int = 1500, batch: int = 1024, lr: float = 3e-3,

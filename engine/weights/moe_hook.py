@@ -106,6 +106,23 @@ class BlockAdapter:
         logits, weights, ids = getattr(block, self.router)(x)
         return logits, weights, ids
 
+    def selection_scores(self, block: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        """What the router ranks to pick its top-k, for logits [T, E] (real or predicted).
+
+        Softmax routers rank the logits themselves. DeepSeek-V3-style routers (glm4_moe, deepseek_v3,
+        minimax_m2) rank sigmoid(logits) + a per-expert correction bias, the buffer that
+        auxiliary-loss-free balancing trains; ranking their raw logits would miss every expert
+        the bias lifts.
+        """
+        bias = self.selection_bias(block)
+        return logits if bias is None else torch.sigmoid(logits.float()) + bias
+
+    def selection_bias(self, block: nn.Module) -> torch.Tensor | None:
+        """The per-expert correction bias [E] of a DeepSeek-V3-style router (float32), or None."""
+        bias = getattr(getattr(block, self.router), "e_score_correction_bias", None)
+        bias = getattr(block, "e_score_correction_bias", None) if bias is None else bias
+        return None if bias is None else bias.float()
+
     def expert_inputs(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the executor runs: the experts' input rows and the weights scaling their outputs."""
         return x, weights
