@@ -349,10 +349,11 @@ class BiasBalancer:
     """
 
     def __init__(self, model, rate: float, sticky_target: float, sticky_coef: float, sticky_floor: float,
-                 sticky_cap: float, ctl_rate: float = 0.05):
+                 sticky_cap: float, ctl_rate: float = 0.05, update: str = "sign", max_err: float = 8.0,
+                 z_coef: float = 0.0):
         self.routers = [layer.mlp.gate for layer in model.model.layers]
         self.L, self.k = len(self.routers), self.routers[0].top_k
-        self.rate, self.ctl_rate = rate, ctl_rate
+        self.rate, self.ctl_rate, self.update, self.max_err, self.z_coef = rate, ctl_rate, update, max_err, z_coef
         self.sticky_target, self.sticky = sticky_target, [sticky_coef] * self.L
         self.sticky_floor, self.sticky_cap = sticky_floor, sticky_cap
         self.seen: list = [None] * self.L
@@ -372,9 +373,13 @@ class BiasBalancer:
 
     def __call__(self, router_logits, batch: int, seq: int) -> torch.Tensor:
         """Locality loss of this step's forward; also updates the biases and the controller (no gradient)."""
-        terms, overlaps, mins = [], [], []
+        terms, overlaps, mins, below, zs = [], [], [], [], []
         for l, (logits, ids) in enumerate(self.seen):
             E = logits.shape[-1]
+            # Router z-loss on the raw logits: nothing else anchors their level (the gates and the locality
+            # term are both nearly shift-invariant once sigmoid scores are small), and when they drift far
+            # negative every score is ~0 and the bias alone decides, flipping whole experts on and off.
+            zs.append((logits.float() ** 2).mean())
             sel = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True).view(batch, seq, E)
             overlaps.append(float((sel[:, 1:] & sel[:, :-1]).sum(-1).float().mean() / self.k))
             if self.sticky_target > 0:
@@ -384,15 +389,22 @@ class BiasBalancer:
             with torch.no_grad():
                 cnt = torch.bincount(ids.reshape(-1), minlength=E).float()
                 mins.append(float(cnt.min() / cnt.mean()))
-                self.routers[l].e_score_correction_bias.add_(self.rate * torch.sign(cnt.mean() - cnt))
+                below.append(int((cnt < 0.25 * cnt.mean()).sum()))
+                err = (cnt.mean() - cnt) / cnt.mean()  # > 0: chosen less than its share of the step
+                # sign: DeepSeek-V3's update. proportional: a hog chosen 5x its share moves 4x as fast, so the few
+                # experts that every token's saturated sigmoid scores favour are pulled back before the rest starve.
+                step = torch.sign(err) if self.update == "sign" else err.clamp(-self.max_err, 1.0)
+                self.routers[l].e_score_correction_bias.add_(self.rate * step)
             if self.sticky_target > 0:
                 err = (self.sticky_target - overlaps[l]) / self.sticky_target
                 self.sticky[l] = float(min(self.sticky_cap, max(self.sticky_floor, self.sticky[l] * math.exp(self.ctl_rate * err))))
         self.seen = [None] * self.L
-        self.last = {"overlap": overlaps, "min_share_vs_uniform": mins}
-        if not terms:
-            return torch.zeros(())
-        return sum(c * t for c, t in zip(self.sticky, terms)) / self.L
+        self.last = {"overlap": overlaps, "min_share_vs_uniform": mins, "experts_below_quarter_share": below,
+                     "router_z": [float(z.detach()) for z in zs]}
+        loss = self.z_coef * sum(zs) / self.L
+        if terms:
+            loss = loss + sum(c * t for c, t in zip(self.sticky, terms)) / self.L
+        return loss
 
 
 class RoutingRegulariser:
@@ -514,6 +526,41 @@ class RoutingRegulariser:
         return loss
 
 
+@torch.no_grad()
+def calibrate_bias(model, batcher, iters: int, batches: int, rate: float) -> list[dict]:
+    """Settle a glm4_moe target's balancing bias after training, with the weights frozen.
+
+    The bias is a statistic, not a weight (DeepSeek-V3 updates it outside the gradient step), so it can be
+    re-estimated on training text like a batch-norm statistic: each iteration routes `batches` training
+    batches, counts every layer's choices and moves each bias by `rate` x the relative share error (clipped
+    to [-1, 1]: one step never flips a whole expert). Returns per-iteration experts under 1/4 of the
+    uniform share, per layer, for the log.
+    """
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    E = routers[0].e_score_correction_bias.numel()
+    counts = [torch.zeros(E) for _ in routers]
+    hooks = [r.register_forward_hook(lambda mod, inp, out, c=c: c.add_(torch.bincount(out[2].reshape(-1), minlength=E)))
+             for r, c in zip(routers, counts)]
+    history = []
+    try:
+        for it in tqdm(range(iters + 1), desc="calibrating the balancing bias", file=sys.stdout):
+            for c in counts:
+                c.zero_()
+            for _ in range(batches):
+                model(input_ids=batcher.next()[0])
+            shares = [c / c.mean() for c in counts]
+            history.append({"iteration": it, "experts_below_quarter_share": [int((sh < 0.25).sum()) for sh in shares],
+                            "min_share_vs_uniform": [float(sh.min()) for sh in shares]})
+            if it == iters:
+                break
+            for r, sh in zip(routers, shares):
+                r.e_score_correction_bias.add_(rate * (1.0 - sh).clamp(-1.0, 1.0))
+    finally:
+        for h in hooks:
+            h.remove()
+    return history
+
+
 def lr_at(step, progress, peak, warmup, min_ratio=0.1):
     """Linear warm-up over `warmup` steps, then cosine from peak to min_ratio*peak as progress goes 0->1."""
     if step < warmup:
@@ -630,9 +677,14 @@ def train_one(name, model, args, tok, batcher, valid_batches, log, out_dir, step
     return model
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=["both", "target", "draft"], default="both",
+    ap.add_argument("--calibrate-iters", type=int, default=0,
+                    help="glm4_moe: after the target trains (or alone with --stage calibrate), re-estimate the "
+                         "balancing bias on training text for this many iterations, weights frozen (0 = off)")
+    ap.add_argument("--calibrate-batches", type=int, default=8, help="training batches routed per calibration iteration")
+    ap.add_argument("--calibrate-rate", type=float, default=0.02, help="bias step per unit of relative share error")
+    ap.add_argument("--stage", choices=["both", "target", "draft", "calibrate"], default="both",
                     help="train target then draft (both), or only one; 'draft' loads the saved target as teacher")
     ap.add_argument("--seed", type=int, default=0, help="seed for init, batch sampling and chat synthesis")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value (2 on an idle 2-core box; use 1 when the CPU is shared: oversubscribed OpenMP barriers made 2 threads 2x slower here)")
@@ -640,6 +692,11 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
     ap.add_argument("--bias-rate", type=float, default=1e-3,
                     help="glm4_moe: per-step change of the auxiliary-loss-free balancing bias (DeepSeek-V3's 0.001)")
+    ap.add_argument("--bias-update", choices=["sign", "proportional"], default="sign",
+                    help="glm4_moe: bias step = rate x sign(share error) (DeepSeek-V3) or rate x relative share error "
+                         "(clipped to [-8, 1]): over-chosen experts are pulled back in proportion")
+    ap.add_argument("--router-z-coef", type=float, default=0.0,
+                    help="glm4_moe: coefficient of the router z-loss, mean(logit^2), which keeps sigmoid scores graded")
     ap.add_argument("--sticky-cap", type=float, default=10.0, help="upper bound of the locality coefficient")
     ap.add_argument("--arch", choices=["glm4_moe", "qwen2_moe", "qwen3_moe"], default="qwen2_moe",
                     help="target architecture: qwen2_moe = v2 (shared expert + fine-grained routed experts, the "
@@ -715,7 +772,11 @@ def main(argv=None):
     ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoint saves")
     ap.add_argument("--bench-steps", type=int, default=5, help="steps timed to size a minute budget")
     ap.add_argument("--plot-only", action="store_true", help="redraw docs/embedded_loss.png from train_log.json and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.plot_only:
         write_log(json.load(open(LOG_JSON)))
         return
@@ -739,8 +800,10 @@ def main(argv=None):
     print(f"train tokens {len(train_ids)}  valid tokens {len(valid_ids)}  chat pool {len(pool)}", flush=True)
     resume = args.target_resume and args.stage in ("both", "target")
     log = json.load(open(LOG_JSON)) if os.path.exists(LOG_JSON) and (args.stage != "both" or resume) else {}
-    if resume and isinstance(log.get("target"), dict):  # keep how phase 1 was run
-        log["target"]["phase1_argv"] = log["target"].get("argv")
+    if resume and isinstance(log.get("target"), dict):  # keep how the earlier phases were run, in order
+        t = log["target"]
+        t["phases"] = (t.get("phases") or ([t["phase1_argv"]] if t.get("phase1_argv") else [])) + [t.get("argv")]
+        t["phase1_argv"] = t["phases"][0]
     log["args"] = vars(args)
     log["train_tokens"] = int(len(train_ids))
 
@@ -765,11 +828,12 @@ def main(argv=None):
                                  + (f" + shared expert, {args.balance}-batch balancing" if args.arch == "qwen2_moe" else "")
                                  + (" + shared expert, aux-loss-free bias balancing" if args.arch == "glm4_moe" else ""))
         log["target"]["argv"] = list(argv if argv is not None else sys.argv[1:])
+        log["target"]["args"] = vars(args)  # the model card reads the target's own settings from here
         print(f"target params {n:,}", flush=True)
         reg = None
         if args.arch == "glm4_moe":
             reg = BiasBalancer(target, args.bias_rate, args.sticky_target, args.sticky_coef, args.sticky_floor,
-                               args.sticky_cap)
+                               args.sticky_cap, update=args.bias_update, z_coef=args.router_z_coef)
         elif args.balance == "global":
             reg = RoutingRegulariser(tcfg.num_hidden_layers, tcfg.num_experts, tcfg.num_experts_per_tok, "global",
                                      args.aux_coef, args.balance_window, args.sticky_target, args.sticky_coef,
@@ -779,6 +843,19 @@ def main(argv=None):
                                                        args.chat_frac, args.seed + 1 + args.target_resume),
                   valid_batches, log, TARGET_DIR, args.target_steps, args.target_minutes, args.target_lr,
                   start_step=args.target_resume, regulariser=reg)
+    if args.calibrate_iters and args.stage in ("both", "target", "calibrate"):
+        model = target if args.stage != "calibrate" else AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32,
+                                                                                               experts_implementation=args.experts_impl)
+        model.eval()
+        hist = calibrate_bias(model, Batcher(train_ids, pool, args.seq_len, args.batch_size, args.chat_frac, args.seed + 5),
+                              args.calibrate_iters, args.calibrate_batches, args.calibrate_rate)
+        print(f"calibration: experts under 1/4 share per layer {hist[0]['experts_below_quarter_share']} -> "
+              f"{hist[-1]['experts_below_quarter_share']}", flush=True)
+        log.setdefault("target", {})["calibration"] = {"argv": list(argv if argv is not None else sys.argv[1:]),
+                                                       "iters": args.calibrate_iters, "batches": args.calibrate_batches,
+                                                       "rate": args.calibrate_rate, "history": hist}
+        save_model(model, TARGET_DIR, tok)
+        write_log(log)
     if args.stage in ("both", "draft"):
         teacher = None
         if args.distill_alpha > 0 or args.seqkd_seqs:
