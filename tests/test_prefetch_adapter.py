@@ -168,3 +168,22 @@ def test_selection_scores_rank_like_a_bias_corrected_router(tiny_ckpt) -> None:
             assert not torch.equal(plain.sort(-1).values, ids.sort(-1).values)
     finally:
         om.close()
+
+
+@torch.inference_mode()
+def test_slot_zero_is_the_first_choice_for_unsorted_routers(tiny_ckpt) -> None:
+    """glm4_moe's router returns its top-k unsorted; the first-choice rule and traces read slot 0 as the
+    expert with the largest gate, so the engine sorts what every router returns."""
+    from engine.experts.routing_bus import RoutingEvent
+
+    om = load_model(tiny_ckpt("glm4_moe"), EngineConfig())
+    seen: list[RoutingEvent] = []
+    unsubscribe = om.bus.subscribe(seen.append)
+    try:
+        om.model(input_ids=torch.randint(3, om.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5)))
+    finally:
+        unsubscribe()
+        om.close()
+    assert seen
+    for ev in seen:
+        assert bool((ev.weights[:, :-1] >= ev.weights[:, 1:]).all())

@@ -313,3 +313,16 @@ def test_replay_counts_exactly_the_engines_demand_loads(tiny_ckpt, fraction: flo
         # timing-dependent eviction in the threaded store, not yet tracked down); the replay is
         # deterministic and sits inside that spread.
         assert engine_loads > 0 and abs(sim.demand_loads - engine_loads) <= 0.01 * engine_loads
+
+
+def test_projection_ranks_a_biased_sigmoid_router_as_it_routes() -> None:
+    """glm4_moe-style traces carry the router's balancing bias: projected choices follow sigmoid + bias."""
+    tr = synthetic_trace(N=20, L=4, E=64, k=8)
+    bias = np.zeros((4, 64), np.float32)
+    bias[:, 50:60] = 5.0  # lifts experts 50..59 above any sigmoid score
+    tr["meta"] = {**tr["meta"], "score_bias": bias.tolist()}
+    pt = project_trace(tr, "qwen3-next-80b-a3b")
+    m = SHAPES["qwen3-next-80b-a3b"].experts // 64
+    parents = pt["ids"].astype(np.int64) // m
+    assert set(np.unique(parents).tolist()) == set(range(50, 60))
+    assert np.allclose(pt["weights"].sum(-1), 1.0, atol=1e-5)

@@ -28,6 +28,10 @@ class OffloadedMoeBlock(nn.Module):
         B, S, H = hidden_states.shape
         x = hidden_states.reshape(-1, H)  # [T, H]
         logits, weights, ids = self.adapter.route(self, x)  # [T, E], [T, k], [T, k]
+        # Policies, traces and predictors read slot 0 as the first choice. Softmax routers return their
+        # top-k sorted; DeepSeek-V3-style routers (glm4_moe, deepseek_v3) take topk(sorted=False), so sort here.
+        order = torch.argsort(weights, dim=1, descending=True, stable=True)
+        weights, ids = weights.gather(1, order), ids.gather(1, order)
         self.bus.publish(self.layer, x, logits, ids, weights)
         x_in, w_in = self.adapter.expert_inputs(x, weights)  # Llama 4 scales the input rows instead
         out = self.executor.run(self.layer, x_in, ids, w_in, logits)

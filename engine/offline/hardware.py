@@ -59,9 +59,11 @@ def _qwen3_30b_dense() -> float:
 
 SHAPES: dict[str, ModelShape] = {
     "embedded": ModelShape(
-        "embedded", layers=4, experts=64, top_k=8, hidden=256, moe_intermediate=64,
-        dense_params_per_layer=256 * 256 + 2 * 256 * 128 + 256 * 256 + 256 * 64, head_params=8192 * 256,
-        source="models/embedded/target/config.json (qwen3_moe, 4 heads x 64, 2 KV heads, tied embeddings)"),
+        "embedded", layers=4, experts=128, top_k=8, hidden=256, moe_intermediate=32, shared_experts=1,
+        # attention q, k, v, o + router + the shared expert (n_shared_experts 8 x moe_intermediate 32 = 256 wide)
+        dense_params_per_layer=256 * 256 + 2 * 256 * 128 + 256 * 256 + 256 * 128 + 3 * 256 * 256, head_params=8192 * 256,
+        source="models/embedded/target/config.json (glm4_moe, 4 heads x 64, 2 KV heads, shared expert 256 wide, "
+               "tied embeddings)"),
     "qwen3-30b-a3b": ModelShape(
         "qwen3-30b-a3b", layers=48, experts=128, top_k=8, hidden=2048, moe_intermediate=768,
         dense_params_per_layer=_qwen3_30b_dense(), head_params=151_936 * 2048,

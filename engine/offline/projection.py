@@ -1,6 +1,6 @@
 """Project a trace of the embedded model onto a real model's routing shape (`simulate --project-to`).
 
-The embedded model (4 MoE layers, 64 experts, top-8) is not Qwen3-30B-A3B (48 layers, 128
+The embedded model (4 MoE layers, 128 experts, top-8, one shared expert) is not Qwen3-30B-A3B (48 layers, 128
 experts, top-8) or Qwen3-Next-80B-A3B (48 layers, 512 experts, top-10, one shared expert). A
 projection keeps what the trace measures (which tokens reuse which experts, how the routing
 mass is spread, how it drifts with the text) and rescales the rest. What it assumes:
@@ -9,15 +9,16 @@ mass is spread, how it drifts with the text) and rescales the rest. What it assu
    independent draws below, so a 48-layer model sees 12 differently relabelled copies of each
    embedded layer. Cross-layer correlation beyond the 4 traced layers is not modelled.
 2. **Experts.** With E' = m·E experts, each embedded expert e is split into m children
-   e·m .. e·m + m-1 (m = 2 for Qwen3-30B, 8 for Qwen3-Next). A token routed to e goes to one
+   e·m .. e·m + m-1 (from the 128-expert embedded model: m = 1 for Qwen3-30B, 4 for Qwen3-Next). A token routed to e goes to one
    child drawn uniformly at random per (token, layer): a parent's demand spreads evenly over its
    children, so the chance that two consecutive tokens share an expert falls by about m, as it
    would for routing that is as close to uniform in the bigger model as in the embedded one.
    A real model with skewed, sticky routing (the seeds' Qwen3 models) reuses more: projected hit
    rates are a pessimistic estimate for such models.
-3. **Top-k.** k' experts per token: the k' best by the trace's router logits (k' = 10 needs a
-   trace recorded with `--logits`); gate weights are the softmax over those k' logits,
-   renormalized (Qwen3's norm_topk_prob). Without logits and k' <= k, the first k' ids and
+3. **Top-k.** k' experts per token: the k' best as the traced router ranks them (k' = 10 needs a
+   trace recorded with `--logits`): by logit, gate weights the softmax over those k' logits,
+   renormalized (Qwen3's norm_topk_prob); for a sigmoid router with a balancing bias (the trace's
+   meta has `score_bias`) by sigmoid + bias, gate weights the chosen sigmoid scores renormalized. Without logits and k' <= k, the first k' ids and
    their renormalized weights.
 4. **Shared experts** run on the fast device for every token: they are part of the shape's dense
    time per layer (engine/offline/hardware.py SHAPES), never offloaded.
@@ -51,9 +52,16 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
         if logits is None:
             raise ValueError(f"projecting top-{k} onto top-{kk} needs router logits: record the trace with `moe-offload trace --logits`")
         lg = logits[:, src_layers, :].astype(np.float32)  # [N, L', E]
-        top = np.argsort(-lg, axis=-1, kind="stable")[..., :kk].astype(np.int64)
-        tl = np.take_along_axis(lg, top, -1)
-        w = np.exp(tl - tl.max(-1, keepdims=True))
+        bias = trace["meta"].get("score_bias")
+        if bias is None:  # softmax router: rank the logits, gates = softmax over the chosen
+            top = np.argsort(-lg, axis=-1, kind="stable")[..., :kk].astype(np.int64)
+            tl = np.take_along_axis(lg, top, -1)
+            w = np.exp(tl - tl.max(-1, keepdims=True))
+        else:  # DeepSeek-V3-style: rank sigmoid + bias, gates = the chosen sigmoid scores renormalised
+            s = 1.0 / (1.0 + np.exp(-lg))
+            top = np.argsort(-(s + np.asarray(bias, np.float32)[src_layers][None]), axis=-1, kind="stable")[..., :kk]
+            top = top.astype(np.int64)
+            w = np.take_along_axis(s, top, -1)
     w = w / w.sum(-1, keepdims=True)
     rng = np.random.default_rng(seed)
     child = rng.integers(0, m, size=top.shape) if m > 1 else 0

@@ -6,7 +6,9 @@ Format (one .npz file, numpy's zip of arrays; load with `numpy.load(path)`):
   weights  [N, L, k] float32    their gate weights (as the model uses them)
   logits   [N, L, E] float16    full router logits (only with --logits)
   hidden   [N, L, H] float16    router input hidden state (only with --hidden; for learned prefetchers)
-  meta     0-d str              JSON: model dir, moe_layers, num_experts, top_k, window, expert_nbytes (bytes per expert in the checkpoint)
+  meta     0-d str              JSON: model dir, moe_layers, num_experts, top_k, window, expert_nbytes (bytes per expert in the checkpoint),
+                                and for routers that pick on sigmoid(logits) + a balancing bias (glm4_moe, deepseek_v3)
+                                score_bias [L][E], so logits can be re-ranked as the router ranks them
 Traces are recorded with the exact policy (fetch-all), one batched forward per window of
 `window` tokens, so routing is the model's own, independent of cache state.
 """
@@ -44,6 +46,11 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
     def stack(j: int) -> np.ndarray:
         return torch.stack([torch.cat([rec[j] for rec in per_layer[i]]) for i in range(len(index))], dim=1).numpy()
 
+    from engine.prefetch.training import moe_blocks
+
+    blocks = moe_blocks(om.model)
+    biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in om.moe_layers]
+    extra = {"score_bias": [b.cpu().tolist() for b in biases]} if all(b is not None for b in biases) else {}
     out = {
         "tokens": np.asarray(ids, dtype=np.int32),
         "ids": stack(0).astype(np.int16),
@@ -51,7 +58,7 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
         "meta": np.asarray(json.dumps({
             "model": portable_path(om.model_dir), "moe_layers": om.moe_layers, "num_experts": om.num_experts,
             "top_k": om.top_k, "window": window,
-            "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0),
+            "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0), **extra,
         })),
     }
     if logits:
