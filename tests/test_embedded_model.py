@@ -25,7 +25,10 @@ def active_flops_per_token(cfg: dict) -> float:
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     attn = H * hd * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
-    if "num_experts" in cfg:  # routed experts + router, + the shared expert and its gate (qwen2_moe)
+    if "n_routed_experts" in cfg:  # glm4_moe: routed experts + router + an ungated shared expert
+        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg["n_routed_experts"] * H
+        mlp += 3 * H * cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
+    elif "num_experts" in cfg:  # routed experts + router, + the shared expert and its gate (qwen2_moe)
         mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg["num_experts"] * H
         shared = cfg.get("shared_expert_intermediate_size") or 0
         mlp += (3 * H * shared + H) if shared else 0
@@ -35,14 +38,14 @@ def active_flops_per_token(cfg: dict) -> float:
 
 
 def test_target_config_and_size() -> None:
-    """v2 (issue 16): qwen2_moe, >= 128 fine-grained routed experts at top-8 plus a shared expert, >= 4 MoE layers, <= 40 MB."""
+    """v2 (issue 16): glm4_moe (DeepSeek-V3-style routing), >= 128 fine-grained routed experts at top-8 plus a
+    shared expert, every one of >= 4 layers sparse, <= 40 MB."""
     cfg = _cfg(EMBEDDED_TARGET)
-    assert cfg["model_type"] == "qwen2_moe"
-    moe_layers = [i for i in range(cfg["num_hidden_layers"]) if i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0]
-    assert len(moe_layers) >= 4
-    assert cfg["num_experts"] >= 128
+    assert cfg["model_type"] == "glm4_moe"
+    assert cfg["first_k_dense_replace"] == 0 and cfg["num_hidden_layers"] >= 4  # every layer is a MoE layer
+    assert cfg["n_routed_experts"] >= 128
     assert cfg["num_experts_per_tok"] == 8
-    assert cfg["shared_expert_intermediate_size"] > 0
+    assert cfg["n_shared_experts"] >= 1
     assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size <= 40_000_000
     assert "experts_implementation" not in cfg  # a training-speed choice, not part of the shipped model
 
@@ -129,7 +132,7 @@ def test_generate_without_model_uses_the_embedded_model() -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     cfg = _cfg(EMBEDDED_TARGET)
-    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["num_experts"]  # cache 1.0
+    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["n_routed_experts"]  # cache 1.0
 
 
 def test_target_logits_equal_under_the_training_kernel() -> None:

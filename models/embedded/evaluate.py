@@ -194,16 +194,15 @@ def cache_hit_rates(trace: dict, fraction: float, tokens: int) -> dict:
     router-trace simulator (engine.offline.simulator: one slot pool over all layers, the current
     layer's experts pinned, the engine's round-robin warm start) with the engine's own eviction
     objects.  Only residency matters for the hit rate; the hardware profile is a placeholder."""
-    from engine.experts.link import LinkSpec
-    from engine.offline.simulator import HardwareProfile, simulate
+    from engine.offline.hardware import costs_for
+    from engine.offline.simulator import SimSettings, Simulator
     from policies.registry import make_policies
 
-    hw = HardwareProfile(link=LinkSpec("placeholder", 1000.0, 0.0), expert_nbytes=1, layer_compute_s=0.0,
-                         expert_compute_s=0.0)
+    costs = costs_for("this-machine-disk", "embedded")  # only residency matters for the hit rate
     sub = {"ids": trace["ids"][:tokens], "weights": trace["weights"][:tokens], "meta": trace["meta"]}
     out = {"cache_fraction": fraction, "tokens": int(len(sub["ids"]))}
     for ev in ("lru", "frequency"):
-        r = simulate(sub, make_policies("fetch-all", eviction=ev), fraction, hw)
+        r = Simulator(sub, make_policies("fetch-all", eviction=ev), costs, SimSettings(cache_fraction=fraction)).run()
         out[f"fetch_all_hit_rate_{ev}"] = r.calls_hit / r.calls
     return out
 
@@ -414,10 +413,20 @@ def main(argv=None):
                          "(written to a temporary directory); e.g. 89e4190 for v1")
     ap.add_argument("--compare-label", default="v1", help="column name of the comparison pair in the card")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads value")
+    ap.add_argument("--card-only", action="store_true",
+                    help="rewrite README.md from the stored eval.json and train_log.json without measuring again")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.card_only:
+        res = json.load(open(os.path.join(HERE, "eval.json")))
+        log = json.load(open(os.path.join(HERE, "train_log.json")))
+        res["training"].update({n: {**res["training"][n], **{k: log.get(n, {}).get(k) for k in ("phases", "args", "calibration")}}
+                                for n in ("target", "draft")})
+        write_card(res, AutoModelForCausalLM.from_pretrained(TARGET_DIR), AutoModelForCausalLM.from_pretrained(DRAFT_DIR))
+        return
 
     t_start = time.time()
     tok = AutoTokenizer.from_pretrained(TARGET_DIR)
@@ -679,15 +688,36 @@ def write_card(res, target, draft):
                  f"of {ta.get('sticky_target')} and capped at {ta.get('sticky_cap')}. This is an explicit training "
                  "pressure, stated so that nobody mistakes the locality for an emergent property; coefficients, "
                  "overlaps and starved-expert counts per step are in `train_log.json` (`target.routing`).\n\n"
-                 "**Two phases, and why.** Steps 0–599 used DeepSeek-V3's update, ± a fixed step per optimiser step by "
-                 "the sign of the error (0.005 per step: DeepSeek's 0.001 is sized for ~10^5 steps, and at 0.001 every "
-                 "layer was still collapsed onto a few experts at step 50). It did not balance this model: the "
-                 "router's sigmoid scores saturate (a few experts score ≈ 1 for almost every token), a sign step "
-                 "pulls such a hog down no faster than it lifts each of the many starved experts, and at step 600 "
-                 "75 / 48 / 55 / 58 of the 128 experts per layer got under ¼ of the uniform share of the test text. "
-                 f"From step 600 the bias moved by {ta.get('bias_rate')} × the relative share error (clipped to "
-                 "[−8, 1]), so a hog chosen 5× its share is pulled back 4× as fast; training resumed from the "
-                 "step-600 checkpoint (fresh optimiser, warm-up again). Both command lines are in the rebuild section.\n\n"
+                 "**Four phases, and why** (each resumed from the previous phase's last checkpoint with a fresh "
+                 "optimiser and a short warm-up; the command lines, in order, are in the rebuild section; losses, "
+                 "overlaps, starved-expert counts and router z per step are in `train_log.json`):\n\n"
+                 "* steps 0–599, DeepSeek-V3's update: ± 0.005 per step by the sign of the share error (DeepSeek's "
+                 "0.001 is sized for ~10^5 steps; at 0.001 every layer was still collapsed onto a few experts at step "
+                 "50). It did not balance this model: through step 600 the least-used expert of every layer got no "
+                 "token of a 16-sequence training batch. A sign step pulls a hog down no faster than it lifts each of "
+                 "the many starved experts.\n"
+                 "* steps 600–799, proportional update (0.02 × the relative share error, clipped to [−8, 1]: a hog "
+                 "chosen 5× its share is pulled back 4× as fast). At step 750 still 15 / 46 / 27 / 20 experts per "
+                 "layer got under ¼ of their share of a training batch: the logits of layers 1–3 had drifted so "
+                 "negative that 78–86 % of sigmoid scores were below 0.01 (2,048 validation tokens), so the bias "
+                 "alone decided between near-zero scores and flipped whole experts on and off. Nothing anchors the "
+                 "logits' level (the renormalised gates and the locality term are nearly shift-invariant there).\n"
+                 "* steps 800–999, + a router z-loss (0.01 × mean logit²): 50 steps later the experts under ¼ share "
+                 "of a training batch were [11, 1, 0, 0] (a run with 0.001: [5, 19, 15, 7]); validation loss "
+                 "was the same with either coefficient. This phase was planned to step 1,300 but was stopped at the "
+                 "step-1,000 checkpoint when the shared machine slowed it from 2.2 to 7 s per step (page faults: it "
+                 "then ran with jemalloc keeping freed memory).\n"
+                 "* steps 1000–1299 at peak LR 0.001, locality coefficient capped at 1 instead of 3 (layer 0's had "
+                 "reached 3 while 23 of its experts starved in a batch).\n"
+                 + (f"* then the bias alone was re-estimated on training text with the weights frozen "
+                    f"({tr['target']['calibration']['iters']} iterations of {tr['target']['calibration']['batches']} "
+                    f"batches; experts under ¼ share per layer "
+                    f"{tr['target']['calibration']['history'][0]['experts_below_quarter_share']} → "
+                    f"{tr['target']['calibration']['history'][-1]['experts_below_quarter_share']}).\n"
+                    if tr["target"].get("calibration") else "")
+                 + "\nAlso tried, each stopped once the chosen branch was ahead: a locality cap of 0.5 in the first "
+                 "phase (validation loss within 0.01, lower overlap; stopped at step 600), a proportional rate of 0.05 "
+                 "(no better balanced than 0.02; stopped at step 700) and a z-loss of 0.001 (stopped at step 850).\n\n"
                  "**The other balancing method, tried first.** A `qwen2_moe` target of the same shape (128 experts I=32, "
                  "top-8, shared expert I=256) trained with Qwen3's global-batch balancing loss (counts over the "
                  "optimiser batch, a guard that raised the coefficient up to 50× while an expert starved, the same kind "
