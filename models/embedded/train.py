@@ -698,16 +698,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--router-z-coef", type=float, default=0.0,
                     help="glm4_moe: coefficient of the router z-loss, mean(logit^2), which keeps sigmoid scores graded")
     ap.add_argument("--sticky-cap", type=float, default=10.0, help="upper bound of the locality coefficient")
-    ap.add_argument("--arch", choices=["glm4_moe", "qwen2_moe", "qwen3_moe"], default="qwen2_moe",
-                    help="target architecture: qwen2_moe = v2 (shared expert + fine-grained routed experts, the "
-                         "default); qwen3_moe = v1 (64 experts, no shared expert; use with --num-experts 64 "
-                         "--moe-intermediate 64 --balance micro)")
+    ap.add_argument("--arch", choices=["glm4_moe", "qwen2_moe", "qwen3_moe"], default="glm4_moe",
+                    help="target architecture: glm4_moe = v2, the shipped one (DeepSeek-V3-style sigmoid router with "
+                         "bias balancing, shared expert, fine-grained routed experts; the default); qwen2_moe = the "
+                         "same shape with a softmax router and a balance loss (tried first, see the model card); "
+                         "qwen3_moe = v1 (use with --num-experts 64 --moe-intermediate 64 --balance micro)")
     ap.add_argument("--layers", type=int, default=4, help="target decoder layers (every one is a MoE layer)")
     ap.add_argument("--num-experts", type=int, default=128, help="routed experts per MoE layer of the target")
     ap.add_argument("--top-k", type=int, default=8, help="routed experts per token of the MoE target")
     ap.add_argument("--moe-intermediate", type=int, default=32, help="intermediate size of one routed expert")
     ap.add_argument("--shared-intermediate", type=int, default=256,
-                    help="intermediate size of the always-on shared expert (qwen2_moe only)")
+                    help="intermediate size of the always-on shared expert (glm4_moe: a multiple of --moe-intermediate)")
     ap.add_argument("--experts-impl", choices=["grouped_mm", "eager"], default="grouped_mm",
                     help="transformers experts kernel used while training: grouped_mm runs all experts of a layer in "
                          "one grouped matmul (about 1.6x faster per step here than eager's per-expert loop, same "
