@@ -95,7 +95,7 @@ def validate(run: Runner) -> list[dict]:
             sims = {c: run.tok_s(setting, pol_over, streams=n, acceptance=acc, request_tokens=32, **set_over) for c, (set_over, pol_over) in SPAC.items()}
             for r in spac:
                 if r["setting"] == setting and r["streams"] == n and r["config"] != "plain":
-                    add("spac", setting, n, r["config"], "plain", r["vs_plain"], sims[r["config"]], sims["plain"])
+                    add("spac", setting, n, r["config"], "plain", r["ratio"], sims[r["config"]], sims["plain"])
 
     for setting in ("cache 1.0 (ram)", "cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
         for n in (1, 8):
@@ -105,7 +105,7 @@ def validate(run: Runner) -> list[dict]:
                 sims[c] = run.tok_s(setting, streams=n, acceptance=Acceptance(tuple(acc) or (0.0,)), request_tokens=32, **over)
             for r in spec_rows:
                 if r["setting"] == setting and r["streams"] == n and r["config"] in SPEC and r["config"] != "off":
-                    add("speculative", setting, n, r["config"], "off", r["vs_off"], sims[r["config"]], sims["off"])
+                    add("speculative", setting, n, r["config"], "off", r["ratio"], sims[r["config"]], sims["off"])
 
     conc = json.loads((DOCS / "concurrency.json").read_text())["rows"]
     for setting in ("cache 1.0 (ram)", "cache 0.25 (disk)", "cache 0.25 (disk + hdd)"):
