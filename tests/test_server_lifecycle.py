@@ -23,7 +23,10 @@ def _events(r: httpx.Response) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
-    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--api-key", "k1", "--api-key", "k2", "--max-running", "1", "--max-queue", "0"]
+    # Behind the emulated hdd link (8 ms per expert load) the long request takes seconds, so it still holds the
+    # only slot when the second request arrives; on the RAM tier a loaded CI machine could finish it first.
+    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--api-key", "k1", "--api-key", "k2", "--max-running", "1",
+            "--max-queue", "0", "--cache-fraction", "0.25", "--offload", "disk", "--link", "hdd"]
     with serve(args, tmp_path / "log") as srv:
         assert httpx.get(srv.base_url + "/health").status_code == 200  # public
         assert httpx.get(srv.base_url + "/metrics").status_code == 200  # public
