@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.prefetch.adapter import RouterAdapter, router_fingerprint
+from engine.weights.moe_hook import router_ranking
 
 
 @dataclass
@@ -42,7 +43,7 @@ class AdapterData:
 
     def ranked(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
         """What the next layer's router ranks, for (predicted) logits [T, E] of anchor `anchor`."""
-        return logits if self.score_bias is None else torch.sigmoid(logits) + self.score_bias[anchor]
+        return router_ranking(logits, None if self.score_bias is None else self.score_bias[anchor])
 
 
 def moe_blocks(model: torch.nn.Module) -> dict[int, OffloadedMoeBlock]:

@@ -74,6 +74,12 @@ def find_moe_sites(model: nn.Module) -> list[MoeSite]:
     return sites
 
 
+def router_ranking(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The scores a router ranks to pick its top-k: the logits themselves, or for a DeepSeek-V3-style
+    router with a balancing bias [E], sigmoid(logits) + bias."""
+    return logits if bias is None else torch.sigmoid(logits.float()) + bias
+
+
 class BlockAdapter:
     """How a sparse block routes, adds its dense parts and returns. The generic case."""
 
@@ -114,8 +120,7 @@ class BlockAdapter:
         auxiliary-loss-free balancing trains; ranking their raw logits would miss every expert
         the bias lifts.
         """
-        bias = self.selection_bias(block)
-        return logits if bias is None else torch.sigmoid(logits.float()) + bias
+        return router_ranking(logits, self.selection_bias(block))
 
     def selection_bias(self, block: nn.Module) -> torch.Tensor | None:
         """The per-expert correction bias [E] of a DeepSeek-V3-style router (float32), or None."""
