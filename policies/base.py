@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 DROPPED = -1  # expert id of a row slot that runs nothing (its gate mass was dropped)
@@ -87,6 +88,12 @@ class AdmissionPolicy(ABC):
         """
 
 
+def as_set(candidates: Iterable[Hashable]) -> AbstractSet[Hashable]:
+    """Eviction candidates that answer `in` quickly: sets, and the store's live view of its
+    evictable residents, as they are; anything else is copied into a set."""
+    return candidates if isinstance(candidates, AbstractSet) else set(candidates)
+
+
 class EvictionPolicy(ABC):
     """Chooses which resident expert leaves the fast tier. Keys are opaque hashables.
 
@@ -104,6 +111,10 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def on_remove(self, key: Hashable) -> None: ...
+
+    def on_layer(self, layer: int) -> None:
+        """An MoE layer (model layer index) starts planning: policies that know the forward's
+        layer order (reuse distance) track where in it the engine is. Default: ignored."""
 
     def forget(self, key: Hashable) -> None:
         """A requested load was cancelled or failed before the expert was ever resident: drop it

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-from policies.base import EvictionPolicy
+from policies.base import EvictionPolicy, as_set
 
 
 class LRUEviction(EvictionPolicy):
@@ -25,7 +25,7 @@ class LRUEviction(EvictionPolicy):
         self._order.pop(key, None)
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
-        allowed = set(candidates)
+        allowed = as_set(candidates)  # the store passes a live view: no copy of every resident
         for key in self._order:  # oldest first
             if key in allowed:
                 return key

@@ -12,6 +12,7 @@ from policies.base import AdmissionPolicy, EvictionPolicy, MissPolicy, Substitut
 from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
+from policies.reuse_distance import ReuseDistanceEviction
 from policies.substitute import BestResident, DropRenormalize
 from policies.utility import UtilityEviction
 
@@ -22,7 +23,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "speed-first": ("first-choice", "frequency", "background"),
 }
 POLICY_NAMES = MISS_RULES + tuple(PRESETS)
-EVICTIONS = ("lru", "frequency", "utility")
+EVICTIONS = ("lru", "frequency", "utility", "reuse")
 ADMISSIONS = ("none", "background")
 SUBSTITUTES = ("best-resident", "drop")
 
@@ -57,6 +58,8 @@ def make_eviction(name: str, decay: float = 0.999) -> EvictionPolicy:
     name = _pick("eviction policy", name, EVICTIONS)
     if name == "utility":
         return UtilityEviction()  # the loader binds it to the model's utility estimator
+    if name == "reuse":
+        return ReuseDistanceEviction()  # the loader binds it to the model's MoE layer order
     return LRUEviction() if name == "lru" else FrequencyEviction(decay)
 
 
@@ -75,7 +78,9 @@ def make_policies(
 ) -> PolicyBundle:
     """Build the miss, eviction and admission policies; None means the preset's (or plain) default."""
     _pick("miss policy", policy, POLICY_NAMES)
-    default_evict, default_admit = PRESETS[policy][1:] if policy in PRESETS else ("lru", "none")
+    # Plain policies evict by predicted reuse distance: as good as LRU for one stream, and it
+    # does not thrash when concurrent streams need more experts a step than the tier holds.
+    default_evict, default_admit = PRESETS[policy][1:] if policy in PRESETS else ("reuse", "none")
     return PolicyBundle(
         miss=make_miss_policy(policy, substitute, threshold),
         eviction=make_eviction(eviction or default_evict, decay),

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from engine.config import EngineConfig
+from engine.offline.belady import flatten, min_loads
 from engine.offline.hardware import SHAPES, ProfileError, check_sources, costs_for, list_profiles, load_profile
 from engine.offline.projection import project_trace
 from engine.offline.simulator import Acceptance, OraclePredictor, SimSettings, Simulator, manual_costs, simulate
@@ -84,8 +85,17 @@ def lru_reference_loads(trace: dict, n_slots: int) -> int:
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_fetch_all_replay_counts_exactly_the_loads_of_an_lru_store(fraction: float) -> None:
     tr = synthetic_trace(N=300, L=3, E=16, k=4, seed=3)
-    r = run("fetch-all", fraction=fraction, trace=tr)
+    r = run("fetch-all", fraction=fraction, trace=tr, eviction="lru")
     assert r["demand_loads"] == lru_reference_loads(tr, round(fraction * 3 * 16))
+
+
+def test_reuse_eviction_replay_lies_between_belady_and_lru() -> None:
+    tr = synthetic_trace(N=300, L=3, E=16, k=4, seed=3)
+    n_slots = round(0.25 * 3 * 16)
+    accesses = [[layer * 16 + int(e) for e in tr["ids"][t, layer]] for t in range(300) for layer in range(3)]
+    bound = min_loads(flatten(accesses), n_slots)
+    ours = run("fetch-all", trace=tr, eviction="reuse")["demand_loads"]
+    assert bound <= ours <= lru_reference_loads(tr, n_slots)
 
 
 def test_substitution_trades_fetches_for_mass() -> None:

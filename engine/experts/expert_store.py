@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from types import TracebackType
 
@@ -30,6 +32,30 @@ from policies.base import EvictionPolicy
 class SlotState(Enum):
     LOADING = "loading"
     RESIDENT = "resident"
+
+
+class EvictableView(AbstractSet[int]):
+    """The residents an eviction may take right now (resident, unpinned, protected or not as
+    asked), as a live view over the store: a policy that walks its own order (LRU, reuse
+    distance) asks `key in view` for a few keys instead of the store listing every resident
+    for each eviction. Read under the store's lock, like everything else here."""
+
+    def __init__(self, store: ExpertStore, protected: bool) -> None:
+        self._store, self._protected = store, protected
+
+    def __contains__(self, key: object) -> bool:
+        st = self._store
+        return (st._state.get(key) is SlotState.RESIDENT and key not in st._pins  # type: ignore[arg-type]
+                and (key in st._protected) == self._protected)
+
+    def __iter__(self) -> Iterator[int]:
+        return (k for k in list(self._store._state) if k in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return any(True for _ in self)  # stops at the first evictable expert
 
 
 class ExpertLease:
@@ -177,6 +203,11 @@ class ExpertStore:
         with self.lock:
             self._protected[key] = self._clock + self.protect_ticks
 
+    def begin_layer(self, layer: int) -> None:
+        """An MoE layer starts planning: the eviction policy learns where the forward is."""
+        with self.lock:
+            self.eviction.on_layer(layer)
+
     def tick(self) -> None:
         """One MoE layer ran: expire protections that were never used (wasted prefetches)."""
         with self.lock:
@@ -240,9 +271,8 @@ class ExpertStore:
                 del self._state[key]
                 self.eviction.forget(key)
 
-    def _evictable(self, protected: bool) -> list[int]:
-        return [k for k, s in self._state.items()
-                if s is SlotState.RESIDENT and k not in self._pins and (k in self._protected) == protected]
+    def _evictable(self, protected: bool) -> EvictableView:
+        return EvictableView(self, protected)
 
     def _drop(self, key: int) -> None:
         self._free.append(self._slot_of.pop(key))

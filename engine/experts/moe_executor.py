@@ -86,6 +86,7 @@ class MoeExecutor:
         logit_rows = logits.tolist() if self.policy.needs_logits else None
         if self.settle_background:
             self.transfers.settle(layer)
+        self.store.begin_layer(layer)
         with self.store.lease() as lease:
             # Plan and pin under the store lock: no thread can evict an expert between the
             # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.

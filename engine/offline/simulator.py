@@ -47,6 +47,7 @@ from policies.adaptive_k import AdaptiveK
 from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED
 from policies.registry import PolicyBundle
+from policies.reuse_distance import ReuseDistanceEviction
 from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 
 # Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
@@ -283,6 +284,8 @@ class Simulator:
         self.utility = SpeculativeUtilityEstimator(self.E) if wants_utility else None
         if isinstance(policies.eviction, UtilityEviction) and policies.eviction.estimator is None:
             policies.eviction.estimator = self.utility  # as the loader binds it
+        if isinstance(policies.eviction, ReuseDistanceEviction):
+            policies.eviction.bind(range(self.L), self.E)  # trace layers are MoE layer positions
         self.link = SimLink(costs, costs.transfer_workers)
         self.cpu_free_at = [0.0] * costs.cpu_workers
         self.rng = random.Random(settings.seed)
@@ -375,6 +378,7 @@ class Simulator:
         now = self.clock + c.d(T, requests) + self.bg_cpu_s
         self.bg_cpu_s = 0.0
         self._advance(now)
+        cache.ev.on_layer(li)
         is_res = lambda e: ready_at.get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
         exp = [self.ids[t][li] for t in rows]
         logits = [self.logits[t, li].tolist() for t in rows] if pol.miss.needs_logits else None
