@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.core.scheduler import SeqWork, StepPlan
+from engine.spec.lean_dense import LeanDenseModel, LeanKVCache
 from engine.spec.proposals import ProposerBase, history, with_drafts
 from engine.worker.loader import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
@@ -27,9 +28,13 @@ class DraftProposer(ProposerBase):
     def __init__(self, draft: LoadedModel, k, stats) -> None:
         super().__init__(k, stats)
         self.draft = draft
-        self.runner = ModelRunner(draft)
+        # The lean forward where the draft's architecture allows it (engine/spec/lean_dense.py):
+        # a draft step must cost little next to a target step, and transformers' module calls
+        # are most of a small draft's time. Same contract as ModelRunner.forward.
+        self.lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None
+        self.forward = self.lean.forward if self.lean is not None else ModelRunner(draft).forward
         self.eos_ids = sorted(draft.eos_token_ids)
-        self.caches: dict[str, DynamicCache] = {}
+        self.caches: dict[str, DynamicCache | LeanKVCache] = {}
         self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
         self.generators: dict[str, torch.Generator | None] = {}
 
@@ -49,12 +54,16 @@ class DraftProposer(ProposerBase):
         for _, w, _ in active:
             rid, full = w.request_id, history(w)
             if rid not in self.caches:
-                self.caches[rid] = DynamicCache(config=self.draft.config)
+                self.caches[rid] = self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.draft.config)
                 self.fed[rid] = []
                 self.generators[rid] = _draft_generator(w, self.draft.device)
             # Only the last window's proposals can disagree with the confirmed tokens: compare the tail.
             keep = _common_prefix(self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1))
-            truncate_cache(self.caches[rid], keep)  # drop the rejected tail of the last window
+            cache = self.caches[rid]  # drop the rejected tail of the last window
+            if isinstance(cache, LeanKVCache):
+                cache.crop(keep)
+            else:
+                truncate_cache(cache, keep)
             windows.append(full[keep:])
             starts.append(keep)
             caches.append(self.caches[rid])
@@ -62,7 +71,7 @@ class DraftProposer(ProposerBase):
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))
-        logits = self.runner.forward(windows, starts, caches, [[len(win) - 1] for win in windows])
+        logits = self.forward(windows, starts, caches, [[len(win) - 1] for win in windows])
         for step in range(max(k for _, _, k in active)):
             for j, lg in zip(live, logits):
                 _, w, _ = active[j]
@@ -75,7 +84,7 @@ class DraftProposer(ProposerBase):
                 break
             # Feed the tokens just proposed, one row per still-speculating request.
             rids = [active[j][1].request_id for j in live]
-            logits = self.runner.forward([[drafts[j][-1]] for j in live], [len(self.fed[r]) for r in rids],
+            logits = self.forward([[drafts[j][-1]] for j in live], [len(self.fed[r]) for r in rids],
                                          [self.caches[r] for r in rids], [[0]] * len(live))
             for r, j in zip(rids, live):
                 self.fed[r] = self.fed[r] + [drafts[j][-1]]
