@@ -47,11 +47,19 @@ class AdaptiveK:
     # step costs nothing against plain decoding): the row cost differs a lot between a model in
     # memory and one behind a slow link, so the constant above is only a start.
     _plain_step: dict[int, float] = field(default_factory=dict)
+    # A plain step's time goes stale once every request speculates (the cache, the machine's load
+    # and the text all move): every `refresh_every` speculative steps at a batch size, one step
+    # decodes plainly to measure it again (about 3 % of steps; it costs that step's speed-up).
+    refresh_every: int = 32
+    _since_plain: dict[int, int] = field(default_factory=dict)
     _batch: int = 0  # decode windows in the step being planned (0: unknown, no calibration)
+    _measure_plain: bool = False  # this step decodes plainly to (re)measure _plain_step
 
     def begin_step(self, batch: int) -> None:
         """The proposer is planning a step with `batch` decode windows (0: a step with a prefill)."""
         self._batch = batch
+        self._measure_plain = bool(self.adaptive and batch and (
+            batch not in self._plain_step or self._since_plain.get(batch, 0) >= self.refresh_every))
 
     def observe_step(self, batch: int, extra_rows: int, seconds: float) -> None:
         """A step of `batch` decode windows carried `extra_rows` proposals and took `seconds`."""
@@ -59,8 +67,13 @@ class AdaptiveK:
             return
         plain = self._plain_step.get(batch)
         if extra_rows == 0:
-            self._plain_step[batch] = seconds if plain is None else self.decay * plain + (1.0 - self.decay) * seconds
+            # Down at once, up slowly: the first plain step after a prefill pays for a cold cache
+            # (at cache 0.25 with 8 streams, twice a later step), and a baseline that is too slow
+            # makes speculation look better than it is.
+            self._plain_step[batch] = seconds if plain is None or seconds < plain else self.decay * plain + (1.0 - self.decay) * seconds
+            self._since_plain[batch] = 0
         elif plain is not None:
+            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
             # One more row, as a fraction of one request's share of a plain step.
             v = (seconds - plain) / extra_rows / (plain / batch)
             self.observe_costs(None, min(max(v, 0.0), 5.0))
@@ -76,8 +89,8 @@ class AdaptiveK:
     def k_for(self, request_id: str) -> int:
         if not self.adaptive:
             return self.k_max
-        if self._batch and self._batch not in self._plain_step:
-            return 0  # measure a plain step at this batch size first (see _plain_step)
+        if self._measure_plain:
+            return 0  # this step measures plain decoding at this batch size (see _plain_step)
         st = self._states.setdefault(request_id, _State(self.start_rate))
         k = self.best_k(st.rate)
         if k == 0:
@@ -94,6 +107,14 @@ class AdaptiveK:
         # (or `proposed` when all were accepted); its per-token rate estimate:
         trials = min(proposed, accepted + 1)
         st.rate = self.decay * st.rate + (1.0 - self.decay) * (accepted / trials)
+
+    def observe_proposal_time(self, batch: int, seconds_per_token: float, step_seconds: float) -> None:
+        """Proposing one token for the whole batch took `seconds_per_token`. As a fraction of a
+        plain step at this batch size (what the cost model counts in), or of the verification
+        step that followed when no plain step is known yet (an underestimate: that step is longer)."""
+        base = self._plain_step.get(batch) or step_seconds
+        if base > 0:
+            self.observe_costs(seconds_per_token / base, None)
 
     def observe_costs(self, proposal_cost: float | None, row_cost: float | None) -> None:
         """Measured costs (fractions of a plain target step), folded into moving averages."""

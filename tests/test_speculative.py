@@ -244,6 +244,7 @@ def test_adaptive_k_measures_the_row_cost() -> None:
     k.begin_step(1)
     assert k.k_for("r") == 0  # no plain step measured at batch 1 yet: decode plainly once
     k.observe_step(1, 0, 0.010)
+    k.begin_step(1)
     assert k.k_for("r") >= 1
     for _ in range(12):
         k.observe_step(1, 2, 0.030)  # 2 extra rows cost 2 plain steps: v = 1.0
@@ -251,3 +252,23 @@ def test_adaptive_k_measures_the_row_cost() -> None:
     assert k.best_k(0.6) == 0  # 60 % acceptance does not pay for rows that expensive
     k.begin_step(8)
     assert k.k_for("r") == 0  # a new batch size is measured again
+
+
+def test_adaptive_k_keeps_its_plain_baseline_fresh() -> None:
+    k = AdaptiveK(k_max=4, row_cost=0.1, refresh_every=5)
+    k.begin_step(2)
+    k.observe_step(2, 0, 0.040)  # the first plain step after a prefill: cold, slow
+    k.observe_step(2, 0, 0.020)
+    assert k._plain_step[2] == 0.020  # a faster plain step replaces the baseline at once
+    k.observe_step(2, 0, 0.030)
+    assert 0.020 < k._plain_step[2] < 0.030  # a slower one moves it only part of the way
+    plain_steps = []
+    for _ in range(12):
+        k.begin_step(2)
+        ks = k.k_for("a"), k.k_for("b")
+        plain_steps.append(ks == (0, 0))
+        k.observe_step(2, 0 if ks == (0, 0) else sum(ks), 0.025)
+    assert plain_steps.count(True) == 2  # one plain step after every 5 speculative ones
+    k.observe_proposal_time(2, 0.005, step_seconds=0.050)
+    # Measured against the plain step, not the longer verification step that followed.
+    assert k.proposal_cost == pytest.approx((1 - k.decay) * 0.005 / k._plain_step[2])

@@ -66,9 +66,9 @@ class ProposerBase:
         deepest = max((w.num_draft for w in plan.work), default=0)
         self.k.observe_step(_decode_batch(plan), sum(w.num_draft for w in plan.work), out.seconds)
         if deepest and out.seconds > 0:
-            # Proposing runs `deepest` sequential draft steps for the whole batch: one of them,
-            # against the target's (verification) step, is the cost of one more proposed token.
-            self.k.observe_costs(self._propose_s / deepest / out.seconds, None)
+            # Proposing runs `deepest` sequential draft steps for the whole batch: one of them is
+            # the cost of one more proposed token.
+            self.k.observe_proposal_time(_decode_batch(plan), self._propose_s / deepest, out.seconds)
         for w in plan.work:
             res: SeqResult | None = out.results.get(w.request_id)
             if w.num_draft == 0 or res is None or res.error is not None:
