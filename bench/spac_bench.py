@@ -6,6 +6,7 @@ Settings: cache 0.25 with the experts on disk, and the same behind an emulated l
 see bench/spac_gpu.sh).
 Configurations (all exact except the last):
   plain              no speculation, fetch-all, LRU eviction (the baseline)
+  plain reuse        the same with reuse-distance eviction (the engine's default for fetch-all)
   spec               speculative decoding (the draft, adaptive k <= 4), LRU
   spec+utility       + utility prefetch and utility eviction
   spec+utility+cpu   + CPU-run experts chosen by the workload balancer (on a CPU-only box the
@@ -36,8 +37,9 @@ from models import EMBEDDED_TARGET
 SPEC = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=True)
 UTILITY = dict(prefetch="utility", eviction="utility")
 CONFIGS: dict[str, tuple[SpecConfig, dict]] = {
-    "plain": (SpecConfig(speculative="off"), {}),
-    "spec": (SPEC, {}),
+    "plain": (SpecConfig(speculative="off"), {"eviction": "lru"}),
+    "plain reuse": (SpecConfig(speculative="off"), {}),
+    "spec": (SPEC, {"eviction": "lru"}),
     "spec+utility": (SPEC, UTILITY),
     "spec+utility+cpu": (SPEC, {**UTILITY, "cpu_experts": "auto"}),
     "spec+utility+cpu speed-first": (SPEC, {**UTILITY, "cpu_experts": "auto", "policy": "speed-first"}),

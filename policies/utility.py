@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from policies.base import EvictionPolicy
+from policies.reuse_distance import ReuseDistanceEviction
 
 NUM_LEVELS = 4  # K + 1: levels 0 (cold) .. 3 (hot)
 PATIENCE = 2  # consecutive windows a change must persist before a level moves
@@ -133,27 +134,33 @@ class SpeculativeUtilityEstimator:
 
 
 class UtilityEviction(EvictionPolicy):
-    """Evict the resident expert with the lowest utility level; among equals, the least
-    recently used. Keys are `layer * num_experts + expert` (the store's keys)."""
+    """Evict the resident expert with the lowest utility level; among equals, the one whose next
+    use is predicted farthest (reuse distance, policies/reuse_distance.py: the layer order and how
+    regularly it is used). Keys are `layer * num_experts + expert` (the store's keys)."""
 
     name = "utility"
 
     def __init__(self, estimator: SpeculativeUtilityEstimator | None = None) -> None:
         self.estimator = estimator  # bound by the loader to the model's one estimator
-        self._clock = 0
-        self._last: dict[Hashable, int] = {}
+        self.ties = ReuseDistanceEviction()  # bound by the loader to the model's MoE layer order
+
+    def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:
+        self.ties.bind(moe_layers, num_experts)
+
+    def on_layer(self, layer: int) -> None:
+        self.ties.on_layer(layer)
 
     def on_insert(self, key: Hashable) -> None:
-        self._clock += 1
-        self._last[key] = self._clock
+        self.ties.on_insert(key)
 
     def on_access(self, key: Hashable) -> None:
-        if key in self._last:
-            self._clock += 1
-            self._last[key] = self._clock
+        self.ties.on_access(key)
 
     def on_remove(self, key: Hashable) -> None:
-        self._last.pop(key, None)
+        self.ties.on_remove(key)
+
+    def forget(self, key: Hashable) -> None:
+        self.ties.forget(key)
 
     def utility(self, key: Hashable) -> int:
         if self.estimator is None:
@@ -162,4 +169,9 @@ class UtilityEviction(EvictionPolicy):
         return self.estimator.level(layer, expert)
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
-        return min(candidates, key=lambda k: (self.utility(k), self._last.get(k, 0)), default=None)
+        lowest: dict[int, set[Hashable]] = {}
+        for key in candidates:
+            lowest.setdefault(self.utility(key), set()).add(key)
+        if not lowest:
+            return None
+        return self.ties.victim(lowest[min(lowest)])

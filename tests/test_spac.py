@@ -90,14 +90,17 @@ def test_rejected_rows_count_less_than_accepted_ones() -> None:
     assert est.level(0, 7) < accepted.level(0, 7)
 
 
-def test_utility_eviction_takes_the_coldest_then_the_least_recent() -> None:
+def test_utility_eviction_takes_the_coldest_then_the_farthest_reuse() -> None:
     est = _calibrated()
     ev = UtilityEviction(est)
+    ev.bind([0], est.num_experts)
+    ev.on_layer(0)
     for key in (3, 0, 5, 6):  # layer 0: 3 is hot, 0 is warm, 5 and 6 are cold
         ev.on_insert(key)
-    assert ev.victim([3, 0, 5, 6]) == 5
-    ev.on_access(5)
-    assert ev.victim([3, 0, 5, 6]) == 6
+    ev.on_layer(0)
+    ev.on_access(5)  # 5 is used again in the next forward, 6 is not
+    assert ev.victim([3, 0, 5, 6]) == 6  # the cold ones first; of them, the one used less regularly
+    assert ev.victim([3, 0, 5]) == 5  # a cold expert goes before a warm one, however regular
     assert ev.victim([3, 0]) == 0
 
 

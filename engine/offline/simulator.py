@@ -284,7 +284,7 @@ class Simulator:
         self.utility = SpeculativeUtilityEstimator(self.E) if wants_utility else None
         if isinstance(policies.eviction, UtilityEviction) and policies.eviction.estimator is None:
             policies.eviction.estimator = self.utility  # as the loader binds it
-        if isinstance(policies.eviction, ReuseDistanceEviction):
+        if isinstance(policies.eviction, (ReuseDistanceEviction, UtilityEviction)):
             policies.eviction.bind(range(self.L), self.E)  # trace layers are MoE layer positions
         self.link = SimLink(costs, costs.transfer_workers)
         self.cpu_free_at = [0.0] * costs.cpu_workers
