@@ -1,0 +1,240 @@
+"""Decode speed against peers on one checkpoint, side by side: transformers, this engine, llama.cpp.
+
+Systems, all on the same random qwen3_moe checkpoint (built here once; weights cannot be downloaded):
+  - transformers `generate`, f32 (the reference every ratio is also given against);
+  - this engine at cache 1.0 (f32 and bf16; every expert resident) and at cache 0.25 reading experts from
+    disk (f32, uncached I/O);
+  - llama.cpp's `llama-bench` at f32, bf16 and Q8_0, the GGUF files converted from the same checkpoint with
+    llama.cpp's own `convert_hf_to_gguf.py`.
+Each system decodes `--tokens` greedy tokens after a short prompt; prefill is excluded everywhere (llama-bench
+`-p 0 -n N`). Every cell runs at each of `--threads` (default 1 and 2) once per round; rounds are interleaved
+after a warm-up round and the report gives medians and per-round ratios. On a shared machine thread scaling can
+be erratic (llama-bench bf16 was once measured 25x slower at 2 threads than at 1); the report warns when a
+system's 2-thread figure is not above its 1-thread one.
+
+llama.cpp is found or built: `--llama-cpp DIR` (a llama.cpp source tree with build/bin/llama-bench), else
+WORK/llama.cpp, built here from the source that the llama-cpp-python sdist on PyPI vendors:
+    pip download --no-deps --no-binary :all: llama-cpp-python
+    tar xzf llama_cpp_python-*.tar.gz; cd llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-bench -j
+(about 5-15 minutes on 2 cores). Where that fails (no compiler, no network), the llama.cpp rows are skipped with
+a one-line reason. The converter does not know this checkpoint's small BPE tokenizer; it is run with unknown
+pre-tokenizers mapped to "gpt-2", which changes nothing about the weights or the decode speed.
+
+    python -m bench.peers --shape mid --out docs/benchmarks/peers.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import write_report
+from engine.config import EngineConfig
+from engine.core.completion import generate
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
+
+# The mid-size shape of issue 15's first measurement (843M parameters there; ours has the tiny tokenizer's
+# 256-token vocabulary, so a few million fewer) and a tiny one where per-call overhead dominates.
+SHAPES: dict[str, dict[str, int]] = {
+    "mid": dict(num_layers=8, hidden=1024, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                intermediate_size=2048, head_dim=128),
+    "tiny": dict(num_layers=4, hidden=256, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
+                 intermediate_size=512, head_dim=64),
+}
+GGUF_TYPES = ("f32", "bf16", "q8_0")
+ENGINE_CELLS: dict[str, EngineConfig] = {
+    "engine cache 1.0 f32": EngineConfig(cache_fraction=1.0, dtype="float32"),
+    "engine cache 1.0 bf16": EngineConfig(cache_fraction=1.0, dtype="bfloat16"),
+    "engine cache 0.25 disk f32": EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"),
+}
+# Runs the converter with unknown BPE pre-tokenizers mapped to gpt-2 (see the docstring).
+CONVERT = """
+import importlib.util, pathlib, sys
+conv = sys.argv[1]
+sys.path.insert(0, str(pathlib.Path(conv).parent))
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", conv)
+mod = importlib.util.module_from_spec(spec); sys.modules["convert_hf_to_gguf"] = mod; spec.loader.exec_module(mod)
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = [conv] + sys.argv[2:]
+mod.main()
+"""
+
+
+def checkpoint(work: Path, shape: str) -> Path:
+    """The random checkpoint of `shape`, built once under `work`."""
+    from models.tiny import make_tiny_checkpoint
+
+    path = work / shape
+    if not (path / "config.json").exists():
+        print(f"building the random {shape} checkpoint in {path} ...", flush=True)
+        make_tiny_checkpoint(path, "qwen3_moe", max_shard_size="2GB", **SHAPES[shape])
+    return path
+
+
+# -- llama.cpp -----------------------------------------------------------------------------
+def find_llama_cpp(work: Path, explicit: Path | None) -> tuple[Path | None, str]:
+    """A llama.cpp source tree with build/bin/llama-bench (building one if needed), or None and why not."""
+    if explicit is not None:
+        return (explicit, "") if (explicit / "build/bin/llama-bench").exists() else (None, f"--llama-cpp {explicit}: no build/bin/llama-bench there")
+    found = sorted(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    if found and (found[-1] / "build/bin/llama-bench").exists():
+        return found[-1], ""
+    if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
+        return None, "llama.cpp skipped: building it needs cmake and a C++ compiler (apt-get install cmake g++)"
+    try:
+        if not found:
+            print("downloading the llama-cpp-python sdist (it vendors llama.cpp) ...", flush=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "llama-cpp-python",
+                            "-d", str(work)], check=True, capture_output=True, timeout=600)
+            sdist = sorted(work.glob("llama_cpp_python-*.tar.gz"))[-1]
+            with tarfile.open(sdist) as tar:
+                tar.extractall(work, filter="data")
+            found = sorted(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        src = found[-1]
+        print(f"building llama-bench in {src} (several minutes) ...", flush=True)
+        subprocess.run(["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=src, check=True,
+                       capture_output=True, timeout=600)
+        subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "-j"], cwd=src, check=True,
+                       capture_output=True, timeout=3600)
+        return src, ""
+    except (subprocess.SubprocessError, OSError, IndexError) as e:
+        return None, f"llama.cpp skipped: could not download or build it ({type(e).__name__}); pass --llama-cpp DIR to use a built tree"
+
+
+def convert(src: Path, ckpt: Path, outtype: str) -> Path:
+    out = ckpt.parent / f"{ckpt.name}-{outtype}.gguf"
+    if not out.exists():
+        print(f"converting {ckpt.name} to {out.name} with llama.cpp's converter ...", flush=True)
+        subprocess.run([sys.executable, "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", outtype,
+                        "--outfile", str(out)], check=True, capture_output=True, timeout=3600)
+    return out
+
+
+def llama_bench_tps(src: Path, gguf: Path, tokens: int, threads: int) -> float:
+    """Decode tok/s of one llama-bench run (-p 0: no prompt, -n N generated tokens, one repetition)."""
+    res = subprocess.run([str(src / "build/bin/llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True, timeout=1800)
+    return float(json.loads(res.stdout)[0]["avg_ts"])
+
+
+# -- in-process systems ------------------------------------------------------------------------
+def engine_tps(om, prompt: list[int], tokens: int) -> float:
+    return generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)).decode_tokens_per_s
+
+
+def transformers_tps(model, prompt: list[int], tokens: int) -> float:
+    """(time for 1 + n tokens - time for 1 token) / n: decode only, as the others."""
+    inp, kw = torch.tensor([prompt]), dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        model.generate(inp, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw)
+        t2 = time.perf_counter()
+    return tokens / ((t2 - t1) - (t1 - t0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mid", help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)")
+    ap.add_argument("--tokens", type=int, default=128, help="decode tokens per measurement (default 128)")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where checkpoints, GGUF files and llama.cpp go (default .cache/peers)")
+    ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin/llama-bench (default: find or build one under --work)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    args.work.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint(args.work, args.shape)
+
+    src, why = (None, "llama.cpp skipped (--no-llama-cpp)") if args.no_llama_cpp else find_llama_cpp(args.work, args.llama_cpp)
+    ggufs = {f"llama.cpp {t}": convert(src, ckpt, t) for t in GGUF_TYPES} if src is not None else {}
+    if why:
+        print(why, flush=True)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    engines = {name: load_model(ckpt, cfg) for name, cfg in ENGINE_CELLS.items()}
+    prompt = torch.randint(3, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    cells = ["transformers f32", *engines, *ggufs]
+
+    def run(cell: str, t: int) -> float:
+        torch.set_num_threads(t)
+        if cell == "transformers f32":
+            return transformers_tps(hf, prompt, args.tokens)
+        if cell in engines:
+            return engine_tps(engines[cell], prompt, args.tokens)
+        return llama_bench_tps(src, ggufs[cell], args.tokens, t)
+
+    from tqdm.auto import tqdm
+
+    res: dict[tuple[str, int], list[float]] = {(c, t): [] for c in cells for t in threads}
+    for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
+        for t in threads:
+            for cell in tqdm(cells, desc=f"round {rnd}, {t} thread(s)", leave=False):
+                tps = run(cell, t)
+                if rnd:
+                    res[(cell, t)].append(tps)
+    for om in engines.values():
+        om.close()
+    write_report(args.out, header(args, ckpt, hf, why), table(res, cells, threads), {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}})
+
+
+def table(res: dict[tuple[str, int], list[float]], cells: list[str], threads: list[int]) -> list[str]:
+    def ratio(a: str, b: str, t: int) -> float:  # per-round ratio, then the median: both share a round's load
+        return statistics.median(x / y for x, y in zip(res[(a, t)], res[(b, t)]))
+
+    peers = [c for c in cells if c.startswith("llama.cpp")]
+    lines = ["| system | threads | decode tok/s (median) | × transformers f32 | × engine cache 1.0 f32 |", "|---|---|---|---|---|"]
+    for t in threads:
+        for c in cells:
+            lines.append(f"| {c} | {t} | {statistics.median(res[(c, t)]):.1f} | {ratio(c, 'transformers f32', t):.2f}× | "
+                         f"{ratio(c, 'engine cache 1.0 f32', t):.2f}× |")
+    if peers:
+        pairs = [("engine cache 1.0 f32", "llama.cpp f32"), ("engine cache 1.0 bf16", "llama.cpp bf16"),
+                 ("engine cache 0.25 disk f32", "engine cache 1.0 f32")]
+        lines += ["", "| ratio | " + " | ".join(f"{t} thread(s)" for t in threads) + " |", "|---|" + "---|" * len(threads)]
+        for a, b in pairs:
+            lines.append(f"| {a} / {b} | " + " | ".join(f"{ratio(a, b, t):.2f}×" for t in threads) + " |")
+    if len(threads) > 1:
+        lo, hi = threads[0], threads[-1]
+        erratic = [c for c in cells if statistics.median(res[(c, hi)]) <= statistics.median(res[(c, lo)])]
+        if erratic:
+            lines += ["", f"**Warning:** thread scaling is erratic on this shared machine: {', '.join(erratic)} "
+                      f"decoded no faster at {hi} threads than at {lo}. Read the {lo}-thread rows."]
+    return lines
+
+
+def header(args: argparse.Namespace, ckpt: Path, hf, why: str) -> str:
+    n = sum(p.numel() for p in hf.parameters())
+    s = SHAPES[args.shape]
+    return (f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, Python "
+            f"{platform.python_version()}. Checkpoint: random qwen3_moe '{args.shape}' (hidden {s['hidden']}, {s['num_layers']} "
+            f"layers, {s['num_experts']} experts, top-{s['num_experts_per_tok']}, moe_intermediate {s['moe_intermediate_size']}; "
+            f"{n / 1e6:.0f}M parameters), built by the script. {args.tokens} greedy decode tokens per measurement, prefill "
+            f"excluded; medians of {args.rounds} interleaved rounds after a warm-up round." + (f" {why}" if why else ""))
+
+
+if __name__ == "__main__":
+    main()
