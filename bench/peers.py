@@ -2,8 +2,8 @@
 
 Systems, all on the same random qwen3_moe checkpoint (built here once; weights cannot be downloaded):
   - transformers `generate`, f32 (the reference every ratio is also given against);
-  - this engine at cache 1.0 (f32 and bf16; every expert resident) and at cache 0.25 reading experts from
-    disk (f32, uncached I/O);
+  - this engine at cache 1.0 (f32, bf16, and int8 experts: group-wise weight-only, dense parts f32; every
+    expert resident) and at cache 0.25 reading experts from disk (f32, uncached I/O);
   - llama.cpp's `llama-bench` at f32, bf16 and Q8_0, the GGUF files converted from the same checkpoint with
     llama.cpp's own `convert_hf_to_gguf.py`.
 Each system decodes `--tokens` greedy tokens after a short prompt; prefill is excluded everywhere (llama-bench
@@ -44,8 +44,8 @@ from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 
-# The mid-size shape of issue 15's first measurement (843M parameters there; ours has the tiny tokenizer's
-# 256-token vocabulary, so a few million fewer) and a tiny one where per-call overhead dominates.
+# The mid-size shape of issue 15's first measurement (843M parameters there; ours has a 512-token
+# vocabulary, so a few million fewer) and a tiny one where per-call overhead dominates.
 SHAPES: dict[str, dict[str, int]] = {
     "mid": dict(num_layers=8, hidden=1024, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
                 intermediate_size=2048, head_dim=128),
@@ -56,6 +56,7 @@ GGUF_TYPES = ("f32", "bf16", "q8_0")
 ENGINE_CELLS: dict[str, EngineConfig] = {
     "engine cache 1.0 f32": EngineConfig(cache_fraction=1.0, dtype="float32"),
     "engine cache 1.0 bf16": EngineConfig(cache_fraction=1.0, dtype="bfloat16"),
+    "engine cache 1.0 int8": EngineConfig(cache_fraction=1.0, dtype="float32", expert_quant="int8"),
     "engine cache 0.25 disk f32": EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"),
 }
 # Runs the converter with unknown BPE pre-tokenizers mapped to gpt-2 (see the docstring).
@@ -85,7 +86,8 @@ def checkpoint(work: Path, shape: str) -> Path:
     path = work / shape
     if not (path / "config.json").exists():
         print(f"building the random {shape} checkpoint in {path} ...", flush=True)
-        make_tiny_checkpoint(path, "qwen3_moe", max_shard_size="2GB", **SHAPES[shape])
+        # 512 tokens: a BPE with merges, which llama.cpp's tokenizer loader requires.
+        make_tiny_checkpoint(path, "qwen3_moe", tokenizer_vocab=512, max_shard_size="2GB", **SHAPES[shape])
     return path
 
 
@@ -213,7 +215,7 @@ def table(res: dict[tuple[str, int], list[float]], cells: list[str], threads: li
                          f"{ratio(c, 'engine cache 1.0 f32', t):.2f}× |")
     if peers:
         pairs = [("engine cache 1.0 f32", "llama.cpp f32"), ("engine cache 1.0 bf16", "llama.cpp bf16"),
-                 ("engine cache 0.25 disk f32", "engine cache 1.0 f32")]
+                 ("engine cache 1.0 int8", "llama.cpp q8_0"), ("engine cache 0.25 disk f32", "engine cache 1.0 f32")]
         lines += ["", "| ratio | " + " | ".join(f"{t} thread(s)" for t in threads) + " |", "|---|" + "---|" * len(threads)]
         for a, b in pairs:
             lines.append(f"| {a} / {b} | " + " | ".join(f"{ratio(a, b, t):.2f}×" for t in threads) + " |")

@@ -81,18 +81,20 @@ def make_tiny_checkpoint(
     hidden: int = 64,
     seed: int = 0,
     with_tokenizer: bool = True,
+    tokenizer_vocab: int = 256,
     max_shard_size: str | None = None,
     **overrides: object,
 ) -> Path:
     """Write a random `arch` checkpoint to `path`.
 
-    layout="per-expert" is what transformers' save_pretrained writes; layout="fused" stores
+    tokenizer_vocab > 256 gives the byte-level BPE merges (256 is the byte alphabet alone, which
+    llama.cpp's loader refuses). layout="per-expert" is what transformers' save_pretrained writes; layout="fused" stores
     the in-memory 3-D expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]), as some
     hub checkpoints do.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer() if with_tokenizer else None
+    tok = make_tokenizer(tokenizer_vocab) if with_tokenizer else None
     vocab = len(tok) if tok is not None else 256
     kw = {**_ARCH_KW[arch], **overrides}
     cfg = AutoConfig.for_model(
