@@ -33,11 +33,11 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import torch
 
+from bench.engine_bench import hf_decode_tps
 from bench.report import write_report
 from engine.config import EngineConfig
 from engine.core.completion import generate
@@ -142,18 +142,6 @@ def engine_tps(om, prompt: list[int], tokens: int) -> float:
     return generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)).decode_tokens_per_s
 
 
-def transformers_tps(model, prompt: list[int], tokens: int) -> float:
-    """(time for 1 + n tokens - time for 1 token) / n: decode only, as the others."""
-    inp, kw = torch.tensor([prompt]), dict(do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
-        t1 = time.perf_counter()
-        model.generate(inp, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw)
-        t2 = time.perf_counter()
-    return tokens / ((t2 - t1) - (t1 - t0))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mid", help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)")
@@ -184,7 +172,7 @@ def main() -> None:
     def run(cell: str, t: int) -> float:
         torch.set_num_threads(t)
         if cell == "transformers f32":
-            return transformers_tps(hf, prompt, args.tokens)
+            return hf_decode_tps(hf, prompt, args.tokens)
         if cell in engines:
             return engine_tps(engines[cell], prompt, args.tokens)
         return llama_bench_tps(src, ggufs[cell], args.tokens, t)
