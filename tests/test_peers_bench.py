@@ -1,0 +1,30 @@
+"""bench/peers.py: how it finds llama.cpp, and what its report says (no model is run here)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.peers import find_llama_cpp, table
+
+
+def test_an_explicit_tree_without_llama_bench_is_refused_with_a_reason(tmp_path: Path) -> None:
+    src, why = find_llama_cpp(tmp_path, tmp_path / "nowhere")
+    assert src is None and "--llama-cpp" in why and "llama-bench" in why
+
+
+def test_an_explicit_built_tree_is_used(tmp_path: Path) -> None:
+    tree = tmp_path / "llama.cpp"
+    (tree / "build/bin").mkdir(parents=True)
+    (tree / "build/bin/llama-bench").write_text("")
+    assert find_llama_cpp(tmp_path, tree) == (tree, "")
+
+
+def test_ratios_are_per_round_and_erratic_thread_scaling_is_flagged() -> None:
+    cells = ["transformers f32", "engine cache 1.0 f32", "engine cache 1.0 bf16", "engine cache 1.0 int8",
+             "engine cache 0.25 disk f32", "llama.cpp f32", "llama.cpp bf16", "llama.cpp q8_0"]
+    res = {(c, t): [10.0 * t, 20.0 * t] for c in cells for t in (1, 2)}
+    res[("llama.cpp f32", 1)] = [20.0, 20.0]  # engine f32 / llama f32 per round: 0.5 and 1.0 -> median 0.75
+    res[("engine cache 1.0 int8", 2)] = [5.0, 5.0]  # slower at 2 threads than at 1
+    lines = "\n".join(table(res, cells, [1, 2]))
+    assert "| engine cache 1.0 f32 / llama.cpp f32 | 0.75× | 1.00× |" in lines
+    assert "**Warning:**" in lines and "engine cache 1.0 int8" in lines.split("**Warning:**")[1]
+    assert "transformers f32" not in lines.split("**Warning:**")[1]
