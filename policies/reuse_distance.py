@@ -52,6 +52,7 @@ class ReuseDistanceEviction(EvictionPolicy):
         # (that value, key) with stale entries skipped lazily.
         self._resident: dict[Hashable, float] = {}
         self._heaps: dict[int, list[tuple[float, int]]] = {}
+        self._stale = 0  # heap entries pushed since the heaps were last rebuilt
 
     def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:
         """Tell the policy the model's MoE layers, in the order a forward runs them."""
@@ -93,6 +94,19 @@ class ReuseDistanceEviction(EvictionPolicy):
             order = math.log(p) - self._log_keep * runs  # log p at run r is order + r * log_keep
             self._resident[key] = order
             heapq.heappush(self._heaps.setdefault(layer, []), (order, key))  # type: ignore[misc]
+            self._stale += 1
+            if self._stale > len(self._resident) + 1024:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Drop the stale entries: without evictions (everything resident) nothing pops them, and
+        every use pushes one, so the heaps would grow for as long as the server runs."""
+        heaps: dict[int, list[tuple[float, int]]] = {}
+        for key, order in self._resident.items():
+            heaps.setdefault(self._layer(key), []).append((order, key))  # type: ignore[arg-type]
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps, self._stale = heaps, 0
 
     # -- the decision -------------------------------------------------------------------------
     def predicted_next_use(self, key: Hashable) -> float:
@@ -102,6 +116,8 @@ class ReuseDistanceEviction(EvictionPolicy):
             return math.inf
         layer = self._layer(key)
         p = st[0] * math.exp(self._log_keep * (self._runs.get(layer, 0) - st[1]))
+        if p <= 0.0:
+            return math.inf
         return self._ahead(layer) + max(1, len(self._position)) * (1.0 / p - 1.0)
 
     def _ahead(self, layer: int) -> int:
@@ -118,6 +134,8 @@ class ReuseDistanceEviction(EvictionPolicy):
             if key is None:
                 continue
             p = math.exp(order + self._log_keep * self._runs.get(layer, 0))
+            if p <= 0.0:
+                return key  # unused for so long that p underflowed: no use is expected at all
             t = self._ahead(layer) + n * (1.0 / p - 1.0)
             if t > best:
                 best, best_key = t, key

@@ -105,6 +105,19 @@ def test_heap_victim_is_the_farthest_predicted_next_use(seed: int) -> None:
             policy.on_remove(victim)
 
 
+def test_heaps_stay_bounded_when_nothing_is_evicted() -> None:
+    policy = reuse(2)
+    for key in range(2 * E):
+        policy.on_insert(key)
+    for _ in range(2000):  # everything resident (cache 1.0): only uses, never a victim
+        for layer in range(2):
+            policy.on_layer(layer)
+            for e in range(4):
+                policy.on_access(layer * E + e)
+    assert sum(len(h) for h in policy._heaps.values()) <= 2 * (2 * E + 1024) + 8
+    assert policy.victim(set(range(2 * E))) is not None
+
+
 def test_reuse_is_a_named_eviction_policy() -> None:
     assert isinstance(make_policies("fetch-all", eviction="reuse").eviction, ReuseDistanceEviction)
     with pytest.raises(ValueError, match="rate"):
