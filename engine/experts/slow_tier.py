@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -98,5 +99,11 @@ class DiskTier(SlowTier):
 
 
 def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate segments into one flat buffer in [gate | up | down] order (see expert_layout)."""
-    return torch.cat([p.reshape(-1) for p in parts])
+    """Concatenate segments into one flat buffer in [gate | up | down] order (see expert_layout).
+
+    Through numpy, on bytes: this runs on a transfer thread, where torch.cat's OpenMP team would
+    compete with the compute thread's (see transfers._host_copy)."""
+    if len({p.dtype for p in parts}) != 1:
+        return torch.cat([p.reshape(-1) for p in parts])
+    raw = np.concatenate([p.reshape(-1).view(torch.uint8).numpy() for p in parts])
+    return torch.from_numpy(raw).view(parts[0].dtype)

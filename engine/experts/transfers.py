@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.experts.cost_meter import CostMeter
@@ -217,7 +218,7 @@ class TransferEngine:
                     # the copy has read it. The compute stream waits on the event on the GPU.
                     t.cuda_event.synchronize()
                 else:
-                    dst.copy_(host)
+                    _host_copy(dst, host)
             except BaseException as e:  # surfaced to the waiter, never swallowed
                 t.error = e
             t.t_end = time.perf_counter()
@@ -236,3 +237,18 @@ class TransferEngine:
                 self._landed += 1
                 self._cv.notify_all()
             t.done.set()
+
+
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a fetched expert into its slot, host to host, on this transfer thread alone.
+
+    Why not `dst.copy_(src)`: torch runs a large copy as an OpenMP parallel region, and a
+    region started from a second OS thread gets its own team of OpenMP threads, which then
+    compete with the compute thread's team for the same cores: on the 2-core box an engine
+    decoding at 2 threads lost its whole second-thread gain once transfers had run
+    (docs/benchmarks/peers.md). A byte copy through numpy is single-threaded and releases the GIL.
+    """
+    if dst.dtype != src.dtype or not (dst.is_contiguous() and src.is_contiguous()) or dst.device.type != "cpu":
+        dst.copy_(src)  # a conversion, or a device copy: torch's own path
+        return
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
