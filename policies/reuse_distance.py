@@ -52,7 +52,7 @@ class ReuseDistanceEviction(EvictionPolicy):
         # (that value, key) with stale entries skipped lazily.
         self._resident: dict[Hashable, float] = {}
         self._heaps: dict[int, list[tuple[float, int]]] = {}
-        self._stale = 0  # heap entries pushed since the heaps were last rebuilt
+        self._stale = 0  # heap entries pushed by inserts since the heaps were last rebuilt
 
     def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:
         """Tell the policy the model's MoE layers, in the order a forward runs them."""
@@ -90,13 +90,17 @@ class ReuseDistanceEviction(EvictionPolicy):
         else:
             p = (st[0] * math.exp(self._log_keep * (runs - st[1])) if st else 0.0) + self.rate
             self._p[key] = (p, runs)
-        if insert or key in self._resident:
-            order = math.log(p) - self._log_keep * runs  # log p at run r is order + r * log_keep
+        order = math.log(p) - self._log_keep * runs  # log p at run r is order + r * log_keep
+        if insert:
             self._resident[key] = order
             heapq.heappush(self._heaps.setdefault(layer, []), (order, key))  # type: ignore[misc]
             self._stale += 1
             if self._stale > len(self._resident) + 1024:
                 self._rebuild()
+        elif key in self._resident:
+            # A use only raises a resident's order, so its heap entry stays a lower bound: it is
+            # brought up to date when it reaches the top (`_least_likely`), not on every use.
+            self._resident[key] = order
 
     def _rebuild(self) -> None:
         """Drop the stale entries: without evictions (everything resident) nothing pops them, and
@@ -144,18 +148,22 @@ class ReuseDistanceEviction(EvictionPolicy):
         return best_key
 
     def _least_likely(self, heap: list[tuple[float, int]], allowed: Iterable[Hashable]) -> tuple[Hashable | None, float]:
-        """The allowed resident of this layer's heap with the lowest p, dropping stale entries;
-        residents that are not allowed now (pinned, protected) are put back."""
+        """The allowed resident of this layer's heap with the lowest p. Entries below a resident's
+        current order (it was used since) are re-pushed at that order; entries of evicted experts
+        are dropped; residents that are not allowed now (pinned, protected) are put back after."""
         skipped, found = [], (None, 0.0)
         while heap:
             order, key = heap[0]
-            if self._resident.get(key) != order:
-                heapq.heappop(heap)  # stale: used again since, or evicted
-            elif key in allowed:  # type: ignore[operator]
+            current = self._resident.get(key)
+            if current != order:
+                heapq.heappop(heap)
+                if current is not None:
+                    heapq.heappush(heap, (current, key))  # used since: its real place is further down
+                continue
+            if key in allowed:  # type: ignore[operator]
                 found = (key, order)
                 break
-            else:
-                skipped.append(heapq.heappop(heap))
+            skipped.append(heapq.heappop(heap))
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
