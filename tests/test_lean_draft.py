@@ -47,9 +47,10 @@ def compare(model_dir: Path, vocab: int) -> None:
     rc = [DynamicCache(config=lm.config) for _ in prompts]
 
     def both(windows: list[list[int]], starts: list[int], idx: list[int], keep: list[list[int]]) -> None:
-        a = lean.forward(windows, starts, [lc[i] for i in idx], keep)
-        for i, s in zip(idx, starts):
+        for i, s in zip(idx, starts):  # the caller crops a rejected tail, as the draft proposer does
+            lc[i].crop(s)
             truncate_cache(rc[i], s)
+        a = lean.forward(windows, starts, [lc[i] for i in idx], keep)
         b = ref.forward(windows, starts, [rc[i] for i in idx], keep)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

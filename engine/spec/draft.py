@@ -31,8 +31,10 @@ class DraftProposer(ProposerBase):
         # The lean forward where the draft's architecture allows it (engine/spec/lean_dense.py):
         # a draft step must cost little next to a target step, and transformers' module calls
         # are most of a small draft's time. Same contract as ModelRunner.forward.
-        self.lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None
-        self.forward = self.lean.forward if self.lean is not None else ModelRunner(draft).forward
+        lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None
+        self.forward = lean.forward if lean is not None else ModelRunner(draft).forward
+        self.new_cache = lean.new_cache if lean is not None else lambda: DynamicCache(config=draft.config)
+        self.crop = LeanKVCache.crop if lean is not None else truncate_cache  # (cache, length)
         self.eos_ids = sorted(draft.eos_token_ids)
         self.caches: dict[str, DynamicCache | LeanKVCache] = {}
         self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
@@ -54,16 +56,12 @@ class DraftProposer(ProposerBase):
         for _, w, _ in active:
             rid, full = w.request_id, history(w)
             if rid not in self.caches:
-                self.caches[rid] = self.lean.new_cache() if self.lean is not None else DynamicCache(config=self.draft.config)
+                self.caches[rid] = self.new_cache()
                 self.fed[rid] = []
                 self.generators[rid] = _draft_generator(w, self.draft.device)
             # Only the last window's proposals can disagree with the confirmed tokens: compare the tail.
             keep = _common_prefix(self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1))
-            cache = self.caches[rid]  # drop the rejected tail of the last window
-            if isinstance(cache, LeanKVCache):
-                cache.crop(keep)
-            else:
-                truncate_cache(cache, keep)
+            self.crop(self.caches[rid], keep)  # drop the rejected tail of the last window
             windows.append(full[keep:])
             starts.append(keep)
             caches.append(self.caches[rid])

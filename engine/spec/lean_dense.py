@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from engine.worker.packed_batch import causal_mask, spans_of
+
 LEAN_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
 
 
@@ -95,7 +97,8 @@ class LeanDenseModel:
     def forward(self, windows: list[list[int]], starts: list[int], caches: list[LeanKVCache],
                 keep: list[list[int]]) -> list[torch.Tensor]:
         """The contract of ModelRunner.forward: every window in one pass; keep[r]: rows of
-        window r whose logits are returned ([len(keep[r]), V]). Caches hold positions < start."""
+        window r whose logits are returned ([len(keep[r]), V]). Each cache holds exactly the
+        positions before its window's start (the caller crops a rejected tail, as for the runner)."""
         lengths = [len(w) for w in windows]
         ids = torch.tensor([t for w in windows for t in w], device=self.device)
         pos = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lengths)])
@@ -103,7 +106,6 @@ class LeanDenseModel:
         cos, sin = self.rotary(x[None], pos[None])  # [1, N, d]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]: broadcast over heads
         for c, s, n in zip(caches, starts, lengths):
-            c.crop(s)
             assert c.length == s, f"a window starting at {s} needs {s} cached positions, the cache has {c.length}"
             c.reserve(n)
         nq, nk, d = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
@@ -122,10 +124,7 @@ class LeanDenseModel:
             x = x + F.linear(self.act(g) * u, w["down_w"], w["down_b"])
         for c, n in zip(caches, lengths):
             c.length += n
-        offsets = [0]
-        for n in lengths[:-1]:
-            offsets.append(offsets[-1] + n)
-        rows = torch.tensor([o + i for o, kk in zip(offsets, keep) for i in kk], dtype=torch.long, device=self.device)
+        rows = torch.tensor([s + i for (s, _), kk in zip(spans_of(lengths), keep) for i in kk], dtype=torch.long, device=self.device)
         logits = F.linear(_rms_norm(x[rows], self.norm_w, self.eps), self.lm_head)
         return list(torch.split(logits, [len(kk) for kk in keep]))
 
@@ -139,7 +138,7 @@ class LeanDenseModel:
             c.v[li, :, L0 : L0 + n] = v[row : row + n].transpose(0, 1)
             keys, vals = c.k[li, :, : L0 + n], c.v[li, :, : L0 + n]  # [h_kv, L, d]
             qr = q[row : row + n].transpose(0, 1)  # [h, n, d]
-            mask = None if n == 1 else _causal_mask(n, L0 + n, q.device)
+            mask = None if n == 1 else causal_mask(n, L0 + n, q.device)  # [1, 1, n, L]
             o = F.scaled_dot_product_attention(qr[None], keys[None], vals[None], attn_mask=mask,
                                                enable_gqa=self.heads != self.kv_heads)[0]  # [h, n, d]
             outs.append(o.transpose(0, 1).reshape(n, -1))
@@ -157,9 +156,3 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool, bottom-right aligned: query i sees keys <= kv_len - q_len + i."""
-    q = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-    return torch.arange(kv_len, device=device)[None, :] <= q

@@ -86,7 +86,7 @@ class PackedCache:
         return key_states, value_states  # the packed attention reads b.kv, not these
 
 
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Bottom-right aligned causal mask [1, 1, T, L] (True = attend): query i sees keys <= L-T+i."""
     q = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
     return (torch.arange(kv_len, device=device)[None, :] <= q)[None, None]
@@ -104,7 +104,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     for (s, e), (k, v) in zip(packed_batch.spans, packed_batch.kv[module.layer_idx]):
         T, L = e - s, k.shape[2]
         # T == L (a fresh prompt) or T == 1 (decode): SDPA's own path, exactly as alone.
-        mask = None if T in (1, L) else _causal_mask(T, L, query.device)
+        mask = None if T in (1, L) else causal_mask(T, L, query.device)
         o, _ = sdpa_attention_forward(module, query[:, :, s:e], k, v, mask, **kwargs)
         outs.append(o)
     return torch.cat(outs, dim=1), None
