@@ -103,8 +103,8 @@ class ReuseDistanceEviction(EvictionPolicy):
             self._resident[key] = order
 
     def _rebuild(self) -> None:
-        """Drop the stale entries: without evictions (everything resident) nothing pops them, and
-        every use pushes one, so the heaps would grow for as long as the server runs."""
+        """Drop the stale entries: every insert pushes one, and a stale entry leaves only when it
+        reaches a heap's top during an eviction, so without a bound the heaps could keep growing."""
         heaps: dict[int, list[tuple[float, int]]] = {}
         for key, order in self._resident.items():
             heaps.setdefault(self._layer(key), []).append((order, key))  # type: ignore[arg-type]
@@ -119,28 +119,28 @@ class ReuseDistanceEviction(EvictionPolicy):
         if st is None:
             return math.inf
         layer = self._layer(key)
-        p = st[0] * math.exp(self._log_keep * (self._runs.get(layer, 0) - st[1]))
+        return self._wait(layer, st[0] * math.exp(self._log_keep * (self._runs.get(layer, 0) - st[1])))
+
+    def _wait(self, layer: int, p: float) -> float:
+        """MoE layer runs until an expert of `layer` used with probability p per forward is used:
+        until its layer runs next (the running layer comes back after a whole forward), plus the
+        mean wait of a geometric law in whole forwards. inf when p underflowed to 0."""
         if p <= 0.0:
             return math.inf
-        return self._ahead(layer) + max(1, len(self._position)) * (1.0 / p - 1.0)
-
-    def _ahead(self, layer: int) -> int:
-        """MoE layer runs until `layer` runs next; the running layer comes back after a forward."""
         n = max(1, len(self._position))
-        return (self._position.get(layer, 0) - self._current) % n or n
+        ahead = (self._position.get(layer, 0) - self._current) % n or n
+        return ahead + n * (1.0 / p - 1.0)
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
         allowed = as_set(candidates)
-        n = max(1, len(self._position))
         best, best_key = -1.0, None
         for layer, heap in self._heaps.items():
             key, order = self._least_likely(heap, allowed)
             if key is None:
                 continue
-            p = math.exp(order + self._log_keep * self._runs.get(layer, 0))
-            if p <= 0.0:
+            t = self._wait(layer, math.exp(order + self._log_keep * self._runs.get(layer, 0)))
+            if t == math.inf:
                 return key  # unused for so long that p underflowed: no use is expected at all
-            t = self._ahead(layer) + n * (1.0 / p - 1.0)
             if t > best:
                 best, best_key = t, key
         if best_key is None:  # candidates the policy never saw inserted: any of them

@@ -47,7 +47,6 @@ from policies.adaptive_k import AdaptiveK
 from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED
 from policies.registry import PolicyBundle
-from policies.reuse_distance import ReuseDistanceEviction
 from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 
 # Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
@@ -284,8 +283,7 @@ class Simulator:
         self.utility = SpeculativeUtilityEstimator(self.E) if wants_utility else None
         if isinstance(policies.eviction, UtilityEviction) and policies.eviction.estimator is None:
             policies.eviction.estimator = self.utility  # as the loader binds it
-        if isinstance(policies.eviction, (ReuseDistanceEviction, UtilityEviction)):
-            policies.eviction.bind(range(self.L), self.E)  # trace layers are MoE layer positions
+        policies.eviction.bind(range(self.L), self.E)  # trace layers are MoE layer positions
         self.link = SimLink(costs, costs.transfer_workers)
         self.cpu_free_at = [0.0] * costs.cpu_workers
         self.rng = random.Random(settings.seed)

@@ -41,7 +41,6 @@ from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.spec.sensor import sensor_for
 from policies.base import EvictionPolicy
-from policies.reuse_distance import ReuseDistanceEviction
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 from engine.worker.packed_batch import use_packed_attention
 
@@ -223,8 +222,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
     zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
-    if isinstance(policies.eviction, (ReuseDistanceEviction, UtilityEviction)):
-        policies.eviction.bind(moe_layers, E)  # both rank by the forward's layer order
+    policies.eviction.bind(moe_layers, E)
     store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=protect_ticks(len(moe_layers)),
                         slots=tier.buffer if zero_copy else None)
     if zero_copy:
