@@ -121,6 +121,12 @@ class EvictionPolicy(ABC):
         """An MoE layer (model layer index) starts planning: policies that know the forward's
         layer order (reuse distance) track where in it the engine is. Default: ignored."""
 
+    def predicted_next_use(self, key: Hashable) -> float | None:
+        """MoE layer runs until `key` is expected to be used, for policies that predict it
+        (reuse distance), else None. Prefetchers read it so that a guess never displaces an
+        expert that is needed sooner than the guess."""
+        return None
+
     def forget(self, key: Hashable) -> None:
         """A requested load was cancelled or failed before the expert was ever resident: drop it
         without treating it as an eviction (default: the same as on_remove)."""

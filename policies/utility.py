@@ -133,6 +133,23 @@ class SpeculativeUtilityEstimator:
             self._run[key] = (run, bound)
 
 
+def worth_displacing(estimator: SpeculativeUtilityEstimator, eviction: EvictionPolicy, candidate: int, victim: int) -> bool:
+    """Whether a prefetch of `candidate` may evict `victim` (keys are `layer * num_experts + expert`).
+
+    Two conditions. The candidate's utility level must be strictly higher: a guess never
+    displaces an expert that is at least as useful. And, where the eviction policy predicts next
+    uses (reuse distance), the candidate must be expected sooner than the victim: the rule of
+    integrated prefetching and caching (Cao, Felten, Karlin and Li, SIGMETRICS 1995), "never
+    replace a block that is needed before the one fetched". The level test alone lets a
+    guess push out the expert of the layer that runs next when utility eviction's lowest level
+    holds it."""
+    E = estimator.num_experts
+    if estimator.level(*divmod(victim, E)) >= estimator.level(*divmod(candidate, E)):
+        return False
+    wait_c, wait_v = eviction.predicted_next_use(candidate), eviction.predicted_next_use(victim)
+    return wait_c is None or wait_v is None or wait_c < wait_v
+
+
 class UtilityEviction(EvictionPolicy):
     """Evict the resident expert with the lowest utility level; among equals, the one whose next
     use is predicted farthest (reuse distance, policies/reuse_distance.py: the layer order and how
@@ -161,6 +178,9 @@ class UtilityEviction(EvictionPolicy):
 
     def forget(self, key: Hashable) -> None:
         self.ties.forget(key)
+
+    def predicted_next_use(self, key: Hashable) -> float | None:
+        return self.ties.predicted_next_use(key)
 
     def utility(self, key: Hashable) -> int:
         if self.estimator is None:

@@ -215,7 +215,7 @@ def test_utility_prefetch_counts_wasted_predictions(tiny_ckpt) -> None:
         for _ in range(3):
             est.observe({la: ([4, 4] + [1] * 6 + [0] * (om.num_experts - 8), [4, 4] + [1] * 6 + [0] * (om.num_experts - 8)) for la in om.moe_layers})
         assert est.level(layer, 0) >= 2
-        assert om.utility.top_up(layer)
+        om.utility.top_up(layer)  # may stop early: prefetches go only to idle transfer workers
         issued = om.stats.snapshot()["prefetch_issued"]
         assert issued >= 2
         settle(om)
@@ -224,6 +224,36 @@ def test_utility_prefetch_counts_wasted_predictions(tiny_ckpt) -> None:
         s = om.stats.snapshot()
         assert s["prefetch_wasted"] == issued and s["prefetch_used"] == 0
     finally:
+        om.close()
+
+
+def test_utility_prefetch_waits_for_an_idle_transfer_worker(tiny_ckpt) -> None:
+    """On a busy link a guess would delay the next demand load: while every transfer worker is
+    busy, no further prefetch is queued, and topping up resumes once one is idle."""
+    import threading
+
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, prefetch="utility", eviction="utility", warm_start=False))
+    gate = threading.Event()
+    fetch = om.transfers.tier._fetch
+
+    def slow(layer: int, e: int):
+        gate.wait(10)
+        return fetch(layer, e)
+
+    om.transfers.tier._fetch = slow  # type: ignore[method-assign]
+    try:
+        est, layer = om.utility.estimator, om.moe_layers[0]
+        for _ in range(3):
+            est.observe({la: ([4] * 6 + [0] * (om.num_experts - 6), [4] * 6 + [0] * (om.num_experts - 6)) for la in om.moe_layers})
+        assert len(est.ranked(layer)) == 6
+        assert om.utility.top_up(layer) is False
+        assert om.stats.snapshot()["prefetch_issued"] == om.utility.max_pending == om.transfers.workers == om.transfers.pending()
+        gate.set()
+        settle(om)
+        om.utility.top_up(layer)
+        assert om.stats.snapshot()["prefetch_issued"] > om.transfers.workers
+    finally:
+        gate.set()
         om.close()
 
 
@@ -255,6 +285,7 @@ def test_stale_utility_prefetches_are_cancelled(tiny_ckpt) -> None:
                                                          eviction="utility", warm_start=False))
     try:
         est, layer, E = om.utility.estimator, om.moe_layers[0], om.num_experts
+        om.utility.max_pending = 64  # a deep queue (the default queues only into idle workers)
         hot = [4] * 6 + [1] * 2 + [0] * (E - 8)
         for _ in range(3):
             est.observe({la: (hot, hot) for la in om.moe_layers})

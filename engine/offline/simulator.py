@@ -47,7 +47,7 @@ from policies.adaptive_k import AdaptiveK
 from policies.balancer import LayerCosts, choose_tau, rank_misses
 from policies.base import DROPPED
 from policies.registry import PolicyBundle
-from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
+from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks, worth_displacing
 
 # Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
 INF = math.inf
@@ -311,18 +311,23 @@ class Simulator:
 
     def _top_up(self, layer: int) -> bool:
         """engine/experts/utility_prefetch.py UtilityPrefetcher.top_up, over the simulated store:
-        the hottest missing experts, into a free slot or over a victim of strictly lower level."""
+        the hottest missing experts, into a free slot or over a victim worth displacing."""
         est, cache, E = self.utility, self.cache, self.E
         assert est is not None
+        link = self.link
         for e in est.ranked(layer, PREFETCH_MIN_LEVEL):
+            if len(link.queue) + sum(1 for w in link.worker_free_at if w > self.clock) >= len(link.worker_free_at):
+                return False  # no idle transfer worker
             key = layer * E + e
             if key in cache.ready:  # resident, or already on its way
                 continue
             victim = None
             if len(cache.ready) >= cache.n_slots:
                 victim = cache.ev.victim(cache.evictable(self.clock, False))
-                if victim is None or est.level(*divmod(int(victim), E)) >= est.level(layer, e):
+                if victim is None:
                     return False
+                if not worth_displacing(est, cache.ev, key, int(victim)):
+                    continue
             if not cache.reserve(key, self.clock, False, victim=victim):
                 return False
             self._prefetch(key)
