@@ -42,7 +42,7 @@ class EngineConfig(YamlSection):
     # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
     expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
-    expert_quant_group: int = setting(64, "weights per quantization group, each with one fp16 scale (and zero point for int4) (default 64)", metavar="N")
+    expert_quant_group: int = setting(64, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 runs torch's weight-only int8 matmul on CPU instead of dequantizing (default 64)", metavar="N")
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -56,8 +56,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
         if self.expert_quant not in ("none", "int8", "int4"):
             raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
-        if self.expert_quant_group < 2 or self.expert_quant_group % 2:
-            raise ConfigError(f"expert_quant_group must be an even number >= 2, got {self.expert_quant_group}")
+        if self.expert_quant_group != 0 and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
+            raise ConfigError(f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.cpu_workers < 1:

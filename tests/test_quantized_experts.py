@@ -106,6 +106,27 @@ def test_round_trip_error_is_small(kind: str, bound: float) -> None:
     assert rel < bound, rel
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this torch has no weight-only int8 matmul")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_whole_row_int8_matmul_equals_the_dequantized_path(rows: int) -> None:
+    """int8 in whole rows on bf16 runs torch's int8 matmul, not a dequantize, and gives the
+    dequantized path's result to bf16 rounding (both accumulate in fp32, then round once)."""
+    torch.manual_seed(0)
+    H, I = 256, 64
+    fmt = GroupQuantFormat(SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.bfloat16)
+    assert fmt._int8_rows and fmt.group_of(H) == H and fmt.group_of(I) == I
+    assert fmt.slot_bytes < 2 * H * I * 3 // 1.9  # one byte a weight plus a scale per row
+    views = fmt.views(fmt.encode([torch.randn(2 * I, H) * 0.05, torch.randn(H, I) * 0.05]))
+    x = torch.randn(rows, H).to(torch.bfloat16)
+    fast = fmt.forward(views, x)
+    slow = fmt.kernel.forward(fmt.weights(views), x)
+    assert fast.dtype == torch.bfloat16 and fast.shape == (rows, H)
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(fast, torch.zeros_like(fast))
+    # fp32 compute keeps the exact dequantize path (the fast kernel would round activations to bf16).
+    assert not GroupQuantFormat(SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.float32)._int8_rows
+
+
 def test_bad_quant_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="expert_quant must be"):
         EngineConfig(expert_quant="int3")

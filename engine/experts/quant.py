@@ -17,6 +17,13 @@ on every link and more experts per byte of fast tier.
     data). Two codes per byte, low nibble first. 0.5 + 4/group bytes per weight (0.5625 B at
     group 64: 3.56x fewer than bf16).
   1-D weights (gpt-oss biases) stay float32: they are a few hundred bytes per expert.
+  Group 0 means whole rows: one scale per output channel.
+- Fast path: int8 in whole rows, computing in bf16 on the CPU, with the SwiGLU kernel, runs
+  torch's weight-only int8 matmul (`aten._weight_int8pack_mm`: y = (x @ q^T) * s, reading one
+  byte per weight) instead of dequantizing the slot to floats on every call. On this machine
+  it streamed 5.5 GB/s of int8 weights against 1.2 GB/s for dequantize-then-linear (1 thread,
+  [1024, 1024] weights; docs/benchmarks/peers.md has the end-to-end figure). Its result equals
+  the dequantized path's to bf16 rounding: both accumulate in fp32 and round the output once.
 Each encoded part starts on a 16-byte boundary so it can be viewed in place as int8/fp16/fp32.
 """
 from __future__ import annotations
@@ -26,7 +33,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.experts.expert_kernels import ExpertKernel
+from engine.experts.expert_kernels import ExpertKernel, SwiGLUKernel
 
 QUANT_KINDS = ("none", "int8", "int4")
 _ALIGN = 16
@@ -80,8 +87,8 @@ class GroupQuantFormat(ExpertFormat):
     def __init__(self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype) -> None:
         if kind not in ("int8", "int4"):
             raise ValueError(f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}")
-        if group < 2 or group % 2:
-            raise ValueError(f"quantization group size must be an even number >= 2, got {group}")
+        if group != 0 and (group < 2 or group % 2):
+            raise ValueError(f"quantization group size must be 0 (whole rows) or an even number >= 2, got {group}")
         self.name, self.kernel, self.bits, self.group = kind, kernel, 8 if kind == "int8" else 4, group
         self.compute_dtype = compute_dtype
         self.slot_dtype = torch.uint8
@@ -96,9 +103,12 @@ class GroupQuantFormat(ExpertFormat):
                 at = _aligned(at + nbytes)
             self._layout.append(parts)
         self.slot_numel = at
+        self._int8_rows = (self.bits == 8 and compute_dtype == torch.bfloat16 and type(kernel) is SwiGLUKernel
+                           and all(self.group_of(shape[1]) == shape[1] for _, shape in kernel.views)
+                           and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
     def group_of(self, cols: int) -> int:
-        return math.gcd(cols, self.group)
+        return math.gcd(cols, self.group)  # group 0: gcd(cols, 0) = cols, whole rows
 
     def _parts(self, shape: tuple[int, ...]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         if len(shape) != 2:
@@ -125,6 +135,13 @@ class GroupQuantFormat(ExpertFormat):
     def views(self, row: torch.Tensor) -> list:
         return [[row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts] for parts in self._layout]
 
+    def forward(self, views: list, x: torch.Tensor) -> torch.Tensor:
+        if not (self._int8_rows and x.device.type == "cpu" and x.dtype == torch.bfloat16):
+            return self.kernel.forward(self.weights(views), x)
+        (q_gu, s_gu), (q_d, s_d) = views
+        gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
+        return _int8_linear(self.kernel.act_fn(gate) * up, q_d, s_d)
+
     def weights(self, views: list) -> list[torch.Tensor]:
         out = []
         for parts, (_, shape) in zip(views, self.kernel.views):
@@ -138,6 +155,11 @@ class GroupQuantFormat(ExpertFormat):
                 q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [rows, groups, g]
                 out.append(((q.to(self.compute_dtype) - z.to(self.compute_dtype)) * s.to(self.compute_dtype)).view(shape))
         return out
+
+
+def _int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [n, in] times a whole-row int8 weight (q [out, 1, in], fp16 scales [out, 1, 1]) -> [n, out]."""
+    return torch.ops.aten._weight_int8pack_mm(x, q.view(q.shape[0], -1), s.view(-1).to(x.dtype))
 
 
 def _int8(w: torch.Tensor, g: int) -> list[torch.Tensor]:
