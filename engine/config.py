@@ -42,7 +42,7 @@ class EngineConfig(YamlSection):
     # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
     expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
-    expert_quant_group: int = setting(64, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 runs torch's weight-only int8 matmul on CPU instead of dequantizing (default 64)", metavar="N")
+    expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 runs torch's weight-only int8 matmul on CPU instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
         if self.expert_quant not in ("none", "int8", "int4"):
             raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
-        if self.expert_quant_group != 0 and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
+        if self.expert_quant_group not in (None, 0) and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
             raise ConfigError(f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
@@ -83,6 +83,12 @@ class EngineConfig(YamlSection):
     def prefetch_kinds(self) -> set[str]:
         """The prefetchers --prefetch names (empty for none)."""
         return set() if self.prefetch == "none" else {k.strip() for k in self.prefetch.split(",") if k.strip()}
+
+    def quant_group(self) -> int:
+        """Weights per quantization group for --expert-quant (0: whole rows), with the default resolved."""
+        if self.expert_quant_group is not None:
+            return self.expert_quant_group
+        return 0 if self.expert_quant == "int8" else 64
 
     def policies(self):
         """The policy objects these settings name (fresh state each call)."""

@@ -47,7 +47,7 @@ def _prompt(vocab: int, n: int = 24) -> list[int]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_equals_transformers_on_dequantized_weights(tiny_ckpt, tmp_path, arch: str, kind: str) -> None:
     path = tiny_ckpt(arch)
-    ref = _dequantized_reference(path, kind, 64)
+    ref = _dequantized_reference(path, kind, EngineConfig(expert_quant=kind).quant_group())  # int8: whole rows, int4: 64
     plain = load_reference(path)
     ids = _prompt(ref.config.vocab_size)
     x = torch.tensor([ids])

@@ -6,9 +6,9 @@ what the slow tier stores and what a transfer copies, so a smaller encoding mean
 on every link and more experts per byte of fast tier.
 
 - `PlainFormat`: the weights as floats in the compute dtype (the default, exact).
-- `GroupQuantFormat` (`--expert-quant int8|int4`): group-wise quantization of every 2-D weight
+- `GroupQuantFormat` (`--expert-quant int8|int4`; groups default to whole rows for int8, 64 for int4): group-wise quantization of every 2-D weight
   along its last dimension (the input dimension of `F.linear` weights), in groups of `group`
-  values (default 64; gcd(cols, group) when a dimension is not a multiple of it).
+  values (gcd(cols, group) when a dimension is not a multiple of it; 0: whole rows).
   - int8: symmetric, q = round(w / s) in [-127, 127], s = max|w| / 127 per group, s in fp16.
     1 byte + 2/group bytes per weight (1.03 B at group 64: 1.94x fewer than bf16).
   - int4: asymmetric, w ~= s * (q - z), q in [0, 15], s and z in fp16 per group. Start from

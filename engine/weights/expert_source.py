@@ -44,7 +44,7 @@ def expert_source(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, T
         if cfg.expert_quant != "none":
             raise ConfigError(f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({native[0].name})")
         return native
-    fmt = make_format(kernel, cfg.expert_quant, cfg.expert_quant_group, dtype)
+    fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
     locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
     if cfg.expert_quant != "none":
         return fmt, quantized_locator(locator, fmt, moe_layers, cfg.quant_cache_dir)  # sidecar, built once
