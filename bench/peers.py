@@ -2,7 +2,7 @@
 
 Systems, all on the same random qwen3_moe checkpoint (built here once; weights cannot be downloaded):
   - transformers `generate`, f32 (the reference every ratio is also given against);
-  - this engine at cache 1.0 (f32, bf16, and int8 experts: group-wise weight-only, dense parts f32; every
+  - this engine at cache 1.0 (f32, bf16, and int8 experts: whole-row weight-only, dense parts bf16; every
     expert resident) and at cache 0.25 reading experts from disk (f32, uncached I/O);
   - llama.cpp's `llama-bench` at f32, bf16 and Q8_0, the GGUF files converted from the same checkpoint with
     llama.cpp's own `convert_hf_to_gguf.py`.
@@ -56,7 +56,7 @@ GGUF_TYPES = ("f32", "bf16", "q8_0")
 ENGINE_CELLS: dict[str, EngineConfig] = {
     "engine cache 1.0 f32": EngineConfig(cache_fraction=1.0, dtype="float32"),
     "engine cache 1.0 bf16": EngineConfig(cache_fraction=1.0, dtype="bfloat16"),
-    "engine cache 1.0 int8": EngineConfig(cache_fraction=1.0, dtype="float32", expert_quant="int8"),
+    "engine cache 1.0 int8": EngineConfig(cache_fraction=1.0, dtype="bfloat16", expert_quant="int8"),
     "engine cache 0.25 disk f32": EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"),
 }
 # Runs the converter with unknown BPE pre-tokenizers mapped to gpt-2 (see the docstring).
