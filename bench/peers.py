@@ -22,6 +22,7 @@ a one-line reason. The converter does not know this checkpoint's small BPE token
 pre-tokenizers mapped to "gpt-2", which changes nothing about the weights or the decode speed.
 
     python -m bench.peers --shape mid --out docs/benchmarks/peers.md
+    python -m bench.peers --shape mid --memory-limit 0.6,1.0 --tokens 32 --out docs/benchmarks/peers_memory.md
 """
 from __future__ import annotations
 
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where checkpoints, GGUF files and llama.cpp go (default .cache/peers)")
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin/llama-bench (default: find or build one under --work)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--memory-limit", metavar="FRACTIONS",
+                    help="instead of the speed table: bigger-than-RAM runs under a memory cgroup capped at these fractions of the model's "
+                         "bf16 size, e.g. 0.6,1.0 (bench/peers_memory.py; needs root or a delegated cgroup)")
     ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
@@ -161,6 +165,12 @@ def main() -> None:
     ggufs = {f"llama.cpp {t}": convert(src, ckpt, t) for t in GGUF_TYPES} if src is not None else {}
     if why:
         print(why, flush=True)
+    if args.memory_limit:
+        from bench.peers_memory import run as memory_run
+
+        fractions = [float(f) for f in args.memory_limit.split(",")]
+        memory_run(ckpt, src, ggufs.get("llama.cpp bf16"), fractions, args.tokens, args.rounds, args.out)
+        return
 
     from transformers import AutoModelForCausalLM
 

@@ -28,3 +28,29 @@ def test_ratios_are_per_round_and_erratic_thread_scaling_is_flagged() -> None:
     assert "| engine cache 1.0 f32 / llama.cpp f32 | 0.75× | 1.00× |" in lines
     assert "**Warning:**" in lines and "engine cache 1.0 int8" in lines.split("**Warning:**")[1]
     assert "transformers f32" not in lines.split("**Warning:**")[1]
+
+
+def test_a_child_over_its_memory_limit_is_killed_and_reported_as_such() -> None:
+    """bench/cgroup.py caps a child's memory; peers_memory reports the kill, not a crash."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.cgroup import MemoryCgroup
+    from bench.peers_memory import _tps
+
+    why = MemoryCgroup.unavailable()
+    if why:
+        pytest.skip(why)  # environment: no writable memory cgroup (the benchmark refuses with the same line)
+    cg = MemoryCgroup(128 * 2**20, name="moe-offload-test-limit")
+    try:
+        touch = "x = bytearray({} * 2**20); x[::4096] = b'1' * len(x[::4096]); print('{{\"tok_s\": 1.5}}')"
+        big = cg.run([sys.executable, "-c", touch.format(400)])
+        small = cg.run([sys.executable, "-c", touch.format(16)])
+    finally:
+        cg.close()
+    assert _tps(big, llama=False) == (None, "killed: out of memory in the limit")
+    assert _tps(small, llama=False) == (1.5, "")
+    failed = subprocess.CompletedProcess([], 2, stdout="", stderr="error: model not found\n")
+    assert _tps(failed, llama=True) == (None, "failed (exit 2): error: model not found")
