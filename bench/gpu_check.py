@@ -1,0 +1,192 @@
+"""The GPU check (issue 15 §6): what a CUDA machine shows that this project's CPU machines cannot.
+
+Run through bench/gpu_check.sh (which installs, checks for a GPU, runs the CUDA-marked tests and
+this script, and the MoE-SpAc benchmark on the host-memory tier). This script measures, on one
+CUDA device, and writes one markdown page (+ JSON):
+
+1. **Transfers.** Host-to-device GB/s of 64 MiB copies from pinned and from pageable memory, timed
+   with CUDA events (the link's peak is the pinned figure), and overlap: a copy on a side stream
+   (as engine/experts/transfers.py issues them) next to a matmul loop on the default stream,
+   against each alone. Overlap 1.0 means the shorter one was fully hidden.
+2. **The engine's own transfers**: bytes moved over transfer seconds in a cache-0.25 decode with the
+   host-memory tier (pinned), against the pinned peak.
+3. **Decode tok/s** on the mid peers checkpoint (random qwen3_moe, hidden 1024, 8 layers, 64
+   experts, top-8; built once under --work) in bf16: transformers `generate` with the model on the
+   GPU, the engine at cache 1.0 and at cache 0.25 (host-memory tier over PCIe, and disk), in rounds
+   interleaved after a warm-up round. Greedy tokens of the engine at cache 1.0 are compared with
+   transformers' on the same prompt.
+
+    python -m bench.gpu_check --out docs/benchmarks/gpu_check.md
+
+`--device cpu` runs the same code on the CPU (a smoke test of the script; the copy figures are then
+host-to-host and meaningless as a link measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench.peers import checkpoint
+from bench.report import write_report
+from engine.config import EngineConfig
+from engine.core.completion import generate
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
+
+ENGINE_CELLS: dict[str, dict[str, Any]] = {
+    "engine cache 1.0": dict(cache_fraction=1.0, offload="ram"),
+    "engine cache 0.25 (ram, PCIe)": dict(cache_fraction=0.25, offload="ram"),
+    "engine cache 0.25 (disk)": dict(cache_fraction=0.25, offload="disk"),
+}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Seconds one call of fn takes on `device` (CUDA events there, perf_counter on the CPU)."""
+    def run(fn: Callable[[], None]) -> float:
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    return run
+
+
+def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str, float]:
+    """H2D GB/s pinned and pageable, and how far a side-stream copy overlaps a default-stream matmul loop."""
+    timed = _timer(device)
+    n = mib * 2**20
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    pageable = torch.empty(n, dtype=torch.uint8)
+    pinned.fill_(1)
+    pageable.fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = lambda fn: min(timed(fn) for _ in range(reps))  # noqa: E731 - best of reps: the link's capability
+    out = {"pinned_gb_s": n / best(lambda: dst.copy_(pinned, non_blocking=True)) / 1e9,
+           "pageable_gb_s": n / best(lambda: dst.copy_(pageable)) / 1e9}
+    a = torch.randn(2048, 2048, device=device)
+    side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def matmuls() -> None:
+        for _ in range(20):
+            a @ a
+
+    def copy() -> None:
+        if side is None:
+            dst.copy_(pinned)
+            return
+        with torch.cuda.stream(side):
+            dst.copy_(pinned, non_blocking=True)
+
+    def both() -> None:
+        copy()
+        matmuls()
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    t_copy, t_mm, t_both = best(copy), best(matmuls), best(both)
+    # On the CPU both run one after the other: there is no overlap to measure.
+    overlap = max(0.0, min(1.0, (t_copy + t_mm - t_both) / min(t_copy, t_mm))) if side is not None else float("nan")
+    out.update(copy_s=t_copy, matmul_s=t_mm, both_s=t_both, overlap=overlap)
+    return out
+
+
+def hf_tps(model: Any, ids: list[int], n: int, device: torch.device) -> tuple[float, list[int]]:
+    """Decode tok/s of transformers generate on `device` ((1+n tokens) - (1 token)), and its greedy tokens."""
+    inp = torch.tensor([ids], device=device)
+    kw = dict(do_sample=False, pad_token_id=0)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
+        sync()
+        t1 = time.perf_counter()
+        out = model.generate(inp, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
+        sync()
+        t2 = time.perf_counter()
+    return n / ((t2 - t1) - (t1 - t0)), out[0, len(ids):].tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="device to check (default cuda; cpu: a smoke test of this script)")
+    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where the mid checkpoint is built (default .cache/peers)")
+    ap.add_argument("--shape", default="mid", help="checkpoint shape from bench/peers.py (default mid)")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype of every system (default bfloat16)")
+    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False); use --device cpu for a smoke test")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)"
+    print(f"device: {name}", flush=True)
+
+    copies = copy_figures(device)
+    print(f"H2D pinned {copies['pinned_gb_s']:.1f} GB/s, pageable {copies['pageable_gb_s']:.1f} GB/s, overlap {copies['overlap']:.2f}", flush=True)
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = checkpoint(args.work, args.shape)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    engines = {cell: load_model(ckpt, EngineConfig(device=args.device, dtype=args.dtype, **kw)) for cell, kw in ENGINE_CELLS.items()}
+    prompt = torch.randint(3, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    cells = ["transformers", *engines]
+    res: dict[str, list[float]] = {c: [] for c in cells}
+    tokens: dict[str, list[int]] = {}
+    link: dict[str, float] = {}
+    for rnd in range(args.rounds + 1):
+        for cell in cells:
+            if cell == "transformers":
+                tps, toks = hf_tps(hf, prompt, args.tokens, device)
+            else:
+                om = engines[cell]
+                om.stats.reset()
+                r = generate(om, prompt, SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True))
+                tps, toks = r.decode_tokens_per_s, list(r.token_ids)
+                s = om.stats.snapshot()
+                seconds = sum(s["transfer_seconds"].values())
+                if seconds > 0:  # per transfer: with 2 workers, transfers overlap in time
+                    link[cell] = s["bytes_moved"] / seconds / 1e9
+            tokens[cell] = toks
+            if rnd:  # round 0 is the warm-up
+                res[cell].append(tps)
+        if rnd:
+            print(f"round {rnd}: " + ", ".join(f"{c} {res[c][-1]:.1f} tok/s" for c in cells), flush=True)
+    for om in engines.values():
+        om.close()
+
+    same = tokens["engine cache 1.0"][: args.tokens] == tokens["transformers"][: args.tokens]
+    lines = ["## Transfers", "",
+             "| measure | value |", "|---|---|",
+             f"| H2D, pinned, 64 MiB copies (the link's peak) | {copies['pinned_gb_s']:.2f} GB/s |",
+             f"| H2D, pageable | {copies['pageable_gb_s']:.2f} GB/s |",
+             f"| copy alone / 20 matmuls alone / both (copy on a side stream) | {copies['copy_s'] * 1e3:.2f} / {copies['matmul_s'] * 1e3:.2f} / {copies['both_s'] * 1e3:.2f} ms |",
+             f"| overlap (1.0: the shorter one fully hidden) | {copies['overlap']:.2f} |"]
+    for cell, gbs in link.items():
+        lines.append(f"| {cell}: the engine's transfers (bytes / transfer seconds) | {gbs:.2f} GB/s ({gbs / copies['pinned_gb_s']:.0%} of pinned peak) |")
+    lines += ["", f"## Decode ({args.shape} checkpoint, {args.dtype}, {args.tokens} tokens, medians of {args.rounds} rounds)", "",
+              "| system | decode tok/s | × transformers |", "|---|---|---|"]
+    for cell in cells:
+        ratio = statistics.median(a / b for a, b in zip(res[cell], res["transformers"]))
+        lines.append(f"| {cell} | {statistics.median(res[cell]):.1f} | {ratio:.2f}× |")
+    lines += ["", f"Greedy tokens, engine at cache 1.0 against transformers: {'identical' if same else '**different**'}."]
+    header = f"# GPU check\n\nDevice: {name}; torch {torch.__version__}. Command: `python -m bench.gpu_check` (run by bench/gpu_check.sh)."
+    write_report(args.out, header, lines, {"device": name, "copies": copies, "engine_link_gb_s": link, "rounds": res, "same_tokens": same})
+
+
+if __name__ == "__main__":
+    main()

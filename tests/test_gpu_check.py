@@ -1,0 +1,29 @@
+"""bench/gpu_check.py must run the day a GPU is lent: here its whole path runs on the CPU (--device cpu)
+on the tiny peers shape, and its report says what it measured."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.md"
+    res = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--shape", "tiny", "--work", str(tmp_path),
+                          "--tokens", "4", "--rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = out.read_text()
+    assert "## Transfers" in text and "| engine cache 0.25 (disk) |" in text
+    assert "Greedy tokens, engine at cache 1.0 against transformers: identical." in text
+    assert out.with_suffix(".json").exists()
+
+
+def test_gpu_check_refuses_without_a_gpu_in_one_line() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return  # a GPU box: the refusal cannot happen there
+    res = subprocess.run([sys.executable, "-m", "bench.gpu_check"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1].startswith("gpu_check: no CUDA GPU visible")
+    assert "Traceback" not in res.stderr
