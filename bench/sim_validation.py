@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 
 from bench.report import write_report
 
+from bench.spac_bench import CONFIGS as SPAC_CONFIGS
 from engine.config import EngineConfig
+from engine.spec.config import SpecConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
 from engine.offline.projection import project_trace
 from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace
@@ -40,13 +42,17 @@ PROFILE_OF = {"disk": "this-machine-disk", "disk + hdd": "this-machine-disk-hdd"
               "cache 0.25 (disk)": "this-machine-disk", "cache 0.25 (disk + hdd)": "this-machine-disk-hdd",
               "cache 1.0 (ram)": "this-machine-disk", "all-resident (ram)": "this-machine-disk"}
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
-SPAC = {  # bench/spac_bench.py CONFIGS, as simulator settings
-    "plain": ({}, {}),
-    "spec": ({"speculative": True}, {}),
-    "spec+utility": ({"speculative": True, "prefetch": "utility"}, {"eviction": "utility"}),
-    "spec+utility+cpu": ({"speculative": True, "prefetch": "utility", "cpu_experts": "auto"}, {"eviction": "utility"}),
-    "spec+utility+cpu speed-first": ({"speculative": True, "prefetch": "utility", "cpu_experts": "auto"}, {"eviction": "utility", "policy": "speed-first"}),
-}
+
+
+def _spac_as_sim(spec: SpecConfig, engine_kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One bench/spac_bench.py configuration as (simulator settings, policy settings)."""
+    sim: dict[str, Any] = {k: engine_kw[k] for k in ("prefetch", "cpu_experts") if k in engine_kw}
+    if spec.speculative != "off":
+        sim["speculative"] = True
+    return sim, {k: engine_kw[k] for k in ("eviction", "policy") if k in engine_kw}
+
+
+SPAC = {name: _spac_as_sim(*cfg) for name, cfg in SPAC_CONFIGS.items()}  # the benchmark's own table: no drift
 SPEC = {"off": {}, "draft k=2": {"speculative": True, "k": 2, "adaptive": False}, "draft k=4": {"speculative": True, "k": 4, "adaptive": False},
         "draft k=6": {"speculative": True, "k": 6, "adaptive": False}, "draft adaptive (k<=4)": {"speculative": True, "k": 4, "adaptive": True}}
 
