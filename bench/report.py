@@ -1,5 +1,5 @@
 """Writing a benchmark's report: header and table to stdout, and to `out` (.md) with the numbers
-as JSON beside it. Hand-written analysis below the table (from a line starting `Command:` on)
+as JSON beside it. Hand-written analysis below the table (from a line starting `Command:` or `Command (` on)
 is kept when a rerun rewrites the table."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-ANALYSIS_START = "\nCommand:"
+ANALYSIS_STARTS = ("\nCommand:", "\nCommand (")  # "Command (what it covers; how long):" opens some pages' analysis
 
 
 def write_report(out: Path | None, header: str, lines: list[str], payload: dict[str, Any]) -> None:
@@ -23,7 +23,8 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"header": header, **payload}, indent=2))
     old = out.read_text() if out.exists() else ""
-    analysis = old[old.index(ANALYSIS_START):] if ANALYSIS_START in old else ""
+    starts = [old.index(m) for m in ANALYSIS_STARTS if m in old]
+    analysis = old[min(starts):] if starts else ""
     out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n" + analysis)
 
 

@@ -1,0 +1,22 @@
+"""bench/report.py: a rerun rewrites a page's tables and keeps the hand-written analysis below them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.report import write_report
+
+
+@pytest.mark.parametrize("opening", ["Command: `python -m bench.x`", "Command (validation; about 20 minutes):"])
+def test_a_rerun_keeps_the_analysis_and_replaces_the_table(tmp_path: Path, opening: str) -> None:
+    out = tmp_path / "page.md"
+    write_report(out, "header v1", ["| a |", "| 1 |"], {"rows": [1]})
+    out.write_text(out.read_text() + f"\n{opening}\n\nWhy the numbers are what they are.\n")
+    write_report(out, "header v2", ["| a |", "| 2 |"], {"rows": [2]})
+    text = out.read_text()
+    assert text.startswith("header v2\n\n| a |\n| 2 |\n")
+    assert "| 1 |" not in text and "header v1" not in text
+    assert text.endswith(f"\n{opening}\n\nWhy the numbers are what they are.\n")
+    assert json.loads(out.with_suffix(".json").read_text()) == {"header": "header v2", "rows": [2]}
