@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import torch
@@ -143,6 +144,26 @@ def engine_tps(om, prompt: list[int], tokens: int) -> float:
     return generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)).decode_tokens_per_s
 
 
+def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
+    """Where a decoding layer's time goes, from torch.profiler over one generate: time inside torch
+    calls (top-level ops: kernels plus dispatch) and outside them (Python: transformers' modules,
+    the router glue, the plan, the expert loop), per token and decoder layer, and the number of
+    top-level torch calls per layer. The profiler adds a microsecond or two to every call, most of
+    it outside the ops, so "outside" is an upper bound on the Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layers = om.config.num_hidden_layers
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+        wall = time.perf_counter() - t0
+    top = [e for e in prof.events() if e.cpu_parent is None]
+    inside = sum(e.cpu_time_total for e in top) / 1e6
+    per = (tokens + 1) * layers
+    return {"ms_outside_ops_per_layer": (wall - inside) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
+            "torch_calls_per_layer": len(top) / per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mid", help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)")
@@ -196,9 +217,15 @@ def main() -> None:
                 tps = run(cell, t)
                 if rnd:
                     res[(cell, t)].append(tps)
+    torch.set_num_threads(threads[0])
+    prof = layer_profile(engines["engine cache 1.0 f32"], prompt, args.tokens)
     for om in engines.values():
         om.close()
-    write_report(args.out, header(args, ckpt, hf, why), table(res, cells, threads), {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}})
+    lines = table(res, cells, threads) + [
+        "", f"Profile of the engine at cache 1.0, f32, {threads[0]} thread(s), one generate of {args.tokens} tokens under torch.profiler "
+        f"(per token and decoder layer): {prof['ms_in_ops_per_layer']:.3f} ms inside torch calls, {prof['ms_outside_ops_per_layer']:.3f} ms "
+        f"outside them (Python, plus the profiler's own cost), {prof['torch_calls_per_layer']:.0f} top-level torch calls."]
+    write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof})
 
 
 def table(res: dict[tuple[str, int], list[float]], cells: list[str], threads: list[int]) -> list[str]:
