@@ -13,7 +13,7 @@ predicted next use (policies/utility.py worth_displacing). A prefetch is submitt
 while a transfer worker is idle: a started transfer is never preempted, so a guess queued on a
 busy link delays the next demand load by a whole transfer (8 ms behind the hdd link), and where
 the link is the bottleneck that costs more than a right guess saves (8 streams behind hdd: 1.45x
-plain LRU with a deep prefetch queue, 1.60x with this rule; docs/benchmarks/spac.md). Transfers go through the
+plain LRU with a deep prefetch queue, 1.66x with this rule; docs/benchmarks/spac.md). Transfers go through the
 transfer engine at prefetch priority (behind every demand load), are protected once they land
 until used or expired, and are counted as issued, used and wasted (engine/experts/expert_store.py).
 """
@@ -66,7 +66,8 @@ class UtilityPrefetcher:
 
     def top_up(self, layer: int) -> bool:
         """Queue this layer's hottest missing experts while there is room. Returns False when the
-        fast tier has no room for a prefetch (so later layers need not be tried)."""
+        fast tier has no room for a prefetch or no transfer worker is idle (so later layers need
+        not be tried now)."""
         for e in self.estimator.ranked(layer, self.min_level):
             if self.transfers.pending() >= self.max_pending:
                 return False  # no idle transfer worker: a guess now would delay the next demand load
