@@ -83,10 +83,6 @@ class MemoryCgroup:
 
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=enter)
 
-    def peak_bytes(self) -> int | None:
-        f = self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
-        return int(f.read_text()) if f.exists() else None
-
     def close(self) -> None:
         try:
             self.path.rmdir()

@@ -28,17 +28,28 @@ from engine.worker.sampling import SamplingParams
 from models.tiny import load_reference, make_tiny_checkpoint
 
 
-def hf_decode_tps(model, ids: list[int], n: int) -> float:
-    """Decode tokens/s of transformers generate: (time for 1+n tokens - time for 1 token) / n."""
-    inp = torch.tensor([ids])
+def hf_decode(model, ids: list[int], n: int) -> tuple[float, list[int]]:
+    """Decode tokens/s of transformers generate, (time for 1+n tokens - time for 1 token) / n, on
+    the model's own device (synchronized there), and the n+1 greedy tokens it produced."""
+    device = model.device
+    inp = torch.tensor([ids], device=device)
     kw = dict(do_sample=False, pad_token_id=0)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
+        sync()
         t0 = time.perf_counter()
         model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
+        sync()
         t1 = time.perf_counter()
-        model.generate(inp, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
+        out = model.generate(inp, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
+        sync()
         t2 = time.perf_counter()
-    return n / ((t2 - t1) - (t1 - t0))
+    return n / ((t2 - t1) - (t1 - t0)), out[0, len(ids):].tolist()
+
+
+def hf_decode_tps(model, ids: list[int], n: int) -> float:
+    """Decode tokens/s of transformers generate (see hf_decode)."""
+    return hf_decode(model, ids, n)[0]
 
 
 def main() -> None:

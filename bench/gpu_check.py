@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.engine_bench import hf_decode
 from bench.peers import checkpoint
 from bench.report import write_report
 from engine.config import EngineConfig
@@ -101,23 +102,6 @@ def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str
     return out
 
 
-def hf_tps(model: Any, ids: list[int], n: int, device: torch.device) -> tuple[float, list[int]]:
-    """Decode tok/s of transformers generate on `device` ((1+n tokens) - (1 token)), and its greedy tokens."""
-    inp = torch.tensor([ids], device=device)
-    kw = dict(do_sample=False, pad_token_id=0)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        sync()
-        t0 = time.perf_counter()
-        model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
-        sync()
-        t1 = time.perf_counter()
-        out = model.generate(inp, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
-        sync()
-        t2 = time.perf_counter()
-    return n / ((t2 - t1) - (t1 - t0)), out[0, len(ids):].tolist()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="device to check (default cuda; cpu: a smoke test of this script)")
@@ -151,7 +135,7 @@ def main() -> None:
     for rnd in range(args.rounds + 1):
         for cell in cells:
             if cell == "transformers":
-                tps, toks = hf_tps(hf, prompt, args.tokens, device)
+                tps, toks = hf_decode(hf, prompt, args.tokens)
             else:
                 om = engines[cell]
                 om.stats.reset()

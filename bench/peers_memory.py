@@ -52,6 +52,11 @@ def _llama_argv(src: Path, gguf: Path, tokens: int, mode: str) -> list[str]:
             "-o", "json", "-lm", mode]
 
 
+def _last_json(stdout: str) -> dict:
+    """The JSON line a child ends its output with (bench/engine_once.py prints one)."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def _tps(res, llama: bool) -> tuple[float | None, str]:
     """tok/s from a finished child, or None and why it failed (killed by the cgroup, or an error line)."""
     if res.returncode != 0:
@@ -61,7 +66,7 @@ def _tps(res, llama: bool) -> tuple[float | None, str]:
         return None, f"failed (exit {res.returncode}): {tail[0][:120]}"
     if llama:
         return float(json.loads(res.stdout)[0]["avg_ts"]), ""
-    return float(json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]), ""
+    return float(_last_json(res.stdout)["tok_s"]), ""
 
 
 def run(ckpt: Path, src: Path | None, gguf_bf16: Path | None, fractions: list[float], tokens: int, rounds: int, out: Path | None) -> None:
@@ -79,28 +84,26 @@ def run(ckpt: Path, src: Path | None, gguf_bf16: Path | None, fractions: list[fl
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     smallest = dict(dtype="bfloat16", offload="disk", cache_bytes=cfg.num_experts_per_tok * expert_bytes)
     probe = MemoryCgroup(2**62, name="moe-offload-bench-probe")
-    fixed = json.loads(probe.run(_engine_argv(model, 4, smallest), cold).stdout.strip().splitlines()[-1])["peak_rss_mib"] * 2**20
-    ram = json.loads(probe.run(_engine_argv(model, tokens, dict(dtype="bfloat16", offload="ram", cache_fraction=1.0)), cold).stdout.strip().splitlines()[-1])
+    fixed = _last_json(probe.run(_engine_argv(model, 4, smallest), cold).stdout)["peak_rss_mib"] * 2**20
+    ram = _last_json(probe.run(_engine_argv(model, tokens, dict(dtype="bfloat16", offload="ram", cache_fraction=1.0)), cold).stdout)
     probe.close()
 
-    systems: dict[str, list[str] | None] = {}
-    cells = []
+    systems: dict[tuple[float, str], list[str] | None] = {}  # None: the limit leaves no room for a fast tier
     for frac in fractions:
         limit = int(frac * model_bytes)
         cache = limit - int(fixed) - MARGIN
         for mode in LOAD_MODES if src is not None and gguf_bf16 is not None else ():
-            cells.append((frac, f"llama.cpp bf16 -lm {mode}"))
-            systems[f"{frac}|llama.cpp bf16 -lm {mode}"] = _llama_argv(src, gguf_bf16, tokens, mode)  # type: ignore[arg-type]
-        cells.append((frac, "engine bf16 disk, exact"))
-        systems[f"{frac}|engine bf16 disk, exact"] = (_engine_argv(model, tokens, dict(dtype="bfloat16", offload="disk", cache_bytes=cache))
+            systems[(frac, f"llama.cpp bf16 -lm {mode}")] = _llama_argv(src, gguf_bf16, tokens, mode)  # type: ignore[arg-type]
+        systems[(frac, "engine bf16 disk, exact")] = (_engine_argv(model, tokens, dict(dtype="bfloat16", offload="disk", cache_bytes=cache))
                                                       if cache > expert_bytes * cfg.num_experts_per_tok else None)
+    cells = list(systems)
     groups = {frac: MemoryCgroup(int(frac * model_bytes), name=f"moe-offload-bench-{int(frac * 100)}") for frac in fractions}
     res: dict[tuple[float, str], list[float | None]] = {c: [] for c in cells}
     notes: dict[tuple[float, str], str] = {}
     try:
         for rnd in tqdm(range(rounds + 1), desc="memory-limit rounds (first is warm-up)"):
             for frac, name in tqdm(cells, desc=f"round {rnd}", leave=False):
-                argv = systems[f"{frac}|{name}"]
+                argv = systems[(frac, name)]
                 if argv is None:
                     tps, note = None, "the limit leaves no room for a fast tier"
                 else:

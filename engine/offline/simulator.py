@@ -193,6 +193,10 @@ class SimLink:
     def next_start(self) -> float:
         return max(min(self.worker_free_at), self.pipe_free_at)
 
+    def pending(self, now: float) -> int:
+        """Transfers queued or still running at `now` (TransferEngine.pending)."""
+        return len(self.queue) + sum(1 for w in self.worker_free_at if w > now)
+
 
 class _Cache:
     """Residency of the fast tier, as engine/experts/expert_store.py keeps it, without tensors:
@@ -314,10 +318,9 @@ class Simulator:
         the hottest missing experts, into a free slot or over a victim worth displacing."""
         est, cache, E = self.utility, self.cache, self.E
         assert est is not None
-        link = self.link
         for e in est.ranked(layer, PREFETCH_MIN_LEVEL):
-            if len(link.queue) + sum(1 for w in link.worker_free_at if w > self.clock) >= len(link.worker_free_at):
-                return False  # no idle transfer worker
+            if self.link.pending(self.clock) >= len(self.link.worker_free_at):
+                return False  # no idle transfer worker (UtilityPrefetcher.max_pending)
             key = layer * E + e
             if key in cache.ready:  # resident, or already on its way
                 continue
