@@ -62,6 +62,18 @@ class Tally:
         }
 
 
+PROMPT_TOKENS = 64
+
+
+def workload(tokenizer, data: str | Path, windows: int, window: int, prompts: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The teacher-forced windows and the generation prompts (PROMPT_TOKENS long), cut from evenly
+    spaced places in the text (bench/sim_validation.py replays the same prompts)."""
+    ids = tokenizer(Path(data).read_text(encoding="utf-8"))["input_ids"]
+    stride = len(ids) // (windows + prompts)
+    spaced = [ids[i * stride : i * stride + window] for i in range(windows + prompts)]
+    return spaced[:windows], [c[:PROMPT_TOKENS] for c in spaced[windows:]]
+
+
 def run_teacher_forced(om, chunk: list[int], tally: Tally) -> None:
     before, t0 = _counters(om), time.perf_counter()
     score_window(ModelRunner(om), chunk)
@@ -110,11 +122,7 @@ def main() -> None:
     for sname, kw in settings.items():
         for p in POLICIES:
             engines[(sname, p)] = load_model(model_dir, EngineConfig(cache_fraction=args.cache_fraction, policy=p, **kw))
-    tok = next(iter(engines.values())).tokenizer
-    ids = tok(Path(args.data).read_text(encoding="utf-8"))["input_ids"]
-    stride = len(ids) // (args.windows + args.prompts)
-    spaced = [ids[i * stride : i * stride + args.window] for i in range(args.windows + args.prompts)]
-    chunks, prompts = spaced[: args.windows], [c[:64] for c in spaced[args.windows :]]
+    chunks, prompts = workload(next(iter(engines.values())).tokenizer, args.data, args.windows, args.window, args.prompts)
     tallies = {w: {k: Tally() for k in engines} for w in ("teacher-forced", "generate")}
     for chunk in tqdm(chunks, desc="teacher-forced windows"):
         for key, om in engines.items():
@@ -127,7 +135,7 @@ def main() -> None:
 
     header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
               f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
-              f"generate: {len(prompts)} prompts of 64 tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
+              f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
     md, raw = [header, ""], {}
     for workload, t in tallies.items():
         rows = [{"setting": s, "policy": p, **t[(s, p)].row()} for (s, p) in engines]

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from bench.report import write_report
 
+from bench.policy_bench import PROMPT_TOKENS
 from bench.spac_bench import CONFIGS as SPAC_CONFIGS
 from engine.config import EngineConfig
 from engine.spec.config import SpecConfig
@@ -57,15 +58,42 @@ SPEC = {"off": {}, "draft k=2": {"speculative": True, "k": 2, "adaptive": False}
         "draft k=6": {"speculative": True, "k": 6, "adaptive": False}, "draft adaptive (k<=4)": {"speculative": True, "k": 4, "adaptive": True}}
 
 
+def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: int) -> dict:
+    """The routing of bench/policy_bench.py's `generate` workload: its prompts, each followed by
+    the greedy tokens the exact engine generates from it (= transformers'), traced as one window
+    per request. Generated text routes differently from the test text (on v2 fetch-all hit 93 %
+    of calls generating against 78 % teacher-forced), so those rows are replayed on this."""
+    from bench.engine_bench import hf_decode
+    from bench.policy_bench import workload
+    from engine.offline.trace import record_trace
+    from engine.worker.loader import load_model
+    from server.cli_common import resolve_model_dir
+
+    om = load_model(resolve_model_dir(None), EngineConfig(cache_fraction=1.0))
+    try:
+        _, cut = workload(om.tokenizer, data, windows, window, prompts)
+        # The decode steps the benchmark times read the prompt's first generated token onwards.
+        seqs = [p + hf_decode(om.model, p, tokens)[1][:tokens] for p in tqdm(cut, desc="generating")]
+        return load_trace_dict(record_trace(om, [t for q in seqs for t in q], len(seqs[0]), logits=True))
+    finally:
+        om.close()
+
+
+def load_trace_dict(trace: dict) -> dict:
+    """A freshly recorded trace as load_trace returns a saved one (meta parsed)."""
+    return {**trace, "meta": json.loads(str(trace["meta"]))}
+
+
 class Runner:
-    def __init__(self, trace: dict, max_tokens: int) -> None:
+    def __init__(self, trace: dict, max_tokens: int | None) -> None:
         self.trace, self.max_tokens = trace, max_tokens
         self.replay: list[tuple[int, float]] = []  # (token-layers, seconds) of every run
 
     def tok_s(self, setting: str, policy: dict[str, Any] | None = None, **settings: Any) -> dict:
         cache = 1.0 if "ram" in setting else 0.25
         costs = costs_for(PROFILE_OF[setting], "embedded", self.trace["meta"]["expert_nbytes"])
-        s = SimSettings(cache_fraction=cache, max_tokens=self.max_tokens * settings.get("streams", 1), **settings)
+        tokens = self.max_tokens * settings.get("streams", 1) if self.max_tokens else None
+        s = SimSettings(cache_fraction=cache, max_tokens=tokens, **settings)
         res = Simulator(self.trace, EngineConfig(**(policy or {})).policies(), costs, s).run()
         self.replay.append((res.token_layers, res.replay_s))
         return res.to_dict()
@@ -75,7 +103,8 @@ def _err(sim: float, meas: float) -> float:
     return sim / meas - 1.0
 
 
-def validate(run: Runner) -> list[dict]:
+def validate(run: Runner, gen: Runner, gen_tokens: int) -> list[dict]:
+    """`gen`: replays the generate workload's trace (requests of a prompt and gen_tokens)."""
     rows: list[dict] = []
 
     def add(table: str, setting: str, streams: int, config: str, base: str, meas: float, sim_r: dict, sim_base: dict) -> None:
@@ -86,8 +115,9 @@ def validate(run: Runner) -> list[dict]:
 
     pol = json.loads((DOCS / "policies_speed.json").read_text())
     for setting in ("disk", "disk + hdd"):
-        sims = {p: run.tok_s(setting, {"policy": p}) for p in POLICIES}
-        for mode in ("teacher-forced", "generate"):
+        by_mode = {"teacher-forced": {p: run.tok_s(setting, {"policy": p}) for p in POLICIES},
+                   "generate": {p: gen.tok_s(setting, {"policy": p}, request_tokens=gen_tokens, prompt_tokens=PROMPT_TOKENS) for p in POLICIES}}
+        for mode, sims in by_mode.items():
             for r in pol[mode]:
                 if r["setting"] == setting and r["policy"] != "fetch-all":
                     add(f"policies_speed ({mode})", setting, 1, r["policy"], "fetch-all", r["vs_fetch_all"], sims[r["policy"]], sims["fetch-all"])
@@ -212,6 +242,11 @@ def main() -> None:
     ap.add_argument("--trace", default="docs/benchmarks/embedded_test_trace.npz", help="trace with logits (moe-offload trace --logits)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="tokens per stream replayed per validation cell (default 1024)")
     ap.add_argument("--projection-tokens", type=int, default=256, help="tokens replayed per projected cell (default 256: 48-layer replays are slower)")
+    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text bench/policy_bench.py cut its generation prompts from (default: the test split)")
+    ap.add_argument("--bench-windows", type=int, default=4, help="policy_bench's --windows, which places its prompts (default 4, as policies_speed.md ran)")
+    ap.add_argument("--bench-window", type=int, default=128, help="policy_bench's --window (default 128)")
+    ap.add_argument("--bench-prompts", type=int, default=3, help="policy_bench's --prompts (default 3)")
+    ap.add_argument("--bench-tokens", type=int, default=48, help="policy_bench's --tokens: greedy tokens per prompt (default 48)")
     ap.add_argument("--skip-projections", action="store_true", help="only the validation against measured tables")
     ap.add_argument("--out", type=Path, help="write the tables here (.md; the numbers as JSON beside it; analysis from a line starting 'Command:' on is kept)")
     ap.add_argument("--from-json", type=Path, help="render the tables of an earlier run's JSON instead of running")
@@ -222,7 +257,8 @@ def main() -> None:
         return
     trace = load_trace(args.trace)
     run = Runner(trace, args.max_tokens)
-    rows = validate(run)
+    gen = Runner(generate_trace(args.data, args.bench_windows, args.bench_window, args.bench_prompts, args.bench_tokens), None)
+    rows = validate(run, gen, args.bench_tokens)
     print(f"{'table':28s} {'setting':24s} {'n':>2s} {'config':30s} {'measured':>8s} {'simulated':>9s} {'error':>7s}")
     for r in rows:
         print(f"{r['table']:28s} {r['setting']:24s} {r['streams']:2d} {r['config']:30s} {r['measured_x']:7.2f}x {r['simulated_x']:8.2f}x {r['error']:+7.0%}")

@@ -152,6 +152,26 @@ def test_requests_end_together_and_windows_never_cross_them() -> None:
     assert r.tokens == 100 and r.steps == 20  # each 10-token request: two full windows of 5
 
 
+def test_prompts_are_prefilled_in_one_untimed_step() -> None:
+    # Two requests of a 20-token prompt and 30 decoded tokens; the first uses experts 0-3 of each
+    # layer (resident from the warm start), the second experts 4-7. Its prompt brings those in
+    # before its decode starts, and, as the benchmarks' decode clocks start after the prefill,
+    # the prompts count in no figure.
+    N, L, E, k = 100, 2, 16, 4
+    ids = np.zeros((N, L, k), dtype=np.int64)
+    ids[:50], ids[50:] = np.arange(4), np.arange(4, 8)
+    logits = np.zeros((N, L, E), dtype=np.float32)
+    np.put_along_axis(logits, ids, 5.0, axis=-1)
+    tr = {"ids": ids, "weights": np.full((N, L, k), 1 / k), "logits": logits, "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000}}
+    r = Simulator(tr, EngineConfig().policies(), HW, SimSettings(request_tokens=30, prompt_tokens=20)).run()
+    assert r.tokens == 60 and r.steps == 60 and r.calls == 60 * L * k == r.calls_hit and r.demand_loads == 0 and r.stall_s == 0
+    assert r.token_layers == N * L  # the replay's own work includes the prompts' rows
+    keep = np.r_[20:50, 70:100]  # the same decode tokens without their prompts
+    cold = Simulator({**{key: tr[key][keep] for key in ("ids", "weights", "logits")}, "meta": tr["meta"]},
+                     EngineConfig().policies(), HW, SimSettings(request_tokens=30)).run()
+    assert cold.tokens == 60 and cold.demand_loads == 4 * L and cold.stall_s > 0
+
+
 def test_utility_prefetch_and_eviction_use_the_engines_estimator() -> None:
     tr = synthetic_trace(N=400, topics=4)
     pol = EngineConfig(eviction="utility").policies()

@@ -36,7 +36,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,6 +113,10 @@ class SimSettings:
     # Tokens per request: the streams' requests end together after this many tokens and new ones
     # start with a fresh adaptive-k state, as the benchmarks' cells do (None: one request per stream).
     request_tokens: int | None = None
+    # Each request begins with this many trace tokens as its prompt: one prefill step of that many
+    # rows, replayed (it shapes the cache, as the engine's prefill does) but left out of every
+    # figure, since the benchmarks start their decode clocks after the prefill. 0: no prompt.
+    prompt_tokens: int = 0
     warm: bool = True  # the engine's warm start: fill the fast tier round-robin across layers
     seed: int = 0
     predictor: Any = None  # a Predictor, or None
@@ -143,6 +147,13 @@ class SimResult:
     verifications: int = 0  # windows with at least one proposal
     verified_tokens: int = 0  # tokens those windows produced
     replay_s: float = 0.0  # wall time of the replay itself
+
+    def minus(self, before: SimResult, after: SimResult) -> None:
+        """Take out what happened between two snapshots (an untimed prefill); the replay's own
+        work (token-layers, wall time) stays counted."""
+        for f in fields(self):
+            if f.name not in ("token_layers", "replay_s"):
+                setattr(self, f.name, getattr(self, f.name) - (getattr(after, f.name) - getattr(before, f.name)))
 
     @property
     def seconds(self) -> float:
@@ -564,14 +575,21 @@ class Simulator:
         ends = [min(N, starts[i] + budget, starts[i + 1] if i + 1 < S else N) for i in range(S)]
         cell = [0] * S  # tokens of each stream's current request
         cells = 0
+        untimed: list[tuple[SimResult, SimResult]] = []  # (before, after) of every prefill
+        prefilled = False
         while True:
+            if s.prompt_tokens and not prefilled:
+                prefilled = True
+                waiting = [i for i in range(S) if pos[i] < ends[i]]
+                if waiting:
+                    untimed.append(self._prefill(waiting, pos, ends))
             live = [i for i in range(S) if pos[i] < ends[i] and (not s.request_tokens or cell[i] < s.request_tokens)]
             if not live:
                 if not s.request_tokens or all(pos[i] >= ends[i] for i in range(S)):
                     break
                 # Every request of the cell is done: the next cell's requests start, with a fresh
                 # proposer and adaptive-k state, as bench/spec_bench.py builds them per cell.
-                cell, cells = [0] * S, cells + 1
+                cell, cells, prefilled = [0] * S, cells + 1, False
                 self.k_policy = AdaptiveK(s.k, adaptive=s.adaptive)
                 continue
             windows: list[tuple[int, list[int], int]] = []  # (stream, rows, kept rows)
@@ -610,8 +628,26 @@ class Simulator:
                 self.clock += self.costs.utility_step_s
                 r.compute_s += self.costs.utility_step_s
         r.evictions, r.prefetch_wasted = self.cache.evictions, self.cache.wasted
+        for before, after in untimed:
+            r.minus(before, after)
         r.replay_s = time.perf_counter() - t_wall
         return r
+
+    def _snapshot(self) -> SimResult:
+        return replace(self.r, evictions=self.cache.evictions, prefetch_wasted=self.cache.wasted)
+
+    def _prefill(self, streams: list[int], pos: list[int], ends: list[int]) -> tuple[SimResult, SimResult]:
+        """One prefill step: the next `prompt_tokens` trace tokens of each stream in one batch
+        (as the engine prefills a request). Returns the result before and after it."""
+        before = self._snapshot()
+        rows: list[int] = []
+        for i in streams:
+            n = min(self.s.prompt_tokens, ends[i] - pos[i])
+            rows += range(pos[i], pos[i] + n)
+            pos[i] += n
+        for li in range(self.L):
+            self._layer(li, rows, len(streams))
+        return before, self._snapshot()
 
     def _observe(self, windows: list[tuple[int, list[int], int]]) -> None:
         """The sensor's report (all rows, kept rows per layer) into the estimator, then the
