@@ -137,14 +137,14 @@ def main() -> None:
               f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
               f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
     md, raw = [header, ""], {}
-    for workload, t in tallies.items():
+    for mode, t in tallies.items():
         rows = [{"setting": s, "policy": p, **t[(s, p)].row()} for (s, p) in engines]
         ceiling = rows[0]["tok_s"]
         for r in rows:
             base = next(x for x in rows if x["setting"] == r["setting"] and x["policy"] == "fetch-all")
             r["vs_fetch_all"], r["vs_ceiling"] = r["tok_s"] / base["tok_s"], r["tok_s"] / ceiling
-        md += table(rows, workload)
-        raw[workload] = rows
+        md += table(rows, mode)
+        raw[mode] = rows
     print("\n".join(md))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -93,11 +93,15 @@ def recall_at_k(pred: torch.Tensor, true_ids: torch.Tensor, k: int | None = None
 
 
 @torch.inference_mode()
-def predict(adapter: RouterAdapter, data: AdapterData, anchor: int) -> torch.Tensor:
-    return torch.cat([adapter(x, anchor, b) for x, b in zip(data.x[:, anchor].split(8192), data.base[:, anchor].split(8192))])
+def predict(adapter: torch.nn.Module, data: AdapterData, anchor: int) -> torch.Tensor:
+    """Predicted next-layer logits [T, E] of anchor `anchor` for every token of `data`."""
+    out = []
+    for x, b in zip(data.x[:, anchor].split(8192), data.base[:, anchor].split(8192)):
+        out.append(adapter(x, torch.full((x.shape[0],), anchor, dtype=torch.long), b))
+    return torch.cat(out)
 
 
-def evaluate(adapter: RouterAdapter, data: AdapterData) -> list[float]:
+def evaluate(adapter: torch.nn.Module, data: AdapterData) -> list[float]:
     """Recall@k per anchor layer."""
     return [recall_at_k(data.ranked(predict(adapter, data, a), a), data.true_ids[:, a]) for a in range(data.anchors)]
 
@@ -111,31 +115,40 @@ def train_adapter(data: AdapterData, rank: int = 64, steps: int = 1500, batch: i
                   bias: bool = True, fate_base: bool = True, seed: int = 0, valid: AdapterData | None = None) -> RouterAdapter:
     torch.manual_seed(seed)
     N, A, D = data.x.shape
-    E = data.teacher.shape[-1]
-    adapter = RouterAdapter(D, E, rank, A, bias, fate_base)
-    opt = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
+    adapter = RouterAdapter(D, data.teacher.shape[-1], rank, A, bias, fate_base)
+    fit_predictor(adapter, data, steps, batch, lr, seed, valid, desc="training prefetcher")
+    return adapter
+
+
+Predictor = torch.nn.Module  # called as module(x [T, D], anchors [T], base [T, E]) -> logits [T, E]
+
+
+def fit_predictor(module: Predictor, data: AdapterData, steps: int = 1500, batch: int = 1024, lr: float = 3e-3, seed: int = 0,
+                  valid: AdapterData | None = None, desc: str = "training predictor") -> Predictor:
+    """Fit any next-layer logit predictor with the adapter's recipe: batches of random (token,
+    anchor) examples, cross entropy against the teacher's softmax, AdamW with cosine decay to
+    10 % (stable last steps on a small dataset). bench/prefetch_bound.py fits richer predictors
+    with it, as bounds on what the adapter could reach."""
+    N, A, _ = data.x.shape
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     teacher_p = F.softmax(data.teacher, dim=-1)
-    bar = tqdm(range(steps), desc="training prefetcher", unit="step")
+    bar = tqdm(range(steps), desc=desc, unit="step")
+    module.train()
     for step in bar:
-        for group in opt.param_groups:  # cosine decay to 10 %: stable last steps on a small dataset
+        for group in opt.param_groups:
             group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         rows = torch.randint(0, N, (batch,), generator=g)
         anchors = torch.randint(0, A, (batch,), generator=g)
-        x, base, p = data.x[rows, anchors], data.base[rows, anchors], teacher_p[rows, anchors]
-        out = (x @ adapter.A.T) @ adapter.B.T
-        if adapter.bias is not None:
-            out = out + adapter.bias[anchors]
-        if fate_base:
-            out = out + base
-        loss = -(p * F.log_softmax(out, dim=-1)).sum(-1).mean()
+        out = module(data.x[rows, anchors], anchors, data.base[rows, anchors])
+        loss = -(teacher_p[rows, anchors] * F.log_softmax(out, dim=-1)).sum(-1).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 100 == 0 or step == steps - 1:
             post = {"loss": f"{loss.item():.4f}"}
             if valid is not None and (step % 500 == 0 or step == steps - 1):
-                post["valid recall@k"] = f"{np.mean(evaluate(adapter.eval(), valid)):.3f}"
-                adapter.train()
+                post["valid recall@k"] = f"{np.mean(evaluate(module.eval(), valid)):.3f}"
+                module.train()
             bar.set_postfix(post)
-    return adapter.eval()
+    return module.eval()
