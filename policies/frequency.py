@@ -11,13 +11,20 @@ the score of the last evicted expert (+1), so it competes on equal footing.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable, Iterable
 
-from policies.base import EvictionPolicy
+from policies.base import EvictionPolicy, as_set
 
 
 class FrequencyEviction(EvictionPolicy):
+    """Every score decays by the same factor per access, so the order of two scores only changes
+    when one of them is used: residents sit in a heap ordered by log score as of clock 0, and a
+    victim is the heap's top (entries made stale by a use are brought up to date when they reach
+    the top), not a scan of every resident with a decay each (that scan was O(residents) per
+    eviction: about 1 ms on a 48-layer model's tier)."""
+
     name = "frequency"
 
     def __init__(self, decay: float = 0.999) -> None:
@@ -25,31 +32,62 @@ class FrequencyEviction(EvictionPolicy):
             raise ValueError(f"frequency decay must be in (0, 1], got {decay}")
         self._log_decay = math.log(decay)
         self.clock = 0  # counts accesses
-        # Scores are stored as of the time they were last updated: (score, clock then).
-        self._score: dict[Hashable, tuple[float, int]] = {}
-        self._floor: tuple[float, int] = (0.0, 0)  # score of the last evicted expert
-
-    def _decayed(self, st: tuple[float, int]) -> float:
-        return st[0] * math.exp(self._log_decay * (self.clock - st[1]))
+        # log score as of clock 0: log(score at clock t) = order + t * log_decay. Scores are >= 1.
+        self._order: dict[Hashable, float] = {}
+        self._heap: list[tuple[float, Hashable]] = []  # (order, key), stale entries skipped lazily
+        self._stale = 0  # heap entries pushed since the heap was last rebuilt
+        self._floor: tuple[float, int] = (0.0, 0)  # score of the last evicted expert, clock then
 
     def score(self, key: Hashable) -> float:
-        return self._decayed(self._score[key]) if key in self._score else 0.0
+        order = self._order.get(key)
+        return 0.0 if order is None else math.exp(order + self._log_decay * self.clock)
+
+    def _set(self, key: Hashable, score: float, push: bool) -> None:
+        order = math.log(score) - self._log_decay * self.clock
+        self._order[key] = order
+        if push:
+            heapq.heappush(self._heap, (order, key))  # type: ignore[misc]
+            self._stale += 1
+            if self._stale > len(self._order) + 1024:
+                self._heap = [(o, k) for k, o in self._order.items()]
+                heapq.heapify(self._heap)  # type: ignore[arg-type]
+                self._stale = 0
 
     def on_insert(self, key: Hashable) -> None:
         self.clock += 1
-        base = max(self.score(key), self._decayed(self._floor))  # dynamic aging
-        self._score[key] = (base + 1.0, self.clock)
+        floor = self._floor[0] * math.exp(self._log_decay * (self.clock - self._floor[1]))
+        self._set(key, max(self.score(key), floor) + 1.0, push=True)  # dynamic aging
 
     def on_access(self, key: Hashable) -> None:
         self.clock += 1
-        self._score[key] = (self.score(key) + 1.0, self.clock)
+        # A use only raises the order, so the key's heap entry stays a lower bound: it is
+        # brought up to date when it reaches the top (`victim`), not pushed on every use.
+        self._set(key, self.score(key) + 1.0, push=key not in self._order)
 
     def on_remove(self, key: Hashable) -> None:
         self._floor = (self.score(key), self.clock)
-        del self._score[key]
+        self._order.pop(key, None)
 
     def forget(self, key: Hashable) -> None:
-        self._score.pop(key, None)  # not an eviction: the aging floor stays where it is
+        self._order.pop(key, None)  # not an eviction: the aging floor stays where it is
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
-        return min(candidates, key=self.score, default=None)
+        allowed = as_set(candidates)
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            order, key = heap[0]
+            current = self._order.get(key)
+            if current != order:
+                heapq.heappop(heap)
+                if current is not None:
+                    heapq.heappush(heap, (current, key))  # used since: its real place is further down
+                continue
+            if key in allowed:  # type: ignore[operator]
+                found = key
+                break
+            skipped.append(heapq.heappop(heap))  # resident but not evictable now (pinned, protected)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if found is None:  # candidates the policy never saw inserted: any of them
+            found = next((k for k in allowed if k not in self._order), None)
+        return found

@@ -30,12 +30,13 @@ Limitations, by construction:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence, Set as AbstractSet
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -209,14 +210,35 @@ class SimLink:
         return len(self.queue) + sum(1 for w in self.worker_free_at if w > now)
 
 
+class _Evictable(AbstractSet[int]):
+    """The residents an eviction may take at `now` (EvictableView, engine/experts/expert_store.py):
+    landed by then, unpinned, protected or not as asked. Live: reservations made after it was
+    built are seen (a victim dropped, a new key still in flight)."""
+
+    __slots__ = ("_cache", "_now", "_protected")
+
+    def __init__(self, cache: _Cache, now: float, protected: bool) -> None:
+        self._cache, self._now, self._protected = cache, now, protected
+
+    def __contains__(self, key: object) -> bool:
+        c = self._cache
+        return (c.ready.get(key, INF) <= self._now and key not in c.pinned  # type: ignore[call-overload]
+                and (key in c.protected) == self._protected)
+
+    def __iter__(self) -> Iterator[int]:
+        return (k for k in list(self._cache.ready) if k in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class _Cache:
     """Residency of the fast tier, as engine/experts/expert_store.py keeps it, without tensors:
     `ready[key]` is when the expert landed (or will land; INF while its prefetch is queued)."""
 
     def __init__(self, n_slots: int, policies: PolicyBundle) -> None:
         self.n_slots, self.ev = n_slots, policies.eviction
-        self.ready: dict[int, float] = {}
-        self.pending: set[int] = set()  # keys whose `ready` time may still lie ahead (in flight or queued)
+        self.ready: dict[int, float] = {}  # INF while queued; a time ahead of the clock while in flight
         self.protected: dict[int, int] = {}  # key -> tick at which its protection expires
         self.pinned: set[int] = set()
         self.tick_no = 0
@@ -225,32 +247,22 @@ class _Cache:
 
     def land(self, key: int, t: float) -> None:
         self.ready[key] = t
-        self.pending.add(key)
 
-    def evictable(self, now: float, protected: bool) -> set[int]:
-        """Landed, unpinned experts, protected ones or not (store._evictable). Set algebra, not a
-        scan: this runs once per load and is the replay's hot spot."""
-        ready = self.ready
-        if self.pending:
-            self.pending = {k for k in self.pending if ready.get(k, -1.0) > now}
-        cand = ready.keys() - self.pinned - self.pending
-        return cand & self.protected.keys() if protected else cand - self.protected.keys()
+    def evictable(self, now: float, protected: bool) -> _Evictable:
+        """Landed, unpinned experts, protected ones or not (store._evictable): a live view, as the
+        store's, so a policy that walks its own order asks `in` of a few keys instead of this
+        building a set of every resident for each load (the replay's hot spot)."""
+        return _Evictable(self, now, protected)
 
-    def reserve(self, key: int, now: float, may_evict_protected: bool, cand: set[int] | None = None, victim: int | None = None) -> bool:
+    def reserve(self, key: int, now: float, may_evict_protected: bool, victim: int | None = None) -> bool:
         """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
-        unpinned experts, unprotected first. False when nothing can be evicted. `cand`: the
-        unprotected candidates, kept by a caller that reserves several slots at one time;
-        `victim`: the policy's victim, when the caller already asked for it (the eviction
-        policies scan every candidate, which dominates replays of 48-layer shapes)."""
+        unpinned experts, unprotected first. False when nothing can be evicted. `victim`: the
+        policy's victim, when the caller already asked for it."""
         if len(self.ready) >= self.n_slots:
             if victim is None:
-                if cand is None:
-                    cand = self.evictable(now, False)
-                victim = self.ev.victim(cand)
-            if cand is not None:
-                cand.discard(victim)
+                victim = self.ev.victim(_Evictable(self, now, False))
             if victim is None and may_evict_protected:
-                victim = self.ev.victim(self.evictable(now, True))
+                victim = self.ev.victim(_Evictable(self, now, True))
             if victim is None:
                 return False
             self.drop(victim)
@@ -307,6 +319,8 @@ class Simulator:
         self.clock = 0.0
         self.bg_cpu_s = 0.0  # compute-thread time owed to background transfers (prefetch, admission)
         self.predicted: set[int] = set()  # the predictor's prefetches still queued (not started)
+        self._dense_s: dict[tuple[int, int], float] = {}  # costs.d by (rows, requests): the replay asks it every layer
+        self._g_of = functools.lru_cache(maxsize=None)(costs.g)  # costs.g by rows, likewise
 
     # -- the link and the queue of prefetches ---------------------------------------------
     def _advance(self, now: float) -> None:
@@ -373,16 +387,18 @@ class Simulator:
                     ranked.setdefault(int(lst[i]))
         chosen = list(ranked)[:budget]
         nxt = (layer + 1) * E
-        # Never evict what the same prediction asks for (a resident predicted expert is about to be used).
-        cand = cache.evictable(self.clock, False) - {nxt + e for e in chosen}
+        # Never evict what the same prediction asks for (a resident predicted expert is about to be
+        # used): pinned while its slots are reserved, as the engine's lease pins them.
+        cache.pinned = {nxt + e for e in chosen}
         for e in chosen:
             key = nxt + e
             if key in cache.ready:
                 continue
-            if not cache.reserve(key, self.clock, False, cand):
+            if not cache.reserve(key, self.clock, False):
                 break
             self._prefetch(key)
             self.predicted.add(key)
+        cache.pinned = set()
 
     # -- one MoE layer of one step ----------------------------------------------------------
     def _layer(self, li: int, rows: list[int], requests: int) -> None:
@@ -390,43 +406,54 @@ class Simulator:
         E, base = self.E, li * self.E
         T = len(rows)
         ready_at = cache.ready
+        ev = cache.ev
         # Attention, norms and router run before the experts; transfers started in the background
         # since the last layer cost the compute thread their CPU share (per_load_s: 0 off a CPU-only box).
-        now = self.clock + c.d(T, requests) + self.bg_cpu_s
+        dense = self._dense_s.get((T, requests))
+        if dense is None:
+            dense = self._dense_s[(T, requests)] = c.d(T, requests)
+        now = self.clock + dense + self.bg_cpu_s
         self.bg_cpu_s = 0.0
-        self._advance(now)
-        cache.ev.on_layer(li)
-        is_res = lambda e: ready_at.get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
-        exp = [self.ids[t][li] for t in rows]
+        if self.link.queue:
+            self._advance(now)
+        ev.on_layer(li)
+        get = ready_at.get
+        is_res = lambda e: get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
+        ids, weights = self.ids, self.weights
+        exp = [ids[t][li] for t in rows]
         logits = [self.logits[t, li].tolist() for t in rows] if pol.miss.needs_logits else None
-        plan = pol.miss.plan(li, exp, [self.weights[t][li] for t in rows], is_res, logits)
-        if len(exp) == 1:
-            rows_of = dict.fromkeys((e for e in plan.experts[0] if e != DROPPED), 1)
+        plan = pol.miss.plan(li, exp, [weights[t][li] for t in rows], is_res, logits)
+        if T == 1:
+            rows_of = dict.fromkeys(plan.experts[0], 1)
+            rows_of.pop(DROPPED, None)
         else:
             rows_of = Counter(e for row in plan.experts for e in row if e != DROPPED)
-        fetch = set(plan.fetch)
-        ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
+        if plan.fetch:
+            fetch = set(plan.fetch)
+            ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
+        else:
+            ready = sorted(rows_of)
         cache.pinned = {base + e for e in rows_of}
+        protected = cache.protected
         for e in ready:
-            key = base + e
-            cache.ev.on_access(key)
-            if cache.protected.pop(key, None) is not None:
-                r.prefetch_used += 1
+            ev.on_access(base + e)
+        if protected:
+            for e in ready:
+                if protected.pop(base + e, None) is not None:
+                    r.prefetch_used += 1
         on_cpu: list[int] = []
-        if self.s.cpu_experts != "off" and fetch:
+        if plan.fetch and self.s.cpu_experts != "off":
             on_cpu = self._cpu_split(li, plan.fetch, ready, rows_of, now)
-        g = c.g
-        busy = sum(g(rows_of[e]) for e in ready)
-        landing: list[tuple[float, int]] = []
+        g = self._g_of
+        busy = sum([g(rows_of[e]) for e in ready])
         link = self.link
-        cand: set[int] | None = None  # eviction candidates, computed once per layer
         new_loads: list[int] = []  # demand transfers to start now, with the CPU experts' reads
         joined: list[tuple[float, int]] = []
         for e in plan.fetch:
-            if e in on_cpu:
+            if on_cpu and e in on_cpu:
                 continue
             key = base + e
-            t = ready_at.get(key)
+            t = get(key)
             if t is not None:  # a prefetch (or admission) in flight or queued: join it, as transfers.submit does
                 if t == INF:
                     del link.queue[key]
@@ -434,16 +461,23 @@ class Simulator:
                     new_loads.append(e)
                 else:
                     joined.append((t, e))
-                if cache.protected.pop(key, None) is not None:
+                if protected.pop(key, None) is not None:
                     r.prefetch_used += 1
             else:
-                if cand is None and len(ready_at) >= cache.n_slots:
-                    cand = cache.evictable(now, False)
-                cache.reserve(key, now, True, cand)  # if all slots are pinned it still runs (a spill)
+                cache.reserve(key, now, True)  # if all slots are pinned it still runs (a spill)
                 new_loads.append(e)
                 r.demand_loads += 1
-        landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
-        landing += joined
+        if on_cpu:
+            landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
+        else:  # only transfers: each starts on the first free worker (_schedule without CPU jobs)
+            landing, cpu_end = [], now
+            for e in new_loads:
+                t = link.start(now)
+                if base + e in ready_at:
+                    ready_at[base + e] = t
+                landing.append((t, e))
+        if joined:
+            landing += joined
         end, stall = now + busy, 0.0
         if len(landing) > 1:
             landing.sort()
