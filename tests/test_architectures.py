@@ -11,12 +11,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
+from engine.experts.moe_block import OffloadedMoeBlock
 from engine.weights.arch_adapters import adapter_for
 from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
-from tiny_models import NEW_ARCHS, load_reference
+from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 SETTINGS = [(off, cf) for off in ("ram", "disk") for cf in (1.0, 0.5, 0.1)]
 # save_pretrained already writes fused tensors for these (their released checkpoints are fused too).
@@ -100,3 +101,22 @@ def test_unknown_dense_part_is_refused_in_one_line(tiny_ckpt) -> None:
 def test_llama4_with_top2_is_refused(tiny_ckpt) -> None:
     with pytest.raises(CheckpointError, match="num_experts_per_tok=2 is not supported"):
         load_model(tiny_ckpt("llama4_text", num_experts_per_tok=2))
+
+
+@pytest.mark.parametrize("arch", sorted(set(ARCHS) | set(NEW_ARCHS)))
+def test_router_logits_alone_equal_the_routers(tiny_ckpt, arch: str) -> None:
+    """The prefetcher's next-router guess (BlockAdapter.router_logits) skips route()'s top-k
+    selection where the logits are the router's linear map, and equals route()'s logits always."""
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=0.5))
+    try:
+        blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
+        x = torch.randn(5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for block in blocks:
+                ref = block.adapter.route(block, x)[0]
+                for _ in range(2):  # the first call checks the shortcut, the second takes it (or not)
+                    assert torch.allclose(block.adapter.router_logits(block, x).float(), ref.float(), rtol=1e-4, atol=1e-5)
+        if arch in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+            assert all(b.adapter._logits_are_linear for b in blocks), "the shortcut should apply to this router"
+    finally:
+        om.close()

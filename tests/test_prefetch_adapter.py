@@ -14,8 +14,8 @@ from engine.core.completion import complete, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.offline.trace import record_trace
-from engine.prefetch.adapter import load_adapter, save_adapter
-from engine.prefetch.training import AdapterData, data_from_trace, evaluate, model_fingerprint, recall_at_k, train_adapter
+from engine.prefetch.adapter import RouterAdapter, load_adapter, save_adapter
+from engine.prefetch.training import AdapterData, data_from_trace, evaluate, model_fingerprint, moe_blocks, recall_at_k, train_adapter
 from engine.spec.config import SpecConfig
 from engine.spec.factory import make_speculation
 from engine.worker.loader import load_model
@@ -187,3 +187,44 @@ def test_slot_zero_is_the_first_choice_for_unsorted_routers(tiny_ckpt) -> None:
     assert seen
     for ev in seen:
         assert bool((ev.weights[:, :-1] >= ev.weights[:, 1:]).all())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_folded_adapter_predicts_what_router_plus_adapter_do(tiny_ckpt, arch: str) -> None:
+    """The engine runs the adapter folded into the next router (one matmul): same logits as the
+    router's guess plus B·A·x + b_l."""
+    om = load_model(tiny_ckpt(arch), EngineConfig())
+    try:
+        blocks = moe_blocks(om.model)
+        D = om.model.config.hidden_size
+        adapter = RouterAdapter(D, om.num_experts, rank=4, anchors=len(om.moe_layers) - 1)
+        with torch.no_grad():
+            for p in adapter.parameters():
+                p.normal_(generator=torch.Generator().manual_seed(p.numel()))  # B and b are zero at init: make them count
+        x = torch.randn(3, D, generator=torch.Generator().manual_seed(7))
+        nxt = blocks[om.moe_layers[1]]
+        with torch.no_grad():
+            want = adapter(x, 0, nxt.adapter.router_logits(nxt, x).float())
+            w, b = adapter.folded(0, *nxt.adapter.router_linear(nxt, x))
+            assert torch.allclose(torch.nn.functional.linear(x, w, b), want, rtol=1e-4, atol=1e-4)
+    finally:
+        om.close()
+
+
+def test_confidence_is_the_measured_precision_per_rank() -> None:
+    """The prefetcher scores its guesses for a layer when that layer routes: on the embedded model
+    its first-ranked guess is right more often than its last, so their confidences separate."""
+    from models import EMBEDDED_TARGET
+
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, prefetch="adapter"))
+    try:
+        pf = om.adapter_prefetcher
+        assert pf.precision_at_rank == [0.5] * om.top_k  # the prior, before any layer routed
+        ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:2000])["input_ids"][:24]
+        proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(om.model_dir), om)
+        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=512), proposer, observers)
+        complete(core, [request(ids, SamplingParams(max_tokens=64, ignore_eos=True))])
+        p = pf.precision_at_rank
+        assert all(0.0 <= v <= 1.0 for v in p) and p[0] > p[-1] + 0.1, p
+    finally:
+        om.close()

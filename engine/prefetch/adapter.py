@@ -49,6 +49,24 @@ class RouterAdapter(nn.Module):
             out = out + base.to(out.dtype)
         return out
 
+    @torch.no_grad()
+    def folded(self, anchor: int, router_weight: torch.Tensor | None, router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole prediction for one anchor as one linear map (W [E, D], b [E] or None), given the
+        next router's own map when its logits are linear (router_weight [E, D], router_bias):
+        x·(W_router + B·A)ᵀ + b_router + b_l. The adapter is frozen at serve time, so the engine
+        runs one matmul per layer instead of the router's, then A's, then B's (each a kernel call
+        that costs more than its arithmetic on small shapes). W is router-sized: as much memory
+        as the model's own router, once per anchor."""
+        w = self.B.float() @ self.A.float()
+        b = self.bias[anchor].float().clone() if self.bias is not None else None
+        if self.fate_base:
+            assert router_weight is not None, "this adapter refines the next router's guess: pass its weight"
+            dev = router_weight.device
+            w, b = w.to(dev) + router_weight.float(), None if b is None else b.to(dev)
+            if router_bias is not None:
+                b = router_bias.float() if b is None else b + router_bias.float()
+        return w, b
+
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

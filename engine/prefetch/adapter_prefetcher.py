@@ -50,6 +50,9 @@ class AdapterPrefetcher:
         # predictions at each rank (1st .. top_k-th per row) that the next layer really picked.
         self.precision_at_rank = [0.5] * top_k
         self._predicted: dict[int, torch.Tensor] = {}  # layer -> [T, top_k] predicted ids, best first
+        # Per next layer: the adapter folded with that layer's router into one linear map (W, b),
+        # or None where the router's logits are not a linear map (then router + adapter each call).
+        self._folded: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
 
     def attach(self, bus: RoutingBus) -> None:
         bus.subscribe(self.on_routing)
@@ -60,8 +63,9 @@ class AdapterPrefetcher:
             gap = now - self._last[1]
             self.gap_seconds = gap if self.gap_seconds is None else self.gap_seconds + GAP_RATE * (gap - self.gap_seconds)
         self._last = (ev.layer, now)
-        self._calibrate(ev)
-        self._cancel_unpicked(ev)
+        picked = [set(row) for row in ev.ids.tolist()]  # per row: the experts this layer really picked
+        self._calibrate(ev.layer, picked)
+        self._cancel_unpicked(ev.layer, set().union(*picked))
         nxt = self._next.get(ev.layer)
         if nxt is None:
             return  # the last MoE layer: the next layer to run is the next step's first
@@ -72,8 +76,16 @@ class AdapterPrefetcher:
     @torch.inference_mode()
     def _plan(self, ev: RoutingEvent, nxt: int) -> list[int]:
         block = self.blocks[nxt]
-        base = block.adapter.route(block, ev.x)[0].float() if self.adapter.fate_base else None
-        pred = self.adapter(ev.x.float(), self._anchor[ev.layer], base)
+        x = ev.x.float()
+        if nxt not in self._folded:
+            lin = block.adapter.router_linear(block, ev.x) if self.adapter.fate_base else (None, None)
+            fold = None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
+            self._folded[nxt] = None if fold is None else (fold[0].to(x.device), None if fold[1] is None else fold[1].to(x.device))
+        fold = self._folded[nxt]
+        if fold is not None:
+            pred = torch.nn.functional.linear(x, *fold)
+        else:
+            pred = self.adapter(x, self._anchor[ev.layer], block.adapter.router_logits(block, ev.x).float())
         ids = block.adapter.selection_scores(block, pred).topk(self.top_k, dim=-1).indices  # [T, k]
         self._predicted[nxt] = ids
         best: dict[int, float] = {}  # a window needs the union of its rows: an expert's best row counts
@@ -91,16 +103,19 @@ class AdapterPrefetcher:
             copy_seconds=copy or 0.0, workers=self.transfers.workers, queued=self.transfers.pending(),
             time_to_next=self.gap_seconds or 0.0, budget=self.budget, min_confidence=MIN_CONFIDENCE)
 
-    def _calibrate(self, ev: RoutingEvent) -> None:
-        """Layer `ev.layer` has routed: score what was predicted for it, rank by rank."""
-        pred = self._predicted.pop(ev.layer, None)
-        if pred is None or pred.shape[0] != ev.ids.shape[0]:
+    def _calibrate(self, layer: int, picked: list[set[int]]) -> None:
+        """Layer `layer` has routed (`picked`: each row's experts): score what was predicted for
+        it, rank by rank. Python sets, not tensor ops: a few rows of top-k ids are cheaper so."""
+        pred = self._predicted.pop(layer, None)
+        if pred is None or pred.shape[0] != len(picked):
             return
-        hit = (pred.unsqueeze(-1) == ev.ids.unsqueeze(-2)).any(dim=-1).float().mean(dim=0)  # [k] share right per rank
-        for r, h in enumerate(hit.tolist()):
-            self.precision_at_rank[r] += PRECISION_RATE * (h - self.precision_at_rank[r])
+        hits = [0] * len(self.precision_at_rank)
+        for row, truth in zip(pred.tolist(), picked):
+            for r, e in enumerate(row):
+                hits[r] += e in truth
+        for r, h in enumerate(hits):
+            self.precision_at_rank[r] += PRECISION_RATE * (h / len(picked) - self.precision_at_rank[r])
 
-    def _cancel_unpicked(self, ev: RoutingEvent) -> None:
-        """Layer `ev.layer` has routed: its queued prefetches that it did not pick are wrong now."""
-        picked = set(ev.ids.flatten().tolist())
-        self.transfers.cancel_queued("prefetch", lambda layer, e: layer == ev.layer and e not in picked)
+    def _cancel_unpicked(self, layer: int, picked: set[int]) -> None:
+        """Layer `layer` has routed: its queued prefetches that it did not pick are wrong now."""
+        self.transfers.cancel_queued("prefetch", lambda lay, e: lay == layer and e not in picked)

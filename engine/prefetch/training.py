@@ -63,7 +63,7 @@ def _router_weights(block: OffloadedMoeBlock) -> list[torch.Tensor]:
 @torch.inference_mode()
 def next_router_logits(block: OffloadedMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """The next layer's own router on this layer's input: the FATE/ProMoE-style guess [T, E]."""
-    return block.adapter.route(block, x)[0].float()
+    return block.adapter.router_logits(block, x).float()
 
 
 @torch.inference_mode()

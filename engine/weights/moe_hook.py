@@ -88,6 +88,7 @@ class BlockAdapter:
     def __init__(self, native: nn.Module, model_type: str) -> None:
         self.router = router_name(native)
         assert self.router is not None, "not a sparse MoE block"
+        self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
         unknown = [n for n, c in native.named_children()
                    if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
         if unknown:
@@ -111,6 +112,36 @@ class BlockAdapter:
         """x [T, H] -> router logits [T, E], top-k weights [T, k], top-k ids [T, k]."""
         logits, weights, ids = getattr(block, self.router)(x)
         return logits, weights, ids
+
+    def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] alone: what the prefetcher needs of the next layer's router on this
+        layer's input (its FATE-like guess). Most routers' logits are one linear map of x, and
+        computing just that skips the top-k selection route() also does (a grouped top-k and
+        masks on DeepSeek-V3-style routers: most of the prefetcher's time per layer). Whether this
+        router's logits are its linear map is checked against route() on the first call."""
+        if self._logits_are_linear is False:
+            return self.route(block, x)[0]
+        router = getattr(block, self.router)
+        w, b = getattr(router, "weight", None), getattr(router, "bias", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[-1]:
+            self._logits_are_linear = False
+            return self.route(block, x)[0]
+        out = torch.nn.functional.linear(x.to(w.dtype), w, b if isinstance(b, torch.Tensor) else None)
+        if self._logits_are_linear is None:
+            ref = self.route(block, x)[0]
+            self._logits_are_linear = ref.shape == out.shape and bool(torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5))
+            return ref
+        return out
+
+    def router_linear(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight [E, H], bias or None) when this router's logits are its linear map of x (checked
+        with `x`, a sample input, the first time), else None."""
+        self.router_logits(block, x)
+        if not self._logits_are_linear:
+            return None
+        router = getattr(block, self.router)
+        b = getattr(router, "bias", None)
+        return router.weight, b if isinstance(b, torch.Tensor) else None
 
     def selection_scores(self, block: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         """What the router ranks to pick its top-k, for logits [T, E] (real or predicted).
