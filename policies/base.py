@@ -94,6 +94,23 @@ def as_set(candidates: Iterable[Hashable]) -> AbstractSet[Hashable]:
     return candidates if isinstance(candidates, AbstractSet) else set(candidates)
 
 
+class FilteredView(AbstractSet[Hashable]):
+    """The members of `base` that `keep`, as a live view: a policy that walks its own order asks
+    `in` of a few keys, and nobody lists every candidate to build a subset."""
+
+    def __init__(self, base: AbstractSet[Hashable], keep: Callable[[Hashable], bool]) -> None:
+        self._base, self._keep = base, keep
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._base and self._keep(key)  # type: ignore[arg-type]
+
+    def __iter__(self):  # noqa: ANN204
+        return (k for k in self._base if self._keep(k))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class EvictionPolicy(ABC):
     """Chooses which resident expert leaves the fast tier. Keys are opaque hashables.
 

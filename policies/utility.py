@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from policies.base import EvictionPolicy
+from policies.base import EvictionPolicy, FilteredView, as_set
 from policies.reuse_distance import ReuseDistanceEviction
 
 NUM_LEVELS = 4  # K + 1: levels 0 (cold) .. 3 (hot)
@@ -59,10 +59,19 @@ class SpeculativeUtilityEstimator:
         self._level: dict[tuple[int, int], int] = {}  # (layer, expert) -> level, absent = 0
         self._run: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (signed run length, conservative target)
         self.windows = 0
+        self._hot: tuple[int, dict[int, int]] = (-1, {})  # (windows then, hot_keys() then)
 
     # -- reading --------------------------------------------------------------------------
     def level(self, layer: int, expert: int) -> int:
         return self._level.get((layer, expert), 0)
+
+    def hot_keys(self) -> dict[int, int]:
+        """Store keys (`layer * num_experts + expert`) of every expert above level 0, with its level.
+        Levels only change in `observe`, so this is rebuilt once per window, not per eviction."""
+        if self._hot[0] != self.windows:
+            E = self.num_experts
+            self._hot = (self.windows, {layer * E + e: lv for (layer, e), lv in self._level.items()})
+        return self._hot[1]
 
     def histogram(self, layers: Iterable[int]) -> list[int]:
         """How many (layer, expert) pairs sit at each level, over `layers`."""
@@ -189,9 +198,17 @@ class UtilityEviction(EvictionPolicy):
         return self.estimator.level(layer, expert)
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
-        lowest: dict[int, set[Hashable]] = {}
-        for key in candidates:
-            lowest.setdefault(self.utility(key), set()).add(key)
-        if not lowest:
-            return None
-        return self.ties.victim(lowest[min(lowest)])
+        allowed = as_set(candidates)
+        if self.estimator is None:
+            return self.ties.victim(allowed)
+        # Level 0 first, as a live view: the tie-break walks its own order and asks `in` of a few
+        # keys, instead of this reading every candidate's level on every eviction (most are cold).
+        hot = self.estimator.hot_keys()
+        cold = self.ties.victim(FilteredView(allowed, lambda key: key not in hot))
+        if cold is not None:
+            return cold
+        lowest: dict[int, set[Hashable]] = {}  # every candidate is hot: group the few hot ones
+        for key, level in hot.items():
+            if key in allowed:
+                lowest.setdefault(level, set()).add(key)
+        return self.ties.victim(lowest[min(lowest)]) if lowest else None

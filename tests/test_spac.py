@@ -104,6 +104,20 @@ def test_utility_eviction_takes_the_coldest_then_the_farthest_reuse() -> None:
     assert ev.victim([3, 0]) == 0
 
 
+def test_utility_eviction_sees_levels_change_between_windows() -> None:
+    est = _calibrated()
+    ev = UtilityEviction(est)
+    ev.bind([0], est.num_experts)
+    ev.on_layer(0)
+    for key in (3, 0):
+        ev.on_insert(key)
+    assert ev.victim([3, 0]) == 0  # 3 is hot (and the hot set is now cached for this window)
+    for _ in range(10):  # expert 3 stops being used: its level falls to 0, below warm 0's
+        est.observe(_window({0: 1, 1: 2, 2: 3, 4: 2}))
+    assert est.level(0, 3) == 0 < est.level(0, 0)
+    assert ev.victim([3, 0]) == 3
+
+
 # -- the balancer ---------------------------------------------------------------------------
 
 
