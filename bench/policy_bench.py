@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from bench.report import write_report
 from engine.config import EngineConfig
 from engine.offline.evaluation import score_window
 from engine.paths import portable_path
@@ -145,13 +146,9 @@ def main() -> None:
             r["vs_fetch_all"], r["vs_ceiling"] = r["tok_s"] / base["tok_s"], r["tok_s"] / ceiling
         md += table(rows, mode)
         raw[mode] = rows
-    print("\n".join(md))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(md))
+    write_report(args.out, header, md[2:], raw)  # keeps the page's analysis (from "Command:" on)
     if args.out_json:
         args.out_json.write_text(json.dumps({"header": header, **raw}, indent=2))
-
 
 if __name__ == "__main__":
     main()

@@ -236,8 +236,10 @@ def test_every_profile_parses_and_every_number_has_a_source() -> None:
 
 def test_measured_dense_time_is_interpolated_between_its_points() -> None:
     c = costs_for("this-machine-disk", "embedded")
-    assert c.d(1) == pytest.approx(1510e-6) and c.d(16) == pytest.approx(6203e-6)
-    assert c.d(6) == pytest.approx((3010e-6 + 4275e-6) / 2)  # halfway between the 4- and 8-row points
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/hardware/this-machine-disk.yaml").read_text())
+    pts = {rows: us * 1e-6 for rows, us in raw["measured"]["embedded"]["dense_us_by_rows"]["value"]}
+    assert c.d(1) == pytest.approx(pts[1]) and c.d(16) == pytest.approx(pts[16])
+    assert c.d(6) == pytest.approx((pts[4] + pts[8]) / 2)  # halfway between the 4- and 8-row points
     assert c.cpu_is_fast_device and c.cpu_reads_over_link and c.per_load_s > 0
 
 
