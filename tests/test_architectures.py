@@ -103,14 +103,18 @@ def test_llama4_with_top2_is_refused(tiny_ckpt) -> None:
         load_model(tiny_ckpt("llama4_text", num_experts_per_tok=2))
 
 
-@pytest.mark.parametrize("arch", sorted(set(ARCHS) | set(NEW_ARCHS)))
-def test_router_logits_alone_equal_the_routers(tiny_ckpt, arch: str) -> None:
+ROUTER_CASES = [(arch, "float32") for arch in sorted(set(ARCHS) | set(NEW_ARCHS))] + [(a, "bfloat16") for a in ("qwen3_moe", "glm4_moe", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("arch, dtype", ROUTER_CASES)
+def test_router_logits_alone_equal_the_routers(tiny_ckpt, arch: str, dtype: str) -> None:
     """The prefetcher's next-router guess (BlockAdapter.router_logits) skips route()'s top-k
-    selection where the logits are the router's linear map, and equals route()'s logits always."""
-    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=0.5))
+    selection where the logits are the router's linear map (in its weight's dtype, or in float32
+    as DeepSeek-V3-style routers compute them), and equals route()'s logits always."""
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=0.5, dtype=dtype))
     try:
         blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
-        x = torch.randn(5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
         with torch.no_grad():
             for block in blocks:
                 ref = block.adapter.route(block, x)[0]

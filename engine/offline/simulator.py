@@ -36,7 +36,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence, Set as AbstractSet
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,7 +46,7 @@ import numpy as np
 from engine.offline.hardware import Costs
 from policies.adaptive_k import AdaptiveK
 from policies.balancer import LayerCosts, choose_tau, rank_misses
-from policies.base import DROPPED
+from policies.base import DROPPED, FilteredView
 from policies.registry import PolicyBundle
 from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks, worth_displacing
 
@@ -210,28 +210,6 @@ class SimLink:
         return len(self.queue) + sum(1 for w in self.worker_free_at if w > now)
 
 
-class _Evictable(AbstractSet[int]):
-    """The residents an eviction may take at `now` (EvictableView, engine/experts/expert_store.py):
-    landed by then, unpinned, protected or not as asked. Live: reservations made after it was
-    built are seen (a victim dropped, a new key still in flight)."""
-
-    __slots__ = ("_cache", "_now", "_protected")
-
-    def __init__(self, cache: _Cache, now: float, protected: bool) -> None:
-        self._cache, self._now, self._protected = cache, now, protected
-
-    def __contains__(self, key: object) -> bool:
-        c = self._cache
-        return (c.ready.get(key, INF) <= self._now and key not in c.pinned  # type: ignore[call-overload]
-                and (key in c.protected) == self._protected)
-
-    def __iter__(self) -> Iterator[int]:
-        return (k for k in list(self._cache.ready) if k in self)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 class _Cache:
     """Residency of the fast tier, as engine/experts/expert_store.py keeps it, without tensors:
     `ready[key]` is when the expert landed (or will land; INF while its prefetch is queued)."""
@@ -248,11 +226,13 @@ class _Cache:
     def land(self, key: int, t: float) -> None:
         self.ready[key] = t
 
-    def evictable(self, now: float, protected: bool) -> _Evictable:
+    def evictable(self, now: float, protected: bool) -> FilteredView:
         """Landed, unpinned experts, protected ones or not (store._evictable): a live view, as the
         store's, so a policy that walks its own order asks `in` of a few keys instead of this
-        building a set of every resident for each load (the replay's hot spot)."""
-        return _Evictable(self, now, protected)
+        building a set of every resident for each load (the replay's hot spot). Live: a victim
+        dropped or a key reserved after it was made is seen."""
+        ready, prot = self.ready, self.protected
+        return FilteredView(ready.keys(), lambda k: ready[k] <= now and k not in self.pinned and (k in prot) == protected)
 
     def reserve(self, key: int, now: float, may_evict_protected: bool, victim: int | None = None) -> bool:
         """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
@@ -260,9 +240,9 @@ class _Cache:
         policy's victim, when the caller already asked for it."""
         if len(self.ready) >= self.n_slots:
             if victim is None:
-                victim = self.ev.victim(_Evictable(self, now, False))
+                victim = self.ev.victim(self.evictable(now, False))
             if victim is None and may_evict_protected:
-                victim = self.ev.victim(_Evictable(self, now, True))
+                victim = self.ev.victim(self.evictable(now, True))
             if victim is None:
                 return False
             self.drop(victim)
@@ -314,6 +294,7 @@ class Simulator:
         self.link = SimLink(costs, costs.transfer_workers)
         self.cpu_free_at = [0.0] * costs.cpu_workers
         self.rng = random.Random(settings.seed)
+        self.rejected_rng = random.Random(settings.seed + 1)  # rejected proposals' stand-in rows (own stream: the acceptance draws stay as they were)
         self.k_policy = AdaptiveK(settings.k, adaptive=settings.adaptive)
         self.r = SimResult()
         self.clock = 0.0
@@ -635,6 +616,11 @@ class Simulator:
                 k = min(self.k_policy.k_for(f"{cells}.{i}") if s.speculative else 0, left)
                 rows = list(range(pos[i], pos[i] + k + 1))
                 kept = s.acceptance.draw(k, self.rng) if k else 0
+                if kept < k:
+                    # A rejected proposal is a token the target did not produce: its row routes like
+                    # some other token of the trace, not like the next true one (which would make
+                    # every rejected row a free, perfect prefetch of the tokens to come).
+                    rows[kept + 1:] = [self.rejected_rng.randrange(self.N) for _ in range(k - kept)]
                 if k:
                     self.k_policy.observe(f"{cells}.{i}", k, kept)
                     r.verifications += 1

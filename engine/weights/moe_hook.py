@@ -89,6 +89,7 @@ class BlockAdapter:
         self.router = router_name(native)
         assert self.router is not None, "not a sparse MoE block"
         self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
+        self._logits_dtype = torch.float32  # the dtype the router computes its logits in, when linear
         unknown = [n for n, c in native.named_children()
                    if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
         if unknown:
@@ -118,20 +119,28 @@ class BlockAdapter:
         layer's input (its FATE-like guess). Most routers' logits are one linear map of x, and
         computing just that skips the top-k selection route() also does (a grouped top-k and
         masks on DeepSeek-V3-style routers: most of the prefetcher's time per layer). Whether this
-        router's logits are its linear map is checked against route() on the first call."""
+        router's logits are its linear map, in its weight's dtype or in float32 (as DeepSeek-V3-style
+        routers compute), is checked against route() on the first call."""
         if self._logits_are_linear is False:
             return self.route(block, x)[0]
         router = getattr(block, self.router)
         w, b = getattr(router, "weight", None), getattr(router, "bias", None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[-1]:
-            self._logits_are_linear = False
-            return self.route(block, x)[0]
-        out = torch.nn.functional.linear(x.to(w.dtype), w, b if isinstance(b, torch.Tensor) else None)
+        b = b if isinstance(b, torch.Tensor) else None
         if self._logits_are_linear is None:
             ref = self.route(block, x)[0]
-            self._logits_are_linear = ref.shape == out.shape and bool(torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5))
+            self._logits_are_linear = False
+            if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == x.shape[-1]:
+                for dtype in (w.dtype, torch.float32):
+                    out = self._linear(x, w, b, dtype)
+                    if ref.shape == out.shape and bool(torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5)):
+                        self._logits_are_linear, self._logits_dtype = True, dtype
+                        break
             return ref
-        return out
+        return self._linear(x, w, b, self._logits_dtype)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
 
     def router_linear(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight [E, H], bias or None) when this router's logits are its linear map of x (checked
