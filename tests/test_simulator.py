@@ -172,23 +172,6 @@ def test_prompts_are_prefilled_in_one_untimed_step() -> None:
     assert cold.tokens == 60 and cold.demand_loads == 4 * L and cold.stall_s > 0
 
 
-def test_rejected_proposals_do_not_route_like_the_tokens_to_come() -> None:
-    # Tokens 0-49 use experts 0-3 (resident from the warm start), tokens 50-99 experts 4-7. Every
-    # proposal is rejected, so over the first 40 tokens a window's extra rows are tokens the target
-    # did not produce: they must not be the true next tokens (which never leave experts 0-3 here).
-    N, L, E, k = 100, 2, 16, 4
-    ids = np.zeros((N, L, k), dtype=np.int64)
-    ids[:50], ids[50:] = np.arange(4), np.arange(4, 8)
-    logits = np.zeros((N, L, E), dtype=np.float32)
-    np.put_along_axis(logits, ids, 5.0, axis=-1)
-    tr = {"ids": ids, "weights": np.full((N, L, k), 1 / k), "logits": logits, "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000}}
-    costs = type(HW)(**{**vars(HW), "draft_token_s": 1e-3})
-    s = SimSettings(speculative=True, k=4, adaptive=False, acceptance=Acceptance((0.0,)), max_tokens=40)
-    r = Simulator(tr, EngineConfig().policies(), costs, s).run()
-    assert r.tokens == 40 and r.verified_tokens == r.verifications > 30  # one token per window: nothing accepted
-    assert r.demand_loads > 0  # rejected rows routed like tokens from the second half, now and then
-
-
 def test_utility_prefetch_and_eviction_use_the_engines_estimator() -> None:
     tr = synthetic_trace(N=400, topics=4)
     pol = EngineConfig(eviction="utility").policies()
