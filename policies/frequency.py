@@ -16,6 +16,7 @@ import math
 from collections.abc import Hashable, Iterable
 
 from policies.base import EvictionPolicy, as_set
+from policies.lazy_heap import lowest_allowed
 
 
 class FrequencyEviction(EvictionPolicy):
@@ -73,21 +74,7 @@ class FrequencyEviction(EvictionPolicy):
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable | None:
         allowed = as_set(candidates)
-        heap, skipped, found = self._heap, [], None
-        while heap:
-            order, key = heap[0]
-            current = self._order.get(key)
-            if current != order:
-                heapq.heappop(heap)
-                if current is not None:
-                    heapq.heappush(heap, (current, key))  # used since: its real place is further down
-                continue
-            if key in allowed:  # type: ignore[operator]
-                found = key
-                break
-            skipped.append(heapq.heappop(heap))  # resident but not evictable now (pinned, protected)
-        for entry in skipped:
-            heapq.heappush(heap, entry)
+        found = lowest_allowed(self._heap, self._order, allowed)
         if found is None:  # candidates the policy never saw inserted: any of them
-            found = next((k for k in allowed if k not in self._order), None)
-        return found
+            return next((k for k in allowed if k not in self._order), None)
+        return found[0]

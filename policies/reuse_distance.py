@@ -26,6 +26,7 @@ import math
 from collections.abc import Hashable, Iterable, Sequence
 
 from policies.base import EvictionPolicy, as_set
+from policies.lazy_heap import lowest_allowed
 
 RATE = 0.5  # EMA rate of p per run of the expert's layer: a use counts about as much as the last two
 
@@ -99,7 +100,7 @@ class ReuseDistanceEviction(EvictionPolicy):
                 self._rebuild()
         elif key in self._resident:
             # A use only raises a resident's order, so its heap entry stays a lower bound: it is
-            # brought up to date when it reaches the top (`_least_likely`), not on every use.
+            # brought up to date when it reaches the top (`lowest_allowed`), not on every use.
             self._resident[key] = order
 
     def _rebuild(self) -> None:
@@ -135,9 +136,10 @@ class ReuseDistanceEviction(EvictionPolicy):
         allowed = as_set(candidates)
         best, best_key = -1.0, None
         for layer, heap in self._heaps.items():
-            key, order = self._least_likely(heap, allowed)
-            if key is None:
+            found = lowest_allowed(heap, self._resident, allowed)
+            if found is None:
                 continue
+            key, order = found
             t = self._wait(layer, math.exp(order + self._log_keep * self._runs.get(layer, 0)))
             if t == math.inf:
                 return key  # unused for so long that p underflowed: no use is expected at all
@@ -146,24 +148,3 @@ class ReuseDistanceEviction(EvictionPolicy):
         if best_key is None:  # candidates the policy never saw inserted: any of them
             best_key = next((k for k in allowed if k not in self._resident), None)
         return best_key
-
-    def _least_likely(self, heap: list[tuple[float, int]], allowed: Iterable[Hashable]) -> tuple[Hashable | None, float]:
-        """The allowed resident of this layer's heap with the lowest p. Entries below a resident's
-        current order (it was used since) are re-pushed at that order; entries of evicted experts
-        are dropped; residents that are not allowed now (pinned, protected) are put back after."""
-        skipped, found = [], (None, 0.0)
-        while heap:
-            order, key = heap[0]
-            current = self._resident.get(key)
-            if current != order:
-                heapq.heappop(heap)
-                if current is not None:
-                    heapq.heappush(heap, (current, key))  # used since: its real place is further down
-                continue
-            if key in allowed:  # type: ignore[operator]
-                found = (key, order)
-                break
-            skipped.append(heapq.heappop(heap))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return found

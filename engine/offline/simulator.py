@@ -234,13 +234,21 @@ class _Cache:
         ready, prot = self.ready, self.protected
         return FilteredView(ready.keys(), lambda k: ready[k] <= now and k not in self.pinned and (k in prot) == protected)
 
-    def reserve(self, key: int, now: float, may_evict_protected: bool, victim: int | None = None) -> bool:
+    def evictable_set(self, now: float) -> set[int]:
+        """The unprotected evictable experts as a set: for a step that reserves many slots while
+        many residents are pinned, one set per layer beats asking the live view key by key."""
+        return {k for k, t in self.ready.items() if t <= now} - self.pinned - self.protected.keys()
+
+    def reserve(self, key: int, now: float, may_evict_protected: bool, victim: int | None = None, cand: set[int] | None = None) -> bool:
         """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
         unpinned experts, unprotected first. False when nothing can be evicted. `victim`: the
-        policy's victim, when the caller already asked for it."""
+        policy's victim, when the caller already asked for it; `cand`: an evictable_set the caller
+        keeps across the reservations of one layer (the victim leaves it here)."""
         if len(self.ready) >= self.n_slots:
             if victim is None:
-                victim = self.ev.victim(self.evictable(now, False))
+                victim = self.ev.victim(self.evictable(now, False) if cand is None else cand)
+            if cand is not None:
+                cand.discard(victim)
             if victim is None and may_evict_protected:
                 victim = self.ev.victim(self.evictable(now, True))
             if victim is None:
@@ -429,6 +437,7 @@ class Simulator:
         link = self.link
         new_loads: list[int] = []  # demand transfers to start now, with the CPU experts' reads
         joined: list[tuple[float, int]] = []
+        cand: set[int] | None = None
         for e in plan.fetch:
             if on_cpu and e in on_cpu:
                 continue
@@ -444,7 +453,9 @@ class Simulator:
                 if protected.pop(key, None) is not None:
                     r.prefetch_used += 1
             else:
-                cache.reserve(key, now, True)  # if all slots are pinned it still runs (a spill)
+                if cand is None and T > 1 and len(ready_at) >= cache.n_slots:
+                    cand = cache.evictable_set(now)
+                cache.reserve(key, now, True, cand=cand)  # if all slots are pinned it still runs (a spill)
                 new_loads.append(e)
                 r.demand_loads += 1
         if on_cpu:
