@@ -24,6 +24,7 @@ class UncachedReader:
         self._prefer_direct = prefer_direct and hasattr(os, "O_DIRECT")
         self._fds: dict[Path, tuple[int, bool]] = {}
         self._lock = threading.Lock()
+        self._scratch = threading.local()  # per thread: one reusable aligned buffer (read(scratch=True))
 
     @property
     def modes(self) -> dict[str, str]:
@@ -44,12 +45,16 @@ class UncachedReader:
                 self._fds[path] = (fd, direct)
             return self._fds[path]
 
-    def read(self, path: Path, offset: int, nbytes: int) -> memoryview:
-        """Return exactly `nbytes` bytes at `offset`, or raise CheckpointError naming the file."""
+    def read(self, path: Path, offset: int, nbytes: int, scratch: bool = False) -> memoryview:
+        """Return exactly `nbytes` bytes at `offset`, or raise CheckpointError naming the file.
+        `scratch`: with O_DIRECT, read into this thread's reusable aligned buffer; the view is then
+        valid only until the thread's next scratch read (callers that copy it at once: the disk
+        tier). A fresh buffer per read costs an mmap and a munmap, and munmap interrupts every
+        core running this process to flush its TLB."""
         fd, direct = self._fd(path)
         if direct:
             try:
-                return self._read_direct(fd, path, offset, nbytes)
+                return self._read_direct(fd, path, offset, nbytes, scratch)
             except OSError:
                 # Some filesystems accept O_DIRECT at open but fail reads; switch this file over.
                 with self._lock:
@@ -63,11 +68,16 @@ class UncachedReader:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         return memoryview(data)
 
-    def _read_direct(self, fd: int, path: Path, offset: int, nbytes: int) -> memoryview:
+    def _read_direct(self, fd: int, path: Path, offset: int, nbytes: int, scratch: bool = False) -> memoryview:
         start = offset - offset % _ALIGN
         end = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-        buf = mmap.mmap(-1, end - start)  # anonymous mmap is page-aligned, as O_DIRECT needs
-        got = os.preadv(fd, [buf], start)
+        if scratch:
+            buf = getattr(self._scratch, "buf", None)
+            if buf is None or len(buf) < end - start:
+                buf = self._scratch.buf = mmap.mmap(-1, max(end - start, 1 << 20))  # page-aligned, as O_DIRECT needs
+        else:
+            buf = mmap.mmap(-1, end - start)  # anonymous mmap is page-aligned, as O_DIRECT needs
+        got = os.preadv(fd, [memoryview(buf)[: end - start]], start)
         if got < offset + nbytes - start:
             raise CheckpointError(f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, file ended first")
         return memoryview(buf)[offset - start : offset - start + nbytes]
