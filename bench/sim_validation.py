@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.spec.config import SpecConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
 from engine.offline.projection import project_trace
-from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace
+from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace, trace_from_arrays
 
 DOCS = Path("docs/benchmarks")
 HEADER = ("# The router-trace simulator against the engine, and projections (all figures below are SIMULATED; "
@@ -74,14 +74,9 @@ def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: i
         _, cut = workload(om.tokenizer, data, windows, window, prompts)
         # The decode steps the benchmark times read the prompt's first generated token onwards.
         seqs = [p + hf_decode(om.model, p, tokens)[1][:tokens] for p in tqdm(cut, desc="generating")]
-        return load_trace_dict(record_trace(om, [t for q in seqs for t in q], len(seqs[0]), logits=True))
+        return trace_from_arrays(record_trace(om, [t for q in seqs for t in q], len(seqs[0]), logits=True))
     finally:
         om.close()
-
-
-def load_trace_dict(trace: dict) -> dict:
-    """A freshly recorded trace as load_trace returns a saved one (meta parsed)."""
-    return {**trace, "meta": json.loads(str(trace["meta"]))}
 
 
 class Runner:

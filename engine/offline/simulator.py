@@ -276,9 +276,13 @@ class _Cache:
 
 def load_trace(path: str | Path) -> dict:
     z = np.load(path)
-    out = {k: z[k] for k in z.files}
-    out["meta"] = json.loads(str(z["meta"]))
-    return out
+    return trace_from_arrays({k: z[k] for k in z.files})
+
+
+def trace_from_arrays(arrays: dict) -> dict:
+    """A trace as the simulator reads it, from the arrays record_trace returns or a saved .npz holds
+    (its meta, stored as a JSON string, parsed)."""
+    return {**arrays, "meta": json.loads(str(arrays["meta"]))}
 
 
 class Simulator:
@@ -458,15 +462,7 @@ class Simulator:
                 cache.reserve(key, now, True, cand=cand)  # if all slots are pinned it still runs (a spill)
                 new_loads.append(e)
                 r.demand_loads += 1
-        if on_cpu:
-            landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
-        else:  # only transfers: each starts on the first free worker (_schedule without CPU jobs)
-            landing, cpu_end = [], now
-            for e in new_loads:
-                t = link.start(now)
-                if base + e in ready_at:
-                    ready_at[base + e] = t
-                landing.append((t, e))
+        landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
         if joined:
             landing += joined
         end, stall = now + busy, 0.0
@@ -549,17 +545,24 @@ class Simulator:
         is left to the compute thread: it is returned among the landings as (read done, ~expert)."""
         link, c, free, cache = self.link, self.costs, self.cpu_free_at, self.cache
         landing: list[tuple[float, int]] = []
+
+        def load(e: int) -> None:  # a demand transfer on the first free transfer worker
+            t = link.start(now)
+            if base + e in cache.ready:
+                cache.land(base + e, t)
+            landing.append((t, e))
+
+        if not cpu:  # transfers only (the common case): no pool to interleave with
+            for e in loads:
+                load(e)
+            return landing, now
         end, i, j = now, 0, 0
         while i < len(loads) or j < len(cpu):
             tf = max(now, min(link.worker_free_at)) if i < len(loads) else INF
             tc = max(now, min(free)) if j < len(cpu) else INF
             if tf <= tc:
-                e = loads[i]
+                load(loads[i])
                 i += 1
-                t = link.start(now)
-                if base + e in cache.ready:
-                    cache.land(base + e, t)
-                landing.append((t, e))
                 continue
             e = cpu[j]
             j += 1

@@ -78,9 +78,9 @@ class AdapterPrefetcher:
         block = self.blocks[nxt]
         x = ev.x.float()
         if nxt not in self._folded:
+            # On the router's device (the adapter is on the model's device too, engine/worker/loader.py).
             lin = block.adapter.router_linear(block, ev.x) if self.adapter.fate_base else (None, None)
-            fold = None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
-            self._folded[nxt] = None if fold is None else (fold[0].to(x.device), None if fold[1] is None else fold[1].to(x.device))
+            self._folded[nxt] = None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
         fold = self._folded[nxt]
         if fold is not None:
             pred = torch.nn.functional.linear(x, *fold)

@@ -123,13 +123,11 @@ class BlockAdapter:
         routers compute), is checked against route() on the first call."""
         if self._logits_are_linear is False:
             return self.route(block, x)[0]
-        router = getattr(block, self.router)
-        w, b = getattr(router, "weight", None), getattr(router, "bias", None)
-        b = b if isinstance(b, torch.Tensor) else None
+        w, b = self._weight_and_bias(block)
         if self._logits_are_linear is None:
             ref = self.route(block, x)[0]
             self._logits_are_linear = False
-            if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == x.shape[-1]:
+            if w is not None and w.dim() == 2 and w.shape[1] == x.shape[-1]:
                 for dtype in (w.dtype, torch.float32):
                     out = self._linear(x, w, b, dtype)
                     if ref.shape == out.shape and bool(torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5)):
@@ -142,15 +140,18 @@ class BlockAdapter:
     def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
 
+    def _weight_and_bias(self, block: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The router's `weight` and `bias` tensors, each None where it has none."""
+        router = getattr(block, self.router)
+        w, b = getattr(router, "weight", None), getattr(router, "bias", None)
+        return (w if isinstance(w, torch.Tensor) else None), (b if isinstance(b, torch.Tensor) else None)
+
     def router_linear(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight [E, H], bias or None) when this router's logits are its linear map of x (checked
         with `x`, a sample input, the first time), else None."""
-        self.router_logits(block, x)
-        if not self._logits_are_linear:
-            return None
-        router = getattr(block, self.router)
-        b = getattr(router, "bias", None)
-        return router.weight, b if isinstance(b, torch.Tensor) else None
+        if self._logits_are_linear is None:
+            self.router_logits(block, x)
+        return self._weight_and_bias(block) if self._logits_are_linear else None  # type: ignore[return-value]
 
     def selection_scores(self, block: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         """What the router ranks to pick its top-k, for logits [T, E] (real or predicted).
