@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.native.kernels import usable
+
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
 
 
@@ -43,12 +45,17 @@ def _fast_act(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear, except for one bf16 row on the CPU: there torch.mv streams the weight at about
-    8.7 GB/s against 6.3 GB/s for F.linear's GEMM path ([1024, 1024] weights, 1 thread, this
-    machine), so a decoding bf16 expert is no longer slower than an f32 one. fp32 keeps F.linear,
-    which already streams at about 12 GB/s and is what transformers computes."""
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        return torch.mv(w, x[0]).unsqueeze(0)
+    """F.linear, except for a few bf16 rows on the CPU: there the native kernel (engine/native/)
+    streams the weight with AVX-512 BF16 dot products, about 1.3-1.5x torch's single-row bf16
+    paths on this machine (docs/benchmarks/kernels.md), and torch.mv where it is unavailable
+    (8.7 GB/s against F.linear's 6.3 for one row). fp32 keeps F.linear, which already streams
+    about as fast as memory allows and is what transformers computes."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == torch.bfloat16:
+        kernels = usable(x)
+        if kernels is not None and w.is_contiguous():
+            return kernels.gemv(x, w)
+        if x.shape[0] == 1:
+            return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w)
 
 

@@ -24,6 +24,7 @@ from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.expert_store import ExpertLease, ExpertStore
+from engine.experts.native_moe import NativeMoe
 from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.stats import EngineStats
 from engine.experts.transfers import Transfer, TransferEngine
@@ -64,6 +65,10 @@ class MoeExecutor:
         self.fmt = fmt if fmt is not None else PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).
         self._views = [self.fmt.views(row) for row in store.slots]
+        # One-token steps on the CPU run their experts in one native call (engine/experts/native_moe.py)
+        # from each slot's memory; None where the format or machine does not allow it.
+        self._native = NativeMoe.for_format(self.fmt, shape.hidden, shape.intermediate) if store.slots.device.type == "cpu" else None
+        self._pointers = [self._native.pointers(v) for v in self._views] if self._native is not None else []
         # The grouped path reads slots as plain [gate | up | down] float matrices: SwiGLU, unquantized,
         # with torch's grouped GEMM (a private op, hence the feature check).
         # It gathers the slots it uses first, which pays only for small experts: a gather copies
@@ -182,7 +187,7 @@ class MoeExecutor:
 
         def finish(e: int, y: torch.Tensor) -> None:
             rows = groups[e]
-            contrib[rows] = y * w_flat[rows, None]
+            contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)  # sigmoid routers' weights are f32: as transformers, cast after
 
         self._run_experts(layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu)
         # Sum each row's k contributions in ascending expert order (transformers' order).
@@ -216,7 +221,7 @@ class MoeExecutor:
         down = pool[:, 2 * I * H :].view(G, H, I).transpose(1, 2)  # [G, I, H]
         gate, up = torch._grouped_mm(x[torch.div(rows, k, rounding_mode="floor")], gate_up, offs=offs).chunk(2, dim=-1)  # [M, I]
         y = torch._grouped_mm(self.fmt.kernel.act_fn(gate) * up, down, offs=offs)  # [M, H]
-        contrib[rows] = y * w_flat[rows, None]
+        contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)
 
     def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
                         lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int]) -> torch.Tensor:
@@ -226,16 +231,21 @@ class MoeExecutor:
             # Every expert resident (cache 1.0, or all hits): nothing to interleave with loads, so
             # no scheduling loop and no early unpinning (the lease unpins all at once on exit).
             # `ready` is in ascending expert order, transformers' summation order.
-            E, w = self.num_experts, weights.unbind(0)
+            E = self.num_experts
+            if self._native is not None and ready and self._native.accepts(x):
+                w_list = weights.tolist()
+                return self._native.run(x, [self._pointers[self.store.slot_index(layer * E + e)] for e in ready],
+                                        [w_list[slot_of[e]] for e in ready])
+            w = weights.unbind(0)
             out: torch.Tensor | None = None
             for e in ready:
-                y = self._expert(layer * E + e, x) * w[slot_of[e]]
+                y = (self._expert(layer * E + e, x) * w[slot_of[e]]).to(x.dtype)
                 out = y if out is None else out.add_(y)
             return out if out is not None else torch.zeros_like(x)  # every expert dropped by the policy
         results: dict[int, torch.Tensor] = {}
 
         def finish(e: int, y: torch.Tensor) -> None:
-            results[e] = y * weights[slot_of[e]]
+            results[e] = (y * weights[slot_of[e]]).to(y.dtype)
 
         self._run_experts(layer, lease, ready, to_load, lambda e: x, finish, on_cpu)
         ordered = [results[e] for e in sorted(results)]
@@ -341,4 +351,7 @@ class MoeExecutor:
 
     def _expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
         """One expert over its rows x [n, H] -> [n, H], unscaled (dequantizing its slot first if quantized)."""
-        return self.fmt.forward(self._views[self.store.slot_index(key)], x)
+        slot = self.store.slot_index(key)
+        if self._native is not None and self._native.accepts(x):
+            return self._native.run(x, [self._pointers[slot]], [1.0])
+        return self.fmt.forward(self._views[slot], x)

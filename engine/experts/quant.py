@@ -34,6 +34,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.experts.expert_kernels import ExpertKernel, SwiGLUKernel
+from engine.native.kernels import usable
 
 QUANT_KINDS = ("none", "int8", "int4")
 _ALIGN = 16
@@ -158,7 +159,14 @@ class GroupQuantFormat(ExpertFormat):
 
 
 def _int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [n, in] times a whole-row int8 weight (q [out, 1, in], fp16 scales [out, 1, 1]) -> [n, out]."""
+    """x [n, in] times a whole-row int8 weight (q [out, 1, in], fp16 scales [out, 1, 1]) -> [n, out].
+
+    On the CPU the native kernel (engine/native/) multiplies with AVX-512 VNNI, the activation
+    quantized to int8 in blocks of 64 as llama.cpp's Q8_0 does (about 1.6x torch's weight-only
+    op here, docs/benchmarks/kernels.md); elsewhere torch's weight-only int8 matmul."""
+    kernels = usable(x.contiguous())
+    if kernels is not None:
+        return kernels.gemv(x.contiguous(), q.view(q.shape[0], -1), s.view(-1))
     return torch.ops.aten._weight_int8pack_mm(x, q.view(q.shape[0], -1), s.view(-1).to(x.dtype))
 
 

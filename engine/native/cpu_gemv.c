@@ -1,0 +1,384 @@
+/* Weight-streaming kernels for decoding on the CPU: Y = X W^T for a few rows X, with W in f32, bf16
+ * or int8 (one fp16 scale per row), and a fused SwiGLU MoE step for one token.
+ *
+ * Why: a decode step multiplies one (or a few) activation rows by every weight once, so it should
+ * run at the speed the weights stream from memory. torch's single-row paths on this project's
+ * machine (1 thread) stream f32 at 9-12 GB/s but bf16 at 5-9 GB/s and weight-only int8 at about
+ * 5 GB/s: widening each narrow weight to f32 costs more instructions than its bytes save. Here:
+ *  - in a bf16 model (bf16 activations), bf16 weights use AVX-512 BF16 dot products (vdpbf16ps: 32
+ *    products per instruction, f32 sums), which are exact products of the two bf16 operands;
+ *  - in a bf16 model, int8 weights use AVX-512 VNNI (vpdpbusd: 64 byte products per instruction)
+ *    with the activation quantized to int8 in blocks of 64, one f32 scale per block, as llama.cpp's
+ *    Q8_0 dot product does with blocks of 32: an approximation of the activation (about 0.4 %
+ *    relative error per dot product on random data) on top of the weights' own quantization;
+ *  - with an f32 activation (an f32 model), or without those instruction sets, each weight is
+ *    widened to f32 in registers and multiplied in f32: exact products, any AVX-512 CPU;
+ *  - without AVX-512, plain C that the compiler vectorises for the machine it is built on.
+ * The fused MoE call runs all of a token's resident experts in one call: on small models the Python
+ * and dispatch of five torch calls per expert cost more than the arithmetic.
+ *
+ * Built once per machine by engine/native/build.py (gcc -O3 -march=native -fopenmp) and called
+ * through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning a
+ * contiguous range of output rows, so a result does not depend on the thread count.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#define TID() omp_get_thread_num()
+#define NT() omp_get_num_threads()
+#define BARRIER() _Pragma("omp barrier")
+#define SINGLE() _Pragma("omp single")
+#else
+#define TID() 0
+#define NT() 1
+#define BARRIER()
+#define SINGLE()
+#endif
+
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+enum { X_F32 = 0, X_BF16 = 1 };
+#define QBLOCK 64 /* activation quantization block of the int8 path */
+enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
+
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_I8_DOT 1
+#else
+#define HAVE_I8_DOT 0
+#endif
+
+/* What this build can do, for engine/native/kernels.py to report. */
+int capabilities(void) {
+    int avx512 = 0;
+#ifdef __AVX512F__
+    avx512 = 1;
+#endif
+    return avx512 | (HAVE_BF16_DOT << 1) | (HAVE_I8_DOT << 2);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0 && man == 0) {
+        u = sign;
+    } else if (exp == 0) { /* subnormal: normalise */
+        exp = 127 - 15 + 1;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Rounds v to the activation dtype: a bf16 model rounds every intermediate, as its reference does. */
+static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
+
+/* One activation row in the forms the dot products read: f32 always; bf16 for the BF16 dot;
+ * |q|, the sign mask and the block scales of its int8 quantization for the VNNI dot. */
+typedef struct {
+    int mode; /* which dot product reads it: DOT_WIDEN, DOT_BF16 or DOT_I8 */
+    float *f;
+    uint16_t *b;
+    uint8_t *qa;
+    uint64_t *neg;
+    float *qs;
+} act_t;
+
+static size_t act_bytes(int64_t n) {
+    int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
+    size_t bytes = (size_t)n * 6 + (size_t)blocks * (QBLOCK + 8 + 4) + 8;
+    return (bytes + 63) / 64 * 64; /* so that the next one starts aligned too */
+}
+
+static act_t act_at(char *mem, int64_t n) {
+    int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
+    act_t a;
+    a.f = (float *)mem;
+    a.b = (uint16_t *)(mem + n * 4);
+    a.qa = (uint8_t *)(mem + n * 6);
+    a.neg = (uint64_t *)(mem + n * 6 + blocks * QBLOCK + (8 - (n * 6) % 8) % 8);
+    a.qs = (float *)(a.neg + blocks);
+    return a;
+}
+
+/* Chooses the dot product for weights of `wtype` and fills the activation's narrow form for it. The
+ * narrow products run only where the activation is bf16: it then already carries 8 significant bits,
+ * so the bf16 dot is exact and the int8 one loses about what bf16 rounding already did. An f32
+ * activation (an f32 model) keeps exact products: each weight is widened to f32. */
+static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
+    a->mode = DOT_WIDEN;
+    if (xtype != X_BF16) return;
+    if (wtype == W_BF16 && HAVE_BF16_DOT) {
+        a->mode = DOT_BF16;
+        for (int64_t i = 0; i < n; i++) a->b[i] = f32_to_bf16(a->f[i]);
+    }
+    if (wtype == W_I8 && HAVE_I8_DOT && n % QBLOCK == 0) {
+        a->mode = DOT_I8;
+        for (int64_t b = 0; b < n / QBLOCK; b++) {
+            const float *x = a->f + b * QBLOCK;
+            float mx = 0.0f;
+            for (int j = 0; j < QBLOCK; j++) mx = fmaxf(mx, fabsf(x[j]));
+            float s = mx / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+            uint64_t neg = 0;
+            for (int j = 0; j < QBLOCK; j++) {
+                int q = (int)lrintf(x[j] * inv);
+                a->qa[b * QBLOCK + j] = (uint8_t)(q < 0 ? -q : q);
+                if (q < 0) neg |= (uint64_t)1 << j;
+            }
+            a->neg[b] = neg;
+            a->qs[b] = s;
+        }
+    }
+}
+
+/* ---- four weight rows dotted with one activation row ------------------------------------------ */
+
+static inline float load1(const void *w, int wtype, int64_t i) {
+    if (wtype == W_F32) return ((const float *)w)[i];
+    if (wtype == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    return (float)((const int8_t *)w)[i];
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void *w, int wtype, int64_t i) {
+    if (wtype == W_F32) return _mm512_loadu_ps((const float *)w + i);
+    if (wtype == W_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+#endif
+
+/* Widening path: each weight becomes f32 and multiplies the f32 activation. */
+static void dot4_widen(const void *const w[4], int wtype, int64_t n, const float *x, float out[4]) {
+    int64_t i = 0;
+    out[0] = out[1] = out[2] = out[3] = 0.0f;
+#ifdef __AVX512F__
+    __m512 a[4], b[4];
+    for (int q = 0; q < 4; q++) a[q] = b[q] = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+        for (int q = 0; q < 4; q++) {
+            a[q] = _mm512_fmadd_ps(load16(w[q], wtype, i), x0, a[q]);
+            b[q] = _mm512_fmadd_ps(load16(w[q], wtype, i + 16), x1, b[q]);
+        }
+    }
+    for (; i + 16 <= n; i += 16)
+        for (int q = 0; q < 4; q++) a[q] = _mm512_fmadd_ps(load16(w[q], wtype, i), _mm512_loadu_ps(x + i), a[q]);
+    for (int q = 0; q < 4; q++) out[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q], b[q]));
+#endif
+    for (; i < n; i++)
+        for (int q = 0; q < 4; q++) out[q] += load1(w[q], wtype, i) * x[i];
+}
+
+#if HAVE_BF16_DOT
+/* bf16 weights and activation, f32 sums; any tail of n that is not a multiple of 32 widens. */
+static void dot4_bf16(const void *const w[4], int64_t n, act_t a, float out[4]) {
+    const uint16_t *const *wb = (const uint16_t *const *)w;
+    __m512 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(a.b + i);
+        for (int q = 0; q < 4; q++) acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_loadu_si512(wb[q] + i), xv);
+    }
+    for (int q = 0; q < 4; q++) out[q] = _mm512_reduce_add_ps(acc[q]);
+    for (; i < n; i++)
+        for (int q = 0; q < 4; q++) out[q] += bf16_to_f32(wb[q][i]) * bf16_to_f32(a.b[i]);
+}
+#endif
+
+#if HAVE_I8_DOT
+/* int8 weights against the int8-quantized activation (n a multiple of QBLOCK): vpdpbusd multiplies
+ * unsigned by signed bytes, so the activation's sign moves onto the weight (w -> -w where x < 0;
+ * weights are in [-127, 127], so negation cannot overflow). Block sums are exact in int32. */
+static void dot4_i8(const void *const w[4], int64_t n, act_t a, float out[4]) {
+    const int8_t *const *wq = (const int8_t *const *)w;
+    __m512 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t i = 0, b = 0; i < n; i += QBLOCK, b++) {
+        __m512i xv = _mm512_loadu_si512(a.qa + i);
+        __mmask64 neg = a.neg[b];
+        __m512 s = _mm512_set1_ps(a.qs[b]);
+        for (int q = 0; q < 4; q++) {
+            __m512i wv = _mm512_loadu_si512(wq[q] + i);
+            wv = _mm512_mask_sub_epi8(wv, neg, zero, wv);
+            acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, xv, wv)), s, acc[q]);
+        }
+    }
+    for (int q = 0; q < 4; q++) out[q] = _mm512_reduce_add_ps(acc[q]);
+}
+#endif
+
+/* Rows row0..row0+3 of W ([*, n] in `wtype`) dotted with activation a. */
+static void dot4(const void *W, int wtype, int64_t n, int64_t row0, act_t a, float out[4]) {
+    size_t rb = (size_t)n * wsize(wtype);
+    const void *w[4];
+    for (int q = 0; q < 4; q++) w[q] = (const char *)W + (size_t)(row0 + q) * rb;
+#if HAVE_BF16_DOT
+    if (a.mode == DOT_BF16) { dot4_bf16(w, n, a, out); return; }
+#endif
+#if HAVE_I8_DOT
+    if (a.mode == DOT_I8) { dot4_i8(w, n, a, out); return; }
+#endif
+    dot4_widen(w, wtype, n, a.f, out);
+}
+
+/* The rows [r0, r1) of Y[j] = W . X[j] for j in [0, m), times the int8 row scales if any, stored at
+ * Y[j * ldy + r - y0]. Four weight rows are read from memory once and reused from L1 for every
+ * activation row, so a speculative window of m rows streams the weights once. */
+static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t n, int64_t r0, int64_t r1,
+                       const act_t *X, int64_t m, float *Y, int64_t ldy, int64_t y0) {
+    float t[4];
+    for (int64_t r = r0; r < r1; r += 4) {
+        int64_t nr = r1 - r < 4 ? r1 - r : 4;
+        for (int64_t j = 0; j < m; j++) {
+            if (nr == 4) {
+                dot4(W, wtype, n, r, X[j], t);
+            } else { /* the last rows of an odd-sized matrix: one at a time */
+                for (int64_t q = 0; q < nr; q++) {
+                    const char *w = (const char *)W + (size_t)(r + q) * (size_t)n * wsize(wtype);
+                    float acc = 0.0f;
+                    for (int64_t i = 0; i < n; i++) acc += load1(w, wtype, i) * X[j].f[i];
+                    t[q] = acc;
+                }
+            }
+            for (int64_t q = 0; q < nr; q++) Y[j * ldy + r + q - y0] = scale ? t[q] * f16_to_f32(scale[r + q]) : t[q];
+        }
+    }
+}
+
+/* This thread's share of [0, rows), in blocks of 4 rows so that the 4-row kernel is used. */
+static void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
+    int64_t blocks = (rows + 3) / 4, per = blocks / nt, extra = blocks % nt;
+    int64_t b0 = tid * per + (tid < extra ? tid : extra), b1 = b0 + per + (tid < extra ? 1 : 0);
+    *r0 = b0 * 4 < rows ? b0 * 4 : rows;
+    *r1 = b1 * 4 < rows ? b1 * 4 : rows;
+}
+
+static void load_act(const void *x, int xtype, int64_t n, float *out) {
+    if (xtype == X_F32) {
+        memcpy(out, x, (size_t)n * 4);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+}
+
+static void store_rows(const float *y, int xtype, int64_t r0, int64_t r1, void *out) {
+    if (xtype == X_F32) {
+        memcpy((float *)out + r0, y + r0, (size_t)(r1 - r0) * 4);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++) ((uint16_t *)out)[r] = f32_to_bf16(y[r]);
+}
+
+#define MAX_ROWS 16
+
+/* Bytes of `work` that gemv needs. */
+size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) { return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64; }
+
+/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), m <= 16 rows.
+ * X and Y in `xtype`. Returns 0, or -1 when m is out of range. */
+int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
+         const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
+    if (m < 1 || m > MAX_ROWS) return -1;
+    act_t acts[MAX_ROWS];
+    char *mem = (char *)work;
+    size_t xs = xtype == X_F32 ? 4 : 2;
+    for (int64_t j = 0; j < m; j++, mem += act_bytes(cols)) {
+        acts[j] = act_at(mem, cols);
+        load_act((const char *)X + j * cols * xs, xtype, cols, acts[j].f);
+        act_prepare(&acts[j], cols, wtype, xtype);
+    }
+    float *yf = (float *)mem;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1;
+        share(rows, TID(), NT(), &r0, &r1);
+        rows_range(W, scale, wtype, cols, r0, r1, acts, m, yf, rows, 0);
+        for (int64_t j = 0; j < m; j++) store_rows(yf + j * rows, xtype, r0, r1, (char *)Y + j * rows * xs);
+    }
+    return 0;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Bytes of `work` that moe_swiglu needs. */
+size_t moe_work_bytes(int64_t H, int64_t I) { return act_bytes(H) + act_bytes(I) + (size_t)(2 * I + H) * 4 + 64; }
+
+/* One token through m SwiGLU experts: out = sum_j w[j] * down_j(silu(gate_j x) * up_j x), summed in
+ * the order given (the caller passes ascending expert ids, transformers' order). Expert j's weights:
+ * gate_up[j] [2I, H], then down[j] [H, I] (int8: with fp16 row scales). In a bf16 model every
+ * intermediate is rounded to bf16 where transformers' bf16 reference rounds it (gate and up, the
+ * SwiGLU product, the expert output, its scaled value and the running sum), so the two differ only
+ * in the order of each dot product's f32 sum (and, for int8 weights, the activation quantization). */
+void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
+                const void *const *down, const uint16_t *const *down_scale, const float *w,
+                const void *x, int xtype, void *out, void *work, int nthreads) {
+    char *mem = (char *)work;
+    act_t ax = act_at(mem, H), ah = act_at(mem + act_bytes(H), I);
+    float *gu = (float *)(mem + act_bytes(H) + act_bytes(I)), *acc = gu + 2 * I;
+    load_act(x, xtype, H, ax.f);
+    act_prepare(&ax, H, wtype, xtype);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid = TID(), nt = NT();
+        int64_t a0, a1, i0, i1, h0, h1;
+        share(2 * I, tid, nt, &a0, &a1);
+        share(I, tid, nt, &i0, &i1);
+        share(H, tid, nt, &h0, &h1);
+        float t[4];
+        for (int64_t j = 0; j < m; j++) {
+            rows_range(gate_up[j], gu_scale ? gu_scale[j] : 0, wtype, H, a0, a1, &ax, 1, gu, 2 * I, 0);
+            BARRIER(); /* a thread's slice of I needs gate and up rows that other threads computed */
+            for (int64_t i = i0; i < i1; i++)
+                ah.f[i] = as_x(as_x(silu(as_x(gu[i], xtype)), xtype) * as_x(gu[I + i], xtype), xtype);
+            BARRIER(); /* the down projection reads all of h */
+            SINGLE()
+            act_prepare(&ah, I, wtype, xtype);
+            for (int64_t r = h0; r < h1; r += 4) {
+                int64_t nr = h1 - r < 4 ? h1 - r : 4;
+                rows_range(down[j], down_scale ? down_scale[j] : 0, wtype, I, r, r + nr, &ah, 1, t, 0, r);
+                for (int64_t q = 0; q < nr; q++) {
+                    float v = as_x(as_x(t[q], xtype) * w[j], xtype);
+                    acc[r + q] = j == 0 ? v : as_x(acc[r + q] + v, xtype);
+                }
+            }
+            BARRIER(); /* gu and h are reused by the next expert */
+        }
+        store_rows(acc, xtype, h0, h1, out);
+    }
+}

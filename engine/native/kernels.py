@@ -1,0 +1,99 @@
+"""Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c).
+
+`native()` is the process's one instance, or None where the kernels are unavailable (no compiler,
+MOE_OFFLOAD_NATIVE=0); callers then use torch. The wrappers take torch tensors on the CPU and
+pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep running.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from engine.native.build import build
+
+log = logging.getLogger(__name__)
+
+W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
+X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
+MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
+
+_P, _I64, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_size_t
+
+
+class NativeKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.capabilities.restype = _INT
+        lib.gemv.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
+        lib.gemv.restype = _INT
+        lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
+        lib.gemv_work_bytes.restype = _SIZE
+        lib.moe_swiglu.argtypes = [_INT, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT, _P, _P, _INT]
+        lib.moe_swiglu.restype = None
+        lib.moe_work_bytes.argtypes = [_I64, _I64]
+        lib.moe_work_bytes.restype = _SIZE
+        caps = lib.capabilities()
+        self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
+        self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
+
+    def describe(self) -> str:
+        return (f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
+                f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}")
+
+    def _work(self, nbytes: int) -> int:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return buf.data_ptr()
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, cols] (m <= 16) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
+        int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU."""
+        m, cols = x.shape
+        rows = w.shape[0]
+        y = torch.empty((m, rows), dtype=x.dtype)
+        rc = self.lib.gemv(w.data_ptr(), scale.data_ptr() if scale is not None else None, W_CODES[w.dtype], rows, cols,
+                           x.data_ptr(), X_CODES[x.dtype], m, y.data_ptr(), self._work(self.lib.gemv_work_bytes(rows, cols, m)),
+                           torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
+        return y
+
+    def moe_swiglu(self, x: torch.Tensor, weight_dtype: torch.dtype, hidden: int, intermediate: int,
+                   gate_up: Sequence[int], down: Sequence[int], weights: Sequence[float],
+                   gate_up_scale: Sequence[int] | None = None, down_scale: Sequence[int] | None = None) -> torch.Tensor:
+        """One token x [1, H] through the SwiGLU experts whose weight addresses are given (gate_up
+        [2I, H], down [H, I]; int8 with fp16 row-scale addresses), scaled by `weights` and summed in
+        the order given. Returns [1, H] in x's dtype."""
+        m = len(gate_up)
+        out = torch.empty((1, hidden), dtype=x.dtype)
+        ptrs = (_P * m)
+        scales = (lambda p: ptrs(*p)) if gate_up_scale is not None else (lambda p: None)
+        self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up), scales(gate_up_scale),
+                            ptrs(*down), scales(down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(), X_CODES[x.dtype],
+                            out.data_ptr(), self._work(self.lib.moe_work_bytes(hidden, intermediate)), torch.get_num_threads())
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def native() -> NativeKernels | None:
+    """The process's native kernels (built on first call), or None, said once, where unavailable."""
+    lib, why = build()
+    if lib is None:
+        log.warning(why)
+        return None
+    kernels = NativeKernels(lib)
+    log.info(kernels.describe())
+    return kernels
+
+
+def usable(x: torch.Tensor) -> NativeKernels | None:
+    """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous."""
+    if x.device.type != "cpu" or x.dtype not in X_CODES or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
+        return None
+    return native()

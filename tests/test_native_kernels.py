@@ -1,0 +1,172 @@
+"""The native CPU kernels (engine/native/): built on this machine, equal to torch's arithmetic within
+the documented rounding, independent of the thread count, and used by the engine without changing
+what it decodes. Speeds are in docs/benchmarks/kernels.md, not here."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.core.completion import generate
+from engine.experts.native_moe import NativeMoe
+from engine.native import build as native_build
+from engine.native.kernels import MAX_ROWS, native
+from engine.native.linear import NativeLinear
+from engine.worker.loader import load_model
+from engine.worker.sampling import SamplingParams
+from tiny_models import load_reference
+
+
+@pytest.fixture(scope="module")
+def nk():
+    kernels = native()
+    # Every CI and developer machine has gcc (the README's setup): a failed build must fail here, not skip.
+    assert kernels is not None or native_build.compiler() is None, native_build.build()[1]
+    if kernels is None:
+        pytest.skip("no C compiler on this machine: the engine runs torch's kernels")
+    return kernels
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = (w.abs().amax(1) / 127).half()
+    q = (w / s.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.float()[:, None]
+
+
+@pytest.mark.parametrize("rows,cols,m", [(64, 128, 1), (37, 70, 3), (256, 192, MAX_ROWS), (5, 64, 2)])
+def test_gemv_f32_and_bf16_equal_torch(nk, rows: int, cols: int, m: int) -> None:
+    g = torch.Generator().manual_seed(rows + cols)
+    w, x = torch.randn(rows, cols, generator=g), torch.randn(m, cols, generator=g)
+    torch.testing.assert_close(nk.gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    # bf16 x bf16 products are exact in f32; only the f32 sum's order and the final rounding differ.
+    exact = (xb.double() @ wb.double().T)
+    got = nk.gemv(xb, wb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-6)
+    # An f32 activation against bf16 weights keeps exact products (the weights are widened).
+    torch.testing.assert_close(nk.gemv(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_int8_rows(nk) -> None:
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 256, generator=g), torch.randn(4, 256, generator=g)
+    q, s = _int8_rows(w)
+    ref = x @ _dequant(q, s).T
+    # f32 activation: exact products with the dequantized weights.
+    torch.testing.assert_close(nk.gemv(x, q, s), ref, rtol=1e-5, atol=1e-4)
+    # bf16 activation: quantized to int8 in blocks of 64 where VNNI runs (documented: ~0.5 % relative).
+    got = nk.gemv(x.bfloat16(), q, s).float()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 0.02, rel
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_gemv_results_do_not_depend_on_threads(nk) -> None:
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(300, 512, generator=g).bfloat16(), torch.randn(3, 512, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = nk.gemv(x, w)
+        torch.set_num_threads(2)
+        two = nk.gemv(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_gemv_rejects_too_many_rows(nk) -> None:
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        nk.gemv(torch.randn(MAX_ROWS + 1, 64), torch.randn(8, 64))
+
+
+def _swiglu_reference(x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float]) -> torch.Tensor:
+    """transformers' order and rounding: each expert in x's dtype, scaled in f32, cast, summed in order."""
+    out = None
+    for (gate_up, down), w in zip(experts, weights):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down)
+        y = (y * torch.tensor(w)).to(x.dtype)
+        out = y if out is None else out + y
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_equals_expert_by_expert(nk, dtype: torch.dtype) -> None:
+    H, I, m = 128, 64, 6
+    g = torch.Generator().manual_seed(11)
+    experts = [((torch.randn(2 * I, H, generator=g) / 8).to(dtype), (torch.randn(H, I, generator=g) / 8).to(dtype)) for _ in range(m)]
+    weights = torch.rand(m, generator=g).tolist()
+    x = torch.randn(1, H, generator=g).to(dtype)
+    got = nk.moe_swiglu(x, dtype, H, I, [gu.data_ptr() for gu, _ in experts], [d.data_ptr() for _, d in experts], weights)
+    ref = _swiglu_reference(x, experts, weights)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+def test_fused_moe_int8(nk) -> None:
+    H, I, m = 128, 64, 3
+    g = torch.Generator().manual_seed(12)
+    parts = [(_int8_rows(torch.randn(2 * I, H, generator=g) / 8), _int8_rows(torch.randn(H, I, generator=g) / 8)) for _ in range(m)]
+    weights = [0.5, 0.3, 0.2]
+    x = torch.randn(1, H, generator=g)
+    got = nk.moe_swiglu(x, torch.int8, H, I, [gu[0].data_ptr() for gu, _ in parts], [d[0].data_ptr() for _, d in parts], weights,
+                        [gu[1].data_ptr() for gu, _ in parts], [d[1].data_ptr() for _, d in parts])
+    ref = _swiglu_reference(x, [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)  # f32 activation: exact products
+
+
+def test_native_linear_matches_f_linear(nk) -> None:
+    lin = torch.nn.Linear(96, 40).bfloat16()
+    lin.__class__ = NativeLinear
+    x = torch.randn(1, 3, 96).bfloat16()
+    ref = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2 ** -6, atol=2e-2)
+    big = torch.randn(2, MAX_ROWS, 96).bfloat16()  # over the row limit: torch's F.linear, bit for bit
+    assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_bf16_engine_decodes_like_transformers(nk, tiny_ckpt, arch: str) -> None:
+    """The bf16 decode path (native dense layers and fused experts) gives transformers' bf16 greedy tokens."""
+    path = tiny_ckpt(arch)
+    ref = load_reference(path).to(torch.bfloat16)
+    ids = torch.randint(3, ref.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    for fraction in (1.0, 0.5):
+        om = load_model(path, EngineConfig(cache_fraction=fraction, dtype="bfloat16"))
+        try:
+            assert isinstance(om.executor._native, NativeMoe)
+            assert any(isinstance(mod, NativeLinear) for mod in om.model.modules())
+            assert generate(om, ids, SamplingParams(max_tokens=16, min_tokens=16)).token_ids == ref_tokens, fraction
+        finally:
+            om.close()
+
+
+def test_without_a_compiler_the_build_says_why(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
+    lib, why = native_build.build()
+    assert lib is None and "no C compiler" in why
+    monkeypatch.setenv("MOE_OFFLOAD_NATIVE", "0")
+    assert native_build.build() == (None, "native CPU kernels off (MOE_OFFLOAD_NATIVE=0)")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to show a failing build")
+def test_a_failing_build_says_why(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native_build, "SOURCE", bad)
+    lib, why = native_build.build()
+    assert lib is None and why.startswith("building the native CPU kernels with") and "using torch's" in why
+    assert not list((tmp_path / "native").glob("*.so"))  # no half-built library left to load later
