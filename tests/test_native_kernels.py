@@ -14,7 +14,7 @@ from engine.core.completion import generate
 from engine.experts.native_moe import NativeMoe
 from engine.native import build as native_build
 from engine.native.kernels import MAX_ROWS, native
-from engine.native.linear import NativeLinear
+from engine.native.layers import NativeLinear, NativeRMSNorm, accelerate
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from tiny_models import load_reference
@@ -170,3 +170,37 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path) -> None:
     lib, why = native_build.build()
     assert lib is None and why.startswith("building the native CPU kernels with") and "using torch's" in why
     assert not list((tmp_path / "native").glob("*.so"))  # no half-built library left to load later
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) -> None:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    norm = Qwen3MoeRMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    ref = Qwen3MoeRMSNorm(96, eps=1e-6).to(dtype)
+    ref.load_state_dict(norm.state_dict())
+    assert accelerate(norm) == 1 and isinstance(norm.forward, NativeRMSNorm)
+    for _ in range(3):  # the first call checks against the module's own forward, later ones run natively
+        x = torch.randn(1, 2, 96).to(dtype)
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(norm(x).float(), ref(x).float(), rtol=tol, atol=tol)
+    assert norm.forward.verified is True
+    big = torch.randn(3, MAX_ROWS, 96).to(dtype)  # over the row limit: the module's own arithmetic
+    assert torch.equal(norm(big), ref(big))
+
+
+def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # y = x * rsqrt(...) * (1 + w)
+
+    norm = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64))
+    ref = Gemma3RMSNorm(64, eps=1e-6)
+    ref.load_state_dict(norm.state_dict())
+    accelerate(norm)
+    x = torch.randn(1, 64)
+    assert torch.equal(norm(x), ref(x))
+    assert norm.forward.verified is False
+    assert torch.equal(norm(x), ref(x))

@@ -382,3 +382,25 @@ void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *g
         store_rows(acc, xtype, h0, h1, out);
     }
 }
+
+/* RMSNorm of `rows` rows of length n, as transformers' llama-style norms compute it:
+ * y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), the mean in f32. `wtype`: W_F32 or W_BF16 weight. */
+void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps, void *out) {
+    size_t xs = xtype == X_F32 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * n * xs;
+        char *orow = (char *)out + r * n * xs;
+        double ss = 0.0; /* a double sum: the mean is exact to f32 whatever the order */
+        for (int64_t i = 0; i < n; i++) {
+            float v = xtype == X_F32 ? ((const float *)xr)[i] : bf16_to_f32(((const uint16_t *)xr)[i]);
+            ss += (double)v * v;
+        }
+        float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) {
+            float v = xtype == X_F32 ? ((const float *)xr)[i] : bf16_to_f32(((const uint16_t *)xr)[i]);
+            float y = as_x(v * inv, xtype) * load1(w, wtype, i);
+            if (xtype == X_F32) ((float *)orow)[i] = y;
+            else ((uint16_t *)orow)[i] = f32_to_bf16(y);
+        }
+    }
+}

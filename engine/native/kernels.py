@@ -37,6 +37,8 @@ class NativeKernels:
         lib.moe_swiglu.restype = None
         lib.moe_work_bytes.argtypes = [_I64, _I64]
         lib.moe_work_bytes.restype = _SIZE
+        lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]
+        lib.rmsnorm.restype = None
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -77,6 +79,14 @@ class NativeKernels:
         self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up), scales(gate_up_scale),
                             ptrs(*down), scales(down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(), X_CODES[x.dtype],
                             out.data_ptr(), self._work(self.lib.moe_work_bytes(hidden, intermediate)), torch.get_num_threads())
+        return out
+
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self.lib.rmsnorm(x.data_ptr(), X_CODES[x.dtype], x.numel() // n, n, weight.data_ptr(), W_CODES[weight.dtype], eps, out.data_ptr())
         return out
 
 

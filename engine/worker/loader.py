@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.native.linear import accelerate_linears
+from engine.native.layers import accelerate
 from engine.weights.arch import arch_for, disk_names, text_config
 from engine.weights.arch_adapters import adapter_for
 from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
@@ -238,8 +238,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)))
 
     _materialize(model, config, spec, tensors, device, model_dir)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        accelerate_linears(model)  # few-row bf16 steps through the native kernel (engine/native/linear.py)
+    if device.type == "cpu":
+        accelerate(model)  # few-row steps' norms (and bf16 linears) through the native kernels (engine/native/layers.py)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
