@@ -212,6 +212,7 @@ static void dot4_bf16(const void *const w[4], int64_t n, act_t a, float out[4]) 
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m512bh xv = (__m512bh)_mm512_loadu_si512(a.b + i);
+        for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wb[q] + 4 * n + i), _MM_HINT_T0);
         for (int q = 0; q < 4; q++) acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_loadu_si512(wb[q] + i), xv);
     }
     for (int q = 0; q < 4; q++) out[q] = _mm512_reduce_add_ps(acc[q]);
@@ -234,6 +235,7 @@ static void dot4_i8(const void *const w[4], int64_t n, act_t a, float out[4]) {
         __mmask64 neg = a.neg[b];
         __m512 s = _mm512_set1_ps(a.qs[b]);
         for (int q = 0; q < 4; q++) {
+            _mm_prefetch((const char *)(wq[q] + 4 * n + i), _MM_HINT_T0); /* the next 4 rows: short rows leave the HW prefetcher little runway */
             __m512i wv = _mm512_loadu_si512(wq[q] + i);
             wv = _mm512_mask_sub_epi8(wv, neg, zero, wv);
             acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, xv, wv)), s, acc[q]);
