@@ -146,22 +146,43 @@ def engine_tps(om, prompt: list[int], tokens: int) -> float:
 
 def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     """Where a decoding layer's time goes, from torch.profiler over one generate: time inside torch
-    calls (top-level ops: kernels plus dispatch) and outside them (Python: transformers' modules,
-    the router glue, the plan, the expert loop), per token and decoder layer, and the number of
-    top-level torch calls per layer. The profiler adds a microsecond or two to every call, most of
-    it outside the ops, so "outside" is an upper bound on the Python."""
+    calls (top-level ops: kernels plus dispatch), inside the native kernels (engine/native/, timed
+    around each ctypes call: the profiler does not see them) and outside both (Python:
+    transformers' modules, the router glue, the plan), per token and decoder layer, and the number
+    of top-level torch calls per layer. The profiler adds a microsecond or two to every call, most
+    of it outside the ops, so "outside" is an upper bound on the Python."""
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.native.kernels import NativeKernels
+
+    native_s = [0.0]
+    originals = {name: getattr(NativeKernels, name) for name in ("gemv", "moe_swiglu", "rmsnorm")}
+
+    def timed(fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                native_s[0] += time.perf_counter() - t0
+        return call
+
     layers = om.config.num_hidden_layers
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-        wall = time.perf_counter() - t0
+    try:
+        for name, fn in originals.items():
+            setattr(NativeKernels, name, timed(fn))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+            wall = time.perf_counter() - t0
+    finally:
+        for name, fn in originals.items():
+            setattr(NativeKernels, name, fn)
     top = [e for e in prof.events() if e.cpu_parent is None]
     inside = sum(e.cpu_time_total for e in top) / 1e6
     per = (tokens + 1) * layers
-    return {"ms_outside_ops_per_layer": (wall - inside) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
-            "torch_calls_per_layer": len(top) / per}
+    return {"ms_outside_ops_per_layer": (wall - inside - native_s[0]) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
+            "ms_in_native_per_layer": native_s[0] / per * 1e3, "torch_calls_per_layer": len(top) / per}
 
 
 def main() -> None:
@@ -223,8 +244,9 @@ def main() -> None:
         om.close()
     lines = table(res, cells, threads) + [
         "", f"Profile of the engine at cache 1.0, f32, {threads[0]} thread(s), one generate of {args.tokens} tokens under torch.profiler "
-        f"(per token and decoder layer): {prof['ms_in_ops_per_layer']:.3f} ms inside torch calls, {prof['ms_outside_ops_per_layer']:.3f} ms "
-        f"outside them (Python, plus the profiler's own cost), {prof['torch_calls_per_layer']:.0f} top-level torch calls."]
+        f"(per token and decoder layer): {prof['ms_in_ops_per_layer']:.3f} ms inside torch calls, {prof['ms_in_native_per_layer']:.3f} ms in "
+        f"the native kernels, {prof['ms_outside_ops_per_layer']:.3f} ms outside both (Python, plus the profiler's own cost), "
+        f"{prof['torch_calls_per_layer']:.0f} top-level torch calls."]
     write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof})
 
 

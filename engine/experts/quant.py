@@ -18,12 +18,12 @@ on every link and more experts per byte of fast tier.
     group 64: 3.56x fewer than bf16).
   1-D weights (gpt-oss biases) stay float32: they are a few hundred bytes per expert.
   Group 0 means whole rows: one scale per output channel.
-- Fast path: int8 in whole rows, computing in bf16 on the CPU, with the SwiGLU kernel, runs
-  torch's weight-only int8 matmul (`aten._weight_int8pack_mm`: y = (x @ q^T) * s, reading one
-  byte per weight) instead of dequantizing the slot to floats on every call. On this machine
-  it streamed 5.5 GB/s of int8 weights against 1.2 GB/s for dequantize-then-linear (1 thread,
-  [1024, 1024] weights; docs/benchmarks/peers.md has the end-to-end figure). Its result equals
-  the dequantized path's to bf16 rounding: both accumulate in fp32 and round the output once.
+- Fast path: int8 in whole rows, SwiGLU, computing in bf16 on the CPU, multiplies the int8 slot
+  directly instead of dequantizing it on every call: through the native VNNI kernel
+  (engine/native/, activations quantized in blocks of 64 as llama.cpp's Q8_0 does; 7-9 GB/s of
+  int8 weights here) or, without it, torch's weight-only int8 matmul (`aten._weight_int8pack_mm`,
+  about 5 GB/s), against 1.2 GB/s for dequantize-then-linear (1 thread, [1024, 1024] weights;
+  docs/benchmarks/kernels.md).
 Each encoded part starts on a 16-byte boundary so it can be viewed in place as int8/fp16/fp32.
 """
 from __future__ import annotations
@@ -164,9 +164,10 @@ def _int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Ten
     On the CPU the native kernel (engine/native/) multiplies with AVX-512 VNNI, the activation
     quantized to int8 in blocks of 64 as llama.cpp's Q8_0 does (about 1.6x torch's weight-only
     op here, docs/benchmarks/kernels.md); elsewhere torch's weight-only int8 matmul."""
-    kernels = usable(x.contiguous())
+    x = x.contiguous()
+    kernels = usable(x)
     if kernels is not None:
-        return kernels.gemv(x.contiguous(), q.view(q.shape[0], -1), s.view(-1))
+        return kernels.gemv(x, q.view(q.shape[0], -1), s.view(-1))
     return torch.ops.aten._weight_int8pack_mm(x, q.view(q.shape[0], -1), s.view(-1).to(x.dtype))
 
 
