@@ -42,7 +42,7 @@ class EngineConfig(YamlSection):
     # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
     expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
-    expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 runs torch's weight-only int8 matmul on CPU instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
+    expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:

@@ -67,6 +67,10 @@ def test_gemv_int8_rows(nk) -> None:
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 0.02, rel
     assert not torch.equal(got, torch.zeros_like(got))
+    # Columns that are not a multiple of the 64-wide block: the activation is not quantized (widened path).
+    w2, x2 = torch.randn(40, 96, generator=g), torch.randn(2, 96, generator=g).bfloat16()
+    q2, s2 = _int8_rows(w2)
+    torch.testing.assert_close(nk.gemv(x2, q2, s2).float(), x2.float() @ _dequant(q2, s2).T, rtol=2 ** -7, atol=1e-2)
 
 
 def test_gemv_results_do_not_depend_on_threads(nk) -> None:
@@ -122,6 +126,12 @@ def test_fused_moe_int8(nk) -> None:
                         [gu[1].data_ptr() for gu, _ in parts], [d[1].data_ptr() for _, d in parts])
     ref = _swiglu_reference(x, [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)  # f32 activation: exact products
+    # bf16 activation: VNNI with the activation quantized in blocks of 64 (H = 128 and I = 64 both qualify).
+    xb = x.bfloat16()
+    got_b = nk.moe_swiglu(xb, torch.int8, H, I, [gu[0].data_ptr() for gu, _ in parts], [d[0].data_ptr() for _, d in parts], weights,
+                          [gu[1].data_ptr() for gu, _ in parts], [d[1].data_ptr() for _, d in parts]).float()
+    ref_b = _swiglu_reference(xb.float(), [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights)
+    assert ((got_b - ref_b).norm() / ref_b.norm()).item() < 0.03
 
 
 def test_native_linear_matches_f_linear(nk) -> None:
