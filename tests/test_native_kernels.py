@@ -116,6 +116,23 @@ def test_fused_moe_equals_expert_by_expert(nk, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
+def test_fused_moe_results_do_not_depend_on_threads(nk) -> None:
+    H, I, m = 256, 96, 8
+    g = torch.Generator().manual_seed(13)
+    experts = [(torch.randn(2 * I, H, generator=g).bfloat16(), torch.randn(H, I, generator=g).bfloat16()) for _ in range(m)]
+    weights = torch.rand(m, generator=g).tolist()
+    x = torch.randn(1, H, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(nk.moe_swiglu(x, torch.bfloat16, H, I, [gu.data_ptr() for gu, _ in experts], [d.data_ptr() for _, d in experts], weights))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_fused_moe_int8(nk) -> None:
     H, I, m = 128, 64, 3
     g = torch.Generator().manual_seed(12)
