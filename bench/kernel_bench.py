@@ -2,8 +2,8 @@
 
 A decode step multiplies one activation row by every weight once, so a kernel is as good as the
 GB/s of weights it streams. For each weight format this times torch's single-row paths and the
-native kernels (engine/native/cpu_gemv.c) on `--matrices` distinct [rows, cols] weights, so that
-nothing is served from cache (96 x 2 MB bf16 by default: 192 MB, well past the last-level cache),
+native kernels (engine/native/cpu_gemv.c; f32, bf16, int8 rows, int4 groups of 64) on `--matrices`
+distinct [rows, cols] weights, so that nothing is served from cache (96 x 2 MB bf16 by default: 192 MB, well past the last-level cache),
 and states each as GB/s of weight bytes and as a fraction of the memory's read bandwidth,
 measured the way the disk figures are: one sequential pass over a buffer much larger than the
 caches (`sum` over 512 MB, which reads each byte once; the best of three passes), in the same rounds.
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import interleaved, machine_line, write_report
+from engine.experts.quant import _int4
 from engine.native.kernels import native
 
 GB = 1e9
@@ -45,6 +46,18 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / s.float()[:, None]).round().clamp(-127, 127).to(torch.int8), s
 
 
+def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 expert format's encoding (engine/experts/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
+    packed, s, z = _int4(w, 64)
+    return packed.reshape(w.shape[0], -1).contiguous(), s.half().contiguous(), z.half().contiguous()
+
+
+def _int4_dequant_linear(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """What an int4 expert cost through torch: dequantize the weight, then F.linear."""
+    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).view(s.shape[0], s.shape[1], -1)
+    return F.linear(x, ((q.to(x.dtype) - z.to(x.dtype)) * s.to(x.dtype)).view(packed.shape[0], -1))
+
+
 def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], object], int]]:
     """name -> (call on matrix i, weight bytes per call)."""
     nk = native()
@@ -52,6 +65,7 @@ def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], 
     f32 = [torch.randn(rows, cols, generator=g) for _ in range(n)]
     bf16 = [w.bfloat16() for w in f32]
     q8 = [_int8_rows(w) for w in f32]
+    q4 = [_int4_groups(w) for w in f32]
     x, xb = torch.randn(1, cols), torch.randn(1, cols).bfloat16()
     numel = rows * cols
     cells: dict[str, tuple[Callable[[int], object], int]] = {
@@ -59,6 +73,7 @@ def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], 
         "bf16 torch F.linear": (lambda i: F.linear(xb, bf16[i]), 2 * numel),
         "bf16 torch.mv": (lambda i: torch.mv(bf16[i], xb[0]), 2 * numel),
         "int8 torch _weight_int8pack_mm": (lambda i: torch.ops.aten._weight_int8pack_mm(xb, q8[i][0], q8[i][1].bfloat16()), numel),
+        "int4 (groups of 64) torch: dequantize + F.linear": (lambda i: _int4_dequant_linear(xb, *q4[i]), numel * 9 // 16),
     }
     if nk is not None:
         cells.update({
@@ -66,6 +81,7 @@ def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], 
             "bf16 native (bf16 dot)": (lambda i: nk.gemv(xb, bf16[i]), 2 * numel),
             "int8 native, bf16 activation (VNNI)": (lambda i: nk.gemv(xb, q8[i][0], q8[i][1]), numel),
             "int8 native, f32 activation (widened)": (lambda i: nk.gemv(x, q8[i][0], q8[i][1]), numel),
+            "int4 (groups of 64) native, bf16 activation (VNNI)": (lambda i: nk.gemv_q4(xb, *q4[i]), numel * 9 // 16),
         })
     return cells
 

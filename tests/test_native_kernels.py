@@ -73,6 +73,42 @@ def test_gemv_int8_rows(nk) -> None:
     torch.testing.assert_close(nk.gemv(x2, q2, s2).float(), x2.float() @ _dequant(q2, s2).T, rtol=2 ** -7, atol=1e-2)
 
 
+def test_gemv_int4_groups(nk) -> None:
+    from engine.experts.quant import _int4
+
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(72, 256, generator=g), torch.randn(3, 256, generator=g).bfloat16()
+    packed, s, z = _int4(w, 64)  # [72, 4, 32] codes, [72, 4, 1] scales and zeros
+    packed, s, z = packed.reshape(72, -1).contiguous(), s.to(torch.float16).contiguous(), z.to(torch.float16).contiguous()
+    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float().view(72, 4, 64)
+    deq = ((q - z.float()) * s.float()).view(72, 256)
+    ref = x.float() @ deq.T
+    got = nk.gemv_q4(x, packed, s, z)
+    if not nk.int8_dot:
+        assert got is None  # no VNNI: the caller dequantizes
+        return
+    rel = ((got.float() - ref).norm() / ref.norm()).item()
+    assert rel < 0.02, rel
+    assert nk.gemv_q4(x.float(), packed, s, z) is None  # f32 activations keep the exact dequantizing path
+    assert nk.gemv_q4(x[:, :200].contiguous(), packed[:, :100].contiguous(), s, z) is None  # not a multiple of 64
+
+
+def test_int4_expert_format_runs_natively_in_bf16(nk) -> None:
+    from engine.experts.expert_kernels import SwiGLUKernel
+    from engine.experts.quant import make_format
+
+    H, I = 128, 64
+    fmt = make_format(SwiGLUKernel(H, I, torch.nn.SiLU()), "int4", 64, torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    views = fmt.views(fmt.encode([torch.randn(2 * I, H, generator=g) / 8, torch.randn(H, I, generator=g) / 8]))
+    x = torch.randn(2, H, generator=g).bfloat16()
+    fast = fmt.forward(views, x)
+    slow = fmt.kernel.forward(fmt.weights(views), x)  # dequantize, then torch
+    assert fast.dtype == slow.dtype == torch.bfloat16
+    assert ((fast.float() - slow.float()).norm() / slow.float().norm()).item() < 0.04
+    assert torch.equal(fast, slow) != nk.int8_dot  # with VNNI the native kernel ran (activation quantized), else the dequantizing path
+
+
 def test_gemv_results_do_not_depend_on_threads(nk) -> None:
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(300, 512, generator=g).bfloat16(), torch.randn(3, 512, generator=g).bfloat16()

@@ -107,6 +107,9 @@ class GroupQuantFormat(ExpertFormat):
         self._int8_rows = (self.bits == 8 and compute_dtype == torch.bfloat16 and type(kernel) is SwiGLUKernel
                            and all(self.group_of(shape[1]) == shape[1] for _, shape in kernel.views)
                            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+        # int4 in groups of 64, SwiGLU, bf16 compute: the native int4 kernel (where it applies) reads the slot as is.
+        self._int4_groups = (self.bits == 4 and compute_dtype == torch.bfloat16 and type(kernel) is SwiGLUKernel
+                             and all(self.group_of(shape[1]) == 64 for _, shape in kernel.views))
 
     def group_of(self, cols: int) -> int:
         return math.gcd(cols, self.group)  # group 0: gcd(cols, 0) = cols, whole rows
@@ -137,11 +140,29 @@ class GroupQuantFormat(ExpertFormat):
         return [[row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts] for parts in self._layout]
 
     def forward(self, views: list, x: torch.Tensor) -> torch.Tensor:
-        if not (self._int8_rows and x.device.type == "cpu" and x.dtype == torch.bfloat16):
-            return super().forward(views, x)  # dequantize, then the kernel
-        (q_gu, s_gu), (q_d, s_d) = views
-        gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
-        return _int8_linear(self.kernel.act_fn(gate) * up, q_d, s_d)
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            if self._int8_rows:
+                (q_gu, s_gu), (q_d, s_d) = views
+                gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
+                return _int8_linear(self.kernel.act_fn(gate) * up, q_d, s_d)
+            if self._int4_groups:
+                y = self._int4_swiglu(views, x)
+                if y is not None:
+                    return y
+        return super().forward(views, x)  # dequantize, then the kernel
+
+    def _int4_swiglu(self, views: list, x: torch.Tensor) -> torch.Tensor | None:
+        """SwiGLU with int4 groups of 64 straight from the slot (engine/native/ gemv_q4), or None where the
+        native kernel does not apply."""
+        kernels = usable(x.contiguous())
+        if kernels is None:
+            return None
+        (p_gu, s_gu, z_gu), (p_d, s_d, z_d) = views
+        gu = kernels.gemv_q4(x.contiguous(), p_gu.view(p_gu.shape[0], -1), s_gu, z_gu)
+        if gu is None:
+            return None
+        gate, up = gu.chunk(2, dim=-1)
+        return kernels.gemv_q4((self.kernel.act_fn(gate) * up).contiguous(), p_d.view(p_d.shape[0], -1), s_d, z_d)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         out = []

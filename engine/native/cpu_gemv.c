@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -80,6 +80,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__F16C__)
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* one instruction where F16C exists */
+#else
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
     if (exp == 0 && man == 0) {
@@ -97,6 +100,7 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &u, 4);
     return f;
 }
+#endif
 
 /* Rounds v to the activation dtype: a bf16 model rounds every intermediate, as its reference does. */
 static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
@@ -405,4 +409,98 @@ void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, i
             else ((uint16_t *)orow)[i] = f32_to_bf16(y);
         }
     }
+}
+
+/* ---- int4 weights (groups of 64, fp16 scale and zero each: w = s * (q - z), q in [0, 15]) ---------
+ * Two codes a byte, low nibble first, so a group's 32 bytes hold its even elements in the low
+ * nibbles and its odd elements in the high ones. The activation is quantized to int8 in the same
+ * blocks of 64 and stored per block as [its 32 even elements | its 32 odd elements], so one
+ * vpdpbusd multiplies the unpacked [low nibbles | high nibbles] by it (codes are unsigned, the
+ * activation signed, as the instruction wants). Per group and row:
+ *   sum_i w_i x_i ~= s * xs * (sum_i q_i xq_i - z * sum_i xq_i)
+ * with the second sum computed once per block of the activation. bf16 activations only (as the int8
+ * path), and rows whose length is a multiple of 64; gemv_q4 returns -1 otherwise. */
+#define Q4_GROUP 64
+
+size_t gemv_q4_work_bytes(int64_t rows, int64_t cols, int64_t m) {
+    int64_t blocks = cols / Q4_GROUP;
+    return (size_t)m * ((size_t)cols * 4 + (size_t)cols + (size_t)blocks * 8) + (size_t)m * rows * 4 + 256;
+}
+
+#if HAVE_I8_DOT
+static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t *xsum) {
+    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
+        const float *xb = x + b * Q4_GROUP;
+        float mx = 0.0f;
+        for (int j = 0; j < Q4_GROUP; j++) mx = fmaxf(mx, fabsf(xb[j]));
+        float s = mx / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < Q4_GROUP; j++) {
+            int q = (int)lrintf(xb[j] * inv);
+            sum += q;
+            /* even elements first, then odd ones: the order of the unpacked nibbles */
+            xq[b * Q4_GROUP + (j % 2 ? Q4_GROUP / 2 + j / 2 : j / 2)] = (int8_t)q;
+        }
+        xs[b] = s;
+        xsum[b] = sum;
+    }
+}
+
+static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n,
+                    const int8_t *xq, const float *xs, const int32_t *xsum) {
+    const __m512i zero_v = _mm512_setzero_si512();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        __m512i d = _mm512_dpbusd_epi32(zero_v, q, _mm512_loadu_si512(xq + b * Q4_GROUP));
+        float s = f16_to_f32(scale[b]) * xs[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s), acc);
+        corr += s * f16_to_f32(zero[b]) * (float)xsum[b];
+    }
+    return _mm512_reduce_add_ps(acc) - corr;
+}
+#endif
+
+/* Y[m][rows] = X[m][cols] W^T for int4 W (packed [rows, cols/2], scale and zero [rows, cols/64] fp16),
+ * X and Y bf16, m <= 16. Returns 0, or -1 where this kernel does not apply (the caller dequantizes). */
+int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t rows, int64_t cols,
+            const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
+#if HAVE_I8_DOT
+    if (m < 1 || m > MAX_ROWS || xtype != X_BF16 || cols % Q4_GROUP) return -1;
+    int64_t blocks = cols / Q4_GROUP;
+    char *mem = (char *)work;
+    float *xf = (float *)mem;
+    mem += (size_t)m * cols * 4;
+    int8_t *xq = (int8_t *)mem;
+    mem += (size_t)m * cols;
+    mem = (char *)(((uintptr_t)mem + 7) & ~(uintptr_t)7);
+    float *xs = (float *)mem;
+    mem += (size_t)m * blocks * 4;
+    int32_t *xsum = (int32_t *)mem;
+    mem += (size_t)m * blocks * 4;
+    float *yf = (float *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+    for (int64_t j = 0; j < m; j++) {
+        load_act((const uint16_t *)X + j * cols, X_BF16, cols, xf + j * cols);
+        q4_prepare(xf + j * cols, cols, xq + j * cols, xs + j * blocks, xsum + j * blocks);
+    }
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1;
+        share(rows, TID(), NT(), &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) { /* rows are contiguous: one sequential stream per thread */
+            const uint8_t *p = packed + (size_t)r * (cols / 2);
+            for (int64_t j = 0; j < m; j++)
+                yf[j * rows + r] = q4_row(p, scale + r * blocks, zero + r * blocks, cols, xq + j * cols, xs + j * blocks, xsum + j * blocks);
+        }
+        for (int64_t j = 0; j < m; j++) store_rows(yf + j * rows, X_BF16, r0, r1, (uint16_t *)Y + j * rows);
+    }
+    return 0;
+#else
+    (void)packed; (void)scale; (void)zero; (void)rows; (void)cols; (void)X; (void)xtype; (void)m; (void)Y; (void)work; (void)nthreads;
+    return -1;
+#endif
 }

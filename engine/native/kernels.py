@@ -39,6 +39,10 @@ class NativeKernels:
         lib.moe_work_bytes.restype = _SIZE
         lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]
         lib.rmsnorm.restype = None
+        lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
+        lib.gemv_q4.restype = _INT
+        lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
+        lib.gemv_q4_work_bytes.restype = _SIZE
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -81,6 +85,17 @@ class NativeKernels:
                             out.data_ptr(), self._work(self.lib.moe_work_bytes(hidden, intermediate)), torch.get_num_threads())
         return out
 
+
+    def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
+        """x [m, cols] bf16 (m <= 16) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
+        nibble first; fp16 scale and zero [rows, cols/64]: w = s * (q - z)) -> [m, rows] bf16, or None where
+        the kernel does not apply (no VNNI, another dtype, cols not a multiple of 64): then dequantize."""
+        m, cols = x.shape
+        rows = packed.shape[0]
+        y = torch.empty((m, rows), dtype=x.dtype)
+        rc = self.lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), rows, cols, x.data_ptr(), X_CODES[x.dtype], m,
+                              y.data_ptr(), self._work(self.lib.gemv_q4_work_bytes(rows, cols, m)), torch.get_num_threads())
+        return y if rc == 0 else None
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
