@@ -135,6 +135,15 @@ static act_t act_at(char *mem, int64_t n) {
     return a;
 }
 
+/* The symmetric int8 scale of a block of activations, s = max|x| / 127, and 1/s in *inv (0 for a zero block). */
+static inline float block_scale(const float *x, int n, float *inv) {
+    float mx = 0.0f;
+    for (int j = 0; j < n; j++) mx = fmaxf(mx, fabsf(x[j]));
+    float s = mx / 127.0f;
+    *inv = s > 0.0f ? 1.0f / s : 0.0f;
+    return s;
+}
+
 /* Chooses the dot product for weights of `wtype` and fills the activation's narrow form for it. The
  * narrow products run only where the activation is bf16: it then already carries 8 significant bits,
  * so the bf16 dot is exact and the int8 one loses about what bf16 rounding already did. An f32
@@ -150,9 +159,7 @@ static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
         a->mode = DOT_I8;
         for (int64_t b = 0; b < n / QBLOCK; b++) {
             const float *x = a->f + b * QBLOCK;
-            float mx = 0.0f;
-            for (int j = 0; j < QBLOCK; j++) mx = fmaxf(mx, fabsf(x[j]));
-            float s = mx / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+            float inv, s = block_scale(x, QBLOCK, &inv);
             uint64_t neg = 0;
             for (int j = 0; j < QBLOCK; j++) {
                 int q = (int)lrintf(x[j] * inv);
@@ -431,9 +438,7 @@ size_t gemv_q4_work_bytes(int64_t rows, int64_t cols, int64_t m) {
 static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t *xsum) {
     for (int64_t b = 0; b < n / Q4_GROUP; b++) {
         const float *xb = x + b * Q4_GROUP;
-        float mx = 0.0f;
-        for (int j = 0; j < Q4_GROUP; j++) mx = fmaxf(mx, fabsf(xb[j]));
-        float s = mx / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        float inv, s = block_scale(xb, Q4_GROUP, &inv);
         int32_t sum = 0;
         for (int j = 0; j < Q4_GROUP; j++) {
             int q = (int)lrintf(xb[j] * inv);
