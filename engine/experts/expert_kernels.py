@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.native.kernels import usable
+from engine.native.kernels import bf16_gemv
 
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
 
@@ -50,12 +50,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     paths on this machine (docs/benchmarks/kernels.md), and torch.mv where it is unavailable
     (8.7 GB/s against F.linear's 6.3 for one row). fp32 keeps F.linear, which already streams
     about as fast as memory allows and is what transformers computes."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == torch.bfloat16:
-        kernels = usable(x)
-        if kernels is not None and w.is_contiguous():
-            return kernels.gemv(x, w)
-        if x.shape[0] == 1:
-            return torch.mv(w, x[0]).unsqueeze(0)
+    y = bf16_gemv(x, w)
+    if y is not None:
+        return y
+    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w)
 
 

@@ -154,11 +154,12 @@ class GroupQuantFormat(ExpertFormat):
     def _int4_swiglu(self, views: list, x: torch.Tensor) -> torch.Tensor | None:
         """SwiGLU with int4 groups of 64 straight from the slot (engine/native/ gemv_q4), or None where the
         native kernel does not apply."""
-        kernels = usable(x.contiguous())
+        x = x.contiguous()
+        kernels = usable(x)
         if kernels is None:
             return None
         (p_gu, s_gu, z_gu), (p_d, s_d, z_d) = views
-        gu = kernels.gemv_q4(x.contiguous(), p_gu.view(p_gu.shape[0], -1), s_gu, z_gu)
+        gu = kernels.gemv_q4(x, p_gu.view(p_gu.shape[0], -1), s_gu, z_gu)
         if gu is None:
             return None
         gate, up = gu.chunk(2, dim=-1)

@@ -85,7 +85,6 @@ class NativeKernels:
                             out.data_ptr(), self._work(self.lib.moe_work_bytes(hidden, intermediate)), torch.get_num_threads())
         return out
 
-
     def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
         """x [m, cols] bf16 (m <= 16) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
         nibble first; fp16 scale and zero [rows, cols/64]: w = s * (q - z)) -> [m, rows] bf16, or None where
@@ -122,3 +121,12 @@ def usable(x: torch.Tensor) -> NativeKernels | None:
     if x.device.type != "cpu" or x.dtype not in X_CODES or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
         return None
     return native()
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [m, in] times a bf16 weight w [out, in] through the native kernel where it applies (both bf16,
+    x on the CPU with few contiguous rows, w contiguous), else None: the caller keeps torch's path."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        return None
+    kernels = usable(x)
+    return kernels.gemv(x, w) if kernels is not None else None

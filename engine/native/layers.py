@@ -20,17 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native.kernels import MAX_ROWS, native, usable
+from engine.native.kernels import MAX_ROWS, bf16_gemv, native, usable
 
 
 class NativeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype == w.dtype == torch.bfloat16 and x.dim() >= 2 and x.numel() <= MAX_ROWS * x.shape[-1]:
-            rows = x.reshape(-1, x.shape[-1])
-            kernels = usable(rows)
-            if kernels is not None and w.is_contiguous():
-                y = kernels.gemv(rows, w)
+        if x.dim() >= 2 and x.numel() <= MAX_ROWS * x.shape[-1]:
+            y = bf16_gemv(x.reshape(-1, x.shape[-1]), w)
+            if y is not None:
                 if self.bias is not None:
                     y = y + self.bias
                 return y.view(*x.shape[:-1], w.shape[0])
