@@ -73,6 +73,11 @@ class ExpertLease:
         self.store.pin(key)
         self.held[key] += 1
 
+    def pin_all(self, keys: list[int]) -> None:
+        """pin() of each key, under one lock acquisition (a layer's whole plan at once)."""
+        self.store.pin_all(keys)
+        self.held.update(keys)
+
     def adopt(self, key: int) -> None:
         """Take over a pin someone already took on our behalf (a demand load's consumer pin)."""
         self.held[key] += 1
@@ -87,10 +92,7 @@ class ExpertLease:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        with self.store.lock:
-            for key, n in self.held.items():
-                for _ in range(n):
-                    self.store.unpin(key)
+        self.store.unpin_all(self.held)
         self.held.clear()
 
 
@@ -174,20 +176,40 @@ class ExpertStore:
         with self.lock:
             self._pins[key] = self._pins.get(key, 0) + 1
 
-    def unpin(self, key: int) -> None:
+    def pin_all(self, keys: list[int]) -> None:
         with self.lock:
-            n = self._pins.get(key, 0) - 1  # an aborted load already dropped its pins
-            if n > 0:
-                self._pins[key] = n
-            else:
-                self._pins.pop(key, None)
+            pins = self._pins
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+
+    def unpin(self, key: int) -> None:
+        self.unpin_all({key: 1})
+
+    def unpin_all(self, counts: dict[int, int]) -> None:
+        """Drop `counts[key]` pins of each key, under one lock acquisition."""
+        with self.lock:
+            pins = self._pins
+            for key, n in counts.items():
+                left = pins.get(key, 0) - n  # an aborted load already dropped its pins
+                if left > 0:
+                    pins[key] = left
+                else:
+                    pins.pop(key, None)
 
     def touch(self, key: int) -> None:
         """A plan uses this resident expert: tell the eviction policy; a prefetch pays off."""
+        self.touch_all([key])
+
+    def touch_all(self, keys: list[int]) -> None:
+        """touch() of each key in order, under one lock acquisition."""
         with self.lock:
-            self.eviction.on_access(key)
-            if self._protected.pop(key, None) is not None:
-                self.stats.add(prefetch_used=1)
+            used = 0
+            for key in keys:
+                self.eviction.on_access(key)
+                if self._protected.pop(key, None) is not None:
+                    used += 1
+            if used:
+                self.stats.add(prefetch_used=used)
 
     def refresh(self, keys: list[int]) -> None:
         """A predictor expects these residents to be used soon: count it as a use for the eviction

@@ -30,8 +30,9 @@ class OffloadedMoeBlock(nn.Module):
         logits, weights, ids = self.adapter.route(self, x)  # [T, E], [T, k], [T, k]
         # Policies, traces and predictors read slot 0 as the first choice. Softmax routers return their
         # top-k sorted; DeepSeek-V3-style routers (glm4_moe, deepseek_v3) take topk(sorted=False), so sort here.
-        order = torch.argsort(weights, dim=1, descending=True, stable=True)
-        weights, ids = weights.gather(1, order), ids.gather(1, order)
+        if not _sorted_row(weights):
+            order = torch.argsort(weights, dim=1, descending=True, stable=True)
+            weights, ids = weights.gather(1, order), ids.gather(1, order)
         self.bus.publish(self.layer, x, logits, ids, weights)
         x_in, w_in = self.adapter.expert_inputs(x, weights)  # Llama 4 scales the input rows instead
         out = self.executor.run(self.layer, x_in, ids, w_in, logits)
@@ -39,3 +40,12 @@ class OffloadedMoeBlock(nn.Module):
         if shared is not None:
             out = out + shared
         return self.adapter.output(out.reshape(B, S, H), logits, weights)
+
+
+def _sorted_row(weights: torch.Tensor) -> bool:
+    """A single row already in descending order (softmax routers' sorted top-k): the stable sort
+    would leave it as it is, so a decode step skips its three tensor ops."""
+    if weights.shape[0] != 1:
+        return False
+    w = weights[0].tolist()
+    return all(a >= b for a, b in zip(w, w[1:]))

@@ -107,9 +107,9 @@ class MoeExecutor:
                 fetch = set(plan.fetch)
                 needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
                 ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
-                for e in ready:
-                    lease.pin(layer * E + e)
-                    self.store.touch(layer * E + e)
+                keys = [layer * E + e for e in ready]
+                lease.pin_all(keys)
+                self.store.touch_all(keys)
             self.store.tick()
             self.stats.record_lookups(layer, len(ready), len(needed) - len(ready))
             self._account(plan)

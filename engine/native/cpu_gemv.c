@@ -509,3 +509,31 @@ int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, 
     return -1;
 #endif
 }
+
+/* ---- rotary position embedding ----------------------------------------------------------------
+ * In place, as transformers' apply_rotary_pos_emb with rotate_half computes it: x is [rows, heads, d]
+ * and row r takes cos/sin row r ([rows, rot], x's dtype); the first `rot` dims of each head turn,
+ * the rest pass through (glm4_moe's partial rotary). With h = rot / 2:
+ *   y_i = x_i c_i - x_{i+h} s_i  (i < h),   y_i = x_i c_i + x_{i-h} s_i  (h <= i < rot)
+ * Each product and the sum is rounded to the activation dtype, as torch's elementwise ops round
+ * them (this file is built as ISO C, so the compiler does not fuse them into an FMA). */
+void rope(void *x, int xtype, int64_t rows, int64_t heads, int64_t d, int64_t rot, const void *cos, const void *sin) {
+    int64_t h = rot / 2;
+    float tmp[1024];
+    if (rot > 1024 || rot > d) return;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t hd = 0; hd < heads; hd++) {
+            int64_t base = (r * heads + hd) * d;
+            for (int64_t i = 0; i < rot; i++)
+                tmp[i] = xtype == X_F32 ? ((float *)x)[base + i] : bf16_to_f32(((uint16_t *)x)[base + i]);
+            for (int64_t i = 0; i < rot; i++) {
+                float c = xtype == X_F32 ? ((const float *)cos)[r * rot + i] : bf16_to_f32(((const uint16_t *)cos)[r * rot + i]);
+                float s = xtype == X_F32 ? ((const float *)sin)[r * rot + i] : bf16_to_f32(((const uint16_t *)sin)[r * rot + i]);
+                float other = i < h ? -tmp[i + h] : tmp[i - h];
+                float y = as_x(as_x(tmp[i] * c, xtype) + as_x(other * s, xtype), xtype);
+                if (xtype == X_F32) ((float *)x)[base + i] = y;
+                else ((uint16_t *)x)[base + i] = f32_to_bf16(y);
+            }
+        }
+    }
+}

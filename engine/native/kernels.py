@@ -39,6 +39,8 @@ class NativeKernels:
         lib.moe_work_bytes.restype = _SIZE
         lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]
         lib.rmsnorm.restype = None
+        lib.rope.argtypes = [_P, _INT, _I64, _I64, _I64, _I64, _P, _P]
+        lib.rope.restype = None
         lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
         lib.gemv_q4.restype = _INT
         lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
@@ -102,6 +104,15 @@ class NativeKernels:
         n = x.shape[-1]
         self.lib.rmsnorm(x.data_ptr(), X_CODES[x.dtype], x.numel() // n, n, weight.data_ptr(), W_CODES[weight.dtype], eps, out.data_ptr())
         return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [..., rows, heads, d] in place (contiguous, f32 or bf16) with cos and sin
+        [..., rows, rot] of x's dtype (rot <= d, even, at most 1024): transformers' rotate_half convention,
+        rounding as its elementwise ops do. Returns x."""
+        heads, d = x.shape[-2], x.shape[-1]
+        rot = cos.shape[-1]
+        self.lib.rope(x.data_ptr(), X_CODES[x.dtype], x.numel() // (heads * d), heads, d, rot, cos.data_ptr(), sin.data_ptr())
+        return x
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,6 +21,7 @@ from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.structured import GrammarCompiler, TokenConstraint
+from engine.worker.lean_forward import LeanForward, lean_enabled
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
 from engine.worker.sampling import make_generator, process_logits
@@ -37,6 +38,9 @@ class ModelRunner:
         # (proposals are checked by the target's masked distribution, so rejections never touch it).
         self.constraints: dict[str, TokenConstraint] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use
+        # The same packed forward without transformers' wrappers, where the architecture allows
+        # (engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
+        self._lean = LeanForward(lm.model) if lm.packed and lean_enabled() and LeanForward.supports(lm.model) else None
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
@@ -46,6 +50,8 @@ class ModelRunner:
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
             bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
+        if self._lean is not None:
+            return self._lean(windows, starts, caches, keep, self.lm.device)
         run = packed_forward if self.lm.packed else one_by_one_forward
         return run(self.lm.model, windows, starts, caches, keep, self.lm.device)
 

@@ -1,0 +1,144 @@
+"""transformers' packed forward for llama-style MoE targets, op for op, without its wrappers.
+
+Why: on a small model, or whenever the experts are resident and fast, a decode step's time is
+the Python around the arithmetic: each `model(...)` call goes through output dataclasses,
+kwargs plumbing, decorators, mask creation (skipped for the packed layout anyway) and a module
+`__call__` per sublayer, about 0.4 ms a layer on the tiny peers checkpoint
+(docs/benchmarks/peers_tiny.md). This module runs the same sublayers (each module's own
+`forward`: the native norms and linears, the architecture's own rotary function, the offloaded
+MoE block) in the same order, with the packed attention of engine/worker/packed_batch.py, so its
+logits are the packed forward's bit for bit (tests/test_lean_forward.py); it only drops the
+layers of Python in between.
+
+Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
+residual" and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
+update, attention function, o projection" in transformers 5 (`LEAN_MODEL_TYPES`), without a
+sliding window. Everything else keeps transformers' forward. `MOE_OFFLOAD_LEAN=0` turns it off.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from engine.native.kernels import X_CODES, native
+from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
+
+# Checked against each architecture's modeling code (decoder layer and attention forward) in
+# transformers 5; a new architecture joins only with a parity test in tests/test_lean_forward.py.
+LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})
+
+
+def lean_enabled() -> bool:
+    return os.environ.get("MOE_OFFLOAD_LEAN", "1") != "0"
+
+
+class LeanForward:
+    """`packed_forward`'s contract (engine/worker/packed_batch.py) for a supported model."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        cfg = model.config
+        if cfg.model_type not in LEAN_MODEL_TYPES or cfg._attn_implementation != PACKED_ATTENTION:
+            return False
+        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+            return False
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(model, "lm_head"):
+            return False
+        need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+        return all(all(hasattr(layer, n) for n in need) and all(hasattr(layer.self_attn, p) for p in projections)
+                   for layer in layers)
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        assert self.supports(model), f"no lean forward for {model.config.model_type}"
+        self.model = model
+        self.inner = model.model
+        self.layers = [_LeanLayer(layer) for layer in self.inner.layers[: model.config.num_hidden_layers]]
+        # The architecture's own rotary function (glm4_moe rotates only part of each head).
+        self.rotate: Callable = sys.modules[type(self.layers[0].att).__module__].apply_rotary_pos_emb
+        self.kernels = native() if self.inner.embed_tokens.weight.device.type == "cpu" else None  # rotary in C
+
+    @torch.inference_mode()
+    def __call__(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
+                 keep: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+        batch = PackedBatch(caches, [len(w) for w in windows])
+        cache = PackedCache(batch)
+        decode = all(n == 1 for n in batch.lengths)  # plain decodes: attention without the packed bookkeeping
+        ids = torch.tensor([[t for w in windows for t in w]], device=device)  # [1, N]
+        rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], device=device)
+        inner = self.inner
+        x = inner.embed_tokens.forward(ids)  # [1, N, H]
+        cos_sin = inner.rotary_emb.forward(x, positions(batch, starts, device))
+        for layer in self.layers:
+            h = layer.in_norm.forward(x)
+            x = x + self._attention(layer, h, cos_sin, cache, batch, decode)
+            h = layer.post_norm.forward(x)
+            x = x + layer.mlp.forward(h)
+        x = inner.norm.forward(x)
+        logits = self.model.lm_head.forward(x[:, rows])[0]  # [R, V]
+        return list(torch.split(logits, [len(k) for k in keep]))
+
+    def _attention(self, layer: _LeanLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   cache: PackedCache, batch: PackedBatch, decode: bool) -> torch.Tensor:
+        """The attention module's forward (see the module docstring) with its inputs already known."""
+        att = layer.att
+        shape = (*h.shape[:-1], -1, att.head_dim)
+        q = layer.q_proj.forward(h).view(shape)
+        k = layer.k_proj.forward(h).view(shape)
+        v = layer.v_proj.forward(h).view(shape).transpose(1, 2)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm.forward(q), layer.k_norm.forward(k)
+        q, k = self._rotate(q, k, *cos_sin)
+        if decode:
+            out = self._decode_attention(att, q, k, v, batch)
+        else:
+            k, v = cache.update(k, v, att.layer_idx)
+            out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
+        return layer.o_proj.forward(out.reshape(*h.shape[:-1], -1).contiguous())
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [1, N, heads, d] -> rotated [1, heads, N, d]: the native kernel in place where it takes
+        them (same rounding as torch's elementwise ops), else the architecture's own function."""
+        kernels = self.kernels
+        if (kernels is not None and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in X_CODES
+                and q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+                and q.device.type == "cpu" and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= min(q.shape[-1], 1024)):
+            return kernels.rope(q, cos, sin).transpose(1, 2), kernels.rope(k, cos, sin).transpose(1, 2)
+        return self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+    @staticmethod
+    def _decode_attention(att: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          batch: PackedBatch) -> torch.Tensor:
+        """One new row per request: what transformers' SDPA attention does for a single-token query
+        without a mask (integrations/sdpa_attention.py: GQA inside SDPA, not causal), per request.
+        q [1, h, B, d], k and v [1, h_kv, B, d]; returns [1, B, h, d]."""
+        gqa = att.num_key_value_groups > 1
+        outs = []
+        for r, c in enumerate(batch.caches):
+            keys, values = c.update(k[:, :, r : r + 1], v[:, :, r : r + 1], att.layer_idx)
+            o = F.scaled_dot_product_attention(q[:, :, r : r + 1], keys, values, dropout_p=0.0, scale=att.scaling,
+                                               is_causal=False, enable_gqa=gqa)
+            outs.append(o.transpose(1, 2))
+        return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
+
+
+class _LeanLayer:
+    """One decoder layer's sublayers, looked up once (nn.Module attribute access is a dict walk).
+    Each is called through its `forward` attribute at run time, so a wrapped forward (the native
+    norms, a benchmark's timer) is honoured."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        att = layer.self_attn
+        self.att, self.in_norm, self.post_norm, self.mlp = att, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = att.q_proj, att.k_proj, att.v_proj, att.o_proj
+        # Per-head q/k norms: qwen3_moe always, glm4_moe when use_qk_norm, qwen2_moe never.
+        qk_norm = getattr(att, "use_qk_norm", hasattr(att, "q_norm"))
+        self.q_norm = att.q_norm if qk_norm else None
+        self.k_norm = att.k_norm if qk_norm else None
