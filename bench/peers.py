@@ -156,7 +156,7 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     from engine.native.kernels import NativeKernels
 
     native_s = [0.0]
-    originals = {name: getattr(NativeKernels, name) for name in ("gemv", "moe_swiglu", "rmsnorm")}
+    originals = {name: getattr(NativeKernels, name) for name in ("gemv", "moe_swiglu", "rmsnorm", "rope")}
 
     def timed(fn):
         def call(*a, **k):

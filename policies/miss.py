@@ -14,6 +14,8 @@ class FetchAll(MissPolicy):
     def plan(self, layer, experts, weights, is_resident, logits=None) -> ExpertPlan:
         needed = {e for row in experts for e in row}
         fetch = sorted(e for e in needed if not is_resident(e))
+        if not fetch:  # all resident (cache 1.0, or all hits): the common decode step, kept short
+            return ExpertPlan(experts, None, fetch, calls_hit=sum(map(len, experts)), calls_fetched=0)
         missing = set(fetch)
         fetched_calls = sum(e in missing for row in experts for e in row)
         total = sum(len(row) for row in experts)

@@ -48,6 +48,7 @@ class NativeKernels:
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
+        self._moe_work: dict[tuple[int, int], int] = {}  # moe_swiglu's scratch bytes per (hidden, intermediate)
 
     def describe(self) -> str:
         return (f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
@@ -80,11 +81,14 @@ class NativeKernels:
         the order given. Returns [1, H] in x's dtype."""
         m = len(gate_up)
         out = torch.empty((1, hidden), dtype=x.dtype)
-        ptrs = (_P * m)
-        scales = (lambda p: ptrs(*p)) if gate_up_scale is not None else (lambda p: None)
-        self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up), scales(gate_up_scale),
-                            ptrs(*down), scales(down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(), X_CODES[x.dtype],
-                            out.data_ptr(), self._work(self.lib.moe_work_bytes(hidden, intermediate)), torch.get_num_threads())
+        ptrs = _P * m
+        work = self._moe_work.get((hidden, intermediate))
+        if work is None:  # one ctypes call fewer per layer of every decode step
+            work = self._moe_work[(hidden, intermediate)] = self.lib.moe_work_bytes(hidden, intermediate)
+        self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up),
+                            None if gate_up_scale is None else ptrs(*gate_up_scale), ptrs(*down),
+                            None if down_scale is None else ptrs(*down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(),
+                            X_CODES[x.dtype], out.data_ptr(), self._work(work), torch.get_num_threads())
         return out
 
     def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:

@@ -111,7 +111,9 @@ class BlockAdapter:
 
     def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> router logits [T, E], top-k weights [T, k], top-k ids [T, k]."""
-        logits, weights, ids = getattr(block, self.router)(x)
+        # The router's forward straight from the module table: no hooks are registered on it, and
+        # this runs once per layer in every decode step.
+        logits, weights, ids = block._modules[self.router].forward(x)
         return logits, weights, ids
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -175,12 +177,15 @@ class BlockAdapter:
 
     def dense(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The dense part of the block (shared experts), added to the routed output."""
-        shared = getattr(block, "shared_expert", None)
-        shared = getattr(block, "shared_experts", None) if shared is None else shared
+        # Looked up in the module table: getattr on an nn.Module raises (and catches) an
+        # AttributeError for each missing name, several microseconds per layer of every step.
+        modules = block._modules
+        shared = modules.get("shared_expert")
+        shared = modules.get("shared_experts") if shared is None else shared
         if shared is None:
             return None
         out = shared(x)
-        gate = getattr(block, "shared_expert_gate", None)
+        gate = modules.get("shared_expert_gate")
         return F.sigmoid(gate(x)) * out if gate is not None else out
 
     def output(self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | tuple:
