@@ -537,3 +537,45 @@ void rope(void *x, int xtype, int64_t rows, int64_t heads, int64_t d, int64_t ro
         }
     }
 }
+
+/* ---- a softmax top-k router, for one token ----------------------------------------------------
+ * What transformers' Qwen2/Qwen3/OLMoE TopKRouter computes for one row: logits = W . x (rounded to
+ * x's dtype, as F.linear returns them), p = softmax(logits) in f32, the k largest p (descending; ties
+ * to the lower expert id, as torch.topk returns them), divided by their sum when `norm`, then rounded
+ * to x's dtype. Outputs: logits [E] in x's dtype, weights [k] in x's dtype, ids [k]. The sums run in
+ * another order than torch's vectorized reductions, so p may differ from torch's in the last bit;
+ * the caller checks its first result against the router's own forward. Returns gemv's status. */
+int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int norm,
+                void *logits, void *weights, int64_t *ids, void *work, int nthreads) {
+    if (k < 1 || k > E || E > 4096) return -1;
+    int rc = gemv(W, 0, wtype, E, H, x, xtype, 1, logits, work, nthreads);
+    if (rc != 0) return rc;
+    float p[4096];
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = xtype == X_F32 ? ((const float *)logits)[e] : bf16_to_f32(((const uint16_t *)logits)[e]);
+        if (p[e] > mx) mx = p[e];
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) { p[e] = expf(p[e] - mx); sum += p[e]; }
+    for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+    float top[4096];
+    unsigned char taken[4096];
+    memset(taken, 0, (size_t)E);
+    float tsum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+        top[j] = p[best];
+        tsum += p[best];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        float v = norm ? top[j] / tsum : top[j];
+        if (xtype == X_F32) ((float *)weights)[j] = v;
+        else ((uint16_t *)weights)[j] = f32_to_bf16(v);
+    }
+    return 0;
+}

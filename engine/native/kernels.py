@@ -41,6 +41,8 @@ class NativeKernels:
         lib.rmsnorm.restype = None
         lib.rope.argtypes = [_P, _INT, _I64, _I64, _I64, _I64, _P, _P]
         lib.rope.restype = None
+        lib.router_topk.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _INT, _P, _P, _P, _P, _INT]
+        lib.router_topk.restype = _INT
         lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
         lib.gemv_q4.restype = _INT
         lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
@@ -117,6 +119,19 @@ class NativeKernels:
         rot = cos.shape[-1]
         self.lib.rope(x.data_ptr(), X_CODES[x.dtype], x.numel() // (heads * d), heads, d, rot, cos.data_ptr(), sin.data_ptr())
         return x
+
+    def router_topk(self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A softmax top-k router for one row x [1, H] with weight w [E, H] (both f32 or both bf16,
+        contiguous): (logits [1, E], top-k weights [1, k], ids [1, k]), as transformers' TopKRouter
+        returns them, or None where the kernel does not apply."""
+        E, H = w.shape
+        logits = torch.empty((1, E), dtype=x.dtype)
+        weights = torch.empty((1, k), dtype=x.dtype)
+        ids = torch.empty((1, k), dtype=torch.int64)
+        rc = self.lib.router_topk(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, int(norm),
+                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(),
+                                  self._work(self.lib.gemv_work_bytes(E, H, 1)), torch.get_num_threads())
+        return (logits, weights, ids) if rc == 0 else None
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
+from engine.native.router import NativeTopKRouter
 
 # Dense parts of a sparse block that the generic adapter knows how to combine.
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
@@ -90,6 +91,7 @@ class BlockAdapter:
         assert self.router is not None, "not a sparse MoE block"
         self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
         self._logits_dtype = torch.float32  # the dtype the router computes its logits in, when linear
+        self._native_router: NativeTopKRouter | bool | None = None  # decided on the first one-token step
         unknown = [n for n, c in native.named_children()
                    if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
         if unknown:
@@ -113,7 +115,15 @@ class BlockAdapter:
         """x [T, H] -> router logits [T, E], top-k weights [T, k], top-k ids [T, k]."""
         # The router's forward straight from the module table: no hooks are registered on it, and
         # this runs once per layer in every decode step.
-        logits, weights, ids = block._modules[self.router].forward(x)
+        router = block._modules[self.router]
+        if x.shape[0] == 1:  # a one-token step: the native router where it applies (engine/native/router.py)
+            if self._native_router is None:
+                self._native_router = NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+            if self._native_router:
+                fast = self._native_router(x)
+                if fast is not None:
+                    return fast
+        logits, weights, ids = router.forward(x)
         return logits, weights, ids
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:

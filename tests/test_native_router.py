@@ -1,0 +1,44 @@
+"""The native softmax top-k router (engine/native/router.py) returns what transformers' TopKRouter
+returns for one row: the same experts, weights and logits within rounding, in f32 and bf16; other
+routers keep their forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.native.kernels import native
+from engine.native.router import NativeTopKRouter
+from tiny_models import load_reference
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_router_matches_the_routers_forward(tiny_ckpt, arch: str, dtype: torch.dtype) -> None:
+    if native() is None:
+        pytest.skip("no C compiler on this machine: the engine runs torch's router")
+    model = load_reference(tiny_ckpt(arch)).to(dtype)
+    block = model.model.layers[0].mlp
+    router = block.gate
+    assert NativeTopKRouter.supports(router), type(router).__name__
+    fast = NativeTopKRouter(router)
+    with torch.no_grad():  # as the engine runs it
+        g = torch.Generator().manual_seed(3)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        for i in range(50):
+            x = torch.randn(1, router.weight.shape[1], generator=g).to(dtype)
+            got = fast(x)
+            ref = router.forward(x)
+            if i == 0:  # the first call checks itself and returns the router's own result
+                assert fast.verified is True and all(torch.equal(a, b) for a, b in zip(got, ref))
+                continue
+            assert got is not None
+            assert torch.equal(got[2], ref[2]), "different experts"
+            for a, b in zip(got[:2], ref[:2]):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+        assert fast(torch.randn(2, router.weight.shape[1]).to(dtype)) is None  # one row only
+
+
+def test_mixtral_router_keeps_its_forward(tiny_ckpt) -> None:
+    model = load_reference(tiny_ckpt("mixtral"))
+    assert not NativeTopKRouter.supports(model.model.layers[0].mlp.gate)
