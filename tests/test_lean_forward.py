@@ -8,14 +8,16 @@ import torch
 from transformers import DynamicCache
 
 from engine.config import EngineConfig
+from engine.native.kernels import NativeKernels
 from engine.worker.lean_forward import LEAN_MODEL_TYPES, LeanForward
 from engine.worker.loader import load_model
 from engine.worker.packed_batch import packed_forward
 
 
 def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """Three packed steps for three requests: (windows, rows kept). Step 0 is each request's
-    prompt; then request 0 decodes one token, 1 verifies a window of 4, 2 decodes one."""
+    """Five packed steps for three requests: (windows, rows kept). Step 0 is each request's
+    prompt; then twice request 0 decodes one token, 1 verifies a window of 4, 2 decodes one; then
+    twice all three decode one."""
     g = torch.Generator().manual_seed(7)
     tok = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     prompts = [tok(9), tok(5), tok(12)]
@@ -23,6 +25,8 @@ def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
     for _ in range(2):
         wins = [tok(1), tok(4), tok(1)]
         steps.append((wins, [[0], [0, 1, 2, 3], [0]]))
+    for _ in range(2):  # all three decoding: the attention path of plain decode steps
+        steps.append(([tok(1), tok(1), tok(1)], [[0], [0], [0]]))
     return steps
 
 
@@ -33,9 +37,11 @@ def test_lean_forward_equals_packed_forward(tiny_ckpt, arch: str, dtype: str) ->
     try:
         assert LeanForward.supports(om.model), f"{arch} should take the lean forward"
         lean = LeanForward(om.model)
-        # Each native norm returns its module's own result on its first call (it checks itself
-        # against it, engine/native/layers.py): warm them up so both paths take the same kernels.
-        packed_forward(om.model, [[3, 4, 5]], [0], [DynamicCache(config=om.config)], [[2]], om.device)
+        # Each native norm and router returns its module's own result on its first call (it checks
+        # itself against it, engine/native/): warm them up so both paths take the same kernels.
+        warm = DynamicCache(config=om.config)
+        packed_forward(om.model, [[3, 4, 5]], [0], [warm], [[2]], om.device)
+        packed_forward(om.model, [[6]], [3], [warm], [[0]], om.device)
         ours, ref = [DynamicCache(config=om.config) for _ in range(3)], [DynamicCache(config=om.config) for _ in range(3)]
         starts = [0, 0, 0]
         for windows, keep in _steps(om.config.vocab_size):
@@ -46,6 +52,36 @@ def test_lean_forward_equals_packed_forward(tiny_ckpt, arch: str, dtype: str) ->
             for c, r in zip(ours, ref):
                 assert torch.equal(c.layers[0].keys, r.layers[0].keys)
             starts = [s + len(w) for s, w in zip(starts, windows)]
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: str) -> None:
+    """One request decoding token by token: the path of the native q/k norm + rotary call."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype=dtype))
+    try:
+        fused = [0]
+        original = NativeKernels.qk_norm_rope
+
+        def counted(self, *args):  # noqa: ANN001, ANN202
+            fused[0] += 1
+            return original(self, *args)
+
+        monkeypatch.setattr(NativeKernels, "qk_norm_rope", counted)
+        lean = LeanForward(om.model)
+        warm = DynamicCache(config=om.config)  # the norms' and the router's first calls (see above)
+        packed_forward(om.model, [[3, 4, 5]], [0], [warm], [[2]], om.device)
+        packed_forward(om.model, [[6]], [3], [warm], [[0]], om.device)
+        ours, ref = DynamicCache(config=om.config), DynamicCache(config=om.config)
+        window, start = [5, 9, 11, 7, 6, 3], 0
+        for step in range(6):
+            got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
+            want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]
+            assert torch.equal(got, want), f"step {step}: max |Δ| {(got - want).abs().max().item()}"
+            start += len(window)
+            window = [int(got.argmax())]
+        assert fused[0] == 5 * om.config.num_hidden_layers, "the decode steps should take the fused q/k call"
     finally:
         om.close()
 

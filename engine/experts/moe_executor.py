@@ -95,6 +95,7 @@ class MoeExecutor:
         """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
+        weight_rows = weights.tolist()
         logit_rows = logits.tolist() if self.policy.needs_logits else None
         if self.settle_background:
             self.transfers.settle(layer)
@@ -103,7 +104,7 @@ class MoeExecutor:
             # Plan and pin under the store lock: no thread can evict an expert between the
             # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.
             with self.store.lock:
-                plan = self.policy.plan(layer, ids_list, weights.tolist(), lambda e: self.store.is_resident(layer * E + e), logit_rows)
+                plan = self.policy.plan(layer, ids_list, weight_rows, lambda e: self.store.is_resident(layer * E + e), logit_rows)
                 fetch = set(plan.fetch)
                 needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
                 ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
@@ -117,7 +118,7 @@ class MoeExecutor:
             on_cpu = self._cpu_split(layer, plan, ready, to_load) if self.cpu is not None and to_load else []
             try:
                 out = self._run_plan(layer, x, ids, weights, ids_list, plan, lease, ready,
-                                     [e for e in to_load if e not in on_cpu], on_cpu)
+                                     [e for e in to_load if e not in on_cpu], on_cpu, weight_rows)
             except ExpertLoadError as err:
                 # Which rows needed the expert that failed: the runner fails only their requests.
                 err.rows = sorted({t for t, row in enumerate(plan.experts) if err.expert in row})
@@ -156,17 +157,19 @@ class MoeExecutor:
         return choose_tau([rows[e] for e in ranked], costs, self.store.free_or_evictable(), tau_min)
 
     def _run_plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan,
-                  lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int]) -> torch.Tensor:
+                  lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int],
+                  weight_rows: list[list[float]]) -> torch.Tensor:
         E = self.num_experts
         if plan.experts is not ids_list:
             ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
         if plan.weights is not None:
             weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
+            weight_rows = weights.tolist()  # as rounded to the weights' dtype
 
         T, k = ids.shape
         alive = [e for e in plan.experts[0] if e != DROPPED]
         if T == 1 and len(set(alive)) == len(alive):
-            return self._run_single_row(layer, x, plan.experts[0], weights[0], lease, ready, to_load, on_cpu)
+            return self._run_single_row(layer, x, plan.experts[0], weights, lease, ready, to_load, on_cpu, weight_rows[0])
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -225,9 +228,12 @@ class MoeExecutor:
         contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)
 
     def _run_single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
-                        lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int]) -> torch.Tensor:
+                        lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int],
+                        w_list: list[float]) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. The same summation order as the general path; on the
-        CPU the experts run through the native kernels (engine/experts/native_moe.py)."""
+        CPU the experts run through the native kernels (engine/experts/native_moe.py). weights: [1, k]
+        (indexed only off the native path: each torch call here runs with a cache the previous
+        layer's experts have just flushed); w_list: its row as floats."""
         slot_of = {e: j for j, e in enumerate(experts) if e != DROPPED}
         if not to_load and not on_cpu and self.meter is None:
             # Every expert resident (cache 1.0, or all hits): nothing to interleave with loads, so
@@ -235,19 +241,19 @@ class MoeExecutor:
             # `ready` is in ascending expert order, transformers' summation order.
             E = self.num_experts
             if self._native is not None and ready and self._native.accepts(x):
-                w_list = weights.tolist()
                 return self._native.run(x, [self._pointers[self.store.slot_index(layer * E + e)] for e in ready],
                                         [w_list[slot_of[e]] for e in ready])
-            w = weights.unbind(0)
+            w = weights[0].unbind(0)
             out: torch.Tensor | None = None
             for e in ready:
                 y = (self._expert(layer * E + e, x) * w[slot_of[e]]).to(x.dtype)
                 out = y if out is None else out.add_(y)
             return out if out is not None else torch.zeros_like(x)  # every expert dropped by the policy
         results: dict[int, torch.Tensor] = {}
+        row = weights[0]
 
         def finish(e: int, y: torch.Tensor) -> None:
-            results[e] = (y * weights[slot_of[e]]).to(y.dtype)
+            results[e] = (y * row[slot_of[e]]).to(y.dtype)
 
         self._run_experts(layer, lease, ready, to_load, lambda e: x, finish, on_cpu)
         ordered = [results[e] for e in sorted(results)]

@@ -579,3 +579,14 @@ int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, i
     }
     return 0;
 }
+
+/* A decode step's per-head q and k norms, then their rotary embedding, in place, in one call: the
+ * same arithmetic as rmsnorm (weights qw, kw: [d]) followed by rope, with q [rows, hq, d] and k
+ * [rows, hk, d]. */
+void qk_norm_rope(void *q, void *k, int xtype, int64_t rows, int64_t hq, int64_t hk, int64_t d, const void *qw,
+                  const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin) {
+    rmsnorm(q, xtype, rows * hq, d, qw, wtype, q_eps, q); /* row by row: each row is read before it is written */
+    rmsnorm(k, xtype, rows * hk, d, kw, wtype, k_eps, k);
+    rope(q, xtype, rows, hq, d, rot, cos, sin);
+    rope(k, xtype, rows, hk, d, rot, cos, sin);
+}

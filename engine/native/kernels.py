@@ -41,6 +41,8 @@ class NativeKernels:
         lib.rmsnorm.restype = None
         lib.rope.argtypes = [_P, _INT, _I64, _I64, _I64, _I64, _P, _P]
         lib.rope.restype = None
+        lib.qk_norm_rope.argtypes = [_P, _P, _INT, _I64, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P]
+        lib.qk_norm_rope.restype = None
         lib.router_topk.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _INT, _P, _P, _P, _P, _INT]
         lib.router_topk.restype = _INT
         lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
@@ -119,6 +121,14 @@ class NativeKernels:
         rot = cos.shape[-1]
         self.lib.rope(x.data_ptr(), X_CODES[x.dtype], x.numel() // (heads * d), heads, d, rot, cos.data_ptr(), sin.data_ptr())
         return x
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     q_eps: float, k_eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """rmsnorm of every head of q [..., rows, hq, d] and k [..., rows, hk, d] (weights [d]), then rope,
+        in place: the same arithmetic as rmsnorm() and rope() one after the other, in one call."""
+        hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
+        self.lib.qk_norm_rope(q.data_ptr(), k.data_ptr(), X_CODES[q.dtype], q.numel() // (hq * d), hq, hk, d, q_weight.data_ptr(),
+                              k_weight.data_ptr(), W_CODES[q_weight.dtype], q_eps, k_eps, cos.shape[-1], cos.data_ptr(), sin.data_ptr())
 
     def router_topk(self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A softmax top-k router for one row x [1, H] with weight w [E, H] (both f32 or both bf16,

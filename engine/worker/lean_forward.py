@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.native.kernels import X_CODES, native
+from engine.native.kernels import MAX_ROWS, X_CODES, native
+from engine.native.layers import NativeRMSNorm
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
 
 # Checked against each architecture's modeling code (decoder layer and attention forward) in
@@ -93,9 +94,12 @@ class LeanForward:
         q = layer.q_proj.forward(h).view(shape)
         k = layer.k_proj.forward(h).view(shape)
         v = layer.v_proj.forward(h).view(shape).transpose(1, 2)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm.forward(q), layer.k_norm.forward(k)
-        q, k = self._rotate(q, k, *cos_sin)
+        if layer.q_norm is not None and self._fused_qk(layer, q, k, *cos_sin):
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            if layer.q_norm is not None:
+                q, k = layer.q_norm.forward(q), layer.k_norm.forward(k)
+            q, k = self._rotate(q, k, *cos_sin)
         if decode:
             out = self._decode_attention(att, q, k, v, batch)
         else:
@@ -103,13 +107,31 @@ class LeanForward:
             out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
         return layer.o_proj.forward(out.reshape(*h.shape[:-1], -1).contiguous())
 
+    def _fused_qk(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """q/k norms and rotary in one native call, in place, where each norm would itself have run
+        the native kernel (a verified NativeRMSNorm, few rows) and the rotary kernel applies: the
+        same arithmetic as the two steps apart. Returns whether it ran."""
+        qn, kn = layer.q_norm.forward, layer.k_norm.forward
+        if not (isinstance(qn, NativeRMSNorm) and isinstance(kn, NativeRMSNorm) and qn.verified and kn.verified):
+            return False
+        d = q.shape[-1]
+        if (self.kernels is None or q.numel() > MAX_ROWS * d or k.numel() > MAX_ROWS * d or not self._rope_ok(q, k, cos, sin)
+                or qn.module.weight.dtype != q.dtype or kn.module.weight.dtype != q.dtype):
+            return False
+        self.kernels.qk_norm_rope(q, k, qn.module.weight, kn.module.weight, qn.eps, kn.eps, cos, sin)
+        return True
+
+    def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the native rotary kernel takes these tensors (CPU, contiguous, one float dtype, even rot <= d)."""
+        return (self.kernels is not None and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in X_CODES
+                and q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+                and q.device.type == "cpu" and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= min(q.shape[-1], 1024))
+
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k [1, N, heads, d] -> rotated [1, heads, N, d]: the native kernel in place where it takes
         them (same rounding as torch's elementwise ops), else the architecture's own function."""
         kernels = self.kernels
-        if (kernels is not None and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in X_CODES
-                and q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-                and q.device.type == "cpu" and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= min(q.shape[-1], 1024)):
+        if kernels is not None and self._rope_ok(q, k, cos, sin):
             return kernels.rope(q, cos, sin).transpose(1, 2), kernels.rope(k, cos, sin).transpose(1, 2)
         return self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
