@@ -20,7 +20,7 @@ def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
     twice all three decode one."""
     g = torch.Generator().manual_seed(7)
     tok = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
-    prompts = [tok(9), tok(5), tok(12)]
+    prompts = [tok(9), tok(5), tok(260)]  # the third past the first rotary table (256 positions)
     steps = [(prompts, [[len(p) - 1] for p in prompts])]
     for _ in range(2):
         wins = [tok(1), tok(4), tok(1)]

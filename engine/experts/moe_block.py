@@ -30,7 +30,7 @@ class OffloadedMoeBlock(nn.Module):
         logits, weights, ids = self.adapter.route(self, x)  # [T, E], [T, k], [T, k]
         # Policies, traces and predictors read slot 0 as the first choice. Softmax routers return their
         # top-k sorted; DeepSeek-V3-style routers (glm4_moe, deepseek_v3) take topk(sorted=False), so sort here.
-        if not _sorted_row(weights):
+        if not self.adapter.sorted_topk and not _sorted_row(weights):
             order = torch.argsort(weights, dim=1, descending=True, stable=True)
             weights, ids = weights.gather(1, order), ids.gather(1, order)
         self.bus.publish(self.layer, x, logits, ids, weights)

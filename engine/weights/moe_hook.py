@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
-from engine.native.router import NativeTopKRouter
+from engine.native.router import ROUTER_CLASSES, NativeTopKRouter
 
 # Dense parts of a sparse block that the generic adapter knows how to combine.
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
@@ -92,6 +92,9 @@ class BlockAdapter:
         self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
         self._logits_dtype = torch.float32  # the dtype the router computes its logits in, when linear
         self._native_router: NativeTopKRouter | bool | None = None  # decided on the first one-token step
+        # Routers that return their top-k in descending order (torch.topk's default, and the native router
+        # standing in for them): the block need not sort them again.
+        self.sorted_topk = type(getattr(native, self.router)).__name__ in ROUTER_CLASSES
         unknown = [n for n, c in native.named_children()
                    if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
         if unknown:

@@ -65,6 +65,10 @@ class LeanForward:
         # The architecture's own rotary function (glm4_moe rotates only part of each head).
         self.rotate: Callable = sys.modules[type(self.layers[0].att).__module__].apply_rotary_pos_emb
         self.kernels = native() if self.inner.embed_tokens.weight.device.type == "cpu" else None  # rotary in C
+        # cos/sin of positions 0..P-1, computed once by the model's own rotary module and sliced per step.
+        # Only for the default rope type, whose frequencies never change (dynamic scalings recompute them).
+        self._table_ok = getattr(self.inner.rotary_emb, "rope_type", None) == "default"
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def __call__(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
@@ -76,7 +80,7 @@ class LeanForward:
         rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], device=device)
         inner = self.inner
         x = inner.embed_tokens.forward(ids)  # [1, N, H]
-        cos_sin = inner.rotary_emb.forward(x, positions(batch, starts, device))
+        cos_sin = self._rotary(x, batch, starts, device)
         for layer in self.layers:
             h = layer.in_norm.forward(x)
             x = x + self._attention(layer, h, cos_sin, cache, batch, decode)
@@ -85,6 +89,23 @@ class LeanForward:
         x = inner.norm.forward(x)
         logits = self.model.lm_head.forward(x[:, rows])[0]  # [R, V]
         return list(torch.split(logits, [len(k) for k in keep]))
+
+    def _rotary(self, x: torch.Tensor, batch: PackedBatch, starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [1, N, rot] of every packed row's position, as the model's rotary module returns
+        them: each position's angles are one product and one cos/sin apart, so a row of a table made
+        once equals the module's result for that position alone (tests/test_lean_forward.py)."""
+        if not self._table_ok:
+            return self.inner.rotary_emb.forward(x, positions(batch, starts, device))
+        end = max(s + n for s, n in zip(starts, batch.lengths))
+        if self._table is None or self._table[0].shape[1] < end or self._table[0].dtype != x.dtype:
+            size = max(256, 1 << (end - 1).bit_length())
+            self._table = self.inner.rotary_emb.forward(x, torch.arange(size, device=device)[None])
+        cos, sin = self._table
+        if len(starts) == 1:  # one request: a slice (a view), no index tensor
+            s, n = starts[0], batch.lengths[0]
+            return cos[:, s : s + n], sin[:, s : s + n]
+        pos = positions(batch, starts, device)[0]
+        return cos[:, pos], sin[:, pos]
 
     def _attention(self, layer: _LeanLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    cache: PackedCache, batch: PackedBatch, decode: bool) -> torch.Tensor:
