@@ -58,17 +58,19 @@ def test_lean_forward_equals_packed_forward(tiny_ckpt, arch: str, dtype: str) ->
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: str) -> None:
-    """One request decoding token by token: the path of the native q/k norm + rotary call."""
+    """One request decoding token by token: the path of the fused native calls (q/k norm + rotary,
+    residual add + norm)."""
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype=dtype))
     try:
-        fused = [0]
-        original = NativeKernels.qk_norm_rope
+        calls = {"qk_norm_rope": 0, "add_rmsnorm": 0}
+        for name in calls:
+            original = getattr(NativeKernels, name)
 
-        def counted(self, *args):  # noqa: ANN001, ANN202
-            fused[0] += 1
-            return original(self, *args)
+            def counted(self, *args, _name=name, _original=original):  # noqa: ANN001, ANN202
+                calls[_name] += 1
+                return _original(self, *args)
 
-        monkeypatch.setattr(NativeKernels, "qk_norm_rope", counted)
+            monkeypatch.setattr(NativeKernels, name, counted)
         lean = LeanForward(om.model)
         warm = DynamicCache(config=om.config)  # the norms' and the router's first calls (see above)
         packed_forward(om.model, [[3, 4, 5]], [0], [warm], [[2]], om.device)
@@ -81,7 +83,9 @@ def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: s
             assert torch.equal(got, want), f"step {step}: max |Δ| {(got - want).abs().max().item()}"
             start += len(window)
             window = [int(got.argmax())]
-        assert fused[0] == 5 * om.config.num_hidden_layers, "the decode steps should take the fused q/k call"
+        layers = om.config.num_hidden_layers
+        assert calls["qk_norm_rope"] == 5 * layers, "the decode steps should take the fused q/k call"
+        assert calls["add_rmsnorm"] == 6 * 2 * layers, "and the fused residual add + norm (the 6-row prompt too)"
     finally:
         om.close()
 

@@ -590,3 +590,15 @@ void qk_norm_rope(void *q, void *k, int xtype, int64_t rows, int64_t hq, int64_t
     rope(q, xtype, rows, hq, d, rot, cos, sin);
     rope(k, xtype, rows, hk, d, rot, cos, sin);
 }
+
+/* A residual add and the next RMSNorm in one call: sum = x + a (rounded to the activation dtype, as
+ * torch's add rounds it), then rmsnorm(sum) into `normed`, the same arithmetic as the two apart. */
+void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps,
+                 void *sum, void *normed) {
+    int64_t total = rows * n;
+    for (int64_t i = 0; i < total; i++) {
+        if (xtype == X_F32) ((float *)sum)[i] = ((const float *)x)[i] + ((const float *)a)[i];
+        else ((uint16_t *)sum)[i] = f32_to_bf16(bf16_to_f32(((const uint16_t *)x)[i]) + bf16_to_f32(((const uint16_t *)a)[i]));
+    }
+    rmsnorm(sum, xtype, rows, n, w, wtype, eps, normed);
+}

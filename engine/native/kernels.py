@@ -43,6 +43,8 @@ class NativeKernels:
         lib.rope.restype = None
         lib.qk_norm_rope.argtypes = [_P, _P, _INT, _I64, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P]
         lib.qk_norm_rope.restype = None
+        lib.add_rmsnorm.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P, _P]
+        lib.add_rmsnorm.restype = None
         lib.router_topk.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _INT, _P, _P, _P, _P, _INT]
         lib.router_topk.restype = _INT
         lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
@@ -129,6 +131,15 @@ class NativeKernels:
         hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
         self.lib.qk_norm_rope(q.data_ptr(), k.data_ptr(), X_CODES[q.dtype], q.numel() // (hq * d), hq, hk, d, q_weight.data_ptr(),
                               k_weight.data_ptr(), W_CODES[q_weight.dtype], q_eps, k_eps, cos.shape[-1], cos.data_ptr(), sin.data_ptr())
+
+    def add_rmsnorm(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, rmsnorm(x + a)) for x, a [..., n] of one dtype (contiguous), in one call: the same
+        arithmetic as torch's add followed by rmsnorm()."""
+        total, normed = torch.empty_like(x), torch.empty_like(x)
+        n = x.shape[-1]
+        self.lib.add_rmsnorm(x.data_ptr(), a.data_ptr(), X_CODES[x.dtype], x.numel() // n, n, weight.data_ptr(), W_CODES[weight.dtype],
+                             eps, total.data_ptr(), normed.data_ptr())
+        return total, normed
 
     def router_topk(self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A softmax top-k router for one row x [1, H] with weight w [E, H] (both f32 or both bf16,

@@ -81,12 +81,12 @@ class LeanForward:
         inner = self.inner
         x = inner.embed_tokens.forward(ids)  # [1, N, H]
         cos_sin = self._rotary(x, batch, starts, device)
-        for layer in self.layers:
-            h = layer.in_norm.forward(x)
-            x = x + self._attention(layer, h, cos_sin, cache, batch, decode)
-            h = layer.post_norm.forward(x)
-            x = x + layer.mlp.forward(h)
-        x = inner.norm.forward(x)
+        h = self.layers[0].in_norm.forward(x)
+        for i, layer in enumerate(self.layers):
+            x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
+            nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
+            x, h = self._add_norm(x, layer.mlp.forward(h), nxt)
+        x = h  # the final norm's output
         logits = self.model.lm_head.forward(x[:, rows])[0]  # [R, V]
         return list(torch.split(logits, [len(k) for k in keep]))
 
@@ -127,6 +127,18 @@ class LeanForward:
             k, v = cache.update(k, v, att.layer_idx)
             out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
         return layer.o_proj.forward(out.reshape(*h.shape[:-1], -1).contiguous())
+
+    def _add_norm(self, x: torch.Tensor, a: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
+        would itself run the native kernel (a verified NativeRMSNorm, few rows); the same arithmetic."""
+        fn = norm.forward
+        w = norm.weight if isinstance(fn, NativeRMSNorm) else None
+        if (w is None or not fn.verified or self.kernels is None or x.dtype != a.dtype or x.dtype != w.dtype
+                or x.dtype not in X_CODES or x.numel() > MAX_ROWS * x.shape[-1] or w.shape != x.shape[-1:]
+                or not x.is_contiguous() or not a.is_contiguous() or a.shape != x.shape):
+            x = x + a
+            return x, fn(x)
+        return self.kernels.add_rmsnorm(x, a, w, fn.eps)
 
     def _fused_qk(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """q/k norms and rotary in one native call, in place, where each norm would itself have run
