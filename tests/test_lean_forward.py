@@ -17,7 +17,7 @@ from engine.worker.packed_batch import packed_forward
 def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
     """Five packed steps for three requests: (windows, rows kept). Step 0 is each request's
     prompt; then twice request 0 decodes one token, 1 verifies a window of 4, 2 decodes one; then
-    twice all three decode one."""
+    twice all three decode one; then one of them is a chunk of prompt whose logits nobody needs."""
     g = torch.Generator().manual_seed(7)
     tok = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     prompts = [tok(9), tok(5), tok(260)]  # the third past the first rotary table (256 positions)
@@ -27,6 +27,7 @@ def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
         steps.append((wins, [[0], [0, 1, 2, 3], [0]]))
     for _ in range(2):  # all three decoding: the attention path of plain decode steps
         steps.append(([tok(1), tok(1), tok(1)], [[0], [0], [0]]))
+    steps.append(([tok(3), tok(2), tok(1)], [[], [1], [0]]))  # a prefill chunk whose logits nobody needs
     return steps
 
 
@@ -94,5 +95,17 @@ def test_other_architectures_keep_transformers_forward(tiny_ckpt) -> None:
     om = load_model(tiny_ckpt("mixtral"), EngineConfig())
     try:
         assert not LeanForward.supports(om.model)
+    finally:
+        om.close()
+
+
+def test_lean_single_request_without_rows(tiny_ckpt) -> None:
+    """A prompt chunk that keeps no logits (chunked prefill): an empty result, the cache filled."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0))
+    try:
+        cache = DynamicCache(config=om.config)
+        out = LeanForward(om.model)([[5, 6, 7]], [0], [cache], [[]], om.device)
+        assert len(out) == 1 and out[0].shape == (0, om.config.vocab_size)
+        assert cache.get_seq_length() == 3
     finally:
         om.close()

@@ -26,7 +26,20 @@ class OffloadedMoeBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, S, H = hidden_states.shape
-        x = hidden_states.reshape(-1, H)  # [T, H]
+        out, logits, weights = self._rows(hidden_states.reshape(-1, H))
+        return self.adapter.output(out.reshape(B, S, H), logits, weights)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H], for callers that keep hidden states as rows (engine/worker/lean_forward.py);
+        only where the architecture returns the block's output as it is (`plain_output`)."""
+        return self._rows(x)[0]
+
+    @property
+    def plain_output(self) -> bool:
+        return type(self.adapter).output is BlockAdapter.output
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (the block's output rows [T, H], router logits [T, E], top-k weights [T, k])."""
         logits, weights, ids = self.adapter.route(self, x)  # [T, E], [T, k], [T, k]
         # Policies, traces and predictors read slot 0 as the first choice. Softmax routers return their
         # top-k sorted; DeepSeek-V3-style routers (glm4_moe, deepseek_v3) take topk(sorted=False), so sort here.
@@ -39,7 +52,7 @@ class OffloadedMoeBlock(nn.Module):
         shared = self.adapter.dense(self, x)
         if shared is not None:
             out = out + shared
-        return self.adapter.output(out.reshape(B, S, H), logits, weights)
+        return out, logits, weights
 
 
 def _sorted_row(weights: torch.Tensor) -> bool:

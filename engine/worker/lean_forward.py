@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import MAX_ROWS, X_CODES, native
 from engine.native.layers import NativeRMSNorm
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
@@ -76,19 +77,33 @@ class LeanForward:
         batch = PackedBatch(caches, [len(w) for w in windows])
         cache = PackedCache(batch)
         decode = all(n == 1 for n in batch.lengths)  # plain decodes: attention without the packed bookkeeping
-        ids = torch.tensor([[t for w in windows for t in w]], device=device)  # [1, N]
-        rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], device=device)
+        ids = torch.tensor([t for w in windows for t in w], device=device)  # [N]
         inner = self.inner
-        x = inner.embed_tokens.forward(ids)  # [1, N, H]
+        # Hidden states stay rows [N, H] (transformers' [1, N, H] less the batch dimension: every sublayer
+        # here is row-wise), which saves the MoE blocks' reshapes.
+        x = inner.embed_tokens.forward(ids)  # [N, H]
         cos_sin = self._rotary(x, batch, starts, device)
         h = self.layers[0].in_norm.forward(x)
         for i, layer in enumerate(self.layers):
             x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
-            x, h = self._add_norm(x, layer.mlp.forward(h), nxt)
-        x = h  # the final norm's output
-        logits = self.model.lm_head.forward(x[:, rows])[0]  # [R, V]
+            x, h = self._add_norm(x, self._mlp(layer.mlp, h), nxt)
+        # h: the final norm's output
+        if len(keep) == 1 and keep[0] and keep[0] == list(range(keep[0][0], keep[0][0] + len(keep[0]))):
+            k0 = keep[0][0]  # one request, consecutive rows (a decode, a prompt's last row): a slice
+            return [self.model.lm_head.forward(h[k0 : k0 + len(keep[0])])]
+        rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], dtype=torch.long, device=device)
+        logits = self.model.lm_head.forward(h[rows])  # [R, V]
         return list(torch.split(logits, [len(k) for k in keep]))
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The layer's MoE block or dense MLP on rows h [N, H]."""
+        if not isinstance(mlp, OffloadedMoeBlock):
+            return mlp.forward(h)  # dense MLPs are row-wise whatever the shape
+        if "forward" in mlp.__dict__ or not mlp.plain_output:  # a wrapped forward (a benchmark's timer) or a tuple output
+            return mlp.forward(h[None])[0]
+        return mlp.forward_rows(h)
 
     def _rotary(self, x: torch.Tensor, batch: PackedBatch, starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [1, N, rot] of every packed row's position, as the model's rotary module returns
@@ -111,7 +126,7 @@ class LeanForward:
                    cache: PackedCache, batch: PackedBatch, decode: bool) -> torch.Tensor:
         """The attention module's forward (see the module docstring) with its inputs already known."""
         att = layer.att
-        shape = (*h.shape[:-1], -1, att.head_dim)
+        shape = (1, h.shape[0], -1, att.head_dim)  # [1, N, heads, d], as transformers' attention views them
         q = layer.q_proj.forward(h).view(shape)
         k = layer.k_proj.forward(h).view(shape)
         v = layer.v_proj.forward(h).view(shape).transpose(1, 2)
@@ -126,7 +141,7 @@ class LeanForward:
         else:
             k, v = cache.update(k, v, att.layer_idx)
             out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
-        return layer.o_proj.forward(out.reshape(*h.shape[:-1], -1).contiguous())
+        return layer.o_proj.forward(out.reshape(h.shape[0], -1).contiguous())
 
     def _add_norm(self, x: torch.Tensor, a: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
