@@ -8,7 +8,9 @@ kwargs plumbing, decorators, mask creation (skipped for the packed layout anyway
 `forward`: the native norms and linears, the architecture's own rotary function, the offloaded
 MoE block) in the same order, with the packed attention of engine/worker/packed_batch.py, so its
 logits are the packed forward's bit for bit (tests/test_lean_forward.py); it only drops the
-layers of Python in between.
+layers of Python in between. Where neighbouring steps would each run a native kernel anyway, one
+native call does both with the same arithmetic (the per-head q/k norms and the rotary embedding;
+a residual add and the next norm), and a plain decode step attends without the packed bookkeeping.
 
 Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
 residual" and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
