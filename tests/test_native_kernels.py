@@ -267,3 +267,29 @@ def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
     assert torch.equal(norm(x), ref(x))
     assert norm.forward.verified is False
     assert torch.equal(norm(x), ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])  # full rotary (qwen3) and half of a 16-wide head (glm4's partial rotary)
+def test_rope_equals_transformers(nk, dtype: torch.dtype, rot: int) -> None:
+    """The rotary kernel rounds each product and sum as torch does: bit-equal to transformers'."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(5)
+    N, hq, hk, d = 3, 4, 2, 16
+    q, k = torch.randn(1, N, hq, d, generator=g).to(dtype), torch.randn(1, N, hk, d, generator=g).to(dtype)
+    ang = torch.rand(1, N, rot // 2, generator=g) * 6.28
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    got_q, got_k = nk.rope(q.clone(), cos, sin).transpose(1, 2), nk.rope(k.clone(), cos, sin).transpose(1, 2)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_equals_add_then_rmsnorm(nk, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    x, a = torch.randn(2, 96, generator=g).to(dtype), torch.randn(2, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    total, normed = nk.add_rmsnorm(x, a, w, 1e-6)
+    assert torch.equal(total, x + a)
+    assert torch.equal(normed, nk.rmsnorm(x + a, w, 1e-6))
