@@ -107,7 +107,10 @@ class MoeExecutor:
                 plan = self.policy.plan(layer, ids_list, weight_rows, lambda e: self.store.is_resident(layer * E + e), logit_rows)
                 fetch = set(plan.fetch)
                 needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
-                ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
+                if plan.experts is ids_list and not fetch:
+                    ready = needed  # the router's own choice, every expert found resident by the plan under this lock
+                else:
+                    ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
                 keys = [layer * E + e for e in ready]
                 lease.pin_all(keys)
                 self.store.touch_all(keys)
