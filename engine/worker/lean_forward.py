@@ -192,6 +192,10 @@ class LeanForward:
         without a mask (integrations/sdpa_attention.py: GQA inside SDPA, not causal), per request.
         q [1, h, B, d], k and v [1, h_kv, B, d]; returns [1, B, h, d]."""
         gqa = att.num_key_value_groups > 1
+        if len(batch.caches) == 1:  # one request: no per-request slices
+            keys, values = batch.caches[0].update(k, v, att.layer_idx)
+            o = F.scaled_dot_product_attention(q, keys, values, dropout_p=0.0, scale=att.scaling, is_causal=False, enable_gqa=gqa)
+            return o.transpose(1, 2).contiguous()
         outs = []
         for r, c in enumerate(batch.caches):
             keys, values = c.update(k[:, :, r : r + 1], v[:, :, r : r + 1], att.layer_idx)
