@@ -258,3 +258,20 @@ def test_embedded_model_batched_equals_solo(offload: str, fraction: float) -> No
         _batched_equals_alone(om)
     finally:
         om.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # transformers' packed forward, and the lean one
+def test_a_prompt_longer_than_the_prefill_budget_runs_in_chunks(tiny_ckpt, arch: str) -> None:
+    """A lone request whose prompt takes several steps: the chunks before the last keep no logits
+    (an empty row list, which once failed the request with an IndexError), and the tokens equal
+    a run with the whole prompt in one step."""
+    om = load_model(tiny_ckpt(arch), EngineConfig())
+    try:
+        prompt = _prompts(om.config.vocab_size, [20])[0]
+        whole = generate(om, prompt, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+        core = EngineCore.for_model(om, CoreLimits(max_running=1, prefill_token_budget=8, max_model_len=1024))
+        chunked = complete(core, [request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])[0]
+        assert chunked.error is None, chunked.error
+        assert chunked.token_ids == whole
+    finally:
+        om.close()

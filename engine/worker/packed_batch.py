@@ -152,5 +152,6 @@ def packed_forward(model: PreTrainedModel, windows: list[list[int]], starts: lis
     ids = torch.tensor([[t for w in windows for t in w]], device=device)  # [1, N]
     rows = [s + i for (s, _), k in zip(batch.spans, keep) for i in k]
     logits = model(input_ids=ids, position_ids=positions(batch, starts, device), cache=PackedCache(batch),
-                   use_cache=True, logits_to_keep=torch.tensor(rows, device=device), packed_batch=batch).logits[0]  # [R, V]
+                   use_cache=True, logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),  # long even when empty
+                   packed_batch=batch).logits[0]  # [R, V]
     return list(torch.split(logits, [len(k) for k in keep]))
