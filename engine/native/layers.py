@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native.kernels import MAX_ROWS, X_CODES, bf16_gemv, native
+from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels, bf16_gemv, native
 
 
 class NativeLinear(nn.Linear):
@@ -44,16 +44,22 @@ class NativeRMSNorm:
         self.original: Callable[[torch.Tensor], torch.Tensor] = type(module).forward.__get__(module)
         self.verified: bool | None = None  # None: not yet checked
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def kernels_for(self, x: torch.Tensor) -> NativeKernels | None:
+        """The kernels where this norm runs x natively (few contiguous CPU rows in its weight's dtype, and
+        not found to differ from the module), else None. Also what engine/worker/lean_forward.py asks
+        before fusing this norm with its neighbours."""
         w = self.module.weight
         # The checks of usable(), inline: this runs several times a layer in every decode step.
         if (self.verified is False or x.dtype != w.dtype or x.numel() > MAX_ROWS * x.shape[-1] or w.shape != x.shape[-1:]
                 or x.dtype not in X_CODES or x.device.type != "cpu" or not x.is_contiguous()):
-            return self.original(x)
-        kernels = native()
+            return None
+        return native()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self.kernels_for(x)
         if kernels is None:
             return self.original(x)
-        y = kernels.rmsnorm(x, w, self.eps)
+        y = kernels.rmsnorm(x, self.module.weight, self.eps)
         if self.verified is None:
             ref = self.original(x)
             tol = 1e-5 if x.dtype == torch.float32 else 2 ** -7  # f32 rounding; one bf16 ulp

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.native.kernels import MAX_ROWS, X_CODES, native
+from engine.native.kernels import X_CODES, NativeKernels, native
 from engine.native.layers import NativeRMSNorm
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
 
@@ -149,26 +149,21 @@ class LeanForward:
         """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
         would itself run the native kernel (a verified NativeRMSNorm, few rows); the same arithmetic."""
         fn = norm.forward
-        w = norm.weight if isinstance(fn, NativeRMSNorm) else None
-        if (w is None or not fn.verified or self.kernels is None or x.dtype != a.dtype or x.dtype != w.dtype
-                or x.dtype not in X_CODES or x.numel() > MAX_ROWS * x.shape[-1] or w.shape != x.shape[-1:]
-                or not x.is_contiguous() or not a.is_contiguous() or a.shape != x.shape):
+        kernels = _verified_native(fn, x)
+        if kernels is None or a.dtype != x.dtype or a.shape != x.shape or not a.is_contiguous():
             x = x + a
             return x, fn(x)
-        return self.kernels.add_rmsnorm(x, a, w, fn.eps)
+        return kernels.add_rmsnorm(x, a, fn.module.weight, fn.eps)
 
     def _fused_qk(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """q/k norms and rotary in one native call, in place, where each norm would itself have run
         the native kernel (a verified NativeRMSNorm, few rows) and the rotary kernel applies: the
         same arithmetic as the two steps apart. Returns whether it ran."""
         qn, kn = layer.q_norm.forward, layer.k_norm.forward
-        if not (isinstance(qn, NativeRMSNorm) and isinstance(kn, NativeRMSNorm) and qn.verified and kn.verified):
+        kernels = _verified_native(qn, q)
+        if kernels is None or _verified_native(kn, k) is None or not self._rope_ok(q, k, cos, sin):
             return False
-        d = q.shape[-1]
-        if (self.kernels is None or q.numel() > MAX_ROWS * d or k.numel() > MAX_ROWS * d or not self._rope_ok(q, k, cos, sin)
-                or qn.module.weight.dtype != q.dtype or kn.module.weight.dtype != q.dtype):
-            return False
-        self.kernels.qk_norm_rope(q, k, qn.module.weight, kn.module.weight, qn.eps, kn.eps, cos, sin)
+        kernels.qk_norm_rope(q, k, qn.module.weight, kn.module.weight, qn.eps, kn.eps, cos, sin)
         return True
 
     def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -203,6 +198,14 @@ class LeanForward:
                                                is_causal=False, enable_gqa=gqa)
             outs.append(o.transpose(1, 2))
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
+
+
+def _verified_native(norm_forward: Callable, x: torch.Tensor) -> NativeKernels | None:
+    """The kernels where a norm's forward is a NativeRMSNorm already checked against its module that would
+    run x natively: then fusing it with a neighbouring step keeps its arithmetic."""
+    if isinstance(norm_forward, NativeRMSNorm) and norm_forward.verified:
+        return norm_forward.kernels_for(x)
+    return None
 
 
 class _LeanLayer:
