@@ -31,12 +31,14 @@ from typing import Any, Callable
 
 import torch
 
+from bench.cuda_graphs import attention_graph_figures
 from bench.engine_bench import hf_decode
 from bench.peers import checkpoint
 from bench.report import write_report
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.worker.loader import load_model
+from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 ENGINE_CELLS: dict[str, dict[str, Any]] = {
@@ -89,17 +91,34 @@ def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str
         with torch.cuda.stream(side):
             dst.copy_(pinned, non_blocking=True)
 
+    def copy_alone() -> None:  # the timer's events are on the default stream: make it wait for the copy
+        copy()
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+
     def both() -> None:
         copy()
         matmuls()
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
 
-    t_copy, t_mm, t_both = best(copy), best(matmuls), best(both)
+    t_copy, t_mm, t_both = best(copy_alone), best(matmuls), best(both)
     # On the CPU both run one after the other: there is no overlap to measure.
     overlap = max(0.0, min(1.0, (t_copy + t_mm - t_both) / min(t_copy, t_mm))) if side is not None else float("nan")
     out.update(copy_s=t_copy, matmul_s=t_mm, both_s=t_both, overlap=overlap)
     return out
+
+
+def agreement(hf: torch.nn.Module, om: Any, prompt: list[int], n: int) -> dict[str, float]:
+    """How closely the engine follows transformers on the same device and dtype: the length of the
+    greedy prefix they share (of n tokens), and the largest logit difference over the prompt."""
+    ref = hf_decode(hf, prompt, n)[1][:n]
+    ours = list(generate(om, prompt, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True)).token_ids)[:n]  # as generate(min_new_tokens=n): no EOS
+    prefix = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), min(len(ref), len(ours)))
+    with torch.inference_mode():
+        ref_logits = hf(torch.tensor([prompt], device=hf.device)).logits[0].float()
+    diff = (prompt_logits(om, prompt).float().to(ref_logits.device) - ref_logits).abs().max().item()
+    return {"tokens": float(n), "same_prefix": float(prefix), "max_abs_logit_diff": diff, "logit_scale": ref_logits.abs().max().item()}
 
 
 def main() -> None:
@@ -126,34 +145,40 @@ def main() -> None:
     ckpt = checkpoint(args.work, args.shape)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    graphs = attention_graph_figures(hf, device)
+    print(f"attention sublayer: eager {graphs['eager_s'] * 1e6:.0f} us, CUDA graph {graphs['graph_s'] * 1e6:.0f} us", flush=True)
     engines = {cell: load_model(ckpt, EngineConfig(device=args.device, dtype=args.dtype, **kw)) for cell, kw in ENGINE_CELLS.items()}
     prompt = torch.randint(3, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     cells = ["transformers", *engines]
     res: dict[str, list[float]] = {c: [] for c in cells}
-    tokens: dict[str, list[int]] = {}
     link: dict[str, float] = {}
     for rnd in range(args.rounds + 1):
         for cell in cells:
             if cell == "transformers":
-                tps, toks = hf_decode(hf, prompt, args.tokens)
+                tps = hf_decode(hf, prompt, args.tokens)[0]
             else:
                 om = engines[cell]
                 om.stats.reset()
                 r = generate(om, prompt, SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True))
-                tps, toks = r.decode_tokens_per_s, list(r.token_ids)
+                tps = r.decode_tokens_per_s
                 s = om.stats.snapshot()
                 seconds = sum(s["transfer_seconds"].values())
                 if seconds > 0:  # per transfer: with 2 workers, transfers overlap in time
                     link[cell] = s["bytes_moved"] / seconds / 1e9
-            tokens[cell] = toks
             if rnd:  # round 0 is the warm-up
                 res[cell].append(tps)
         if rnd:
             print(f"round {rnd}: " + ", ".join(f"{c} {res[c][-1]:.1f} tok/s" for c in cells), flush=True)
+    agree = {args.dtype: agreement(hf, engines["engine cache 1.0"], prompt, args.tokens)}
     for om in engines.values():
         om.close()
-
-    same = tokens["engine cache 1.0"][: args.tokens] == tokens["transformers"][: args.tokens]
+    if args.dtype != "float32":  # the exact contract is stated in f32: check it on this device too
+        del hf
+        hf32 = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(device).eval()
+        om32 = load_model(ckpt, EngineConfig(device=args.device, dtype="float32", cache_fraction=1.0))
+        agree["float32"] = agreement(hf32, om32, prompt, args.tokens)
+        om32.close()
+        del hf32
     lines = ["## Transfers", "",
              "| measure | value |", "|---|---|",
              f"| H2D, pinned, 64 MiB copies (the link's peak) | {copies['pinned_gb_s']:.2f} GB/s |",
@@ -167,9 +192,21 @@ def main() -> None:
     for cell in cells:
         ratio = statistics.median(a / b for a, b in zip(res[cell], res["transformers"]))
         lines.append(f"| {cell} | {statistics.median(res[cell]):.1f} | {ratio:.2f}× |")
-    lines += ["", f"Greedy tokens, engine at cache 1.0 against transformers: {'identical' if same else '**different**'}."]
+    lines += ["", "## Agreement with transformers (engine at cache 1.0, same device)", "",
+              "| dtype | greedy tokens shared (prefix) | max abs logit difference on the prompt | largest logit |", "|---|---|---|---|"]
+    for dt, a in agree.items():
+        lines.append(f"| {dt} | {a['same_prefix']:.0f} of {a['tokens']:.0f} | {a['max_abs_logit_diff']:.2e} | {a['logit_scale']:.2f} |")
+    # What graphs could save: the attention sublayer's launch overhead, in every layer, of one token's time.
+    token_s = 1.0 / statistics.median(res["engine cache 1.0"])
+    saved = (graphs["eager_s"] - graphs["graph_s"]) * graphs["layers"]
+    lines += ["", "## CUDA graphs for the dense part (bench/cuda_graphs.py)", "",
+              "| measure | value |", "|---|---|",
+              f"| layer 0's attention sublayer, one decode token, eager | {graphs['eager_s'] * 1e6:.1f} µs |",
+              f"| the same replayed as a CUDA graph (static KV of 512) | {graphs['graph_s'] * 1e6:.1f} µs |",
+              f"| saving × {graphs['layers']:.0f} layers, against the engine's {token_s * 1e3:.2f} ms per token at cache 1.0 | "
+              f"{saved * 1e3:.2f} ms ({saved / token_s:.0%}) |"]
     header = f"# GPU check\n\nDevice: {name}; torch {torch.__version__}. Command: `python -m bench.gpu_check` (run by bench/gpu_check.sh)."
-    write_report(args.out, header, lines, {"device": name, "copies": copies, "engine_link_gb_s": link, "rounds": res, "same_tokens": same})
+    write_report(args.out, header, lines, {"device": name, "copies": copies, "attention_graph": graphs, "engine_link_gb_s": link, "rounds": res, "agreement": agree})
 
 
 if __name__ == "__main__":

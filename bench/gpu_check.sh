@@ -28,13 +28,13 @@ status=0
 # 1. CUDA-marked tests: only the files that hold some (the server tests import fastapi, which a GPU image may lack).
 files=$(grep -l "mark.cuda" tests/test_*.py)
 echo "== CUDA tests: $files"
-timeout 100 "$PY" -m pytest -q -m cuda -p no:cacheprovider $files 2>&1 | tee "$LOG" | tail -5 || status=1
+timeout 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider $files 2>&1 | tee "$LOG" | tail -5 || status=1
 # 2. Transfers and decode speed.
 echo "== bench/gpu_check.py"
-timeout 110 "$PY" -m bench.gpu_check --tokens 64 --rounds 2 --out docs/benchmarks/gpu_check.md || status=1
+timeout 150 "$PY" -m bench.gpu_check --tokens 64 --rounds 2 --out docs/benchmarks/gpu_check.md || status=1
 # 3. Speculative decoding and CPU-run experts over PCIe (the host-memory tier).
 echo "== bench/spac_bench.py --settings ram"
-timeout 80 "$PY" -m bench.spac_bench --settings ram --streams 1,8 --rounds 1 --tokens 24 --threads 4 \
+timeout 90 "$PY" -m bench.spac_bench --settings ram --streams 1,8 --rounds 1 --tokens 24 --threads 4 \
   --device cuda --out docs/benchmarks/gpu_spac.md || status=1
 if [ -n "${OUT:-}" ]; then
   cp docs/benchmarks/gpu_check.md docs/benchmarks/gpu_check.json docs/benchmarks/gpu_spac.md docs/benchmarks/gpu_spac.json "$OUT"/ 2>/dev/null
