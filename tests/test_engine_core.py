@@ -55,7 +55,7 @@ def test_batched_step_loads_each_expert_once(tiny_ckpt) -> None:
     try:
         loads: list[tuple[int, int]] = []
         fetch = om.transfers.tier._fetch
-        om.transfers.tier._fetch = lambda layer, e: (loads.append((layer, e)), fetch(layer, e))[1]  # type: ignore[method-assign]
+        om.transfers.tier._fetch = lambda layer, e, into=None: (loads.append((layer, e)), fetch(layer, e, into))[1]  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
         for p in _prompts(om.config.vocab_size, [1] * 8):
             core.add(request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -124,11 +124,11 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
         fetch = om.transfers.tier._fetch
         bad = {"key": None}
 
-        def flaky(layer: int, e: int) -> torch.Tensor:
+        def flaky(layer: int, e: int, into: torch.Tensor | None = None) -> torch.Tensor:
             if bad["key"] is None:
                 bad["key"] = (layer, e)  # the first expert read of the run fails once
                 raise OSError(errno.EIO, "Input/output error (injected)")
-            return fetch(layer, e)
+            return fetch(layer, e, into)
 
         om.transfers.tier._fetch = flaky  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))

@@ -250,9 +250,9 @@ def test_utility_prefetch_waits_for_an_idle_transfer_worker(tiny_ckpt) -> None:
     gate = threading.Event()
     fetch = om.transfers.tier._fetch
 
-    def slow(layer: int, e: int):
+    def slow(layer: int, e: int, into=None):
         gate.wait(10)
-        return fetch(layer, e)
+        return fetch(layer, e, into)
 
     om.transfers.tier._fetch = slow  # type: ignore[method-assign]
     try:
@@ -276,10 +276,10 @@ def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -
     try:
         fetch = om.transfers.tier._fetch
 
-        def flaky(layer: int, e: int):
+        def flaky(layer: int, e: int, into=None):
             if e == 1:
                 raise OSError(5, "injected read error")
-            return fetch(layer, e)
+            return fetch(layer, e, into)
 
         om.transfers.tier._fetch = flaky  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=256))

@@ -27,7 +27,7 @@ class FakeTier:
         self.delay = delay
         self.fail_on: set[tuple[int, int]] = set()
 
-    def fetch(self, layer: int, expert: int) -> tuple[torch.Tensor, int]:
+    def fetch(self, layer: int, expert: int, into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         self.gate.wait()
         time.sleep(self.delay)
         self.calls.append((layer, expert))

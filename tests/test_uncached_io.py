@@ -53,11 +53,22 @@ def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_c
             for e in range(om.num_experts):
                 assert _one_span(tier.locator.segments(layer, e)) is not None  # save_pretrained stores an expert's tensors together
                 calls.clear()
-                fetched[(layer, e)] = tier._fetch(layer, e)
+                fetched[(layer, e)] = tier._fetch(layer, e, None)
                 assert len(calls) == 1
         # Checked after every fetch is done: no result may still point into the reused buffer.
         for (layer, e), got in fetched.items():
             want = _pack([tier._read(s) for s in tier.locator.segments(layer, e)])
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        # Into a slot: the expert is assembled there (one copy from the read buffer), same bytes.
+        layer, e = om.moe_layers[-1], om.num_experts - 1
+        want = fetched[(layer, e)]
+        slot = torch.full_like(want, float("nan"))
+        got, nbytes = tier.fetch(layer, e, into=slot)
+        assert got is slot and nbytes == tier.expert_nbytes(layer, e)
+        assert torch.equal(slot.view(torch.uint8), want.view(torch.uint8))
+        # A slot of another dtype (a conversion) cannot take the raw bytes: a buffer of its own comes back.
+        other = torch.zeros(want.numel(), dtype=torch.float64)
+        got, _ = tier.fetch(layer, e, into=other)
+        assert got is not other and torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and not other.any()
     finally:
         om.close()

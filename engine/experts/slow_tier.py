@@ -24,11 +24,15 @@ class SlowTier(ABC):
         self.locator = locator
         self.link = link
 
-    def fetch(self, layer: int, expert: int) -> tuple[torch.Tensor, int]:
-        """Return (flat host tensor, bytes that crossed the link). Honours the emulated link."""
+    def fetch(self, layer: int, expert: int, into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Return (flat host tensor, bytes that crossed the link). Honours the emulated link.
+
+        `into`: the host slot the expert is headed for. A tier may assemble the expert there and
+        return `into` itself, which saves the caller's copy (the disk tier does when the dtypes
+        match); else it returns its own buffer, as without `into`."""
         nbytes = self.expert_nbytes(layer, expert)
         deadline = self.link.reserve(nbytes) if self.link else None
-        buf = self._fetch(layer, expert)
+        buf = self._fetch(layer, expert, into)
         if deadline is not None:
             EmulatedLink.wait_until(deadline)
         return buf, nbytes
@@ -37,7 +41,7 @@ class SlowTier(ABC):
     def expert_nbytes(self, layer: int, expert: int) -> int: ...
 
     @abstractmethod
-    def _fetch(self, layer: int, expert: int) -> torch.Tensor: ...
+    def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor: ...
 
     def close(self) -> None:
         pass
@@ -70,8 +74,8 @@ class RamTier(SlowTier):
     def expert_nbytes(self, layer: int, expert: int) -> int:
         return self._data.shape[1] * self._data.element_size()
 
-    def _fetch(self, layer: int, expert: int) -> torch.Tensor:
-        return self._data[self.row(layer, expert)]
+    def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor:
+        return self._data[self.row(layer, expert)]  # a view: the caller's copy is the only one
 
 
 class DiskTier(SlowTier):
@@ -86,7 +90,7 @@ class DiskTier(SlowTier):
     def expert_nbytes(self, layer: int, expert: int) -> int:
         return self.locator.nbytes_on_disk(layer, expert)
 
-    def _fetch(self, layer: int, expert: int) -> torch.Tensor:
+    def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor:
         segs = self.locator.segments(layer, expert)
         span = _one_span(segs)
         if span is not None:
@@ -96,8 +100,8 @@ class DiskTier(SlowTier):
             # transfer thread that shares the machine's cores with the compute thread.
             start, end = span
             raw = self.reader.read(segs[0].path, start, end - start, scratch=True)  # _pack copies it at once
-            return _pack([torch.frombuffer(raw[s.offset - start : s.offset - start + s.nbytes], dtype=s.dtype) for s in segs])
-        return _pack([self._read(s) for s in segs])
+            return _pack([torch.frombuffer(raw[s.offset - start : s.offset - start + s.nbytes], dtype=s.dtype) for s in segs], into)
+        return _pack([self._read(s) for s in segs], into)
 
     def _read(self, seg: TensorLocation) -> torch.Tensor:
         raw = self.reader.read(seg.path, seg.offset, seg.nbytes)
@@ -116,12 +120,18 @@ def _one_span(segs: list[TensorLocation], slack: float = 0.25) -> tuple[int, int
     return (start, end) if end - start <= (1 + slack) * sum(s.nbytes for s in segs) else None
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate segments into one flat buffer in [gate | up | down] order (see expert_layout).
+def _pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate segments into one flat buffer in [gate | up | down] order (see expert_layout);
+    straight into `into` (a contiguous host tensor of their dtype and total size) where given.
 
     Through numpy, on bytes: this runs on a transfer thread, where torch.cat's OpenMP team would
     compete with the compute thread's (see transfers._host_copy)."""
     if len({p.dtype for p in parts}) != 1:
         return torch.cat([p.reshape(-1) for p in parts])
-    raw = np.concatenate([p.reshape(-1).view(torch.uint8).numpy() for p in parts])
-    return torch.from_numpy(raw).view(parts[0].dtype)
+    raw = [p.reshape(-1).view(torch.uint8).numpy() for p in parts]
+    if (into is not None and into.device.type == "cpu" and into.dtype == parts[0].dtype and into.is_contiguous()
+            and into.numel() == sum(p.numel() for p in parts)):
+        # One copy from the read buffer into the slot, instead of a new buffer and a second copy.
+        np.concatenate(raw, out=into.view(-1).view(torch.uint8).numpy())
+        return into
+    return torch.from_numpy(np.concatenate(raw)).view(parts[0].dtype)

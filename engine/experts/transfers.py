@@ -207,8 +207,8 @@ class TransferEngine:
         while (t := self._next()) is not None:
             t.t_start = time.perf_counter()
             try:
-                host, t.nbytes = self.tier.fetch(t.layer, t.expert)
                 dst = self.store.slots[t.slot]
+                host, t.nbytes = self.tier.fetch(t.layer, t.expert, into=None if self._stream is not None else dst)
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
                         dst.copy_(host, non_blocking=True)
@@ -217,7 +217,7 @@ class TransferEngine:
                     # A CPU-side wait, in this transfer thread only: it keeps `host` alive until
                     # the copy has read it. The compute stream waits on the event on the GPU.
                     t.cuda_event.synchronize()
-                else:
+                elif host is not dst:  # else the tier assembled the expert in its slot already
                     _host_copy(dst, host)
             except BaseException as e:  # surfaced to the waiter, never swallowed
                 t.error = e
