@@ -137,3 +137,34 @@ def test_unprotected_threshold_substitutes_light_first_choices() -> None:
     pol = make_policies("threshold-noprotect").miss
     plan = pol.plan(0, [[6, 1]], [[0.1, 0.9]], resident(0, 1), LOGITS)
     assert plan.fetch == [] and plan.experts == [[0, 1]]
+
+
+def test_stand_ins_are_ranked_as_a_bias_router_ranks(tiny_ckpt) -> None:
+    """For a DeepSeek-V3-style router (glm4_moe: top-k of sigmoid(logits) + a balancing bias), the
+    policy ranks stand-ins by those selection scores, not by the raw logits: the resident expert the
+    router would have picked next. A bias that reverses the logits' order must reach the policy."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core.completion import generate
+    from engine.worker.loader import load_model
+    from engine.worker.sampling import SamplingParams
+
+    om = load_model(tiny_ckpt("glm4_moe"), EngineConfig(cache_fraction=0.25, policy="quality-first"))
+    try:
+        block = om.model.get_submodule(f"model.layers.{om.moe_layers[0]}.mlp")
+        bias = block.adapter.selection_bias(block)
+        assert bias is not None
+        bias.copy_(torch.linspace(2.0, -2.0, bias.numel()))  # a bias far larger than sigmoid's range of 1
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        run = block.executor.run
+        block.executor.run = lambda layer, x, ids, w, scores: seen.append((layer, scores.clone())) or run(layer, x, ids, w, scores)
+        logits_seen: list[torch.Tensor] = []
+        block.bus.subscribe(lambda ev: logits_seen.append(ev.logits.clone()) if ev.layer == block.layer else None)
+        generate(om, list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True))
+        scores = [s for layer, s in seen if layer == block.layer]
+        assert scores and len(scores) == len(logits_seen)
+        for got, logits in zip(scores, logits_seen):
+            torch.testing.assert_close(got, torch.sigmoid(logits.float()) + bias)
+    finally:
+        om.close()

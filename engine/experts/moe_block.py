@@ -48,7 +48,11 @@ class OffloadedMoeBlock(nn.Module):
             weights, ids = weights.gather(1, order), ids.gather(1, order)
         self.bus.publish(self.layer, x, logits, ids, weights)
         x_in, w_in = self.adapter.expert_inputs(x, weights)  # Llama 4 scales the input rows instead
-        out = self.executor.run(self.layer, x_in, ids, w_in, logits)
+        # Stand-ins are ranked as the router ranks (sigmoid + balancing bias for DeepSeek-V3-style
+        # routers): the resident expert it would have picked next. On the embedded glm4_moe this
+        # measured lower ΔPPL than ranking raw logits (docs/benchmarks/policies.md section 1).
+        scores = self.adapter.selection_scores(self, logits) if self.executor.policy.needs_logits else logits
+        out = self.executor.run(self.layer, x_in, ids, w_in, scores)
         shared = self.adapter.dense(self, x)
         if shared is not None:
             out = out + shared

@@ -91,12 +91,13 @@ class MoeExecutor:
         # Deterministic residency (eval): background loads land before each plan, never mid-way.
         self.settle_background = False
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; ids, weights: [T, k] and logits [T, E] from the native router. Returns [T, H]."""
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids, weights: [T, k] from the native router, and scores [T, E], what it ranks to
+        pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
         E = self.num_experts
         ids_list = ids.tolist()
         weight_rows = weights.tolist()
-        logit_rows = logits.tolist() if self.policy.needs_logits else None
+        logit_rows = scores.tolist() if self.policy.needs_logits else None
         if self.settle_background:
             self.transfers.settle(layer)
         self.store.begin_layer(layer)

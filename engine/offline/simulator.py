@@ -290,6 +290,10 @@ class Simulator:
         self.s, self.costs, self.pol = settings, costs, policies
         ids, weights = trace["ids"], trace["weights"]  # [N, L, k]
         self.logits = trace.get("logits")  # [N, L, E] or None
+        bias = trace["meta"].get("score_bias")
+        if self.logits is not None and bias is not None:
+            # Stand-ins ranked as the router ranks, sigmoid + balancing bias, as the engine does (OffloadedMoeBlock).
+            self.logits = 1.0 / (1.0 + np.exp(-self.logits.astype(np.float32))) + np.asarray(bias, dtype=np.float32)[None]
         if policies.miss.needs_logits and self.logits is None:
             raise ValueError("this policy ranks stand-ins by router logit: record the trace with --logits, or use --substitute drop")
         self.N, self.L, self.k = ids.shape
