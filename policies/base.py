@@ -48,7 +48,7 @@ class SubstituteChoice(ABC):
         ranking: Sequence[int] | None,
         is_resident: Callable[[int], bool],
     ) -> int | None:
-        """ranking: all experts of the layer by router logit for this row, best first (given
+        """ranking: all experts of the layer by the router's ranking score for this row, best first (given
         when `needs_logits`). Returns the resident expert to run in `slot` instead (it takes the missed expert's weight),
         DROPPED to drop the slot and renormalize the row, or None when nothing can stand in
         (the engine then fetches the missed expert after all). Pure."""

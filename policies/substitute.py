@@ -6,7 +6,8 @@ from policies.base import DROPPED, SubstituteChoice
 
 
 class BestResident(SubstituteChoice):
-    """The resident expert with the highest router logit that the row does not already use;
+    """The resident expert the router ranks highest (its logit, or sigmoid + balancing bias for a
+    DeepSeek-V3-style router: the engine passes what the router ranks) that the row does not already use;
     it takes over the missed expert's gate weight."""
 
     name = "best-resident"
