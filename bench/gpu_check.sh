@@ -4,9 +4,10 @@
 #   2. bench/gpu_check.py: H2D GB/s pinned and pageable against each other, copy/compute overlap on a side
 #      stream, the engine's own transfer rate, decode tok/s at cache 1.0 and 0.25 against transformers on
 #      the mid peers checkpoint, and greedy tokens against transformers;
-#   3. speculative decoding and CPU-run experts: bench/spac_bench.py on the host-memory tier over PCIe.
+#   3. speculative decoding and CPU-run experts: bench/spac_bench.py on the host-memory tier over PCIe;
+#   4. bench/gpu_profile.py: where a decode token's time goes, transformers against the engine.
 # Uses the python3 that holds a CUDA torch (PYTHON=... to choose), with this checkout on PYTHONPATH (no
-# install: the machine may have no network). Writes docs/benchmarks/gpu_check.md and gpu_spac.md (+ .json),
+# install: the machine may have no network). Writes docs/benchmarks/gpu_check.md, gpu_spac.md, gpu_profile.md (+ .json),
 # and with $OUT set (the device tool) copies them and the test log there.
 #
 #   bash bench/gpu_check.sh
@@ -36,7 +37,11 @@ timeout 150 "$PY" -m bench.gpu_check --tokens 64 --rounds 2 --out docs/benchmark
 echo "== bench/spac_bench.py --settings ram"
 timeout 90 "$PY" -m bench.spac_bench --settings ram --streams 1,8 --rounds 1 --tokens 24 --threads 4 \
   --device cuda --out docs/benchmarks/gpu_spac.md || status=1
+# 4. Where a decode token's time goes (kernels, GPU busy time, host-device syncs, host operators).
+echo "== bench/gpu_profile.py"
+timeout 90 "$PY" -m bench.gpu_profile --tokens 32 --out docs/benchmarks/gpu_profile.md || status=1
 if [ -n "${OUT:-}" ]; then
-  cp docs/benchmarks/gpu_check.md docs/benchmarks/gpu_check.json docs/benchmarks/gpu_spac.md docs/benchmarks/gpu_spac.json "$OUT"/ 2>/dev/null
+  cp docs/benchmarks/gpu_check.md docs/benchmarks/gpu_check.json docs/benchmarks/gpu_spac.md docs/benchmarks/gpu_spac.json \
+     docs/benchmarks/gpu_profile.md docs/benchmarks/gpu_profile.json "$OUT"/ 2>/dev/null
 fi
 exit $status

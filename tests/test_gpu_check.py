@@ -29,3 +29,13 @@ def test_gpu_check_refuses_without_a_gpu_in_one_line() -> None:
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1].startswith("gpu_check: no CUDA GPU visible")
     assert "Traceback" not in res.stderr
+
+
+def test_gpu_profile_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_profile.md"
+    res = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--device", "cpu", "--shape", "tiny", "--work", str(tmp_path),
+                          "--tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = out.read_text()
+    assert "| wall time |" in text and "Host operators with the most self time, engine cache 1.0" in text
+    assert "`aten::mm`" in text  # the profiler saw the models' matrix products
