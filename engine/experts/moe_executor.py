@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from itertools import accumulate
 from concurrent.futures import Future
 
 import torch
@@ -186,7 +187,7 @@ class MoeExecutor:
             # Every resident expert of the step in one batched GEMM per projection: the per-expert
             # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
             t0 = time.perf_counter()
-            self._run_grouped(layer, x, flat, order, uniq, counts, w_flat, ready, contrib, k)
+            self._run_grouped(layer, x, groups, w_flat, ready, contrib, k)
             if self.meter is not None:
                 self.meter.record_fast(round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready))
             for e in ready:
@@ -206,25 +207,24 @@ class MoeExecutor:
             out += c[:, j]
         return out
 
-    def _run_grouped(self, layer: int, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, uniq: torch.Tensor,
-                     counts: torch.Tensor, w_flat: torch.Tensor, experts: list[int], contrib: torch.Tensor, k: int) -> None:
-        """SwiGLU of the resident `experts` over all their rows: one grouped GEMM per projection
-        over just the slots this step uses, gathered from the slot pool (one group per expert).
+    def _run_grouped(self, layer: int, x: torch.Tensor, groups: dict[int, torch.Tensor], w_flat: torch.Tensor,
+                     experts: list[int], contrib: torch.Tensor, k: int) -> None:
+        """SwiGLU of the resident `experts` (ascending) over all their rows: one grouped GEMM per
+        projection over just the slots this step uses, gathered from the slot pool (one group per
+        expert). groups[e]: the flat row-slot indices routed to e.
 
         Why gather: torch._grouped_mm costs time per group even when a group is empty, so a
         GEMM straight over the whole pool (512 slots at cache 1.0) cost about 1.3 ms per layer
         whatever the rows; copying the 8-60 slots a step needs costs a fraction of that. The
-        arithmetic per row is the same kernel either way, so results are bit-identical."""
+        arithmetic per row is the same kernel either way, so results are bit-identical. Group
+        sizes and slot ids are host lists: on a GPU, no sync per group."""
         H, I = x.shape[1], self.shape.intermediate
-        sel = torch.isin(uniq, torch.tensor(experts, dtype=uniq.dtype, device=uniq.device))  # [G_all]
-        group_rows = torch.split(order, counts.tolist())  # row-slots of each routed expert, in `uniq` order
-        chosen = sel.nonzero().flatten().tolist()
-        slots = torch.tensor([self.store.slot_index(layer * self.num_experts + int(uniq[g])) for g in chosen],
-                             dtype=torch.long, device=flat.device)
-        rows = torch.cat([group_rows[g] for g in chosen])  # flat row-slot indices, grouped by expert
-        offs = torch.cumsum(counts[sel], 0).to(torch.int32)  # [G]
+        E = self.num_experts
+        slots = torch.tensor([self.store.slot_index(layer * E + e) for e in experts], dtype=torch.long, device=x.device)
+        rows = torch.cat([groups[e] for e in experts])  # flat row-slot indices, grouped by expert
+        offs = torch.tensor(list(accumulate(len(groups[e]) for e in experts)), dtype=torch.int32, device=x.device)  # [G]
         pool = self.store.slots.index_select(0, slots)  # [G, 3*I*H]: [gate | up] rows, then down, per slot
-        G = len(chosen)
+        G = len(experts)
         gate_up = pool[:, : 2 * I * H].view(G, 2 * I, H).transpose(1, 2)  # [G, H, 2I]
         down = pool[:, 2 * I * H :].view(G, H, I).transpose(1, 2)  # [G, I, H]
         gate, up = torch._grouped_mm(x[torch.div(rows, k, rounding_mode="floor")], gate_up, offs=offs).chunk(2, dim=-1)  # [M, I]
