@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
-from engine.weights.moe_hook import BlockAdapter
+from engine.weights.moe_hook import BlockAdapter, router_ranking
 
 
 class OffloadedMoeBlock(nn.Module):
@@ -23,6 +23,11 @@ class OffloadedMoeBlock(nn.Module):
         self.adapter.adopt(self, native)  # native router, shared experts and block buffers, under their names
         self.executor = executor  # plain attributes, not submodules: they own no parameters
         self.bus = bus  # traces, estimators and predictors listen here
+        # The router's balancing bias for ranking stand-ins, looked up on first use (after the model
+        # has been placed on its device): looking it up is nn.Module getattrs that raise and catch an
+        # AttributeError on routers without one, microseconds in every layer of every step.
+        self._score_bias: torch.Tensor | None = None
+        self._score_bias_known = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, S, H = hidden_states.shape
@@ -51,7 +56,11 @@ class OffloadedMoeBlock(nn.Module):
         # Stand-ins are ranked as the router ranks (sigmoid + balancing bias for DeepSeek-V3-style
         # routers): the resident expert it would have picked next. On the embedded glm4_moe this
         # measured lower ΔPPL than ranking raw logits (docs/benchmarks/policies.md section 1).
-        scores = self.adapter.selection_scores(self, logits) if self.executor.policy.needs_logits else logits
+        scores = logits
+        if self.executor.policy.needs_logits:
+            if not self._score_bias_known:
+                self._score_bias, self._score_bias_known = self.adapter.selection_bias(self), True
+            scores = router_ranking(logits, self._score_bias)
         out = self.executor.run(self.layer, x_in, ids, w_in, scores)
         shared = self.adapter.dense(self, x)
         if shared is not None:
