@@ -121,20 +121,30 @@ def agreement(hf: torch.nn.Module, om: Any, prompt: list[int], n: int) -> dict[s
     return {"tokens": float(n), "same_prefix": float(prefix), "max_abs_logit_diff": diff, "logit_scale": ref_logits.abs().max().item()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", help="device to check (default cuda; cpu: a smoke test of this script)")
-    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where the mid checkpoint is built (default .cache/peers)")
+def add_gpu_args(ap: argparse.ArgumentParser) -> None:
+    """The flags the GPU scripts share (this one and bench/gpu_profile.py): device, checkpoint, dtype, report."""
+    ap.add_argument("--device", default="cuda", help="compute device (default cuda; cpu: a smoke test of this script)")
+    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where the checkpoint is built (default .cache/peers)")
     ap.add_argument("--shape", default="mid", help="checkpoint shape from bench/peers.py (default mid)")
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype of every system (default bfloat16)")
     ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
-    args = ap.parse_args()
+
+
+def gpu_device(args: argparse.Namespace, prog: str) -> tuple[torch.device, str]:
+    """The device `args` ask for and its name; a one-line exit where CUDA is asked for and absent."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False); use --device cpu for a smoke test")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)"
+        raise SystemExit(f"{prog}: no CUDA GPU visible (torch.cuda.is_available() is False); use --device cpu for a smoke test")
+    return device, torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_gpu_args(ap)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)")
+    args = ap.parse_args()
+    device, name = gpu_device(args, "gpu_check")
     print(f"device: {name}", flush=True)
 
     copies = copy_figures(device)

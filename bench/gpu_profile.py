@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_check import add_gpu_args, gpu_device
 from bench.peers import checkpoint
 from bench.report import write_report
 from engine.config import EngineConfig
@@ -70,16 +70,10 @@ def profile_tokens(run: Callable[[], None], device: torch.device, tokens: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", help="device to profile (default cuda; cpu: a smoke test of this script)")
-    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where the checkpoint is built (default .cache/peers)")
-    ap.add_argument("--shape", default="mid", help="checkpoint shape from bench/peers.py (default mid)")
+    add_gpu_args(ap)
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated in the profiled call (default 32)")
-    ap.add_argument("--dtype", default="bfloat16", help="compute dtype of both systems (default bfloat16)")
-    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_profile: no CUDA GPU visible (torch.cuda.is_available() is False); use --device cpu for a smoke test")
+    device, dev = gpu_device(args, "gpu_profile")
     from transformers import AutoModelForCausalLM
 
     ckpt = checkpoint(args.work, args.shape)
@@ -98,7 +92,6 @@ def main() -> None:
         print(f"{name}: {res[name]['wall_ms']:.2f} ms/token, {res[name]['kernels']:.0f} kernels, GPU busy {res[name]['gpu_busy_ms']:.2f} ms", flush=True)
     om.close()
 
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)"
     lines = ["| per generated token (prefill included) | " + " | ".join(res) + " |", "|---|" + "---|" * len(res),
              "| wall time | " + " | ".join(f"{r['wall_ms']:.2f} ms" for r in res.values()) + " |",
              "| CUDA kernels | " + " | ".join(f"{r['kernels']:.0f}" for r in res.values()) + " |",
