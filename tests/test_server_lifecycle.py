@@ -55,14 +55,19 @@ def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_sigterm_to_process_group_drains_in_flight(tiny_ckpt, tmp_path: Path) -> None:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--drain-timeout", "30"], tmp_path / "log") as srv:
+    # Behind the emulated hdd link the long request takes seconds, so it is still in flight when the refused request
+    # arrives; on the RAM tier a fast machine finished all 480 tokens first and the drained server had already closed
+    # its socket (connection refused instead of 503).
+    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--drain-timeout", "60", "--cache-fraction", "0.25",
+            "--offload", "disk", "--link", "hdd"]
+    with serve(args, tmp_path / "log") as srv:
         engine_pid = srv.engine_pid()
         assert engine_pid is not None, "the engine process was not found among the server's children"
         result: dict[str, object] = {}
         started = threading.Event()
 
         def stream() -> None:
-            with httpx.stream("POST", srv.v1 + "/completions", json=LONG, timeout=60) as r:
+            with httpx.stream("POST", srv.v1 + "/completions", json=LONG, timeout=90) as r:
                 events = []
                 for line in r.iter_lines():
                     started.set()
@@ -72,13 +77,13 @@ def test_sigterm_to_process_group_drains_in_flight(tiny_ckpt, tmp_path: Path) ->
 
         t = threading.Thread(target=stream)
         t.start()
-        assert started.wait(30)  # the stream is running (300 tokens: seconds of work left)
+        assert started.wait(30)  # the stream is running (480 tokens behind hdd: seconds of work left)
         os.killpg(srv.proc.pid, signal.SIGTERM)  # front end AND engine get it
         time.sleep(0.3)
         assert httpx.get(srv.base_url + "/health").status_code == 503
         refused = httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-        t.join(60)
+        t.join(90)
         events = result["events"]
         assert isinstance(events, list) and events[-1] == "[DONE]"
         finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
