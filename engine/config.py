@@ -29,7 +29,7 @@ class EngineConfig(YamlSection):
     threshold: float = setting(0.15, "gate cut-off of the threshold rule (default 0.15)", metavar="G")
     admission_beta: float = setting(0.5, "substituted gate mass that triggers background admission (default 0.5)", metavar="B")
     frequency_decay: float = setting(0.999, "frequency eviction: score decay per cache access (default 0.999)", metavar="D")
-    prefetch: str = setting("none", "prefetch: none (default); utility (MoE-SpAc: queue the experts whose speculative utility level is high, from the verification windows; cancel stale ones); adapter (SpecPrefetch: a learned adapter predicts layer l+1's experts while layer l runs; needs --prefetcher or prefetcher.safetensors beside the model); or both, adapter,utility. Predictions only start transfers: output is unchanged", metavar="KINDS")
+    prefetch: str = setting("auto", "prefetch: auto (default: adapter when the model directory holds a SpecPrefetch adapter, prefetcher.safetensors, made for this checkpoint and the fast tier holds fewer than all routed experts; otherwise none); none; utility (MoE-SpAc: queue the experts whose speculative utility level is high, from the verification windows; cancel stale ones); adapter (SpecPrefetch: a learned adapter predicts layer l+1's experts while layer l runs; needs --prefetcher or prefetcher.safetensors beside the model); or both, adapter,utility. Predictions only start transfers: output is unchanged", metavar="KINDS")
     prefetcher: str | None = setting(None, "SpecPrefetch adapter file for --prefetch adapter (default: prefetcher.safetensors in the model directory; train one with `moe-offload train-prefetcher`)", metavar="FILE")
     cpu_experts: str = setting("off", "CPU-run experts: off (default), auto (a missed expert may be computed by CPU workers straight from the host tier; the workload balancer picks which, minimising each layer's makespan), or all (every miss runs on the CPU; a diagnostic)", choices=("off", "auto", "all"))
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
@@ -63,8 +63,8 @@ class EngineConfig(YamlSection):
         if self.cpu_workers < 1:
             raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
         kinds = self.prefetch_kinds
-        if not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds):
-            raise ConfigError(f"prefetch must be none, utility, adapter or adapter,utility; got {self.prefetch!r}")
+        if self.prefetch != "auto" and (not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)):
+            raise ConfigError(f"prefetch must be auto, none, utility, adapter or adapter,utility; got {self.prefetch!r}")
         if self.cpu_experts not in ("off", "auto", "all"):
             raise ConfigError(f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}")
         if self.dtype not in DTYPES:
@@ -81,8 +81,9 @@ class EngineConfig(YamlSection):
 
     @property
     def prefetch_kinds(self) -> set[str]:
-        """The prefetchers --prefetch names (empty for none)."""
-        return set() if self.prefetch == "none" else {k.strip() for k in self.prefetch.split(",") if k.strip()}
+        """The prefetchers --prefetch names (empty for none; for auto, the loader decides: engine/worker/loader.py
+        `_prefetch_kinds`)."""
+        return set() if self.prefetch in ("none", "auto") else {k.strip() for k in self.prefetch.split(",") if k.strip()}
 
     def quant_group(self) -> int:
         """Weights per quantization group for --expert-quant (0: whole rows), with the default resolved."""

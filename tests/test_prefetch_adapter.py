@@ -244,3 +244,55 @@ def test_the_per_layer_bound_fits_with_the_adapters_recipe() -> None:
         assert sum(evaluate(m, held)) / A == pytest.approx(base_recall)  # zero-initialised: exactly the guess
         fit_predictor(m, fit, steps=300, batch=256, lr=1e-2)
         assert sum(evaluate(m, held)) / A > base_recall + 0.3
+
+
+def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_ckpt, tiny_adapter: Path, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_ckpt("qwen3_moe"), model)
+
+    def attached(d: Path, **kw) -> bool:
+        om = load_model(d, EngineConfig(**kw))  # prefetch="auto" is the default
+        try:
+            return om.adapter_prefetcher is not None
+        finally:
+            om.close()
+
+    assert not attached(model, cache_fraction=0.25)  # no adapter file beside the model
+    shutil.copy(tiny_adapter, model / "prefetcher.safetensors")
+    assert attached(model, cache_fraction=0.25)
+    assert not attached(model)  # cache 1.0: nothing to prefetch
+    assert not attached(model, cache_fraction=0.25, prefetch="none")
+    # An adapter made for another checkpoint: auto warns and serves without; asked for explicitly, it is an error.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt("olmoe"), other)
+    shutil.copy(tiny_adapter, other / "prefetcher.safetensors")
+    with caplog.at_level("WARNING"):
+        assert not attached(other, cache_fraction=0.25)
+    assert "trained for another checkpoint" in caplog.text
+    with pytest.raises(ConfigError, match="trained for another checkpoint"):
+        attached(other, cache_fraction=0.25, prefetch="adapter")
+
+
+def test_settled_prefetch_does_not_depend_on_transfer_timing() -> None:
+    """Deterministic residency (eval's default): the same tokens prefetch, hit and fetch the same experts whether a
+    copy takes microseconds (RAM) or 8 ms (the emulated hdd), although the scheduler would call the slow ones late."""
+    from models import EMBEDDED_TARGET
+
+    ids = (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:2000]
+    counts = []
+    for link in (None, "hdd"):
+        om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, prefetch="adapter", settle_background=True, link=link,
+                                                      policy="quality-first"))
+        try:
+            proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(om.model_dir), om)
+            core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=512), proposer, observers)
+            complete(core, [request(om.tokenizer(ids)["input_ids"][:16], SamplingParams(max_tokens=40, ignore_eos=True))])
+            s = om.stats.snapshot()
+            counts.append({k: s[k] for k in ("prefetch_issued", "calls_hit", "calls_fetched", "substitutions", "admissions")})
+            assert om.adapter_prefetcher.meter.copy_seconds > (5e-3 if link else 0.0)  # the link really was slow
+        finally:
+            om.close()
+    assert counts[0] == counts[1] and counts[0]["prefetch_issued"] > 0, counts

@@ -53,6 +53,10 @@ class AdapterPrefetcher:
         # Per next layer: the adapter folded with that layer's router into one linear map (W, b),
         # or None where the router's logits are not a linear map (then router + adapter each call).
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
+        # Deterministic residency (EngineConfig.settle_background, eval's default): every prefetch lands before the
+        # next layer plans, by definition, so the scheduler must not weigh measured copy times either, or which
+        # experts it prefetches (and the perplexity) would depend on the machine's timing.
+        self.settled = False
 
     def attach(self, bus: RoutingBus) -> None:
         bus.subscribe(self.on_routing)
@@ -96,7 +100,7 @@ class AdapterPrefetcher:
         # Likely picks that are resident already: keep this layer's own prefetches from evicting them.
         self.store.refresh([nxt * E + e for e, c in best.items() if c >= MIN_CONFIDENCE])
         with self.meter.lock:
-            copy = self.meter.copy_seconds
+            copy = 0.0 if self.settled else self.meter.copy_seconds
         return schedule_prefetches(
             [PrefetchCandidate(e, c) for e, c in best.items()],
             lambda e: self.store.state(nxt * E + e) is not None, lambda e: self.transfers.in_flight(nxt, e),

@@ -8,6 +8,7 @@ safetensors files by name -> build slow tier, fast tier and transfer engine.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ from engine.spec.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 from engine.worker.packed_batch import use_packed_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -228,7 +231,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
                         slots=tier.buffer if zero_copy else None)
     if zero_copy:
         store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
-    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in cfg.prefetch_kinds else None
+    kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers))
+    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
     executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
@@ -243,18 +247,30 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
-    _attach_spac(om, cfg, policies.eviction, tier, fmt, meter)
+    _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
     if cfg.warm_start:
         _warm(om)
     return om
 
 
-def _attach_spac(om: OffloadedModel, cfg: EngineConfig, eviction: EvictionPolicy, tier: SlowTier, fmt: ExpertFormat,
-                 meter: CostMeter | None) -> None:
+def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int) -> set[str]:
+    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it can only help quality and
+    hide loads: the fast tier misses experts (partial), the model has a layer l+1 to predict, and an adapter file
+    is there. (Predictions only start transfers, so the output of an exact policy is unchanged; on the embedded
+    model they cut quality-first's ΔPPL about threefold, docs/benchmarks/policies.md.)"""
+    if cfg.prefetch != "auto":
+        return cfg.prefetch_kinds
+    from engine.prefetch.adapter import FILE_NAME
+
+    has_file = Path(cfg.prefetcher).is_file() if cfg.prefetcher else (model_dir / FILE_NAME).is_file()
+    return {"adapter"} if partial and moe_layers >= 2 and has_file else set()
+
+
+def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], eviction: EvictionPolicy, tier: SlowTier,
+                 fmt: ExpertFormat, meter: CostMeter | None) -> None:
     """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
     speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
-    ranking; CPU workers for missed experts."""
-    kinds = cfg.prefetch_kinds
+    ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: `_prefetch_kinds`)."""
     wants_utility = "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
     if wants_utility:
         estimator = SpeculativeUtilityEstimator(om.num_experts)
@@ -269,7 +285,12 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, eviction: EvictionPolicy
             om.executor.after_layer = prefetcher.after_layer
     if "adapter" in kinds:
         assert meter is not None
-        om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
+        try:
+            om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
+        except ConfigError as err:
+            if cfg.prefetch != "auto":
+                raise
+            log.warning("prefetch auto: no SpecPrefetch adapter (%s)", err)  # asked for nothing: serve without
     if cfg.cpu_experts != "off":
         assert meter is not None
         om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
@@ -286,6 +307,7 @@ def _adapter_prefetcher(om: OffloadedModel, cfg: EngineConfig, meter: CostMeter)
     adapter = load_adapter(Path(cfg.prefetcher) if cfg.prefetcher else om.model_dir / FILE_NAME, model_fingerprint(om.model))
     adapter.to(om.device)
     prefetcher = AdapterPrefetcher(adapter, moe_blocks(om.model), om.store, om.transfers, om.moe_layers, om.top_k, meter, om.stats)
+    prefetcher.settled = cfg.settle_background
     prefetcher.attach(om.bus)
     return prefetcher
 
