@@ -86,8 +86,8 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     settings = {
         "cache 1.0 (ram)": EngineConfig(cache_fraction=1.0, offload="ram"),
-        "cache 0.25 (disk)": EngineConfig(cache_fraction=0.25, offload="disk"),
-        f"cache 0.25 (disk + {args.link})": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link),
+        "cache 0.25 (disk)": EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"),
+        f"cache 0.25 (disk + {args.link})": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"),
     }
     engines = {name: load_model(model_dir, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer

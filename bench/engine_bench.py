@@ -71,8 +71,8 @@ def main() -> None:
     ids = torch.randint(3, vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     configs = {
         "ours cache=1.0 (ram)": EngineConfig(cache_fraction=1.0, offload="ram"),
-        "ours cache=0.25 disk": EngineConfig(cache_fraction=0.25, offload="disk"),
-        f"ours cache=0.25 disk + link {args.link}": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link),
+        "ours cache=0.25 disk": EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"),
+        f"ours cache=0.25 disk + link {args.link}": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"),
     }
     models = {name: load_model(ckpt, cfg) for name, cfg in configs.items()}
     params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)

@@ -255,7 +255,7 @@ def main() -> None:
     ram.close()
 
     # 3) cache 0.25 on disk: transfer seconds and the compute thread's extra time per load.
-    disk = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk"))
+    disk = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"))
     reps = []
     for _ in range(args.repeats + 1):
         r = run_cell(disk, OFF, prompts[:1], args.tokens)
@@ -270,7 +270,7 @@ def main() -> None:
     disk.close()
 
     # 4) CPU-run experts: the engine's own cost-meter fit (read + convert + compute on a CPU worker).
-    cpu = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all"))
+    cpu = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all", prefetch="none"))
     for _ in range(args.repeats):
         run_cell(cpu, OFF, prompts[:8], args.tokens // 2)
         run_cell(cpu, OFF, prompts[:1], args.tokens // 2)

@@ -113,12 +113,19 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="tokens per teacher-forced window (default 128)")
     ap.add_argument("--prompts", type=int, default=3, help="generation prompts (default 3)")
     ap.add_argument("--tokens", type=int, default=48, help="greedy decode tokens per prompt (default 48)")
+    ap.add_argument("--prefetch", default="auto", metavar="A,B,...",
+                    help="engine --prefetch settings to compare, each a row group (default auto: SpecPrefetch's adapter where the model ships one; e.g. auto,none)")
     ap.add_argument("--out", type=Path, help="write markdown tables here")
     ap.add_argument("--out-json", type=Path, help="write raw numbers here")
     args = ap.parse_args()
 
     model_dir = resolve_model_dir(args.model)
-    settings = {"disk": dict(offload="disk"), f"disk + {args.link}": dict(offload="disk", link=args.link)}
+    prefetch = [p.strip() for p in args.prefetch.split(",") if p.strip()]
+    settings = {}
+    for pf in prefetch:
+        label = "" if len(prefetch) == 1 else f", prefetch {pf}"
+        settings[f"disk{label}"] = dict(offload="disk", prefetch=pf)
+        settings[f"disk + {args.link}{label}"] = dict(offload="disk", link=args.link, prefetch=pf)
     engines = {("all-resident (ram)", "fetch-all"): load_model(model_dir, EngineConfig(cache_fraction=1.0))}
     for sname, kw in settings.items():
         for p in POLICIES:
@@ -136,7 +143,8 @@ def main() -> None:
 
     header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
               f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
-              f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated.")
+              f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated. "
+              f"Prefetch: {', '.join(prefetch)}.")
     md, raw = [header, ""], {}
     for mode, t in tallies.items():
         rows = [{"setting": s, "policy": p, **t[(s, p)].row()} for (s, p) in engines]

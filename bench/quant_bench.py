@@ -70,7 +70,7 @@ def speed(model: str, data: str, link: str, cache_fraction: float, rounds: int, 
     if budget == "bytes":
         nbytes = expert_bytes(model, cache_dir)
         share = {q: min(1.0, cache_fraction * nbytes["none"] / nbytes[q]) for q in FORMATS}
-    engines = {q: load_model(model, EngineConfig(expert_quant=q, cache_fraction=share[q], offload="disk", link=link, quant_cache_dir=cache_dir))
+    engines = {q: load_model(model, EngineConfig(expert_quant=q, cache_fraction=share[q], offload="disk", link=link, quant_cache_dir=cache_dir, prefetch="none"))
                for q in FORMATS}
     try:
         runners = {q: ModelRunner(om) for q, om in engines.items()}  # the runner every client uses

@@ -77,7 +77,7 @@ def main() -> None:
     all_settings = {"ram": (f"cache {args.cache} (ram)", "ram", None), "disk": (f"cache {args.cache} (disk)", "disk", None),
                     "link": (f"cache {args.cache} (disk + {args.link})", "disk", args.link)}
     settings = {all_settings[k][0]: all_settings[k][1:] for k in args.settings.split(",")}
-    engines = {(s, c): load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=args.cache, offload=offload, link=link, device=args.device, **kw))
+    engines = {(s, c): load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=args.cache, offload=offload, link=link, device=args.device, **{"prefetch": "none", **kw}))
                for s, (offload, link) in settings.items() for c, (_, kw) in CONFIGS.items()}
     tok = next(iter(engines.values())).tokenizer
     streams = [int(x) for x in args.streams.split(",")]

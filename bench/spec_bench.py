@@ -88,8 +88,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     all_settings = {
         "ram": ("cache 1.0 (ram)", EngineConfig(cache_fraction=1.0)),
-        "disk": ("cache 0.25 (disk)", EngineConfig(cache_fraction=0.25, offload="disk")),
-        "link": (f"cache 0.25 (disk + {args.link})", EngineConfig(cache_fraction=0.25, offload="disk", link=args.link)),
+        "disk": ("cache 0.25 (disk)", EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none")),
+        "link": (f"cache 0.25 (disk + {args.link})", EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none")),
     }
     settings = dict(all_settings[s] for s in args.settings.split(","))
     engines = {name: load_model(EMBEDDED_TARGET, cfg) for name, cfg in settings.items()}

@@ -254,7 +254,7 @@ def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_c
     shutil.copytree(tiny_ckpt("qwen3_moe"), model)
 
     def attached(d: Path, **kw) -> bool:
-        om = load_model(d, EngineConfig(**kw))  # prefetch="auto" is the default
+        om = load_model(d, EngineConfig(**{"policy": "quality-first", **kw}))  # prefetch="auto" is the default
         try:
             return om.adapter_prefetcher is not None
         finally:
@@ -265,6 +265,8 @@ def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_c
     assert attached(model, cache_fraction=0.25)
     assert not attached(model)  # cache 1.0: nothing to prefetch
     assert not attached(model, cache_fraction=0.25, prefetch="none")
+    assert not attached(model, cache_fraction=0.25, policy="fetch-all")  # exact policy on a CPU: it would only cost time
+    assert attached(model, cache_fraction=0.25, policy="speed-first")
     # An adapter made for another checkpoint: auto warns and serves without; asked for explicitly, it is an error.
     other = tmp_path / "other"
     shutil.copytree(tiny_ckpt("olmoe"), other)

@@ -43,6 +43,7 @@ from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.spec.sensor import sensor_for
 from policies.base import EvictionPolicy
+from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
 from engine.worker.packed_batch import use_packed_attention
 
@@ -231,7 +232,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
                         slots=tier.buffer if zero_copy else None)
     if zero_copy:
         store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
-    kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers))
+    kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers),
+                            pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda")
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
@@ -253,17 +255,19 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     return om
 
 
-def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int) -> set[str]:
-    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it can only help quality and
-    hide loads: the fast tier misses experts (partial), the model has a layer l+1 to predict, and an adapter file
-    is there. (Predictions only start transfers, so the output of an exact policy is unchanged; on the embedded
-    model they cut quality-first's ΔPPL about threefold, docs/benchmarks/policies.md.)"""
+def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool) -> set[str]:
+    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it has something to do and pays
+    for itself: the fast tier misses experts (partial), the model has a layer l+1 to predict, an adapter file is
+    there, and either the miss policy substitutes (an expert that landed in time is not substituted: quality-first's
+    ΔPPL on the embedded model falls about threefold) or the experts compute on a GPU (where the adapter's matmul
+    and the copies do not take the decode's CPU cores). On a CPU with an exact policy it measured 0.89-0.96x on
+    disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
     if cfg.prefetch != "auto":
         return cfg.prefetch_kinds
     from engine.prefetch.adapter import FILE_NAME
 
     has_file = Path(cfg.prefetcher).is_file() if cfg.prefetcher else (model_dir / FILE_NAME).is_file()
-    return {"adapter"} if partial and moe_layers >= 2 and has_file else set()
+    return {"adapter"} if partial and pays and moe_layers >= 2 and has_file else set()
 
 
 def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], eviction: EvictionPolicy, tier: SlowTier,
