@@ -291,6 +291,8 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], evictio
         assert meter is not None
         try:
             om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
+            if cfg.prefetch == "auto":
+                log.info("prefetch auto: SpecPrefetch's adapter is on (a partial fast tier; --prefetch none turns it off)")
         except ConfigError as err:
             if cfg.prefetch != "auto":
                 raise
