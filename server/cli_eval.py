@@ -55,12 +55,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         # The server's behaviour: background loads land whenever the link delivers them.
         runs.update({f"{label} (async)": {**overrides, "settle_background": False} for label, overrides in list(runs.items()) if label != "fetch-all"})
     results = {}
+    prefetchers: dict[str, str] = {}
     ids: list[int] | None = None
     for label, overrides in runs.items():
         om = load_model(model_dir, replace(base, **overrides))
         try:
             ids = ids or _read_tokens(om, args.data, args.max_tokens, args.window)
             results[label] = teacher_forced_eval(om, ids, args.window, label)
+            prefetchers[label] = ",".join(om.prefetchers) or "none"  # what --prefetch (auto) resolved to for this row
         finally:
             om.close()
     ref = results["fetch-all"].ppl
@@ -68,10 +70,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"{'policy':28s} {'PPL':>9s} {'ΔPPL %':>8s} {'subst. calls':>12s} {'subst. mass':>11s} {'fetches/tok':>11s} {'admissions':>10s}")
     for label, r in results.items():
         d = 100.0 * (r.ppl / ref - 1.0)
-        rows.append({"label": label, "delta_ppl_pct": d, **r.to_dict()})
+        rows.append({"label": label, "delta_ppl_pct": d, "prefetch": prefetchers[label], **r.to_dict()})
         print(f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}")
+    print("prefetch (--prefetch " + base.prefetch + "): " + ", ".join(f"{label} {pf}" for label, pf in prefetchers.items()))
     out = {"model": portable_path(model_dir), "data": portable_path(args.data), "tokens": len(ids or []), "window": args.window,
-           "cache_fraction": base.cache_fraction, "results": rows}
+           "cache_fraction": base.cache_fraction, "prefetch": base.prefetch, "results": rows}
     if len(rows) > 2:
         prot = [r for r in rows if r["label"] not in UNPROTECTED and not r["label"].endswith("(async)")]
         out["mass_hypothesis_pearson_r"] = pearson([r["mean_substituted_mass"] for r in prot], [r["delta_ppl_pct"] for r in prot])

@@ -100,6 +100,7 @@ def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
     labels = [r["label"] for r in out["results"]]
     assert labels[0] == "fetch-all" and {"quality-first", "speed-first", "threshold", "first-choice"} <= set(labels)
     assert out["results"][0]["delta_ppl_pct"] == 0.0
+    assert out["prefetch"] == "auto" and {r["prefetch"] for r in out["results"]} == {"none"}  # no adapter beside it
     assert "mass_hypothesis_pearson_r" in out
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert "speed-first" in proc.stdout and "ΔPPL" in proc.stdout

@@ -256,6 +256,7 @@ def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_c
     def attached(d: Path, **kw) -> bool:
         om = load_model(d, EngineConfig(**{"policy": "quality-first", **kw}))  # prefetch="auto" is the default
         try:
+            assert om.prefetchers == (("adapter",) if om.adapter_prefetcher is not None else ())  # what reports show
             return om.adapter_prefetcher is not None
         finally:
             om.close()

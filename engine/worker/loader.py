@@ -92,6 +92,7 @@ class OffloadedModel(LoadedModel):
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
+    prefetchers: tuple[str, ...] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
@@ -297,6 +298,8 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], evictio
             if cfg.prefetch != "auto":
                 raise
             log.warning("prefetch auto: no SpecPrefetch adapter (%s)", err)  # asked for nothing: serve without
+            kinds = kinds - {"adapter"}
+    om.prefetchers = tuple(sorted(kinds))
     if cfg.cpu_experts != "off":
         assert meter is not None
         om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
