@@ -265,10 +265,14 @@ def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layer
     disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
     if cfg.prefetch != "auto":
         return cfg.prefetch_kinds
+    return {"adapter"} if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file() else set()
+
+
+def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
+    """The SpecPrefetch adapter file: --prefetcher, or prefetcher.safetensors beside the model."""
     from engine.prefetch.adapter import FILE_NAME
 
-    has_file = Path(cfg.prefetcher).is_file() if cfg.prefetcher else (model_dir / FILE_NAME).is_file()
-    return {"adapter"} if partial and pays and moe_layers >= 2 and has_file else set()
+    return Path(cfg.prefetcher) if cfg.prefetcher else model_dir / FILE_NAME
 
 
 def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], eviction: EvictionPolicy, tier: SlowTier,
@@ -308,12 +312,12 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], evictio
 
 def _adapter_prefetcher(om: OffloadedModel, cfg: EngineConfig, meter: CostMeter) -> AdapterPrefetcher:
     """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
-    from engine.prefetch.adapter import FILE_NAME, load_adapter
+    from engine.prefetch.adapter import load_adapter
     from engine.prefetch.training import model_fingerprint, moe_blocks
 
     if len(om.moe_layers) < 2:
         raise ConfigError(f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)")
-    adapter = load_adapter(Path(cfg.prefetcher) if cfg.prefetcher else om.model_dir / FILE_NAME, model_fingerprint(om.model))
+    adapter = load_adapter(_adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
     adapter.to(om.device)
     prefetcher = AdapterPrefetcher(adapter, moe_blocks(om.model), om.store, om.transfers, om.moe_layers, om.top_k, meter, om.stats)
     prefetcher.settled = cfg.settle_background
