@@ -72,6 +72,13 @@ class EngineStats:
             self.hits[layer] += hits
             self.misses[layer] += misses
 
+    def record_all_hits(self, layer: int, calls: int) -> None:
+        """One layer of a step whose `calls` selected experts were all resident: record_lookups() and
+        the hit calls of add(), under one lock acquisition."""
+        with self._lock:
+            self.hits[layer] += calls
+            self.calls_hit += calls
+
     def record_window(self, proposed: int, accepted: int) -> None:
         """One verification window: `proposed` tokens, the first `accepted` of them kept."""
         with self._lock:

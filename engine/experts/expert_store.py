@@ -123,6 +123,11 @@ class ExpertStore:
         self._clock = 0  # advanced once per MoE layer run (see tick)
         self._free: list[int] = list(range(n_slots - 1, -1, -1))
         self.lock = threading.RLock()
+        # Every expert of the model resident in a slot of its own, for good: the zero-copy pool
+        # (adopt), or a fast tier as big as the model once filled (mark_complete). Nothing can
+        # miss, load or be evicted any more, which lets a decode step skip the bookkeeping that
+        # only matters for those (MoeExecutor's resident lane).
+        self.complete = False
 
     @property
     def slot_bytes(self) -> int:
@@ -250,6 +255,15 @@ class ExpertStore:
                 self._state[key] = SlotState.RESIDENT
                 self.eviction.on_insert(key)
             self._free = []
+            self.complete = True
+
+    def mark_complete(self, keys: int) -> bool:
+        """Set `complete` where this store has a slot for each of the model's `keys` experts and
+        every slot holds a resident one (a fast tier as big as the model, filled). Returns it."""
+        with self.lock:
+            resident = sum(s is SlotState.RESIDENT for s in self._state.values())
+            self.complete = self.n_slots >= keys and resident == keys
+            return self.complete
 
     # -- slot lifecycle (called by the transfer engine) -------------------------
     def reserve(self, key: int, may_evict_protected: bool = True) -> int | None:

@@ -95,6 +95,8 @@ class MoeExecutor:
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] from the native router, and scores [T, E], what it ranks to
         pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
+        if ids.shape[0] == 1 and self.store.complete and self._lane_open(x):
+            return self._resident_lane(layer, x, ids, weights)
         E = self.num_experts
         ids_list = ids.tolist()
         weight_rows = weights.tolist()
@@ -133,6 +135,28 @@ class MoeExecutor:
         if self.after_layer is not None:
             self.after_layer(layer)  # this layer's slots are unpinned now: room for the next layer's prefetches
         return out
+
+    def _lane_open(self, x: torch.Tensor) -> bool:
+        """Whether a one-row step may take the resident lane: the native kernels take x, and nothing
+        that plans around misses is attached (CPU experts, the balancer's meter, the utility
+        estimator, a per-layer hook). The caller has checked that the store is complete."""
+        return (self._native is not None and self.cpu is None and self.meter is None and self.utility is None
+                and self.after_layer is None and self._native.accepts(x))
+
+    def _resident_lane(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One decode row when every expert of the model is resident for good (store.complete).
+
+        What run() does there, less what cannot matter: a miss policy decides only about misses
+        (policies/base.py), so its plan is the router's choice; no slot can be evicted, so there is
+        nothing to pin and no eviction ranking to feed; nothing is prefetched, so no protection
+        expires. What is left is the hit counters and one native call: about 90 us of Python a
+        layer less on the tiny peers checkpoint (docs/benchmarks/peers_tiny.md). Same arithmetic
+        as _run_single_row: experts in ascending order, the router's weights."""
+        row, w = ids[0].tolist(), weights[0].tolist()
+        order = sorted(range(len(row)), key=row.__getitem__)  # ascending expert id: transformers' summation order
+        base, slot_index, pointers = layer * self.num_experts, self.store.slot_index, self._pointers
+        self.stats.record_all_hits(layer, len(row))
+        return self._native.run(x, [pointers[slot_index(base + row[j])] for j in order], [w[j] for j in order])
 
     def _cpu_split(self, layer: int, plan: ExpertPlan, ready: list[int], to_load: list[int]) -> list[int]:
         """The missed experts that run on the CPU, chosen by the workload balancer (policies/balancer.py).

@@ -367,4 +367,5 @@ def _warm(om: OffloadedModel) -> None:
         t.done.wait()
         if t.error is not None:
             raise t.error
+    om.store.mark_complete(len(om.moe_layers) * om.num_experts)  # a fast tier as big as the model, now full
     om.stats.reset()  # warm-up transfers are not part of any run
