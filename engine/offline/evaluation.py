@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
+from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import OffloadedModel
 from engine.worker.runner import ModelRunner
 
@@ -70,7 +70,7 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 def score_window(runner: ModelRunner, chunk: list[int], on_token: Callable[[], object] = lambda: None) -> float:
     """Summed NLL of chunk[1:], feeding one token per step through a fresh KV cache, with the
     same runner forward (packed attention, MoE path) that generation uses."""
-    cache = DynamicCache(config=runner.lm.config)
+    cache = new_kv_cache(runner.lm.config)
     total = 0.0
     for pos in range(len(chunk) - 1):
         logits = runner.forward([[chunk[pos]]], [pos], [cache], [[0]])[0][0].float()  # [V]

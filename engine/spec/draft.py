@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from engine.core.scheduler import SeqWork, StepPlan
 from engine.spec.lean_dense import LeanDenseModel, LeanKVCache
 from engine.spec.proposals import ProposerBase, history, with_drafts
+from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
 from engine.worker.sampling import make_generator, process_logits, target_probs
@@ -33,7 +34,7 @@ class DraftProposer(ProposerBase):
         # are most of a small draft's time. Same contract as ModelRunner.forward.
         lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None
         self.forward = lean.forward if lean is not None else ModelRunner(draft).forward
-        self.new_cache = lean.new_cache if lean is not None else lambda: DynamicCache(config=draft.config)
+        self.new_cache = lean.new_cache if lean is not None else lambda: new_kv_cache(draft.config)
         self.crop = LeanKVCache.crop if lean is not None else truncate_cache  # (cache, length)
         self.eos_ids = sorted(draft.eos_token_ids)
         self.caches: dict[str, DynamicCache | LeanKVCache] = {}

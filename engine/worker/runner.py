@@ -21,6 +21,7 @@ from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.structured import GrammarCompiler, TokenConstraint
+from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward, lean_enabled
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
@@ -70,7 +71,7 @@ class ModelRunner:
         work = list(plan.work)
         for w in work:
             if w.new_seq:
-                self.caches[w.request_id] = DynamicCache(config=self.lm.config)
+                self.caches[w.request_id] = new_kv_cache(self.lm.config)
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
                 if w.req.constraint is not None:
                     try:
@@ -202,4 +203,4 @@ def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Full-prompt logits [S, V] from one forward through the runner (parity checks)."""
     runner = ModelRunner(lm)
-    return runner.forward([list(ids)], [0], [DynamicCache(config=lm.config)], [list(range(len(ids)))])[0]
+    return runner.forward([list(ids)], [0], [new_kv_cache(lm.config)], [list(range(len(ids)))])[0]
