@@ -16,7 +16,8 @@ from engine.worker.sampling import SamplingParams
 
 
 def _rows(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(seed))
+    """[1, 2 heads, n, 8] as attention hands them over: a transposed view of [1, n, heads, d]."""
+    return torch.randn(1, n, 2, 8, generator=torch.Generator().manual_seed(seed)).transpose(1, 2)
 
 
 def test_appends_crops_and_growth_hold_the_same_positions_as_dynamic_cache(monkeypatch, tiny_ckpt) -> None:
@@ -36,6 +37,7 @@ def test_appends_crops_and_growth_hold_the_same_positions_as_dynamic_cache(monke
             truncate_cache(ours, length), truncate_cache(ref, length)
             assert ours.get_seq_length() == ref.get_seq_length() == length
     layer = ours.layers[0]
+    assert layer._kernels is not None  # the native append ran (CPU, one sequence)
     assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer._key_buffer.shape[-2] >= layer.keys.shape[-2]
 
 

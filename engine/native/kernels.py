@@ -51,6 +51,8 @@ class NativeKernels:
         lib.gemv_q4.restype = _INT
         lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
         lib.gemv_q4_work_bytes.restype = _SIZE
+        lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
+        lib.kv_append.restype = None
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -153,6 +155,14 @@ class NativeKernels:
                                   logits.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                                   self._work(self.lib.gemv_work_bytes(E, H, 1)), torch.get_num_threads())
         return (logits, weights, ids) if rc == 0 else None
+
+    def kv_append(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+        """Write k and v [1, heads, n, d] (d contiguous) at positions at..at+n-1 of the contiguous
+        buffers [1, heads, capacity, d] of their dtype, in one call."""
+        _, heads, n, d = k.shape
+        ks, vs = k.stride(), v.stride()
+        self.lib.kv_append(key_buffer.data_ptr(), value_buffer.data_ptr(), k.data_ptr(), v.data_ptr(), heads, n, d,
+                           key_buffer.shape[2], at, ks[1], ks[2], vs[1], vs[2], k.element_size())
 
 
 @functools.lru_cache(maxsize=1)

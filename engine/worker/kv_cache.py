@@ -8,7 +8,9 @@ new row into a buffer with room (ad hoc, 1 thread). llama.cpp and vLLM prealloca
 cache for the same reason.
 
 `InPlaceLayer` keeps each layer's keys and values as prefix views of a buffer whose capacity
-doubles when full (at least `MIN_CAPACITY` positions), so an append is one copy of the new rows.
+doubles when full (at least `MIN_CAPACITY` positions), so an append is one copy of the new rows
+(on the CPU one native call writes both keys and values: on short contexts the dispatch of
+separate copies cost more than the `torch.cat`s they replace).
 Everything else transformers and the engine do with a layer keeps working on the views: cropping
 a rejected speculative tail (`crop` slices the view, the next append overwrites the tail),
 `get_seq_length`, and the operations that replace the tensors outright (their result is adopted
@@ -22,39 +24,49 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from engine.native.kernels import NativeKernels, native
+
 MIN_CAPACITY = 256  # positions a buffer starts with: a short chat never grows it
 
 
 class InPlaceLayer(DynamicLayer):
-    """DynamicLayer whose `keys`/`values` are [..., length, d] prefix views of [..., capacity, d] buffers."""
+    """DynamicLayer whose `keys`/`values` are [1, heads, length, d] prefix views of [1, heads, capacity, d] buffers."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
+    _kernels: NativeKernels | None = None  # where appends run natively: CPU buffers of one sequence
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._key_buffer, self.keys = _append(self._key_buffer, self.keys, key_states)
-        self._value_buffer, self.values = _append(self._value_buffer, self.values, value_states)
+        kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
+        n = key_states.shape[-2]
+        length = keys.shape[-2] if keys.dim() == 4 else 0  # lazy_initialization's prefix is a 1-d empty tensor
+        if (kb is None or not length or length + n > kb.shape[2] or keys.data_ptr() != kb.data_ptr()
+                or values.data_ptr() != vb.data_ptr() or keys.stride() != kb.stride() or values.stride() != vb.stride()):
+            # First append, full, or the prefix is not (or no longer) a view of the buffers: new ones.
+            kb, vb = _grown(keys, key_states, length), _grown(values, value_states, length)
+            self._key_buffer, self._value_buffer = kb, vb
+            self._kernels = native() if kb.device.type == "cpu" and kb.shape[0] == 1 else None
+        kernels = self._kernels
+        if (kernels is not None and key_states.dtype == value_states.dtype == kb.dtype and key_states.stride(3) == 1
+                and value_states.stride(3) == 1 and key_states.shape == value_states.shape):
+            kernels.kv_append(kb, vb, key_states, value_states, length)  # both writes in one native call
+        else:
+            kb.narrow(2, length, n).copy_(key_states)
+            vb.narrow(2, length, n).copy_(value_states)
+        self.keys, self.values = kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n)
         return self.keys, self.values
 
 
-def _append(buffer: torch.Tensor | None, prefix: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, view of its first L + n positions) after writing `rows` [..., n, d] at position L,
-    where `prefix` holds the L positions so far: a view of `buffer` (written in place when it has
-    room), or any other tensor (an empty one at first, or one an operation put there): copied into
-    a new buffer then."""
-    n = rows.shape[-2]
-    length = prefix.shape[-2] if prefix.dim() == rows.dim() else 0  # lazy_initialization's prefix is a 1-d empty tensor
-    if (buffer is None or length + n > buffer.shape[-2] or length == 0 or prefix.data_ptr() != buffer.data_ptr()
-            or prefix.stride() != buffer.stride()):
-        capacity = max(MIN_CAPACITY, 1 << (length + n - 1).bit_length())
-        grown = rows.new_empty((*rows.shape[:-2], capacity, rows.shape[-1]))
-        if length:
-            grown.narrow(-2, 0, length).copy_(prefix)
-        buffer = grown
-    buffer.narrow(-2, length, n).copy_(rows)
-    return buffer, buffer.narrow(-2, 0, length + n)
+def _grown(prefix: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """A new buffer [1, heads, capacity, d] for `length` + n positions (at least MIN_CAPACITY, a power
+    of two), holding the `length` positions of `prefix`."""
+    capacity = max(MIN_CAPACITY, 1 << (length + rows.shape[2] - 1).bit_length())
+    buffer = rows.new_empty((*rows.shape[:2], capacity, rows.shape[3]))
+    if length:
+        buffer.narrow(2, 0, length).copy_(prefix)
+    return buffer
 
 
 def new_kv_cache(config: PretrainedConfig) -> DynamicCache:
