@@ -152,44 +152,63 @@ def engine_tps(om, prompt: list[int], tokens: int) -> float:
 
 
 def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
-    """Where a decoding layer's time goes, from torch.profiler over one generate: time inside torch
-    calls (top-level ops: kernels plus dispatch), inside the native kernels (engine/native/, timed
-    around each ctypes call: the profiler does not see them) and outside both (Python:
-    transformers' modules, the router glue, the plan), per token and decoder layer, and the number
-    of top-level torch calls per layer. The profiler adds a microsecond or two to every call, most
-    of it outside the ops, so "outside" is an upper bound on the Python."""
+    """Where a decoding layer's time goes, per token and decoder layer: time inside torch calls
+    (top-level ops under torch.profiler: kernels plus dispatch), inside the native library
+    (engine/native/: every ctypes call timed, its argument conversion included; the profiler does
+    not see them), and the rest, which is Python (the engine's and transformers' modules, the
+    router glue, the plan, the wrappers around each call); and the number of top-level torch calls.
+
+    Two views of the Python: under the profiler ("outside", an upper bound: the profiler adds a
+    microsecond or two to every torch call), and the same generate timed without the profiler less
+    the profiled run's op time and its own native time ("python estimate")."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.native.kernels import NativeKernels
+    from engine.native.kernels import native
 
+    kernels = native()
     native_s = [0.0]
-    originals = {name: getattr(NativeKernels, name) for name in ("gemv", "moe_swiglu", "rmsnorm", "rope")}
 
-    def timed(fn):
-        def call(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                native_s[0] += time.perf_counter() - t0
-        return call
+    class TimedLib:
+        """The library with each function timed (wrappers made once, on first use)."""
+
+        def __init__(self, lib) -> None:
+            self._lib = lib
+
+        def __getattr__(self, name: str):
+            fn = getattr(self._lib, name)
+
+            def call(*a):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    native_s[0] += time.perf_counter() - t0
+            setattr(self, name, call)
+            return call
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+        return time.perf_counter() - t0
 
     layers = om.config.num_hidden_layers
+    per = (tokens + 1) * layers
+    lib = kernels.lib if kernels is not None else None
     try:
-        for name, fn in originals.items():
-            setattr(NativeKernels, name, timed(fn))
+        if kernels is not None:
+            kernels.lib = TimedLib(lib)
+        plain = run()
+        native_plain, native_s[0] = native_s[0], 0.0
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-            wall = time.perf_counter() - t0
+            wall = run()
     finally:
-        for name, fn in originals.items():
-            setattr(NativeKernels, name, fn)
+        if kernels is not None:
+            kernels.lib = lib
     top = [e for e in prof.events() if e.cpu_parent is None]
     inside = sum(e.cpu_time_total for e in top) / 1e6
-    per = (tokens + 1) * layers
     return {"ms_outside_ops_per_layer": (wall - inside - native_s[0]) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
-            "ms_in_native_per_layer": native_s[0] / per * 1e3, "torch_calls_per_layer": len(top) / per}
+            "ms_in_native_per_layer": native_s[0] / per * 1e3, "torch_calls_per_layer": len(top) / per,
+            "ms_python_estimate_per_layer": max(0.0, plain - inside - native_plain) / per * 1e3}
 
 
 def main() -> None:

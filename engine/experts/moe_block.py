@@ -73,5 +73,5 @@ def _sorted_row(weights: torch.Tensor) -> bool:
     would leave it as it is, so a decode step skips its three tensor ops."""
     if weights.shape[0] != 1:
         return False
-    w = weights[0].tolist()
+    w = weights.tolist()[0]
     return all(a >= b for a, b in zip(w, w[1:]))

@@ -152,7 +152,7 @@ class MoeExecutor:
         expires. What is left is the hit counters and one native call: about 90 us of Python a
         layer less on the tiny peers checkpoint (docs/benchmarks/peers_tiny.md). Same arithmetic
         as _run_single_row: experts in ascending order, the router's weights."""
-        row, w = ids[0].tolist(), weights[0].tolist()
+        row, w = ids.tolist()[0], weights.tolist()[0]  # no select op: [1, k] -> lists
         order = sorted(range(len(row)), key=row.__getitem__)  # ascending expert id: transformers' summation order
         base, slot_index, pointers = layer * self.num_experts, self.store.slot_index, self._pointers
         self.stats.record_all_hits(layer, len(row))

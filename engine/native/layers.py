@@ -43,16 +43,22 @@ class NativeRMSNorm:
         self.module, self.eps = module, eps
         self.original: Callable[[torch.Tensor], torch.Tensor] = type(module).forward.__get__(module)
         self.verified: bool | None = None  # None: not yet checked
+        self._accepted: tuple[torch.Size, torch.dtype] | None = None  # the last input shape and dtype found to run natively
 
     def kernels_for(self, x: torch.Tensor) -> NativeKernels | None:
         """The kernels where this norm runs x natively (few contiguous CPU rows in its weight's dtype, and
         not found to differ from the module), else None. Also what engine/worker/lean_forward.py asks
         before fusing this norm with its neighbours."""
+        # This runs several times a layer in every decode step, where each norm sees one shape: an
+        # input of the shape and dtype accepted last time needs only the contiguity check (and the
+        # verdict of the first call's check against the module).
+        if self._accepted == (x.shape, x.dtype) and x.is_contiguous() and self.verified is not False:
+            return native()
         w = self.module.weight
-        # The checks of usable(), inline: this runs several times a layer in every decode step.
         if (self.verified is False or x.dtype != w.dtype or x.numel() > MAX_ROWS * x.shape[-1] or w.shape != x.shape[-1:]
-                or x.dtype not in X_CODES or x.device.type != "cpu" or not x.is_contiguous()):
+                or x.dtype not in X_CODES or x.device.type != "cpu" or w.device.type != "cpu" or not x.is_contiguous()):
             return None
+        self._accepted = (x.shape, x.dtype)
         return native()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
