@@ -617,3 +617,77 @@ void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t hea
             memcpy((char *)vbuf + dst, (const char *)v + (size_t)((h * v_head + i * v_pos) * elem), row);
         }
 }
+
+/* ---- a decode row's attention, after its q/k/v projections --------------------------------------
+ * What engine/worker/lean_forward.py does between the projections and o_proj for one new row of one
+ * sequence, in one call: the per-head q/k RMSNorms (qw, kw; NULL: none, as in Qwen2-MoE), the rotary
+ * embedding (rot = 0: none), the new key and value written at position `at` of the cache buffers
+ * [hk, cap, d] (engine/worker/kv_cache.py), then softmax(scale * q K^T) V over positions 0..at for
+ * each query head, query head i reading KV head i / (hq / hk) (grouped-query attention, as SDPA's
+ * enable_gqa). q [hq, d], k and v [hk, d] contiguous, in x's dtype; q and k are normed and rotated
+ * in place; out [hq, d] in x's dtype. Scores, softmax and the weighted sum are computed in f32 (as
+ * SDPA's CPU kernels accumulate) but in another order, so `out` may differ from SDPA's in the last
+ * bits. work: at + 1 floats. */
+void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,
+                      const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
+                      void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2;
+    if (qw != NULL) {
+        rmsnorm(q, xtype, hq, d, qw, wtype, q_eps, q);
+        rmsnorm(k, xtype, hk, d, kw, wtype, k_eps, k);
+    }
+    if (rot > 0) {
+        rope(q, xtype, 1, hq, d, rot, cos, sin);
+        rope(k, xtype, 1, hk, d, rot, cos, sin);
+    }
+    for (int64_t g = 0; g < hk; g++) {
+        memcpy((char *)kbuf + (size_t)((g * cap + at) * d) * xs, (const char *)k + (size_t)(g * d) * xs, (size_t)d * xs);
+        memcpy((char *)vbuf + (size_t)((g * cap + at) * d) * xs, (const char *)v + (size_t)(g * d) * xs, (size_t)d * xs);
+    }
+    int64_t len = at + 1, group = hq / hk;
+    float qf[1024], acc[1024];
+    if (d > 1024) return;
+    for (int64_t h = 0; h < hq; h++) {
+        int64_t g = h / group;
+        for (int64_t i = 0; i < d; i++)
+            qf[i] = xtype == X_F32 ? ((const float *)q)[h * d + i] : bf16_to_f32(((const uint16_t *)q)[h * d + i]);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < len; j++) {
+            size_t row = (size_t)((g * cap + j) * d);
+            float s = 0.0f;
+            if (xtype == X_F32) {
+                const float *kr = (const float *)kbuf + row;
+                for (int64_t i = 0; i < d; i++) s += qf[i] * kr[i];
+            } else {
+                const uint16_t *kr = (const uint16_t *)kbuf + row;
+                for (int64_t i = 0; i < d; i++) s += qf[i] * bf16_to_f32(kr[i]);
+            }
+            s *= scale;
+            work[j] = s;
+            if (s > mx) mx = s;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            work[j] = expf(work[j] - mx);
+            sum += work[j];
+        }
+        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            size_t row = (size_t)((g * cap + j) * d);
+            float p = work[j];
+            if (xtype == X_F32) {
+                const float *vr = (const float *)vbuf + row;
+                for (int64_t i = 0; i < d; i++) acc[i] += p * vr[i];
+            } else {
+                const uint16_t *vr = (const uint16_t *)vbuf + row;
+                for (int64_t i = 0; i < d; i++) acc[i] += p * bf16_to_f32(vr[i]);
+            }
+        }
+        float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; i++) {
+            float y = acc[i] * inv;
+            if (xtype == X_F32) ((float *)out)[h * d + i] = y;
+            else ((uint16_t *)out)[h * d + i] = f32_to_bf16(y);
+        }
+    }
+}

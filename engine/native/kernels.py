@@ -53,6 +53,9 @@ class NativeKernels:
         lib.gemv_q4_work_bytes.restype = _SIZE
         lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
         lib.kv_append.restype = None
+        lib.decode_attention.argtypes = ([_P, _P, _P, _INT, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P,
+                                          _P, _P, _I64, _I64, ctypes.c_float, _P, _P])
+        lib.decode_attention.restype = None
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -163,6 +166,25 @@ class NativeKernels:
         ks, vs = k.stride(), v.stride()
         self.lib.kv_append(key_buffer.data_ptr(), value_buffer.data_ptr(), k.data_ptr(), v.data_ptr(), heads, n, d,
                            key_buffer.shape[2], at, ks[1], ks[2], vs[1], vs[2], k.element_size())
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+                         cos: torch.Tensor | None, sin: torch.Tensor | None, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
+                         at: int, scale: float) -> torch.Tensor:
+        """One new row's attention for one sequence (cpu_gemv.c `decode_attention`): q [hq, d], k and v
+        [hk, d] (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k
+        weight, q eps, k eps) or None, cos/sin [rot] or None, the KV buffers [1, hk, capacity, d] of the
+        same dtype, the new row's position `at`. Returns [1, hq * d]."""
+        hq, d = q.shape
+        hk = k.shape[0]
+        out = torch.empty((1, hq * d), dtype=q.dtype)
+        qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
+        self.lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), X_CODES[q.dtype], hq, hk, d,
+                                  None if qw is None else qw.data_ptr(), None if kw is None else kw.data_ptr(),
+                                  W_CODES[qw.dtype] if qw is not None else 0, q_eps, k_eps, 0 if cos is None else cos.shape[-1],
+                                  None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                                  key_buffer.data_ptr(), value_buffer.data_ptr(), key_buffer.shape[2], at, scale, out.data_ptr(),
+                                  self._work(4 * (at + 1)))
+        return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,6 +37,21 @@ class InPlaceLayer(DynamicLayer):
     _kernels: NativeKernels | None = None  # where appends run natively: CPU buffers of one sequence
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        kb, vb, length = self.reserve(key_states, value_states)
+        n = key_states.shape[-2]
+        kernels = self._kernels
+        if (kernels is not None and key_states.dtype == value_states.dtype == kb.dtype and key_states.stride(3) == 1
+                and value_states.stride(3) == 1 and key_states.shape == value_states.shape):
+            kernels.kv_append(kb, vb, key_states, value_states, length)  # both writes in one native call
+        else:
+            kb.narrow(2, length, n).copy_(key_states)
+            vb.narrow(2, length, n).copy_(value_states)
+        return self.advance(length + n)
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(key buffer, value buffer, length L) with room for these [1, heads, n, d] rows at L..L+n-1,
+        which the caller writes before advance(L + n). Buffers are made or grown here, holding the
+        L positions so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
@@ -48,14 +63,11 @@ class InPlaceLayer(DynamicLayer):
             kb, vb = _grown(keys, key_states, length), _grown(values, value_states, length)
             self._key_buffer, self._value_buffer = kb, vb
             self._kernels = native() if kb.device.type == "cpu" and kb.shape[0] == 1 else None
-        kernels = self._kernels
-        if (kernels is not None and key_states.dtype == value_states.dtype == kb.dtype and key_states.stride(3) == 1
-                and value_states.stride(3) == 1 and key_states.shape == value_states.shape):
-            kernels.kv_append(kb, vb, key_states, value_states, length)  # both writes in one native call
-        else:
-            kb.narrow(2, length, n).copy_(key_states)
-            vb.narrow(2, length, n).copy_(value_states)
-        self.keys, self.values = kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n)
+        return kb, vb, length
+
+    def advance(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` positions of the buffers are the cache now: (keys, values) views of them."""
+        self.keys, self.values = self._key_buffer.narrow(2, 0, length), self._value_buffer.narrow(2, 0, length)
         return self.keys, self.values
 
 

@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels, native
 from engine.native.layers import NativeRMSNorm
+from engine.worker.kv_cache import InPlaceLayer
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
 
 # Checked against each architecture's modeling code (decoder layer and attention forward) in
@@ -71,6 +72,8 @@ class LeanForward:
         # cos/sin of positions 0..P-1, computed once by the model's own rotary module and sliced per step.
         # Only for the default rope type, whose frequencies never change (dynamic scalings recompute them).
         self._table_ok = getattr(self.inner.rotary_emb, "rope_type", None) == "default"
+        # A decode row's attention in one native call (see _native_decode_attention); MOE_OFFLOAD_NATIVE_ATTENTION=0: torch's SDPA.
+        self._native_attention = self.kernels is not None and os.environ.get("MOE_OFFLOAD_NATIVE_ATTENTION", "1") != "0"
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
@@ -128,10 +131,13 @@ class LeanForward:
                    cache: PackedCache, batch: PackedBatch, decode: bool) -> torch.Tensor:
         """The attention module's forward (see the module docstring) with its inputs already known."""
         att = layer.att
+        q, k, v = layer.q_proj.forward(h), layer.k_proj.forward(h), layer.v_proj.forward(h)  # [N, heads * d]
+        if decode and self._native_attention:
+            out = self._native_decode_attention(layer, q, k, v, cos_sin, batch)
+            if out is not None:
+                return layer.o_proj.forward(out)
         shape = (1, h.shape[0], -1, att.head_dim)  # [1, N, heads, d], as transformers' attention views them
-        q = layer.q_proj.forward(h).view(shape)
-        k = layer.k_proj.forward(h).view(shape)
-        v = layer.v_proj.forward(h).view(shape).transpose(1, 2)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
         if layer.q_norm is not None and self._fused_qk(layer, q, k, *cos_sin):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         else:
@@ -179,6 +185,44 @@ class LeanForward:
         if kernels is not None and self._rope_ok(q, k, cos, sin):
             return kernels.rope(q, cos, sin).transpose(1, 2), kernels.rope(k, cos, sin).transpose(1, 2)
         return self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+    def _native_decode_attention(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cos_sin: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor | None:
+        """One new row per request, from its projections [N, heads * d] to o_proj's input [N, hq * d], one
+        native call a request (cpu_gemv.c `decode_attention`: q/k norms, rotary, KV append, attention),
+        or None where it does not apply (then the torch path runs): the CPU kernels, a float dtype, the
+        in-place KV cache, the rotary table's rows, per-head norms that are verified native ones.
+
+        Why: between the projections and o_proj a decode layer made about a dozen torch calls (views,
+        transposes, the cache's bookkeeping, SDPA, a copy back) and their Python, more than the
+        arithmetic on a small model. The same arithmetic but the attention's sums, whose order differs
+        from SDPA's: logits agree to float rounding, not bit for bit (tests/test_lean_forward.py)."""
+        kernels, att = self.kernels, layer.att
+        cos, sin = cos_sin  # [1, N, rot]
+        d, n = att.head_dim, q.shape[0]
+        hq, hk = q.shape[1] // d, k.shape[1] // d
+        if (kernels is None or q.dtype not in X_CODES or not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype)
+                or q.device.type != "cpu" or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d or not cos.is_contiguous()
+                or not sin.is_contiguous() or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
+            return None
+        norms = None
+        if layer.q_norm is not None:
+            qn, kn = layer.q_norm.forward, layer.k_norm.forward
+            if _verified_native(qn, q.view(hq * n, d)) is None or _verified_native(kn, k.view(hk * n, d)) is None:
+                return None
+            norms = (qn.module.weight, kn.module.weight, qn.eps, kn.eps)
+        layers = [c.layers[att.layer_idx] for c in batch.caches]
+        if not all(type(c) is InPlaceLayer for c in layers):
+            return None
+        outs = []
+        for r, cache in enumerate(layers):
+            kr, vr = k[r].view(hk, d), v[r].view(hk, d)
+            kb, vb, length = cache.reserve(kr.view(1, hk, 1, d), vr.view(1, hk, 1, d))
+            if kb.dtype != q.dtype:
+                return None  # before any row was written (a cache filled in another dtype)
+            outs.append(kernels.decode_attention(q[r].view(hq, d), kr, vr, norms, cos[0, r], sin[0, r], kb, vb, length, att.scaling))
+            cache.advance(length + 1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def _decode_attention(att: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
