@@ -150,3 +150,30 @@ def test_native_decode_attention_agrees_with_packed_forward(tiny_ckpt, monkeypat
             assert torch.allclose(a.values.float(), b.values.float(), atol=tol, rtol=tol)
     finally:
         om.close()
+
+
+def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
+    """Past NATIVE_ATTENTION_MAX_POSITIONS cached positions the torch path takes over, on the same cache."""
+    import engine.worker.lean_forward as lean_module
+
+    monkeypatch.setattr(lean_module, "NATIVE_ATTENTION_MAX_POSITIONS", 8)
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+    try:
+        calls = [0]
+        original = NativeKernels.decode_attention
+        monkeypatch.setattr(NativeKernels, "decode_attention", lambda self, *a: (calls.__setitem__(0, calls[0] + 1), original(self, *a))[1])
+        lean = LeanForward(om.model)
+        ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
+        window, start, native_steps = [5, 9, 11], 0, []
+        for step in range(10):
+            before = calls[0]
+            got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
+            want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+            native_steps.append(calls[0] > before)
+            start += len(window)
+            window = [int(want.argmax())]
+        # prompt (3 rows): torch; decode steps at 3..7 cached positions: native (once the norms verified); from 8 on: SDPA
+        assert any(native_steps[1:6]) and not any(native_steps[6:])
+    finally:
+        om.close()

@@ -618,6 +618,51 @@ void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t hea
         }
 }
 
+/* q . row for one cached key row (f32 or bf16; wtype codes), q in f32: sixteen lanes of partial sums
+ * (or eight without AVX-512), then their sum. A strict left-to-right sum would be one long chain of
+ * dependent adds, the compiler may not reorder it, and it cost most of a decode layer's attention. */
+static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i)));
+    s = _mm512_reduce_add_ps(acc);
+#else
+    float part[8] = {0};
+    for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; l++) part[l] += q[i + l] * load1(row, wtype, i + l);
+    for (int l = 0; l < 8; l++) s += part[l];
+#endif
+    for (; i < d; i++) s += q[i] * load1(row, wtype, i);
+    return s;
+}
+
+/* exp(x) of each score for the softmax, in place. With AVX-512 sixteen at a time (Cephes' expf:
+ * n = round(x / ln 2), a degree-6 polynomial of the remainder, times 2^n; within about 2 ulp of
+ * expf over the range the softmax feeds it, x <= 0): one scalar expf per cached position and head
+ * took most of a long context's attention time. */
+static void exp_inplace(float *x, int64_t n) {
+    int64_t j = 0;
+#ifdef __AVX512F__
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(-87.3f)); /* below: 0 after rounding anyway */
+        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        _mm512_storeu_ps(x + j, _mm512_scalef_ps(p, k));
+    }
+#endif
+    for (; j < n; j++) x[j] = expf(x[j]);
+}
+
 /* ---- a decode row's attention, after its q/k/v projections --------------------------------------
  * What engine/worker/lean_forward.py does between the projections and o_proj for one new row of one
  * sequence, in one call: the per-head q/k RMSNorms (qw, kw; NULL: none, as in Qwen2-MoE), the rotary
@@ -627,7 +672,7 @@ void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t hea
  * enable_gqa). q [hq, d], k and v [hk, d] contiguous, in x's dtype; q and k are normed and rotated
  * in place; out [hq, d] in x's dtype. Scores, softmax and the weighted sum are computed in f32 (as
  * SDPA's CPU kernels accumulate) but in another order, so `out` may differ from SDPA's in the last
- * bits. work: at + 1 floats. */
+ * bits. work: (hq / hk) * (at + 1 + 2 d) floats; at most 64 query heads per KV head, d <= 1024. */
 void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,
                       const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
                       void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
@@ -644,50 +689,48 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
         memcpy((char *)kbuf + (size_t)((g * cap + at) * d) * xs, (const char *)k + (size_t)(g * d) * xs, (size_t)d * xs);
         memcpy((char *)vbuf + (size_t)((g * cap + at) * d) * xs, (const char *)v + (size_t)(g * d) * xs, (size_t)d * xs);
     }
+    /* The query heads of one KV head together: each cached row is read once for all of them. */
     int64_t len = at + 1, group = hq / hk;
-    float qf[1024], acc[1024];
-    if (d > 1024) return;
-    for (int64_t h = 0; h < hq; h++) {
-        int64_t g = h / group;
-        for (int64_t i = 0; i < d; i++)
-            qf[i] = xtype == X_F32 ? ((const float *)q)[h * d + i] : bf16_to_f32(((const uint16_t *)q)[h * d + i]);
-        float mx = -INFINITY;
+    int wt = xtype == X_F32 ? W_F32 : W_BF16;
+    if (group > 64 || group * hk != hq) return; /* the caller checks: never reached */
+    float *scores = work, *qf = work + group * len, *acc = qf + group * d; /* [group, len], [group, d], [group, d] */
+    for (int64_t g = 0; g < hk; g++) {
+        for (int64_t a = 0; a < group; a++)
+            for (int64_t i = 0; i < d; i++)
+                qf[a * d + i] = load1(q, wt, (g * group + a) * d + i);
         for (int64_t j = 0; j < len; j++) {
-            size_t row = (size_t)((g * cap + j) * d);
-            float s = 0.0f;
-            if (xtype == X_F32) {
-                const float *kr = (const float *)kbuf + row;
-                for (int64_t i = 0; i < d; i++) s += qf[i] * kr[i];
-            } else {
-                const uint16_t *kr = (const uint16_t *)kbuf + row;
-                for (int64_t i = 0; i < d; i++) s += qf[i] * bf16_to_f32(kr[i]);
-            }
-            s *= scale;
-            work[j] = s;
-            if (s > mx) mx = s;
+            const char *kr = (const char *)kbuf + (size_t)((g * cap + j) * d) * xs;
+            for (int64_t a = 0; a < group; a++) scores[a * len + j] = dot_row(qf + a * d, kr, wt, d) * scale;
         }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < len; j++) {
-            work[j] = expf(work[j] - mx);
-            sum += work[j];
+        float inv[64];
+        for (int64_t a = 0; a < group; a++) {
+            float *sc = scores + a * len, mx = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
+            for (int64_t j = 0; j < len; j++) sc[j] -= mx;
+            exp_inplace(sc, len);
+            for (int64_t j = 0; j < len; j++) sum += sc[j];
+            inv[a] = 1.0f / sum;
         }
-        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
         for (int64_t j = 0; j < len; j++) {
-            size_t row = (size_t)((g * cap + j) * d);
-            float p = work[j];
-            if (xtype == X_F32) {
-                const float *vr = (const float *)vbuf + row;
-                for (int64_t i = 0; i < d; i++) acc[i] += p * vr[i];
-            } else {
-                const uint16_t *vr = (const uint16_t *)vbuf + row;
-                for (int64_t i = 0; i < d; i++) acc[i] += p * bf16_to_f32(vr[i]);
+            const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
+            for (int64_t a = 0; a < group; a++) {
+                float p = scores[a * len + j], *ac = acc + a * d;
+                int64_t i = 0;
+#ifdef __AVX512F__
+                __m512 pv = _mm512_set1_ps(p);
+                for (; i + 16 <= d; i += 16)
+                    _mm512_storeu_ps(ac + i, _mm512_add_ps(_mm512_loadu_ps(ac + i), _mm512_mul_ps(pv, load16(vr, wt, i))));
+#endif
+                for (; i < d; i++) ac[i] += p * load1(vr, wt, i);
             }
         }
-        float inv = 1.0f / sum;
-        for (int64_t i = 0; i < d; i++) {
-            float y = acc[i] * inv;
-            if (xtype == X_F32) ((float *)out)[h * d + i] = y;
-            else ((uint16_t *)out)[h * d + i] = f32_to_bf16(y);
-        }
+        for (int64_t a = 0; a < group; a++)
+            for (int64_t i = 0; i < d; i++) {
+                float y = acc[a * d + i] * inv[a];
+                int64_t o = (g * group + a) * d + i;
+                if (xtype == X_F32) ((float *)out)[o] = y;
+                else ((uint16_t *)out)[o] = f32_to_bf16(y);
+            }
     }
 }

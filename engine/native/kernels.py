@@ -60,10 +60,19 @@ class NativeKernels:
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
         self._moe_work: dict[tuple[int, int], int] = {}  # moe_swiglu's scratch bytes per (hidden, intermediate)
+        self._gemv_work_bytes: dict[tuple[int, int], int] = {}  # gemv's for one row, per (rows, cols)
 
     def describe(self) -> str:
         return (f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
                 f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}")
+
+    def _gemv_work(self, rows: int, cols: int) -> int:
+        """gemv's scratch bytes for one activation row, asked of the library once per shape (a router
+        asks every layer of every decode step)."""
+        nbytes = self._gemv_work_bytes.get((rows, cols))
+        if nbytes is None:
+            nbytes = self._gemv_work_bytes[(rows, cols)] = self.lib.gemv_work_bytes(rows, cols, 1)
+        return nbytes
 
     def _work(self, nbytes: int) -> int:
         buf = getattr(self._local, "buf", None)
@@ -155,8 +164,7 @@ class NativeKernels:
         weights = torch.empty((1, k), dtype=x.dtype)
         ids = torch.empty((1, k), dtype=torch.int64)
         rc = self.lib.router_topk(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, int(norm),
-                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(),
-                                  self._work(self.lib.gemv_work_bytes(E, H, 1)), torch.get_num_threads())
+                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), self._work(self._gemv_work(E, H)), torch.get_num_threads())
         return (logits, weights, ids) if rc == 0 else None
 
     def kv_append(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
@@ -183,7 +191,7 @@ class NativeKernels:
                                   W_CODES[qw.dtype] if qw is not None else 0, q_eps, k_eps, 0 if cos is None else cos.shape[-1],
                                   None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                                   key_buffer.data_ptr(), value_buffer.data_ptr(), key_buffer.shape[2], at, scale, out.data_ptr(),
-                                  self._work(4 * (at + 1)))
+                                  self._work(4 * (hq // hk) * (at + 1 + 2 * d)))
         return out
 
 

@@ -26,6 +26,11 @@ class NativeTopKRouter:
     def __init__(self, router: nn.Module) -> None:
         self.router = router
         self.verified: bool | None = None  # None: not checked yet
+        self._accepted: torch.dtype | None = None  # the input dtype last found to run natively
+        # Read once: module attribute lookups cost microseconds, and a missing one raises inside getattr.
+        self.weight: torch.Tensor = router.weight  # the Parameter itself: its data pointer is read at each call
+        self.top_k: int = router.top_k
+        self.norm = bool(getattr(router, "norm_topk_prob", True))
 
     @staticmethod
     def supports(router: nn.Module) -> bool:
@@ -36,14 +41,15 @@ class NativeTopKRouter:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """x [1, H] -> (logits, weights, ids) as the router's forward returns them, or None (use it)."""
-        w = self.router.weight
-        if (self.verified is False or x.shape[0] != 1 or x.dtype != w.dtype or x.dtype not in X_CODES
-                or x.device.type != "cpu" or not x.is_contiguous() or not w.is_contiguous()):
-            return None
-        kernels = native()
-        if kernels is None:
-            return None
-        got = kernels.router_topk(x, w, self.router.top_k, bool(getattr(self.router, "norm_topk_prob", True)))
+        w = self.weight
+        # Every layer of every decode step comes here with the same kind of row: after the first
+        # accepted one, only what can change from a call to the next is checked.
+        if self._accepted is not x.dtype or x.shape[0] != 1 or not x.is_contiguous() or self.verified is False:
+            if (self.verified is False or x.shape[0] != 1 or x.dtype != w.dtype or x.dtype not in X_CODES
+                    or x.device.type != "cpu" or not x.is_contiguous() or not w.is_contiguous() or native() is None):
+                return None
+            self._accepted = x.dtype
+        got = native().router_topk(x, w, self.top_k, self.norm)
         if got is None or self.verified:
             return got
         ref = self.router.forward(x)
