@@ -40,10 +40,14 @@ def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
     return list(out.token_ids), stats, taken[0]
 
 
-def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch) -> None:
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch, native_kernels: bool) -> None:
+    """With the native kernels (one call for the layer's experts) and without (torch's loop, as on a GPU)."""
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
     try:
         assert om.store.complete
+        if not native_kernels:
+            om.executor._native = None
         tokens_lane, stats_lane, taken = _decode(om, monkeypatch, lane=True)
         tokens_full, stats_full, taken_full = _decode(om, monkeypatch, lane=False)
         assert taken == 7 * len(om.moe_layers) and taken_full == 0  # every decode step's layers; not the prefill

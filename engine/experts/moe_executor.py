@@ -137,11 +137,10 @@ class MoeExecutor:
         return out
 
     def _lane_open(self, x: torch.Tensor) -> bool:
-        """Whether a one-row step may take the resident lane: the native kernels take x, and nothing
-        that plans around misses is attached (CPU experts, the balancer's meter, the utility
-        estimator, a per-layer hook). The caller has checked that the store is complete."""
-        return (self._native is not None and self.cpu is None and self.meter is None and self.utility is None
-                and self.after_layer is None and self._native.accepts(x))
+        """Whether a one-row step may take the resident lane: nothing that plans around misses is
+        attached (CPU experts, the balancer's meter, the utility estimator, a per-layer hook). The
+        caller has checked that the store is complete."""
+        return self.cpu is None and self.meter is None and self.utility is None and self.after_layer is None
 
     def _resident_lane(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One decode row when every expert of the model is resident for good (store.complete).
@@ -149,14 +148,27 @@ class MoeExecutor:
         What run() does there, less what cannot matter: a miss policy decides only about misses
         (policies/base.py), so its plan is the router's choice; no slot can be evicted, so there is
         nothing to pin and no eviction ranking to feed; nothing is prefetched, so no protection
-        expires. What is left is the hit counters and one native call: about 90 us of Python a
-        layer less on the tiny peers checkpoint (docs/benchmarks/peers_tiny.md). Same arithmetic
-        as _run_single_row: experts in ascending order, the router's weights."""
-        row, w = ids.tolist()[0], weights.tolist()[0]  # no select op: [1, k] -> lists
-        order = sorted(range(len(row)), key=row.__getitem__)  # ascending expert id: transformers' summation order
-        base, slot_index, pointers = layer * self.num_experts, self.store.slot_index, self._pointers
+        expires. What is left is the hit counters and the experts' compute, as _run_single_row does
+        it: about 90 us of Python a layer less on the tiny peers checkpoint (docs/benchmarks/peers_tiny.md)."""
+        row = ids.tolist()[0]  # no select op: [1, k] -> a list
         self.stats.record_all_hits(layer, len(row))
-        return self._native.run(x, [pointers[slot_index(base + row[j])] for j in order], [w[j] for j in order])
+        return self._run_resident(layer, x, sorted(row), {e: j for j, e in enumerate(row)}, weights, weights.tolist()[0])
+
+    def _run_resident(self, layer: int, x: torch.Tensor, ready: list[int], slot_of: dict[int, int], weights: torch.Tensor,
+                      w_list: list[float]) -> torch.Tensor:
+        """x [1, H] through the resident experts `ready` (ascending: transformers' summation order), each
+        scaled by its weight (row slot slot_of[e] of weights [1, k] / its float w_list): one native call
+        on the CPU, else a loop of torch calls."""
+        E = self.num_experts
+        if self._native is not None and ready and self._native.accepts(x):
+            return self._native.run(x, [self._pointers[self.store.slot_index(layer * E + e)] for e in ready],
+                                    [w_list[slot_of[e]] for e in ready])
+        w = weights[0].unbind(0)
+        out: torch.Tensor | None = None
+        for e in ready:
+            y = (self._expert(layer * E + e, x) * w[slot_of[e]]).to(x.dtype)
+            out = y if out is None else out.add_(y)
+        return out if out is not None else torch.zeros_like(x)  # every expert dropped by the policy
 
     def _cpu_split(self, layer: int, plan: ExpertPlan, ready: list[int], to_load: list[int]) -> list[int]:
         """The missed experts that run on the CPU, chosen by the workload balancer (policies/balancer.py).
@@ -267,16 +279,7 @@ class MoeExecutor:
             # Every expert resident (cache 1.0, or all hits): nothing to interleave with loads, so
             # no scheduling loop and no early unpinning (the lease unpins all at once on exit).
             # `ready` is in ascending expert order, transformers' summation order.
-            E = self.num_experts
-            if self._native is not None and ready and self._native.accepts(x):
-                return self._native.run(x, [self._pointers[self.store.slot_index(layer * E + e)] for e in ready],
-                                        [w_list[slot_of[e]] for e in ready])
-            w = weights[0].unbind(0)
-            out: torch.Tensor | None = None
-            for e in ready:
-                y = (self._expert(layer * E + e, x) * w[slot_of[e]]).to(x.dtype)
-                out = y if out is None else out.add_(y)
-            return out if out is not None else torch.zeros_like(x)  # every expert dropped by the policy
+            return self._run_resident(layer, x, ready, slot_of, weights, w_list)
         results: dict[int, torch.Tensor] = {}
         row = weights[0]
 
