@@ -177,3 +177,35 @@ def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
         assert any(native_steps[1:6]) and not any(native_steps[6:])
     finally:
         om.close()
+
+
+def test_native_decode_attention_for_several_requests(tiny_ckpt, monkeypatch) -> None:
+    """A batched decode step (one row for each of two requests at different lengths): one native call each."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+    try:
+        calls = [0]
+        original = NativeKernels.decode_attention
+        monkeypatch.setattr(NativeKernels, "decode_attention", lambda self, *a: (calls.__setitem__(0, calls[0] + 1), original(self, *a))[1])
+        lean = LeanForward(om.model)
+        warm = new_kv_cache(om.config)  # the norms' first calls check themselves
+        lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
+        lean([[6]], [3], [warm], [[0]], om.device)
+        ours = [new_kv_cache(om.config), new_kv_cache(om.config)]
+        refs = [DynamicCache(config=om.config), DynamicCache(config=om.config)]
+        prompts = [[5, 9, 11, 7], [8, 2]]
+        for c, r, p in zip(ours, refs, prompts):
+            lean([p], [0], [c], [[len(p) - 1]], om.device)
+            packed_forward(om.model, [p], [0], [r], [[len(p) - 1]], om.device)
+        starts, rows = [4, 2], [[12], [13]]
+        calls[0] = 0
+        for _ in range(3):
+            got = lean(rows, starts, ours, [[0], [0]], om.device)
+            want = packed_forward(om.model, rows, starts, refs, [[0], [0]], om.device)
+            for g, w in zip(got, want):
+                assert torch.allclose(g, w, atol=1e-6, rtol=1e-6)
+            assert all(layer.keys.shape[-2] == s + 1 for c, s in zip(ours, starts) for layer in c.layers)
+            starts = [s + 1 for s in starts]
+            rows = [[int(w.argmax())] for w in want]
+        assert calls[0] == 3 * 2 * om.config.num_hidden_layers
+    finally:
+        om.close()

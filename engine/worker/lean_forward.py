@@ -206,27 +206,25 @@ class LeanForward:
         d, n = att.head_dim, q.shape[0]
         hq, hk = q.shape[1] // d, k.shape[1] // d
         if (kernels is None or q.dtype not in X_CODES or not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype)
-                or q.device.type != "cpu" or d > 1024 or hq % hk or hq // hk > 64 or cos.shape[-1] % 2 or cos.shape[-1] > d or not cos.is_contiguous()
-                or not sin.is_contiguous() or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
+                or q.device.type != "cpu" or d > 1024 or hq % hk or hq // hk > 64 or cos.shape[-1] % 2
+                or cos.shape[-1] > d or not (cos.is_contiguous() and sin.is_contiguous())
+                or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
             return None
-        norms = None
-        if layer.q_norm is not None:
+        norms = layer.native_qk_norms
+        if norms is None and layer.q_norm is not None:
             qn, kn = layer.q_norm.forward, layer.k_norm.forward
-            if _verified_native(qn, q.view(hq * n, d)) is None or _verified_native(kn, k.view(hk * n, d)) is None:
+            if _verified_native(qn, q[:1].view(hq, d)) is None or _verified_native(kn, k[:1].view(hk, d)) is None:
                 return None
-            norms = (qn.module.weight, kn.module.weight, qn.eps, kn.eps)
+            norms = layer.native_qk_norms = (qn.module.weight, kn.module.weight, qn.eps, kn.eps)  # verified: for good
         layers = [c.layers[att.layer_idx] for c in batch.caches]
         if not all(type(c) is InPlaceLayer and c.get_seq_length() < NATIVE_ATTENTION_MAX_POSITIONS for c in layers):
             return None
-        outs = []
-        for r, cache in enumerate(layers):
-            kr, vr = k[r].view(hk, d), v[r].view(hk, d)
-            kb, vb, length = cache.reserve(kr.view(1, hk, 1, d), vr.view(1, hk, 1, d))
-            if kb.dtype != q.dtype:
-                return None  # before any row was written (a cache filled in another dtype)
-            outs.append(kernels.decode_attention(q[r].view(hq, d), kr, vr, norms, cos[0, r], sin[0, r], kb, vb, length, att.scaling))
-            cache.advance(length + 1)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if n == 1:  # one request: views, no per-row selects
+            return _attend_row(kernels, layers[0], q.view(hq, d), k.view(hk, d), v.view(hk, d), norms,
+                               cos.view(-1), sin.view(-1), att.scaling)
+        outs = [_attend_row(kernels, c, q[r].view(hq, d), k[r].view(hk, d), v[r].view(hk, d), norms, cos[0, r], sin[0, r],
+                            att.scaling) for r, c in enumerate(layers)]
+        return torch.cat(outs)
 
     @staticmethod
     def _decode_attention(att: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -246,6 +244,20 @@ class LeanForward:
                                                is_causal=False, enable_gqa=gqa)
             outs.append(o.transpose(1, 2))
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
+
+
+def _attend_row(kernels: NativeKernels, cache: InPlaceLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                norms: tuple[torch.Tensor, torch.Tensor, float, float] | None, cos: torch.Tensor, sin: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One request's new row (q [hq, d], k and v [hk, d]) through the native decode attention, its key
+    and value appended to `cache`; returns [1, hq * d]."""
+    hk, d = k.shape
+    kb, vb, length = cache.reserve(k.view(1, hk, 1, d), v.view(1, hk, 1, d))
+    if kb.dtype != q.dtype:  # a request's cache holds its model's dtype: this would be a bug, not an input
+        raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
+    out = kernels.decode_attention(q, k, v, norms, cos, sin, kb, vb, length, scale)
+    cache.advance(length + 1)
+    return out
 
 
 def _verified_native(norm_forward: Callable, x: torch.Tensor) -> NativeKernels | None:
@@ -269,3 +281,5 @@ class _LeanLayer:
         qk_norm = getattr(att, "use_qk_norm", hasattr(att, "q_norm"))
         self.q_norm = att.q_norm if qk_norm else None
         self.k_norm = att.k_norm if qk_norm else None
+        # (q weight, k weight, q eps, k eps) for the native decode attention, once both norms are verified native ones.
+        self.native_qk_norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
