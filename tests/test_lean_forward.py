@@ -112,6 +112,19 @@ def test_lean_single_request_without_rows(tiny_ckpt) -> None:
         om.close()
 
 
+def _count_native_attention(monkeypatch) -> list[int]:
+    """A one-element list counting NativeKernels.decode_attention calls from now on."""
+    calls = [0]
+    original = NativeKernels.decode_attention
+
+    def counted(self, *args):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(NativeKernels, "decode_attention", counted)
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_attention_agrees_with_packed_forward(tiny_ckpt, monkeypatch, arch: str, dtype: str) -> None:
@@ -120,14 +133,7 @@ def test_native_decode_attention_agrees_with_packed_forward(tiny_ckpt, monkeypat
     agree to rounding (f32: 1e-6; bf16: 1e-2, about one of its ulps) and the greedy tokens are the same."""
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))
     try:
-        calls = [0]
-        original = NativeKernels.decode_attention
-
-        def counted(self, *args):  # noqa: ANN001, ANN202
-            calls[0] += 1
-            return original(self, *args)
-
-        monkeypatch.setattr(NativeKernels, "decode_attention", counted)
+        calls = _count_native_attention(monkeypatch)
         lean = LeanForward(om.model)
         warm = new_kv_cache(om.config)  # the norms' and the router's first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
@@ -159,9 +165,7 @@ def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
     monkeypatch.setattr(lean_module, "NATIVE_ATTENTION_MAX_POSITIONS", 8)
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:
-        calls = [0]
-        original = NativeKernels.decode_attention
-        monkeypatch.setattr(NativeKernels, "decode_attention", lambda self, *a: (calls.__setitem__(0, calls[0] + 1), original(self, *a))[1])
+        calls = _count_native_attention(monkeypatch)
         lean = LeanForward(om.model)
         ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
         window, start, native_steps = [5, 9, 11], 0, []
@@ -183,9 +187,7 @@ def test_native_decode_attention_for_several_requests(tiny_ckpt, monkeypatch) ->
     """A batched decode step (one row for each of two requests at different lengths): one native call each."""
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:
-        calls = [0]
-        original = NativeKernels.decode_attention
-        monkeypatch.setattr(NativeKernels, "decode_attention", lambda self, *a: (calls.__setitem__(0, calls[0] + 1), original(self, *a))[1])
+        calls = _count_native_attention(monkeypatch)
         lean = LeanForward(om.model)
         warm = new_kv_cache(om.config)  # the norms' first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)

@@ -54,3 +54,14 @@ def test_a_child_over_its_memory_limit_is_killed_and_reported_as_such() -> None:
     assert _tps(small, llama=False) == (1.5, "")
     failed = subprocess.CompletedProcess([], 2, stdout="", stderr="error: model not found\n")
     assert _tps(failed, llama=True) == (None, "failed (exit 2): error: model not found")
+
+
+def test_revision_ab_refuses_an_unknown_revision_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "bench.revision_ab", "--base", "no-such-revision"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["revision_ab: 'no-such-revision' is not a commit of this repository; "
+                                               "pass --base with a commit, tag or branch"]

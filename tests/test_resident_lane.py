@@ -32,7 +32,7 @@ def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
 
     monkeypatch.setattr(MoeExecutor, "_resident_lane", counting)
     if not lane:
-        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self, x: False)
+        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self: False)
     om.stats.reset()
     out = generate(om, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
     stats = om.stats.snapshot()
@@ -70,7 +70,7 @@ def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt, monkeypatch) 
 
         step_logits()  # first calls: the native router and norms check themselves against their modules (and return those)
         lane = step_logits()
-        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self, x: False)
+        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self: False)
         full = step_logits()
         assert torch.equal(lane, full)
         assert torch.allclose(lane, prompt_logits(om, ids), atol=1e-5, rtol=1e-5)  # and the packed prefill agrees

@@ -95,7 +95,7 @@ class MoeExecutor:
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] from the native router, and scores [T, E], what it ranks to
         pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
-        if ids.shape[0] == 1 and self.store.complete and self._lane_open(x):
+        if ids.shape[0] == 1 and self.store.complete and self._lane_open():
             return self._resident_lane(layer, x, ids, weights)
         E = self.num_experts
         ids_list = ids.tolist()
@@ -136,7 +136,7 @@ class MoeExecutor:
             self.after_layer(layer)  # this layer's slots are unpinned now: room for the next layer's prefetches
         return out
 
-    def _lane_open(self, x: torch.Tensor) -> bool:
+    def _lane_open(self) -> bool:
         """Whether a one-row step may take the resident lane: nothing that plans around misses is
         attached (CPU experts, the balancer's meter, the utility estimator, a per-layer hook). The
         caller has checked that the store is complete."""
