@@ -59,19 +59,20 @@ class NativeKernels:
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
-        self._moe_work: dict[tuple[int, int], int] = {}  # moe_swiglu's scratch bytes per (hidden, intermediate)
-        self._gemv_work_bytes: dict[tuple[int, int], int] = {}  # gemv's for one row, per (rows, cols)
+        self._scratch_bytes: dict[tuple, int] = {}  # each kernel's scratch size per shape, asked of the library once
 
     def describe(self) -> str:
         return (f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
                 f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}")
 
-    def _gemv_work(self, rows: int, cols: int) -> int:
-        """gemv's scratch bytes for one activation row, asked of the library once per shape (a router
-        asks every layer of every decode step)."""
-        nbytes = self._gemv_work_bytes.get((rows, cols))
+    def _scratch(self, size_fn: str, *shape: int) -> int:
+        """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
+        shape, asked once per shape: a decode step calls the kernels many times a layer with the same
+        few shapes, and each question is a ctypes call."""
+        key = (size_fn, *shape)
+        nbytes = self._scratch_bytes.get(key)
         if nbytes is None:
-            nbytes = self._gemv_work_bytes[(rows, cols)] = self.lib.gemv_work_bytes(rows, cols, 1)
+            nbytes = self._scratch_bytes[key] = getattr(self.lib, size_fn)(*shape)
         return nbytes
 
     def _work(self, nbytes: int) -> int:
@@ -87,7 +88,7 @@ class NativeKernels:
         rows = w.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
         rc = self.lib.gemv(w.data_ptr(), scale.data_ptr() if scale is not None else None, W_CODES[w.dtype], rows, cols,
-                           x.data_ptr(), X_CODES[x.dtype], m, y.data_ptr(), self._work(self.lib.gemv_work_bytes(rows, cols, m)),
+                           x.data_ptr(), X_CODES[x.dtype], m, y.data_ptr(), self._work(self._scratch("gemv_work_bytes", rows, cols, m)),
                            torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
@@ -102,9 +103,7 @@ class NativeKernels:
         m = len(gate_up)
         out = torch.empty((1, hidden), dtype=x.dtype)
         ptrs = _P * m
-        work = self._moe_work.get((hidden, intermediate))
-        if work is None:  # one ctypes call fewer per layer of every decode step
-            work = self._moe_work[(hidden, intermediate)] = self.lib.moe_work_bytes(hidden, intermediate)
+        work = self._scratch("moe_work_bytes", hidden, intermediate)
         self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up),
                             None if gate_up_scale is None else ptrs(*gate_up_scale), ptrs(*down),
                             None if down_scale is None else ptrs(*down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(),
@@ -119,7 +118,7 @@ class NativeKernels:
         rows = packed.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
         rc = self.lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), rows, cols, x.data_ptr(), X_CODES[x.dtype], m,
-                              y.data_ptr(), self._work(self.lib.gemv_q4_work_bytes(rows, cols, m)), torch.get_num_threads())
+                              y.data_ptr(), self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m)), torch.get_num_threads())
         return y if rc == 0 else None
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,7 +163,7 @@ class NativeKernels:
         weights = torch.empty((1, k), dtype=x.dtype)
         ids = torch.empty((1, k), dtype=torch.int64)
         rc = self.lib.router_topk(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, int(norm),
-                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), self._work(self._gemv_work(E, H)), torch.get_num_threads())
+                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), self._work(self._scratch("gemv_work_bytes", E, H, 1)), torch.get_num_threads())
         return (logits, weights, ids) if rc == 0 else None
 
     def kv_append(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
