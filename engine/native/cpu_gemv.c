@@ -581,14 +581,18 @@ int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, i
 }
 
 /* A decode step's per-head q and k norms, then their rotary embedding, in place, in one call: the
- * same arithmetic as rmsnorm (weights qw, kw: [d]) followed by rope, with q [rows, hq, d] and k
- * [rows, hk, d]. */
+ * same arithmetic as rmsnorm (weights qw, kw: [d]; NULL: no norms) followed by rope (rot = 0: none),
+ * with q [rows, hq, d] and k [rows, hk, d]. */
 void qk_norm_rope(void *q, void *k, int xtype, int64_t rows, int64_t hq, int64_t hk, int64_t d, const void *qw,
                   const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin) {
-    rmsnorm(q, xtype, rows * hq, d, qw, wtype, q_eps, q); /* row by row: each row is read before it is written */
-    rmsnorm(k, xtype, rows * hk, d, kw, wtype, k_eps, k);
-    rope(q, xtype, rows, hq, d, rot, cos, sin);
-    rope(k, xtype, rows, hk, d, rot, cos, sin);
+    if (qw != NULL) {
+        rmsnorm(q, xtype, rows * hq, d, qw, wtype, q_eps, q); /* row by row: each row is read before it is written */
+        rmsnorm(k, xtype, rows * hk, d, kw, wtype, k_eps, k);
+    }
+    if (rot > 0) {
+        rope(q, xtype, rows, hq, d, rot, cos, sin);
+        rope(k, xtype, rows, hk, d, rot, cos, sin);
+    }
 }
 
 /* A residual add and the next RMSNorm in one call: sum = x + a (rounded to the activation dtype, as
@@ -677,18 +681,8 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
                       const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
                       void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
     size_t xs = xtype == X_F32 ? 4 : 2;
-    if (qw != NULL) {
-        rmsnorm(q, xtype, hq, d, qw, wtype, q_eps, q);
-        rmsnorm(k, xtype, hk, d, kw, wtype, k_eps, k);
-    }
-    if (rot > 0) {
-        rope(q, xtype, 1, hq, d, rot, cos, sin);
-        rope(k, xtype, 1, hk, d, rot, cos, sin);
-    }
-    for (int64_t g = 0; g < hk; g++) {
-        memcpy((char *)kbuf + (size_t)((g * cap + at) * d) * xs, (const char *)k + (size_t)(g * d) * xs, (size_t)d * xs);
-        memcpy((char *)vbuf + (size_t)((g * cap + at) * d) * xs, (const char *)v + (size_t)(g * d) * xs, (size_t)d * xs);
-    }
+    qk_norm_rope(q, k, xtype, 1, hq, hk, d, qw, kw, wtype, q_eps, k_eps, rot, cos, sin);
+    kv_append(kbuf, vbuf, k, v, hk, 1, d, cap, at, d, d, d, d, (int64_t)xs); /* k, v: [hk, d], one position */
     /* The query heads of one KV head together: each cached row is read once for all of them. */
     int64_t len = at + 1, group = hq / hk;
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
