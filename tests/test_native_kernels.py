@@ -229,7 +229,7 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native_build, "SOURCE", bad)
+    monkeypatch.setattr(native_build, "SOURCES", [bad])
     lib, why = native_build.build()
     assert lib is None and why.startswith("building the native CPU kernels with") and "using torch's" in why
     assert not list((tmp_path / "native").glob("*.so"))  # no half-built library left to load later

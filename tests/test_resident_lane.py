@@ -20,6 +20,15 @@ from engine.worker.sampling import SamplingParams
 from policies.registry import POLICY_NAMES, SUBSTITUTES, make_miss_policy
 
 
+@pytest.fixture(autouse=True)
+def _layer_by_layer():
+    """The lane is what the layer-by-layer decode runs; a fused decode step (engine/worker/fused_decode.py,
+    tested in tests/test_fused_decode.py) would bypass it. Its own MonkeyPatch: _decode undoes the test's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")
+        yield
+
+
 def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
     """Greedy tokens of a prompt + 8 tokens (7 decode steps after the prefill), the stats, and how
     many layer runs took the lane."""

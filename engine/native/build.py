@@ -1,4 +1,4 @@
-"""Builds engine/native/cpu_gemv.c into a shared library once per machine, and loads it.
+"""Builds engine/native/cpu_gemv.c and decode_layer.c into a shared library once per machine, and loads it.
 
 The library is compiled for the CPU it runs on (`-march=native`), so it is built where it is used,
 not shipped: on first use, into a cache folder keyed by the source, the compiler and the CPU's
@@ -21,7 +21,9 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_gemv.c", HERE / "decode_layer.c"]
+HEADERS = [HERE / "cpu_gemv.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -53,7 +55,7 @@ def _cpu_flags() -> str:
 
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_gemv-{key}.so"
 
 
@@ -70,7 +72,7 @@ def build() -> tuple[ctypes.CDLL | None, str]:
         # Build beside the target and rename: concurrent first uses (server and tests) never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             os.unlink(tmp)
             first = (res.stderr.strip().splitlines() or ["no output"])[0]

@@ -21,9 +21,8 @@
  * through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning a
  * contiguous range of output rows, so a result does not depend on the thread count.
  */
-#include <stdint.h>
-#include <string.h>
 #include <math.h>
+#include "cpu_gemv.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -40,8 +39,6 @@
 #define SINGLE()
 #endif
 
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
-enum { X_F32 = 0, X_BF16 = 1 };
 #define QBLOCK 64 /* activation quantization block of the int8 path */
 enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
 
@@ -63,21 +60,6 @@ int capabilities(void) {
     avx512 = 1;
 #endif
     return avx512 | (HAVE_BF16_DOT << 1) | (HAVE_I8_DOT << 2);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 #if defined(__F16C__)

@@ -56,6 +56,11 @@ class NativeKernels:
         lib.decode_attention.argtypes = ([_P, _P, _P, _INT, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P,
                                           _P, _P, _I64, _I64, ctypes.c_float, _P, _P])
         lib.decode_attention.restype = None
+        # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
+        lib.decode_layer.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT]
+        lib.decode_layer.restype = _INT
+        lib.decode_layer_work_bytes.argtypes = [_P, _I64]
+        lib.decode_layer_work_bytes.restype = _SIZE
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)

@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels, native
 from engine.native.layers import NativeRMSNorm
+from engine.worker.fused_decode import FusedDecode, fused_decode_enabled
 from engine.worker.kv_cache import InPlaceLayer
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
 
@@ -79,6 +80,9 @@ class LeanForward:
         # A decode row's attention in one native call (see _native_decode_attention); MOE_OFFLOAD_NATIVE_ATTENTION=0: torch's SDPA.
         self._native_attention = self.kernels is not None and os.environ.get("MOE_OFFLOAD_NATIVE_ATTENTION", "1") != "0"
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A one-request decode step's layers, one native call each (engine/worker/fused_decode.py), where it applies.
+        self._fused = (FusedDecode(self.kernels, self.layers, self.inner.norm)
+                       if self._native_attention and fused_decode_enabled() else None)
 
     @torch.inference_mode()
     def __call__(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
@@ -93,7 +97,9 @@ class LeanForward:
         x = inner.embed_tokens.forward(ids)  # [N, H]
         cos_sin = self._rotary(x, batch, starts, device)
         h = self.layers[0].in_norm.forward(x)
-        for i, layer in enumerate(self.layers):
+        fused = (decode and len(caches) == 1 and self._fused is not None
+                 and self._fused.step(x, h, *cos_sin, caches[0], NATIVE_ATTENTION_MAX_POSITIONS))
+        for i, layer in enumerate(self.layers if not fused else ()):
             x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
             x, h = self._add_norm(x, self._mlp(layer.mlp, h), nxt)

@@ -1,0 +1,42 @@
+/* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/decode_layer.c):
+ * the dtype codes, the bf16 conversions, and the prototypes of its exported kernels (documented
+ * where they are defined). */
+#ifndef MOE_OFFLOAD_CPU_GEMV_H
+#define MOE_OFFLOAD_CPU_GEMV_H
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+enum { X_F32 = 0, X_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
+int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
+         const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
+size_t moe_work_bytes(int64_t H, int64_t I);
+void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
+                const void *const *down, const uint16_t *const *down_scale, const float *w,
+                const void *x, int xtype, void *out, void *work, int nthreads);
+void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps,
+                 void *sum, void *normed);
+int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int norm,
+                void *logits, void *weights, int64_t *ids, void *work, int nthreads);
+void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,
+                      const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
+                      void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work);
+#endif

@@ -1,0 +1,123 @@
+/* One decoder layer of a one-token decode step in one call, for a llama-style MoE layer whose
+ * experts are all resident for good (engine/worker/fused_decode.py decides when).
+ *
+ * Why: with every expert resident the arithmetic of a decode layer is eight native kernels (q, k
+ * and v projections, the attention, o_proj, a residual add and norm, the router, the experts, a
+ * residual add and norm) and the Python that calls them one by one took 0.3-0.7 ms a layer on this
+ * project's machine: more than the arithmetic of the tiny peers checkpoint, and about an eighth of
+ * the mid one's (docs/benchmarks/peers.md). llama.cpp runs a whole graph per token without
+ * returning to its caller. This runs the same kernels, in the same order, on the same buffers as
+ * engine/worker/lean_forward.py's decode path, so the result is what that path computes (the one
+ * difference: f32 projections run this library's gemv rather than torch's F.linear, another order
+ * of each dot product's sum).
+ *
+ * The layer, for residual x [H] and its normed form h [H] (both updated in place):
+ *   q, k, v = h Wq^T (+ bq), h Wk^T (+ bk), h Wv^T (+ bv)
+ *   a = decode_attention(q, k, v)             (q/k norms, rotary, KV append at `at`, softmax attention)
+ *   x = x + a Wo^T;  h = post_norm(x)
+ *   ids, w = router_topk(h)                   (softmax top-k, optional renormalisation)
+ *   x = x + sum over ids ascending of w * expert(h);  h = next_norm(x)
+ * `next_norm` is the next layer's input norm, or the model's final norm after the last layer.
+ */
+#include "cpu_gemv.h"
+
+#define MAX_TOPK 64
+
+/* Everything about one layer that does not change from a step to the next; engine/worker/fused_decode.py
+ * fills it once (ctypes Structure `LayerSpec`, same fields in the same order). Weights in the
+ * activation's dtype unless a *_wtype says otherwise; a NULL bias or q/k norm: none. */
+typedef struct {
+    int64_t xtype, proj_wtype, norm_wtype, expert_wtype; /* X_* and W_* codes */
+    int64_t H, hq, hk, d, rot, E, topk, I, norm_topk;
+    float q_eps, k_eps, post_eps, next_eps, scale, pad_;
+    const void *wq, *wk, *wv, *wo, *bq, *bk, *bv;
+    const void *q_norm, *k_norm, *post_norm, *next_norm, *router;
+    /* Per expert e < E: its gate_up [2I, H] and down [H, I] weights (int8: and their fp16 row scales, else NULL tables). */
+    const void *const *gate_up;
+    const uint16_t *const *gate_up_scale;
+    const void *const *down;
+    const uint16_t *const *down_scale;
+} layer_spec_t;
+
+static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
+
+static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
+
+/* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions. */
+size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions) {
+    size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
+    size_t mine = up64(qd * xs) * 2 + up64(kd * xs) * 2 + up64((size_t)L->H * xs) + up64((size_t)L->E * xs)
+                  + up64((size_t)L->topk * xs) + up64((size_t)L->topk * 8);
+    size_t gw = max_sz(max_sz(gemv_work_bytes((int64_t)qd, L->H, 1), gemv_work_bytes((int64_t)kd, L->H, 1)),
+                       max_sz(gemv_work_bytes(L->H, (int64_t)qd, 1), gemv_work_bytes(L->E, L->H, 1)));
+    size_t attention = (size_t)4 * (size_t)(L->hq / L->hk) * (size_t)(positions + 1 + 2 * L->d);
+    return mine + up64(max_sz(max_sz(gw, moe_work_bytes(L->H, L->I)), attention)) + 64;
+}
+
+/* y[n] += b[n], rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
+static void add_bias(void *y, const void *b, int64_t n, int64_t xtype) {
+    if (b == NULL) return;
+    for (int64_t i = 0; i < n; i++) {
+        if (xtype == X_F32) ((float *)y)[i] += ((const float *)b)[i];
+        else ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((uint16_t *)y)[i]) + bf16_to_f32(((const uint16_t *)b)[i]));
+    }
+}
+
+/* gemv of one row plus an optional bias; returns gemv's status. */
+static int project(const layer_spec_t *L, const void *w, const void *b, int64_t rows, int64_t cols, const void *x, void *y,
+                   void *work, int nthreads) {
+    int rc = gemv(w, 0, (int)L->proj_wtype, rows, cols, x, (int)L->xtype, 1, y, work, nthreads);
+    add_bias(y, b, rows, L->xtype);
+    return rc;
+}
+
+/* The layer above for one row: x and h [H] in place; cos/sin [rot] of the new position (NULL when
+ * rot is 0); the KV cache buffers [hk, cap, d] with `at` positions held (the new key and value go
+ * to position at); work: decode_layer_work_bytes(L, at + 1) bytes or more. Returns 0, or the first
+ * failing kernel's status. */
+int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const void *sin, void *kbuf, void *vbuf,
+                 int64_t cap, int64_t at, void *work, int nthreads) {
+    size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
+    int64_t H = L->H, k = L->topk;
+    int xt = (int)L->xtype;
+    if (k < 1 || k > MAX_TOPK) return -2;
+    char *mem = (char *)work;
+    char *q = mem, *att = q + up64(qd * xs), *kk = att + up64(qd * xs), *vv = kk + up64(kd * xs);
+    char *y = vv + up64(kd * xs), *logits = y + up64((size_t)H * xs), *weights = logits + up64((size_t)L->E * xs);
+    int64_t *ids = (int64_t *)(weights + up64((size_t)k * xs));
+    void *scratch = (char *)ids + up64((size_t)k * 8);
+    int rc = project(L, L->wq, L->bq, (int64_t)qd, H, h, q, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wk, L->bk, (int64_t)kd, H, h, kk, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wv, L->bv, (int64_t)kd, H, h, vv, scratch, nthreads);
+    if (rc) return rc;
+    decode_attention(q, kk, vv, xt, L->hq, L->hk, L->d, L->q_norm, L->k_norm, (int)L->norm_wtype, L->q_eps, L->k_eps,
+                     L->rot, cos, sin, kbuf, vbuf, cap, at, L->scale, att, (float *)scratch);
+    rc = project(L, L->wo, NULL, H, (int64_t)qd, att, y, scratch, nthreads);
+    if (rc) return rc;
+    add_rmsnorm(x, y, xt, 1, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
+    rc = router_topk(L->router, xt /* the router's weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk, logits, weights, ids, scratch, nthreads);
+    if (rc) return rc;
+    /* The experts in ascending id order (transformers' summation order), each with its routing weight
+     * as the resident lane passes it: the router's output in the activation dtype, read as a float. */
+    int64_t order[MAX_TOPK];
+    for (int64_t j = 0; j < k; j++) {
+        int64_t t = j;
+        while (t > 0 && ids[order[t - 1]] > ids[j]) { order[t] = order[t - 1]; t--; }
+        order[t] = j;
+    }
+    const void *gu[MAX_TOPK], *dn[MAX_TOPK];
+    const uint16_t *gus[MAX_TOPK], *dns[MAX_TOPK];
+    float w[MAX_TOPK];
+    for (int64_t j = 0; j < k; j++) {
+        int64_t e = ids[order[j]];
+        gu[j] = L->gate_up[e];
+        dn[j] = L->down[e];
+        gus[j] = L->gate_up_scale ? L->gate_up_scale[e] : NULL;
+        dns[j] = L->down_scale ? L->down_scale[e] : NULL;
+        w[j] = xt == X_F32 ? ((const float *)weights)[order[j]] : bf16_to_f32(((const uint16_t *)weights)[order[j]]);
+    }
+    moe_swiglu((int)L->expert_wtype, H, L->I, k, gu, L->gate_up_scale ? gus : NULL, dn, L->down_scale ? dns : NULL, w, h, xt,
+               y, scratch, nthreads);
+    add_rmsnorm(x, y, xt, 1, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
+    return 0;
+}

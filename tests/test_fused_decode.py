@@ -1,0 +1,146 @@
+"""The fused decode step (engine/worker/fused_decode.py, engine/native/decode_layer.c): one native call
+per decoder layer computes what the layer-by-layer lean forward computes (bf16: bit for bit; f32:
+within rounding, its projections being the native gemv rather than torch's), and it declines, step by
+step, wherever it does not apply."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.worker import lean_forward as lean_module
+from engine.worker.kv_cache import new_kv_cache
+from engine.worker.lean_forward import LeanForward
+from engine.worker.loader import load_model
+
+pytestmark = pytest.mark.skipif(lean_module.native() is None, reason="needs the native CPU kernels (a C compiler)")
+
+
+class CountingLib:
+    """The native library with its decode_layer calls counted."""
+
+    def __init__(self, lib) -> None:  # noqa: ANN001
+        self._lib, self.calls = lib, 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        fn = getattr(self._lib, name)
+        if name != "decode_layer":
+            return fn
+
+        def counted(*args):  # noqa: ANN002, ANN202
+            self.calls += 1
+            return fn(*args)
+
+        return counted
+
+
+def _decode(lean: LeanForward, config, fused: bool, tokens: int = 12, prompt: tuple[int, ...] = (3, 4, 5, 6, 7)):  # noqa: ANN001
+    """Greedy decode from `prompt` with the fused path allowed or not: (logits of every step [T, V], the cache)."""
+    if not fused:
+        kept, lean._fused = lean._fused, None
+        try:
+            return _decode(lean, config, True, tokens, prompt)
+        finally:
+            lean._fused = kept
+    cache = new_kv_cache(config)
+    out = lean([list(prompt)], [0], [cache], [[len(prompt) - 1]], torch.device("cpu"))[0]
+    logits, pos = [out], len(prompt)
+    for _ in range(tokens):
+        out = lean([[int(out.argmax())]], [pos], [cache], [[0]], torch.device("cpu"))[0]
+        logits.append(out)
+        pos += 1
+    return torch.cat(logits), cache
+
+
+@pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
+def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, dtype: str, quant: str) -> None:
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype=dtype, expert_quant=quant,
+                                                         quant_cache_dir=str(tmp_path)))
+    try:
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=False)  # the norms' and the router's first-call checks
+        before = sum(om.stats.hits)
+        want, want_cache = _decode(lean, om.config, fused=False)
+        hits_unfused, before = sum(om.stats.hits) - before, sum(om.stats.hits)
+        counting = CountingLib(lean._fused.kernels.lib)
+        lean._fused.kernels = SimpleNamespace(lib=counting)
+        got, got_cache = _decode(lean, om.config, fused=True)
+        assert lean._fused.state == "ready", lean._fused.why
+        layers = om.config.num_hidden_layers
+        assert counting.calls == 12 * layers  # every decode step, one call a layer; not the prompt
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        if dtype == "bfloat16":
+            assert torch.equal(got, want)
+            assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                       for a, b in zip(got_cache.layers, want_cache.layers))
+        else:  # f32: the projections' sums in another order
+            assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+        assert got_cache.get_seq_length() == want_cache.get_seq_length() == 5 + 12
+        assert sum(om.stats.hits) - before == hits_unfused > 0  # the same hit counts as the resident lane's
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize(("arch", "why"), [("qwen2_moe", "shared expert"), ("glm4_moe", "a layer without routed experts")])
+def test_fused_decode_declines_other_layers_and_says_why(tiny_ckpt, arch: str, why: str) -> None:
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype="float32"))
+    try:
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=True, tokens=3)
+        assert lean._fused.state == "off" and why in lean._fused.why
+    finally:
+        om.close()
+
+
+def test_fused_decode_waits_while_experts_can_miss_or_someone_listens(tiny_ckpt) -> None:
+    """A partial fast tier (experts can miss) and a routing listener each keep the layer-by-layer path."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, dtype="float32", offload="ram", prefetch="none"))
+    try:
+        lean = LeanForward(om.model)
+        assert not om.store.complete
+        _decode(lean, om.config, fused=True, tokens=4)
+        assert lean._fused.state == "pending"  # never built: the store can miss
+    finally:
+        om.close()
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+    try:
+        lean = LeanForward(om.model)
+        seen: list[int] = []
+        unsubscribe = om.bus.subscribe(lambda ev: seen.append(ev.layer))
+        _decode(lean, om.config, fused=True, tokens=4)
+        assert lean._fused.state == "pending" and len(seen) == (4 + 1) * om.config.num_hidden_layers  # every layer published
+        unsubscribe()
+        _decode(lean, om.config, fused=True, tokens=4)
+        assert lean._fused.state == "ready"
+    finally:
+        om.close()
+
+
+def test_fused_decode_hands_over_past_the_native_attention_range(tiny_ckpt, monkeypatch) -> None:
+    """Past NATIVE_ATTENTION_MAX_POSITIONS cached positions the step goes back to the layer-by-layer path
+    (SDPA); the tokens are those of a run that never fused."""
+    monkeypatch.setattr(lean_module, "NATIVE_ATTENTION_MAX_POSITIONS", 10)
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="bfloat16"))
+    try:
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=False)
+        want, _ = _decode(lean, om.config, fused=False, tokens=12)
+        counting = CountingLib(lean._fused.kernels.lib)
+        lean._fused.kernels = SimpleNamespace(lib=counting)
+        got, _ = _decode(lean, om.config, fused=True, tokens=12)
+        # Steps at 5..9 cached positions fuse (the new row makes at most 10); from 10 on, SDPA.
+        assert counting.calls == 5 * om.config.num_hidden_layers
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    finally:
+        om.close()
+
+
+def test_fused_decode_can_be_turned_off(tiny_ckpt, monkeypatch) -> None:
+    monkeypatch.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+    try:
+        assert LeanForward(om.model)._fused is None
+    finally:
+        om.close()
