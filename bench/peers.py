@@ -160,10 +160,14 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
 
     Two views of the Python: under the profiler ("outside", an upper bound: the profiler adds a
     microsecond or two to every torch call), and the same generate timed without the profiler less
-    the profiled run's op time and its own native time ("python estimate")."""
+    the profiled run's op time and its own native time ("python estimate"). Both spread the step's own
+    Python (scheduler, sampling, streaming) over its layers. The layer path alone, where a decode step
+    takes the fused path (engine/worker/fused_decode.py): the time inside its `step` less the native
+    calls made there, per decoder layer ("python in layers"), from the run without the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.native.kernels import native
+    from engine.worker.fused_decode import FusedDecode
 
     kernels = native()
     native_s = [0.0]
@@ -186,6 +190,18 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
             setattr(self, name, call)
             return call
 
+    fused = {"steps": 0, "wall": 0.0, "native": 0.0}
+    real_step = FusedDecode.step
+
+    def timed_step(self, *a):
+        t0, n0 = time.perf_counter(), native_s[0]
+        took = real_step(self, *a)
+        if took:
+            fused["steps"] += 1
+            fused["wall"] += time.perf_counter() - t0
+            fused["native"] += native_s[0] - n0
+        return took
+
     def run() -> float:
         t0 = time.perf_counter()
         generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
@@ -197,18 +213,23 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     try:
         if kernels is not None:
             kernels.lib = TimedLib(lib)
+        FusedDecode.step = timed_step
         plain = run()
+        FusedDecode.step = real_step
         native_plain, native_s[0] = native_s[0], 0.0
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             wall = run()
     finally:
+        FusedDecode.step = real_step
         if kernels is not None:
             kernels.lib = lib
     top = [e for e in prof.events() if e.cpu_parent is None]
     inside = sum(e.cpu_time_total for e in top) / 1e6
     return {"ms_outside_ops_per_layer": (wall - inside - native_s[0]) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
             "ms_in_native_per_layer": native_s[0] / per * 1e3, "torch_calls_per_layer": len(top) / per,
-            "ms_python_estimate_per_layer": max(0.0, plain - inside - native_plain) / per * 1e3}
+            "ms_python_estimate_per_layer": max(0.0, plain - inside - native_plain) / per * 1e3,
+            "fused_step_share": fused["steps"] / tokens,
+            "ms_python_in_layers_per_layer": (fused["wall"] - fused["native"]) / max(1, fused["steps"] * layers) * 1e3}
 
 
 def main() -> None:
@@ -274,7 +295,9 @@ def main() -> None:
         f"(per token and decoder layer, medians of three): {prof['ms_in_ops_per_layer']:.3f} ms inside torch calls, "
         f"{prof['ms_in_native_per_layer']:.3f} ms in the native library, {prof['ms_outside_ops_per_layer']:.3f} ms outside both "
         f"(Python, plus the profiler's own cost), {prof['torch_calls_per_layer']:.0f} top-level torch calls; Python estimated from the "
-        f"same generate without the profiler: {prof['ms_python_estimate_per_layer']:.3f} ms."]
+        f"same generate without the profiler: {prof['ms_python_estimate_per_layer']:.3f} ms (both include the step's own Python, "
+        f"spread over its layers). The layer path alone: {prof['fused_step_share']:.0%} of the decode steps took the fused path "
+        f"(one native call a layer), with {prof['ms_python_in_layers_per_layer'] * 1e3:.0f} us of Python a layer there."]
     write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof})
 
 
