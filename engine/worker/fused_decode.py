@@ -108,6 +108,8 @@ class FusedDecode:
         kv_like = self._kv_like
         for spec, c in zip(self._specs, layers):
             kb, vb, at = c.reserve(kv_like, kv_like)
+            if kb.dtype is not kv_like.dtype:  # a request's cache holds its model's dtype: a bug, not an input
+                raise RuntimeError(f"KV cache in {kb.dtype} for a {kv_like.dtype} decode step")
             rc = lib.decode_layer(ctypes.byref(spec), xp, hp, cp, sp, kb.data_ptr(), vb.data_ptr(), kb.shape[2], at, work, nt)
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
