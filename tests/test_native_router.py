@@ -42,3 +42,19 @@ def test_native_router_matches_the_routers_forward(tiny_ckpt, arch: str, dtype: 
 def test_mixtral_router_keeps_its_forward(tiny_ckpt) -> None:
     model = load_reference(tiny_ckpt("mixtral"))
     assert not NativeTopKRouter.supports(model.model.layers[0].mlp.gate)
+
+
+def test_the_first_call_check_accepts_rounding_and_ties_but_not_another_router() -> None:
+    """engine/native/router.py `same_routing`: logits within rounding relative to the largest logit, and
+    the same experts except where the reference's logits tie to rounding."""
+    from engine.native.router import same_routing
+
+    logits = torch.tensor([[30.0, 2.0, 2.0 + 1e-6, -25.0, 1e-4]])
+    ref = (logits, torch.tensor([[0.99, 0.005, 0.005]]), torch.tensor([[0, 2, 1]]))
+    nudged = logits + torch.tensor([[0.0, 0.0, 0.0, 0.0, 2e-5]])  # a small logit's rounding among large ones
+    assert same_routing((nudged, ref[1], ref[2]), ref, 1e-5)
+    assert same_routing((logits, ref[1], torch.tensor([[0, 1, 2]])), ref, 1e-5)  # experts 1 and 2 tie
+    assert not same_routing((logits, ref[1], torch.tensor([[0, 1, 4]])), ref, 1e-5)  # expert 4 is no tie
+    assert not same_routing((logits, torch.tensor([[0.98, 0.01, 0.01]]), ref[2]), ref, 1e-5)  # other weights
+    assert not same_routing((logits.sigmoid(), ref[1], ref[2]), ref, 1e-5)  # another router's logits
+    assert not same_routing((logits.double(), ref[1], ref[2]), ref, 1e-5)  # another dtype
