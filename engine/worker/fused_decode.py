@@ -77,6 +77,7 @@ class FusedDecode:
         if not all(isinstance(b, OffloadedMoeBlock) for b in self._blocks):
             self.state, self.why = "off", "a layer without routed experts"
         self._rot = -1
+        self._positions = 0  # cached positions the scratch buffer has room for
         self._dtype: torch.dtype | None = None
         self._work: torch.Tensor | None = None
         self._kv_like: torch.Tensor | None = None  # a [1, hk, 1, d] row for a cache layer's first append or growth
@@ -94,14 +95,14 @@ class FusedDecode:
             if (not executor.store.complete or not executor._lane_open() or block.bus.active
                     or "forward" in block.__dict__):  # a wrapped forward (a benchmark's timer) must run
                 return False
-        if self.state != "ready" and not self._build(x, cos):
+        if self.state != "ready" and not self._build(x, cos, max_positions):
             return False
         if x.dtype is not self._dtype or cos.shape[-1] != self._rot or not (cos.is_contiguous() and sin.is_contiguous()):
             return False
         layers = cache.layers
         if len(layers) < len(self._specs) or not all(type(c) is InPlaceLayer for c in layers[: len(self._specs)]):
             return False
-        if layers[0].get_seq_length() + 1 > max_positions:
+        if layers[0].get_seq_length() + 1 > min(max_positions, self._positions):  # the scratch holds scores for _positions
             return False
         lib, nt = self.kernels.lib, torch.get_num_threads()
         xp, hp, cp, sp, work = x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._work.data_ptr()
@@ -118,7 +119,7 @@ class FusedDecode:
             block.executor.stats.record_all_hits(block.layer, spec.topk)
         return True
 
-    def _build(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+    def _build(self, x: torch.Tensor, cos: torch.Tensor, max_positions: int) -> bool:
         try:
             self._specs, self._keep = [], []
             for i, layer in enumerate(self.layers):
@@ -129,9 +130,8 @@ class FusedDecode:
         except Unsupported as e:
             self.state, self.why = "off", str(e)
             return False
-        self._rot, self._dtype = cos.shape[-1], x.dtype
-        from engine.worker.lean_forward import NATIVE_ATTENTION_MAX_POSITIONS  # the range this path serves
-        nbytes = max(self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), NATIVE_ATTENTION_MAX_POSITIONS) for s in self._specs)
+        self._rot, self._dtype, self._positions = cos.shape[-1], x.dtype, max_positions
+        nbytes = max(self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), max_positions) for s in self._specs)
         self._work = torch.empty(nbytes, dtype=torch.uint8)
         att = self.layers[0].att
         self._kv_like = torch.zeros((1, self._specs[0].hk, 1, att.head_dim), dtype=x.dtype)
