@@ -232,6 +232,24 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
             "ms_python_in_layers_per_layer": (fused["wall"] - fused["native"]) / max(1, fused["steps"] * layers) * 1e3}
 
 
+def disk_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
+    """Why the disk cell decodes at the speed it does, from one generate's engine counters: the misses a
+    token, the megabytes they read, the read speed the loads ran at (bytes over the transfer threads'
+    busy time), what those reads alone take a token at that speed, the time the compute thread waited
+    for them, and the whole token."""
+    om.stats.reset()
+    t0 = time.perf_counter()
+    generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    s = om.stats.snapshot()
+    busy = sum(s["transfer_seconds"].values())
+    gbs = s["bytes_moved"] / busy / 1e9 if busy else float("nan")
+    mb = s["bytes_moved"] / (tokens + 1) / 1e6
+    return {"misses_per_token": s["misses"] / (tokens + 1), "mb_read_per_token": mb, "read_gb_s": gbs,
+            "ms_reading_per_token": mb / gbs if busy else float("nan"), "ms_waiting_per_token": s["stall_seconds"] / (tokens + 1) * 1e3,
+            "ms_per_token": wall / (tokens + 1) * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mid", help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)")
@@ -288,6 +306,7 @@ def main() -> None:
     torch.set_num_threads(threads[0])
     runs = [layer_profile(engines["engine cache 1.0 f32"], prompt, args.tokens) for _ in range(3)]
     prof = {k: statistics.median(r[k] for r in runs) for k in runs[0]}  # each figure's median of three profiles
+    disk = disk_profile(engines["engine cache 0.25 disk f32"], prompt, args.tokens)
     for om in engines.values():
         om.close()
     lines = table(res, cells, threads) + [
@@ -297,8 +316,13 @@ def main() -> None:
         f"(Python, plus the profiler's own cost), {prof['torch_calls_per_layer']:.0f} top-level torch calls; Python estimated from the "
         f"same generate without the profiler: {prof['ms_python_estimate_per_layer']:.3f} ms (both include the step's own Python, "
         f"spread over its layers). The layer path alone: {prof['fused_step_share']:.0%} of the decode steps took the fused path "
-        f"(one native call a layer), with {prof['ms_python_in_layers_per_layer'] * 1e3:.0f} us of Python a layer there."]
-    write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof})
+        f"(one native call a layer), with {prof['ms_python_in_layers_per_layer'] * 1e3:.0f} us of Python a layer there.",
+        "", f"The disk cell, one more generate at {threads[0]} thread(s): {disk['misses_per_token']:.1f} experts missed a token, "
+        f"{disk['mb_read_per_token']:.1f} MB read a token at {disk['read_gb_s']:.2f} GB/s (the loads' own speed), so "
+        f"{disk['ms_reading_per_token']:.1f} ms of reading a token; the compute thread waited {disk['ms_waiting_per_token']:.1f} ms a "
+        f"token for them, of a {disk['ms_per_token']:.1f} ms token."]
+    write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof,
+                                                                                                  "disk_profile": disk})
 
 
 def table(res: dict[tuple[str, int], list[float]], cells: list[str], threads: list[int]) -> list[str]:
