@@ -263,7 +263,7 @@ static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t 
     }
 }
 
-/* This thread's share of [0, rows), in blocks of 4 rows so that the 4-row kernel is used. */
+/* This thread's share of [0, rows), in blocks of 4 rows (moe_swiglu works through its share of the down projection 4 rows at a time). */
 static void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
     int64_t blocks = (rows + 3) / 4, per = blocks / nt, extra = blocks % nt;
     int64_t b0 = tid * per + (tid < extra ? tid : extra), b1 = b0 + per + (tid < extra ? 1 : 0);
