@@ -83,6 +83,29 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, dtype:
         om.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_adds_projection_biases(tiny_ckpt, dtype: str) -> None:
+    """Attention projections with biases (Qwen3-MoE's attention_bias), set to random values here so that the
+    adds show: the same tokens as the layer-by-layer path (bf16: the same logits)."""
+    om = load_model(tiny_ckpt("qwen3_moe", attention_bias=True), EngineConfig(cache_fraction=1.0, dtype=dtype))
+    try:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for layer in om.model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                    assert proj.bias is not None
+                    proj.bias.copy_(torch.randn(proj.bias.shape, generator=g) * 0.5)
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=False)  # the first-call checks
+        want, _ = _decode(lean, om.config, fused=False)
+        got, _ = _decode(lean, om.config, fused=True)
+        assert lean._fused.state == "ready", lean._fused.why
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert torch.equal(got, want) if dtype == "bfloat16" else torch.allclose(got, want, rtol=0, atol=1e-5)
+    finally:
+        om.close()
+
+
 @pytest.mark.parametrize(("arch", "why"), [("qwen2_moe", "shared expert"), ("glm4_moe", "a layer without routed experts")])
 def test_fused_decode_declines_other_layers_and_says_why(tiny_ckpt, arch: str, why: str) -> None:
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype="float32"))

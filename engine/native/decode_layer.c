@@ -14,7 +14,7 @@
  * The layer, for residual x [H] and its normed form h [H] (both updated in place):
  *   q, k, v = h Wq^T (+ bq), h Wk^T (+ bk), h Wv^T (+ bv)
  *   a = decode_attention(q, k, v)             (q/k norms, rotary, KV append at `at`, softmax attention)
- *   x = x + a Wo^T;  h = post_norm(x)
+ *   x = x + (a Wo^T (+ bo));  h = post_norm(x)
  *   ids, w = router_topk(h)                   (softmax top-k, optional renormalisation)
  *   x = x + sum over ids ascending of w * expert(h);  h = next_norm(x)
  * `next_norm` is the next layer's input norm, or the model's final norm after the last layer.
@@ -30,7 +30,7 @@ typedef struct {
     int64_t xtype, proj_wtype, norm_wtype, expert_wtype; /* X_* and W_* codes */
     int64_t H, hq, hk, d, rot, E, topk, I, norm_topk;
     float q_eps, k_eps, post_eps, next_eps, scale, pad_;
-    const void *wq, *wk, *wv, *wo, *bq, *bk, *bv;
+    const void *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo;
     const void *q_norm, *k_norm, *post_norm, *next_norm, *router;
     /* Per expert e < E: its gate_up [2I, H] and down [H, I] weights (int8: and their fp16 row scales, else NULL tables). */
     const void *const *gate_up;
@@ -92,7 +92,7 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
     if (rc) return rc;
     decode_attention(q, kk, vv, xt, L->hq, L->hk, L->d, L->q_norm, L->k_norm, (int)L->norm_wtype, L->q_eps, L->k_eps,
                      L->rot, cos, sin, kbuf, vbuf, cap, at, L->scale, att, (float *)scratch);
-    rc = project(L, L->wo, NULL, H, (int64_t)qd, att, y, scratch, nthreads);
+    rc = project(L, L->wo, L->bo, H, (int64_t)qd, att, y, scratch, nthreads);
     if (rc) return rc;
     add_rmsnorm(x, y, xt, 1, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
     rc = router_topk(L->router, xt /* the router's weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk, logits, weights, ids, scratch, nthreads);

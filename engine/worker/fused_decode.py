@@ -48,7 +48,7 @@ class LayerSpec(ctypes.Structure):
     _fields_ = ([(n, _I64) for n in ("xtype", "proj_wtype", "norm_wtype", "expert_wtype", "H", "hq", "hk", "d", "rot", "E",
                                      "topk", "I", "norm_topk")]
                 + [(n, _F) for n in ("q_eps", "k_eps", "post_eps", "next_eps", "scale", "pad_")]
-                + [(n, _P) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "post_norm", "next_norm",
+                + [(n, _P) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "post_norm", "next_norm",
                                      "router", "gate_up", "gate_up_scale", "down", "down_scale")])
 
 
@@ -159,8 +159,6 @@ class FusedDecode:
         norms = [_norm(m, dtype) for m in (layer.in_norm, layer.post_norm, next_norm)]
         qk = [_norm(m, dtype) for m in (layer.q_norm, layer.k_norm)] if layer.q_norm is not None else [None, None]
         projections = [_weights(p, dtype) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
-        if projections[3][1] is not None:
-            raise Unsupported("an o_proj bias")
         d = att.head_dim
         hq, hk = layer.q_proj.weight.shape[0] // d, layer.k_proj.weight.shape[0] // d
         if hq % hk or hq // hk > 64 or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
@@ -177,7 +175,7 @@ class FusedDecode:
             xtype=X_CODES[dtype], proj_wtype=W_CODES[dtype], norm_wtype=W_CODES[norm_dtypes.pop()], expert_wtype=W_CODES[moe.weight_dtype],
             H=x.shape[-1], hq=hq, hk=hk, d=d, rot=cos.shape[-1], E=E, topk=router.top_k, I=moe.intermediate, norm_topk=int(router.norm),
             q_eps=qk[0].eps if qk[0] else 0.0, k_eps=qk[1].eps if qk[1] else 0.0, post_eps=norms[1].eps, next_eps=norms[2].eps,
-            scale=float(att.scaling), wq=p[0], bq=p[1], wk=p[2], bk=p[3], wv=p[4], bv=p[5], wo=p[6],
+            scale=float(att.scaling), wq=p[0], bq=p[1], wk=p[2], bk=p[3], wv=p[4], bv=p[5], wo=p[6], bo=p[7],
             q_norm=qk[0].module.weight.data_ptr() if qk[0] else None, k_norm=qk[1].module.weight.data_ptr() if qk[1] else None,
             post_norm=norms[1].module.weight.data_ptr(), next_norm=norms[2].module.weight.data_ptr(), router=router.weight.data_ptr(),
             gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
