@@ -121,7 +121,13 @@ def test_lm_eval_scores_equal_transformers(ckpt: Path, srv: RunningServer, tmp_p
             if not isinstance(want, float) or "stderr" in key:
                 continue
             got = server["results"][task][key]
-            assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (task, key, got, want)
+            if "perplexity" in key:
+                # exp of a mean log-likelihood: compare the means. A random checkpoint's perplexity is about 7e14
+                # (a mean NLL of 34), where f32 rounding of the logits moved the mean by 1.6e-6 on this project's
+                # AMD machine, 1.6e-6 relative in the perplexity itself.
+                assert math.isclose(math.log(got), math.log(want), rel_tol=0, abs_tol=1e-5), (task, key, got, want)
+            else:
+                assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (task, key, got, want)
             compared += 1
     assert compared >= 8
     assert 0 < hf["results"]["moe_offload_gen"]["exact_match,none"] <= 1  # the generation task really compares outputs
