@@ -2,10 +2,12 @@
 
 Why: with every expert resident, a decode layer of engine/worker/lean_forward.py is eight native
 kernels and the Python that calls them (projections, attention, norms, router, experts): 0.37 ms
-of Python a layer on the tiny peers checkpoint and 0.68 on the mid one, on this project's
-machine (docs/benchmarks/peers.md), against llama.cpp's one graph per token. `decode_layer` runs
-the same kernels in the same order on the same buffers, so Python is left with one call, the KV
-cache's bookkeeping and the hit counters: about 15 us a layer.
+of Python a layer on the tiny peers checkpoint and 0.68 on the mid one, as measured on the eleventh
+session's machine (docs/benchmarks/peers.md, History), against llama.cpp's one graph per token.
+`decode_layer` runs the same kernels in the same order on the same buffers, so Python is left with
+one call, the KV cache's bookkeeping and the hit counters: 14 us a layer on the tiny checkpoint,
+67-78 on the mid one (each call there follows 50 MB of streamed weights, so the interpreter's own
+data comes from memory).
 
 When: a lean-forward decode step of one request on the CPU (the native kernels), the cache within
 the native attention's range, the model's every layer a plain llama-style MoE layer (a softmax
