@@ -54,10 +54,11 @@ def _decode(lean: LeanForward, config, fused: bool, tokens: int = 12, prompt: tu
     return torch.cat(logits), cache
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: q/k/v biases and a gated shared expert
 @pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
-def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, dtype: str, quant: str) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype=dtype, expert_quant=quant,
-                                                         quant_cache_dir=str(tmp_path)))
+def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, arch: str, dtype: str, quant: str) -> None:
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype, expert_quant=quant,
+                                                  quant_cache_dir=str(tmp_path)))
     try:
         lean = LeanForward(om.model)
         _decode(lean, om.config, fused=False)  # the norms' and the router's first-call checks
@@ -71,10 +72,12 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, dtype:
         layers = om.config.num_hidden_layers
         assert counting.calls == 12 * layers  # every decode step, one call a layer; not the prompt
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" and arch == "qwen3_moe":
             assert torch.equal(got, want)
             assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                        for a, b in zip(got_cache.layers, want_cache.layers))
+        elif dtype == "bfloat16":  # the shared expert's SiLU and gate: the C library's expf against torch's exp
+            assert torch.allclose(got.float(), want.float(), rtol=0, atol=3e-2), (got.float() - want.float()).abs().max()
         else:  # f32: the projections' sums in another order
             assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
         assert got_cache.get_seq_length() == want_cache.get_seq_length() == 5 + 12
@@ -106,7 +109,7 @@ def test_fused_decode_adds_projection_biases(tiny_ckpt, dtype: str) -> None:
         om.close()
 
 
-@pytest.mark.parametrize(("arch", "why"), [("qwen2_moe", "shared expert"), ("glm4_moe", "a layer without routed experts")])
+@pytest.mark.parametrize(("arch", "why"), [("glm4_moe", "a layer without routed experts")])
 def test_fused_decode_declines_other_layers_and_says_why(tiny_ckpt, arch: str, why: str) -> None:
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:

@@ -84,8 +84,6 @@ static inline float f16_to_f32(uint16_t h) {
 }
 #endif
 
-/* Rounds v to the activation dtype: a bf16 model rounds every intermediate, as its reference does. */
-static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
 
@@ -316,7 +314,6 @@ int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t 
     return 0;
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Bytes of `work` that moe_swiglu needs. */
 size_t moe_work_bytes(int64_t H, int64_t I) { return act_bytes(H) + act_bytes(I) + (size_t)(2 * I + H) * 4 + 64; }

@@ -1,11 +1,12 @@
 /* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/decode_layer.c):
- * the dtype codes, the bf16 conversions, and the prototypes of its exported kernels (documented
+ * the dtype codes, the bf16 conversions and rounding, SiLU, and the prototypes of its exported kernels (documented
  * where they are defined). */
 #ifndef MOE_OFFLOAD_CPU_GEMV_H
 #define MOE_OFFLOAD_CPU_GEMV_H
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 enum { X_F32 = 0, X_BF16 = 1 };
@@ -24,6 +25,11 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* Rounds v to the activation dtype: a bf16 model rounds every intermediate, as its reference does. */
+static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,

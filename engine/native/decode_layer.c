@@ -16,7 +16,9 @@
  *   a = decode_attention(q, k, v)             (q/k norms, rotary, KV append at `at`, softmax attention)
  *   x = x + (a Wo^T (+ bo));  h = post_norm(x)
  *   ids, w = router_topk(h)                   (softmax top-k, optional renormalisation)
- *   x = x + sum over ids ascending of w * expert(h);  h = next_norm(x)
+ *   m = sum over ids ascending of w * expert(h)
+ *   m = m + [sigmoid(h . g)] * shared(h)       (a shared SwiGLU expert, optionally gated, where the layer has one)
+ *   x = x + m;  h = next_norm(x)
  * `next_norm` is the next layer's input norm, or the model's final norm after the last layer.
  */
 #include "cpu_gemv.h"
@@ -37,6 +39,10 @@ typedef struct {
     const uint16_t *const *gate_up_scale;
     const void *const *down;
     const uint16_t *const *down_scale;
+    /* A shared expert (Qwen2-MoE's): gate_proj, up_proj [sh_I, H], down_proj [H, sh_I] in proj_wtype, and its
+     * sigmoid gate's weight [1, H] (NULL: ungated); sh_gate NULL: none. */
+    const void *sh_gate, *sh_up, *sh_down, *sh_gate_w;
+    int64_t sh_I;
 } layer_spec_t;
 
 static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
@@ -51,6 +57,10 @@ size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions) {
     size_t gw = max_sz(max_sz(gemv_work_bytes((int64_t)qd, L->H, 1), gemv_work_bytes((int64_t)kd, L->H, 1)),
                        max_sz(gemv_work_bytes(L->H, (int64_t)qd, 1), gemv_work_bytes(L->E, L->H, 1)));
     size_t attention = (size_t)4 * (size_t)(L->hq / L->hk) * (size_t)(positions + 1 + 2 * L->d);
+    if (L->sh_gate != NULL) { /* g, u, their product, the shared output and the gate's value */
+        mine += up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64;
+        gw = max_sz(gw, max_sz(gemv_work_bytes(L->sh_I, L->H, 1), gemv_work_bytes(L->H, L->sh_I, 1)));
+    }
     return mine + up64(max_sz(max_sz(gw, moe_work_bytes(L->H, L->I)), attention)) + 64;
 }
 
@@ -71,6 +81,42 @@ static int project(const layer_spec_t *L, const void *w, const void *b, int64_t 
     return rc;
 }
 
+/* y += [sigmoid(h . g)] * down(silu(gate h) * up h), each step rounded where Qwen2-MoE's bf16 reference rounds it
+ * (each projection's output, the activation, the product, the gate's sigmoid and product, the sum); `mem` holds
+ * the intermediates (decode_layer_work_bytes counts them), `scratch` is gemv's. Returns gemv's status. */
+static int add_shared_expert(const layer_spec_t *L, const void *h, void *y, char *mem, void *scratch, int nthreads) {
+    size_t xs = L->xtype == X_F32 ? 4 : 2;
+    int64_t I = L->sh_I, H = L->H;
+    int xt = (int)L->xtype;
+    char *g = mem, *u = g + up64((size_t)I * xs), *a = u + up64((size_t)I * xs), *s = a + up64((size_t)I * xs);
+    char *gate = s + up64((size_t)H * xs);
+    int rc = project(L, L->sh_gate, NULL, I, H, h, g, scratch, nthreads);
+    rc = rc ? rc : project(L, L->sh_up, NULL, I, H, h, u, scratch, nthreads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < I; i++) {
+        float gv = xt == X_F32 ? ((float *)g)[i] : bf16_to_f32(((uint16_t *)g)[i]);
+        float uv = xt == X_F32 ? ((float *)u)[i] : bf16_to_f32(((uint16_t *)u)[i]);
+        float v = as_x(as_x(silu(gv), xt) * uv, xt);
+        if (xt == X_F32) ((float *)a)[i] = v;
+        else ((uint16_t *)a)[i] = f32_to_bf16(v);
+    }
+    rc = project(L, L->sh_down, NULL, H, I, a, s, scratch, nthreads);
+    float sg = 1.0f;
+    if (!rc && L->sh_gate_w != NULL) {
+        rc = project(L, L->sh_gate_w, NULL, 1, H, h, gate, scratch, nthreads);
+        float gv = xt == X_F32 ? ((float *)gate)[0] : bf16_to_f32(((uint16_t *)gate)[0]);
+        sg = as_x(1.0f / (1.0f + expf(-gv)), xt);
+    }
+    if (rc) return rc;
+    for (int64_t i = 0; i < H; i++) {
+        float sv = xt == X_F32 ? ((float *)s)[i] : bf16_to_f32(((uint16_t *)s)[i]);
+        if (L->sh_gate_w != NULL) sv = as_x(sg * sv, xt);
+        if (xt == X_F32) ((float *)y)[i] += sv;
+        else ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((uint16_t *)y)[i]) + sv);
+    }
+    return 0;
+}
+
 /* The layer above for one row: x and h [H] in place; cos/sin [rot] of the new position (NULL when
  * rot is 0); the KV cache buffers [hk, cap, d] with `at` positions held (the new key and value go
  * to position at); work: decode_layer_work_bytes(L, at + 1) bytes or more. Returns 0, or the first
@@ -85,7 +131,9 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
     char *q = mem, *att = q + up64(qd * xs), *kk = att + up64(qd * xs), *vv = kk + up64(kd * xs);
     char *y = vv + up64(kd * xs), *logits = y + up64((size_t)H * xs), *weights = logits + up64((size_t)L->E * xs);
     int64_t *ids = (int64_t *)(weights + up64((size_t)k * xs));
-    void *scratch = (char *)ids + up64((size_t)k * 8);
+    char *shared = (char *)ids + up64((size_t)k * 8);
+    void *scratch = L->sh_gate == NULL ? shared
+                    : shared + up64((size_t)L->sh_I * xs) * 3 + up64((size_t)H * xs) + 64;
     int rc = project(L, L->wq, L->bq, (int64_t)qd, H, h, q, scratch, nthreads);
     rc = rc ? rc : project(L, L->wk, L->bk, (int64_t)kd, H, h, kk, scratch, nthreads);
     rc = rc ? rc : project(L, L->wv, L->bv, (int64_t)kd, H, h, vv, scratch, nthreads);
@@ -118,6 +166,7 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
     }
     moe_swiglu((int)L->expert_wtype, H, L->I, k, gu, L->gate_up_scale ? gus : NULL, dn, L->down_scale ? dns : NULL, w, h, xt,
                y, scratch, nthreads);
+    if (L->sh_gate != NULL && (rc = add_shared_expert(L, h, y, shared, scratch, nthreads)) != 0) return rc;
     add_rmsnorm(x, y, xt, 1, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
     return 0;
 }

@@ -11,7 +11,8 @@ data comes from memory).
 
 When: a lean-forward decode step of one request on the CPU (the native kernels), the cache within
 the native attention's range, the model's every layer a plain llama-style MoE layer (a softmax
-top-k router, routed SwiGLU experts the native MoE call reads, no shared expert or dense MLP), every
+top-k router, routed SwiGLU experts the native MoE call reads, at most a SwiGLU shared expert with an
+optional sigmoid gate as Qwen2-MoE's; no dense MLP layer), every
 expert resident for good (`ExpertStore.complete`, the resident lane of engine/experts/moe_executor.py)
 and nothing listening to the routing (traces, predictors) or planning around misses (CPU experts,
 the utility estimator). Its norms and router must have passed their first-call check against the
@@ -21,7 +22,10 @@ else keeps the layer-by-layer path, step by step.
 
 Exactness: the same arithmetic as the layer-by-layer path, bit for bit, except in f32 models, where
 the attention projections run the native gemv instead of torch's F.linear: another order of each
-dot product's sum, logits within f32 rounding (tests/test_fused_decode.py).
+dot product's sum, logits within f32 rounding (tests/test_fused_decode.py). A shared expert's SiLU and
+gate sigmoid are computed with the C library's expf where the layer-by-layer path runs torch's
+vectorised exp: in bf16 a product may then round the other way now and then (same greedy tokens,
+logits within a few bf16 ulps in the test).
 `MOE_OFFLOAD_FUSED_DECODE=0` turns it off.
 """
 from __future__ import annotations
@@ -51,7 +55,9 @@ class LayerSpec(ctypes.Structure):
                                      "topk", "I", "norm_topk")]
                 + [(n, _F) for n in ("q_eps", "k_eps", "post_eps", "next_eps", "scale", "pad_")]
                 + [(n, _P) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "post_norm", "next_norm",
-                                     "router", "gate_up", "gate_up_scale", "down", "down_scale")])
+                                     "router", "gate_up", "gate_up_scale", "down", "down_scale", "sh_gate", "sh_up", "sh_down",
+                                     "sh_gate_w")]
+                + [("sh_I", _I64)])
 
 
 def fused_decode_enabled() -> bool:
@@ -147,8 +153,7 @@ class FusedDecode:
             raise Unsupported(f"activations in {dtype} on {x.device.type}")
         if type(block.adapter) is not BlockAdapter or not block.plain_output:
             raise Unsupported(f"layer {att.layer_idx}: not a plain routed MoE block")
-        if any(n in block._modules for n in ("shared_expert", "shared_experts")):
-            raise Unsupported(f"layer {att.layer_idx}: a shared expert")
+        shared = _shared_expert(block, dtype)
         router = block.adapter._native_router
         if router is None or (isinstance(router, NativeTopKRouter) and router.verified is None):
             raise NotYet
@@ -183,7 +188,36 @@ class FusedDecode:
             gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
             gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
             down_scale=ctypes.addressof(tables[3]) if moe.quantized else None)
+        if shared is not None:
+            (gate, up, down), gate_w = shared
+            spec.sh_gate, spec.sh_up, spec.sh_down, spec.sh_I = gate.data_ptr(), up.data_ptr(), down.data_ptr(), gate.shape[0]
+            spec.sh_gate_w = gate_w.data_ptr() if gate_w is not None else None
         return spec
+
+
+def _shared_expert(block: OffloadedMoeBlock, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+    """((gate_proj, up_proj, down_proj weights), the sigmoid gate's weight or None) of the block's shared expert, as
+    BlockAdapter.dense runs it (Qwen2-MoE's `shared_expert` and `shared_expert_gate`), or None where it has none;
+    raises Unsupported for a shared expert of another form."""
+    modules = block._modules
+    shared = modules.get("shared_expert")
+    shared = modules.get("shared_experts") if shared is None else shared
+    if shared is None:
+        return None
+    act = getattr(shared, "act_fn", None)
+    if ("forward" in shared.__dict__ or type(act).__name__ not in ("SiLUActivation", "SiLU")
+            or not all(isinstance(getattr(shared, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))):
+        raise Unsupported(f"layer {block.layer}: a shared expert that is not a plain SwiGLU MLP")
+    projections = tuple(_weights(getattr(shared, n), dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    gate = modules.get("shared_expert_gate")
+    gate_w = None
+    if gate is not None:
+        gate_w, gate_b = _weights(gate, dtype)
+        if gate_w.shape[0] != 1 or gate_b is not None:
+            raise Unsupported(f"layer {block.layer}: a shared expert gate of another shape")
+    if any(b is not None for _, b in projections):
+        raise Unsupported(f"layer {block.layer}: a shared expert with biases")
+    return tuple(w for w, _ in projections), gate_w
 
 
 def _norm(module: nn.Module, dtype: torch.dtype) -> NativeRMSNorm:
