@@ -58,3 +58,34 @@ def test_the_first_call_check_accepts_rounding_and_ties_but_not_another_router()
     assert not same_routing((logits, torch.tensor([[0.98, 0.01, 0.01]]), ref[2]), ref, 1e-5)  # other weights
     assert not same_routing((logits.sigmoid(), ref[1], ref[2]), ref, 1e-5)  # another router's logits
     assert not same_routing((logits.double(), ref[1], ref[2]), ref, 1e-5)  # another dtype
+
+
+@pytest.mark.parametrize(("groups", "keep"), [(1, 1), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_sigmoid_router_matches_deepseek_v3s(groups: int, keep: int, dtype: torch.dtype) -> None:
+    """decode_layer.c `router_sigmoid` (the fused decode step's GLM-4-MoE / DeepSeek-V3 router): the same experts
+    (as a set: the reference's topk is unsorted), weights and logits within rounding, group-limited or not."""
+    if native() is None:
+        pytest.skip("no C compiler on this machine")
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from engine.native.router import same_routing
+    from engine.worker.fused_decode import _by_id
+
+    cfg = SimpleNamespace(num_experts_per_tok=6, num_local_experts=32, hidden_size=96, routed_scaling_factor=2.5,
+                          n_group=groups, topk_group=keep, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 96, generator=g) * 0.1)
+        router.e_score_correction_bias.copy_(torch.randn(32, generator=g) * 0.05)
+    w = router.weight.data.to(dtype)
+    router.weight.data = w  # the router computes in f32 from the stored weight, as a bf16 model's does
+    for _ in range(30):
+        x = torch.randn(1, 96, generator=g).to(dtype)
+        got = native().router_sigmoid(x, w, router.e_score_correction_bias.float(), 6, groups, keep, True, 2.5)
+        with torch.no_grad():
+            ref = router(x)
+        assert got is not None and same_routing(_by_id(got), _by_id(ref), 1e-5), (got, ref)

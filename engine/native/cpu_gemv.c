@@ -504,6 +504,20 @@ void rope(void *x, int xtype, int64_t rows, int64_t heads, int64_t d, int64_t ro
     }
 }
 
+/* The k largest of v[0..n) in descending order, ties to the lower index (as torch.topk returns them): their
+ * indices into ids. n <= 4096. */
+void topk_desc(const float *v, int64_t n, int64_t k, int64_t *ids) {
+    unsigned char taken[4096];
+    memset(taken, 0, (size_t)n);
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+    }
+}
+
 /* ---- a softmax top-k router, for one token ----------------------------------------------------
  * What transformers' Qwen2/Qwen3/OLMoE TopKRouter computes for one row: logits = W . x (rounded to
  * x's dtype, as F.linear returns them), p = softmax(logits) in f32, the k largest p (descending; ties
@@ -526,17 +540,11 @@ int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, i
     for (int64_t e = 0; e < E; e++) { p[e] = expf(p[e] - mx); sum += p[e]; }
     for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
     float top[4096];
-    unsigned char taken[4096];
-    memset(taken, 0, (size_t)E);
     float tsum = 0.0f;
+    topk_desc(p, E, k, ids);
     for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-        taken[best] = 1;
-        ids[j] = best;
-        top[j] = p[best];
-        tsum += p[best];
+        top[j] = p[ids[j]];
+        tsum += top[j];
     }
     for (int64_t j = 0; j < k; j++) {
         float v = norm ? top[j] / tsum : top[j];

@@ -40,6 +40,7 @@ void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *g
                 const void *x, int xtype, void *out, void *work, int nthreads);
 void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps,
                  void *sum, void *normed);
+void topk_desc(const float *v, int64_t n, int64_t k, int64_t *ids);
 int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int norm,
                 void *logits, void *weights, int64_t *ids, void *work, int nthreads);
 void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,

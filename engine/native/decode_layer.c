@@ -43,19 +43,75 @@ typedef struct {
      * sigmoid gate's weight [1, H] (NULL: ungated); sh_gate NULL: none. */
     const void *sh_gate, *sh_up, *sh_down, *sh_gate_w;
     int64_t sh_I;
+    /* Which router: ROUTER_SOFTMAX (router_topk), ROUTER_SIGMOID (router_sigmoid below, with its per-expert
+     * correction bias [E] in f32, n_group groups of which topk_group are kept, and a scaling factor), or
+     * ROUTER_NONE: a dense layer, whose MLP is the sh_* SwiGLU alone (E is 0). */
+    int64_t router_kind, router_wtype, n_group, topk_group;
+    const float *score_bias;
+    float routed_scale, pad2_;
 } layer_spec_t;
+
+enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1, ROUTER_NONE = 2 };
 
 static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
 
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
+/* ---- a DeepSeek-V3-style router, for one token ---------------------------------------------------
+ * What transformers' Glm4Moe/DeepseekV3 TopkRouter computes for one row: logits = W . x in f32 (x widened),
+ * scores = sigmoid(logits), choice = scores + bias; the experts' n_group groups ranked by the sum of their two
+ * best choices and all but the topk_group best masked; the k best choices (descending, ties to the lower id);
+ * weights = their scores, divided by (their sum + 1e-20) when `norm`, times `scale`. Outputs in f32: logits [E],
+ * weights [k], ids [k]. xf: H floats of scratch for the widened row; work: gemv's. Returns gemv's status, or -1
+ * for a shape it does not take. */
+int router_sigmoid(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int64_t n_group,
+                   int64_t topk_group, int norm, float scale, const float *bias, float *logits, float *weights, int64_t *ids,
+                   float *xf, void *work, int nthreads) {
+    if (k < 1 || k > E || E > 4096 || n_group < 1 || E % n_group || topk_group < 1 || topk_group > n_group) return -1;
+    for (int64_t i = 0; i < H; i++) xf[i] = xtype == X_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+    int rc = gemv(W, 0, wtype, E, H, xf, X_F32, 1, logits, work, nthreads);
+    if (rc != 0) return rc;
+    float score[4096], choice[4096];
+    for (int64_t e = 0; e < E; e++) {
+        score[e] = 1.0f / (1.0f + expf(-logits[e]));
+        choice[e] = score[e] + (bias ? bias[e] : 0.0f);
+    }
+    int64_t per = E / n_group;
+    if (topk_group < n_group) {
+        float gsum[4096];
+        int64_t kept[4096];
+        unsigned char keep[4096];
+        for (int64_t g = 0; g < n_group; g++) { /* the sum of the group's two best choices */
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (choice[e] > a) { b = a; a = choice[e]; } else if (choice[e] > b) b = choice[e];
+            }
+            gsum[g] = per > 1 ? a + b : a;
+            keep[g] = 0;
+        }
+        topk_desc(gsum, n_group, topk_group, kept);
+        for (int64_t t = 0; t < topk_group; t++) keep[kept[t]] = 1;
+        for (int64_t e = 0; e < E; e++)
+            if (!keep[e / per]) choice[e] = -INFINITY;
+    }
+    topk_desc(choice, E, k, ids);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        weights[j] = score[ids[j]];
+        sum += weights[j];
+    }
+    for (int64_t j = 0; j < k; j++) weights[j] = (norm ? weights[j] / (sum + 1e-20f) : weights[j]) * scale;
+    return 0;
+}
+
 /* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions. */
 size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions) {
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
-    size_t mine = up64(qd * xs) * 2 + up64(kd * xs) * 2 + up64((size_t)L->H * xs) + up64((size_t)L->E * xs)
-                  + up64((size_t)L->topk * xs) + up64((size_t)L->topk * 8);
+    /* logits and weights in f32 (room for either router's), ids, and the sigmoid router's widened row */
+    size_t mine = up64(qd * xs) * 2 + up64(kd * xs) * 2 + up64((size_t)L->H * xs) + up64((size_t)L->E * 4)
+                  + up64((size_t)L->topk * 4) + up64((size_t)L->topk * 8) + up64((size_t)L->H * 4);
     size_t gw = max_sz(max_sz(gemv_work_bytes((int64_t)qd, L->H, 1), gemv_work_bytes((int64_t)kd, L->H, 1)),
-                       max_sz(gemv_work_bytes(L->H, (int64_t)qd, 1), gemv_work_bytes(L->E, L->H, 1)));
+                       max_sz(gemv_work_bytes(L->H, (int64_t)qd, 1), gemv_work_bytes(L->E > 0 ? L->E : 1, L->H, 1)));
     size_t attention = (size_t)4 * (size_t)(L->hq / L->hk) * (size_t)(positions + 1 + 2 * L->d);
     if (L->sh_gate != NULL) { /* g, u, their product, the shared output and the gate's value */
         mine += up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64;
@@ -126,12 +182,13 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
     int64_t H = L->H, k = L->topk;
     int xt = (int)L->xtype;
-    if (k < 1 || k > MAX_TOPK) return -2;
+    if (L->router_kind != ROUTER_NONE && (k < 1 || k > MAX_TOPK)) return -2;
     char *mem = (char *)work;
     char *q = mem, *att = q + up64(qd * xs), *kk = att + up64(qd * xs), *vv = kk + up64(kd * xs);
-    char *y = vv + up64(kd * xs), *logits = y + up64((size_t)H * xs), *weights = logits + up64((size_t)L->E * xs);
-    int64_t *ids = (int64_t *)(weights + up64((size_t)k * xs));
-    char *shared = (char *)ids + up64((size_t)k * 8);
+    char *y = vv + up64(kd * xs), *logits = y + up64((size_t)H * xs), *weights = logits + up64((size_t)L->E * 4);
+    int64_t *ids = (int64_t *)(weights + up64((size_t)k * 4));
+    float *xf = (float *)((char *)ids + up64((size_t)k * 8));
+    char *shared = (char *)xf + up64((size_t)H * 4);
     void *scratch = L->sh_gate == NULL ? shared
                     : shared + up64((size_t)L->sh_I * xs) * 3 + up64((size_t)H * xs) + 64;
     int rc = project(L, L->wq, L->bq, (int64_t)qd, H, h, q, scratch, nthreads);
@@ -143,7 +200,21 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
     rc = project(L, L->wo, L->bo, H, (int64_t)qd, att, y, scratch, nthreads);
     if (rc) return rc;
     add_rmsnorm(x, y, xt, 1, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
-    rc = router_topk(L->router, xt /* the router's weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk, logits, weights, ids, scratch, nthreads);
+    if (L->router_kind == ROUTER_NONE) { /* a dense layer: its MLP alone */
+        memset(y, 0, (size_t)H * xs);
+        if ((rc = add_shared_expert(L, h, y, shared, scratch, nthreads)) != 0) return rc;
+        add_rmsnorm(x, y, xt, 1, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
+        return 0;
+    }
+    /* The routing weights as the resident lane passes them: the router's output (in the activation dtype for the
+     * softmax router, f32 for the sigmoid one), read as floats. */
+    int f32_weights = L->router_kind == ROUTER_SIGMOID;
+    if (f32_weights)
+        rc = router_sigmoid(L->router, (int)L->router_wtype, L->E, H, h, xt, k, L->n_group, L->topk_group, (int)L->norm_topk,
+                            L->routed_scale, L->score_bias, (float *)logits, (float *)weights, ids, xf, scratch, nthreads);
+    else
+        rc = router_topk(L->router, xt /* its weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk,
+                         logits, weights, ids, scratch, nthreads);
     if (rc) return rc;
     /* The experts in ascending id order (transformers' summation order), each with its routing weight
      * as the resident lane passes it: the router's output in the activation dtype, read as a float. */
@@ -162,7 +233,7 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
         dn[j] = L->down[e];
         gus[j] = L->gate_up_scale ? L->gate_up_scale[e] : NULL;
         dns[j] = L->down_scale ? L->down_scale[e] : NULL;
-        w[j] = xt == X_F32 ? ((const float *)weights)[order[j]] : bf16_to_f32(((const uint16_t *)weights)[order[j]]);
+        w[j] = xt == X_F32 || f32_weights ? ((const float *)weights)[order[j]] : bf16_to_f32(((const uint16_t *)weights)[order[j]]);
     }
     moe_swiglu((int)L->expert_wtype, H, L->I, k, gu, L->gate_up_scale ? gus : NULL, dn, L->down_scale ? dns : NULL, w, h, xt,
                y, scratch, nthreads);

@@ -61,6 +61,8 @@ class NativeKernels:
         lib.decode_layer.restype = _INT
         lib.decode_layer_work_bytes.argtypes = [_P, _I64]
         lib.decode_layer_work_bytes.restype = _SIZE
+        lib.router_sigmoid.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _I64, _INT, ctypes.c_float, _P, _P, _P, _P, _P, _P, _INT]
+        lib.router_sigmoid.restype = _INT
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -169,6 +171,21 @@ class NativeKernels:
         ids = torch.empty((1, k), dtype=torch.int64)
         rc = self.lib.router_topk(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, int(norm),
                                   logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), self._work(self._scratch("gemv_work_bytes", E, H, 1)), torch.get_num_threads())
+        return (logits, weights, ids) if rc == 0 else None
+
+    def router_sigmoid(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int, topk_group: int,
+                       norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A DeepSeek-V3-style router for one row x [1, H] (f32 or bf16) with weight w [E, H] (f32 or bf16) and an f32
+        correction bias [E] or None (decode_layer.c `router_sigmoid`): (logits [1, E], weights [1, k], ids [1, k]),
+        logits and weights in f32 as transformers' Glm4Moe/DeepseekV3 TopkRouter returns them, or None where the
+        kernel does not take the shape."""
+        E, H = w.shape
+        logits, weights = torch.empty((1, E)), torch.empty((1, k))
+        ids, xf = torch.empty((1, k), dtype=torch.int64), torch.empty(H)
+        rc = self.lib.router_sigmoid(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, n_group, topk_group,
+                                     int(norm), scale, None if bias is None else bias.data_ptr(), logits.data_ptr(), weights.data_ptr(),
+                                     ids.data_ptr(), xf.data_ptr(), self._work(self._scratch("gemv_work_bytes", E, H, 1)),
+                                     torch.get_num_threads())
         return (logits, weights, ids) if rc == 0 else None
 
     def kv_append(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> None:

@@ -10,9 +10,10 @@ one call, the KV cache's bookkeeping and the hit counters: 14 us a layer on the 
 data comes from memory).
 
 When: a lean-forward decode step of one request on the CPU (the native kernels), the cache within
-the native attention's range, the model's every layer a plain llama-style MoE layer (a softmax
-top-k router, routed SwiGLU experts the native MoE call reads, at most a SwiGLU shared expert with an
-optional sigmoid gate as Qwen2-MoE's; no dense MLP layer), every
+the native attention's range, the model's every layer a llama-style MoE layer (a softmax top-k
+router, or a DeepSeek-V3-style sigmoid router with correction bias and groups as GLM-4-MoE's; routed
+SwiGLU experts the native MoE call reads; at most a SwiGLU shared expert, gated as Qwen2-MoE's or not)
+or a dense SwiGLU layer (GLM-4-MoE's first ones), every
 expert resident for good (`ExpertStore.complete`, the resident lane of engine/experts/moe_executor.py)
 and nothing listening to the routing (traces, predictors) or planning around misses (CPU experts,
 the utility estimator). Its norms and router must have passed their first-call check against the
@@ -23,9 +24,11 @@ else keeps the layer-by-layer path, step by step.
 Exactness: the same arithmetic as the layer-by-layer path, bit for bit, except in f32 models, where
 the attention projections run the native gemv instead of torch's F.linear: another order of each
 dot product's sum, logits within f32 rounding (tests/test_fused_decode.py). A shared expert's SiLU and
-gate sigmoid are computed with the C library's expf where the layer-by-layer path runs torch's
-vectorised exp: in bf16 a product may then round the other way now and then (same greedy tokens,
-logits within a few bf16 ulps in the test).
+gate sigmoid and the sigmoid router are computed with the C library's expf where the layer-by-layer
+path runs torch's vectorised exp (and the sigmoid router's f32 logits with the native gemv's sums): in
+bf16 a product may then round the other way now and then (same greedy tokens, logits within a few bf16
+ulps in the test; the tiny checkpoints and the embedded model came out bit-identical). The sigmoid
+router is checked once against its module's forward on a random row when the step is built.
 `MOE_OFFLOAD_FUSED_DECODE=0` turns it off.
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ from transformers import DynamicCache
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import W_CODES, X_CODES, NativeKernels
 from engine.native.layers import NativeLinear, NativeRMSNorm
-from engine.native.router import NativeTopKRouter
+from engine.native.router import NativeTopKRouter, same_routing
 from engine.weights.moe_hook import BlockAdapter
 from engine.worker.kv_cache import InPlaceLayer
 
@@ -57,7 +60,10 @@ class LayerSpec(ctypes.Structure):
                 + [(n, _P) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "post_norm", "next_norm",
                                      "router", "gate_up", "gate_up_scale", "down", "down_scale", "sh_gate", "sh_up", "sh_down",
                                      "sh_gate_w")]
-                + [("sh_I", _I64)])
+                + [(n, _I64) for n in ("sh_I", "router_kind", "router_wtype", "n_group", "topk_group")]
+                + [("score_bias", _P)] + [(n, _F) for n in ("routed_scale", "pad2_")])
+ROUTER_SOFTMAX, ROUTER_SIGMOID, ROUTER_NONE = 0, 1, 2  # decode_layer.c's router kinds
+SIGMOID_ROUTERS = frozenset({"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"})  # router_sigmoid's arithmetic, checked on first build
 
 
 def fused_decode_enabled() -> bool:
@@ -81,9 +87,11 @@ class FusedDecode:
         self.why = ""
         self._specs: list[LayerSpec] = []
         self._keep: list[object] = []  # the pointer tables the specs point into: alive as long as they are
-        self._blocks: list[OffloadedMoeBlock] = [layer.mlp for layer in layers]
-        if not all(isinstance(b, OffloadedMoeBlock) for b in self._blocks):
-            self.state, self.why = "off", "a layer without routed experts"
+        # The MoE blocks (dense layers have none), whose stores and listeners each step checks.
+        self._blocks: list[OffloadedMoeBlock] = [layer.mlp for layer in layers if isinstance(layer.mlp, OffloadedMoeBlock)]
+        if not self._blocks:
+            self.state, self.why = "off", "no routed experts"
+        self._hit_calls: list[tuple[OffloadedMoeBlock, int]] = []  # each MoE block and the experts its router picks
         self._rot = -1
         self._positions = 0  # cached positions the scratch buffer has room for
         self._dtype: torch.dtype | None = None
@@ -123,13 +131,13 @@ class FusedDecode:
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
             c.advance(at + 1)
-        for block, spec in zip(self._blocks, self._specs):
-            block.executor.stats.record_all_hits(block.layer, spec.topk)
+        for block, calls in self._hit_calls:
+            block.executor.stats.record_all_hits(block.layer, calls)
         return True
 
     def _build(self, x: torch.Tensor, cos: torch.Tensor, max_positions: int) -> bool:
         try:
-            self._specs, self._keep = [], []
+            self._specs, self._keep, self._hit_calls = [], [], []
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
                 self._specs.append(self._spec(layer, nxt, x, cos))
@@ -148,21 +156,19 @@ class FusedDecode:
 
     def _spec(self, layer, next_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor) -> LayerSpec:
         """One layer's LayerSpec; raises NotYet or Unsupported."""
-        dtype, att, block = x.dtype, layer.att, layer.mlp
+        dtype = x.dtype
         if dtype not in X_CODES or x.device.type != "cpu":
             raise Unsupported(f"activations in {dtype} on {x.device.type}")
-        if type(block.adapter) is not BlockAdapter or not block.plain_output:
-            raise Unsupported(f"layer {att.layer_idx}: not a plain routed MoE block")
-        shared = _shared_expert(block, dtype)
-        router = block.adapter._native_router
-        if router is None or (isinstance(router, NativeTopKRouter) and router.verified is None):
-            raise NotYet
-        if not isinstance(router, NativeTopKRouter) or not router.verified or router.top_k > MAX_TOPK:
-            raise Unsupported(f"layer {att.layer_idx}: the router does not run natively")
-        executor = block.executor
-        moe = executor._native
-        if moe is None or not moe.accepts(x) or executor.store.slots.device.type != "cpu":
-            raise Unsupported(f"layer {att.layer_idx}: its experts do not run natively for {dtype} rows")
+        fields = self._attention_fields(layer, next_norm, x, cos)
+        if isinstance(layer.mlp, OffloadedMoeBlock):
+            fields.update(self._moe_fields(layer.mlp, x))
+        else:  # a dense layer (GLM-4-MoE's and DeepSeek-V3's first ones): its SwiGLU MLP alone
+            fields.update(_swiglu_fields(layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP"), router_kind=ROUTER_NONE)
+        return LayerSpec(**fields)
+
+    def _attention_fields(self, layer, next_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor) -> dict:
+        """The LayerSpec fields of the attention half, the norms and the dtypes."""
+        dtype, att = x.dtype, layer.att
         norms = [_norm(m, dtype) for m in (layer.in_norm, layer.post_norm, next_norm)]
         qk = [_norm(m, dtype) for m in (layer.q_norm, layer.k_norm)] if layer.q_norm is not None else [None, None]
         projections = [_weights(p, dtype) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
@@ -170,54 +176,106 @@ class FusedDecode:
         hq, hk = layer.q_proj.weight.shape[0] // d, layer.k_proj.weight.shape[0] // d
         if hq % hk or hq // hk > 64 or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
             raise Unsupported("an attention shape the native kernel does not take")
-        E, layer_index = executor.num_experts, block.layer
-        slots = [executor._pointers[executor.store.slot_index(layer_index * E + e)] for e in range(E)]
-        tables = [(_P * E)(*(s[j] for s in slots)) for j in range(4)]  # gate_up, its scales, down, its scales
-        self._keep.append(tables)  # read below, valid for good: step() found the store complete
         norm_dtypes = {n.module.weight.dtype for n in norms + [q for q in qk if q is not None]}
         if len(norm_dtypes) != 1:
             raise Unsupported("norm weights of several dtypes")
         p = [t.data_ptr() if t is not None else None for t in (w for pair in projections for w in pair)]
-        spec = LayerSpec(
-            xtype=X_CODES[dtype], proj_wtype=W_CODES[dtype], norm_wtype=W_CODES[norm_dtypes.pop()], expert_wtype=W_CODES[moe.weight_dtype],
-            H=x.shape[-1], hq=hq, hk=hk, d=d, rot=cos.shape[-1], E=E, topk=router.top_k, I=moe.intermediate, norm_topk=int(router.norm),
-            q_eps=qk[0].eps if qk[0] else 0.0, k_eps=qk[1].eps if qk[1] else 0.0, post_eps=norms[1].eps, next_eps=norms[2].eps,
-            scale=float(att.scaling), wq=p[0], bq=p[1], wk=p[2], bk=p[3], wv=p[4], bv=p[5], wo=p[6], bo=p[7],
+        return dict(
+            xtype=X_CODES[dtype], proj_wtype=W_CODES[dtype], norm_wtype=W_CODES[norm_dtypes.pop()], H=x.shape[-1], hq=hq, hk=hk,
+            d=d, rot=cos.shape[-1], q_eps=qk[0].eps if qk[0] else 0.0, k_eps=qk[1].eps if qk[1] else 0.0, post_eps=norms[1].eps,
+            next_eps=norms[2].eps, scale=float(att.scaling), wq=p[0], bq=p[1], wk=p[2], bk=p[3], wv=p[4], bv=p[5], wo=p[6], bo=p[7],
             q_norm=qk[0].module.weight.data_ptr() if qk[0] else None, k_norm=qk[1].module.weight.data_ptr() if qk[1] else None,
-            post_norm=norms[1].module.weight.data_ptr(), next_norm=norms[2].module.weight.data_ptr(), router=router.weight.data_ptr(),
-            gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
-            gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
-            down_scale=ctypes.addressof(tables[3]) if moe.quantized else None)
+            post_norm=norms[1].module.weight.data_ptr(), next_norm=norms[2].module.weight.data_ptr())
+
+    def _moe_fields(self, block: OffloadedMoeBlock, x: torch.Tensor) -> dict:
+        """The LayerSpec fields of a MoE block: its router, the pointer tables of its experts, its shared expert."""
+        dtype, where = x.dtype, f"layer {block.layer}"
+        if type(block.adapter) is not BlockAdapter or not block.plain_output:
+            raise Unsupported(f"{where}: not a plain routed MoE block")
+        executor = block.executor
+        moe = executor._native
+        if moe is None or not moe.accepts(x) or executor.store.slots.device.type != "cpu":
+            raise Unsupported(f"{where}: its experts do not run natively for {dtype} rows")
+        fields = self._router_fields(block, x)
+        E = executor.num_experts
+        slots = [executor._pointers[executor.store.slot_index(block.layer * E + e)] for e in range(E)]
+        tables = [(_P * E)(*(s[j] for s in slots)) for j in range(4)]  # gate_up, its scales, down, its scales
+        self._keep.append(tables)  # read below, valid for good: step() found the store complete
+        self._hit_calls.append((block, fields["topk"]))
+        fields.update(E=E, I=moe.intermediate, expert_wtype=W_CODES[moe.weight_dtype],
+                      gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
+                      gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
+                      down_scale=ctypes.addressof(tables[3]) if moe.quantized else None)
+        shared = _shared_expert(block)
         if shared is not None:
-            (gate, up, down), gate_w = shared
-            spec.sh_gate, spec.sh_up, spec.sh_down, spec.sh_I = gate.data_ptr(), up.data_ptr(), down.data_ptr(), gate.shape[0]
-            spec.sh_gate_w = gate_w.data_ptr() if gate_w is not None else None
-        return spec
+            fields.update(_swiglu_fields(shared, dtype, f"{where}'s shared expert"))
+            gate = block._modules.get("shared_expert_gate")
+            if gate is not None:
+                gate_w, gate_b = _weights(gate, dtype)
+                if gate_w.shape[0] != 1 or gate_b is not None:
+                    raise Unsupported(f"{where}: a shared expert gate of another shape")
+                fields["sh_gate_w"] = gate_w.data_ptr()
+        return fields
+
+    def _router_fields(self, block: OffloadedMoeBlock, x: torch.Tensor) -> dict:
+        """The LayerSpec fields of a block's router: the native softmax top-k router once it has passed its
+        first-call check (engine/native/router.py), or a DeepSeek-V3-style sigmoid router checked here, once,
+        against its own forward on a random row."""
+        where = f"layer {block.layer}"
+        native = block.adapter._native_router
+        if isinstance(native, NativeTopKRouter):
+            if native.verified is None:
+                raise NotYet
+            if not native.verified or native.top_k > MAX_TOPK:
+                raise Unsupported(f"{where}: the router does not run natively")
+            return dict(router_kind=ROUTER_SOFTMAX, router=native.weight.data_ptr(), topk=native.top_k, norm_topk=int(native.norm))
+        router = block._modules[block.adapter.router]
+        if native is None:
+            raise NotYet  # the block has not routed a one-token step yet
+        if type(router).__name__ not in SIGMOID_ROUTERS:
+            raise Unsupported(f"{where}: a {type(router).__name__}, which does not run natively")
+        w = router.weight
+        bias = getattr(router, "e_score_correction_bias", None)
+        bias = bias.detach().float().contiguous() if bias is not None else None  # f32, as the router adds it
+        k, groups, keep, norm, scale = (router.top_k, router.num_group, router.topk_group, bool(router.norm_topk_prob),
+                                        float(router.routed_scaling_factor))
+        if w.dtype not in W_CODES or w.dtype == torch.int8 or not w.is_contiguous() or w.device.type != "cpu" or k > MAX_TOPK:
+            raise Unsupported(f"{where}: a router weight the native kernel does not read")
+        probe = torch.randn((1, w.shape[1]), generator=torch.Generator().manual_seed(block.layer)).to(x.dtype)
+        got = self.kernels.router_sigmoid(probe, w, bias, k, groups, keep, norm, scale)
+        if got is None or not same_routing(_by_id(got), _by_id(router.forward(probe)), 1e-5):
+            raise Unsupported(f"{where}: the native sigmoid router does not match {type(router).__name__}")
+        self._keep.append(bias)
+        return dict(router_kind=ROUTER_SIGMOID, router=w.data_ptr(), router_wtype=W_CODES[w.dtype], topk=k, norm_topk=int(norm),
+                    n_group=groups, topk_group=keep, score_bias=None if bias is None else bias.data_ptr(), routed_scale=scale)
 
 
-def _shared_expert(block: OffloadedMoeBlock, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
-    """((gate_proj, up_proj, down_proj weights), the sigmoid gate's weight or None) of the block's shared expert, as
-    BlockAdapter.dense runs it (Qwen2-MoE's `shared_expert` and `shared_expert_gate`), or None where it has none;
-    raises Unsupported for a shared expert of another form."""
-    modules = block._modules
-    shared = modules.get("shared_expert")
-    shared = modules.get("shared_experts") if shared is None else shared
-    if shared is None:
-        return None
-    act = getattr(shared, "act_fn", None)
-    if ("forward" in shared.__dict__ or type(act).__name__ not in ("SiLUActivation", "SiLU")
-            or not all(isinstance(getattr(shared, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))):
-        raise Unsupported(f"layer {block.layer}: a shared expert that is not a plain SwiGLU MLP")
-    projections = tuple(_weights(getattr(shared, n), dtype) for n in ("gate_proj", "up_proj", "down_proj"))
-    gate = modules.get("shared_expert_gate")
-    gate_w = None
-    if gate is not None:
-        gate_w, gate_b = _weights(gate, dtype)
-        if gate_w.shape[0] != 1 or gate_b is not None:
-            raise Unsupported(f"layer {block.layer}: a shared expert gate of another shape")
-    if any(b is not None for _, b in projections):
-        raise Unsupported(f"layer {block.layer}: a shared expert with biases")
-    return tuple(w for w, _ in projections), gate_w
+def _by_id(routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, weights, ids) with the top-k in ascending expert order: DeepSeek-V3-style routers take
+    topk(sorted=False), whose order is unspecified, so two results compare as sets."""
+    logits, weights, ids = routing
+    order = torch.argsort(ids, dim=1)
+    return logits, weights.gather(1, order), ids.gather(1, order)
+
+
+def _shared_expert(block: OffloadedMoeBlock) -> nn.Module | None:
+    """The block's shared expert, as BlockAdapter.dense finds it (Qwen2-MoE's `shared_expert`, GLM-4-MoE's
+    `shared_experts`), or None."""
+    shared = block._modules.get("shared_expert")
+    return block._modules.get("shared_experts") if shared is None else shared
+
+
+def _swiglu_fields(mlp: nn.Module, dtype: torch.dtype, what: str) -> dict:
+    """The LayerSpec sh_* fields of a SwiGLU MLP (gate_proj, up_proj, down_proj without biases, SiLU), run as
+    its forward runs it; raises Unsupported for another form."""
+    act = getattr(mlp, "act_fn", None)
+    if ("forward" in mlp.__dict__ or type(act).__name__ not in ("SiLUActivation", "SiLU")
+            or not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))):
+        raise Unsupported(f"{what} is not a plain SwiGLU MLP")
+    (gate, gb), (up, ub), (down, db) = (_weights(getattr(mlp, n), dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    if gb is not None or ub is not None or db is not None:
+        raise Unsupported(f"{what} has biases")
+    return dict(sh_gate=gate.data_ptr(), sh_up=up.data_ptr(), sh_down=down.data_ptr(), sh_I=gate.shape[0])
 
 
 def _norm(module: nn.Module, dtype: torch.dtype) -> NativeRMSNorm:
