@@ -31,6 +31,18 @@ static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+static inline float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+/* Element i of a buffer in the activation dtype, as a float; and storing one (rounded to bf16 where it is bf16). */
+static inline float x_get(const void *p, int xtype, int64_t i) {
+    return xtype == X_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void x_set(void *p, int xtype, int64_t i, float v) {
+    if (xtype == X_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
 size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);

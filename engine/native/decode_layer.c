@@ -7,18 +7,20 @@
  * project's machine: more than the arithmetic of the tiny peers checkpoint, and about an eighth of
  * the mid one's (docs/benchmarks/peers.md). llama.cpp runs a whole graph per token without
  * returning to its caller. This runs the same kernels, in the same order, on the same buffers as
- * engine/worker/lean_forward.py's decode path, so the result is what that path computes (the one
- * difference: f32 projections run this library's gemv rather than torch's F.linear, another order
- * of each dot product's sum).
+ * engine/worker/lean_forward.py's decode path, so the result is what that path computes (the
+ * differences: f32 projections run this library's gemv rather than torch's F.linear, another order
+ * of each dot product's sum; shared experts' SiLU and the sigmoids use expf where that path runs
+ * torch's exp; engine/worker/fused_decode.py says what that means for exactness).
  *
  * The layer, for residual x [H] and its normed form h [H] (both updated in place):
  *   q, k, v = h Wq^T (+ bq), h Wk^T (+ bk), h Wv^T (+ bv)
  *   a = decode_attention(q, k, v)             (q/k norms, rotary, KV append at `at`, softmax attention)
  *   x = x + (a Wo^T (+ bo));  h = post_norm(x)
- *   ids, w = router_topk(h)                   (softmax top-k, optional renormalisation)
+ *   ids, w = router(h)                        (softmax top-k, or DeepSeek-V3's sigmoid top-k: router_sigmoid)
  *   m = sum over ids ascending of w * expert(h)
  *   m = m + [sigmoid(h . g)] * shared(h)       (a shared SwiGLU expert, optionally gated, where the layer has one)
  *   x = x + m;  h = next_norm(x)
+ * A dense layer (ROUTER_NONE) has no router or routed experts: m = shared(h) alone.
  * `next_norm` is the next layer's input norm, or the model's final norm after the last layer.
  */
 #include "cpu_gemv.h"
@@ -68,12 +70,12 @@ int router_sigmoid(const void *W, int wtype, int64_t E, int64_t H, const void *x
                    int64_t topk_group, int norm, float scale, const float *bias, float *logits, float *weights, int64_t *ids,
                    float *xf, void *work, int nthreads) {
     if (k < 1 || k > E || E > 4096 || n_group < 1 || E % n_group || topk_group < 1 || topk_group > n_group) return -1;
-    for (int64_t i = 0; i < H; i++) xf[i] = xtype == X_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+    for (int64_t i = 0; i < H; i++) xf[i] = x_get(x, xtype, i);
     int rc = gemv(W, 0, wtype, E, H, xf, X_F32, 1, logits, work, nthreads);
     if (rc != 0) return rc;
     float score[4096], choice[4096];
     for (int64_t e = 0; e < E; e++) {
-        score[e] = 1.0f / (1.0f + expf(-logits[e]));
+        score[e] = sigmoid(logits[e]);
         choice[e] = score[e] + (bias ? bias[e] : 0.0f);
     }
     int64_t per = E / n_group;
@@ -121,19 +123,16 @@ size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions) {
 }
 
 /* y[n] += b[n], rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
-static void add_bias(void *y, const void *b, int64_t n, int64_t xtype) {
+static void add_bias(void *y, const void *b, int64_t n, int xtype) {
     if (b == NULL) return;
-    for (int64_t i = 0; i < n; i++) {
-        if (xtype == X_F32) ((float *)y)[i] += ((const float *)b)[i];
-        else ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((uint16_t *)y)[i]) + bf16_to_f32(((const uint16_t *)b)[i]));
-    }
+    for (int64_t i = 0; i < n; i++) x_set(y, xtype, i, x_get(y, xtype, i) + x_get(b, xtype, i));
 }
 
 /* gemv of one row plus an optional bias; returns gemv's status. */
 static int project(const layer_spec_t *L, const void *w, const void *b, int64_t rows, int64_t cols, const void *x, void *y,
                    void *work, int nthreads) {
     int rc = gemv(w, 0, (int)L->proj_wtype, rows, cols, x, (int)L->xtype, 1, y, work, nthreads);
-    add_bias(y, b, rows, L->xtype);
+    add_bias(y, b, rows, (int)L->xtype);
     return rc;
 }
 
@@ -149,26 +148,17 @@ static int add_shared_expert(const layer_spec_t *L, const void *h, void *y, char
     int rc = project(L, L->sh_gate, NULL, I, H, h, g, scratch, nthreads);
     rc = rc ? rc : project(L, L->sh_up, NULL, I, H, h, u, scratch, nthreads);
     if (rc) return rc;
-    for (int64_t i = 0; i < I; i++) {
-        float gv = xt == X_F32 ? ((float *)g)[i] : bf16_to_f32(((uint16_t *)g)[i]);
-        float uv = xt == X_F32 ? ((float *)u)[i] : bf16_to_f32(((uint16_t *)u)[i]);
-        float v = as_x(as_x(silu(gv), xt) * uv, xt);
-        if (xt == X_F32) ((float *)a)[i] = v;
-        else ((uint16_t *)a)[i] = f32_to_bf16(v);
-    }
+    for (int64_t i = 0; i < I; i++) x_set(a, xt, i, as_x(silu(x_get(g, xt, i)), xt) * x_get(u, xt, i));
     rc = project(L, L->sh_down, NULL, H, I, a, s, scratch, nthreads);
     float sg = 1.0f;
     if (!rc && L->sh_gate_w != NULL) {
         rc = project(L, L->sh_gate_w, NULL, 1, H, h, gate, scratch, nthreads);
-        float gv = xt == X_F32 ? ((float *)gate)[0] : bf16_to_f32(((uint16_t *)gate)[0]);
-        sg = as_x(1.0f / (1.0f + expf(-gv)), xt);
+        sg = as_x(sigmoid(x_get(gate, xt, 0)), xt);
     }
     if (rc) return rc;
     for (int64_t i = 0; i < H; i++) {
-        float sv = xt == X_F32 ? ((float *)s)[i] : bf16_to_f32(((uint16_t *)s)[i]);
-        if (L->sh_gate_w != NULL) sv = as_x(sg * sv, xt);
-        if (xt == X_F32) ((float *)y)[i] += sv;
-        else ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((uint16_t *)y)[i]) + sv);
+        float sv = x_get(s, xt, i);
+        x_set(y, xt, i, x_get(y, xt, i) + (L->sh_gate_w != NULL ? as_x(sg * sv, xt) : sv));
     }
     return 0;
 }
@@ -216,8 +206,7 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
         rc = router_topk(L->router, xt /* its weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk,
                          logits, weights, ids, scratch, nthreads);
     if (rc) return rc;
-    /* The experts in ascending id order (transformers' summation order), each with its routing weight
-     * as the resident lane passes it: the router's output in the activation dtype, read as a float. */
+    /* The experts in ascending id order (transformers' summation order), each with its routing weight. */
     int64_t order[MAX_TOPK];
     for (int64_t j = 0; j < k; j++) {
         int64_t t = j;
@@ -233,7 +222,7 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
         dn[j] = L->down[e];
         gus[j] = L->gate_up_scale ? L->gate_up_scale[e] : NULL;
         dns[j] = L->down_scale ? L->down_scale[e] : NULL;
-        w[j] = xt == X_F32 || f32_weights ? ((const float *)weights)[order[j]] : bf16_to_f32(((const uint16_t *)weights)[order[j]]);
+        w[j] = x_get(weights, f32_weights ? X_F32 : xt, order[j]);
     }
     moe_swiglu((int)L->expert_wtype, H, L->I, k, gu, L->gate_up_scale ? gus : NULL, dn, L->down_scale ? dns : NULL, w, h, xt,
                y, scratch, nthreads);
