@@ -12,6 +12,7 @@ from engine.errors import ConfigError
 from engine.settings_file import YamlSection, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+FORWARDS = ("auto", "fused", "lean", "transformers")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class EngineConfig(YamlSection):
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
     expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
     expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
+    # The paths a step may take (engine/worker/dispatch.py resolves them once at load and logs the plan).
+    forward: str = setting("auto", "model forward: auto (default: the fastest this model and device allow), fused (one native call per decoder layer for decode steps whose experts are all resident, else lean), lean (the same sublayers without transformers' wrappers, layer by layer), or transformers (transformers' own forward). Every path computes the same tokens; `generate --json` and /metrics count the steps each took", choices=FORWARDS)
+    native_kernels: str = setting("auto", "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a compiler is found), on (fail at start without one) or off (torch's kernels). One choice per process", choices=("auto", "on", "off"))
+    decode_attention: str = setting("auto", "a decode row's attention: auto (default: native up to 1024 cached positions, then SDPA), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention)", choices=("auto", "native", "sdpa"))
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -67,6 +72,12 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"prefetch must be auto, none, utility, adapter or adapter,utility; got {self.prefetch!r}")
         if self.cpu_experts not in ("off", "auto", "all"):
             raise ConfigError(f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}")
+        for name, allowed in (("forward", FORWARDS), ("native_kernels", ("auto", "on", "off")),
+                              ("decode_attention", ("auto", "native", "sdpa"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.native_kernels == "off" and (self.forward == "fused" or self.decode_attention == "native"):
+            raise ConfigError("--forward fused and --decode-attention native need the native kernels; drop --native-kernels off")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -46,6 +46,10 @@ class EngineStats:
     balancer_missed: int = 0  # ... missed experts it split (sum of M)
     balancer_share: list[int] = field(default_factory=lambda: [0] * len(SHARE_BUCKETS))  # calls by τ/M, cumulative buckets
     utility_levels: list[int] = field(default_factory=list)  # experts at each utility level, latest
+    # Forwards by step kind (prefill, decode, verify, forward) and path (fused, lean, transformers:
+    # engine/worker/dispatch.py), and the lean steps' reasons for not taking the fused one.
+    steps: dict[str, dict[str, int]] = field(default_factory=dict)
+    fused_declined: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +82,15 @@ class EngineStats:
         with self._lock:
             self.hits[layer] += calls
             self.calls_hit += calls
+
+    def record_step(self, kind: str, path: str, declined: str = "") -> None:
+        """One forward of `kind` took `path`; `declined`: why not the fused path ("" where it was, or where
+        the model has none)."""
+        with self._lock:
+            by_path = self.steps.setdefault(kind, {})
+            by_path[path] = by_path.get(path, 0) + 1
+            if declined and path == "lean":
+                self.fused_declined[declined] = self.fused_declined.get(declined, 0) + 1
 
     def record_window(self, proposed: int, accepted: int) -> None:
         """One verification window: `proposed` tokens, the first `accepted` of them kept."""
@@ -172,6 +185,8 @@ class EngineStats:
                 "balancer": {"calls": self.balancer_calls, "copied": self.balancer_copied, "missed": self.balancer_missed,
                              "share_buckets": list(SHARE_BUCKETS), "share_counts": list(self.balancer_share)},
                 "utility_levels": list(self.utility_levels),
+                "steps": {kind: dict(paths) for kind, paths in self.steps.items()},
+                "fused_declined": dict(self.fused_declined),
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}

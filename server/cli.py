@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
-from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_config_from_args
+from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_choice_from_args
 from server.cli_eval import add_eval_parsers
 from server.cli_prefetch import add_prefetch_parser
 from server.config import ServerConfig
@@ -45,9 +45,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**overrides_from_args(args, SamplingParams))
     model_dir = resolve_model_dir(args.model)
     ecfg = engine_config_from_args(args)
-    spec = spec_config_from_args(args, model_dir)
+    spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
     om = load_model(model_dir, ecfg)
+    plan = om.plan.with_choice("speculation", spec.speculative, spec_why)
+    print("engine plan:\n  " + "\n  ".join(plan.lines()), file=sys.stderr, flush=True)
     try:
         if om.tokenizer is None:
             raise MoeOffloadError(f"{om.model_dir}: no tokenizer files; add tokenizer.json/tokenizer_config.json")
@@ -58,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = list(om.tokenizer(opts.prompt)["input_ids"])
         if len(ids) >= max_len:
             raise MoeOffloadError(f"the prompt has {len(ids)} tokens but the context is {max_len}; shorten it or raise --max-model-len")
-        from engine.spec.factory import make_speculation
+        from engine.speculative.factory import make_speculation
 
         proposer, observers = make_speculation(spec, om)
         core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers)
@@ -92,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 # The first token comes from prefill; decode speed counts the tokens after it.
                 "decode_tokens_per_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
                 "fast_tier_slots": om.store.n_slots,
+                "plan": plan.to_dict(),
                 "stats": om.stats.snapshot(),
             }, indent=2))
         else:
@@ -119,11 +122,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)
-    spec = spec_config_from_args(args, model_dir)
+    spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
         model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
-        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, spec=spec,
+        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, spec=spec, spec_why=spec_why,
     )
     settings = ServeSettings(
         engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue,

@@ -7,7 +7,7 @@ import argparse
 from engine.config import EngineConfig
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -28,15 +28,28 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def spec_config_from_args(args: argparse.Namespace, model_dir: str) -> SpecConfig:
-    """The speculation settings, resolved against the model (auto -> a draft found beside it),
-    with the draft checked against the target's vocabulary: one line on any problem."""
-    from engine.spec.factory import check_draft
+    """The speculation settings, resolved against the model and the device (SpecConfig.choose), with the
+    draft checked against the target's vocabulary: one line on any problem."""
+    return spec_choice_from_args(args, model_dir)[0]
+
+
+def spec_choice_from_args(args: argparse.Namespace, model_dir: str) -> tuple[SpecConfig, str]:
+    """spec_config_from_args and why that mode, for the plan's log line."""
+    from engine.speculative.factory import check_draft
 
     base = SpecConfig.from_yaml(args.config) if getattr(args, "config", None) else SpecConfig()
-    spec = base.with_overrides(**overrides_from_args(args, SpecConfig)).resolve(model_dir)
+    device = engine_config_from_args(args).device
+    device_type = ("cuda" if torch_cuda_available() else "cpu") if device == "auto" else device.split(":")[0]
+    spec, why = base.with_overrides(**overrides_from_args(args, SpecConfig)).choose(model_dir, device_type)
     if spec.draft is not None:
         check_draft(model_dir, spec.draft)
-    return spec
+    return spec, why
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def resolve_model_dir(arg: str | None) -> str:

@@ -199,6 +199,7 @@ class EngineClient:
             self.state, self.engine_pid = EngineState.READY, msg.pid
             self._load_seconds = time.monotonic() - self._engine.started
             log.info("engine ready (pid %d, max_model_len %d, %.1f s)", msg.pid, msg.max_model_len, self._load_seconds)
+            log.info("engine plan:\n  %s", "\n  ".join(msg.plan))
         elif isinstance(msg, EngineDead):
             self._on_death(msg.error)
 

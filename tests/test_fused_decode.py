@@ -163,10 +163,52 @@ def test_fused_decode_hands_over_past_the_native_attention_range(tiny_ckpt, monk
         om.close()
 
 
-def test_fused_decode_can_be_turned_off(tiny_ckpt, monkeypatch) -> None:
-    monkeypatch.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+def test_the_forward_follows_the_engine_config(tiny_ckpt) -> None:
+    """--forward lean keeps every step layer by layer, --forward transformers uses transformers' forward; both
+    say so in the plan and count their steps; the tokens are the default's."""
+    from engine.core.completion import generate
+    from engine.worker.runner import ModelRunner
+    from engine.worker.sampling import SamplingParams
+
+    tokens, steps = {}, {}
+    for forward in ("auto", "lean", "transformers"):
+        om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32", forward=forward))
+        try:
+            runner = ModelRunner(om)
+            assert om.plan.forward == {"auto": "fused"}.get(forward, forward)
+            assert (runner._lean is None) == (forward == "transformers")
+            assert forward != "lean" or runner._lean._fused is None
+            tokens[forward] = generate(om, [3, 4, 5, 6], SamplingParams(max_tokens=10)).token_ids
+            steps[forward] = om.stats.snapshot()["steps"]["decode"]
+        finally:
+            om.close()
+    assert tokens["lean"] == tokens["auto"] == tokens["transformers"]
+    assert steps["auto"].get("fused", 0) >= 7 and set(steps["lean"]) == {"lean"} and set(steps["transformers"]) == {"transformers"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_fused_decode_publishes_routing_to_deferred_listeners(tiny_ckpt, monkeypatch, arch: str) -> None:
+    """A listener that may see a step's routing after the forward (the speculative sensor's kind) does not keep
+    the step off the fused path: the native call writes each layer's routing, published after it, the same
+    experts in the same order as the layer-by-layer path publishes them."""
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype="bfloat16"))
     try:
-        assert LeanForward(om.model)._fused is None
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=False)  # the first-call checks
+        events: dict[bool, list] = {False: [], True: []}
+        for fused in (False, True):
+            unsubscribe = om.bus.subscribe(events[fused].append, live=False)
+            counting = CountingLib(lean._fused.kernels.lib)
+            monkeypatch.setattr(lean._fused.kernels, "lib", counting)
+            _decode(lean, om.config, fused=fused, tokens=6)
+            unsubscribe()
+            assert counting.calls == (6 * om.config.num_hidden_layers if fused else 0)
+        want, got = events[False], events[True]
+        assert [e.layer for e in got] == [e.layer for e in want] and len(got) > 6
+        for a, b in zip(want, got):
+            assert torch.equal(a.ids, b.ids), (a.layer, a.ids, b.ids)
+            assert torch.allclose(a.weights.float(), b.weights.float(), atol=1e-2)
+            assert torch.allclose(a.x.float(), b.x.float(), atol=3e-2)
+            assert a.logits.shape == b.logits.shape
     finally:
         om.close()

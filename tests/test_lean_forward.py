@@ -131,11 +131,10 @@ def test_native_decode_attention_agrees_with_packed_forward(tiny_ckpt, monkeypat
     """With the engine's in-place KV cache a decode row's attention is one native call (q/k norms,
     rotary, KV append, softmax attention): its sums run in another order than SDPA's, so the logits
     agree to rounding (f32: 1e-6; bf16: 1e-2, about one of its ulps) and the greedy tokens are the same."""
-    monkeypatch.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))
     try:
         calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model)
+        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
         warm = new_kv_cache(om.config)  # the norms' and the router's first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
         lean([[6]], [3], [warm], [[0]], om.device)
@@ -164,11 +163,10 @@ def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
     import engine.worker.lean_forward as lean_module
 
     monkeypatch.setattr(lean_module, "NATIVE_ATTENTION_MAX_POSITIONS", 8)
-    monkeypatch.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")  # the layer-by-layer path's hand-over (the fused one's: tests/test_fused_decode.py)
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:
         calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model)
+        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path's hand-over
         ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
         window, start, native_steps = [5, 9, 11], 0, []
         for step in range(10):

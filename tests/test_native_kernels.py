@@ -220,8 +220,24 @@ def test_without_a_compiler_the_build_says_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     lib, why = native_build.build()
     assert lib is None and "no C compiler" in why
-    monkeypatch.setenv("MOE_OFFLOAD_NATIVE", "0")
-    assert native_build.build() == (None, "native CPU kernels off (MOE_OFFLOAD_NATIVE=0)")
+
+
+def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
+    """--native-kernels off: torch's kernels everywhere, said in the plan; auto brings them back."""
+    from engine.native.kernels import native
+
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="off"))
+    try:
+        assert native() is None and om.executor._native is None
+        assert not any(isinstance(mod, NativeLinear) for mod in om.model.modules())
+        assert om.plan.forward == "lean" and om.plan.to_dict()["native kernels"]["chosen"] == "off"
+    finally:
+        om.close()
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="bfloat16"))
+    try:
+        assert native() is not None and om.plan.forward == "fused"
+    finally:
+        om.close()
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to show a failing build")

@@ -20,15 +20,6 @@ from engine.worker.sampling import SamplingParams
 from policies.registry import POLICY_NAMES, SUBSTITUTES, make_miss_policy
 
 
-@pytest.fixture(autouse=True)
-def _layer_by_layer():
-    """The lane is what the layer-by-layer decode runs; a fused decode step (engine/worker/fused_decode.py,
-    tested in tests/test_fused_decode.py) would bypass it. Its own MonkeyPatch: _decode undoes the test's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOE_OFFLOAD_FUSED_DECODE", "0")
-        yield
-
-
 def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
     """Greedy tokens of a prompt + 8 tokens (7 decode steps after the prefill), the stats, and how
     many layer runs took the lane."""
@@ -52,7 +43,7 @@ def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch, native_kernels: bool) -> None:
     """With the native kernels (one call for the layer's experts) and without (torch's loop, as on a GPU)."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"))
     try:
         assert om.store.complete
         if not native_kernels:
@@ -69,7 +60,7 @@ def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch, nat
 
 
 def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt, monkeypatch) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"))
     try:
         ids = [5, 6, 7, 8, 9]
 
@@ -89,7 +80,7 @@ def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt, monkeypatch) 
 
 @pytest.mark.parametrize("fraction, offload, complete", [(0.5, "ram", False), (1.0, "disk", True), (0.5, "disk", False)])
 def test_the_store_is_complete_only_when_every_expert_is_resident_for_good(tiny_ckpt, fraction, offload, complete) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=fraction, offload=offload, device="cpu"))
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=fraction, offload=offload, device="cpu"))
     try:
         assert om.store.complete is complete
         generate(om, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -12,9 +12,9 @@ from engine.config import EngineConfig
 from engine.core.completion import complete, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
-from engine.spec.config import SpecConfig
-from engine.spec.factory import check_draft, make_speculation
-from engine.spec.ngram import lookup
+from engine.speculative.config import SpecConfig
+from engine.speculative.factory import check_draft, make_speculation
+from engine.speculative.ngram import lookup
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from engine.worker.verify import verify_window
@@ -203,7 +203,9 @@ def test_mismatched_draft_is_refused(tiny_ckpt, tmp_path: Path) -> None:
         check_draft(tiny_ckpt("qwen3_moe"), EMBEDDED_DRAFT)
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpecConfig(speculative="draft").resolve(tiny_ckpt("qwen3_moe"))
-    assert SpecConfig().resolve(EMBEDDED_TARGET).draft is not None  # the embedded pair: draft by default
+    assert SpecConfig().resolve(EMBEDDED_TARGET, "cuda").draft is not None  # the embedded pair on a GPU: draft by default
+    cpu, why = SpecConfig().choose(EMBEDDED_TARGET, "cpu")
+    assert cpu.speculative == "off" and "on a CPU" in why  # where a verification window cannot pay
     assert SpecConfig().resolve(tiny_ckpt("qwen3_moe")).speculative == "off"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
@@ -35,6 +35,7 @@ class EngineArgs:
     max_running: int = 64
     prefill_token_budget: int = 1024
     spec: SpecConfig = SpecConfig(speculative="off")  # resolved: off, ngram, or draft with its directory
+    spec_why: str = ""  # why that mode (SpecConfig.choose), for the plan's log line
 
 
 def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
@@ -57,7 +58,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         from engine.core.engine_core import CoreLimits, EngineCore
         from engine.worker.loader import load_model
 
-        from engine.spec.factory import make_speculation
+        from engine.speculative.factory import make_speculation
 
         om = load_model(args.model_dir, args.engine_config)
         proposer, observers = make_speculation(args.spec, om)
@@ -68,7 +69,8 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     inbox: queue.Queue[EngineInput] = queue.Queue()
     loop = threading.Thread(target=_scheduler_loop, args=(core, om.stats, inbox, out_q), name="scheduler", daemon=True)
     loop.start()
-    out_q.put(EngineReady(args.model_dir, args.max_model_len, os.getpid()))
+    plan = om.plan.with_choice("speculation", args.spec.speculative, args.spec_why or f"--speculative {args.spec.speculative}")
+    out_q.put(EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines())))
     parent = mp.parent_process()
     while loop.is_alive():
         try:

@@ -73,6 +73,7 @@ class EngineReady:
     model_dir: str
     max_model_len: int
     pid: int
+    plan: tuple[str, ...] = ()  # the resolved execution plan, one line a choice (engine/worker/dispatch.py)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """The routing bus: every MoE layer publishes what its native router chose, to any listener.
 
-Listeners (router traces today; the utility estimator and the next-layer predictor later)
-subscribe a callable and get one `RoutingEvent` per MoE layer per forward, on the compute
-thread, before the layer's experts run. The runner sets the step context first, so a
-listener can tell which rows belong to which request. With no subscriber, publishing costs
-one truth test.
+Listeners (router traces, the speculative sensor, the next-layer predictor) subscribe a callable
+and get one `RoutingEvent` per MoE layer per forward, on the compute thread. A *live* listener
+gets it before the layer's experts run (a predictor that starts transfers for the next layer
+must); a *deferred* one may get it after the step's forward: the fused decode step
+(engine/worker/fused_decode.py) runs a whole layer in one native call, which writes its routing to
+a buffer, and publishes the step's events after the call, so only live listeners keep a step off
+that path. The runner sets the step context first, so a listener can tell which rows belong to
+which request. With no subscriber, publishing costs one truth test.
 """
 from __future__ import annotations
 
@@ -63,13 +66,23 @@ WindowListener = Callable[[WindowReport], None]
 class RoutingBus:
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
+        self._live: list[Listener] = []  # the listeners that must see a layer's routing before its experts run
         self._window_listeners: list[WindowListener] = []
         self.step = StepContext()
 
-    def subscribe(self, fn: Listener) -> Callable[[], None]:
-        """Add a listener; returns the function that removes it."""
+    def subscribe(self, fn: Listener, *, live: bool = True) -> Callable[[], None]:
+        """Add a listener; returns the function that removes it. live=False: the listener may get a
+        step's events after the step's forward (see the module docstring)."""
         self._listeners.append(fn)
-        return lambda: self._listeners.remove(fn)
+        if live:
+            self._live.append(fn)
+
+        def remove() -> None:
+            self._listeners.remove(fn)
+            if fn in self._live:
+                self._live.remove(fn)
+
+        return remove
 
     def subscribe_windows(self, fn: WindowListener) -> Callable[[], None]:
         """Listen to the speculative sensor: one WindowReport after each verification step."""
@@ -82,7 +95,13 @@ class RoutingBus:
 
     @property
     def active(self) -> bool:
+        """Whether anyone listens to routing events at all."""
         return bool(self._listeners)
+
+    @property
+    def live(self) -> bool:
+        """Whether a listener must see each layer's routing before the layer's experts run."""
+        return bool(self._live)
 
     def publish(self, layer: int, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         if self._listeners:

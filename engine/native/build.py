@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from engine import env
+
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_gemv.c", HERE / "decode_layer.c"]
@@ -28,15 +30,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MOE_OFFLOAD_CACHE")
-    if root:
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "moe-offload" / "native"
+    return env.cache_root() / "native"
 
 
 def compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "gcc", "cc"):
+    for cc in (env.c_compiler_override(), "gcc", "cc"):
         if cc and shutil.which(cc):
             return cc
     return None
@@ -61,8 +59,6 @@ def library_path(cc: str) -> Path:
 
 def build() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None and one line saying why not."""
-    if os.environ.get("MOE_OFFLOAD_NATIVE", "1") == "0":
-        return None, "native CPU kernels off (MOE_OFFLOAD_NATIVE=0)"
     cc = compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install gcc): native CPU kernels off, using torch's"

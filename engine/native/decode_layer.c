@@ -51,6 +51,11 @@ typedef struct {
     int64_t router_kind, router_wtype, n_group, topk_group;
     const float *score_bias;
     float routed_scale, pad2_;
+    /* Where the step's routing goes for the routing bus's listeners (NULL: nowhere): the router's input [H]
+     * in the activation dtype, its logits [E], and the top-k ids [k] and weights [k] in the router's order. */
+    void *route_x;
+    float *route_logits, *route_weights;
+    int64_t *route_ids;
 } layer_spec_t;
 
 enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1, ROUTER_NONE = 2 };
@@ -206,6 +211,14 @@ int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const
         rc = router_topk(L->router, xt /* its weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk,
                          logits, weights, ids, scratch, nthreads);
     if (rc) return rc;
+    if (L->route_ids != NULL) { /* what the layer-by-layer path publishes on the routing bus */
+        memcpy(L->route_x, h, (size_t)H * xs);
+        for (int64_t e = 0; e < L->E; e++) L->route_logits[e] = x_get(logits, f32_weights ? X_F32 : xt, e);
+        for (int64_t j = 0; j < k; j++) {
+            L->route_ids[j] = ids[j];
+            L->route_weights[j] = x_get(weights, f32_weights ? X_F32 : xt, j);
+        }
+    }
     /* The experts in ascending id order (transformers' summation order), each with its routing weight. */
     int64_t order[MAX_TOPK];
     for (int64_t j = 0; j < k; j++) {

@@ -1,7 +1,8 @@
 """Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c).
 
-`native()` is the process's one instance, or None where the kernels are unavailable (no compiler,
-MOE_OFFLOAD_NATIVE=0); callers then use torch. The wrappers take torch tensors on the CPU and
+`native()` is the process's one instance, or None where the kernels are unavailable (no compiler)
+or turned off (`--native-kernels off`, which the loader applies with `use_native_kernels`); callers
+then use torch. The wrappers take torch tensors on the CPU and
 pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep running.
 """
 from __future__ import annotations
@@ -216,16 +217,44 @@ class NativeKernels:
         return out
 
 
-@functools.lru_cache(maxsize=1)
+class _Choice:
+    """EngineConfig.native_kernels as the last model loaded in this process set it: the library is one per
+    process, and so is the choice (a process serves one model)."""
+
+    enabled = True
+
+
+def use_native_kernels(mode: str) -> str:
+    """Apply --native-kernels (auto, on, off) to this process; returns what runs and why, for the engine's
+    plan. `on` without the kernels (no compiler) fails with one line."""
+    _Choice.enabled = mode != "off"
+    if mode == "off":
+        return "off: --native-kernels off (torch's kernels)"
+    kernels, why = _load()
+    if kernels is None:
+        if mode == "on":
+            from engine.errors import ConfigError
+
+            raise ConfigError(f"--native-kernels on, but {why}; install gcc, or use --native-kernels auto")
+        return f"off: {why}"
+    return f"on: {kernels.describe()}"
+
+
 def native() -> NativeKernels | None:
-    """The process's native kernels (built on first call), or None, said once, where unavailable."""
+    """The process's native kernels (built on first call), or None where unavailable or turned off."""
+    return _load()[0] if _Choice.enabled else None
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[NativeKernels | None, str]:
+    """The kernels, built once, or None and why, said once, where unavailable."""
     lib, why = build()
     if lib is None:
         log.warning(why)
-        return None
+        return None, why
     kernels = NativeKernels(lib)
     log.info(kernels.describe())
-    return kernels
+    return kernels, ""
 
 
 def usable(x: torch.Tensor) -> NativeKernels | None:

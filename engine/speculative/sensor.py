@@ -24,7 +24,7 @@ class SpecSensor:
         # when a request decodes without proposals); they are kept out of the window metrics.
         self.include_plain = False
         self._step: dict[int, RoutingEvent] = {}
-        bus.subscribe(self._on_routing)
+        bus.subscribe(self._on_routing, live=False)  # counts after the forward: the fused step may run
 
     def _on_routing(self, ev: RoutingEvent) -> None:
         self._step[ev.layer] = ev  # a rerun after a failed read overwrites: the last forward counts

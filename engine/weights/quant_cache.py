@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from engine import env
 from engine.errors import ConfigError
 from engine.experts.quant import GroupQuantFormat, PlainFormat
 from engine.weights.checkpoint import TensorLocation, read_header, read_tensor
@@ -54,7 +55,7 @@ class SidecarLocator:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload" / "experts"
+    return env.xdg_cache_root() / "experts"
 
 
 def sidecar_path(locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], cache_dir: Path) -> Path:

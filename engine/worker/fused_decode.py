@@ -29,12 +29,11 @@ path runs torch's vectorised exp (and the sigmoid router's f32 logits with the n
 bf16 a product may then round the other way now and then (same greedy tokens, logits within a few bf16
 ulps in the test; the tiny checkpoints and the embedded model came out bit-identical). The sigmoid
 router is checked once against its module's forward on a random row when the step is built.
-`MOE_OFFLOAD_FUSED_DECODE=0` turns it off.
+`--forward lean` turns it off.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import nn
@@ -45,6 +44,7 @@ from engine.native.kernels import W_CODES, X_CODES, NativeKernels
 from engine.native.layers import NativeLinear, NativeRMSNorm
 from engine.native.router import NativeTopKRouter, same_routing
 from engine.weights.moe_hook import BlockAdapter
+from engine.worker import dispatch
 from engine.worker.kv_cache import InPlaceLayer
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -61,13 +61,10 @@ class LayerSpec(ctypes.Structure):
                                      "router", "gate_up", "gate_up_scale", "down", "down_scale", "sh_gate", "sh_up", "sh_down",
                                      "sh_gate_w")]
                 + [(n, _I64) for n in ("sh_I", "router_kind", "router_wtype", "n_group", "topk_group")]
-                + [("score_bias", _P)] + [(n, _F) for n in ("routed_scale", "pad2_")])
+                + [("score_bias", _P)] + [(n, _F) for n in ("routed_scale", "pad2_")]
+                + [(n, _P) for n in ("route_x", "route_logits", "route_weights", "route_ids")])
 ROUTER_SOFTMAX, ROUTER_SIGMOID, ROUTER_NONE = 0, 1, 2  # decode_layer.c's router kinds
 SIGMOID_ROUTERS = frozenset({"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"})  # router_sigmoid's arithmetic, checked on first build
-
-
-def fused_decode_enabled() -> bool:
-    return os.environ.get("MOE_OFFLOAD_FUSED_DECODE", "1") != "0"
 
 
 class NotYet(Exception):
@@ -92,34 +89,44 @@ class FusedDecode:
         if not self._blocks:
             self.state, self.why = "off", "no routed experts"
         self._hit_calls: list[tuple[OffloadedMoeBlock, int]] = []  # each MoE block and the experts its router picks
+        # Each MoE layer's routing as the native call writes it: (block, x [1, H], logits [1, E] f32,
+        # weights [1, k] f32, ids [1, k] int64), published on the routing bus after the step (deferred listeners).
+        self._routes: list[tuple[OffloadedMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._rot = -1
         self._positions = 0  # cached positions the scratch buffer has room for
         self._dtype: torch.dtype | None = None
         self._work: torch.Tensor | None = None
         self._kv_like: torch.Tensor | None = None  # a [1, hk, 1, d] row for a cache layer's first append or growth
 
-    def step(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache,
-             max_positions: int) -> bool:
-        """Run every layer on x (the embedded row [1, H]) and h (its input norm), in place: x ends as the
-        residual stream and h as the final norm's output. Returns False, having changed nothing, where
-        this step cannot take the fused path."""
-        if self.state == "off":
-            return False
-        # What can change from a step to the next, cheapest first; then, until it has been built, the build.
+    def shape_flags(self) -> tuple[bool, bool, bool, bool]:
+        """(all resident, planned per layer, live listener, wrapped) of the model's MoE blocks, for the
+        dispatcher's StepShape (engine/worker/dispatch.py): what can change from a step to the next."""
+        resident, planned, live, wrapped = True, False, False, False
         for block in self._blocks:
             executor = block.executor
-            if (not executor.store.complete or not executor._lane_open() or block.bus.active
-                    or "forward" in block.__dict__):  # a wrapped forward (a benchmark's timer) must run
-                return False
+            resident = resident and executor.store.complete
+            planned = planned or not executor._lane_open()
+            live = live or block.bus.live
+            wrapped = wrapped or "forward" in block.__dict__  # a wrapped forward (a benchmark's timer) must run
+        return resident, planned, live, wrapped
+
+    def step(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache,
+             max_positions: int) -> str | None:
+        """Run every layer on x (the embedded row [1, H]) and h (its input norm), in place: x ends as the
+        residual stream and h as the final norm's output. The dispatcher has found the step's shape fit
+        (engine/worker/dispatch.py `fused_decline`). Returns None, or why it declined, having changed
+        nothing (one of dispatch's reasons)."""
+        if self.state == "off":
+            return dispatch.LAYER_UNSUPPORTED
         if self.state != "ready" and not self._build(x, cos, max_positions):
-            return False
+            return dispatch.LAYER_UNSUPPORTED if self.state == "off" else dispatch.CHECKS_PENDING
         if x.dtype is not self._dtype or cos.shape[-1] != self._rot or not (cos.is_contiguous() and sin.is_contiguous()):
-            return False
+            return dispatch.NOT_PLANNED
         layers = cache.layers
         if len(layers) < len(self._specs) or not all(type(c) is InPlaceLayer for c in layers[: len(self._specs)]):
-            return False
+            return dispatch.NOT_PLANNED
         if layers[0].get_seq_length() + 1 > min(max_positions, self._positions):  # the scratch holds scores for _positions
-            return False
+            return dispatch.OUT_OF_RANGE
         lib, nt = self.kernels.lib, torch.get_num_threads()
         xp, hp, cp, sp, work = x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._work.data_ptr()
         kv_like = self._kv_like
@@ -133,11 +140,24 @@ class FusedDecode:
             c.advance(at + 1)
         for block, calls in self._hit_calls:
             block.executor.stats.record_all_hits(block.layer, calls)
-        return True
+        if self._blocks[0].bus.active:
+            self._publish_routing()
+        return None
+
+    def _publish_routing(self) -> None:
+        """The step's routing, layer by layer, to the bus's deferred listeners (copies: the buffers are
+        rewritten by the next step). As the layer-by-layer path publishes it, the top-k best first by
+        weight; the logits and weights in float32."""
+        for block, x, logits, weights, ids in self._routes:
+            w, i = weights.clone(), ids.clone()
+            if not block.adapter.sorted_topk:  # a sigmoid router's ids come in the order of its biased scores
+                order = torch.argsort(w, dim=1, descending=True, stable=True)
+                w, i = w.gather(1, order), i.gather(1, order)
+            block.bus.publish(block.layer, x.clone(), logits.clone(), i, w)
 
     def _build(self, x: torch.Tensor, cos: torch.Tensor, max_positions: int) -> bool:
         try:
-            self._specs, self._keep, self._hit_calls = [], [], []
+            self._specs, self._keep, self._hit_calls, self._routes = [], [], [], []
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
                 self._specs.append(self._spec(layer, nxt, x, cos))
@@ -202,6 +222,12 @@ class FusedDecode:
         tables = [(_P * E)(*(s[j] for s in slots)) for j in range(4)]  # gate_up, its scales, down, its scales
         self._keep.append(tables)  # read below, valid for good: step() found the store complete
         self._hit_calls.append((block, fields["topk"]))
+        k = fields["topk"]
+        route = (block, torch.zeros((1, x.shape[-1]), dtype=dtype), torch.zeros((1, E)), torch.zeros((1, k)),
+                 torch.zeros((1, k), dtype=torch.int64))
+        self._routes.append(route)  # alive as long as the specs that point into them
+        fields.update(route_x=route[1].data_ptr(), route_logits=route[2].data_ptr(), route_weights=route[3].data_ptr(),
+                      route_ids=route[4].data_ptr())
         fields.update(E=E, I=moe.intermediate, expert_wtype=W_CODES[moe.weight_dtype],
                       gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
                       gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,

@@ -15,11 +15,10 @@ a residual add and the next norm), and a plain decode step attends without the p
 Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
 residual" and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
 update, attention function, o projection" in transformers 5 (`LEAN_MODEL_TYPES`), without a
-sliding window. Everything else keeps transformers' forward. `MOE_OFFLOAD_LEAN=0` turns it off.
+sliding window. Everything else keeps transformers' forward; so does `--forward transformers`.
 """
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
@@ -30,7 +29,8 @@ from transformers import DynamicCache, PreTrainedModel
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels, native
 from engine.native.layers import NativeRMSNorm
-from engine.worker.fused_decode import FusedDecode, fused_decode_enabled
+from engine.worker import dispatch
+from engine.worker.fused_decode import FusedDecode
 from engine.worker.kv_cache import InPlaceLayer
 from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
 
@@ -41,10 +41,6 @@ LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})
 # kernel outruns the native loop (one row of K and V at a time) by more than the calls it saves:
 # measured 117 against 93 us (+ about 20 us of calls around SDPA) at 1000 positions, 4 heads of 64.
 NATIVE_ATTENTION_MAX_POSITIONS = 1024
-
-
-def lean_enabled() -> bool:
-    return os.environ.get("MOE_OFFLOAD_LEAN", "1") != "0"
 
 
 class LeanForward:
@@ -66,7 +62,9 @@ class LeanForward:
         return all(all(hasattr(layer, n) for n in need) and all(hasattr(layer.self_attn, p) for p in projections)
                    for layer in layers)
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, fused: bool = True, native_attention: bool = True) -> None:
+        """fused: decode steps may take the fused native step; native_attention: a decode row's attention in
+        one native call (the fused step needs it). Both as the plan resolved them (engine/worker/dispatch.py)."""
         assert self.supports(model), f"no lean forward for {model.config.model_type}"
         self.model = model
         self.inner = model.model
@@ -77,12 +75,12 @@ class LeanForward:
         # cos/sin of positions 0..P-1, computed once by the model's own rotary module and sliced per step.
         # Only for the default rope type, whose frequencies never change (dynamic scalings recompute them).
         self._table_ok = getattr(self.inner.rotary_emb, "rope_type", None) == "default"
-        # A decode row's attention in one native call (see _native_decode_attention); MOE_OFFLOAD_NATIVE_ATTENTION=0: torch's SDPA.
-        self._native_attention = self.kernels is not None and os.environ.get("MOE_OFFLOAD_NATIVE_ATTENTION", "1") != "0"
+        # A decode row's attention in one native call (see _native_decode_attention); else torch's SDPA.
+        self._native_attention = self.kernels is not None and native_attention
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         # A one-request decode step's layers, one native call each (engine/worker/fused_decode.py), where it applies.
-        self._fused = (FusedDecode(self.kernels, self.layers, self.inner.norm)
-                       if self._native_attention and fused_decode_enabled() else None)
+        self._fused = FusedDecode(self.kernels, self.layers, self.inner.norm) if self._native_attention and fused else None
+        self.last_path: tuple[str, str] = ("lean", "")  # the last call's path, and why it was not the fused one
 
     @torch.inference_mode()
     def __call__(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
@@ -97,8 +95,9 @@ class LeanForward:
         x = inner.embed_tokens.forward(ids)  # [N, H]
         cos_sin = self._rotary(x, batch, starts, device)
         h = self.layers[0].in_norm.forward(x)
-        fused = (decode and len(caches) == 1 and self._fused is not None
-                 and self._fused.step(x, h, *cos_sin, caches[0], NATIVE_ATTENTION_MAX_POSITIONS))
+        declined = self._try_fused(x, h, cos_sin, batch, caches)
+        fused = declined is None
+        self.last_path = ("fused", "") if fused else ("lean", declined)
         for i, layer in enumerate(self.layers if not fused else ()):
             x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
@@ -110,6 +109,17 @@ class LeanForward:
         rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], dtype=torch.long, device=device)
         logits = self.model.lm_head.forward(h[rows])  # [R, V]
         return list(torch.split(logits, [len(k) for k in keep]))
+
+    def _try_fused(self, x: torch.Tensor, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch,
+                   caches: list[DynamicCache]) -> str | None:
+        """Run the step's layers through the fused step where the dispatcher and the step allow; returns None
+        where it ran, else why not (engine/worker/dispatch.py's reasons)."""
+        if self._fused is None:
+            return dispatch.NOT_PLANNED
+        rows = tuple(batch.lengths)
+        why = dispatch.fused_decline(dispatch.StepShape(rows, *self._fused.shape_flags())) if rows == (1,) else (
+            dispatch.SEVERAL_REQUESTS if len(rows) > 1 else dispatch.SEVERAL_ROWS)
+        return why if why is not None else self._fused.step(x, h, *cos_sin, caches[0], NATIVE_ATTENTION_MAX_POSITIONS)
 
     @staticmethod
     def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from engine.native.kernels import use_native_kernels
 from engine.native.layers import accelerate
 from engine.weights.arch import arch_for, disk_names, text_config
 from engine.weights.arch_adapters import adapter_for
@@ -41,10 +42,11 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.quant import ExpertFormat
 from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
-from engine.spec.sensor import sensor_for
+from engine.speculative.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
+from engine.worker.dispatch import ExecutionPlan, resolve_plan
 from engine.worker.packed_batch import use_packed_attention
 
 log = logging.getLogger(__name__)
@@ -88,11 +90,12 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
-    sensor: Any = None  # the speculative sensor (engine/spec/sensor.py), shared by speculation and utility
+    sensor: Any = None  # the speculative sensor (engine/speculative/sensor.py), shared by speculation and utility
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
     prefetchers: tuple[str, ...] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
+    plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
@@ -200,6 +203,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = _resolve_device(cfg.device)
+    kernels = use_native_kernels(cfg.native_kernels if device.type == "cpu" else "off")
     dtype = _resolve_dtype(cfg.dtype, config, device)
 
     with torch.device("meta"):
@@ -251,9 +255,26 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
     _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
+    om.plan = _plan(om, cfg, kernels, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
         _warm(om)
     return om
+
+
+def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -> ExecutionPlan:
+    """The paths this model's steps may take (engine/worker/dispatch.py), with the reasons."""
+    from engine.worker.lean_forward import LeanForward
+
+    if not om.packed:
+        lean_ok: str | None = f"{om.config.model_type} runs one forward per request (no packed attention)"
+    elif not LeanForward.supports(om.model):
+        lean_ok = f"{om.config.model_type} is not among the lean forward's architectures"
+    else:
+        lean_ok = None
+    on_cpu = om.device.type == "cpu"
+    router = ("native: softmax top-k routers in C once their first call matches the module's (others: the module's own)"
+              if on_cpu and kernels.startswith("on") else "module: the model's own router")
+    return resolve_plan(cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router)
 
 
 def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool) -> set[str]:

@@ -22,7 +22,7 @@ from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.lean_forward import LeanForward, lean_enabled
+from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
 from engine.worker.sampling import make_generator, process_logits
@@ -39,22 +39,33 @@ class ModelRunner:
         # (proposals are checked by the target's masked distribution, so rejections never touch it).
         self.constraints: dict[str, TokenConstraint] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use
-        # The same packed forward without transformers' wrappers, where the architecture allows
-        # (engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
-        self._lean = LeanForward(lm.model) if lm.packed and lean_enabled() and LeanForward.supports(lm.model) else None
+        # The same packed forward without transformers' wrappers, where the plan has it (engine/worker/dispatch.py;
+        # engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
+        plan = getattr(lm, "plan", None)
+        lean = lm.packed and LeanForward.supports(lm.model) and (plan is None or plan.forward != "transformers")
+        self._lean = (LeanForward(lm.model, fused=plan is None or plan.forward == "fused",
+                                  native_attention=plan is None or plan.native_attention) if lean else None)
+        self._stats = getattr(lm, "stats", None)
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
-                keep: list[list[int]], request_ids: tuple[str, ...] = ()) -> list[torch.Tensor]:
-        """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V])."""
+                keep: list[list[int]], request_ids: tuple[str, ...] = (), kind: str = "forward") -> list[torch.Tensor]:
+        """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V]). kind: the
+        step's kind for the path counters (prefill, decode, verify; "forward" for eval and checks)."""
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
             bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
         if self._lean is not None:
-            return self._lean(windows, starts, caches, keep, self.lm.device)
-        run = packed_forward if self.lm.packed else one_by_one_forward
-        return run(self.lm.model, windows, starts, caches, keep, self.lm.device)
+            out = self._lean(windows, starts, caches, keep, self.lm.device)
+            path, declined = self._lean.last_path
+        else:
+            run = packed_forward if self.lm.packed else one_by_one_forward
+            out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
+            path, declined = "transformers", ""
+        if self._stats is not None:
+            self._stats.record_step(kind, path, declined)
+        return out
 
     # -- a scheduler step ------------------------------------------------------------------
     @torch.inference_mode()
@@ -79,11 +90,12 @@ class ModelRunner:
                     except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request
                         out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
         work = [w for w in work if w.request_id not in out.results]
+        kind = "prefill" if any(w.is_prefill for w in work) else "verify" if any(w.num_draft for w in work) else "decode"
         while work:
             try:
                 logits = self.forward([w.input_ids for w in work], [w.start_pos for w in work],
                                       [self.caches[w.request_id] for w in work], [self._rows(w) for w in work],
-                                      tuple(w.request_id for w in work))
+                                      tuple(w.request_id for w in work), kind)
                 break
             except ExpertLoadError as e:
                 # Fail the requests that needed the lost expert; roll the rest back and rerun.
