@@ -83,6 +83,15 @@ class EngineStatsCollector(Collector):
             if row.get("distinct_experts_per_window"):
                 distinct.add_metric([str(row["layer"])], row["distinct_experts_per_window"])
         yield distinct
+        steps = CounterMetricFamily(P + "decode_steps", "Engine forwards by step kind (prefill, decode, verify) and the path they took (fused: one native call a decoder layer; lean: layer by layer; transformers).", labels=["kind", "path"])
+        for kind, paths in sorted(s.get("steps", {}).items()):
+            for path, n in sorted(paths.items()):
+                steps.add_metric([kind, path], n)
+        yield steps
+        declined = CounterMetricFamily(P + "fused_declined_steps", "Layer-by-layer steps by why they did not take the fused path (several requests, several rows, experts can miss, ...).", labels=["reason"])
+        for reason, n in sorted(s.get("fused_declined", {}).items()):
+            declined.add_metric([reason], n)
+        yield declined
 
 
 class ServerMetrics:

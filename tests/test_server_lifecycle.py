@@ -133,6 +133,22 @@ def test_embedded_default_model(tmp_path: Path) -> None:
         kw = dict(model=name, messages=MSGS, max_tokens=8, temperature=0.8, n=2, seed=7)
         a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
         assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+        # The default's plain one-request decode steps take the fused path (the first request alone made 15).
+        fused = _metric(srv, 'moe_offload_decode_steps_total{kind="decode",path="fused"}', at_least=15)
+        assert fused >= 15, srv.log()
+
+
+def _metric(srv, sample: str, at_least: float, timeout: float = 30.0) -> float:  # noqa: ANN001
+    """A sample's value in /metrics, waiting (up to `timeout`) for the engine's periodic stats to reach `at_least`."""
+    deadline, value = time.monotonic() + timeout, 0.0
+    while time.monotonic() < deadline:
+        for line in httpx.get(srv.base_url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(sample + " "):
+                value = float(line.split()[-1])
+        if value >= at_least:
+            break
+        time.sleep(0.2)
+    return value
 
 
 @pytest.mark.timeout(120)

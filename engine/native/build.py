@@ -5,8 +5,8 @@ not shipped: on first use, into a cache folder keyed by the source, the compiler
 feature flags (`$MOE_OFFLOAD_CACHE/native`, else `$XDG_CACHE_HOME/moe-offload/native`, default
 `~/.cache/moe-offload/native`). A build takes
 about two seconds. Where no C compiler is found (`$CC`, else `gcc` or `cc`), or the build fails,
-the engine says why once and keeps torch's kernels; `MOE_OFFLOAD_NATIVE=0` turns the native
-kernels off.
+the engine says why once and keeps torch's kernels; `--native-kernels off` turns the native
+kernels off (engine/native/kernels.py `use_native_kernels`).
 """
 from __future__ import annotations
 
