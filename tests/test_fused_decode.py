@@ -12,6 +12,7 @@ from engine.worker import lean_forward as lean_module
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model
+from engine.worker.runner import truncate_cache
 
 pytestmark = pytest.mark.skipif(lean_module.native() is None, reason="needs the native CPU kernels (a C compiler)")
 
@@ -210,5 +211,64 @@ def test_fused_decode_publishes_routing_to_deferred_listeners(tiny_ckpt, monkeyp
             assert torch.allclose(a.weights.float(), b.weights.float(), atol=1e-2)
             assert torch.allclose(a.x.float(), b.x.float(), atol=3e-2)
             assert a.logits.shape == b.logits.shape
+    finally:
+        om.close()
+
+
+def _with_fused(lean: LeanForward, fused: bool, run):  # noqa: ANN001, ANN202
+    """run() with the fused path allowed or not."""
+    kept = lean._fused
+    if not fused:
+        lean._fused = None
+    try:
+        return run()
+    finally:
+        lean._fused = kept
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_takes_batched_decode_and_verification_windows(tiny_ckpt, monkeypatch, arch: str, dtype: str) -> None:
+    """Several requests' decode rows, and one request's verification window (rows at consecutive positions,
+    attending causally, then rolled back), in one native call a layer: the same greedy tokens and logits
+    within rounding as the layer-by-layer path, and the caches hold the same positions."""
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))
+    cpu, tol = torch.device("cpu"), (3e-2 if dtype == "bfloat16" else 1e-5)
+    prompts = [(3, 4, 5, 6, 7), (9, 8, 7), (11, 12, 13, 14)]
+    try:
+        lean = LeanForward(om.model)
+        _decode(lean, om.config, fused=False)  # the first-call checks
+
+        def batched() -> tuple[torch.Tensor, list]:
+            caches = [new_kv_cache(om.config) for _ in prompts]
+            outs = [lean([list(p)], [0], [c], [[len(p) - 1]], cpu)[0] for p, c in zip(prompts, caches)]
+            pos, steps = [len(p) for p in prompts], []
+            for _ in range(6):
+                outs = lean([[int(o.argmax())] for o in outs], pos, caches, [[0]] * len(prompts), cpu)
+                steps.append(torch.cat(outs))
+                pos = [p + 1 for p in pos]
+            return torch.stack(steps), caches
+
+        def window() -> tuple[torch.Tensor, torch.Tensor]:
+            cache = new_kv_cache(om.config)
+            lean([list(prompts[0])], [0], [cache], [[4]], cpu)
+            rows = lean([[20, 21, 22, 23]], [5], [cache], [[0, 1, 2, 3]], cpu)[0]  # a window of 4 rows
+            truncate_cache(cache, 7)  # two of its tokens kept: the rejected tail leaves the cache
+            after = lean([[24]], [7], [cache], [[0]], cpu)[0]
+            return rows, after
+
+        counting = CountingLib(lean._fused.kernels.lib)
+        monkeypatch.setattr(lean._fused.kernels, "lib", counting)
+        (want, want_caches), (got, got_caches) = (_with_fused(lean, f, batched) for f in (False, True))
+        assert counting.calls == 6 * om.config.num_hidden_layers  # one call a layer for all three requests' rows
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert torch.allclose(got.float(), want.float(), rtol=0, atol=tol), (got.float() - want.float()).abs().max()
+        assert [c.get_seq_length() for c in got_caches] == [c.get_seq_length() for c in want_caches] == [11, 9, 10]
+        counting.calls = 0
+        (want_rows, want_after), (got_rows, got_after) = (_with_fused(lean, f, window) for f in (False, True))
+        assert counting.calls == 2 * om.config.num_hidden_layers  # the window, then the row after the rollback
+        assert torch.equal(got_rows.argmax(-1), want_rows.argmax(-1)) and int(got_after.argmax()) == int(want_after.argmax())
+        for a, b in ((want_rows, got_rows), (want_after, got_after)):
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=tol), (a.float() - b.float()).abs().max()
     finally:
         om.close()

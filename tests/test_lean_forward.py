@@ -188,7 +188,7 @@ def test_native_decode_attention_for_several_requests(tiny_ckpt, monkeypatch) ->
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:
         calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model)
+        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
         warm = new_kv_cache(om.config)  # the norms' first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
         lean([[6]], [3], [warm], [[0]], om.device)

@@ -22,6 +22,7 @@
  * contiguous range of output rows, so a result does not depend on the thread count.
  */
 #include <math.h>
+#include <stdlib.h>
 #include "cpu_gemv.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -315,23 +316,57 @@ int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t 
 }
 
 
-/* Bytes of `work` that moe_swiglu needs. */
-size_t moe_work_bytes(int64_t H, int64_t I) { return act_bytes(H) + act_bytes(I) + (size_t)(2 * I + H) * 4 + 64; }
+/* Bytes of `work` that moe_swiglu_rows needs for up to R rows. */
+size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R) {
+    return (size_t)R * act_bytes(H) + (size_t)R * act_bytes(I) + (size_t)R * (2 * I + H) * 4 + 64;
+}
 
-/* One token through m SwiGLU experts: out = sum_j w[j] * down_j(silu(gate_j x) * up_j x), summed in
- * the order given (the caller passes ascending expert ids, transformers' order). Expert j's weights:
- * gate_up[j] [2I, H], then down[j] [H, I] (int8: with fp16 row scales). In a bf16 model every
- * intermediate is rounded to bf16 where transformers' bf16 reference rounds it (gate and up, the
- * SwiGLU product, the expert output, its scaled value and the running sum), so the two differ only
- * in the order of each dot product's f32 sum (and, for int8 weights, the activation quantization). */
-void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
-                const void *const *down, const uint16_t *const *down_scale, const float *w,
-                const void *x, int xtype, void *out, void *work, int nthreads) {
+/* Bytes of `work` that moe_swiglu needs. */
+size_t moe_work_bytes(int64_t H, int64_t I) { return moe_rows_work_bytes(H, I, 1); }
+
+typedef struct { int64_t id, row; float w; } route_t;
+
+static int by_id_then_row(const void *a, const void *b) {
+    const route_t *x = (const route_t *)a, *y = (const route_t *)b;
+    if (x->id != y->id) return x->id < y->id ? -1 : 1;
+    return x->row < y->row ? -1 : x->row > y->row;
+}
+
+/* R tokens (R <= 16) through their k SwiGLU experts each: out[r] = sum over ids[r] ascending of
+ * w[r][j] * down_e(silu(gate_e x[r]) * up_e x[r]). Expert e's weights: gate_up[e] [2I, H], then down[e] [H, I]
+ * (int8: with fp16 row scales). The experts run one after another in ascending id, each on every row that
+ * routes to it, so its weights are read once for all of them (each row's dot products are the ones a single
+ * row gets: gemv's rows share the weight row, not the sums). Each row's sum runs over its experts in ascending
+ * id, as one row alone would: in a bf16 model every intermediate is rounded to bf16 where transformers' bf16
+ * reference rounds it (gate and up, the SwiGLU product, the expert output, its scaled value and the running
+ * sum). x and out: [R, H] in `xtype`. Returns 0, or -1 for more than 16 rows or 64 experts a row. */
+int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
+                     const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,
+                     const uint16_t *const *down_scale, const void *x, int xtype, void *out, void *work, int nthreads) {
+    route_t routes[MAX_ROWS * 64];
+    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64) return -1;
+    int64_t n = R * k;
+    for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
+    qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
+    /* Groups of routes to one expert, and for each route whether it is its row's first term. */
+    int64_t starts[MAX_ROWS * 64 + 1], groups = 0;
+    int first[MAX_ROWS * 64], seen[MAX_ROWS] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        if (i == 0 || routes[i].id != routes[i - 1].id) starts[groups++] = i;
+        first[i] = !seen[routes[i].row];
+        seen[routes[i].row] = 1;
+    }
+    starts[groups] = n;
     char *mem = (char *)work;
-    act_t ax = act_at(mem, H), ah = act_at(mem + act_bytes(H), I);
-    float *gu = (float *)(mem + act_bytes(H) + act_bytes(I)), *acc = gu + 2 * I;
-    load_act(x, xtype, H, ax.f);
-    act_prepare(&ax, H, wtype, xtype);
+    size_t xs = xtype == X_F32 ? 4 : 2;
+    act_t ax[MAX_ROWS], ah[MAX_ROWS];
+    for (int64_t r = 0; r < R; r++, mem += act_bytes(H)) {
+        ax[r] = act_at(mem, H);
+        load_act((const char *)x + r * H * xs, xtype, H, ax[r].f);
+        act_prepare(&ax[r], H, wtype, xtype);
+    }
+    for (int64_t r = 0; r < R; r++, mem += act_bytes(I)) ah[r] = act_at(mem, I);
+    float *gu = (float *)mem, *acc = gu + R * 2 * I;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int tid = TID(), nt = NT();
@@ -339,27 +374,49 @@ void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *g
         share(2 * I, tid, nt, &a0, &a1);
         share(I, tid, nt, &i0, &i1);
         share(H, tid, nt, &h0, &h1);
-        float t[4];
-        for (int64_t j = 0; j < m; j++) {
-            rows_range(gate_up[j], gu_scale ? gu_scale[j] : 0, wtype, H, a0, a1, &ax, 1, gu, 2 * I, 0);
+        float t[4 * MAX_ROWS];
+        act_t sub[MAX_ROWS];
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t s0 = starts[g], m = starts[g + 1] - s0, e = routes[s0].id;
+            for (int64_t j = 0; j < m; j++) sub[j] = ax[routes[s0 + j].row];
+            rows_range(gate_up[e], gu_scale ? gu_scale[e] : 0, wtype, H, a0, a1, sub, m, gu, 2 * I, 0);
             BARRIER(); /* a thread's slice of I needs gate and up rows that other threads computed */
-            for (int64_t i = i0; i < i1; i++)
-                ah.f[i] = as_x(as_x(silu(as_x(gu[i], xtype)), xtype) * as_x(gu[I + i], xtype), xtype);
+            for (int64_t j = 0; j < m; j++) {
+                const float *gj = gu + j * 2 * I;
+                for (int64_t i = i0; i < i1; i++)
+                    ah[j].f[i] = as_x(as_x(silu(as_x(gj[i], xtype)), xtype) * as_x(gj[I + i], xtype), xtype);
+            }
             BARRIER(); /* the down projection reads all of h */
             SINGLE()
-            act_prepare(&ah, I, wtype, xtype);
+            for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
             for (int64_t r = h0; r < h1; r += 4) {
                 int64_t nr = h1 - r < 4 ? h1 - r : 4;
-                rows_range(down[j], down_scale ? down_scale[j] : 0, wtype, I, r, r + nr, &ah, 1, t, 0, r);
-                for (int64_t q = 0; q < nr; q++) {
-                    float v = as_x(as_x(t[q], xtype) * w[j], xtype);
-                    acc[r + q] = j == 0 ? v : as_x(acc[r + q] + v, xtype);
+                rows_range(down[e], down_scale ? down_scale[e] : 0, wtype, I, r, r + nr, ah, m, t, 4, r);
+                for (int64_t j = 0; j < m; j++) {
+                    const route_t *rt = &routes[s0 + j];
+                    float *a = acc + rt->row * H;
+                    for (int64_t q = 0; q < nr; q++) {
+                        float v = as_x(as_x(t[j * 4 + q], xtype) * rt->w, xtype);
+                        a[r + q] = first[s0 + j] ? v : as_x(a[r + q] + v, xtype);
+                    }
                 }
             }
             BARRIER(); /* gu and h are reused by the next expert */
         }
-        store_rows(acc, xtype, h0, h1, out);
+        for (int64_t r = 0; r < R; r++) store_rows(acc + r * H, xtype, h0, h1, (char *)out + r * H * xs);
     }
+    return 0;
+}
+
+/* One token through m SwiGLU experts, expert j's weights at gate_up[j] and down[j], summed in the order given
+ * (the caller passes ascending expert ids, transformers' order): moe_swiglu_rows for one row. Returns its status. */
+int moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
+                const void *const *down, const uint16_t *const *down_scale, const float *w,
+                const void *x, int xtype, void *out, void *work, int nthreads) {
+    int64_t ids[64];
+    if (m < 1 || m > 64) return -1;
+    for (int64_t j = 0; j < m; j++) ids[j] = j;
+    return moe_swiglu_rows(wtype, H, I, 1, m, ids, w, gate_up, gu_scale, down, down_scale, x, xtype, out, work, nthreads);
 }
 
 /* RMSNorm of `rows` rows of length n, as transformers' llama-style norms compute it:

@@ -47,7 +47,11 @@ size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
 size_t moe_work_bytes(int64_t H, int64_t I);
-void moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
+size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R);
+int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
+                     const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,
+                     const uint16_t *const *down_scale, const void *x, int xtype, void *out, void *work, int nthreads);
+int moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
                 const void *const *down, const uint16_t *const *down_scale, const float *w,
                 const void *x, int xtype, void *out, void *work, int nthreads);
 void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps,

@@ -111,135 +111,138 @@ int router_sigmoid(const void *W, int wtype, int64_t E, int64_t H, const void *x
     return 0;
 }
 
-/* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions. */
-size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions) {
-    size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
-    /* logits and weights in f32 (room for either router's), ids, and the sigmoid router's widened row */
-    size_t mine = up64(qd * xs) * 2 + up64(kd * xs) * 2 + up64((size_t)L->H * xs) + up64((size_t)L->E * 4)
-                  + up64((size_t)L->topk * 4) + up64((size_t)L->topk * 8) + up64((size_t)L->H * 4);
-    size_t gw = max_sz(max_sz(gemv_work_bytes((int64_t)qd, L->H, 1), gemv_work_bytes((int64_t)kd, L->H, 1)),
-                       max_sz(gemv_work_bytes(L->H, (int64_t)qd, 1), gemv_work_bytes(L->E > 0 ? L->E : 1, L->H, 1)));
+#define MAX_ROWS 16 /* gemv's and moe_swiglu_rows' limit */
+
+/* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions and `rows` rows. */
+size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions, int64_t rows) {
+    size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d), R = (size_t)rows;
+    /* per row: q, its attention, k, v, the MLP output, the top-k weights and ids; once: logits and the sigmoid
+     * router's widened row (the routers run row by row) */
+    size_t mine = up64(R * qd * xs) * 2 + up64(R * kd * xs) * 2 + up64(R * (size_t)L->H * xs) + up64((size_t)L->E * 4)
+                  + up64(R * (size_t)L->topk * 4) + up64(R * (size_t)L->topk * 8) + up64((size_t)L->H * 4);
+    size_t gw = max_sz(max_sz(gemv_work_bytes((int64_t)qd, L->H, rows), gemv_work_bytes((int64_t)kd, L->H, rows)),
+                       max_sz(gemv_work_bytes(L->H, (int64_t)qd, rows), gemv_work_bytes(L->E > 0 ? L->E : 1, L->H, 1)));
     size_t attention = (size_t)4 * (size_t)(L->hq / L->hk) * (size_t)(positions + 1 + 2 * L->d);
-    if (L->sh_gate != NULL) { /* g, u, their product, the shared output and the gate's value */
-        mine += up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64;
-        gw = max_sz(gw, max_sz(gemv_work_bytes(L->sh_I, L->H, 1), gemv_work_bytes(L->H, L->sh_I, 1)));
+    if (L->sh_gate != NULL) { /* per row: g, u, their product, the shared output and the gate's value */
+        mine += (up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64) * R;
+        gw = max_sz(gw, max_sz(gemv_work_bytes(L->sh_I, L->H, rows), gemv_work_bytes(L->H, L->sh_I, rows)));
     }
-    return mine + up64(max_sz(max_sz(gw, moe_work_bytes(L->H, L->I)), attention)) + 64;
+    return mine + up64(max_sz(max_sz(gw, moe_rows_work_bytes(L->H, L->I, rows)), attention)) + 64;
 }
 
-/* y[n] += b[n], rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
-static void add_bias(void *y, const void *b, int64_t n, int xtype) {
+/* y[r][n] += b[n] for each of R rows, rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
+static void add_bias(void *y, const void *b, int64_t R, int64_t n, int xtype) {
     if (b == NULL) return;
-    for (int64_t i = 0; i < n; i++) x_set(y, xtype, i, x_get(y, xtype, i) + x_get(b, xtype, i));
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < n; i++) x_set(y, xtype, r * n + i, x_get(y, xtype, r * n + i) + x_get(b, xtype, i));
 }
 
-/* gemv of one row plus an optional bias; returns gemv's status. */
-static int project(const layer_spec_t *L, const void *w, const void *b, int64_t rows, int64_t cols, const void *x, void *y,
-                   void *work, int nthreads) {
-    int rc = gemv(w, 0, (int)L->proj_wtype, rows, cols, x, (int)L->xtype, 1, y, work, nthreads);
-    add_bias(y, b, rows, (int)L->xtype);
+/* gemv of R rows plus an optional bias; returns gemv's status. */
+static int project(const layer_spec_t *L, const void *w, const void *b, int64_t rows, int64_t cols, int64_t R, const void *x,
+                   void *y, void *work, int nthreads) {
+    int rc = gemv(w, 0, (int)L->proj_wtype, rows, cols, x, (int)L->xtype, R, y, work, nthreads);
+    add_bias(y, b, R, rows, (int)L->xtype);
     return rc;
 }
 
-/* y += [sigmoid(h . g)] * down(silu(gate h) * up h), each step rounded where Qwen2-MoE's bf16 reference rounds it
- * (each projection's output, the activation, the product, the gate's sigmoid and product, the sum); `mem` holds
- * the intermediates (decode_layer_work_bytes counts them), `scratch` is gemv's. Returns gemv's status. */
-static int add_shared_expert(const layer_spec_t *L, const void *h, void *y, char *mem, void *scratch, int nthreads) {
+/* y += [sigmoid(h . g)] * down(silu(gate h) * up h) for each of R rows, each step rounded where Qwen2-MoE's bf16
+ * reference rounds it (each projection's output, the activation, the product, the gate's sigmoid and product, the
+ * sum); `mem` holds the intermediates (decode_layer_work_bytes counts them), `scratch` is gemv's. Returns gemv's
+ * status. */
+static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, void *y, char *mem, void *scratch,
+                             int nthreads) {
     size_t xs = L->xtype == X_F32 ? 4 : 2;
     int64_t I = L->sh_I, H = L->H;
     int xt = (int)L->xtype;
-    char *g = mem, *u = g + up64((size_t)I * xs), *a = u + up64((size_t)I * xs), *s = a + up64((size_t)I * xs);
-    char *gate = s + up64((size_t)H * xs);
-    int rc = project(L, L->sh_gate, NULL, I, H, h, g, scratch, nthreads);
-    rc = rc ? rc : project(L, L->sh_up, NULL, I, H, h, u, scratch, nthreads);
+    char *g = mem, *u = g + up64((size_t)(R * I) * xs), *a = u + up64((size_t)(R * I) * xs), *s = a + up64((size_t)(R * I) * xs);
+    char *gate = s + up64((size_t)(R * H) * xs);
+    int rc = project(L, L->sh_gate, NULL, I, H, R, h, g, scratch, nthreads);
+    rc = rc ? rc : project(L, L->sh_up, NULL, I, H, R, h, u, scratch, nthreads);
     if (rc) return rc;
-    for (int64_t i = 0; i < I; i++) x_set(a, xt, i, as_x(silu(x_get(g, xt, i)), xt) * x_get(u, xt, i));
-    rc = project(L, L->sh_down, NULL, H, I, a, s, scratch, nthreads);
-    float sg = 1.0f;
-    if (!rc && L->sh_gate_w != NULL) {
-        rc = project(L, L->sh_gate_w, NULL, 1, H, h, gate, scratch, nthreads);
-        sg = as_x(sigmoid(x_get(gate, xt, 0)), xt);
-    }
+    for (int64_t i = 0; i < R * I; i++) x_set(a, xt, i, as_x(silu(x_get(g, xt, i)), xt) * x_get(u, xt, i));
+    rc = project(L, L->sh_down, NULL, H, I, R, a, s, scratch, nthreads);
+    if (!rc && L->sh_gate_w != NULL) rc = project(L, L->sh_gate_w, NULL, 1, H, R, h, gate, scratch, nthreads);
     if (rc) return rc;
-    for (int64_t i = 0; i < H; i++) {
-        float sv = x_get(s, xt, i);
-        x_set(y, xt, i, x_get(y, xt, i) + (L->sh_gate_w != NULL ? as_x(sg * sv, xt) : sv));
+    for (int64_t r = 0; r < R; r++) {
+        float sg = L->sh_gate_w != NULL ? as_x(sigmoid(x_get(gate, xt, r)), xt) : 1.0f;
+        for (int64_t i = r * H; i < (r + 1) * H; i++) {
+            float sv = x_get(s, xt, i);
+            x_set(y, xt, i, x_get(y, xt, i) + (L->sh_gate_w != NULL ? as_x(sg * sv, xt) : sv));
+        }
     }
     return 0;
 }
 
-/* The layer above for one row: x and h [H] in place; cos/sin [rot] of the new position (NULL when
- * rot is 0); the KV cache buffers [hk, cap, d] with `at` positions held (the new key and value go
- * to position at); work: decode_layer_work_bytes(L, at + 1) bytes or more. Returns 0, or the first
- * failing kernel's status. */
-int decode_layer(const layer_spec_t *L, void *x, void *h, const void *cos, const void *sin, void *kbuf, void *vbuf,
-                 int64_t cap, int64_t at, void *work, int nthreads) {
+/* The layer above for R rows (R <= 16): x and h [R, H] in place; cos/sin [R, rot] of the rows' positions (NULL when
+ * rot is 0). Row r's KV cache buffers kbufs[r], vbufs[r] ([hk, caps[r], d]) hold ats[r] positions, and its new key
+ * and value go to position ats[r]: a verification window's rows share one request's buffers at consecutive
+ * positions and run in order, so each attends to the window's rows before it (causal); a batch's rows each have
+ * their own. work: decode_layer_work_bytes(L, max(ats) + 1, R) bytes or more. Returns 0, -3 for a row count out of
+ * range, or the first failing kernel's status. */
+int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void *cos, const void *sin, void *const *kbufs,
+                 void *const *vbufs, const int64_t *caps, const int64_t *ats, void *work, int nthreads) {
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
-    int64_t H = L->H, k = L->topk;
+    int64_t H = L->H, k = L->topk, E = L->E;
     int xt = (int)L->xtype;
+    if (R < 1 || R > MAX_ROWS) return -3;
     if (L->router_kind != ROUTER_NONE && (k < 1 || k > MAX_TOPK)) return -2;
     char *mem = (char *)work;
-    char *q = mem, *att = q + up64(qd * xs), *kk = att + up64(qd * xs), *vv = kk + up64(kd * xs);
-    char *y = vv + up64(kd * xs), *logits = y + up64((size_t)H * xs), *weights = logits + up64((size_t)L->E * 4);
-    int64_t *ids = (int64_t *)(weights + up64((size_t)k * 4));
-    float *xf = (float *)((char *)ids + up64((size_t)k * 8));
+    char *q = mem, *att = q + up64(R * qd * xs), *kk = att + up64(R * qd * xs), *vv = kk + up64(R * kd * xs);
+    char *y = vv + up64(R * kd * xs), *logits = y + up64((size_t)(R * H) * xs), *weights = logits + up64((size_t)E * 4);
+    int64_t *ids = (int64_t *)(weights + up64((size_t)(R * k) * 4));
+    float *xf = (float *)((char *)ids + up64((size_t)(R * k) * 8));
     char *shared = (char *)xf + up64((size_t)H * 4);
     void *scratch = L->sh_gate == NULL ? shared
-                    : shared + up64((size_t)L->sh_I * xs) * 3 + up64((size_t)H * xs) + 64;
-    int rc = project(L, L->wq, L->bq, (int64_t)qd, H, h, q, scratch, nthreads);
-    rc = rc ? rc : project(L, L->wk, L->bk, (int64_t)kd, H, h, kk, scratch, nthreads);
-    rc = rc ? rc : project(L, L->wv, L->bv, (int64_t)kd, H, h, vv, scratch, nthreads);
+                    : shared + (up64((size_t)L->sh_I * xs) * 3 + up64((size_t)H * xs) + 64) * (size_t)R;
+    int rc = project(L, L->wq, L->bq, (int64_t)qd, H, R, h, q, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wk, L->bk, (int64_t)kd, H, R, h, kk, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wv, L->bv, (int64_t)kd, H, R, h, vv, scratch, nthreads);
     if (rc) return rc;
-    decode_attention(q, kk, vv, xt, L->hq, L->hk, L->d, L->q_norm, L->k_norm, (int)L->norm_wtype, L->q_eps, L->k_eps,
-                     L->rot, cos, sin, kbuf, vbuf, cap, at, L->scale, att, (float *)scratch);
-    rc = project(L, L->wo, L->bo, H, (int64_t)qd, att, y, scratch, nthreads);
+    size_t rs = (size_t)L->rot * xs;
+    for (int64_t r = 0; r < R; r++)
+        decode_attention(q + r * qd * xs, kk + r * kd * xs, vv + r * kd * xs, xt, L->hq, L->hk, L->d, L->q_norm, L->k_norm,
+                         (int)L->norm_wtype, L->q_eps, L->k_eps, L->rot, cos ? (const char *)cos + r * rs : NULL,
+                         sin ? (const char *)sin + r * rs : NULL, kbufs[r], vbufs[r], caps[r], ats[r], L->scale,
+                         att + r * qd * xs, (float *)scratch);
+    rc = project(L, L->wo, L->bo, H, (int64_t)qd, R, att, y, scratch, nthreads);
     if (rc) return rc;
-    add_rmsnorm(x, y, xt, 1, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
-    if (L->router_kind == ROUTER_NONE) { /* a dense layer: its MLP alone */
-        memset(y, 0, (size_t)H * xs);
-        if ((rc = add_shared_expert(L, h, y, shared, scratch, nthreads)) != 0) return rc;
-        add_rmsnorm(x, y, xt, 1, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
-        return 0;
-    }
-    /* The routing weights as the resident lane passes them: the router's output (in the activation dtype for the
-     * softmax router, f32 for the sigmoid one), read as floats. */
-    int f32_weights = L->router_kind == ROUTER_SIGMOID;
-    if (f32_weights)
-        rc = router_sigmoid(L->router, (int)L->router_wtype, L->E, H, h, xt, k, L->n_group, L->topk_group, (int)L->norm_topk,
-                            L->routed_scale, L->score_bias, (float *)logits, (float *)weights, ids, xf, scratch, nthreads);
-    else
-        rc = router_topk(L->router, xt /* its weight is in the activation dtype: same code */, L->E, H, h, xt, k, (int)L->norm_topk,
-                         logits, weights, ids, scratch, nthreads);
-    if (rc) return rc;
-    if (L->route_ids != NULL) { /* what the layer-by-layer path publishes on the routing bus */
-        memcpy(L->route_x, h, (size_t)H * xs);
-        for (int64_t e = 0; e < L->E; e++) L->route_logits[e] = x_get(logits, f32_weights ? X_F32 : xt, e);
-        for (int64_t j = 0; j < k; j++) {
-            L->route_ids[j] = ids[j];
-            L->route_weights[j] = x_get(weights, f32_weights ? X_F32 : xt, j);
+    add_rmsnorm(x, y, xt, R, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
+    memset(y, 0, (size_t)(R * H) * xs);
+    if (L->router_kind != ROUTER_NONE) {
+        /* Each row's routing weights as the resident lane passes them: the router's output (in the activation dtype
+         * for the softmax router, f32 for the sigmoid one), read as floats. */
+        int f32_weights = L->router_kind == ROUTER_SIGMOID;
+        float w[MAX_ROWS * MAX_TOPK];
+        for (int64_t r = 0; r < R; r++) {
+            const char *hr = (const char *)h + r * H * xs;
+            char *wr = weights + r * k * 4;
+            int64_t *ir = ids + r * k;
+            if (f32_weights)
+                rc = router_sigmoid(L->router, (int)L->router_wtype, E, H, hr, xt, k, L->n_group, L->topk_group,
+                                    (int)L->norm_topk, L->routed_scale, L->score_bias, (float *)logits, (float *)wr, ir, xf,
+                                    scratch, nthreads);
+            else
+                rc = router_topk(L->router, xt /* its weight is in the activation dtype: same code */, E, H, hr, xt, k,
+                                 (int)L->norm_topk, logits, wr, ir, scratch, nthreads);
+            if (rc) return rc;
+            for (int64_t j = 0; j < k; j++) w[r * k + j] = x_get(wr, f32_weights ? X_F32 : xt, j);
+            if (L->route_ids != NULL) { /* what the layer-by-layer path publishes on the routing bus */
+                memcpy((char *)L->route_x + r * H * xs, hr, (size_t)H * xs);
+                for (int64_t e = 0; e < E; e++) L->route_logits[r * E + e] = x_get(logits, f32_weights ? X_F32 : xt, e);
+                for (int64_t j = 0; j < k; j++) {
+                    L->route_ids[r * k + j] = ir[j];
+                    L->route_weights[r * k + j] = w[r * k + j];
+                }
+            }
         }
+        /* Each row's experts in ascending id order (transformers' summation order), each with its routing weight;
+         * each expert's weights read once for the rows that route to it. */
+        rc = moe_swiglu_rows((int)L->expert_wtype, H, L->I, R, k, ids, w, L->gate_up, L->gate_up_scale, L->down,
+                             L->down_scale, h, xt, y, scratch, nthreads);
+        if (rc) return rc;
     }
-    /* The experts in ascending id order (transformers' summation order), each with its routing weight. */
-    int64_t order[MAX_TOPK];
-    for (int64_t j = 0; j < k; j++) {
-        int64_t t = j;
-        while (t > 0 && ids[order[t - 1]] > ids[j]) { order[t] = order[t - 1]; t--; }
-        order[t] = j;
-    }
-    const void *gu[MAX_TOPK], *dn[MAX_TOPK];
-    const uint16_t *gus[MAX_TOPK], *dns[MAX_TOPK];
-    float w[MAX_TOPK];
-    for (int64_t j = 0; j < k; j++) {
-        int64_t e = ids[order[j]];
-        gu[j] = L->gate_up[e];
-        dn[j] = L->down[e];
-        gus[j] = L->gate_up_scale ? L->gate_up_scale[e] : NULL;
-        dns[j] = L->down_scale ? L->down_scale[e] : NULL;
-        w[j] = x_get(weights, f32_weights ? X_F32 : xt, order[j]);
-    }
-    moe_swiglu((int)L->expert_wtype, H, L->I, k, gu, L->gate_up_scale ? gus : NULL, dn, L->down_scale ? dns : NULL, w, h, xt,
-               y, scratch, nthreads);
-    if (L->sh_gate != NULL && (rc = add_shared_expert(L, h, y, shared, scratch, nthreads)) != 0) return rc;
-    add_rmsnorm(x, y, xt, 1, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
+    /* A dense layer's MLP, or a MoE layer's shared expert. */
+    if (L->sh_gate != NULL && (rc = add_shared_expert(L, R, h, y, shared, scratch, nthreads)) != 0) return rc;
+    add_rmsnorm(x, y, xt, R, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
     return 0;
 }

@@ -35,7 +35,7 @@ class NativeKernels:
         lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
         lib.gemv_work_bytes.restype = _SIZE
         lib.moe_swiglu.argtypes = [_INT, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT, _P, _P, _INT]
-        lib.moe_swiglu.restype = None
+        lib.moe_swiglu.restype = _INT
         lib.moe_work_bytes.argtypes = [_I64, _I64]
         lib.moe_work_bytes.restype = _SIZE
         lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]
@@ -58,9 +58,9 @@ class NativeKernels:
                                           _P, _P, _I64, _I64, ctypes.c_float, _P, _P])
         lib.decode_attention.restype = None
         # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
-        lib.decode_layer.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT]
+        lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
         lib.decode_layer.restype = _INT
-        lib.decode_layer_work_bytes.argtypes = [_P, _I64]
+        lib.decode_layer_work_bytes.argtypes = [_P, _I64, _I64]
         lib.decode_layer_work_bytes.restype = _SIZE
         lib.router_sigmoid.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _I64, _INT, ctypes.c_float, _P, _P, _P, _P, _P, _P, _INT]
         lib.router_sigmoid.restype = _INT
@@ -112,10 +112,12 @@ class NativeKernels:
         out = torch.empty((1, hidden), dtype=x.dtype)
         ptrs = _P * m
         work = self._scratch("moe_work_bytes", hidden, intermediate)
-        self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up),
-                            None if gate_up_scale is None else ptrs(*gate_up_scale), ptrs(*down),
-                            None if down_scale is None else ptrs(*down_scale), (ctypes.c_float * m)(*weights), x.data_ptr(),
-                            X_CODES[x.dtype], out.data_ptr(), self._work(work), torch.get_num_threads())
+        rc = self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up),
+                                 None if gate_up_scale is None else ptrs(*gate_up_scale), ptrs(*down),
+                                 None if down_scale is None else ptrs(*down_scale), (ctypes.c_float * m)(*weights),
+                                 x.data_ptr(), X_CODES[x.dtype], out.data_ptr(), self._work(work), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native moe_swiglu takes 1 to 64 experts, got {m}")
         return out
 
     def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:

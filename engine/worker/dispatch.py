@@ -6,9 +6,10 @@ The plan (`ExecutionPlan`) is what this model on this device can run, chosen fro
 the expert path and the router, each with the reason for it and for every path declined. `serve` and
 `generate` log it once at start.
 
-Per step, `fused_decline` is the one place that says whether a one-row decode step can take the fused
-path given its shape (`StepShape`): the requests and their rows, whether every expert it can need is
-resident, and whether a routing listener must see each layer live. The fused step itself may still
+Per step, `fused_decline` is the one place that says whether a step can take the fused path given its
+shape (`StepShape`): the requests and their rows (a decode row each, or a verification window),
+whether a request starts a prompt, whether every expert it can need is resident, and whether a routing
+listener must see each layer live. The fused step itself may still
 decline for what only it knows (its first-call checks not run yet, the cache past the native
 attention's range). Every forward's path and every decline's reason is counted in EngineStats, so
 `generate --json` and /metrics say which path each step took.
@@ -20,9 +21,11 @@ from typing import Any
 
 from engine.errors import ConfigError
 
+MAX_FUSED_ROWS = 16  # rows of one fused step (engine/native/decode_layer.c)
+
 # Why a step did not take the fused path: a fixed vocabulary (they are metric labels).
-SEVERAL_REQUESTS = "several requests"
-SEVERAL_ROWS = "several rows"  # a prefill chunk or a verification window
+TOO_MANY_ROWS = "more than 16 rows"  # a long prefill chunk, or many requests at once
+PROMPT_START = "a prompt's first rows"  # a request with nothing cached yet: its prompt goes layer by layer
 EXPERTS_CAN_MISS = "experts can miss"  # a partial fast tier, or the tier still filling
 EXPERTS_PLANNED = "experts planned per layer"  # CPU-run experts or the utility estimator plan each layer
 LIVE_LISTENER = "live routing listener"  # a predictor that must see each layer before its experts run
@@ -38,6 +41,7 @@ class StepShape:
     """What decides a decode step's path, as plain data."""
 
     rows: tuple[int, ...]  # rows of each request's window
+    prompt_start: bool  # some request has nothing cached yet (its prompt's first chunk)
     all_resident: bool  # every routed expert resident for good, nothing planned around misses
     planned_per_layer: bool  # CPU-run experts or the utility estimator plan each MoE layer
     live_listener: bool  # a routing listener must see each layer before its experts run
@@ -46,10 +50,10 @@ class StepShape:
 
 def fused_decline(shape: StepShape) -> str | None:
     """Why this step cannot take the fused path (one of the reasons above), or None where it can."""
-    if len(shape.rows) != 1:
-        return SEVERAL_REQUESTS
-    if shape.rows[0] != 1:
-        return SEVERAL_ROWS
+    if sum(shape.rows) > MAX_FUSED_ROWS:
+        return TOO_MANY_ROWS
+    if shape.prompt_start:
+        return PROMPT_START
     if shape.planned_per_layer:
         return EXPERTS_PLANNED
     if not shape.all_resident:
@@ -112,8 +116,8 @@ def resolve_plan(cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, c
         forward, why = "lean", "fused step declined: " + ("the native attention off (--decode-attention sdpa)"
                                                            if native and on_cpu else "needs the native CPU kernels on a CPU")
     else:
-        forward, why = "fused", ("one native call a layer for one-request decode steps whose experts are all resident;"
-                                 " the others layer by layer")
+        forward, why = "fused", ("one native call a layer for steps of up to 16 rows after cached positions (decode rows"
+                                 " of a batch, verification windows) whose experts are all resident; the others layer by layer")
     if forward == "fused" and not complete:
         why += " (the fast tier holds fewer than all routed experts: most steps can miss, and go layer by layer)"
     attention = ("native" if native_attention else "sdpa", "one call a decode row up to 1024 cached positions"

@@ -48,7 +48,8 @@ from engine.worker import dispatch
 from engine.worker.kv_cache import InPlaceLayer
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-MAX_TOPK = 64  # decode_layer.c's limit
+MAX_TOPK = 64  # decode_layer.c's limits: experts a row, and rows a step
+MAX_ROWS = 16
 
 
 class LayerSpec(ctypes.Structure):
@@ -96,7 +97,8 @@ class FusedDecode:
         self._positions = 0  # cached positions the scratch buffer has room for
         self._dtype: torch.dtype | None = None
         self._work: torch.Tensor | None = None
-        self._kv_like: torch.Tensor | None = None  # a [1, hk, 1, d] row for a cache layer's first append or growth
+        self._kv_like: torch.Tensor | None = None  # [1, hk, MAX_ROWS, d] rows for a cache layer's first append or growth
+        self._row_kv: tuple = ()
 
     def shape_flags(self) -> tuple[bool, bool, bool, bool]:
         """(all resident, planned per layer, live listener, wrapped) of the model's MoE blocks, for the
@@ -110,50 +112,63 @@ class FusedDecode:
             wrapped = wrapped or "forward" in block.__dict__  # a wrapped forward (a benchmark's timer) must run
         return resident, planned, live, wrapped
 
-    def step(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache,
-             max_positions: int) -> str | None:
-        """Run every layer on x (the embedded row [1, H]) and h (its input norm), in place: x ends as the
-        residual stream and h as the final norm's output. The dispatcher has found the step's shape fit
-        (engine/worker/dispatch.py `fused_decline`). Returns None, or why it declined, having changed
-        nothing (one of dispatch's reasons)."""
+    def step(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[DynamicCache],
+             rows: tuple[int, ...], max_positions: int) -> str | None:
+        """Run every layer on x (the embedded rows [R, H], R = sum(rows) <= MAX_ROWS: rows[i] of request i, whose
+        cache is caches[i], in that order) and h (their input norm), in place: x ends as the residual stream and
+        h as the final norm's output. A request's rows are consecutive positions after its cached ones (a decode
+        row, or a verification window, attending causally). The dispatcher has found the step's shape fit
+        (engine/worker/dispatch.py `fused_decline`). Returns None, or why it declined, having changed nothing
+        (one of dispatch's reasons)."""
         if self.state == "off":
             return dispatch.LAYER_UNSUPPORTED
-        if self.state != "ready" and not self._build(x, cos, max_positions):
+        if self.state != "ready" and not self._build(x[:1], cos, max_positions):
             return dispatch.LAYER_UNSUPPORTED if self.state == "off" else dispatch.CHECKS_PENDING
         if x.dtype is not self._dtype or cos.shape[-1] != self._rot or not (cos.is_contiguous() and sin.is_contiguous()):
             return dispatch.NOT_PLANNED
-        layers = cache.layers
-        if len(layers) < len(self._specs) or not all(type(c) is InPlaceLayer for c in layers[: len(self._specs)]):
-            return dispatch.NOT_PLANNED
-        if layers[0].get_seq_length() + 1 > min(max_positions, self._positions):  # the scratch holds scores for _positions
-            return dispatch.OUT_OF_RANGE
-        lib, nt = self.kernels.lib, torch.get_num_threads()
+        n_specs, limit = len(self._specs), min(max_positions, self._positions)  # the scratch holds scores for _positions
+        for c, n in zip(caches, rows):
+            layers = c.layers
+            if len(layers) < n_specs or not all(type(layer) is InPlaceLayer for layer in layers[:n_specs]):
+                return dispatch.NOT_PLANNED
+            if layers[0].get_seq_length() + n > limit:
+                return dispatch.OUT_OF_RANGE
+        lib, nt, R = self.kernels.lib, torch.get_num_threads(), x.shape[0]
         xp, hp, cp, sp, work = x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._work.data_ptr()
-        kv_like = self._kv_like
-        for spec, c in zip(self._specs, layers):
-            kb, vb, at = c.reserve(kv_like, kv_like)
-            if kb.dtype is not kv_like.dtype:  # a request's cache holds its model's dtype: a bug, not an input
-                raise RuntimeError(f"KV cache in {kb.dtype} for a {kv_like.dtype} decode step")
-            rc = lib.decode_layer(ctypes.byref(spec), xp, hp, cp, sp, kb.data_ptr(), vb.data_ptr(), kb.shape[2], at, work, nt)
+        kptrs, vptrs, caps, ats = self._row_kv
+        like = [self._kv_like.narrow(2, 0, n) for n in rows]  # [1, hk, n, d]: what each request's rows append
+        for i, spec in enumerate(self._specs):
+            r, ends = 0, []
+            for c, n, kv in zip(caches, rows, like):
+                layer = c.layers[i]
+                kb, vb, at = layer.reserve(kv, kv)
+                if kb.dtype is not kv.dtype:  # a request's cache holds its model's dtype: a bug, not an input
+                    raise RuntimeError(f"KV cache in {kb.dtype} for a {kv.dtype} decode step")
+                for j in range(n):
+                    kptrs[r], vptrs[r], caps[r], ats[r] = kb.data_ptr(), vb.data_ptr(), kb.shape[2], at + j
+                    r += 1
+                ends.append((layer, at + n))
+            rc = lib.decode_layer(ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, caps, ats, work, nt)
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
-            c.advance(at + 1)
+            for layer, end in ends:
+                layer.advance(end)
         for block, calls in self._hit_calls:
-            block.executor.stats.record_all_hits(block.layer, calls)
+            block.executor.stats.record_all_hits(block.layer, calls * R)
         if self._blocks[0].bus.active:
-            self._publish_routing()
+            self._publish_routing(R)
         return None
 
-    def _publish_routing(self) -> None:
-        """The step's routing, layer by layer, to the bus's deferred listeners (copies: the buffers are
+    def _publish_routing(self, R: int) -> None:
+        """The step's routing (R rows), layer by layer, to the bus's deferred listeners (copies: the buffers are
         rewritten by the next step). As the layer-by-layer path publishes it, the top-k best first by
         weight; the logits and weights in float32."""
         for block, x, logits, weights, ids in self._routes:
-            w, i = weights.clone(), ids.clone()
+            x, logits, w, i = x[:R].clone(), logits[:R].clone(), weights[:R].clone(), ids[:R].clone()
             if not block.adapter.sorted_topk:  # a sigmoid router's ids come in the order of its biased scores
                 order = torch.argsort(w, dim=1, descending=True, stable=True)
                 w, i = w.gather(1, order), i.gather(1, order)
-            block.bus.publish(block.layer, x.clone(), logits.clone(), i, w)
+            block.bus.publish(block.layer, x, logits, i, w)
 
     def _build(self, x: torch.Tensor, cos: torch.Tensor, max_positions: int) -> bool:
         try:
@@ -167,10 +182,12 @@ class FusedDecode:
             self.state, self.why = "off", str(e)
             return False
         self._rot, self._dtype, self._positions = cos.shape[-1], x.dtype, max_positions
-        nbytes = max(self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), max_positions) for s in self._specs)
+        nbytes = max(self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), max_positions, MAX_ROWS) for s in self._specs)
         self._work = torch.empty(nbytes, dtype=torch.uint8)
         att = self.layers[0].att
-        self._kv_like = torch.zeros((1, self._specs[0].hk, 1, att.head_dim), dtype=x.dtype)
+        self._kv_like = torch.zeros((1, self._specs[0].hk, MAX_ROWS, att.head_dim), dtype=x.dtype)
+        # Each row's KV buffers, their capacities and its position, filled per layer per step.
+        self._row_kv = ((_P * MAX_ROWS)(), (_P * MAX_ROWS)(), (_I64 * MAX_ROWS)(), (_I64 * MAX_ROWS)())
         self.state = "ready"
         return True
 
@@ -223,8 +240,8 @@ class FusedDecode:
         self._keep.append(tables)  # read below, valid for good: step() found the store complete
         self._hit_calls.append((block, fields["topk"]))
         k = fields["topk"]
-        route = (block, torch.zeros((1, x.shape[-1]), dtype=dtype), torch.zeros((1, E)), torch.zeros((1, k)),
-                 torch.zeros((1, k), dtype=torch.int64))
+        route = (block, torch.zeros((MAX_ROWS, x.shape[-1]), dtype=dtype), torch.zeros((MAX_ROWS, E)),
+                 torch.zeros((MAX_ROWS, k)), torch.zeros((MAX_ROWS, k), dtype=torch.int64))
         self._routes.append(route)  # alive as long as the specs that point into them
         fields.update(route_x=route[1].data_ptr(), route_logits=route[2].data_ptr(), route_weights=route[3].data_ptr(),
                       route_ids=route[4].data_ptr())

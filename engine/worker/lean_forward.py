@@ -117,9 +117,11 @@ class LeanForward:
         if self._fused is None:
             return dispatch.NOT_PLANNED
         rows = tuple(batch.lengths)
-        why = dispatch.fused_decline(dispatch.StepShape(rows, *self._fused.shape_flags())) if rows == (1,) else (
-            dispatch.SEVERAL_REQUESTS if len(rows) > 1 else dispatch.SEVERAL_ROWS)
-        return why if why is not None else self._fused.step(x, h, *cos_sin, caches[0], NATIVE_ATTENTION_MAX_POSITIONS)
+        if sum(rows) > dispatch.MAX_FUSED_ROWS:  # before the flags: a long prefill chunk need not gather them
+            return dispatch.TOO_MANY_ROWS
+        fresh = any(c.get_seq_length() == 0 for c in caches)
+        why = dispatch.fused_decline(dispatch.StepShape(rows, fresh, *self._fused.shape_flags()))
+        return why if why is not None else self._fused.step(x, h, *cos_sin, caches, rows, NATIVE_ATTENTION_MAX_POSITIONS)
 
     @staticmethod
     def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
