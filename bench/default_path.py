@@ -7,6 +7,10 @@ warm-up, rounds alternate the settings' order; each round decodes the same greed
 setting and compares the tokens. Reports decode tok/s per setting and round, each setting's ratio to
 `--speculative off` (median over rounds), whether the tokens are identical, and the steps per path.
 
+Then, served: the defaults at cache 1.0 with `serve`'s batching limits, 1 stream against 8 concurrent
+streams (8 prompts submitted at once), aggregate decode tok/s per round (from the first token of the
+last request to start until every request ends), and whether each stream's tokens equal its solo run.
+
     python -m bench.default_path --out docs/benchmarks/default_path.md
 """
 from __future__ import annotations
@@ -66,6 +70,41 @@ def run(s: Setting, prompts: list[list[int]], tokens: int) -> tuple[float, list[
     return n / decode_s, outs
 
 
+def served(args: argparse.Namespace, lines: list[str]) -> None:
+    """1 stream against 8, with serve's defaults (max_running 64, prefill budget 1024) at cache 1.0."""
+    s = build("default", CELLS["cache 1.0 (ram)"], {}, max_len=4096)
+    core = EngineCore.for_model(s.om, CoreLimits(max_running=64, prefill_token_budget=1024, max_model_len=4096),
+                                s.core.proposer, tuple(o for o in s.core.observers if o is not s.core.proposer))
+    prompts = [list(s.om.tokenizer(p)["input_ids"]) for p in (PROMPTS * 2)]
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+
+    def streams(n: int) -> tuple[float, list[list[int]]]:
+        done = complete(core, [request(p, params) for p in prompts[:n]])
+        start, end = max(c.t_first or c.t_end for c in done), max(c.t_end for c in done)
+        decoded = sum(len(c.token_ids) - 1 for c in done)
+        return decoded / (end - start), [c.token_ids for c in done]
+
+    streams(1), streams(8)  # warm-up
+    solo = [complete(core, [request(p, params)])[0].token_ids for p in prompts]
+    s.om.stats.reset()
+    speeds: dict[int, list[float]] = {1: [], 8: []}
+    same = True
+    for r in tqdm(range(args.rounds), desc="served", unit="round"):
+        for n in (1, 8) if r % 2 == 0 else (8, 1):
+            tps, outs = streams(n)
+            speeds[n].append(tps)
+            same = same and outs == solo[:n]
+    ratio = statistics.median(a / b for a, b in zip(speeds[8], speeds[1]))
+    steps = s.om.stats.snapshot()["steps"].get("decode", {})
+    lines += ["## Served: 8 concurrent streams against 1 (defaults, cache 1.0)", "",
+              "| streams | aggregate decode tok/s per round | × 1 stream (median) | each output = its solo run | decode steps per path |",
+              "|---|---|---|---|---|",
+              f"| 1 | {' / '.join(f'{v:.1f}' for v in speeds[1])} | 1.00× | yes | |",
+              f"| 8 | {' / '.join(f'{v:.1f}' for v in speeds[8])} | {ratio:.2f}× | {'yes' if same else 'NO'} | "
+              + ", ".join(f"{p} {n}" for p, n in steps.items()) + " (both cells) |", ""]
+    s.om.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=160, help="greedy tokens per prompt (default 160)")
@@ -111,6 +150,7 @@ def main() -> None:
         lines.append("")
         for s in settings:
             s.om.close()
+    served(args, lines)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

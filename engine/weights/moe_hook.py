@@ -121,13 +121,21 @@ class BlockAdapter:
         router = block._modules[self.router]
         if x.shape[0] == 1:  # a one-token step: the native router where it applies (engine/native/router.py)
             if self._native_router is None:
-                self._native_router = NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+                self.decide_native_router(block)
             if self._native_router:
                 fast = self._native_router(x)
                 if fast is not None:
                     return fast
         logits, weights, ids = router.forward(x)
         return logits, weights, ids
+
+    def decide_native_router(self, block: nn.Module) -> NativeTopKRouter | bool:
+        """The block's native one-token router (engine/native/router.py), or False where its router does not run
+        natively; decided on first use."""
+        if self._native_router is None:
+            router = block._modules[self.router]
+            self._native_router = NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+        return self._native_router
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] alone: what the prefetcher needs of the next layer's router on this

@@ -265,16 +265,16 @@ class FusedDecode:
         first-call check (engine/native/router.py), or a DeepSeek-V3-style sigmoid router checked here, once,
         against its own forward on a random row."""
         where = f"layer {block.layer}"
-        native = block.adapter._native_router
+        native = block.adapter.decide_native_router(block)
         if isinstance(native, NativeTopKRouter):
+            if native.verified is None:  # not routed a one-token step yet: its check, on a random row
+                native(_probe(native.weight.shape[1], x.dtype, block.layer))
             if native.verified is None:
                 raise NotYet
             if not native.verified or native.top_k > MAX_TOPK:
                 raise Unsupported(f"{where}: the router does not run natively")
             return dict(router_kind=ROUTER_SOFTMAX, router=native.weight.data_ptr(), topk=native.top_k, norm_topk=int(native.norm))
         router = block._modules[block.adapter.router]
-        if native is None:
-            raise NotYet  # the block has not routed a one-token step yet
         if type(router).__name__ not in SIGMOID_ROUTERS:
             raise Unsupported(f"{where}: a {type(router).__name__}, which does not run natively")
         w = router.weight
@@ -284,7 +284,7 @@ class FusedDecode:
                                         float(router.routed_scaling_factor))
         if w.dtype not in W_CODES or w.dtype == torch.int8 or not w.is_contiguous() or w.device.type != "cpu" or k > MAX_TOPK:
             raise Unsupported(f"{where}: a router weight the native kernel does not read")
-        probe = torch.randn((1, w.shape[1]), generator=torch.Generator().manual_seed(block.layer)).to(x.dtype)
+        probe = _probe(w.shape[1], x.dtype, block.layer)
         got = self.kernels.router_sigmoid(probe, w, bias, k, groups, keep, norm, scale)
         if got is None or not same_routing(_by_id(got), _by_id(router.forward(probe)), 1e-5):
             raise Unsupported(f"{where}: the native sigmoid router does not match {type(router).__name__}")
@@ -321,13 +321,25 @@ def _swiglu_fields(mlp: nn.Module, dtype: torch.dtype, what: str) -> dict:
     return dict(sh_gate=gate.data_ptr(), sh_up=up.data_ptr(), sh_down=down.data_ptr(), sh_I=gate.shape[0])
 
 
+def _probe(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A random row [1, n] for a first-call check the step runs itself (a router or norm that no one-row
+    step has called yet: a server whose first steps are batched)."""
+    return torch.randn((1, n), generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
 def _norm(module: nn.Module, dtype: torch.dtype) -> NativeRMSNorm:
-    """The module's native norm, checked against the module; NotYet before its first check."""
+    """The module's native norm, checked against the module (on a random row, where no step has yet); NotYet
+    where that check cannot run natively yet."""
     fn = module.forward
     if not isinstance(fn, NativeRMSNorm) or fn.verified is False:
         raise Unsupported(f"{type(module).__name__} does not run natively")
     if fn.verified is None:
+        w = fn.module.weight
+        fn(_probe(w.shape[0], w.dtype, 0))
+    if fn.verified is None:
         raise NotYet
+    if fn.verified is False:
+        raise Unsupported(f"{type(module).__name__} does not run natively")
     w = fn.module.weight
     if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or w.device.type != "cpu":
         raise Unsupported(f"{type(module).__name__}: a weight the native norm does not read")

@@ -274,7 +274,18 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
     on_cpu = om.device.type == "cpu"
     router = ("native: softmax top-k routers in C once their first call matches the module's (others: the module's own)"
               if on_cpu and kernels.startswith("on") else "module: the model's own router")
-    return resolve_plan(cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router)
+    plan = resolve_plan(cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router)
+    running = ",".join(om.prefetchers) or "none"
+    if cfg.prefetch != "auto":
+        why = f"--prefetch {cfg.prefetch}"
+    elif om.prefetchers:
+        why = "auto: a partial fast tier, a SpecPrefetch adapter beside the model, and a substituting policy or a GPU"
+    elif complete:
+        why = "auto: every routed expert is resident, nothing to prefetch"
+    else:
+        why = ("auto: on a CPU with an exact policy the adapter measured slower than none (docs/benchmarks/policies.md);"
+               " or no adapter file") if on_cpu else "auto: no SpecPrefetch adapter file beside the model"
+    return plan.with_choice("prefetch", running, why)
 
 
 def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool) -> set[str]:
