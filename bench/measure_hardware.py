@@ -51,29 +51,21 @@ def _timed_cell(om, prompts: list[list[int]], tokens: int, spec: SpecConfig = OF
     calls: list[tuple[float, int, int]] = []  # (seconds, distinct experts, rows)
     pending: list[RoutingEvent] = []
     blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
-    originals = [b.forward for b in blocks]
 
-    def wrap(fwd):
-        def timed(hidden_states: torch.Tensor) -> torch.Tensor:
-            t0 = time.perf_counter()
-            out = fwd(hidden_states)
-            dt = time.perf_counter() - t0
-            ev = pending.pop() if pending else None
-            if ev is not None:
-                ids = ev.ids.reshape(-1).tolist()
-                calls.append((dt, len(set(ids)), ev.ids.shape[0]))
-            return out
-        return timed
+    def timed(seconds: float, rows: int) -> None:  # after each block call: its routing was published during it
+        ev = pending.pop() if pending else None
+        if ev is not None:
+            calls.append((seconds, len(set(ev.ids.reshape(-1).tolist())), ev.ids.shape[0]))
 
-    for b, f in zip(blocks, originals):
-        b.forward = wrap(f)
+    for b in blocks:
+        b.timers.append(timed)
     unsubscribe = om.bus.subscribe(pending.append)
     try:
         r = run_cell(om, spec, prompts, tokens)
     finally:
         unsubscribe()
-        for b, f in zip(blocks, originals):
-            b.forward = f
+        for b in blocks:
+            b.timers.remove(timed)
     # run_cell resets stats after the prompts: drop calls of prefill-sized blocks (> streams·(k+1) rows)
     r["calls"] = [c for c in calls if c[2] <= len(prompts) * 8]
     return r

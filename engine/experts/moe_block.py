@@ -6,6 +6,9 @@ run through the MoeExecutor against the tiered expert store.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -28,6 +31,9 @@ class OffloadedMoeBlock(nn.Module):
         # AttributeError on routers without one, microseconds in every layer of every step.
         self._score_bias: torch.Tensor | None = None
         self._score_bias_known = False
+        # Timers of this block's calls (benchmarks: bench/measure_hardware.py), each told (seconds, rows) after a
+        # call. A timed block keeps the layer-by-layer path: the fused decode step runs no block's Python.
+        self.timers: list[Callable[[float, int], None]] = []
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, S, H = hidden_states.shape
@@ -45,6 +51,15 @@ class OffloadedMoeBlock(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (the block's output rows [T, H], router logits [T, E], top-k weights [T, k])."""
+        if not self.timers:
+            return self._compute(x)
+        t0 = time.perf_counter()
+        out = self._compute(x)
+        for timer in self.timers:
+            timer(time.perf_counter() - t0, x.shape[0])
+        return out
+
+    def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, weights, ids = self.adapter.route(self, x)  # [T, E], [T, k], [T, k]
         # Policies, traces and predictors read slot 0 as the first choice. Softmax routers return their
         # top-k sorted; DeepSeek-V3-style routers (glm4_moe, deepseek_v3) take topk(sorted=False), so sort here.

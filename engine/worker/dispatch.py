@@ -29,7 +29,7 @@ PROMPT_START = "a prompt's first rows"  # a request with nothing cached yet: its
 EXPERTS_CAN_MISS = "experts can miss"  # a partial fast tier, or the tier still filling
 EXPERTS_PLANNED = "experts planned per layer"  # CPU-run experts or the utility estimator plan each layer
 LIVE_LISTENER = "live routing listener"  # a predictor that must see each layer before its experts run
-WRAPPED_FORWARD = "wrapped forward"  # a sublayer's forward replaced (a profiler's timer)
+TIMED_BLOCK = "a timed MoE block"  # a benchmark times each block's calls (OffloadedMoeBlock.timers)
 CHECKS_PENDING = "first-call checks pending"  # the native norms and routers have not been checked yet
 OUT_OF_RANGE = "past the native attention range"
 LAYER_UNSUPPORTED = "a layer it cannot run"  # for good: the plan's log line says which and why
@@ -45,7 +45,7 @@ class StepShape:
     all_resident: bool  # every routed expert resident for good, nothing planned around misses
     planned_per_layer: bool  # CPU-run experts or the utility estimator plan each MoE layer
     live_listener: bool  # a routing listener must see each layer before its experts run
-    wrapped: bool  # a MoE block's forward is wrapped
+    timed: bool  # a benchmark times the MoE blocks' calls
 
 
 def fused_decline(shape: StepShape) -> str | None:
@@ -60,8 +60,8 @@ def fused_decline(shape: StepShape) -> str | None:
         return EXPERTS_CAN_MISS
     if shape.live_listener:
         return LIVE_LISTENER
-    if shape.wrapped:
-        return WRAPPED_FORWARD
+    if shape.timed:
+        return TIMED_BLOCK
     return None
 
 
