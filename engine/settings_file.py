@@ -19,7 +19,7 @@ class YamlSection:
 
     def with_overrides(self: T, **overrides: Any) -> T:
         """Flags on top of file settings; None means 'not given on the command line'."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[type-var]  # T: a dataclass (every YamlSection is one)
 
     @classmethod
     def from_yaml(cls: type[T], path: str | Path) -> T:

@@ -16,6 +16,7 @@ Three kernels cover the architectures we run:
 from __future__ import annotations
 
 import math
+from typing import Any
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -97,7 +98,7 @@ class Llama4Kernel(ExpertKernel):
         return (up * self.act_fn(gate)) @ down
 
 
-def make_kernel(kind: str, experts: torch.nn.Module, hidden: int, intermediate: int) -> ExpertKernel:
+def make_kernel(kind: str, experts: Any, hidden: int, intermediate: int) -> ExpertKernel:
     """The kernel for a transformers experts module (`kind` comes from the architecture table)."""
     if kind == "swiglu":
         return SwiGLUKernel(hidden, intermediate, experts.act_fn)

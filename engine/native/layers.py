@@ -15,6 +15,7 @@ Everything else (prefill, batches over 16 rows, other dtypes, other devices) run
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,8 @@ class NativeRMSNorm:
     once its first such call has matched the module's own forward, the module's forward otherwise."""
 
     def __init__(self, module: nn.Module, eps: float) -> None:
-        self.module, self.eps = module, eps
+        self.module: Any = module  # the norm module it stands in for (its weight, its own forward)
+        self.eps = eps
         self.original: Callable[[torch.Tensor], torch.Tensor] = type(module).forward.__get__(module)
         self.verified: bool | None = None  # None: not yet checked
         self._accepted: tuple[torch.Size, torch.dtype] | None = None  # the last input shape and dtype found to run natively

@@ -14,6 +14,8 @@ where two tie to rounding); a router that does not match keeps its forward.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTo
 
 
 class NativeTopKRouter:
-    def __init__(self, router: nn.Module) -> None:
+    def __init__(self, router: Any) -> None:
         self.router = router
         self.verified: bool | None = None  # None: not checked yet
         self._accepted: torch.dtype | None = None  # the input dtype last found to run natively
@@ -49,7 +51,9 @@ class NativeTopKRouter:
                     or x.device.type != "cpu" or not x.is_contiguous() or not w.is_contiguous() or native() is None):
                 return None
             self._accepted = x.dtype
-        got = native().router_topk(x, w, self.top_k, self.norm)
+        kernels = native()
+        assert kernels is not None  # checked above
+        got = kernels.router_topk(x, w, self.top_k, self.norm)
         if got is None or self.verified:
             return got
         ref = self.router.forward(x)

@@ -13,6 +13,8 @@ that verification can use the exact rejection rule.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -37,7 +39,7 @@ class DraftProposer(ProposerBase):
         self.new_cache = lean.new_cache if lean is not None else lambda: new_kv_cache(draft.config)
         self.crop = LeanKVCache.crop if lean is not None else truncate_cache  # (cache, length)
         self.eos_ids = sorted(draft.eos_token_ids)
-        self.caches: dict[str, DynamicCache | LeanKVCache] = {}
+        self.caches: dict[str, Any] = {}  # a LeanKVCache each, or a DynamicCache where the draft runs through the runner
         self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
         self.generators: dict[str, torch.Generator | None] = {}
 

@@ -17,6 +17,8 @@ tokens whatever the draft proposes; tests check the logits agree to float roundi
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -71,13 +73,14 @@ class LeanDenseModel:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.act = ACT2FN[cfg.hidden_act]
-        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.layers: list[dict[str, Any]] = [self._fuse(layer) for layer in inner.layers]
 
     @staticmethod
-    def _fuse(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    def _fuse(layer: Any) -> dict[str, Any]:
+        """The layer's weights (fused q/k/v and gate/up), as tensors; `layer` is the architecture's own module."""
         att, mlp = layer.self_attn, layer.mlp
 
-        def cat(*lins: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def cat(*lins: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             bias = [lin.bias for lin in lins]
             return torch.cat([lin.weight for lin in lins]), (torch.cat(bias) if all(b is not None for b in bias) else None)
 

@@ -34,6 +34,7 @@ router is checked once against its module's forward on a random row when the ste
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,19 +129,20 @@ class FusedDecode:
             return dispatch.NOT_PLANNED
         n_specs, limit = len(self._specs), min(max_positions, self._positions)  # the scratch holds scores for _positions
         for c, n in zip(caches, rows):
-            layers = c.layers
+            layers: list[Any] = c.layers  # InPlaceLayer, checked here
             if len(layers) < n_specs or not all(type(layer) is InPlaceLayer for layer in layers[:n_specs]):
                 return dispatch.NOT_PLANNED
             if layers[0].get_seq_length() + n > limit:
                 return dispatch.OUT_OF_RANGE
         lib, nt, R = self.kernels.lib, torch.get_num_threads(), x.shape[0]
+        assert self._work is not None and self._kv_like is not None  # built
         xp, hp, cp, sp, work = x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._work.data_ptr()
         kptrs, vptrs, caps, ats = self._row_kv
         like = [self._kv_like.narrow(2, 0, n) for n in rows]  # [1, hk, n, d]: what each request's rows append
         for i, spec in enumerate(self._specs):
             r, ends = 0, []
             for c, n, kv in zip(caches, rows, like):
-                layer = c.layers[i]
+                layer: Any = c.layers[i]
                 kb, vb, at = layer.reserve(kv, kv)
                 if kb.dtype is not kv.dtype:  # a request's cache holds its model's dtype: a bug, not an input
                     raise RuntimeError(f"KV cache in {kb.dtype} for a {kv.dtype} decode step")
@@ -191,7 +193,7 @@ class FusedDecode:
         self.state = "ready"
         return True
 
-    def _spec(self, layer, next_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor) -> LayerSpec:
+    def _spec(self, layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Tensor) -> LayerSpec:
         """One layer's LayerSpec; raises NotYet or Unsupported."""
         dtype = x.dtype
         if dtype not in X_CODES or x.device.type != "cpu":
@@ -203,7 +205,7 @@ class FusedDecode:
             fields.update(_swiglu_fields(layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP"), router_kind=ROUTER_NONE)
         return LayerSpec(**fields)
 
-    def _attention_fields(self, layer, next_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor) -> dict:
+    def _attention_fields(self, layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Tensor) -> dict:
         """The LayerSpec fields of the attention half, the norms and the dtypes."""
         dtype, att = x.dtype, layer.att
         norms = [_norm(m, dtype) for m in (layer.in_norm, layer.post_norm, next_norm)]
@@ -274,7 +276,7 @@ class FusedDecode:
             if not native.verified or native.top_k > MAX_TOPK:
                 raise Unsupported(f"{where}: the router does not run natively")
             return dict(router_kind=ROUTER_SOFTMAX, router=native.weight.data_ptr(), topk=native.top_k, norm_topk=int(native.norm))
-        router = block._modules[block.adapter.router]
+        router: Any = getattr(block, str(block.adapter.router))
         if type(router).__name__ not in SIGMOID_ROUTERS:
             raise Unsupported(f"{where}: a {type(router).__name__}, which does not run natively")
         w = router.weight
@@ -308,7 +310,7 @@ def _shared_expert(block: OffloadedMoeBlock) -> nn.Module | None:
     return block._modules.get("shared_experts") if shared is None else shared
 
 
-def _swiglu_fields(mlp: nn.Module, dtype: torch.dtype, what: str) -> dict:
+def _swiglu_fields(mlp: Any, dtype: torch.dtype, what: str) -> dict:
     """The LayerSpec sh_* fields of a SwiGLU MLP (gate_proj, up_proj, down_proj without biases, SiLU), run as
     its forward runs it; raises Unsupported for another form."""
     act = getattr(mlp, "act_fn", None)
@@ -327,7 +329,7 @@ def _probe(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn((1, n), generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _norm(module: nn.Module, dtype: torch.dtype) -> NativeRMSNorm:
+def _norm(module: Any, dtype: torch.dtype) -> NativeRMSNorm:
     """The module's native norm, checked against the module (on a random row, where no step has yet); NotYet
     where that check cannot run natively yet."""
     fn = module.forward
@@ -346,7 +348,7 @@ def _norm(module: nn.Module, dtype: torch.dtype) -> NativeRMSNorm:
     return fn
 
 
-def _weights(proj: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weights(proj: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a plain linear projection in the activation dtype."""
     if type(proj) not in (nn.Linear, NativeLinear):
         raise Unsupported(f"a projection of type {type(proj).__name__}")

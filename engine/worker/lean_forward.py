@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,8 @@ class LeanForward:
         self._native_attention = self.kernels is not None and native_attention
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         # A one-request decode step's layers, one native call each (engine/worker/fused_decode.py), where it applies.
-        self._fused = FusedDecode(self.kernels, self.layers, self.inner.norm) if self._native_attention and fused else None
+        self._fused = (FusedDecode(self.kernels, self.layers, self.inner.norm)
+                       if self.kernels is not None and self._native_attention and fused else None)
         self.last_path: tuple[str, str] = ("lean", "")  # the last call's path, and why it was not the fused one
 
     @torch.inference_mode()
@@ -97,7 +99,7 @@ class LeanForward:
         h = self.layers[0].in_norm.forward(x)
         declined = self._try_fused(x, h, cos_sin, batch, caches)
         fused = declined is None
-        self.last_path = ("fused", "") if fused else ("lean", declined)
+        self.last_path = ("fused", "") if declined is None else ("lean", declined)
         for i, layer in enumerate(self.layers if not fused else ()):
             x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
@@ -173,7 +175,7 @@ class LeanForward:
             out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
         return layer.o_proj.forward(out.reshape(h.shape[0], -1).contiguous())
 
-    def _add_norm(self, x: torch.Tensor, a: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, x: torch.Tensor, a: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
         would itself run the native kernel (a verified NativeRMSNorm, few rows); the same arithmetic."""
         fn = norm.forward
@@ -181,6 +183,7 @@ class LeanForward:
         if kernels is None or a.dtype != x.dtype or a.shape != x.shape or not a.is_contiguous():
             x = x + a
             return x, fn(x)
+        assert isinstance(fn, NativeRMSNorm)  # _verified_native found it one
         return kernels.add_rmsnorm(x, a, fn.module.weight, fn.eps)
 
     def _fused_qk(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -245,7 +248,7 @@ class LeanForward:
         return torch.cat(outs)
 
     @staticmethod
-    def _decode_attention(att: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _decode_attention(att: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           batch: PackedBatch) -> torch.Tensor:
         """One new row per request: what transformers' SDPA attention does for a single-token query
         without a mask (integrations/sdpa_attention.py: GQA inside SDPA, not causal), per request.
@@ -288,16 +291,23 @@ def _verified_native(norm_forward: Callable, x: torch.Tensor) -> NativeKernels |
 
 class _LeanLayer:
     """One decoder layer's sublayers, looked up once (nn.Module attribute access is a dict walk).
-    Each is called through its `forward` attribute at run time, so a wrapped forward (the native
-    norms, a benchmark's timer) is honoured."""
+    Each is called through its `forward` attribute at run time, so a replaced forward (the native
+    norms) is honoured. The sublayers are the architecture's own modules, typed `Any`: their attributes
+    (head_dim, scaling, layer_idx, ...) are the architecture's, which `LeanForward.supports` checked."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: Any) -> None:
         att = layer.self_attn
-        self.att, self.in_norm, self.post_norm, self.mlp = att, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = att.q_proj, att.k_proj, att.v_proj, att.o_proj
+        self.att: Any = att
+        self.in_norm: Any = layer.input_layernorm
+        self.post_norm: Any = layer.post_attention_layernorm
+        self.mlp: Any = layer.mlp
+        self.q_proj: Any = att.q_proj
+        self.k_proj: Any = att.k_proj
+        self.v_proj: Any = att.v_proj
+        self.o_proj: Any = att.o_proj
         # Per-head q/k norms: qwen3_moe always, glm4_moe when use_qk_norm, qwen2_moe never.
         qk_norm = getattr(att, "use_qk_norm", hasattr(att, "q_norm"))
-        self.q_norm = att.q_norm if qk_norm else None
-        self.k_norm = att.k_norm if qk_norm else None
+        self.q_norm: Any = att.q_norm if qk_norm else None
+        self.k_norm: Any = att.k_norm if qk_norm else None
         # (q weight, k weight, q eps, k eps) for the native decode attention, once both norms are verified native ones.
         self.native_qk_norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None

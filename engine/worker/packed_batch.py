@@ -92,7 +92,7 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device)[None, :] <= q)[None, None]
 
 
-def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, packed_batch: PackedBatch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query: [1, h, N, d]. Returns [1, N, h, d] like transformers' attention functions."""
     if packed_batch is None:
