@@ -165,7 +165,7 @@ class ExpertStreamer:
         t0 = time.perf_counter()
         try:
             y = job.result()
-        except Exception as e:  # noqa: BLE001 - any read failure becomes one clear error
+        except Exception as e:
             raise ExpertLoadError(layer, expert, e) from e
         finally:
             self.stats.record_stall(time.perf_counter() - t0, layer)
@@ -174,7 +174,7 @@ class ExpertStreamer:
     def _wait(self, expert: int, t: Transfer) -> None:
         try:
             self.transfers.wait(t)
-        except Exception as e:  # noqa: BLE001 - any read failure becomes one clear error
+        except Exception as e:
             raise ExpertLoadError(t.layer, expert, e) from e
 
     def _submit(self, layer: int, to_load: list[int], ready: list[int], waiting: dict[int, Transfer], lease: ExpertLease) -> list[int]:

@@ -22,10 +22,10 @@ import torch
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.cpu_split import CpuSplit
+from engine.experts.executor_api import ExecutorCapabilities, PrivateAliases
 from engine.experts.expert_compute import ExpertCompute
 from engine.experts.expert_store import ExpertStore
 from engine.experts.expert_streaming import ExpertLoadError, ExpertStreamer
-from engine.experts.executor_api import ExecutorCapabilities, PrivateAliases
 from engine.experts.native_moe import NativeMoe, SlotPointers
 from engine.experts.quant import ExpertFormat
 from engine.experts.transfers import TransferEngine

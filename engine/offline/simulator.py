@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import random
 import time
 from collections import Counter
@@ -43,15 +42,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.experts.cpu_split import split_misses
+from engine.experts.residency import INF, Residency
 from engine.offline.hardware import Costs
 from policies.adaptive_k import AdaptiveK
-from policies.balancer import LayerCosts, choose_tau, rank_misses
-from policies.base import DROPPED, FilteredView
+from policies.balancer import LayerCosts, choose_tau
+from policies.base import DROPPED
 from policies.registry import PolicyBundle
-from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, UtilityEviction, protect_ticks, worth_displacing
-
-# Mirrors of engine constants (imported where that does not pull in torch-heavy modules).
-INF = math.inf
+from policies.utility import (
+    PREFETCH_MIN_LEVEL,
+    SpeculativeUtilityEstimator,
+    UtilityEviction,
+    protect_ticks,
+    worth_displacing,
+)
 
 # Measured on the embedded pair (docs/benchmarks/speculative.md, draft k=4, one stream, cache 0.25 disk):
 # share of windows whose accepted run reaches position i.
@@ -210,70 +214,6 @@ class SimLink:
         return len(self.queue) + sum(1 for w in self.worker_free_at if w > now)
 
 
-class _Cache:
-    """Residency of the fast tier, as engine/experts/expert_store.py keeps it, without tensors:
-    `ready[key]` is when the expert landed (or will land; INF while its prefetch is queued)."""
-
-    def __init__(self, n_slots: int, policies: PolicyBundle) -> None:
-        self.n_slots, self.ev = n_slots, policies.eviction
-        self.ready: dict[int, float] = {}  # INF while queued; a time ahead of the clock while in flight
-        self.protected: dict[int, int] = {}  # key -> tick at which its protection expires
-        self.pinned: set[int] = set()
-        self.tick_no = 0
-        self.evictions = 0
-        self.wasted = 0
-
-    def land(self, key: int, t: float) -> None:
-        self.ready[key] = t
-
-    def evictable(self, now: float, protected: bool) -> FilteredView:
-        """Landed, unpinned experts, protected ones or not (store._evictable): a live view, as the
-        store's, so a policy that walks its own order asks `in` of a few keys instead of this
-        building a set of every resident for each load (the replay's hot spot). Live: a victim
-        dropped or a key reserved after it was made is seen."""
-        ready, prot = self.ready, self.protected
-        return FilteredView(ready.keys(), lambda k: ready[k] <= now and k not in self.pinned and (k in prot) == protected)
-
-    def evictable_set(self, now: float) -> set[int]:
-        """The unprotected evictable experts as a set: for a step that reserves many slots while
-        many residents are pinned, one set per layer beats asking the live view key by key."""
-        return {k for k, t in self.ready.items() if t <= now} - self.pinned - self.protected.keys()
-
-    def reserve(self, key: int, now: float, may_evict_protected: bool, victim: int | None = None, cand: set[int] | None = None) -> bool:
-        """A slot for `key` (store.reserve): free, or the eviction policy's victim among landed,
-        unpinned experts, unprotected first. False when nothing can be evicted. `victim`: the
-        policy's victim, when the caller already asked for it; `cand`: an evictable_set the caller
-        keeps across the reservations of one layer (the victim leaves it here)."""
-        if len(self.ready) >= self.n_slots:
-            if victim is None:
-                victim = self.ev.victim(self.evictable(now, False) if cand is None else cand)
-            if cand is not None:
-                cand.discard(victim)
-            if victim is None and may_evict_protected:
-                victim = self.ev.victim(self.evictable(now, True))
-            if victim is None:
-                return False
-            self.drop(victim)
-            self.evictions += 1
-        self.land(key, INF)
-        self.ev.on_insert(key)
-        return True
-
-    def drop(self, key: int) -> None:
-        del self.ready[key]
-        if self.protected.pop(key, None) is not None:
-            self.wasted += 1  # a prefetch evicted before use
-        self.ev.on_remove(key)
-
-    def tick(self) -> None:
-        """One MoE layer ran: protections that were never used expire (wasted prefetches)."""
-        self.tick_no += 1
-        expired = [k for k, t in self.protected.items() if t <= self.tick_no]
-        for k in expired:
-            del self.protected[k]
-        self.wasted += len(expired)
-
-
 def load_trace(path: str | Path) -> dict:
     z = np.load(path)
     return trace_from_arrays({k: z[k] for k in z.files})
@@ -301,7 +241,10 @@ class Simulator:
         # Python lists once: the replay loop is per (row, layer) and numpy scalars are slow there.
         self.ids = ids.astype(np.int64).tolist()
         self.weights = weights.astype(np.float64).tolist()
-        self.cache = _Cache(max(1, round(settings.cache_fraction * self.L * self.E)), policies)
+        # The engine's residency rules (engine/experts/residency.py) on the simulated clock: ready[key] is
+        # when the expert landed (or will land; INF while its prefetch is queued). No pin on reserve:
+        # the replay pins the current layer's experts itself (pin_only).
+        self.cache = Residency(max(1, round(settings.cache_fraction * self.L * self.E)), policies.eviction, protect_ticks(self.L))
         wants_utility = settings.prefetch == "utility" or isinstance(policies.eviction, UtilityEviction) or settings.cpu_experts != "off"
         self.utility = SpeculativeUtilityEstimator(self.E) if wants_utility else None
         if isinstance(policies.eviction, UtilityEviction) and policies.eviction.estimator is None:
@@ -331,7 +274,7 @@ class Simulator:
 
     def _prefetch(self, key: int) -> None:
         self.link.queue[key] = None
-        self.cache.protected[key] = self.cache.tick_no + protect_ticks(self.L)
+        self.cache.protect(key)
         self.r.prefetch_issued += 1
 
     def _top_up(self, layer: int) -> bool:
@@ -346,30 +289,34 @@ class Simulator:
             if key in cache.ready:  # resident, or already on its way
                 continue
             victim = None
-            if len(cache.ready) >= cache.n_slots:
-                victim = cache.ev.victim(cache.evictable(self.clock, False))
+            if not cache.free:
+                victim = cache.eviction.victim(cache.evictable(self.clock, False))
                 if victim is None:
                     return False
-                if not worth_displacing(est, cache.ev, key, int(victim)):
+                if not worth_displacing(est, cache.eviction, key, int(victim)):
                     continue
-            if not cache.reserve(key, self.clock, False, victim=victim):
+            if cache.reserve(key, False, self.clock, pin=False, victim=victim) is None:
                 return False
             self._prefetch(key)
         return True
 
     def _cancel_stale(self) -> None:
-        est, cache = self.utility, self.cache
+        est = self.utility
         assert est is not None
         keep: dict[int, None] = {}
         for key in self.link.queue:
             if est.level(*divmod(key, self.E)) < PREFETCH_MIN_LEVEL:
-                cache.protected.pop(key, None)
-                del cache.ready[key]
-                cache.ev.on_remove(key)
-                self.r.prefetch_cancelled += 1
+                self._cancel(key)
             else:
                 keep[key] = None
         self.link.queue = keep
+
+    def _cancel(self, key: int) -> None:
+        """A queued prefetch is cancelled: its slot is free again, not counted as wasted. The
+        eviction policy hears of it as a removal (the engine's abort has it forget the key)."""
+        self.cache.protected.pop(key, None)
+        self.cache.drop(key)
+        self.r.prefetch_cancelled += 1
 
     def _predict(self, rows: list[int], layer: int) -> None:
         """The predictor hook: prefetch the union of its ranked predictions for `layer + 1`."""
@@ -385,16 +332,16 @@ class Simulator:
         nxt = (layer + 1) * E
         # Never evict what the same prediction asks for (a resident predicted expert is about to be
         # used): pinned while its slots are reserved, as the engine's lease pins them.
-        cache.pinned = {nxt + e for e in chosen}
+        cache.pin_only(nxt + e for e in chosen)
         for e in chosen:
             key = nxt + e
             if key in cache.ready:
                 continue
-            if not cache.reserve(key, self.clock, False):
+            if cache.reserve(key, False, self.clock, pin=False) is None:
                 break
             self._prefetch(key)
             self.predicted.add(key)
-        cache.pinned = set()
+        cache.pins.clear()
 
     # -- one MoE layer of one step ----------------------------------------------------------
     def _layer(self, li: int, rows: list[int], requests: int) -> None:
@@ -402,7 +349,7 @@ class Simulator:
         E, base = self.E, li * self.E
         T = len(rows)
         ready_at = cache.ready
-        ev = cache.ev
+        ev = cache.eviction
         # Attention, norms and router run before the experts; transfers started in the background
         # since the last layer cost the compute thread their CPU share (per_load_s: 0 off a CPU-only box).
         dense = self._dense_s.get((T, requests))
@@ -414,7 +361,7 @@ class Simulator:
             self._advance(now)
         ev.on_layer(li)
         get = ready_at.get
-        is_res = lambda e: get(base + e, INF) <= now  # noqa: E731  landed = resident, as store.is_resident
+        is_res = lambda e: get(base + e, INF) <= now
         ids, weights = self.ids, self.weights
         exp = [ids[t][li] for t in rows]
         logits = [self.logits[t, li].tolist() for t in rows] if pol.miss.needs_logits else None
@@ -429,14 +376,9 @@ class Simulator:
             ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
         else:
             ready = sorted(rows_of)
-        cache.pinned = {base + e for e in rows_of}
+        cache.pin_only(base + e for e in rows_of)
         protected = cache.protected
-        for e in ready:
-            ev.on_access(base + e)
-        if protected:
-            for e in ready:
-                if protected.pop(base + e, None) is not None:
-                    r.prefetch_used += 1
+        r.prefetch_used += cache.touch_all([base + e for e in ready])
         on_cpu: list[int] = []
         if plan.fetch and self.s.cpu_experts != "off":
             on_cpu = self._cpu_split(li, plan.fetch, ready, rows_of, now)
@@ -461,9 +403,9 @@ class Simulator:
                 if protected.pop(key, None) is not None:
                     r.prefetch_used += 1
             else:
-                if cand is None and T > 1 and len(ready_at) >= cache.n_slots:
+                if cand is None and T > 1 and not cache.free:
                     cand = cache.evictable_set(now)
-                cache.reserve(key, now, True, cand=cand)  # if all slots are pinned it still runs (a spill)
+                cache.reserve(key, True, now, pin=False, candidates=cand)  # if all slots are pinned it still runs (a spill)
                 new_loads.append(e)
                 r.demand_loads += 1
         landing, cpu_end = self._schedule(base, new_loads, on_cpu, rows_of, now)
@@ -496,11 +438,11 @@ class Simulator:
             r.calls_substituted += len(plan.substituted)
             r.substituted_mass += sum(m for _, m in plan.substituted)
         r.token_layers += T
-        cache.pinned = set()
+        cache.pins.clear()
         for e in pol.admission.observe(li, plan.substituted):
             # Background: the link and a worker, never the compute clock (after compute, as _admit).
             key = base + e
-            if key not in ready_at and cache.reserve(key, end, may_evict_protected=False):
+            if key not in ready_at and cache.reserve(key, False, end, pin=False) is not None:
                 cache.land(key, link.start(end))
                 self.bg_cpu_s += c.per_load_s
                 r.admissions += 1
@@ -511,33 +453,26 @@ class Simulator:
                 self.predicted.discard(key)
                 if key in link.queue:
                     del link.queue[key]
-                    cache.protected.pop(key, None)
-                    del cache.ready[key]
-                    cache.ev.on_remove(key)
-                    r.prefetch_cancelled += 1
-        if cache.protected:
-            cache.tick()
-        else:
-            cache.tick_no += 1
+                    self._cancel(key)
+        cache.tick()
         if self.utility is not None and self.s.prefetch == "utility" and self.utility.windows:
             self._top_up((li + 1) % self.L)
         if self.s.predictor is not None and li + 1 < self.L:
             self._predict(rows, li)
 
     def _cpu_split(self, li: int, fetch: Sequence[int], ready: list[int], rows_of: dict[int, int], now: float) -> list[int]:
-        """moe_executor._cpu_split: in-flight prefetches stay on the fast device, the rest hottest
-        first (utility level, then rows); τ from policies.balancer.choose_tau with the profile's costs."""
+        """The engine's split (engine/experts/cpu_split.py split_misses), with τ from
+        policies.balancer.choose_tau on the profile's costs instead of the engine's online meter."""
         c, base = self.costs, li * self.E
-        level = (lambda e: self.utility.level(li, e)) if self.utility is not None else (lambda e: 0)  # noqa: E731
-        in_flight = [e for e in fetch if base + e in self.cache.ready] if self.s.cpu_experts != "all" else []
-        ranked = rank_misses(fetch, in_flight, level, rows_of)
-        if self.s.cpu_experts == "all":
-            tau = len(in_flight)
-        else:
+        level = (lambda e: self.utility.level(li, e)) if self.utility is not None else (lambda e: 0)
+
+        def cut(ranked: list[int], tau_min: int) -> int:
             cpu_h = c.cpu if not c.cpu_reads_over_link else (c.cpu[0] + c.copy_seconds(), c.cpu[1])
             costs = LayerCosts(sum(c.g(rows_of[e]) for e in ready), c.copy_seconds(), c.fast, cpu_h, c.transfer_workers, c.cpu_workers)
-            capacity = self.cache.n_slots - len(self.cache.pinned)  # store.free_or_evictable
-            tau = choose_tau([rows_of[e] for e in ranked], costs, capacity, len(in_flight))
+            capacity = self.cache.n_slots - len(self.cache.pins)  # slots less this layer's pins (the store also leaves out loads in flight)
+            return choose_tau([rows_of[e] for e in ranked], costs, capacity, tau_min)
+
+        ranked, tau = split_misses(fetch, lambda e: base + e in self.cache.ready, level, rows_of, self.s.cpu_experts, cut)
         return ranked[tau:]
 
     def _schedule(self, base: int, loads: list[int], cpu: list[int], rows_of: dict[int, int], now: float) -> tuple[list[tuple[float, int]], float]:
@@ -591,9 +526,9 @@ class Simulator:
         per_layer = -(-cache.n_slots // L)
         for e in range(min(per_layer, E)):
             for layer in range(L):
-                if len(cache.ready) < cache.n_slots:
-                    cache.reserve(layer * E + e, 0.0, False)
-                    cache.ready[layer * E + e] = 0.0
+                if cache.free:
+                    cache.reserve(layer * E + e, False, 0.0, pin=False)
+                    cache.land(layer * E + e, 0.0)
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
