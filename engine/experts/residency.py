@@ -101,9 +101,9 @@ class Residency:
                 pins.pop(key, None)
 
     def pin_only(self, keys: Iterable[int]) -> None:
-        """Exactly `keys` pinned once each (the simulator's current layer)."""
-        self.pins.clear()
-        self.pins.update(dict.fromkeys(keys, 1))
+        """Exactly `keys` pinned once each (the simulator's current layer). A new dict: a view made
+        before keeps the pins it was made with."""
+        self.pins = dict.fromkeys(keys, 1)
 
     def touch_all(self, keys: list[int]) -> int:
         """A plan uses these residents, in this order: tell the eviction policy, and end their
