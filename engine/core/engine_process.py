@@ -15,7 +15,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
+from engine.core.messages import (
+    AbortRequest,
+    EngineDead,
+    EngineInput,
+    EngineReady,
+    GenerateRequest,
+    Shutdown,
+    StatsUpdate,
+)
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
 
