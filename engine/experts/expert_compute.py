@@ -90,5 +90,7 @@ class ExpertCompute:
         gate_up = pool[:, : 2 * I * H].view(G, 2 * I, H).transpose(1, 2)  # [G, H, 2I]
         down = pool[:, 2 * I * H :].view(G, H, I).transpose(1, 2)  # [G, I, H]
         gate, up = torch._grouped_mm(x[torch.div(rows, k, rounding_mode="floor")], gate_up, offs=offs).chunk(2, dim=-1)  # [M, I]
-        y = torch._grouped_mm(self.fmt.kernel.act_fn(gate) * up, down, offs=offs)  # [M, H]
+        kernel = self.fmt.kernel
+        assert isinstance(kernel, SwiGLUKernel)  # grouped_ok
+        y = torch._grouped_mm(kernel.act_fn(gate) * up, down, offs=offs)  # [M, H]
         contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)

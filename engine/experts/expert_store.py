@@ -17,6 +17,7 @@ import threading
 from collections import Counter
 from enum import Enum
 from types import TracebackType
+from typing import cast
 
 import torch
 
@@ -140,7 +141,7 @@ class ExpertStore:
         """The expert a prefetch would evict if no slot were free, or None when nothing can go.
         Callers hold `lock` when they act on the answer."""
         with self.lock:
-            return self.eviction.victim(self.res.evictable(protected=False))
+            return cast("int | None", self.eviction.victim(self.res.evictable(protected=False)))  # keys are ints
 
     def free_or_evictable(self) -> int:
         """Slots a layer could take now without waiting: free ones plus unpinned residents."""

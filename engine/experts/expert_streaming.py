@@ -11,7 +11,7 @@ contributions are summed in ascending expert order, transformers' order.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -89,7 +89,7 @@ class ExpertStreamer:
             out += c[:, j]
         return out
 
-    def _single_row(self, layer: int, x: torch.Tensor, experts: list[int], weights: torch.Tensor, lease: ExpertLease,
+    def _single_row(self, layer: int, x: torch.Tensor, experts: Sequence[int], weights: torch.Tensor, lease: ExpertLease,
                     ready: list[int], to_load: list[int], on_cpu: list[int], w_list: list[float],
                     meter: CostMeter | None, cpu: CpuExperts | None) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. The same summation order as the general path; on the

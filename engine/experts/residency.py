@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
+from typing import cast
 
 from policies.base import EvictionPolicy
 
@@ -142,11 +143,11 @@ class Residency:
         assert key not in self.ready, f"expert key {key} already has a slot"
         if not self.free:
             if victim is None:
-                victim = self.eviction.victim(self.evictable(now, False) if candidates is None else candidates)
+                victim = cast("int | None", self.eviction.victim(self.evictable(now, False) if candidates is None else candidates))
             if candidates is not None:
-                candidates.discard(victim)  # type: ignore[arg-type]
+                candidates.discard(victim)  # type: ignore[arg-type]  # None: a no-op
             if victim is None and may_evict_protected:
-                victim = self.eviction.victim(self.evictable(now, True))
+                victim = cast("int | None", self.eviction.victim(self.evictable(now, True)))
             if victim is None:
                 return None
             self.drop(victim)

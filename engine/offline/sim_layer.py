@@ -51,7 +51,8 @@ class LayerReplay(PrefetchReplay):
         get = cache.ready.get
         is_res = lambda e: get(base + e, INF) <= now
         ids, weights = self.ids, self.weights
-        logits = [self.logits[t, li].tolist() for t in rows] if pol.miss.needs_logits else None
+        lg = self.logits  # not None where the policy needs it (checked when built)
+        logits = [lg[t, li].tolist() for t in rows] if lg is not None and pol.miss.needs_logits else None
         plan = pol.miss.plan(li, [ids[t][li] for t in rows], [weights[t][li] for t in rows], is_res, logits)
         if len(rows) == 1:
             rows_of = dict.fromkeys(plan.experts[0], 1)
@@ -167,7 +168,8 @@ class LayerReplay(PrefetchReplay):
         """The engine's split (engine/experts/cpu_split.py split_misses), with τ from
         policies.balancer.choose_tau on the profile's costs instead of the engine's online meter."""
         c, base = self.costs, li * self.E
-        level = (lambda e: self.utility.level(li, e)) if self.utility is not None else (lambda e: 0)
+        util = self.utility
+        level = (lambda e: util.level(li, e)) if util is not None else (lambda e: 0)
 
         def cut(ranked: list[int], tau_min: int) -> int:
             cpu_h = c.cpu if not c.cpu_reads_over_link else (c.cpu[0] + c.copy_seconds(), c.cpu[1])

@@ -2,6 +2,8 @@
 prefetcher's top-up, cancellation of stale prefetches, and the next-layer predictor hook."""
 from __future__ import annotations
 
+from typing import cast
+
 from engine.offline.sim_state import ReplayState
 from policies.utility import PREFETCH_MIN_LEVEL, worth_displacing
 
@@ -36,7 +38,7 @@ class PrefetchReplay(ReplayState):
                 continue
             victim = None
             if not cache.free:
-                victim = cache.eviction.victim(cache.evictable(self.clock, False))
+                victim = cast("int | None", cache.eviction.victim(cache.evictable(self.clock, False)))  # keys are ints
                 if victim is None:
                     return False
                 if not worth_displacing(est, cache.eviction, key, int(victim)):

@@ -31,6 +31,7 @@ Limitations, by construction:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -162,7 +163,7 @@ class Simulator(LayerReplay):
         utility prefetcher's after-step work (UtilityPrefetcher.on_windows)."""
         E, est = self.E, self.utility
         assert est is not None
-        counts: dict[int, tuple[list[int], list[int]]] = {}
+        counts: dict[int, tuple[Sequence[int], Sequence[int]]] = {}
         for li in range(self.L):
             tot, acc = [0] * E, [0] * E
             for _, rows, kept in windows:
