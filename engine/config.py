@@ -85,7 +85,7 @@ class EngineConfig(YamlSection):
         if not 0.0 <= self.threshold <= 1.0 or self.admission_beta <= 0 or not 0.0 < self.frequency_decay <= 1.0:
             raise ConfigError("threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]")
         if self.link:
-            from engine.experts.link import parse_link
+            from engine.link_spec import parse_link
 
             parse_link(self.link)
         self.policies()

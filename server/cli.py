@@ -32,7 +32,7 @@ class GenerateOptions:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.core.engine_process import max_model_len_of
+    from engine.launch import max_model_len_of
     from engine.core.messages import GenerateRequest
     from engine.worker.loader import load_model
 
@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.core.engine_process import EngineArgs, max_model_len_of
+    from engine.launch import EngineArgs, max_model_len_of
     from engine.worker.loader import check_model_dir
     from server.app import create_app
     from server.launch import run_server

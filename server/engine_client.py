@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.core.engine_process import EngineArgs, engine_main
+from engine.launch import EngineArgs, engine_main
 from engine.core.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 from server.metrics import ServerMetrics
 

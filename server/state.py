@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine.core.engine_process import EngineArgs
+from engine.launch import EngineArgs
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams

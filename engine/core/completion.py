@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.messages import GenerateRequest, TokenLogprob
-from engine.worker.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -6,15 +6,17 @@
     observers see (plan, out)              # acceptance statistics, the speculative sensor
     return scheduler.update(plan, out)     # advance by what was kept; stops; detokenize; free
 
-The server's engine process runs it behind a process boundary (engine/core/engine_process.py);
-`moe-offload generate` and the benchmarks run it in-process through `generate()`.
+The server's engine process runs it behind a process boundary (engine/launch.py builds it,
+engine/core/engine_process.py runs its loop); `moe-offload generate` and the benchmarks run it
+in-process through `generate()`. The runner and the model are seen through engine/core/contracts.py.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from engine.core.contracts import RunnableModel, Runner
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.core.scheduler import Scheduler, StepOutput, StepPlan
 
@@ -40,7 +42,7 @@ class CoreLimits:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Any, proposer: Proposer | None = None,
+    def __init__(self, scheduler: Scheduler, runner: Runner, proposer: Proposer | None = None,
                  observers: tuple[StepObserver, ...] = ()) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -48,14 +50,13 @@ class EngineCore:
         self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
 
     @classmethod
-    def for_model(cls, lm: Any, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
+    def for_model(cls, lm: RunnableModel, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
                   observers: tuple[StepObserver, ...] = ()) -> EngineCore:
-        from engine.worker.runner import ModelRunner  # tensors live in worker/, not here
-
+        """A core for a loaded model: its own runner (lm.make_runner(); the tensors live in worker/)."""
         sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len)
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(o for o in getattr(lm, "step_observers", ()) if o not in observers)
-        return cls(sched, ModelRunner(lm), proposer, observers)
+        return cls(sched, lm.make_runner(), proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:

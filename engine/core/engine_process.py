@@ -1,76 +1,41 @@
-"""The engine process: loads the model, then a scheduler thread owns it.
+"""The engine process's loop, once its core is built (engine/launch.py loads the model and builds it).
 
-Started by the front end with the `spawn` start method.  The main thread only moves messages
-from the input queue into an inbox (and watches for the parent's death); the scheduler thread
-runs `schedule -> execute -> update` and puts outputs and statistics on the output queue.
-SIGINT/SIGTERM are ignored here: the front end decides when to stop (drain first), and shuts
-the engine down with a Shutdown message.
+The main thread only moves messages from the input queue into an inbox (and watches for the
+parent's death); the scheduler thread runs `schedule -> execute -> update` and puts outputs and
+statistics on the output queue.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.speculative.config import SpecConfig
-from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
+from engine.core.messages import (
+    AbortRequest,
+    EngineDead,
+    EngineInput,
+    EngineReady,
+    GenerateRequest,
+    Shutdown,
+    StatsUpdate,
+)
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    model_dir: str
-    engine_config: EngineConfig
-    max_model_len: int
-    max_running: int = 64
-    prefill_token_budget: int = 1024
-    spec: SpecConfig = SpecConfig(speculative="off")  # resolved: off, ngram, or draft with its directory
-    spec_why: str = ""  # why that mode (SpecConfig.choose), for the plan's log line
-
-
-def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
-    """The context length: --max-model-len if given, else the model's max_position_embeddings."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    native = int(cfg.get("max_position_embeddings") or 2048)
-    return min(requested, native) if requested else native
-
-
-def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
-    # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
-    import tqdm
-
-    tqdm.tqdm.set_lock(threading.RLock())
-    try:
-        from engine.core.engine_core import CoreLimits, EngineCore
-        from engine.worker.loader import load_model
-
-        from engine.speculative.factory import make_speculation
-
-        om = load_model(args.model_dir, args.engine_config)
-        proposer, observers = make_speculation(args.spec, om)
-        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
-    except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
-        out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
-        return
+def run_engine(core: Any, stats: Any, close: Callable[[], None], ready: EngineReady, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    """The engine process's life once `core` is built (engine/launch.py builds it): a scheduler thread
+    owns the core; this thread moves messages from the input queue into its inbox and watches for
+    the parent's death. Ends the process."""
     inbox: queue.Queue[EngineInput] = queue.Queue()
-    loop = threading.Thread(target=_scheduler_loop, args=(core, om.stats, inbox, out_q), name="scheduler", daemon=True)
+    loop = threading.Thread(target=_scheduler_loop, args=(core, stats, inbox, out_q), name="scheduler", daemon=True)
     loop.start()
-    plan = om.plan.with_choice("speculation", args.spec.speculative, args.spec_why or f"--speculative {args.spec.speculative}")
-    out_q.put(EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines())))
+    out_q.put(ready)
     parent = mp.parent_process()
     while loop.is_alive():
         try:
@@ -84,7 +49,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         if isinstance(msg, Shutdown):
             break
     loop.join(timeout=10)
-    om.close()
+    close()
     # Skip interpreter teardown (issue 14): tearing down torch and the model's objects took
     # 5-15 s on a busy 2-core machine, which made every shutdown slow.
     _flush_and_exit(out_q, 0)

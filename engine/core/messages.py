@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from engine.core.sampling_params import SamplingParams
 from engine.structured.spec import ConstraintSpec
-from engine.worker.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

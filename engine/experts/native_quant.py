@@ -9,7 +9,7 @@
   scale per B x B block (B = 128 in every released checkpoint).
 
 The slot is the checkpoint's own bytes, concatenated (see NativeLayout in
-engine/weights/expert_source.py), so reads, transfers and the fast tier all carry the
+engine/experts/expert_source.py), so reads, transfers and the fast tier all carry the
 quantized size; dequantization happens per expert call, on the compute device.
 """
 from __future__ import annotations

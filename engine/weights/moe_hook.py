@@ -106,6 +106,12 @@ class BlockAdapter:
     def known_children(self) -> tuple[str, ...]:
         return _SHARED
 
+    @property
+    def native_router(self) -> NativeTopKRouter | bool | None:
+        """The native one-token router: None until the first one-token step decides, False where
+        the router does not run natively (engine/native/router.py)."""
+        return self._native_router
+
     def adopt(self, block: nn.Module, native: nn.Module) -> None:
         """Give `block` the native router, dense parts and buffers under their original names."""
         for name, child in native.named_children():

@@ -108,7 +108,7 @@ class FusedDecode:
         for block in self._blocks:
             executor = block.executor
             resident = resident and executor.store.complete
-            planned = planned or not executor._lane_open()
+            planned = planned or not executor.lane_open()
             live = live or block.bus.live
             wrapped = wrapped or bool(block.timers)  # a benchmark's timer must see the block run
         return resident, planned, live, wrapped
@@ -232,12 +232,12 @@ class FusedDecode:
         if type(block.adapter) is not BlockAdapter or not block.plain_output:
             raise Unsupported(f"{where}: not a plain routed MoE block")
         executor = block.executor
-        moe = executor._native
+        moe = executor.native_moe
         if moe is None or not moe.accepts(x) or executor.store.slots.device.type != "cpu":
             raise Unsupported(f"{where}: its experts do not run natively for {dtype} rows")
         fields = self._router_fields(block, x)
         E = executor.num_experts
-        slots = [executor._pointers[executor.store.slot_index(block.layer * E + e)] for e in range(E)]
+        slots = executor.expert_pointers(block.layer)
         tables = [(_P * E)(*(s[j] for s in slots)) for j in range(4)]  # gate_up, its scales, down, its scales
         self._keep.append(tables)  # read below, valid for good: step() found the store complete
         self._hit_calls.append((block, fields["topk"]))

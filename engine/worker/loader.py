@@ -23,9 +23,10 @@ from engine.native.layers import accelerate
 from engine.weights.arch import arch_for, disk_names, text_config
 from engine.weights.arch_adapters import adapter_for
 from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
-from engine.weights.expert_source import expert_source, read_dense
+from engine.experts.expert_source import expert_source, read_dense
 from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
+from engine.core.contracts import Runner
 from engine.errors import CheckpointError, ConfigError
 from engine.weights.expert_layout import ExpertShape
 from engine.experts.expert_store import ExpertStore
@@ -42,7 +43,7 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.quant import ExpertFormat
 from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
-from engine.speculative.sensor import sensor_for
+from engine.worker.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
@@ -76,6 +77,12 @@ class LoadedModel:
     def close(self) -> None:
         pass
 
+    def make_runner(self) -> Runner:
+        """The runner that executes engine steps on this model (EngineCore.for_model asks for it)."""
+        from engine.worker.runner import ModelRunner  # runner.py imports this module
+
+        return ModelRunner(self)
+
 
 @dataclass
 class OffloadedModel(LoadedModel):
@@ -90,7 +97,7 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
-    sensor: Any = None  # the speculative sensor (engine/speculative/sensor.py), shared by speculation and utility
+    sensor: Any = None  # the speculative sensor (engine/worker/sensor.py), shared by speculation and utility
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled

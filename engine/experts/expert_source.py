@@ -3,7 +3,7 @@
 1. Experts quantized in the checkpoint (gpt-oss MXFP4, FP8 block-quantized DeepSeek / MiniMax /
    Qwen-FP8): read as their raw bytes, back to back, one slot per expert (engine/experts/native_quant.py).
 2. Otherwise the checkpoint's float experts (ExpertLocator), either as they are or, with
-   --expert-quant int8|int4, through a quantized sidecar file (engine/weights/quant_cache.py).
+   --expert-quant int8|int4, through a quantized sidecar file (engine/experts/quant_cache.py).
 """
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from transformers import PretrainedConfig
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.experts.expert_kernels import ExpertKernel
-from engine.experts.native_quant import Fp8BlockSwiGLUFormat, Mxfp4GptOssFormat, RawPartsFormat, dequant_fp8_block
+from engine.experts.native_quant import (
+    Fp8BlockSwiGLUFormat,
+    Mxfp4GptOssFormat,
+    RawPartsFormat,
+    dequant_fp8_block,
+)
 from engine.experts.quant import ExpertFormat, make_format
+from engine.experts.quant_cache import PackedShape, quantized_locator
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, block_prefixes
-from engine.weights.quant_cache import PackedShape, quantized_locator
 
 _MXFP4 = ("gate_up_proj_bias", "down_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 

@@ -1,0 +1,65 @@
+"""The engine process's entry point: the one place that assembles a loaded model, its speculation
+and an EngineCore (the composition root, above every other engine package), then hands the core to
+its loop (engine/core/engine_process.py).
+
+Started by the front end with the `spawn` start method. SIGINT/SIGTERM are ignored here: the front
+end decides when to stop (drain first), and shuts the engine down with a Shutdown message.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.core.engine_process import run_engine
+from engine.core.messages import EngineDead, EngineReady
+from engine.speculative.config import SpecConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_dir: str
+    engine_config: EngineConfig
+    max_model_len: int
+    max_running: int = 64
+    prefill_token_budget: int = 1024
+    # Resolved: off, ngram, or draft with its directory.
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(speculative="off"))
+    spec_why: str = ""  # why that mode (SpecConfig.choose), for the plan's log line
+
+
+def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
+    """The context length: --max-model-len if given, else the model's max_position_embeddings."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    native = int(cfg.get("max_position_embeddings") or 2048)
+    return min(requested, native) if requested else native
+
+
+def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
+    # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+    try:
+        from engine.core.engine_core import CoreLimits, EngineCore
+        from engine.speculative.factory import make_speculation
+        from engine.worker.loader import load_model
+
+        om = load_model(args.model_dir, args.engine_config)
+        proposer, observers = make_speculation(args.spec, om)
+        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
+    except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
+        out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
+        return
+    plan = om.plan.with_choice("speculation", args.spec.speculative, args.spec_why or f"--speculative {args.spec.speculative}")
+    ready = EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines()))
+    run_engine(core, om.stats, om.close, ready, in_q, out_q)
