@@ -1,7 +1,7 @@
 """MoE-SpAc's Speculative Utility Estimator, and the `utility` eviction policy built on it.
 
 Input: per MoE layer, how often each expert was activated in a verification window (the
-speculative sensor, engine/spec/sensor.py), with the rows of accepted tokens told apart from
+speculative sensor, engine/speculative/sensor.py), with the rows of accepted tokens told apart from
 rejected ones. Output: a utility level in {0..K} for every (layer, expert), read by the
 prefetcher (queue the highest levels that are not resident), by the eviction policy (the
 lowest levels leave first) and by the CPU/GPU balancer (hot experts go to the fast device).

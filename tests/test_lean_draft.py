@@ -1,4 +1,4 @@
-"""The drafts' lean forward (engine/spec/lean_dense.py) gives transformers' logits.
+"""The drafts' lean forward (engine/speculative/lean_dense.py) gives transformers' logits.
 
 Same windows through both: packed prefills of different lengths, single-token steps, a
 multi-token window after a crop (a rejected speculative tail), for each draft architecture.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from engine.spec.lean_dense import LeanDenseModel
+from engine.speculative.lean_dense import LeanDenseModel
 from engine.worker.loader import load_dense_model
 from engine.worker.runner import ModelRunner, truncate_cache
 from models import EMBEDDED_DRAFT

@@ -657,7 +657,7 @@ class Simulator:
                 self._layer(li, all_rows, len(windows))
             r.steps += 1
             if s.speculative and deepest:
-                # As engine/spec/proposals.py: one proposed token against the target's (verification) step.
+                # As engine/speculative/proposals.py: one proposed token against the target's (verification) step.
                 self.k_policy.observe_costs(self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None)
             if self.utility is not None:
                 self._observe(windows)

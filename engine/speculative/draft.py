@@ -17,8 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from engine.core.scheduler import SeqWork, StepPlan
-from engine.spec.lean_dense import LeanDenseModel, LeanKVCache
-from engine.spec.proposals import ProposerBase, history, with_drafts
+from engine.speculative.lean_dense import LeanDenseModel, LeanKVCache
+from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
@@ -29,7 +29,7 @@ class DraftProposer(ProposerBase):
     def __init__(self, draft: LoadedModel, k, stats) -> None:
         super().__init__(k, stats)
         self.draft = draft
-        # The lean forward where the draft's architecture allows it (engine/spec/lean_dense.py):
+        # The lean forward where the draft's architecture allows it (engine/speculative/lean_dense.py):
         # a draft step must cost little next to a target step, and transformers' module calls
         # are most of a small draft's time. Same contract as ModelRunner.forward.
         lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None

@@ -41,7 +41,7 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.quant import ExpertFormat
 from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
-from engine.spec.sensor import sensor_for
+from engine.speculative.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
@@ -88,7 +88,7 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
-    sensor: Any = None  # the speculative sensor (engine/spec/sensor.py), shared by speculation and utility
+    sensor: Any = None  # the speculative sensor (engine/speculative/sensor.py), shared by speculation and utility
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
