@@ -9,18 +9,19 @@ the engine down with a Shutdown message.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.core.faults import describe, log, new_error_id
 from engine.speculative.config import SpecConfig
 from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
 
@@ -48,6 +49,8 @@ def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
 def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The child's log (tracebacks under error ids) goes to the stderr it shares with the server.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
     # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
     import tqdm
@@ -63,7 +66,9 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         proposer, observers = make_speculation(args.spec, om)
         core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
     except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
-        out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
+        eid = new_error_id()
+        log.error("model load failed [error id %s]", eid, exc_info=e)
+        out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
     inbox: queue.Queue[EngineInput] = queue.Queue()
     loop = threading.Thread(target=_scheduler_loop, args=(core, om.stats, inbox, out_q), name="scheduler", daemon=True)
@@ -130,5 +135,8 @@ def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_
                 out_q.put(StatsUpdate(len(core.scheduler.running), len(core.scheduler.waiting), stats.snapshot()))
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
-        out_q.put(EngineDead(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # The traceback stays in the log; the front end (and so /health and error bodies) gets one line.
+        eid = new_error_id()
+        log.error("engine loop failed [error id %s]", eid, exc_info=e)
+        out_q.put(EngineDead(f"engine loop failed: {describe(e)} (error id {eid})"))
         _flush_and_exit(out_q, 1)
