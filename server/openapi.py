@@ -69,7 +69,7 @@ def json_or_stream(description: str) -> dict[int | str, dict[str, Any]]:
     }}}
 
 
-PROMETHEUS = {200: {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+PROMETHEUS: dict[int | str, dict[str, Any]] = {200: {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 def install_openapi(app: FastAPI) -> None:

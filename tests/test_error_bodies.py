@@ -38,7 +38,7 @@ def test_unexpected_exception_is_an_error_id_not_a_traceback(caplog) -> None:
 class _Choices:
     """One choice whose outputs never arrive: make_chunk fails on the opening chunk."""
 
-    rids = ["a"]
+    rids = ("a",)
     done = False
 
     def abort_unfinished(self) -> None:

@@ -98,7 +98,7 @@ class EngineCore:
         try:
             return self.proposer.propose(plan)
         except Exception:  # noqa: BLE001 - blame is placed below, one window at a time
-            pass
+            log.warning("the proposer failed on a step of %d windows; proposing each alone", len(plan.work))
         work = []
         for i, w in enumerate(plan.work):
             try:

@@ -37,10 +37,11 @@ def describe(e: BaseException) -> str:
     (ValueError, MoeOffloadError) and I/O errors with paths cut to file names, and of a lost
     expert with its cause; only the exception's type for anything else, whose text may name
     internals."""
-    if isinstance(getattr(e, "layer", None), int) and isinstance(getattr(e, "expert", None), int):  # ExpertLoadError
+    layer, expert = getattr(e, "layer", None), getattr(e, "expert", None)
+    if isinstance(layer, int) and isinstance(expert, int):  # ExpertLoadError (engine/experts is not imported here)
         cause = e.__cause__
         why = f" ({type(cause).__name__}: {redact(str(cause))})" if isinstance(cause, _SAFE) else ""
-        return f"expert {getattr(e, 'expert')} of layer {getattr(e, 'layer')} could not be loaded{why}"
+        return f"expert {expert} of layer {layer} could not be loaded{why}"
     if isinstance(e, OSError) and e.strerror:
         return f"{type(e).__name__}: {e.strerror}"
     if isinstance(e, (ValueError, MoeOffloadError)) and str(e):

@@ -116,7 +116,7 @@ class ModelRunner:
                     else:
                         truncate_cache(self.caches[w.request_id], w.start_pos)
                 work = [w for w in work if w.request_id not in bad]
-            except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the engine
+            except Exception as e:  # a bad step fails its requests, not the engine
                 if isinstance(e, DEVICE_FAULTS):
                     raise  # a CUDA error poisons the device for everyone: the engine restarts
                 if len(work) > 1 and self.lm.config.model_type not in NO_ROLLBACK_MODEL_TYPES:

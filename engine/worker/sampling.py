@@ -74,7 +74,7 @@ def greedy_token(logits: torch.Tensor) -> int:
     """argmax of [V] logits, never a NaN one. Fast path: argmax already landed on a number."""
     i = int(torch.argmax(logits))
     v = float(logits[i])
-    if v == v and v != float("-inf"):  # not NaN, and some token is possible
+    if not math.isnan(v) and v != float("-inf"):  # some token is possible
         return i
     return int(torch.argmax(sanitize_logits(logits)))
 
