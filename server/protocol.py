@@ -119,7 +119,9 @@ class _SamplingFields(_Lenient):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: Int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM spells "off" as -1)
     n: Int = Field(default=1, ge=1, le=16)
-    stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
+    # At most 16 (checked by _stops, so that an error names `stop`); the schema says so too.
+    stop: Union[str, list[str], None] = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}, {"type": "null"}]})
     seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
