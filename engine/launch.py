@@ -8,6 +8,7 @@ end decides when to stop (drain first), and shuts the engine down with a Shutdow
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.engine_process import run_engine
+from engine.core.faults import describe, log, new_error_id
 from engine.core.messages import EngineDead, EngineReady
 from engine.speculative.config import SpecConfig
 
@@ -44,6 +46,8 @@ def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
 def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The child's log (tracebacks under error ids) goes to the stderr it shares with the server.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
     # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
     import tqdm
@@ -58,7 +62,9 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         proposer, observers = make_speculation(args.spec, om)
         core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
     except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
-        out_q.put(EngineDead(f"model load failed: {type(e).__name__}: {e}"))
+        eid = new_error_id()
+        log.error("model load failed [error id %s]", eid, exc_info=e)
+        out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
     plan = om.plan.with_choice("speculation", args.spec.speculative, args.spec_why or f"--speculative {args.spec.speculative}")
     ready = EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines()))

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from server import routes
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
+from server.openapi import PROMETHEUS, Health, error_responses, install_openapi, json_or_stream
 from server.limits import BodyLimitMiddleware, RequestCounter
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, ServeSettings
@@ -42,6 +43,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     app.state.server = st
     app.state.requests = requests
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, counter=requests)
 
     async def require_api_key(request: Request) -> None:
@@ -54,15 +56,17 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
-    @v1.post("/chat/completions")
+    generation_errors = error_responses(400, 401, 404, 413, 500, 503)
+
+    @v1.post("/chat/completions", responses={**json_or_stream("A chat completion, or its chunks when streamed."), **generation_errors})
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
         return await routes.chat_completions(st, body, raw)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses={**json_or_stream("A text completion, or its chunks when streamed."), **generation_errors})
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await routes.completions(st, body, raw)
 
-    @v1.get("/models")
+    @v1.get("/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": int(time.time()),
@@ -71,18 +75,19 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, response_model_exclude_none=True,
+             responses={503: {"model": Health, "description": "Not ready: loading, restarting, draining or dead (with a short error and its id)."}})
     async def health() -> JSONResponse:
         status = "draining" if st.draining else st.client.state.value
         body: dict[str, Any] = {"status": status}
         headers = None
         if st.client.state in (EngineState.RESTARTING, EngineState.DEAD):
-            body["error"] = st.client.error
+            body["error"], body["error_id"] = st.client.error, st.client.error_id
         if status in ("loading", "restarting"):
             headers = {"Retry-After": st.client.retry_after()}
         return JSONResponse(body, status_code=200 if status == "ready" else 503, headers=headers)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=PROMETHEUS)
     async def metrics() -> Response:
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

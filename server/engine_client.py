@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing as mp
 import queue
+import re
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from engine.core.faults import new_error_id
 from engine.launch import EngineArgs, engine_main
 from engine.core.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 from server.metrics import ServerMetrics
@@ -80,7 +82,8 @@ class EngineClient:
         self.max_restarts = max_restarts
         self.restart_window = restart_window
         self.state = EngineState.LOADING
-        self.error: str | None = None
+        self.error: str | None = None  # why the engine died: one line ending in its error id
+        self.error_id: str | None = None
         self.engine_pid: int | None = None
         self.on_fatal: Callable[[], None] | None = None  # set by the server: exit non-zero
         self._reqs: dict[str, _Track] = {}
@@ -206,7 +209,12 @@ class EngineClient:
     def _on_death(self, error: str) -> None:
         assert self._engine is not None
         was_ready = self.state is EngineState.READY
-        self.error = error
+        # One line for clients (/health, 503 bodies); the engine logged its traceback under the
+        # same id, or, for a process that simply vanished, this log line is all there is.
+        found = re.search(r"error id (err-[0-9a-f]+)", error)
+        self.error_id = found.group(1) if found else new_error_id()
+        self.error = error if found else f"{error} (error id {self.error_id})"
+        error = self.error
         self._fail_in_flight(error)
         eng, self._engine = self._engine, None
         eng.release()  # reaps: the child is dead or killed here, so join returns at once

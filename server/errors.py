@@ -1,4 +1,11 @@
-"""OpenAI-style error objects: {"error": {"message", "type", "param", "code"}} for every failure."""
+"""Error objects for every failure, and the one place internal errors are logged.
+
+OpenAI shape: {"error": {"message", "type", "param", "code"}}; Anthropic shape (for the
+/v1/messages API): {"type": "error", "error": {"type", "message"}}. A response never carries
+a traceback, a file path or a module name: an unexpected exception is answered with one line
+and an error id, and the traceback goes to the server log at error level under that id
+(`internal_error`), so every route, streamed or not, reports failures the same way.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,9 +16,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core.faults import new_error_id
+
 log = logging.getLogger("moe_offload.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 class ApiError(Exception):
@@ -26,8 +40,20 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
+def anthropic_error_body(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
+    """The Anthropic Messages API's error object for `status`."""
+    return {"type": "error", "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def internal_error(e: BaseException, where: str) -> str:
+    """Log `e` with its traceback under a new error id; return the one line a client may see."""
+    eid = new_error_id()
+    log.error("internal error in %s [error id %s]", where, eid, exc_info=e)
+    return f"The server had an error while processing this request (error id {eid})."
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -49,6 +75,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, str(e.detail), None, None, dict(e.headers or {}))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}", None, "internal_error")
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return error_response(500, internal_error(e, f"{request.method} {request.url.path}"), None, "internal_error")

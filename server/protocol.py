@@ -1,17 +1,29 @@
-"""OpenAI request bodies (pydantic; unknown fields are accepted and ignored) and id helpers."""
+"""OpenAI request bodies (pydantic; unknown fields are accepted and ignored) and id helpers.
+
+Values are checked strictly against their JSON types (no "5" for 5, no 1 for true), so the
+OpenAPI document's types are the truth. The ranges are OpenAI's: temperature in [0, 2] (below
+1e-5 it means greedy), top_p in (0, 1], penalties in [-2, 2]; anything outside is a 400.
+"""
 from __future__ import annotations
 
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+
+def _whole(v: Any) -> Any:
+    """JSON Schema's integer includes 2.0: accept a float with no fraction as the int."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -102,20 +114,22 @@ class ResponseFormat(_Lenient):
 
 class _SamplingFields(_Lenient):
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM spells "off" as -1)
-    n: int = Field(default=1, ge=1, le=16)
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    top_k: Int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM spells "off" as -1)
+    n: Int = Field(default=1, ge=1, le=16)
+    # At most 16 (checked by _stops, so that an error names `stop`); the schema says so too.
+    stop: Union[str, list[str], None] = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}, {"type": "null"}]})
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -141,9 +155,9 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -153,14 +167,18 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+TokenId = Annotated[Int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+# A prompt: text, a batch of texts, token ids, or a batch of token id lists (none of them empty).
+PromptType = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo (prompt logprobs)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo (prompt logprobs)
     suffix: str | None = None
 
     def token_limit(self) -> int | None:

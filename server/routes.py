@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.engine_client import EngineFailure
-from server.errors import ApiError
+from server.errors import ApiError, internal_error
 from server.formatting import Accumulated, chat_logprobs, completion_logprobs, failure_of, sse, sse_error
 from engine.structured.constraint import check_spec
 from engine.structured.spec import ConstraintSpec
@@ -69,6 +69,8 @@ async def stream_events(choices: Choices, make_chunk: Any, final_usage: Any) -> 
                 yield sse(u)
     except EngineFailure as e:
         yield sse_error(503, f"The engine failed: {e}", "engine_dead")
+    except Exception as e:  # noqa: BLE001 - after the 200 header: an in-band error, never a cut stream
+        yield sse_error(500, internal_error(e, "a streamed response"), "internal_error")
     finally:
         choices.abort_unfinished()
     yield sse("[DONE]")

@@ -149,7 +149,7 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
         om.close()
 
 
-def test_exception_during_expert_compute_releases_leases(tiny_ckpt) -> None:
+def test_exception_during_expert_compute_releases_leases(tiny_ckpt, caplog) -> None:
     om = load_model(tiny_ckpt("olmoe"), EngineConfig(cache_fraction=0.5))
     try:
         real = om.executor._expert
@@ -163,7 +163,10 @@ def test_exception_during_expert_compute_releases_leases(tiny_ckpt) -> None:
 
         om.executor._expert = boom  # type: ignore[method-assign]
         c = generate(om, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
-        assert c.finish_reason == "error" and "injected compute failure" in (c.error or "")
+        # The request is told the type and an error id; the log has the message and traceback.
+        assert c.finish_reason == "error" and "RuntimeError" in (c.error or "") and "injected" not in (c.error or "")
+        eid = (c.error or "").rsplit("error id ", 1)[1].rstrip(")")
+        assert any(eid in r.getMessage() and r.exc_info and "injected compute failure" in str(r.exc_info[1]) for r in caplog.records)
         settle(om)  # loads the failed layer had started may still be landing
         assert om.store.pinned_count() == 0
     finally:

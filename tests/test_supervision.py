@@ -63,6 +63,7 @@ def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(tiny_ckpt, tmp_pat
         old = _kill_engine_mid_stream(srv)
         h = _wait_health(srv, "restarting", 5)
         assert h["code"] == 503 and int(h["retry"]) >= 1 and "exited" in h["error"]
+        assert h["error_id"].startswith("err-") and h["error_id"] in h["error"] and h["error_id"] in srv.log_path.read_text()
         refused = httpx.post(srv.v1 + "/completions", json=SHORT, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting"
         assert int(refused.headers["retry-after"]) >= 1

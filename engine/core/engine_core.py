@@ -6,6 +6,11 @@
     observers see (plan, out)              # acceptance statistics, the speculative sensor
     return scheduler.update(plan, out)     # advance by what was kept; stops; detokenize; free
 
+Faults stay with their request (engine/core/faults.py): a proposer that fails on a window, or
+a detokenizer that fails on a token, ends that request with an error and the step goes on;
+the runner does the same for the forward and sampling. A failing observer only loses its
+statistics. What escapes `step()` is the engine's own fault.
+
 The server's engine process runs it behind a process boundary (engine/launch.py builds it,
 engine/core/engine_process.py runs its loop); `moe-offload generate` and the benchmarks run it
 in-process through `generate()`. The runner and the model are seen through engine/core/contracts.py.
@@ -17,8 +22,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.core.contracts import RunnableModel, Runner
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.faults import log, request_fault
 from engine.core.messages import GenerateRequest, RequestOutput
-from engine.core.scheduler import Scheduler, StepOutput, StepPlan
+from engine.core.scheduler import Scheduler, SeqState, StepOutput, StepPlan
 
 
 class StepObserver(Protocol):
@@ -74,12 +81,55 @@ class EngineCore:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        failed: list[RequestOutput] = []
         if self.proposer is not None:
-            plan = self.proposer.propose(plan)
+            plan = self._propose(plan, failed)
         out = self.runner.execute(plan)
         for obs in self.observers:
-            obs.observe(plan, out)
-        return self.scheduler.update(plan, out)
+            try:
+                obs.observe(plan, out)
+            except Exception:  # noqa: BLE001 - statistics are not worth a request
+                log.exception("step observer %s failed; the step's tokens stand", type(obs).__name__)
+        return failed + self._update(plan, out)
+
+    def _propose(self, plan: StepPlan, failed: list[RequestOutput]) -> StepPlan:
+        """Proposals for the plan; if the proposer fails, each window is proposed alone and the
+        requests whose window fails end with an error (the others keep their proposals)."""
+        assert self.proposer is not None
+        try:
+            return self.proposer.propose(plan)
+        except Exception:  # noqa: BLE001 - blame is placed below, one window at a time
+            log.warning("the proposer failed on a step of %d windows; proposing each alone", len(plan.work))
+        work = []
+        for i, w in enumerate(plan.work):
+            try:
+                work += self.proposer.propose(StepPlan([w], plan.free_ids if i == 0 else [])).work
+            except Exception as e:  # noqa: BLE001 - this request's window
+                if (seq := self.scheduler.running.get(w.request_id)) is not None:
+                    failed.append(self._fail(seq, request_fault("proposing", w.request_id, e)))
+        return StepPlan(work, plan.free_ids)
+
+    def _update(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+        """scheduler.update one request at a time, so a failing detokenization ends only its own."""
+        outputs: list[RequestOutput] = []
+        for w in plan.work:
+            seq = self.scheduler.running.get(w.request_id)
+            try:
+                outputs += self.scheduler.update(StepPlan([w]), out)
+            except Exception as e:  # noqa: BLE001 - this request's detokenization or stop check
+                if seq is not None:
+                    outputs.append(self._fail(seq, request_fault("detokenization", w.request_id, e)))
+        return outputs
+
+    def _fail(self, seq: SeqState, error: str) -> RequestOutput:
+        """End one sequence whatever state a failed update left it in; its detokenizer may be
+        the fault, so no more text is decoded for it."""
+        seq.detok = IncrementalDetokenizer(None, ())
+        o = self.scheduler.abort(seq.request_id, "error", error)
+        if o is None:  # the update had already finished it (and queued its cache to be freed)
+            o = RequestOutput(seq.request_id, [], "", finish_reason="error", error=error,
+                              num_prompt_tokens=len(seq.req.prompt_ids), num_output_tokens=len(seq.output_ids))
+        return o
 
     def generate(self, reqs: list[GenerateRequest]) -> Iterator[RequestOutput]:
         """Run requests to completion in-process, yielding outputs as they come."""

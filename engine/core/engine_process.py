@@ -11,10 +11,10 @@ import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from engine.core.faults import describe, log, new_error_id
 from engine.core.messages import (
     AbortRequest,
     EngineDead,
@@ -97,5 +97,8 @@ def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_
                 out_q.put(StatsUpdate(len(core.scheduler.running), len(core.scheduler.waiting), stats.snapshot()))
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
-        out_q.put(EngineDead(f"engine loop failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # The traceback stays in the log; the front end (and so /health and error bodies) gets one line.
+        eid = new_error_id()
+        log.error("engine loop failed [error id %s]", eid, exc_info=e)
+        out_q.put(EngineDead(f"engine loop failed: {describe(e)} (error id {eid})"))
         _flush_and_exit(out_q, 1)

@@ -2,6 +2,7 @@
 scheduler (max_tokens, stops) and by the runner's sampler (engine/worker/sampling.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.settings_file import setting
@@ -21,8 +22,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

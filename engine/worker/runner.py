@@ -7,7 +7,9 @@ come through here (eval through `forward`).
 The runner owns the tensors of every request: its KV cache (a transformers DynamicCache,
 cropped back after a partially accepted window) and its RNG. A failed expert read fails
 only the requests whose rows needed that expert: the others are rolled back to the start of
-the step and run again.
+the step and run again. Any other failure of the forward is bisected the same way until the
+request it belongs to stands alone, and a failure while sampling (or in the grammar) ends
+only its request (engine/core/faults.py); a device (CUDA) fault is re-raised: the engine restarts.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from engine.core.faults import request_fault
 from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
@@ -27,6 +30,10 @@ from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
 from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
+
+
+# A faulted device context fails every later call: that is the engine's fault, not a request's.
+DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
 
 
 class ModelRunner:
@@ -88,15 +95,27 @@ class ModelRunner:
                     try:
                         self.constraints[w.request_id] = self._grammar_compiler().make(w.req.constraint)
                     except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request
-                        out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
+                        out.results[w.request_id] = SeqResult(error=request_fault("the grammar", w.request_id, e))
         work = [w for w in work if w.request_id not in out.results]
+        for w, lg in self._forward_contained(work, out):
+            try:
+                out.results[w.request_id] = self._finish(w, lg)
+            except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
+                out.results[w.request_id] = SeqResult(error=request_fault("sampling", w.request_id, e))
+                self.drop(w.request_id)
+        return out
+
+    def _forward_contained(self, work: list[SeqWork], out: StepOutput) -> list[tuple[SeqWork, torch.Tensor]]:
+        """Forward `work`; a request whose rows fail is failed in `out`, the others get logits.
+        A lost expert names its rows; any other error is bisected: caches go back to the step's
+        start and each half runs alone, until the failing request stands alone."""
         kind = "prefill" if any(w.is_prefill for w in work) else "verify" if any(w.num_draft for w in work) else "decode"
         while work:
             try:
                 logits = self.forward([w.input_ids for w in work], [w.start_pos for w in work],
                                       [self.caches[w.request_id] for w in work], [self._rows(w) for w in work],
                                       tuple(w.request_id for w in work), kind)
-                break
+                return list(zip(work, logits))
             except ExpertLoadError as e:
                 # Fail the requests that needed the lost expert; roll the rest back and rerun.
                 bad = self._requests_of_rows(work, e.rows) if self.lm.packed else set()
@@ -104,21 +123,24 @@ class ModelRunner:
                     bad = {w.request_id for w in work}  # cannot tell or cannot roll back: fail the step
                 for w in work:
                     if w.request_id in bad:
-                        out.results[w.request_id] = SeqResult(error=str(e))
+                        out.results[w.request_id] = SeqResult(error=request_fault("expert load", w.request_id, e))
                         self.drop(w.request_id)
                     else:
                         truncate_cache(self.caches[w.request_id], w.start_pos)
                 work = [w for w in work if w.request_id not in bad]
-            except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the engine
+            except Exception as e:  # a bad step fails its requests, not the engine
+                if isinstance(e, DEVICE_FAULTS):
+                    raise  # a CUDA error poisons the device for everyone: the engine restarts
+                if len(work) > 1 and self.lm.config.model_type not in NO_ROLLBACK_MODEL_TYPES:
+                    for w in work:
+                        truncate_cache(self.caches[w.request_id], w.start_pos)
+                    half = len(work) // 2
+                    return self._forward_contained(work[:half], out) + self._forward_contained(work[half:], out)
                 for w in work:
-                    out.results[w.request_id] = SeqResult(error=f"{type(e).__name__}: {e}")
+                    out.results[w.request_id] = SeqResult(error=request_fault("the forward pass", w.request_id, e))
                     self.drop(w.request_id)
-                return out
-        else:
-            return out
-        for w, lg in zip(work, logits):
-            out.results[w.request_id] = self._finish(w, lg)
-        return out
+                return []
+        return []
 
     def drop(self, request_id: str) -> None:
         self.caches.pop(request_id, None)

@@ -1,6 +1,7 @@
 """Next-token selection: greedy, or temperature / top-k / top-p sampling with a seed."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,18 +19,58 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
+# Temperatures are clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE] before dividing: below the floor
+# a logit gap of 1 would overflow float32 (greedy is the limit there, and the server maps such
+# values to 0 = greedy, as vLLM does); above the ceiling float32 cannot tell the distributions
+# apart from uniform over the finite logits, and dividing by inf would turn -inf into NaN.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e30
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[V] logits of any dtype -> float32 [V] with no NaN and no +inf, at least one finite entry.
+
+    NaN means "unknown": that token is never chosen (-inf). If some logits are +inf, those
+    tokens share all the mass (the limit of ever larger logits), so they become 0 and the rest
+    -inf. Raises ValueError when no token is left (every logit NaN or -inf)."""
+    x = logits.float()
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    pos = x == float("inf")
+    if bool(pos.any()):
+        x = torch.zeros_like(x).masked_fill(~pos, float("-inf"))
+    if not bool(torch.isfinite(x).any()):
+        raise ValueError("no token can be sampled: every logit is NaN or -inf")
+    return x
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """argmax of [V] logits, never a NaN one. Fast path: argmax already landed on a number."""
+    i = int(torch.argmax(logits))
+    v = float(logits[i])
+    if not math.isnan(v) and v != float("-inf"):  # some token is possible
+        return i
+    return int(torch.argmax(sanitize_logits(logits)))
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to [V] logits; returns masked, scaled float32 logits."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    """Apply temperature, top-k and top-p to [V] logits; returns masked, scaled float32 logits.
+
+    Safe by construction: the most likely token always survives with logit 0 (the maximum is
+    subtracted before the temperature, so nothing overflows upwards), top-k and top-p keep at
+    least it (greedy is their limit), so the softmax of the result is a valid distribution."""
+    x = sanitize_logits(logits)
+    t = min(max(params.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+    x = (x - x.max()) / t  # [V], max exactly 0; an overflow below is just a zero probability
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
-    return logits
+        sorted_x, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # keep the token that crosses p
+        drop[0] = False  # and always the most likely one (a top_p below float32's resolution)
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
+    return x
 
 
 def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generated: int, params: SamplingParams) -> torch.Tensor:
@@ -42,6 +83,8 @@ def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generate
 
 def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
     """OpenAI presence/frequency penalties over the tokens generated so far. logits: [V]."""
+    if not (math.isfinite(presence) and math.isfinite(frequency)):
+        raise ValueError(f"presence and frequency penalties must be finite, got {presence} and {frequency}")
     if (presence or frequency) and output_ids:
         logits = logits.float().clone()
         counts = torch.bincount(torch.tensor(list(output_ids), device=logits.device), minlength=logits.shape[-1]).to(logits.dtype)  # [V]
@@ -67,5 +110,5 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick one token id from [V] logits."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))

@@ -12,7 +12,8 @@ token when every proposal is accepted.
   without distributions (n-gram, the tests' fake proposer) is a point mass: q(d) = 1, so d
   is accepted with probability p(d) and the residual is p with d removed.
 p comes from the same processing as plain sampling (penalties, min_tokens EOS ban,
-temperature, top-k, top-p), applied per row with the tokens accepted before it.
+temperature, top-k, top-p), applied per row with the tokens accepted before it, so it is a
+valid distribution whatever the logits hold (engine/worker/sampling.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.worker.sampling import SamplingParams, sample, target_probs
+from engine.worker.sampling import SamplingParams, greedy_token, sample, target_probs
 
 
 def verify_window(
@@ -38,13 +39,13 @@ def verify_window(
     for i, d in enumerate(drafts):
         row = process(logits[i], out)
         if params.greedy:
-            best = int(torch.argmax(row))
+            best = greedy_token(row)
             out.append(best)
             if best != d:
                 return out
             continue
         p = target_probs(row, params)  # [V]
-        q = draft_probs[i] if draft_probs is not None else None  # [V]
+        q = _distribution(draft_probs[i]) if draft_probs is not None else None  # [V]
         q_d = float(q[d]) if q is not None else 1.0
         u = float(torch.rand((), generator=generator, device=p.device))
         if q_d > 0 and u < min(1.0, float(p[d]) / q_d):
@@ -53,9 +54,18 @@ def verify_window(
         residual = (p - q).clamp_min(0) if q is not None else p.clone()
         if q is None:
             residual[d] = 0.0
-        if float(residual.sum()) <= 0:  # p == q: any rejection left nothing; p itself is exact
+        if not float(residual.sum()) > 0:  # p == q: any rejection left nothing; p itself is exact
             residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out
     out.append(sample(process(logits[len(drafts)], out), params, generator))
     return out
+
+
+def _distribution(q: torch.Tensor) -> torch.Tensor | None:
+    """A proposer's row [V] if it is a distribution; None (a point mass on the proposal) if it
+    holds NaN, inf or negative entries: a broken draft then costs acceptance, never the request."""
+    q = q.float()
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or not float(q.sum()) > 0:
+        return None
+    return q
