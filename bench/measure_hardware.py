@@ -38,8 +38,8 @@ from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.routing_bus import RoutingEvent
-from engine.spec.config import SpecConfig
-from engine.spec.draft import DraftProposer
+from engine.speculative.config import SpecConfig
+from engine.speculative.draft import DraftProposer
 from engine.worker.loader import load_model
 from models import EMBEDDED_TARGET
 

@@ -35,7 +35,7 @@ from engine.offline.trace import record_trace
 from engine.paths import portable_path
 from engine.prefetch.adapter import FILE_NAME, load_adapter
 from engine.prefetch.training import data_from_trace, model_fingerprint, predict, recall_at_k
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from engine.worker.loader import load_model
 from models import EMBEDDED_TARGET
 from policies.utility import SpeculativeUtilityEstimator

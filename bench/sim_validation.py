@@ -31,7 +31,7 @@ from bench.report import write_report
 from bench.policy_bench import PROMPT_TOKENS
 from bench.spac_bench import CONFIGS as SPAC_CONFIGS
 from engine.config import EngineConfig
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
 from engine.offline.projection import project_trace
 from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace, trace_from_arrays

@@ -30,7 +30,7 @@ from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, 
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.paths import portable_path
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from engine.worker.loader import load_model
 from models import EMBEDDED_TARGET
 

@@ -24,8 +24,8 @@ from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.paths import portable_path
-from engine.spec.config import SpecConfig
-from engine.spec.factory import make_speculation
+from engine.speculative.config import SpecConfig
+from engine.speculative.factory import make_speculation
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models import EMBEDDED_TARGET

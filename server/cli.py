@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = list(om.tokenizer(opts.prompt)["input_ids"])
         if len(ids) >= max_len:
             raise MoeOffloadError(f"the prompt has {len(ids)} tokens but the context is {max_len}; shorten it or raise --max-model-len")
-        from engine.spec.factory import make_speculation
+        from engine.speculative.factory import make_speculation
 
         proposer, observers = make_speculation(spec, om)
         core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers)

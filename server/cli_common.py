@@ -7,7 +7,7 @@ import argparse
 from engine.config import EngineConfig
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
 def spec_config_from_args(args: argparse.Namespace, model_dir: str) -> SpecConfig:
     """The speculation settings, resolved against the model (auto -> a draft found beside it),
     with the draft checked against the target's vocabulary: one line on any problem."""
-    from engine.spec.factory import check_draft
+    from engine.speculative.factory import check_draft
 
     base = SpecConfig.from_yaml(args.config) if getattr(args, "config", None) else SpecConfig()
     spec = base.with_overrides(**overrides_from_args(args, SpecConfig)).resolve(model_dir)

@@ -11,8 +11,8 @@ import torch
 from engine.config import EngineConfig
 from engine.core.completion import complete, generate, request
 from engine.core.engine_core import CoreLimits, EngineCore
-from engine.spec.config import SpecConfig
-from engine.spec.factory import make_speculation
+from engine.speculative.config import SpecConfig
+from engine.speculative.factory import make_speculation
 from engine.worker.lean_forward import LEAN_MODEL_TYPES
 from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, prompt_logits

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from engine.spec.lean_dense import LeanDenseModel
+from engine.speculative.lean_dense import LeanDenseModel
 from engine.worker.loader import load_dense_model
 from engine.worker.runner import ModelRunner, truncate_cache
 from models import EMBEDDED_DRAFT

@@ -10,8 +10,8 @@ import torch
 from engine.config import EngineConfig
 from engine.core.completion import complete, request
 from engine.core.engine_core import CoreLimits, EngineCore
-from engine.spec.config import SpecConfig
-from engine.spec.factory import make_speculation
+from engine.speculative.config import SpecConfig
+from engine.speculative.factory import make_speculation
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from policies.balancer import LayerCosts, choose_tau, makespan

@@ -12,9 +12,9 @@ from engine.config import EngineConfig
 from engine.core.completion import complete, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
-from engine.spec.config import SpecConfig
-from engine.spec.factory import check_draft, make_speculation
-from engine.spec.ngram import lookup
+from engine.speculative.config import SpecConfig
+from engine.speculative.factory import check_draft, make_speculation
+from engine.speculative.ngram import lookup
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from engine.worker.verify import verify_window

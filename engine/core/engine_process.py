@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from engine.core.messages import AbortRequest, EngineDead, EngineInput, EngineReady, GenerateRequest, Shutdown, StatsUpdate
 
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
@@ -57,7 +57,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         from engine.core.engine_core import CoreLimits, EngineCore
         from engine.worker.loader import load_model
 
-        from engine.spec.factory import make_speculation
+        from engine.speculative.factory import make_speculation
 
         om = load_model(args.model_dir, args.engine_config)
         proposer, observers = make_speculation(args.spec, om)

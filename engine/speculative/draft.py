@@ -17,8 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from engine.core.scheduler import SeqWork, StepPlan
-from engine.spec.lean_dense import LeanDenseModel, LeanKVCache
-from engine.spec.proposals import ProposerBase, history, with_drafts
+from engine.speculative.lean_dense import LeanDenseModel, LeanKVCache
+from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache

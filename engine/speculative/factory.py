@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 from policies.adaptive_k import AdaptiveK
 
 
@@ -34,15 +34,15 @@ def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
     if om.config.model_type in NO_ROLLBACK_MODEL_TYPES:
         raise ConfigError(f"speculative decoding is not supported for {om.config.model_type} (its linear-attention state "
                           "cannot be rolled back after a rejected proposal); use --speculative off")
-    from engine.spec.sensor import sensor_for
+    from engine.speculative.sensor import sensor_for
 
     k = AdaptiveK(spec.num_speculative_tokens, spec.adaptive)
     sensor = sensor_for(om)
     if spec.speculative == "ngram":
-        from engine.spec.ngram import NgramProposer
+        from engine.speculative.ngram import NgramProposer
 
         return NgramProposer(k, om.stats, spec.ngram_max), (sensor,)
-    from engine.spec.draft import DraftProposer
+    from engine.speculative.draft import DraftProposer
     from engine.worker.loader import load_dense_model
 
     assert spec.draft is not None, "resolve() picks the draft"

@@ -41,7 +41,7 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.quant import ExpertFormat
 from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
-from engine.spec.sensor import sensor_for
+from engine.speculative.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
