@@ -13,11 +13,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server import routes
+from server import responses_api, routes
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
 from server.limits import BodyLimitMiddleware, RequestCounter
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.response_store import ResponseStore
 from server.state import ServerState, ServeSettings
 
 log = logging.getLogger("moe_offload.server")
@@ -69,6 +70,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
             "owned_by": "moe-offload", "max_model_len": settings.engine.max_model_len,
         }]}
 
+    v1.include_router(responses_api.router(st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)))
     app.include_router(v1)
 
     @app.get("/health")

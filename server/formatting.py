@@ -70,6 +70,7 @@ class Accumulated:
     error: str | None = None
     num_output_tokens: int = 0
     eos_logprob: TokenLogprob | None = None
+    stop_sequence: str | None = None
 
     def add(self, o: RequestOutput) -> None:
         self.text += o.text
@@ -80,7 +81,7 @@ class Accumulated:
         self.num_output_tokens = o.num_output_tokens
         self.eos_logprob = o.eos_logprob or self.eos_logprob
         if o.finish_reason is not None:
-            self.finish_reason, self.error = o.finish_reason, o.error
+            self.finish_reason, self.error, self.stop_sequence = o.finish_reason, o.error, o.stop_sequence
 
 
 def failure_of(reason: str | None, error: str | None) -> tuple[int, str, str] | None:

@@ -36,6 +36,8 @@ class ServeSettings:
     max_request_tokens: int = 262144  # sum of max_tokens over a request's choices (n x prompts)
     engine_restarts: int = 3  # engine restarts allowed within engine_restart_window, then exit 1
     engine_restart_window: float = 600.0
+    responses_store_bytes: int = 64 * 1024 * 1024  # stored /v1/responses (store=true), oldest evicted first
+    responses_store_ttl: float = 3600.0  # seconds a stored response is kept
 
 
 class ServerState:

@@ -228,4 +228,5 @@ class Scheduler:
             num_prompt_tokens=len(seq.req.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             queue_seconds=seq.queue_seconds if first else None,
+            stop_sequence=seq.detok.matched if finish == "stop" else None,
         )
