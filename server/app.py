@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server import responses_api, routes
+from server import messages_api, responses_api, routes, tokenize_api
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
 from server.limits import BodyLimitMiddleware, RequestCounter
@@ -49,7 +49,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         if not settings.api_keys:
             return
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()  # x-api-key: Anthropic clients
         if not any(secrets.compare_digest(key, k) for k in settings.api_keys):
             raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key")
 
@@ -71,7 +71,9 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         }]}
 
     v1.include_router(responses_api.router(st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)))
+    v1.include_router(messages_api.router(st))
     app.include_router(v1)
+    app.include_router(tokenize_api.router(st), dependencies=[Depends(require_api_key)])
 
     @app.get("/health")
     async def health() -> JSONResponse:

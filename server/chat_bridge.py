@@ -20,7 +20,14 @@ from server.formatting import failure_of
 from server.protocol import ChatCompletionRequest, new_id
 from server.routes import _chat_constraint, _check_messages, collect
 from server.state import Choices, ServerState
-from server.tools import ToolMode, ToolStream, parse_calls, template_messages, template_tools, tool_mode
+from server.tools import (
+    ToolMode,
+    ToolStream,
+    parse_calls,
+    template_messages,
+    template_tools,
+    tool_mode,
+)
 
 PING_S = 10.0  # a stream that has produced nothing for this long gets a keep-alive (Anthropic ping)
 
@@ -121,7 +128,7 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
             o = got[1]
             if (f := failure_of(o.finish_reason, o.error)) is not None:
                 raise StreamFailed(*f)
-            deltas = [stream.feed(o.text)] if stream is not None else [{"content": o.text}]
+            deltas: list[dict[str, Any]] = [stream.feed(o.text)] if stream is not None else [{"content": o.text}]
             has_calls = False
             if stream is not None and o.finish_reason is not None:
                 last, has_calls = stream.finish()

@@ -17,15 +17,27 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from server.chat_bridge import ChatResult, StreamFailed, chat_pieces, finish_chat, start_chat
+from server.chat_bridge import (
+    ChatResult,
+    StreamFailed,
+    chat_pieces,
+    finish_chat,
+    start_chat,
+)
 from server.errors import ApiError
-from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDef, ToolCall, ToolCallFunction
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDef,
+    ToolCall,
+    ToolCallFunction,
+)
 from server.response_store import ResponseStore
 from server.state import ServerState
 
@@ -46,11 +58,11 @@ class InputItem(_Lenient):
 
     type: str | None = None  # absent with a role: a message
     role: Literal["system", "developer", "user", "assistant"] | None = None
-    content: Union[str, list[InputPart], None] = None
+    content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: Union[str, list[InputPart], None] = None
+    output: str | list[InputPart] | None = None
 
 
 class FunctionTool(_Lenient):
@@ -70,7 +82,7 @@ class TextFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     description: str | None = None
-    schema_: Union[dict[str, Any], None] = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -80,13 +92,13 @@ class TextConfig(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str | None = None
-    input: Union[str, list[InputItem]] = ""
+    input: str | list[InputItem] = ""
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     tools: list[FunctionTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
@@ -140,7 +152,7 @@ def _rid(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _part_text(parts: Union[str, list[InputPart], None], where: str) -> str:
+def _part_text(parts: str | list[InputPart] | None, where: str) -> str:
     if parts is None or isinstance(parts, str):
         return parts or ""
     for j, p in enumerate(parts):
@@ -149,7 +161,7 @@ def _part_text(parts: Union[str, list[InputPart], None], where: str) -> str:
     return "".join(p.text for p in parts)
 
 
-def input_messages(items: Union[str, list[InputItem]]) -> list[ChatMessage]:
+def input_messages(items: str | list[InputItem]) -> list[ChatMessage]:
     """`input` as chat messages; consecutive function_call items form one assistant turn."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)] if items else []
@@ -198,23 +210,23 @@ def to_chat(body: ResponsesRequest, history: list[ChatMessage]) -> tuple[ChatCom
     if isinstance(choice, NamedFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
     fmt = body.text.format if body.text else None
-    response_format = None
+    response_format: dict[str, Any] | None = None
     if fmt is not None and fmt.type == "json_object":
         response_format = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
             raise ApiError(400, "text.format of type json_schema needs a `schema`", param="text.format.schema")
         response_format = {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
-    chat = ChatCompletionRequest(
-        model=body.model, messages=msgs, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-        tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls if body.tools else None,
-        response_format=response_format, stream=body.stream,
-    )
+    chat = ChatCompletionRequest.model_validate({
+        "model": body.model, "messages": msgs, "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "tools": tools, "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls if body.tools else None,
+        "response_format": response_format, "stream": body.stream,
+    })
     return chat, conv
 
 
 def assistant_turn(text: str, calls: list[dict[str, Any]]) -> ChatMessage:
-    return ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
+    return ChatMessage.model_validate({"role": "assistant", "content": text or None, "tool_calls": calls or None})
 
 
 class _Builder:
@@ -288,7 +300,8 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
         seq = 0
         output: list[dict[str, Any]] = []
         open_item: dict[str, Any] | None = None  # the item being streamed (message or function_call)
-        text, calls = "", []
+        text = ""  # the assistant turn, for the store
+        calls: list[dict[str, Any]] = []
 
         def ev(kind: str, **fields: Any) -> str:
             nonlocal seq
