@@ -18,14 +18,13 @@ from fastapi import Request
 from server.engine_client import EngineFailure
 from server.formatting import failure_of
 from server.protocol import ChatCompletionRequest, new_id
+from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole
 from server.routes import _chat_constraint, _check_messages, collect
 from server.state import Choices, ServerState
 from server.tools import (
     ToolMode,
     ToolStream,
     parse_calls,
-    template_messages,
-    template_tools,
     tool_mode,
 )
 
@@ -41,6 +40,8 @@ class ChatRun:
     prompt: list[int]
     mode: ToolMode
     tool_names: list[str]
+    reasoning: bool = False  # the template has <think> sections: split them out of the output
+    inside: bool = False  # the output starts inside one (the prompt opened it)
 
 
 @dataclass
@@ -52,18 +53,19 @@ class ChatResult:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (no prefix cache yet: 0)
+    reasoning: str = ""  # the <think> section's text (templates with reasoning only)
 
 
 @dataclass
 class Piece:
     """A piece of a streamed chat output.
 
-    text: `text` continues the visible content.  call: a new tool call (`call_id`, `name`,
+    reasoning: `text` continues the <think> section.  text: `text` continues the visible content.  call: a new tool call (`call_id`, `name`,
     first `text` of its arguments).  args: more argument text for call `index`.  wait: nothing
     new for PING_S seconds.  end: the output is complete (`result` holds the totals).
     """
 
-    kind: Literal["text", "call", "args", "wait", "end"]
+    kind: Literal["reasoning", "text", "call", "args", "wait", "end"]
     text: str = ""
     index: int = 0
     call_id: str = ""
@@ -81,7 +83,7 @@ class StreamFailed(Exception):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def start_chat(st: ServerState, body: ChatCompletionRequest, id_prefix: str) -> ChatRun:
+async def start_chat(st: ServerState, body: ChatCompletionRequest, id_prefix: str, thinking: bool | None = None) -> ChatRun:
     """Validate, template and submit `body` exactly as /v1/chat/completions does (n must be 1)."""
     assert body.n == 1
     st.check_model(body.model)
@@ -89,10 +91,10 @@ async def start_chat(st: ServerState, body: ChatCompletionRequest, id_prefix: st
     st.check_accepting(1)
     mode = tool_mode(body)
     constraint = await _chat_constraint(st, body, mode)
-    prompt = await st.off_loop(st.chat_prompt, template_messages(body), template_tools(body))
+    prompt, reasoning, inside = await reasoning_prompt(st, body, thinking)
     rid = new_id(id_prefix)
     choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), None, None, constraint))
-    return ChatRun(rid, choices, prompt, mode, [t.function.name for t in body.tools or []])
+    return ChatRun(rid, choices, prompt, mode, [t.function.name for t in body.tools or []], reasoning and constraint is None, inside)
 
 
 async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
@@ -102,19 +104,21 @@ async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
         return None
     a = accs[0]
     finish = a.finish_reason or "stop"
-    content: str | None = a.text
+    reasoning, text = split_whole(a.text, run.inside) if run.reasoning else ("", a.text)
+    content: str | None = text
     calls: list[dict[str, Any]] = []
     if run.mode.kind != "none":
-        content, calls = parse_calls(a.text, run.mode, run.tool_names)
+        content, calls = parse_calls(text, run.mode, run.tool_names)
         if calls and finish == "stop":
             finish = "tool_calls"
-    return ChatResult(content, calls, finish, a.stop_sequence, len(run.prompt), a.num_output_tokens)
+    return ChatResult(content, calls, finish, a.stop_sequence, len(run.prompt), a.num_output_tokens, reasoning=reasoning)
 
 
 async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
     """Stream pieces in order; raises StreamFailed if the engine fails.  Closing the generator
     (client gone) aborts the sequence."""
     stream = ToolStream(run.mode, run.tool_names) if run.mode.kind != "none" else None
+    think = ReasoningSplitter(run.inside) if run.reasoning else None
     n_calls = 0
     try:
         while not run.choices.done:
@@ -128,7 +132,15 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
             o = got[1]
             if (f := failure_of(o.finish_reason, o.error)) is not None:
                 raise StreamFailed(*f)
-            deltas: list[dict[str, Any]] = [stream.feed(o.text)] if stream is not None else [{"content": o.text}]
+            text = o.text
+            if think is not None:
+                r, text = think.feed(o.text)
+                if o.finish_reason is not None:
+                    r2, c2 = think.finish()
+                    r, text = r + r2, text + c2
+                if r:
+                    yield Piece("reasoning", r)
+            deltas: list[dict[str, Any]] = [stream.feed(text)] if stream is not None else [{"content": text}]
             has_calls = False
             if stream is not None and o.finish_reason is not None:
                 last, has_calls = stream.finish()

@@ -31,8 +31,9 @@ from server.chat_bridge import (
 )
 from server.errors import ApiError
 from server.protocol import ChatCompletionRequest, ChatMessage
+from server.reasoning import reasoning_prompt
 from server.state import ServerState
-from server.tools import template_messages, template_tools, tool_mode
+from server.tools import tool_mode
 
 
 class _Lenient(BaseModel):
@@ -70,12 +71,21 @@ class AToolChoice(_Lenient):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingParam(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None  # accepted; the template's switch is on or off
+
+
 class _Body(_Lenient):
     model: str
     messages: list[AMessage] = Field(min_length=1)
     system: str | list[Block] | None = None
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
+    thinking: ThinkingParam | None = None
+
+    def thinking_switch(self) -> bool | None:
+        return None if self.thinking is None else self.thinking.type != "disabled"
 
 
 class CountTokensRequest(_Body):
@@ -195,13 +205,14 @@ def router(st: ServerState) -> APIRouter:
 
     @r.post("/messages")
     async def create(body: MessagesRequest, raw: Request) -> Any:
-        run = await start_chat(st, to_chat(body, body.max_tokens, body.stream), "msg")
+        run = await start_chat(st, to_chat(body, body.max_tokens, body.stream), "msg", body.thinking_switch())
         mid = f"msg_{uuid.uuid4().hex}"
         if not body.stream:
             res = await finish_chat(run, raw)
             if res is None:
                 return JSONResponse({}, status_code=499)
-            content: list[dict[str, Any]] = [{"type": "text", "text": res.text}] if res.text or not res.calls else []
+            content: list[dict[str, Any]] = [{"type": "thinking", "thinking": res.reasoning, "signature": ""}] if res.reasoning else []
+            content += [{"type": "text", "text": res.text or ""}] if res.text or not res.calls else []
             content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["function"]["name"], "input": _input_of(c["function"]["arguments"])} for c in res.calls]
             return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                     "stop_reason": stop_reason(res), "stop_sequence": res.stop_sequence, "usage": usage_of(res)}
@@ -213,11 +224,20 @@ def router(st: ServerState) -> APIRouter:
                                                  "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
         yield _sse("ping", {})
         index, open_kind = -1, None  # the content block being streamed
+        saw_answer = False  # a text or tool_use block was opened
         try:
             async for p in chat_pieces(run):
                 if p.kind == "wait":
                     yield _sse("ping", {})
+                elif p.kind == "reasoning":
+                    if open_kind != "thinking":
+                        if open_kind is not None:
+                            yield _sse("content_block_stop", {"index": index})
+                        index, open_kind = index + 1, "thinking"
+                        yield _sse("content_block_start", {"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                    yield _sse("content_block_delta", {"index": index, "delta": {"type": "thinking_delta", "thinking": p.text}})
                 elif p.kind == "text":
+                    saw_answer = True
                     if open_kind != "text":
                         if open_kind is not None:
                             yield _sse("content_block_stop", {"index": index})
@@ -225,6 +245,7 @@ def router(st: ServerState) -> APIRouter:
                         yield _sse("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
                     yield _sse("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": p.text}})
                 elif p.kind == "call":
+                    saw_answer = True
                     if open_kind is not None:
                         yield _sse("content_block_stop", {"index": index})
                     index, open_kind = index + 1, "tool_use"
@@ -235,9 +256,11 @@ def router(st: ServerState) -> APIRouter:
                     yield _sse("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": p.text}})
                 elif p.kind == "end":
                     assert p.result is not None
-                    if open_kind is None:  # an empty output is still one (empty) text block
-                        index, open_kind = 0, "text"
-                        yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    if open_kind in (None, "thinking") and not saw_answer:  # an empty answer is still one (empty) text block
+                        if open_kind is not None:
+                            yield _sse("content_block_stop", {"index": index})
+                        index, open_kind = index + 1, "text"
+                        yield _sse("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
                     yield _sse("content_block_stop", {"index": index})
                     u = usage_of(p.result)
                     yield _sse("message_delta", {"delta": {"stop_reason": stop_reason(p.result), "stop_sequence": p.result.stop_sequence}, "usage": u})
@@ -250,7 +273,7 @@ def router(st: ServerState) -> APIRouter:
         chat = to_chat(body)
         st.check_model(chat.model)
         tool_mode(chat)  # the same tool checks as a real call
-        prompt = await st.off_loop(st.chat_prompt, template_messages(chat), template_tools(chat))
+        prompt, _, _ = await reasoning_prompt(st, chat, body.thinking_switch())
         return {"input_tokens": len(prompt)}
 
     return r

@@ -38,6 +38,7 @@ from server.protocol import (
     ToolCall,
     ToolCallFunction,
 )
+from server.reasoning import thinking_of_effort
 from server.response_store import ResponseStore
 from server.state import ServerState
 
@@ -90,6 +91,10 @@ class TextConfig(_Lenient):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningParam(_Lenient):
+    effort: str | None = None  # "none" turns the template's thinking off; other values on
+
+
 class ResponsesRequest(_Lenient):
     model: str | None = None
     input: str | list[InputItem] = ""
@@ -106,6 +111,7 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningParam | None = None
 
 
 class OutputText(BaseModel):
@@ -130,6 +136,19 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
 
 
 class InputTokensDetails(BaseModel):
@@ -250,7 +269,7 @@ class _Builder:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": store, "temperature": b.temperature,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None, "summary": None}, "store": store, "temperature": b.temperature,
             "text": {"format": fmt}, "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []], "top_p": b.top_p, "truncation": "disabled",
             "usage": usage, "user": b.user, "metadata": b.metadata or {},
@@ -277,7 +296,7 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
                 raise ApiError(404, f"Previous response with id '{body.previous_response_id}' not found.", param="previous_response_id")
             history = [ChatMessage.model_validate(m) for m in prev.conversation]
         chat, conv = to_chat(body, history)
-        run = await start_chat(st, chat, "resp")
+        run = await start_chat(st, chat, "resp", thinking_of_effort(body.reasoning.effort if body.reasoning else None))
         b = _Builder(body, st.settings.served_model_name)
         if not body.stream:
             result = await finish_chat(run, raw)
@@ -286,6 +305,8 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
             status = status_of(result)
             text = result.text or ""
             output: list[dict[str, Any]] = []
+            if result.reasoning:
+                output.append(ReasoningItem(id=_rid("rs"), status=status, content=[ReasoningText(text=result.reasoning)]).model_dump())  # type: ignore[arg-type]
             if text or not result.calls:
                 output.append(MessageItem(id=_rid("msg"), status=status, content=[OutputText(text=text)]).model_dump())  # type: ignore[arg-type]
             output += [FunctionCallItem(id=_rid("fc"), call_id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"], status="completed").model_dump() for c in result.calls]
@@ -319,16 +340,22 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
                 part = item["content"][0]
                 out += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=part["text"], logprobs=[]),
                         ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+            elif item["type"] == "reasoning":
+                part = item["content"][0]
+                out += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=part["text"]),
+                        ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
             else:
                 out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, name=item["name"], arguments=item["arguments"]))
             output.append(item)
             out.append(ev("response.output_item.done", output_index=idx, item=item))
             return out
 
-        def open_message() -> list[str]:
+        def open_message(reasoning: bool = False) -> list[str]:
             nonlocal open_item
-            open_item = MessageItem(id=_rid("msg"), status="in_progress", content=[]).model_dump()
-            part = OutputText(text="").model_dump()
+            if reasoning:
+                open_item, part = ReasoningItem(id=_rid("rs"), status="in_progress", content=[]).model_dump(), ReasoningText(text="").model_dump()
+            else:
+                open_item, part = MessageItem(id=_rid("msg"), status="in_progress", content=[]).model_dump(), OutputText(text="").model_dump()
             frames = [ev("response.output_item.added", output_index=len(output), item=dict(open_item, content=[]))]
             open_item["content"] = [part]
             return frames + [ev("response.content_part.added", item_id=open_item["id"], output_index=len(output), content_index=0, part=dict(part))]
@@ -337,7 +364,14 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
         yield ev("response.in_progress", response=b.obj("in_progress", [], None, b.body.store))
         try:
             async for p in chat_pieces(run):
-                if p.kind == "text":
+                if p.kind == "reasoning":
+                    if open_item is None or open_item["type"] != "reasoning":
+                        for f in close() + open_message(reasoning=True):
+                            yield f
+                    assert open_item is not None
+                    open_item["content"][0]["text"] += p.text
+                    yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output), content_index=0, delta=p.text)
+                elif p.kind == "text":
                     if open_item is None or open_item["type"] != "message":
                         for f in close() + open_message():
                             yield f
@@ -361,8 +395,9 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
                     yield ev("response.function_call_arguments.delta", item_id=open_item["id"], output_index=len(output), delta=p.text)
                 elif p.kind == "end":
                     assert p.result is not None
-                    if open_item is None and not output:  # an empty output is still one (empty) message
-                        for f in open_message():
+                    if not any(i["type"] != "reasoning" for i in output + ([open_item] if open_item else [])):
+                        # no message or call: an empty output is still one (empty) message
+                        for f in close() + open_message():
                             yield f
                     for f in close():
                         yield f

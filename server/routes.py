@@ -16,7 +16,8 @@ from engine.structured.constraint import check_spec
 from engine.structured.spec import ConstraintSpec
 from server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from server.state import Choices, ServerState
-from server.tools import ToolMode, ToolStream, parse_calls, template_messages, template_tools, tool_constraint, tool_mode
+from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole, thinking_of_effort
+from server.tools import ToolMode, ToolStream, parse_calls, tool_constraint, tool_mode
 
 DISCONNECT_POLL_S = 0.5
 
@@ -118,7 +119,8 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     st.check_accepting(body.n)  # refuse early (draining, queue full) before any tokenizing
     mode = tool_mode(body)
     constraint = await _chat_constraint(st, body, mode)
-    prompt = await st.off_loop(st.chat_prompt, template_messages(body), template_tools(body))
+    prompt, reasoning, inside = await reasoning_prompt(st, body, thinking_of_effort(body.reasoning_effort))
+    reasoning = reasoning and constraint is None  # a grammar-constrained output has no <think> section
     lp = (body.top_logprobs or 0) if body.logprobs else None
     rid, created, model = new_id("chatcmpl"), now(), st.settings.served_model_name
     choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint))
@@ -132,19 +134,23 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
             return JSONResponse({}, status_code=499)
         out = []
         for i, a in enumerate(accs):
-            message: dict[str, Any] = {"role": "assistant", "content": a.text}
+            thought, text = split_whole(a.text, inside) if reasoning else ("", a.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = a.finish_reason
             if parse_tools:
-                content, calls = parse_calls(a.text, mode, names)
+                content, calls = parse_calls(text, mode, names)
                 message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 if calls and finish == "stop":
                     finish = "tool_calls"
+            if reasoning:
+                message["reasoning_content"] = thought or None
             out.append({"index": i, "message": message, "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
                 "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs))}
 
     extra = {"usage": None} if body.include_usage() else {}
     streams = [ToolStream(mode, names) for _ in choices.rids] if parse_tools else None
+    thinks = [ReasoningSplitter(inside) for _ in choices.rids] if reasoning else None
 
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:  # opening chunk: the role, once per choice
@@ -154,8 +160,14 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
         else:
             n_out[i] = o.num_output_tokens
             finish = o.finish_reason
+            text, thought = o.text, ""
+            if thinks is not None:  # the <think> section's text goes to delta.reasoning_content
+                thought, text = thinks[i].feed(o.text)
+                if finish is not None:
+                    r2, c2 = thinks[i].finish()
+                    thought, text = thought + r2, text + c2
             if streams is not None:
-                delta = streams[i].feed(o.text)
+                delta = streams[i].feed(text)
                 if finish is not None:
                     last, has_calls = streams[i].finish()
                     for k, v in last.items():  # content and tool_calls of the final piece
@@ -163,7 +175,9 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
                     if has_calls and finish == "stop":
                         finish = "tool_calls"
             else:
-                delta = {"content": o.text} if o.text else {}
+                delta = {"content": text} if text else {}
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             if not delta and not finish and not (lp is not None and o.token_ids):
                 return None
             lps = chat_logprobs(o.logprobs or [], st.token_text) if lp is not None else None

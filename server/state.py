@@ -92,10 +92,10 @@ class ServerState:
             raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
 
     # -- prompts ---------------------------------------------------------------------
-    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Runs in the tokenizer pool (blocking)."""
+    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, template_vars: dict[str, Any] | None = None) -> list[int]:
+        """Runs in the tokenizer pool (blocking).  `template_vars`: e.g. enable_thinking."""
         try:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **(template_vars or {}))
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
