@@ -43,6 +43,7 @@ class EngineConfig(YamlSection):
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
     expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
     expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
+    prefix_cache_bytes: int = setting(256 * 1024 * 1024, "prompt (prefix) cache: bytes of KV of completed prompt blocks kept after requests end, so a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; least recently used blocks no running request holds are evicted; 0 turns it off; hybrid linear-attention and sliding-window models are never cached (default 256 MiB)", metavar="N")
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
         if self.expert_quant_group not in (None, 0) and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
             raise ConfigError(f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}")
+        if self.prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.cpu_workers < 1:

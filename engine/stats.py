@@ -46,6 +46,10 @@ class EngineStats:
     balancer_missed: int = 0  # ... missed experts it split (sum of M)
     balancer_share: list[int] = field(default_factory=lambda: [0] * len(SHARE_BUCKETS))  # calls by τ/M, cumulative buckets
     utility_levels: list[int] = field(default_factory=list)  # experts at each utility level, latest
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (engine/worker/prefix_cache.py)
+    prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
+    prefix_bytes: int = 0  # bytes of KV it holds now
+    prefix_blocks: int = 0  # blocks it holds now
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +132,10 @@ class EngineStats:
         with self._lock:
             self.utility_levels = list(histogram)
 
+    def set_prefix_cache(self, hit_tokens: int, query_tokens: int, nbytes: int, blocks: int) -> None:
+        with self._lock:
+            self.prefix_hit_tokens, self.prefix_query_tokens, self.prefix_bytes, self.prefix_blocks = hit_tokens, query_tokens, nbytes, blocks
+
     def record_eviction(self) -> None:
         with self._lock:
             self.evictions += 1
@@ -172,6 +180,10 @@ class EngineStats:
                 "balancer": {"calls": self.balancer_calls, "copied": self.balancer_copied, "missed": self.balancer_missed,
                              "share_buckets": list(SHARE_BUCKETS), "share_counts": list(self.balancer_share)},
                 "utility_levels": list(self.utility_levels),
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_bytes": self.prefix_bytes,
+                "prefix_blocks": self.prefix_blocks,
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}

@@ -42,6 +42,7 @@ class ChatRun:
     tool_names: list[str]
     reasoning: bool = False  # the template has <think> sections: split them out of the output
     inside: bool = False  # the output starts inside one (the prompt opened it)
+    cached: int = 0  # prompt tokens read from the prefix cache (known from the first output on)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class ChatResult:
     stop_sequence: str | None
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (no prefix cache yet: 0)
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
     reasoning: str = ""  # the <think> section's text (templates with reasoning only)
 
 
@@ -111,7 +112,7 @@ async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
         content, calls = parse_calls(text, run.mode, run.tool_names)
         if calls and finish == "stop":
             finish = "tool_calls"
-    return ChatResult(content, calls, finish, a.stop_sequence, len(run.prompt), a.num_output_tokens, reasoning=reasoning)
+    return ChatResult(content, calls, finish, a.stop_sequence, len(run.prompt), a.num_output_tokens, a.num_cached_tokens, reasoning)
 
 
 async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
@@ -130,6 +131,7 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
                 yield Piece("wait")
                 continue
             o = got[1]
+            run.cached = o.num_cached_tokens
             if (f := failure_of(o.finish_reason, o.error)) is not None:
                 raise StreamFailed(*f)
             text = o.text
@@ -156,7 +158,7 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
                         yield Piece("args", c["function"]["arguments"], c["index"])
             if o.finish_reason is not None:
                 finish = "tool_calls" if has_calls and o.finish_reason == "stop" else o.finish_reason
-                yield Piece("end", result=ChatResult(None, [], finish, o.stop_sequence, len(run.prompt), o.num_output_tokens))
+                yield Piece("end", result=ChatResult(None, [], finish, o.stop_sequence, len(run.prompt), o.num_output_tokens, o.num_cached_tokens))
     finally:
         run.choices.abort_unfinished()
 

@@ -219,14 +219,20 @@ def router(st: ServerState) -> APIRouter:
         return StreamingResponse(_stream(run, mid), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _stream(run: Any, mid: str) -> AsyncIterator[str]:
-        start_usage = {"input_tokens": len(run.prompt), "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
-        yield _sse("message_start", {"message": {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                                                 "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-        yield _sse("ping", {})
+        def start() -> str:
+            # Sent with the first piece: by then the engine has said how much of the prompt was cached.
+            u = {"input_tokens": len(run.prompt) - run.cached, "output_tokens": 0, "cache_read_input_tokens": run.cached, "cache_creation_input_tokens": 0}
+            return _sse("message_start", {"message": {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                                                      "stop_reason": None, "stop_sequence": None, "usage": u}})
+
+        started = False
         index, open_kind = -1, None  # the content block being streamed
         saw_answer = False  # a text or tool_use block was opened
         try:
             async for p in chat_pieces(run):
+                if not started:
+                    started = True
+                    yield start()
                 if p.kind == "wait":
                     yield _sse("ping", {})
                 elif p.kind == "reasoning":
@@ -266,6 +272,8 @@ def router(st: ServerState) -> APIRouter:
                     yield _sse("message_delta", {"delta": {"stop_reason": stop_reason(p.result), "stop_sequence": p.result.stop_sequence}, "usage": u})
                     yield _sse("message_stop", {})
         except StreamFailed as e:
+            if not started:
+                yield start()
             yield anthropic_sse_error(e.status, e.message)
 
     @r.post("/messages/count_tokens")

@@ -75,6 +75,11 @@ async def stream_events(choices: Choices, make_chunk: Any, final_usage: Any) -> 
     yield sse("[DONE]")
 
 
+def _cached(per_choice: list[int], n: int) -> int:
+    """Prompt tokens read from the prefix cache: once per prompt (its n choices share it)."""
+    return sum(max(per_choice[k:k + n]) for k in range(0, len(per_choice), n))
+
+
 def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -125,6 +130,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     rid, created, model = new_id("chatcmpl"), now(), st.settings.served_model_name
     choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint))
     n_out = [0] * len(choices.rids)
+    n_cached = [0] * len(choices.rids)
     names = [t.function.name for t in body.tools or []]
     parse_tools = mode.kind != "none"
 
@@ -146,7 +152,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
                 message["reasoning_content"] = thought or None
             out.append({"index": i, "message": message, "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs))}
+                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs), max(a.num_cached_tokens for a in accs))}
 
     extra = {"usage": None} if body.include_usage() else {}
     streams = [ToolStream(mode, names) for _ in choices.rids] if parse_tools else None
@@ -158,7 +164,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
             lps = None
             finish = None
         else:
-            n_out[i] = o.num_output_tokens
+            n_out[i], n_cached[i] = o.num_output_tokens, o.num_cached_tokens
             finish = o.finish_reason
             text, thought = o.text, ""
             if thinks is not None:  # the <think> section's text goes to delta.reasoning_content
@@ -187,7 +193,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(len(prompt), sum(n_out))}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(len(prompt), sum(n_out), max(n_cached))}
 
     return _sse_response(stream_events(choices, chunk, final))
 
@@ -232,16 +238,18 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
                 "logprobs": logprobs_of(i, a.token_ids, list(a.logprobs), a.prompt_logprobs, a.eos_logprob),
                 "finish_reason": "length" if prompt_only else a.finish_reason,
             } for i, a in enumerate(accs)],
-            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs)),
+            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs), _cached([a.num_cached_tokens for a in accs], body.n)),
         }
 
     extra = {"usage": None} if body.include_usage() else {}
     started = [False] * len(choices.rids)
+    n_cached = [0] * len(choices.rids)
 
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:
             return None
         n_out[i] = 0 if prompt_only else o.num_output_tokens
+        n_cached[i] = o.num_cached_tokens
         new = "" if prompt_only else o.text
         text = new if started[i] else prompt_text[i] + new
         started[i] = True
@@ -255,6 +263,6 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(n_prompt, sum(n_out))}
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(n_prompt, sum(n_out), _cached(n_cached, body.n))}
 
     return _sse_response(stream_events(choices, chunk, final))

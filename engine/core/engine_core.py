@@ -52,10 +52,11 @@ class EngineCore:
                   observers: tuple[StepObserver, ...] = ()) -> EngineCore:
         from engine.worker.runner import ModelRunner  # tensors live in worker/, not here
 
-        sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len)
+        runner = ModelRunner(lm)
+        sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len, runner.prefix)
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(o for o in getattr(lm, "step_observers", ()) if o not in observers)
-        return cls(sched, ModelRunner(lm), proposer, observers)
+        return cls(sched, runner, proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:

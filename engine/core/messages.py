@@ -60,6 +60,7 @@ class RequestOutput:
     # API lists it in `logprobs` as vLLM does.
     eos_logprob: TokenLogprob | None = None
     stop_sequence: str | None = None  # on a "stop" finish caused by a stop string: which one
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
 
 
 @dataclass(frozen=True)

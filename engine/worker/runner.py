@@ -25,6 +25,7 @@ from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward, lean_enabled
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
+from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
 
@@ -42,6 +43,7 @@ class ModelRunner:
         # The same packed forward without transformers' wrappers, where the architecture allows
         # (engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
         self._lean = LeanForward(lm.model) if lm.packed and lean_enabled() and LeanForward.supports(lm.model) else None
+        self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
@@ -72,6 +74,8 @@ class ModelRunner:
         for w in work:
             if w.new_seq:
                 self.caches[w.request_id] = new_kv_cache(self.lm.config)
+                if w.prefix_hit and self.prefix is not None:
+                    self.prefix.restore(w.request_id, self.caches[w.request_id])
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
                 if w.req.constraint is not None:
                     try:
@@ -105,10 +109,14 @@ class ModelRunner:
         else:
             return out
         for w, lg in zip(work, logits):
+            if w.is_prefill and self.prefix is not None:  # before _finish: its rollback never reaches the prompt
+                self.prefix.store(w.request_id, w.req.prompt_ids, self.caches[w.request_id], w.start_pos + len(w.input_ids))
             out.results[w.request_id] = self._finish(w, lg)
         return out
 
     def drop(self, request_id: str) -> None:
+        if self.prefix is not None:
+            self.prefix.release(request_id)
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.constraints.pop(request_id, None)
@@ -179,6 +187,14 @@ class ModelRunner:
             # The grammar outranks min_tokens: if only EOS may follow, let it.
             banned = masked if bool(torch.isfinite(masked).any()) else logits.masked_fill(~allowed, float("-inf"))
         return banned
+
+
+def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
+    """A prefix cache sized by --prefix-cache-bytes, for models whose cache it can hold."""
+    budget = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0)
+    if not budget or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES or not PrefixCache.supports(new_kv_cache(lm.config)):
+        return None
+    return PrefixCache(budget, getattr(lm, "stats", None))
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
