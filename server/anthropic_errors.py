@@ -2,7 +2,8 @@
 
 Routes of the Messages API use `AnthropicRoute`, which renders every failure of the route
 (validation, auth, ApiError raised by the shared chat path) in that shape.  Statuses follow
-Anthropic's: an overloaded or unavailable engine (our 503) is 529 overloaded_error.
+Anthropic's: a full request queue is 429 rate_limit_error (retry later), any other unavailable
+engine (our 503: loading, restarting, draining) 529 overloaded_error.
 """
 from __future__ import annotations
 
@@ -21,20 +22,24 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
 
 
-def anthropic_status(status: int) -> int:
-    return 529 if status == 503 else status
+def anthropic_status(status: int, code: str | None = None) -> int:
+    if status == 503:
+        return 429 if code == "queue_full" else 529
+    return status
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _TYPES.get(anthropic_status(status), "api_error" if status >= 500 else "invalid_request_error"), "message": message}}
+    """`status` is Anthropic's (after anthropic_status)."""
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"), "message": message}}
 
 
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(anthropic_error_body(status, message), status_code=anthropic_status(status), headers=headers)
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+    st = anthropic_status(status, code)
+    return JSONResponse(anthropic_error_body(st, message), status_code=st, headers=headers)
 
 
 def anthropic_sse_error(status: int, message: str) -> str:
-    return f"event: error\ndata: {json.dumps(anthropic_error_body(status, message))}\n\n"
+    return f"event: error\ndata: {json.dumps(anthropic_error_body(anthropic_status(status), message))}\n\n"
 
 
 def validation_message(e: RequestValidationError) -> str:
@@ -53,7 +58,7 @@ class AnthropicRoute(APIRoute):
             try:
                 return await inner(request)
             except ApiError as e:
-                return anthropic_error(e.status, e.message, e.headers)
+                return anthropic_error(e.status, e.message, e.headers, e.code)
             except RequestValidationError as e:
                 return anthropic_error(400, validation_message(e))
 

@@ -77,3 +77,15 @@ def test_detokenizer_names_the_stop_string_that_matched() -> None:
     for t in tok("hello world again", add_special_tokens=False)["input_ids"]:
         d.append([t])
     assert d.stopped and d.matched == "lo w" and d.text == "hel"  # the earliest match wins
+
+
+def test_anthropic_statuses_for_an_unavailable_engine() -> None:
+    import json as _json
+
+    from server.anthropic_errors import anthropic_error
+
+    full = anthropic_error(503, "queue full", {"Retry-After": "1"}, "queue_full")
+    assert full.status_code == 429 and _json.loads(full.body)["error"]["type"] == "rate_limit_error" and full.headers["retry-after"] == "1"
+    loading = anthropic_error(503, "loading", None, "loading")
+    assert loading.status_code == 529 and _json.loads(loading.body) == {"type": "error", "error": {"type": "overloaded_error", "message": "loading"}}
+    assert _json.loads(anthropic_error(413, "big").body)["error"]["type"] == "request_too_large"

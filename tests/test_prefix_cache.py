@@ -130,3 +130,36 @@ def test_engine_core_hit_equals_full_prefill(om, spec: str) -> None:
         s = om.stats.snapshot()
         assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]  # windows were rejected and rolled back
     assert core.runner.prefix is not None and not core.runner.prefix.held  # every request released its blocks
+
+
+class _FakePrefix:
+    """match() only, as the scheduler sees the cache: a fixed hit for prompts starting with 1."""
+
+    def __init__(self, hit: int) -> None:
+        self.hit, self.asked = hit, []
+
+    def match(self, request_id: str, ids: list[int]) -> int:
+        self.asked.append(request_id)
+        return self.hit if ids[0] == 1 else 0
+
+
+def test_scheduler_starts_prefill_after_the_cached_prefix() -> None:
+    from engine.core.scheduler import Scheduler, SeqResult, StepOutput
+
+    class CharTok:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(i) for i in ids if i)
+
+    s = Scheduler(CharTok(), {0}, max_running=4, prefill_token_budget=10, max_model_len=200, prefix=_FakePrefix(32))
+    s.add(GenerateRequest("hit", [1] + [5] * 39, SamplingParams(max_tokens=2)))
+    s.add(GenerateRequest("miss", [2] + [5] * 5, SamplingParams(max_tokens=2)))
+    s.add(GenerateRequest("echo", [1] + [5] * 39, SamplingParams(max_tokens=2), prompt_logprobs=0))  # needs every position
+    plan = s.schedule()
+    w = plan.work[0]
+    assert (w.request_id, w.start_pos, len(w.input_ids), w.prefix_hit, w.new_seq, w.samples) == ("hit", 32, 8, 32, True, True)
+    assert (plan.work[1].request_id, plan.work[1].start_pos, plan.work[1].prefix_hit, plan.work[1].new_seq) == ("miss", 0, 0, True)
+    assert [w.request_id for w in plan.work] == ["hit", "miss"] and s.prefix.asked == ["hit", "miss"]  # budget 10 = 8 + 2
+    outs = s.update(plan, StepOutput({w.request_id: SeqResult(sampled=[97] if w.samples else []) for w in plan.work}))
+    assert [(o.request_id, o.num_cached_tokens) for o in outs] == [("hit", 32)]
+    nxt = s.schedule().work
+    assert [(w.request_id, w.start_pos, w.new_seq) for w in nxt][:2] == [("hit", 40, False), ("miss", 2, False)]
