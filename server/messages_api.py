@@ -32,6 +32,7 @@ from server.chat_bridge import (
 from server.errors import ApiError
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.reasoning import reasoning_prompt
+from server.routes import _check_messages
 from server.state import ServerState
 from server.tools import tool_mode
 
@@ -275,12 +276,15 @@ def router(st: ServerState) -> APIRouter:
             if not started:
                 yield start()
             yield anthropic_sse_error(e.status, e.message)
+        finally:  # a client that went away: its sequence is aborted now, not when the generator is collected
+            run.choices.abort_unfinished()
 
     @r.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> Any:
         chat = to_chat(body)
         st.check_model(chat.model)
-        tool_mode(chat)  # the same tool checks as a real call
+        _check_messages(st, chat)  # the same limits as a real call
+        tool_mode(chat)  # and the same tool checks
         prompt, _, _ = await reasoning_prompt(st, chat, body.thinking_switch())
         return {"input_tokens": len(prompt)}
 

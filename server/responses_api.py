@@ -412,6 +412,8 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
             failed["error"] = {"code": "server_error", "message": e.message}
             yield ev("error", code=e.code, message=e.message, param=None)
             yield ev("response.failed", response=failed)
+        finally:  # a client that went away: its sequence is aborted now, not when the generator is collected
+            run.choices.abort_unfinished()
 
     @r.get("/responses/{response_id}")
     async def retrieve(response_id: str) -> Any:
