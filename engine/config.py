@@ -48,6 +48,7 @@ class EngineConfig(YamlSection):
     forward: str = setting("auto", "model forward: auto (default: the fastest this model and device allow), fused (one native call per decoder layer for decode steps whose experts are all resident, else lean), lean (the same sublayers without transformers' wrappers, layer by layer), or transformers (transformers' own forward). Every path computes the same tokens; `generate --json` and /metrics count the steps each took", choices=FORWARDS)
     native_kernels: str = setting("auto", "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a compiler is found), on (fail at start without one) or off (torch's kernels). One choice per process", choices=("auto", "on", "off"))
     decode_attention: str = setting("auto", "a decode row's attention: auto (default: native up to 1024 cached positions, then SDPA), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention)", choices=("auto", "native", "sdpa"))
+    prefix_cache_bytes: int = setting(256 * 1024 * 1024, "prompt (prefix) cache: bytes of KV of completed prompt blocks kept after requests end, so a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; least recently used blocks no running request holds are evicted; 0 turns it off; hybrid linear-attention and sliding-window models are never cached (default 256 MiB)", metavar="N")
     quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
         if self.expert_quant_group not in (None, 0) and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
             raise ConfigError(f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}")
+        if self.prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.transfer_workers < 1:
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.cpu_workers < 1:

@@ -50,6 +50,10 @@ class EngineStats:
     # engine/worker/dispatch.py), and the lean steps' reasons for not taking the fused one.
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
     fused_declined: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (engine/worker/prefix_cache.py)
+    prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
+    prefix_bytes: int = 0  # bytes of KV it holds now
+    prefix_blocks: int = 0  # blocks it holds now
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +145,10 @@ class EngineStats:
         with self._lock:
             self.utility_levels = list(histogram)
 
+    def set_prefix_cache(self, hit_tokens: int, query_tokens: int, nbytes: int, blocks: int) -> None:
+        with self._lock:
+            self.prefix_hit_tokens, self.prefix_query_tokens, self.prefix_bytes, self.prefix_blocks = hit_tokens, query_tokens, nbytes, blocks
+
     def record_eviction(self) -> None:
         with self._lock:
             self.evictions += 1
@@ -187,6 +195,10 @@ class EngineStats:
                 "utility_levels": list(self.utility_levels),
                 "steps": {kind: dict(paths) for kind, paths in self.steps.items()},
                 "fused_declined": dict(self.fused_declined),
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_bytes": self.prefix_bytes,
+                "prefix_blocks": self.prefix_blocks,
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}

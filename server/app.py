@@ -13,12 +13,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server import routes
+from server import messages_api, responses_api, routes, tokenize_api
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
 from server.openapi import PROMETHEUS, Health, error_responses, install_openapi, json_or_stream
 from server.limits import BodyLimitMiddleware, RequestCounter
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.response_store import ResponseStore
 from server.state import ServerState, ServeSettings
 
 log = logging.getLogger("moe_offload.server")
@@ -50,7 +51,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         if not settings.api_keys:
             return
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()  # x-api-key: Anthropic clients
         if not any(secrets.compare_digest(key, k) for k in settings.api_keys):
             raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key")
 
@@ -73,7 +74,10 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
             "owned_by": "moe-offload", "max_model_len": settings.engine.max_model_len,
         }]}
 
+    v1.include_router(responses_api.router(st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)))
+    v1.include_router(messages_api.router(st))
     app.include_router(v1)
+    app.include_router(tokenize_api.router(st), dependencies=[Depends(require_api_key)])
 
     @app.get("/health", response_model=Health, response_model_exclude_none=True,
              responses={503: {"model": Health, "description": "Not ready: loading, restarting, draining or dead (with a short error and its id)."}})

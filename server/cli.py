@@ -131,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(
         engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue,
         scfg.max_body_bytes, scfg.max_messages, scfg.max_prompts, scfg.max_request_tokens, scfg.engine_restarts, scfg.engine_restart_window,
+        responses_store_bytes=scfg.responses_store_bytes, responses_store_ttl=scfg.responses_store_ttl,
     )
     logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). "
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /health, /metrics). "
         "Settings come from --config YAML (sections engine: and server:), overridden by these flags.",
     )
     add_flags(s.add_argument_group("server"), ServerConfig)

@@ -28,6 +28,9 @@ class ServerConfig(YamlSection):
     max_request_tokens: int = setting(262144, "n x max_tokens summed over a request's prompts (default 262144)", metavar="N")
     engine_restarts: int = setting(3, "engine restarts allowed within --engine-restart-window before the server exits 1 so its supervisor restarts it (default 3)", metavar="N")
     engine_restart_window: float = setting(600.0, "seconds over which engine restarts are counted (default 600)", metavar="S")
+    # /v1/responses with store=true (the default): GET /v1/responses/{id} and previous_response_id read them.
+    responses_store_bytes: int = setting(64 * 1024 * 1024, "bytes of stored /v1/responses (response and conversation as JSON) kept for GET and previous_response_id; the oldest are evicted first (default 64 MiB)", metavar="N")
+    responses_store_ttl: float = setting(3600.0, "seconds a stored /v1/responses response is kept (default 3600)", metavar="S")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -42,4 +45,6 @@ class ServerConfig(YamlSection):
             raise ConfigError("max_body_bytes must be >= 1024; max_messages, max_prompts and max_request_tokens >= 1")
         if self.engine_restarts < 0 or self.engine_restart_window <= 0:
             raise ConfigError("engine_restarts must be >= 0 and engine_restart_window > 0")
+        if self.responses_store_bytes < 0 or self.responses_store_ttl <= 0:
+            raise ConfigError("responses_store_bytes must be >= 0 and responses_store_ttl > 0")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))

@@ -70,6 +70,8 @@ class Accumulated:
     error: str | None = None
     num_output_tokens: int = 0
     eos_logprob: TokenLogprob | None = None
+    stop_sequence: str | None = None
+    num_cached_tokens: int = 0
 
     def add(self, o: RequestOutput) -> None:
         self.text += o.text
@@ -78,9 +80,10 @@ class Accumulated:
         if o.prompt_logprobs is not None:
             self.prompt_logprobs = o.prompt_logprobs
         self.num_output_tokens = o.num_output_tokens
+        self.num_cached_tokens = o.num_cached_tokens
         self.eos_logprob = o.eos_logprob or self.eos_logprob
         if o.finish_reason is not None:
-            self.finish_reason, self.error = o.finish_reason, o.error
+            self.finish_reason, self.error, self.stop_sequence = o.finish_reason, o.error, o.stop_sequence
 
 
 def failure_of(reason: str | None, error: str | None) -> tuple[int, str, str] | None:

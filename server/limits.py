@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
+from server.anthropic_errors import anthropic_error_body
 from server.errors import error_body
 
 Scope = dict[str, Any]
@@ -27,8 +28,11 @@ class RequestCounter:
         self.active = 0
 
 
-async def _send_413(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(413, f"The request body exceeds the server's limit of {limit} bytes (--max-body-bytes).", None, "request_too_large")).encode()
+async def _send_413(send: Send, limit: int, path: str = "") -> None:
+    msg = f"The request body exceeds the server's limit of {limit} bytes (--max-body-bytes)."
+    # /v1/messages clients (Anthropic SDKs) read Anthropic's error shape.
+    obj = anthropic_error_body(413, msg) if path.startswith("/v1/messages") else error_body(413, msg, None, "request_too_large")
+    body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": 413, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
     ]})
@@ -57,7 +61,7 @@ class BodyLimitMiddleware:
             except ValueError:
                 too_big = False  # h11 rejects a malformed Content-Length before we get here
             if too_big:  # refuse from the header: the body is never read
-                await _send_413(send, self.max_bytes)
+                await _send_413(send, self.max_bytes, scope.get("path", ""))
                 return
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -73,7 +77,7 @@ class BodyLimitMiddleware:
             size += len(chunk)
             if size > self.max_bytes:
                 chunks.clear()
-                await _send_413(send, self.max_bytes)
+                await _send_413(send, self.max_bytes, scope.get("path", ""))
                 return
             chunks.append(chunk)
             if not msg.get("more_body", False):

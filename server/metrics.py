@@ -34,6 +34,8 @@ _ENGINE_COUNTERS = (
     ("spec_drafts", "spec_drafts", "Speculative-decoding verification windows that carried proposals."),
     ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding tokens proposed."),
     ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding proposed tokens accepted."),
+    ("prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens read from the prefix cache instead of prefilled."),
+    ("prefix_cache_query_tokens", "prefix_query_tokens", "Prompt tokens of requests that looked up the prefix cache (hit ratio = hit / query)."),
 )
 
 
@@ -77,6 +79,8 @@ class EngineStatsCollector(Collector):
             accepted.add_metric([str(i + 1)], an)
         yield proposed
         yield accepted
+        yield GaugeMetricFamily(P + "prefix_cache_bytes", "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-bytes).", value=s.get("prefix_bytes", 0))
+        yield GaugeMetricFamily(P + "prefix_cache_blocks", "Prompt blocks (16 tokens each) the prefix cache holds.", value=s.get("prefix_blocks", 0))
         yield GaugeMetricFamily(P + "spec_mean_accepted_length", "Mean proposals accepted per verification window, since start.", value=s.get("spec_mean_accepted_length", 0.0))
         distinct = GaugeMetricFamily(P + "spec_distinct_experts_per_window", "Mean distinct experts a verification window routes to, per MoE layer (one token routes to top_k).", labels=["layer"])
         for row in s.get("per_layer", []):

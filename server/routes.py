@@ -16,7 +16,8 @@ from engine.structured.constraint import check_spec
 from engine.structured.spec import ConstraintSpec
 from server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from server.state import Choices, ServerState
-from server.tools import ToolMode, ToolStream, parse_calls, template_messages, template_tools, tool_constraint, tool_mode
+from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole, thinking_of_effort
+from server.tools import ToolMode, ToolStream, parse_calls, tool_constraint, tool_mode
 
 DISCONNECT_POLL_S = 0.5
 
@@ -76,6 +77,11 @@ async def stream_events(choices: Choices, make_chunk: Any, final_usage: Any) -> 
     yield sse("[DONE]")
 
 
+def _cached(per_choice: list[int], n: int) -> int:
+    """Prompt tokens read from the prefix cache: once per prompt (its n choices share it)."""
+    return sum(max(per_choice[k:k + n]) for k in range(0, len(per_choice), n))
+
+
 def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -120,11 +126,13 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     st.check_accepting(body.n)  # refuse early (draining, queue full) before any tokenizing
     mode = tool_mode(body)
     constraint = await _chat_constraint(st, body, mode)
-    prompt = await st.off_loop(st.chat_prompt, template_messages(body), template_tools(body))
+    prompt, reasoning, inside = await reasoning_prompt(st, body, thinking_of_effort(body.reasoning_effort))
+    reasoning = reasoning and constraint is None  # a grammar-constrained output has no <think> section
     lp = (body.top_logprobs or 0) if body.logprobs else None
     rid, created, model = new_id("chatcmpl"), now(), st.settings.served_model_name
     choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint))
     n_out = [0] * len(choices.rids)
+    n_cached = [0] * len(choices.rids)
     names = [t.function.name for t in body.tools or []]
     parse_tools = mode.kind != "none"
 
@@ -134,19 +142,23 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
             return JSONResponse({}, status_code=499)
         out = []
         for i, a in enumerate(accs):
-            message: dict[str, Any] = {"role": "assistant", "content": a.text}
+            thought, text = split_whole(a.text, inside) if reasoning else ("", a.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = a.finish_reason
             if parse_tools:
-                content, calls = parse_calls(a.text, mode, names)
+                content, calls = parse_calls(text, mode, names)
                 message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 if calls and finish == "stop":
                     finish = "tool_calls"
+            if reasoning:
+                message["reasoning_content"] = thought or None
             out.append({"index": i, "message": message, "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs))}
+                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs), max(a.num_cached_tokens for a in accs))}
 
     extra = {"usage": None} if body.include_usage() else {}
     streams = [ToolStream(mode, names) for _ in choices.rids] if parse_tools else None
+    thinks = [ReasoningSplitter(inside) for _ in choices.rids] if reasoning else None
 
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:  # opening chunk: the role, once per choice
@@ -154,10 +166,16 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
             lps = None
             finish = None
         else:
-            n_out[i] = o.num_output_tokens
+            n_out[i], n_cached[i] = o.num_output_tokens, o.num_cached_tokens
             finish = o.finish_reason
+            text, thought = o.text, ""
+            if thinks is not None:  # the <think> section's text goes to delta.reasoning_content
+                thought, text = thinks[i].feed(o.text)
+                if finish is not None:
+                    r2, c2 = thinks[i].finish()
+                    thought, text = thought + r2, text + c2
             if streams is not None:
-                delta = streams[i].feed(o.text)
+                delta = streams[i].feed(text)
                 if finish is not None:
                     last, has_calls = streams[i].finish()
                     for k, v in last.items():  # content and tool_calls of the final piece
@@ -165,7 +183,9 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
                     if has_calls and finish == "stop":
                         finish = "tool_calls"
             else:
-                delta = {"content": o.text} if o.text else {}
+                delta = {"content": text} if text else {}
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             if not delta and not finish and not (lp is not None and o.token_ids):
                 return None
             lps = chat_logprobs(o.logprobs or [], st.token_text) if lp is not None else None
@@ -175,7 +195,7 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(len(prompt), sum(n_out))}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(len(prompt), sum(n_out), max(n_cached))}
 
     return _sse_response(stream_events(choices, chunk, final))
 
@@ -220,16 +240,18 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
                 "logprobs": logprobs_of(i, a.token_ids, list(a.logprobs), a.prompt_logprobs, a.eos_logprob),
                 "finish_reason": "length" if prompt_only else a.finish_reason,
             } for i, a in enumerate(accs)],
-            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs)),
+            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs), _cached([a.num_cached_tokens for a in accs], body.n)),
         }
 
     extra = {"usage": None} if body.include_usage() else {}
     started = [False] * len(choices.rids)
+    n_cached = [0] * len(choices.rids)
 
     def chunk(i: int, o: Any) -> dict[str, Any] | None:
         if o is None:
             return None
         n_out[i] = 0 if prompt_only else o.num_output_tokens
+        n_cached[i] = o.num_cached_tokens
         new = "" if prompt_only else o.text
         text = new if started[i] else prompt_text[i] + new
         started[i] = True
@@ -243,6 +265,6 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(n_prompt, sum(n_out))}
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(n_prompt, sum(n_out), _cached(n_cached, body.n))}
 
     return _sse_response(stream_events(choices, chunk, final))

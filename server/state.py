@@ -36,6 +36,8 @@ class ServeSettings:
     max_request_tokens: int = 262144  # sum of max_tokens over a request's choices (n x prompts)
     engine_restarts: int = 3  # engine restarts allowed within engine_restart_window, then exit 1
     engine_restart_window: float = 600.0
+    responses_store_bytes: int = 64 * 1024 * 1024  # stored /v1/responses (store=true), oldest evicted first
+    responses_store_ttl: float = 3600.0  # seconds a stored response is kept
 
 
 class ServerState:
@@ -90,10 +92,10 @@ class ServerState:
             raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
 
     # -- prompts ---------------------------------------------------------------------
-    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Runs in the tokenizer pool (blocking)."""
+    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, template_vars: dict[str, Any] | None = None) -> list[int]:
+        """Runs in the tokenizer pool (blocking).  `template_vars`: e.g. enable_thinking."""
         try:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **(template_vars or {}))
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

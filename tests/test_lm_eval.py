@@ -167,7 +167,7 @@ def test_max_tokens_0_with_echo_returns_prompt_logprobs_only(srv: RunningServer)
         else:
             out = _complete(srv, prompt=ids, max_tokens=0, echo=True, logprobs=2)
             c = out["choices"][0]
-            assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+            assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
         assert c["finish_reason"] == "length"
         assert len(c["logprobs"]["tokens"]) == 5 and c["logprobs"]["token_logprobs"][0] is None
     assert httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 0}, timeout=30).status_code == 400

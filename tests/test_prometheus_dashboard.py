@@ -44,6 +44,7 @@ REQUIRED_METRICS = {
     "moe_offload_expert_prefetches_wasted_total",
     "moe_offload_spec_accepted_tokens_total", "moe_offload_spec_draft_tokens_total", "moe_offload_spec_drafts_total",
     "moe_offload_requests_finished_total",
+    "moe_offload_prefix_cache_hit_tokens_total", "moe_offload_prefix_cache_query_tokens_total", "moe_offload_prefix_cache_bytes",
 }
 # Panels whose numbers this load must move (a quality-first policy at cache 0.25 misses, fetches and
 # substitutes).  The others must return series, possibly 0 or NaN: the running/waiting gauges read 0 once

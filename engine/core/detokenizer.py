@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded text so far (truncated at a stop string once found)
         self.released = 0  # characters of `text` already sent
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
         # tokens[prefix_offset:read_offset] were decoded last time: context for the next decode,
         # so tokenizers that merge spaces or bytes across token boundaries decode correctly.
         self._prefix_offset = 0
@@ -47,9 +48,10 @@ class IncrementalDetokenizer:
         if self.stops and len(self.text) > prev:
             # A stop string may straddle the previous end: search from just before it.
             start = max(0, prev - self.max_stop + 1)
-            hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.matched = min(hits, key=lambda h: h[0])
+                self.text = self.text[:at]
                 self.stopped = True
 
     def _new_text(self, final: bool = False) -> str:

@@ -59,11 +59,14 @@ class EngineCore:
     @classmethod
     def for_model(cls, lm: RunnableModel, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
                   observers: tuple[StepObserver, ...] = ()) -> EngineCore:
-        """A core for a loaded model: its own runner (lm.make_runner(); the tensors live in worker/)."""
-        sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len)
+        """A core for a loaded model: its own runner (lm.make_runner(); the tensors live in worker/), whose prefix
+        cache (if any) the scheduler consults when it admits a request."""
+        runner = lm.make_runner()
+        sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len,
+                          getattr(runner, "prefix", None))
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(o for o in getattr(lm, "step_observers", ()) if o not in observers)
-        return cls(sched, lm.make_runner(), proposer, observers)
+        return cls(sched, runner, proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:

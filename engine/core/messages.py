@@ -59,6 +59,8 @@ class RequestOutput:
     # logprobs were asked for; EOS stays out of token_ids, text and usage, but the completions
     # API lists it in `logprobs` as vLLM does.
     eos_logprob: TokenLogprob | None = None
+    stop_sequence: str | None = None  # on a "stop" finish caused by a stop string: which one
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class SeqState:
     output_ids: list[int] = field(default_factory=list)
     queue_seconds: float | None = None
     sent_first: bool = False
+    num_cached: int = 0  # prompt positions restored from the prefix cache at admission
 
     @property
     def request_id(self) -> str:
@@ -61,10 +62,11 @@ class SeqWork:
     num_draft: int = 0  # the last num_draft input_ids are proposed tokens to verify
     max_draft: int = 0  # proposals the request can still use (max_tokens and context left)
     draft_probs: object | None = None  # the proposer's distributions [num_draft, V], None = deterministic
+    prefix_hit: int = 0  # prompt positions the runner restores from the prefix cache before the first chunk
 
     @property
     def new_seq(self) -> bool:
-        return self.is_prefill and self.start_pos == 0
+        return self.is_prefill and self.start_pos == self.prefix_hit
 
     @property
     def draft_ids(self) -> list[int]:
@@ -101,7 +103,8 @@ class Scheduler:
     asks for prompt logprobs is prefilled whole, in one step.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: set[int], max_running: int, prefill_token_budget: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: set[int], max_running: int, prefill_token_budget: int, max_model_len: int,
+                 prefix: Any = None) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_running = max_running
@@ -110,6 +113,7 @@ class Scheduler:
         self.waiting: deque[SeqState] = deque()
         self.running: dict[str, SeqState] = {}
         self._to_free: list[str] = []
+        self.prefix = prefix  # engine/worker/prefix_cache.py's PrefixCache (match() only), or None
 
     # -- inputs ------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -158,6 +162,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.queue_seconds = time.monotonic() - seq.arrival
+            if self.prefix is not None and seq.req.prompt_logprobs is None:  # prompt logprobs need every position
+                seq.num_computed = seq.num_cached = self.prefix.match(seq.request_id, seq.req.prompt_ids)
             self.running[seq.request_id] = seq
             plan.work.append(self._prefill_chunk(seq, budget))
             budget -= len(plan.work[-1].input_ids)
@@ -167,7 +173,7 @@ class Scheduler:
         prompt = seq.req.prompt_ids
         start = seq.num_computed
         end = len(prompt) if seq.req.prompt_logprobs is not None else min(len(prompt), start + budget)
-        return SeqWork(seq.request_id, list(prompt[start:end]), start, True, seq.req, (), samples=end == len(prompt))
+        return SeqWork(seq.request_id, list(prompt[start:end]), start, True, seq.req, (), samples=end == len(prompt), prefix_hit=seq.num_cached)
 
     def update(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -228,4 +234,6 @@ class Scheduler:
             num_prompt_tokens=len(seq.req.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             queue_seconds=seq.queue_seconds if first else None,
+            stop_sequence=seq.detok.matched if finish == "stop" else None,
+            num_cached_tokens=seq.num_cached,
         )

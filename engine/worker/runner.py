@@ -28,6 +28,7 @@ from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import LoadedModel
 from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
+from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
 
@@ -53,6 +54,7 @@ class ModelRunner:
         self._lean = (LeanForward(lm.model, fused=plan is None or plan.forward == "fused",
                                   native_attention=plan is None or plan.native_attention) if lean else None)
         self._stats = getattr(lm, "stats", None)
+        self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
@@ -90,6 +92,8 @@ class ModelRunner:
         for w in work:
             if w.new_seq:
                 self.caches[w.request_id] = new_kv_cache(self.lm.config)
+                if w.prefix_hit and self.prefix is not None:
+                    self.prefix.restore(w.request_id, self.caches[w.request_id])
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
                 if w.req.constraint is not None:
                     try:
@@ -99,6 +103,8 @@ class ModelRunner:
         work = [w for w in work if w.request_id not in out.results]
         for w, lg in self._forward_contained(work, out):
             try:
+                if w.is_prefill and self.prefix is not None:  # before _finish: its rollback never reaches the prompt
+                    self.prefix.store(w.request_id, w.req.prompt_ids, self.caches[w.request_id], w.start_pos + len(w.input_ids))
                 out.results[w.request_id] = self._finish(w, lg)
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
                 out.results[w.request_id] = SeqResult(error=request_fault("sampling", w.request_id, e))
@@ -143,6 +149,8 @@ class ModelRunner:
         return []
 
     def drop(self, request_id: str) -> None:
+        if self.prefix is not None:
+            self.prefix.release(request_id)
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.constraints.pop(request_id, None)
@@ -213,6 +221,14 @@ class ModelRunner:
             # The grammar outranks min_tokens: if only EOS may follow, let it.
             banned = masked if bool(torch.isfinite(masked).any()) else logits.masked_fill(~allowed, float("-inf"))
         return banned
+
+
+def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
+    """A prefix cache sized by --prefix-cache-bytes, for models whose cache it can hold."""
+    budget = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0)
+    if not budget or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES or not PrefixCache.supports(new_kv_cache(lm.config)):
+        return None
+    return PrefixCache(budget, getattr(lm, "stats", None))
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
