@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import REPO, RunningServer, serve
+from server_fixtures import RunningServer, serve
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
@@ -37,7 +37,8 @@ def run_schemathesis(base_url: str, examples: int, har: Path, seed: int = 1) -> 
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "--no-color", "run", base_url + "/openapi.json",
            "--checks", "all", "--max-examples", str(examples), "--seed", str(seed), "--workers", "1",
            "--generation-database", "none", "--report", "har", "--report-har-path", str(har)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
+    # cwd: Schemathesis keeps a cache directory where it runs; not in the repository.
+    return subprocess.run(cmd, cwd=har.parent, capture_output=True, text=True, timeout=1800, check=False)
 
 
 def responses_of(har: Path) -> list[tuple[str, int, str, str]]:

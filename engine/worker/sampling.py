@@ -65,7 +65,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
+        sorted_x, idx = torch.sort(x, descending=True, stable=True)  # ties: the lower id, every run
         probs = torch.softmax(sorted_x, dim=-1)
         drop = probs.cumsum(-1) - probs >= params.top_p  # keep the token that crosses p
         drop[0] = False  # and always the most likely one (a top_p below float32's resolution)
