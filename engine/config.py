@@ -35,7 +35,7 @@ class EngineConfig(YamlSection):
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
     settle_background: bool = setting(False, "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off", flag="--settle-background")
     device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
-    dtype: str = setting("auto", "compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)", choices=DTYPES)
+    dtype: str = setting("auto", "compute dtype: auto (default: the checkpoint's own dtype, from config.json, on CPU as on GPU), float32 (the exact reference the parity tests use), bfloat16 or float16", choices=DTYPES)
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
     warm_start: bool = setting(True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm")
     direct_io: bool = setting(True, "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only", flag="--no-direct-io")

@@ -125,14 +125,20 @@ def _resolve_device(name: str) -> torch.device:
 
 def _resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cpu":
-            return torch.float32  # CPU bf16 matmuls are slow and lose the parity guarantee
-        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        return d if isinstance(d, torch.dtype) else getattr(torch, str(d or "bfloat16"))
+        # The checkpoint's own dtype on every device, as transformers' dtype="auto", llama.cpp and vLLM
+        # keep it: float32 on a CPU doubled a bf16 checkpoint in memory. --dtype float32 is the exact reference.
+        return checkpoint_dtype(config)
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     except KeyError:
         raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype config.json states (float32 where it states none, as transformers' default)."""
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    d = d if isinstance(d, torch.dtype) else getattr(torch, str(d or "float32").removeprefix("torch."), None)
+    return d if d in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
 def _read_config(model_dir: Path) -> PretrainedConfig:
