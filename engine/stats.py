@@ -46,6 +46,7 @@ class EngineStats:
     balancer_missed: int = 0  # ... missed experts it split (sum of M)
     balancer_share: list[int] = field(default_factory=lambda: [0] * len(SHARE_BUCKETS))  # calls by τ/M, cumulative buckets
     utility_levels: list[int] = field(default_factory=list)  # experts at each utility level, latest
+    memory_probe: Any = field(default=None, repr=False, compare=False)  # engine/memory/measure.py memory_probe
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,7 +65,7 @@ class EngineStats:
         fresh = EngineStats(self.num_layers)
         with self._lock:
             for f in fields(self):
-                if f.name not in ("num_layers", "_lock"):
+                if f.name not in ("num_layers", "_lock", "memory_probe"):
                     setattr(self, f.name, getattr(fresh, f.name))
 
     def record_lookups(self, layer: int, hits: int, misses: int) -> None:
@@ -172,6 +173,7 @@ class EngineStats:
                 "balancer": {"calls": self.balancer_calls, "copied": self.balancer_copied, "missed": self.balancer_missed,
                              "share_buckets": list(SHARE_BUCKETS), "share_counts": list(self.balancer_share)},
                 "utility_levels": list(self.utility_levels),
+                "memory": self.memory_probe() if self.memory_probe is not None else {},
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}

@@ -119,6 +119,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)
+    from engine.memory.measure import plan_checkpoint
+
+    plan_checkpoint(model_dir, engine_config)  # a combination that cannot fit fails here, before anything listens
     spec = spec_config_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(

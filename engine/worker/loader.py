@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.native.layers import accelerate
 from engine.weights.arch import arch_for, disk_names, text_config
 from engine.weights.arch_adapters import adapter_for
@@ -93,6 +94,7 @@ class OffloadedModel(LoadedModel):
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
     prefetchers: tuple[str, ...] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
+    memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
@@ -159,14 +161,6 @@ def _read_config(model_dir: Path) -> PretrainedConfig:
     return config
 
 
-def _n_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
-    if cfg.cache_bytes is not None:
-        n = cfg.cache_bytes // slot_bytes
-    else:
-        n = round(cfg.cache_fraction * total)
-    return int(min(total, max(1, n)))
-
-
 def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, GenerationConfig | None]:
     has_tok = (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists()
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tok else None
@@ -223,14 +217,18 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
+    # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
+    _fp, mplan = plan_for_model(model, [s.block.experts for s in sites], config, dtype, fmt.slot_bytes,
+                                locator.nbytes_on_disk(moe_layers[0], 0), E, I, top_k, tensors, cfg, device)
+    print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
-    if cfg.offload == "ram":
+    if mplan.offload == "ram":
         tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
     slot_bytes = fmt.slot_bytes
-    n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
+    n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
     zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
@@ -256,6 +254,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    om.memory_plan = mplan
+    stats.memory_probe = memory_probe(mplan, om.model, store, tier)  # planned and used bytes per pool, for /metrics
     _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
     if cfg.warm_start:
         _warm(om)
