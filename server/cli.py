@@ -13,6 +13,7 @@ from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
 from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_config_from_args
 from server.cli_eval import add_eval_parsers
+from server.cli_plan import add_plan_parser
 from server.cli_prefetch import add_prefetch_parser
 from server.config import ServerConfig
 
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parsers(sub)
     add_prefetch_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
