@@ -100,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="show the memory placement serve would choose, and projected decode speed",
                        description="Read a checkpoint's config.json and safetensors headers (no weights), print the memory plan `serve` would "
                        "choose on this machine or on the budgets given, the decode tok/s the router-trace simulator projects for each policy "
@@ -112,12 +112,12 @@ def add_plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help=f"hardware profile for the projection: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})")
     p.add_argument("--link", metavar="NAME|MBPS[:US]", help="replace the profile's slow-tier link for the projection: pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd, or MB/s with optional latency in us")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="NPZ", help="router trace (`moe-offload trace`) projected onto the checkpoint's shape (default: the embedded model's test-set trace)")
-    for flag, kw in (("--device", dict(default="auto", metavar="DEV", help="device to plan for: auto (default), cpu, cuda, cuda:N")),
-                     ("--dtype", dict(default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="compute dtype to plan for (default auto: the checkpoint's)")),
-                     ("--expert-quant", dict(default="none", choices=("none", "int8", "int4"), help="routed experts quantized as serve --expert-quant would (default none)")),
-                     ("--offload", dict(default="auto", choices=("auto", "ram", "disk"), help="slow tier as serve --offload (default auto: the plan's choice)")),
-                     ("--cache-fraction", dict(type=float, metavar="F", help="fast-tier share as serve --cache-fraction (default: the plan's choice)")),
-                     ("--kv-tokens", dict(type=int, metavar="N", help="KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))"))):
+    for flag, kw in (("--device", {"default": "auto", "metavar": "DEV", "help": "device to plan for: auto (default), cpu, cuda, cuda:N"}),
+                     ("--dtype", {"default": "auto", "choices": ("auto", "float32", "bfloat16", "float16"), "help": "compute dtype to plan for (default auto: the checkpoint's)"}),
+                     ("--expert-quant", {"default": "none", "choices": ("none", "int8", "int4"), "help": "routed experts quantized as serve --expert-quant would (default none)"}),
+                     ("--offload", {"default": "auto", "choices": ("auto", "ram", "disk"), "help": "slow tier as serve --offload (default auto: the plan's choice)"}),
+                     ("--cache-fraction", {"type": float, "metavar": "F", "help": "fast-tier share as serve --cache-fraction (default: the plan's choice)"}),
+                     ("--kv-tokens", {"type": int, "metavar": "N", "help": "KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))"})):
         p.add_argument(flag, **kw)  # type: ignore[arg-type]
     p.set_defaults(func=cmd_plan)
 
