@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.native.layers import accelerate
-from engine.weights.arch import arch_for, disk_names, text_config
+from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
-from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
 from engine.weights.expert_source import expert_source, read_dense
 from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
@@ -208,12 +208,17 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     sites = find_moe_sites(model)  # sparse blocks found by structure (engine/weights/moe_hook.py)
     moe_layers = [s.layer for s in sites]
     if not moe_layers:
+        if spec.by_structure:
+            raise unsupported(spec.model_type, str(model_dir / "config.json"))
         raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(spec.kernel, native0.experts, H, I)
+    if spec.by_structure:  # not in the table: each kind of block is checked once against its own forward
+        for block in {type(s.block): s.block for s in sites}.values():
+            verify_block(block, adapter_for(spec.model_type, block), kernel, spec.model_type)
     fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
