@@ -240,7 +240,7 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in test.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if name.startswith(adapter.router) else 0.05))
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if name.startswith(adapter.router or "-") else 0.05))
         for _, b in test.named_buffers():
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
@@ -249,7 +249,7 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
         ref = test(x)
         ref = ref[0] if isinstance(ref, tuple) else ref
         rows = x.reshape(-1, H)
-        logits, weights, ids = adapter.route(test, rows)
+        _, weights, ids = adapter.route(test, rows)
         inputs, scale = adapter.expert_inputs(rows, weights)
         routed = torch.zeros_like(rows)
         for t in range(rows.shape[0]):

@@ -232,7 +232,6 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
-    slot_bytes = fmt.slot_bytes
     n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
