@@ -88,6 +88,7 @@ def make_tiny_checkpoint(
     with_tokenizer: bool = True,
     tokenizer_vocab: int = 256,
     max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
     **overrides: object,
 ) -> Path:
     """Write a random `arch` checkpoint to `path`.
@@ -95,7 +96,7 @@ def make_tiny_checkpoint(
     tokenizer_vocab > 256 gives the byte-level BPE merges (256 is the byte alphabet alone, which
     llama.cpp's loader refuses). layout="per-expert" is what transformers' save_pretrained writes; layout="fused" stores
     the in-memory 3-D expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]), as some
-    hub checkpoints do.
+    hub checkpoints do. `dtype`: the stored dtype (routers are randomized in float32 first).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -129,6 +130,9 @@ def make_tiny_checkpoint(
             for name, buf in site.block.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.1)
+    if dtype != torch.float32:  # a checkpoint stored in bf16/fp16, as released ones are (config.json says so)
+        model = model.to(dtype)
+        cfg.dtype = dtype
     if layout == "per-expert":
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kw)
