@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ def _peak_rss(argv: list[str]) -> tuple[dict, int]:
     wrapper = ("import json, resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
                "print(json.dumps({'rc': p.returncode, 'out': p.stdout, 'err': p.stderr[-2000:], "
                "'peak': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))")
-    res = json.loads(subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT).stdout)
+    res = json.loads(subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT, check=True).stdout)
     assert res["rc"] == 0, res["err"]
     return json.loads(res["out"]), int(res["peak"])
 
