@@ -78,9 +78,9 @@ def run(ckpt: Path, src: Path | None, gguf_bf16: Path | None, fractions: list[fl
     cold = [model] + ([gguf_bf16] if gguf_bf16 is not None else [])
 
     # The engine's fixed memory: a process holding the smallest fast tier (one layer's top-k experts).
-    from engine.worker.loader import _read_config
+    from engine.weights.model_config import read_config
 
-    cfg = _read_config(model)
+    cfg = read_config(model)
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     smallest = dict(dtype="bfloat16", offload="disk", cache_bytes=cfg.num_experts_per_tok * expert_bytes)
     probe = MemoryCgroup(2**62, name="moe-offload-bench-probe")

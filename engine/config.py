@@ -19,9 +19,13 @@ FORWARDS = ("auto", "fused", "lean", "transformers")
 class EngineConfig(YamlSection):
     SECTION = "engine"
 
-    cache_fraction: float = setting(1.0, "share of all routed experts kept in the fast tier, in (0, 1]. Default 1.0", metavar="F")
+    cache_fraction: float | None = setting(None, "share of all routed experts kept in the fast tier, in (0, 1]. Default: the memory plan's choice (every expert where they fit, else what the budget leaves)", metavar="F")
     cache_bytes: int | None = setting(None, "fast-tier budget in bytes (overrides --cache-fraction)", metavar="N")
-    offload: str = setting("ram", "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O. Default ram", choices=("ram", "disk"))
+    offload: str = setting("auto", "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O; 'auto' (default): ram where every expert fits the host budget, else disk", choices=("auto", "ram", "disk"))
+    # The memory plan (engine/memory/planner.py) sizes what the flags above leave open to these budgets.
+    device_memory: str | None = setting(None, "GPU memory the engine may use: BYTES (24GiB, 512MiB, 2000000000) or a FRACTION of the free memory (0.9, 90%%). Default: all free memory (torch.cuda.mem_get_info) less a stated headroom", metavar="BYTES|FRACTION")
+    host_memory: str | None = setting(None, "host RAM the engine may use: BYTES or a FRACTION of what is available (the smaller of MemAvailable and the memory cgroup's limit less its working set). Default: all of it less a stated headroom", metavar="BYTES|FRACTION")
+    kv_tokens: int | None = setting(None, "KV-cache tokens the memory plan reserves, summed over sequences (default: 4 sequences x min(context, 8192))", metavar="N")
     link: str | None = setting(None, "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500", metavar="NAME|MBPS[:US]")
     policy: str = setting("fetch-all", "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)", metavar="NAME")
     eviction: str | None = setting(None, "eviction policy: lru, frequency (decayed LFU), utility (lowest speculative utility level first, then by reuse distance) or reuse (the expert whose next use is predicted farthest away, from the layer order and an average of its use; the best with many concurrent streams). Default: frequency for the presets, else reuse", metavar="NAME")
@@ -36,7 +40,7 @@ class EngineConfig(YamlSection):
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
     settle_background: bool = setting(False, "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off", flag="--settle-background")
     device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
-    dtype: str = setting("auto", "compute dtype (auto: float32 on CPU, checkpoint dtype on GPU)", choices=DTYPES)
+    dtype: str = setting("auto", "compute dtype: auto (default: the checkpoint's own dtype, from config.json, on CPU as on GPU), float32 (the exact reference the parity tests use), bfloat16 or float16", choices=DTYPES)
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
     warm_start: bool = setting(True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm")
     direct_io: bool = setting(True, "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only", flag="--no-direct-io")
@@ -54,12 +58,19 @@ class EngineConfig(YamlSection):
     def __post_init__(self) -> None:
         # Everything that can be checked without a model is checked here, so every front end
         # (serve before it listens, generate, eval) fails with one line before any work.
-        if not 0.0 < self.cache_fraction <= 1.0:
+        if self.cache_fraction is not None and not 0.0 < self.cache_fraction <= 1.0:
             raise ConfigError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes}")
-        if self.offload not in ("ram", "disk"):
-            raise ConfigError(f"offload must be 'ram' or 'disk', got {self.offload!r}")
+        if self.offload not in ("auto", "ram", "disk"):
+            raise ConfigError(f"offload must be 'auto', 'ram' or 'disk', got {self.offload!r}")
+        from engine.budget import parse_budget
+
+        for flag, value in (("--device-memory", self.device_memory), ("--host-memory", self.host_memory)):
+            if value is not None:
+                parse_budget(str(value), flag)
+        if self.kv_tokens is not None and self.kv_tokens < 0:
+            raise ConfigError(f"kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.expert_quant not in ("none", "int8", "int4"):
             raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
         if self.expert_quant_group not in (None, 0) and (self.expert_quant_group < 2 or self.expert_quant_group % 2):

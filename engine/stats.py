@@ -54,6 +54,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
     prefix_bytes: int = 0  # bytes of KV it holds now
     prefix_blocks: int = 0  # blocks it holds now
+    memory_probe: Any = field(default=None, repr=False, compare=False)  # engine/memory/measure.py memory_probe
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +73,7 @@ class EngineStats:
         fresh = EngineStats(self.num_layers)
         with self._lock:
             for f in fields(self):
-                if f.name not in ("num_layers", "_lock"):
+                if f.name not in ("num_layers", "_lock", "memory_probe"):
                     setattr(self, f.name, getattr(fresh, f.name))
 
     def record_lookups(self, layer: int, hits: int, misses: int) -> None:
@@ -199,6 +200,7 @@ class EngineStats:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_bytes": self.prefix_bytes,
                 "prefix_blocks": self.prefix_blocks,
+                "memory": self.memory_probe() if self.memory_probe is not None else {},
                 "per_layer": [
                     {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
                      "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}

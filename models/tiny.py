@@ -17,6 +17,7 @@ ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Families opened by the generic MoE hook (engine/weights/moe_hook.py); tests/test_architectures.py.
 NEW_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2",
              "llama4_text", "granitemoe", "phimoe", "ernie4_5_moe")
+STRUCTURAL_ARCHS = ("hunyuan_v1_moe", "dots1")  # families outside the architecture table, run by structure
 _HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16)
 _MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
@@ -40,6 +41,10 @@ _ARCH_KW: dict[str, dict] = {
     "llama4_text": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=24, intermediate_size_mlp=40, head_dim=16),
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
+    # Not in engine/weights/arch.py's table: run by structure (a router nested as gate.wg, an ungated shared_mlp).
+    "hunyuan_v1_moe": dict(num_experts=8, num_local_experts=8, moe_topk=2, moe_intermediate_size=24, head_dim=16),
+    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
+                  n_shared_experts=1, num_hidden_layers=3, head_dim=16),
     "ernie4_5_moe": dict(moe_num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_num_shared_experts=1,
                          moe_layer_start_index=1, head_dim=16),
 }
@@ -83,6 +88,7 @@ def make_tiny_checkpoint(
     with_tokenizer: bool = True,
     tokenizer_vocab: int = 256,
     max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
     **overrides: object,
 ) -> Path:
     """Write a random `arch` checkpoint to `path`.
@@ -90,7 +96,7 @@ def make_tiny_checkpoint(
     tokenizer_vocab > 256 gives the byte-level BPE merges (256 is the byte alphabet alone, which
     llama.cpp's loader refuses). layout="per-expert" is what transformers' save_pretrained writes; layout="fused" stores
     the in-memory 3-D expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]), as some
-    hub checkpoints do.
+    hub checkpoints do. `dtype`: the stored dtype (routers are randomized in float32 first).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -119,10 +125,14 @@ def make_tiny_checkpoint(
 
     with torch.no_grad():
         for site in find_moe_sites(model):
-            getattr(site.block, router_name(site.block)).weight.normal_(0.0, 0.5)
+            router = getattr(site.block, router_name(site.block))
+            (router.weight if isinstance(getattr(router, "weight", None), torch.Tensor) else next(router.children()).weight).normal_(0.0, 0.5)
             for name, buf in site.block.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.1)
+    if dtype != torch.float32:  # a checkpoint stored in bf16/fp16, as released ones are (config.json says so)
+        model = model.to(dtype)
+        cfg.dtype = dtype
     if layout == "per-expert":
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kw)

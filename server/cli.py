@@ -13,6 +13,7 @@ from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
 from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_choice_from_args
 from server.cli_eval import add_eval_parsers
+from server.cli_plan import add_plan_parser
 from server.cli_prefetch import add_prefetch_parser
 from server.config import ServerConfig
 
@@ -122,6 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)
+    from engine.memory.measure import plan_checkpoint
+
+    plan_checkpoint(model_dir, engine_config)  # a combination that cannot fit fails here, before anything listens
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
@@ -161,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parsers(sub)
     add_prefetch_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -87,7 +87,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(rows: list[dict], path: Path, fraction: float) -> None:
+def _plot(rows: list[dict], path: Path, fraction: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +102,7 @@ def _plot(rows: list[dict], path: Path, fraction: float) -> None:
         ax.annotate(r["label"], (r["mean_substituted_mass"], r["delta_ppl_pct"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("mean substituted gate mass per token-layer")
     ax.set_ylabel("ΔPPL vs fetch-all (%)")
-    ax.set_title(f"Quality cost of substitution (cache {fraction:.0%}); x = first choice not protected", fontsize=9)
+    ax.set_title(f"Quality cost of substitution (cache {'as planned' if fraction is None else f'{fraction:.0%}'}); x = first choice not protected", fontsize=9)
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -65,6 +65,15 @@ class EngineStatsCollector(Collector):
         buckets = [(f"{b:g}" if b < 1 else "+Inf", n) for b, n in zip(bal["share_buckets"], bal["share_counts"])]
         yield HistogramMetricFamily(P + "balancer_tau_share", "CPU/GPU balancer decisions by τ/M, the share of a layer's missed experts copied to the fast device (the rest ran on the CPU).",
                                         buckets=buckets, sum_value=bal["copied"] / max(1, bal["missed"]) * bal["calls"])  # sum approximated by the mean share
+        planned = GaugeMetricFamily(P + "memory_planned_bytes", "Bytes the memory plan gives each pool (engine/memory/planner.py).", labels=["pool"])
+        used = GaugeMetricFamily(P + "memory_used_bytes", "Bytes each pool holds now, where measured (host_total: the engine's RSS; slow_tier_pageable: host-tier bytes that could not be pinned).", labels=["pool"])
+        for pool, row in sorted(s.get("memory", {}).items()):
+            if "planned" in row:
+                planned.add_metric([pool], row["planned"])
+            if "used" in row:
+                used.add_metric([pool], row["used"])
+        yield planned
+        yield used
         yield GaugeMetricFamily(P + "expert_cache_hit_ratio", "Share of expert lookups that hit the fast tier (0-1).", value=s.get("hit_rate", 0.0))
         transfers = CounterMetricFamily(P + "expert_transfers", "Expert transfers by kind (demand, prefetch, admission).", labels=["kind"])
         for kind, n in sorted(s.get("transfers", {"demand": 0, "prefetch": 0, "admission": 0}).items()):

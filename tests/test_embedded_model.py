@@ -82,7 +82,7 @@ def test_target_generates_through_the_engine_like_transformers() -> None:
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
     ids = tok("ROMEO. But soft, what light")["input_ids"]
-    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk"))
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"))
     try:
         res = generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True))
     finally:

@@ -79,7 +79,7 @@ def test_hybrid_and_sliding_window_models_are_not_cached() -> None:
 
 @pytest.fixture(scope="module")
 def om():
-    m = load_model(EMBEDDED_TARGET, EngineConfig())
+    m = load_model(EMBEDDED_TARGET, EngineConfig(dtype="float32"))  # the exact reference
     yield m
     m.close()
 

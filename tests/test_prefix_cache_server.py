@@ -28,7 +28,7 @@ def system_prompt() -> str:
 @pytest.fixture(scope="module", params=["off", "draft"])
 def srv(request, tmp_path_factory) -> Iterator[RunningServer]:
     spec = ["--speculative", "off"] if request.param == "off" else ["--speculative", "draft", "--num-speculative-tokens", "4", "--no-adaptive-k"]
-    with serve(["--served-model-name", MODEL, *spec], tmp_path_factory.mktemp(f"prefix-{request.param}") / "server.log", ready_timeout=240) as s:
+    with serve(["--served-model-name", MODEL, "--dtype", "float32", *spec], tmp_path_factory.mktemp(f"prefix-{request.param}") / "server.log", ready_timeout=240) as s:
         s.spec = request.param  # type: ignore[attr-defined]
         yield s
 

@@ -21,7 +21,7 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory) -> Iterator[RunningServer]:
-    args = ["--served-model-name", "pair", "--speculative", "draft", "--num-speculative-tokens", "4", "--no-adaptive-k"]
+    args = ["--served-model-name", "pair", "--speculative", "draft", "--num-speculative-tokens", "4", "--no-adaptive-k", "--dtype", "float32"]
     with serve(args, tmp_path_factory.mktemp("spec") / "server.log", ready_timeout=240) as s:
         yield s
 
@@ -34,7 +34,7 @@ def client(srv: RunningServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def plain() -> tuple[list[int], str]:
     """Speculation off, in-process: the reference tokens and text for PROMPT."""
-    om = load_model(EMBEDDED_TARGET, EngineConfig())
+    om = load_model(EMBEDDED_TARGET, EngineConfig(dtype="float32"))
     try:
         ids = om.tokenizer(PROMPT)["input_ids"]
         c = generate(om, ids, SamplingParams(max_tokens=40, ignore_eos=True))

@@ -180,14 +180,14 @@ def _run(om, prompts: list[list[int]], spec: SpecConfig, max_tokens: int) -> lis
 
 
 def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, configs: dict[str, dict] = SPAC_CONFIGS) -> None:
-    base = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk"))
+    base = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"))
     try:
         prompts = prompts_of(base)
         reference = _run(base, prompts, SpecConfig(speculative="off"), max_tokens)
     finally:
         base.close()
     for name, kw in configs.items():
-        om = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", **kw))
+        om = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32", **kw))
         try:
             assert _run(om, prompts, spec, max_tokens) == reference, name
             s = om.stats.snapshot()

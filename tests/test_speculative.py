@@ -120,7 +120,7 @@ def _run(om, spec: SpecConfig, prompts: list[list[int]], params: SamplingParams)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("offload,fraction", [("ram", 1.0), ("disk", 0.25)])
 def test_embedded_pair_speculation_is_exact(offload: str, fraction: float) -> None:
-    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=fraction, offload=offload))
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=fraction, offload=offload, dtype="float32"))
     try:
         prompts = _prompts_embedded(om.tokenizer)
         # 64 new tokens in RAM; 32 from disk, where every step pays real reads (CI time).
@@ -218,7 +218,7 @@ def test_structured_output_with_speculation_equals_without() -> None:
 
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
               "required": ["name", "tags"], "additionalProperties": False}
-    om = load_model(EMBEDDED_TARGET, EngineConfig())
+    om = load_model(EMBEDDED_TARGET, EngineConfig(dtype="float32"))
     try:
         ids = om.tokenizer("Describe Hamlet as JSON:")["input_ids"]
         spec_c = ConstraintSpec.json_schema(schema)

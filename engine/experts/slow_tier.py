@@ -5,16 +5,20 @@ expert_layout). The transfer engine then copies it into a fast-tier slot.
 """
 from __future__ import annotations
 
+import logging
+import os
 from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.weights.checkpoint import TensorLocation, read_tensor
-from engine.weights.expert_layout import ExpertLocator
 from engine.experts.link import EmulatedLink
 from engine.experts.uncached_io import UncachedReader
+from engine.weights.checkpoint import TensorLocation, read_tensor
+from engine.weights.expert_layout import ExpertLocator
+
+log = logging.getLogger(__name__)
 
 
 class SlowTier(ABC):
@@ -47,35 +51,92 @@ class SlowTier(ABC):
         pass
 
 
+PIN_CHUNK_BYTES = 1 << 30  # page-locked memory is allocated at most this much at a time
+PIN_SHARE = 0.5  # ... and never more than this share of the machine's RAM in all
+
+
 class RamTier(SlowTier):
-    """All experts packed in host RAM (pinned when CUDA is present, so copies are async)."""
+    """All experts packed in host RAM (pinned when CUDA is present, so copies are async).
+
+    Page-locking tens of GB in one allocation fails on many systems, and locked pages cannot be
+    reclaimed, so a pinned tier is allocated in chunks of at most `chunk_bytes`, and at most
+    PIN_SHARE of the machine's RAM is locked. Where a chunk cannot be pinned (no driver, the
+    allocation refused, the share reached) it and the rest are ordinary pageable memory: slower
+    copies, never a crash. That is said once in the log and counted (`pageable_bytes`)."""
 
     name = "ram"
 
-    def __init__(self, locator: ExpertLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None) -> None:
+    def __init__(self, locator: ExpertLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None,
+                 chunk_bytes: int = PIN_CHUNK_BYTES, pin_limit: int | None = None) -> None:
         super().__init__(locator, link)
         n, E = len(layers), locator.num_experts
         self._row = {layer: i for i, layer in enumerate(layers)}
-        self._data = torch.empty((n * E, locator.shape.numel), dtype=dtype, pin_memory=pin)
-        with tqdm(total=n * E, desc="loading experts to RAM", unit="expert", leave=False) as bar:
+        rows, numel = n * E, locator.shape.numel
+        row_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.pageable_bytes = 0  # bytes of a tier meant to be pinned that are pageable
+        self.pin_error: str | None = None
+        if not pin:
+            self._chunks = [torch.empty((rows, numel), dtype=dtype)]
+        else:
+            per = max(1, chunk_bytes // row_bytes)
+            budget = _pin_limit() if pin_limit is None else pin_limit
+            self._chunks = []
+            for start in range(0, rows, per):
+                count = min(per, rows - start)
+                self._chunks.append(self._alloc(count, numel, dtype, budget))
+                budget -= count * row_bytes if self.pin_error is None else 0
+        self._per = self._chunks[0].shape[0] if self._chunks else 1
+        with tqdm(total=rows, desc="loading experts to RAM", unit="expert", leave=False) as bar:
             for layer in layers:
                 for e in range(E):
-                    self._data[self._row[layer] * E + e] = _pack([read_tensor(s) for s in locator.segments(layer, e)])
+                    i = self._row[layer] * E + e
+                    self._chunks[i // self._per][i % self._per] = _pack([read_tensor(s) for s in locator.segments(layer, e)])
                     bar.update()
+
+    def _alloc(self, count: int, numel: int, dtype: torch.dtype, budget: int) -> torch.Tensor:
+        nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
+        if self.pin_error is None and nbytes > budget:
+            self.pin_error = f"pinning more would lock over {PIN_SHARE:.0%} of the machine's RAM"
+        if self.pin_error is None:
+            try:
+                return torch.empty((count, numel), dtype=dtype, pin_memory=True)
+            except (RuntimeError, MemoryError) as e:  # no CUDA driver, or the allocation refused
+                self.pin_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if self.pageable_bytes == 0:
+            log.warning("host expert tier: pinning failed (%s); the rest of it (%d experts and on) is pageable memory, "
+                        "so copies to the device are slower and synchronous", self.pin_error, sum(c.shape[0] for c in self._chunks))
+        self.pageable_bytes += nbytes
+        return torch.empty((count, numel), dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self._chunks)
 
     @property
     def buffer(self) -> torch.Tensor:
-        """[layers * experts, numel]: every expert, one row each (the fast tier's pool when zero-copy)."""
-        return self._data
+        """[layers * experts, numel]: every expert, one row each (the fast tier's pool when zero-copy;
+        only an unpinned tier, which is one allocation)."""
+        assert len(self._chunks) == 1, "a chunked (pinned) tier has no single buffer"
+        return self._chunks[0]
 
     def row(self, layer: int, expert: int) -> int:
         return self._row[layer] * self.locator.num_experts + expert
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
-        return self._data.shape[1] * self._data.element_size()
+        c = self._chunks[0]
+        return c.shape[1] * c.element_size()
 
     def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor:
-        return self._data[self.row(layer, expert)]  # a view: the caller's copy is the only one
+        i = self.row(layer, expert)
+        return self._chunks[i // self._per][i % self._per]  # a view: the caller's copy is the only one
+
+
+def _pin_limit() -> int:
+    """PIN_SHARE of the machine's physical RAM, in bytes."""
+    try:
+        return int(PIN_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class DiskTier(SlowTier):

@@ -35,6 +35,7 @@ class ArchSpec:
     renames: tuple[tuple[str, str], ...] = ()  # (in-memory fragment, on-disk fragment) for dense weights
     prefixes: tuple[tuple[str, str], ...] = ()  # (in-memory prefix, on-disk prefix): wrappers tried before the plain name
     text_config: bool = False  # config.json describes a multimodal wrapper; we run config.text_config
+    by_structure: bool = False  # not in the table: run because its blocks match the structure, checked at load
 
 
 # Qwen3.5 and 3.6 checkpoints are multimodal (model_type qwen3_5_moe) and keep the text model under
@@ -71,11 +72,12 @@ ARCHS: dict[str, ArchSpec] = {
 
 
 def arch_for(model_type: str, config_path: str = "config.json") -> ArchSpec:
-    if model_type not in ARCHS:
-        raise CheckpointError(
-            f"{config_path}: unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(ARCHS))}"
-        )
-    return ARCHS[model_type]
+    """The table's entry, or for a model_type not in it (hunyuan_v1_moe, dots1, ...) the generic one:
+    transformers' own names on disk, SwiGLU experts. Such a model runs when its sparse blocks match
+    the structure (engine/weights/moe_hook.py), each checked at load against its own forward."""
+    if not model_type or model_type == "None":
+        raise CheckpointError(f"{config_path}: no model_type; a Hugging Face config.json names its architecture")
+    return ARCHS.get(model_type) or ArchSpec(model_type, by_structure=True)
 
 
 def text_config(spec: ArchSpec, config: PretrainedConfig) -> PretrainedConfig:
@@ -100,3 +102,11 @@ def disk_names(spec: ArchSpec, memory_name: str) -> list[str]:
     for mem, disk in spec.prefixes:
         names = [disk + n[len(mem):] for n in names if n.startswith(mem)] + names
     return list(dict.fromkeys(names))
+
+
+def unsupported(model_type: str, config_path: str) -> CheckpointError:
+    """The error for a model_type outside the table whose blocks do not match the structure."""
+    return CheckpointError(
+        f"{config_path}: unsupported architecture model_type={model_type!r}: no sparse MoE block matches the structure "
+        f"(an `experts` module with fused 3-D weights beside a router whose weight is [num_experts, hidden]); "
+        f"known by name: {', '.join(sorted(ARCHS))}")

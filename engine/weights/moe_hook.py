@@ -22,7 +22,7 @@ from engine.errors import CheckpointError
 from engine.native.router import ROUTER_CLASSES, NativeTopKRouter
 
 # Dense parts of a sparse block that the generic adapter knows how to combine.
-_SHARED = ("shared_expert", "shared_expert_gate", "shared_experts")
+_SHARED = ("shared_expert", "shared_expert_gate", "shared_experts", "shared_mlp")
 
 
 @dataclass
@@ -56,10 +56,18 @@ def router_name(block: nn.Module) -> str | None:
         return None
     E = experts.gate_up_proj.shape[0]
     for name, child in block.named_children():
-        w = getattr(child, "weight", None)
-        if name != "experts" and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E:
+        if name != "experts" and _router_weight(child, E) is not None:
             return name
     return None
+
+
+def _router_weight(child: nn.Module, E: int) -> torch.Tensor | None:
+    """The child's [E, hidden] weight: its own, or that of its one linear layer (HunYuan's gate.wg)."""
+    w = getattr(child, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        inner = [m for m in child.children() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+        w = inner[0].weight if len(inner) == 1 and not any(True for _ in child.parameters(recurse=False)) else None
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E else None
 
 
 def is_sparse_moe_block(module: nn.Module) -> bool:
@@ -209,6 +217,7 @@ class BlockAdapter:
         modules = block._modules
         shared = modules.get("shared_expert")
         shared = modules.get("shared_experts") if shared is None else shared
+        shared = modules.get("shared_mlp") if shared is None else shared
         if shared is None:
             return None
         out = shared(x)
@@ -231,3 +240,44 @@ def expert_geometry(block: nn.Module, transposed: bool) -> tuple[int, int, int, 
     if top_k is None:
         raise CheckpointError(f"{type(block).__name__}: cannot tell how many experts its router picks (no top_k)")
     return int(E), int(H), int(two_i) // 2, int(top_k)
+
+
+def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: str, seed: int = 0) -> None:
+    """Check once, for an architecture run by structure alone, that the generic hook computes what
+    the block's own forward does: a random-weight float32 copy of the block, three random rows,
+    through both. Raise CheckpointError, one line, naming what differs.
+
+    The copy holds one block's experts in float32 for the moment of the check (freed at once)."""
+    import copy
+
+    test = copy.deepcopy(native).to_empty(device="cpu").float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in test.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if name.startswith(adapter.router or "-") else 0.05))
+        for _, b in test.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        H = test.experts.gate_up_proj.shape[-1] if kernel.views[0][1][-1] == test.experts.gate_up_proj.shape[-1] else test.experts.gate_up_proj.shape[1]
+        x = torch.randn(1, 3, H, generator=g)
+        ref = test(x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        rows = x.reshape(-1, H)
+        _, weights, ids = adapter.route(test, rows)
+        inputs, scale = adapter.expert_inputs(rows, weights)
+        routed = torch.zeros_like(rows)
+        for t in range(rows.shape[0]):
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                w = [test.experts.gate_up_proj[e], test.experts.down_proj[e]]
+                routed[t] += scale[t, k].float() * kernel.forward(w, inputs[t : t + 1])[0]
+        dense = adapter.dense(test, rows)
+        out = routed + (dense if dense is not None else 0)
+        ref2 = ref.reshape(out.shape).float()
+    if not torch.allclose(out, ref2, rtol=1e-4, atol=1e-5):
+        only_routed = dense is not None and torch.allclose(routed, ref2, rtol=1e-4, atol=1e-5)
+        what = ("its output equals the routed experts alone: it does not add its shared part as the hook does" if only_routed else
+                "the routed experts (router weights, expert kernel) or the shared part combine differently")
+        raise CheckpointError(
+            f"model_type={model_type!r}: sparse block {type(native).__name__} does not compute what the generic MoE hook does "
+            f"(max |difference| {float((out - ref2).abs().max()):.2e} on a random row; {what}); it needs an adapter in engine/weights/arch_adapters.py")

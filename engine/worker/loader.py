@@ -7,7 +7,6 @@ safetensors files by name -> build slow tier, fast tier and transfer engine.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -16,13 +15,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from engine.native.kernels import use_native_kernels
+from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.native.layers import accelerate
-from engine.weights.arch import arch_for, disk_names, text_config
+from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
-from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
 from engine.experts.expert_source import expert_source, read_dense
 from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
@@ -47,6 +47,7 @@ from engine.worker.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
+from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.worker.dispatch import ExecutionPlan, resolve_plan
 from engine.worker.packed_batch import use_packed_attention
 
@@ -103,6 +104,7 @@ class OffloadedModel(LoadedModel):
     adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
     prefetchers: tuple[str, ...] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
     plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
+    memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
@@ -121,54 +123,10 @@ class OffloadedModel(LoadedModel):
             self.cpu_experts.close()
 
 
-DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
-    return dev
 
 
-def _resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32  # CPU bf16 matmuls are slow and lose the parity guarantee
-        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        return d if isinstance(d, torch.dtype) else getattr(torch, str(d or "bfloat16"))
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
-
-
-def _read_config(model_dir: Path) -> PretrainedConfig:
-    cfg_path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: model directory not found")
-    if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
-    try:
-        model_type = json.loads(cfg_path.read_text()).get("model_type")
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if str(model_type) not in DENSE_ARCHS:
-        arch_for(str(model_type), str(cfg_path))  # fail early on unsupported architectures
-    config = AutoConfig.from_pretrained(model_dir)
-    # Training checkpoints often keep this on; at inference it only adds an aux-loss pass per step.
-    config.output_router_logits = False
-    return config
-
-
-def _n_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
-    if cfg.cache_bytes is not None:
-        n = cfg.cache_bytes // slot_bytes
-    else:
-        n = round(cfg.cache_fraction * total)
-    return int(min(total, max(1, n)))
 
 
 def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, GenerationConfig | None]:
@@ -182,7 +140,7 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = False) -> None
     """Validate a model directory cheaply (config, supported architecture, weight files, tokenizer)
     so front ends can fail with one line before starting anything heavy."""
     model_dir = Path(model_dir)
-    _read_config(model_dir)
+    read_config(model_dir)
     index_checkpoint(model_dir)
     if need_tokenizer and not ((model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()):
         raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); the server needs one")
@@ -191,12 +149,12 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = False) -> None
 def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """A small dense model (a speculative-decoding draft) kept whole on the compute device."""
     model_dir = Path(model_dir)
-    config = _read_config(model_dir)
+    config = read_config(model_dir)
     if config.model_type not in DENSE_ARCHS:
         raise CheckpointError(f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})")
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
-    dev = _resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_resolve_dtype(dtype, config, dev)).to(dev).eval()
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
@@ -204,14 +162,14 @@ def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "
 
 def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> OffloadedModel:
     model_dir = Path(model_dir)
-    config = _read_config(model_dir)
+    config = read_config(model_dir)
     spec = arch_for(config.model_type)
     config = text_config(spec, config)  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
-    device = _resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     kernels = use_native_kernels(cfg.native_kernels if device.type == "cpu" else "off")
-    dtype = _resolve_dtype(cfg.dtype, config, device)
+    dtype = resolve_dtype(cfg.dtype, config, device)
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -219,23 +177,31 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     sites = find_moe_sites(model)  # sparse blocks found by structure (engine/weights/moe_hook.py)
     moe_layers = [s.layer for s in sites]
     if not moe_layers:
+        if spec.by_structure:
+            raise unsupported(spec.model_type, str(model_dir / "config.json"))
         raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(spec.kernel, native0.experts, H, I)
+    if spec.by_structure:  # not in the table: each kind of block is checked once against its own forward
+        for block in {type(s.block): s.block for s in sites}.values():
+            verify_block(block, adapter_for(spec.model_type, block), kernel, spec.model_type)
     fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
+    # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
+    _fp, mplan = plan_for_model(model, [s.block.experts for s in sites], config, dtype, fmt.slot_bytes,
+                                locator.nbytes_on_disk(moe_layers[0], 0), E, I, top_k, tensors, cfg, device)
+    print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
-    if cfg.offload == "ram":
+    if mplan.offload == "ram":
         tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
-    slot_bytes = fmt.slot_bytes
-    n_slots = _n_slots(cfg, len(moe_layers) * E, slot_bytes)
+    n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
     zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
@@ -261,6 +227,8 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    om.memory_plan = mplan
+    stats.memory_probe = memory_probe(mplan, om.model, store, tier)  # planned and used bytes per pool, for /metrics
     _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
     om.plan = _plan(om, cfg, kernels, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:

@@ -1,0 +1,102 @@
+"""What a model needs, in bytes, from its config and safetensors headers alone (nothing is read
+but the headers, so this takes seconds for a 160 GB checkpoint): the dense part in the compute
+dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.weights.checkpoint import TensorLocation
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Footprint:
+    dtype: torch.dtype  # compute dtype
+    dense_bytes: int  # parameters outside the routed experts, in the compute dtype
+    slot_bytes: int  # one routed expert as the tiers store it
+    expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)
+    moe_layers: int
+    experts_per_layer: int
+    top_k: int
+    kv_bytes_per_token: int  # full-attention layers, K and V, compute dtype
+    sliding_kv_bytes_per_token: int  # sliding-window layers (bounded by the window)
+    sliding_window: int
+    context: int  # max_position_embeddings
+    hidden: int
+    intermediate: int  # largest of the dense MLP and top-k routed intermediates
+    vocab: int
+    checkpoint_bytes: int  # every tensor on disk
+
+    @property
+    def total_experts(self) -> int:
+        return self.moe_layers * self.experts_per_layer
+
+    @property
+    def experts_bytes(self) -> int:
+        return self.total_experts * self.slot_bytes
+
+    def kv_bytes(self, tokens: int, sequences: int) -> int:
+        """KV cache for `sequences` of `tokens` each: full layers grow with the tokens, sliding ones stop at the window."""
+        per_seq = tokens * self.kv_bytes_per_token + min(tokens, self.sliding_window or tokens) * self.sliding_kv_bytes_per_token
+        return sequences * per_seq
+
+    def scratch_bytes(self, chunk_tokens: int = 1024) -> int:
+        """Activation scratch for one prefill chunk: the residual stream, attention and MLP
+        intermediates (16 x hidden and 4 x the widest intermediate per token, float32), eight rows of
+        logits, and 64 MiB for the allocator and kernels' workspaces. An estimate, stated as one."""
+        per_token = (16 * self.hidden + 4 * self.intermediate) * 4
+        return chunk_tokens * per_token + 8 * self.vocab * 4 + 64 * MiB
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(full-attention bytes per token, sliding-window bytes per token, window) for KV in `dtype`.
+    Linear-attention layers (gated delta-net) keep a fixed state per sequence, counted in scratch."""
+    L = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * L)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if getattr(config, "kv_lora_rank", None):  # MLA, as transformers caches it: per-head K and V
+        k = heads * (int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim))
+        v = heads * int(config.v_head_dim)
+    else:
+        k = v = kv_heads * head_dim
+    per_layer = (k + v) * _itemsize(dtype)
+    full = sum(t in ("full_attention", "attention") for t in types)
+    sliding = sum(t in ("sliding_attention", "chunked_attention") for t in types)
+    window = int(getattr(config, "sliding_window", None) or 0) if sliding else 0
+    return full * per_layer, sliding * per_layer, window
+
+
+def footprint(model: nn.Module, experts: list[nn.Module], config: PretrainedConfig, dtype: torch.dtype,
+              slot_bytes: int, expert_disk_bytes: int, experts_per_layer: int, top_k: int, moe_intermediate: int,
+              tensors: dict[str, TensorLocation]) -> Footprint:
+    """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
+    the blocks' expert modules, whose parameters the tiers hold instead."""
+    routed = {id(p) for m in experts for p in m.parameters()}
+    dense = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in routed) * _itemsize(dtype)
+    full, sliding, window = kv_per_token(config, dtype)
+    dense_i = int(getattr(config, "intermediate_size", 0) or 0)
+    return Footprint(
+        dtype=dtype, dense_bytes=dense, slot_bytes=slot_bytes, expert_disk_bytes=expert_disk_bytes,
+        moe_layers=len(experts), experts_per_layer=experts_per_layer, top_k=top_k,
+        kv_bytes_per_token=full, sliding_kv_bytes_per_token=sliding, sliding_window=window,
+        context=int(getattr(config, "max_position_embeddings", 4096) or 4096), hidden=int(config.hidden_size),
+        intermediate=max(dense_i, top_k * moe_intermediate), vocab=int(config.vocab_size),
+        checkpoint_bytes=sum(t.nbytes for t in tensors.values()),
+    )
+
+
+def checkpoint_dir_bytes(model_dir: str | Path) -> int:
+    """Bytes of the *.safetensors files in a model directory."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))

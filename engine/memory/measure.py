@@ -1,0 +1,134 @@
+"""The memory plan of a model about to load: its footprint, measured against this machine.
+
+`plan_for_model` is what load_model calls once the model exists on the meta device (nothing
+allocated yet); `probe_checkpoint` builds the same meta model from config.json and the safetensors
+headers for `moe-offload plan` and for `serve`'s check before it listens."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from engine.config import EngineConfig
+from engine.memory.footprint import Footprint, footprint
+from engine.memory.machine import device_memory, host_memory
+from engine.memory.planner import MemoryPlan, plan_memory
+from engine.weights.checkpoint import TensorLocation
+
+
+def plan_for_model(model: nn.Module, experts: list[nn.Module], config: PretrainedConfig, dtype: torch.dtype,
+                   slot_bytes: int, expert_disk_bytes: int, E: int, I: int, top_k: int,
+                   tensors: dict[str, TensorLocation], cfg: EngineConfig, device: torch.device) -> tuple[Footprint, MemoryPlan]:
+    fp = footprint(model, experts, config, dtype, slot_bytes, expert_disk_bytes, E, top_k, I, tensors)
+    dev = str(device) if device.type == "cuda" else "cpu"
+    free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
+    from engine.memory.machine import rss_bytes
+
+    return fp, plan_memory(fp, cfg, dev, host_memory(), device_free=free[0] if free else None, runtime_bytes=rss_bytes())
+
+
+def print_plan(plan: MemoryPlan) -> None:
+    """Every start prints its plan (stderr: stdout stays the generated text or JSON)."""
+    print(plan.table(), file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A checkpoint described from its headers: what `plan` reports and serve checks."""
+
+    footprint: Footprint
+    model_type: str
+    expert_format: str  # e.g. "none" (float experts), "int8", "mxfp4"
+    device: torch.device
+    sidecar_bytes: int
+
+
+def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
+    """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
+    from engine.experts.expert_kernels import make_kernel
+    from engine.experts.quant import make_format
+    from engine.weights.arch import arch_for, text_config
+    from engine.weights.checkpoint import index_checkpoint
+    from engine.weights.expert_layout import ExpertLocator, ExpertShape
+    from engine.experts.expert_source import _native
+    from engine.weights.moe_hook import expert_geometry, find_moe_sites
+    from engine.weights.model_config import read_config, resolve_device, resolve_dtype
+
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    spec = arch_for(config.model_type)
+    config = text_config(spec, config)
+    tensors = index_checkpoint(model_dir)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, config, device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    sites = find_moe_sites(model)
+    from engine.errors import CheckpointError
+
+    if not sites:
+        raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
+    layers = [s.layer for s in sites]
+    E, H, I, top_k = expert_geometry(sites[0].block, transposed=spec.kernel != "swiglu")
+    shape = ExpertShape(hidden=H, intermediate=I)
+    experts: list[nn.Module] = [s.block.get_submodule("experts") for s in sites]
+    kernel = make_kernel(spec.kernel, experts[0], H, I)
+    native = _native(spec, config, tensors, layers, E, shape, kernel, dtype)
+    sidecar = 0
+    fmt: Any
+    locator: Any
+    if native is not None:
+        fmt, locator = native
+    else:
+        fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
+        locator = ExpertLocator(spec, tensors, layers, E, shape, kernel.views)
+        if cfg.expert_quant != "none":
+            sidecar = len(layers) * E * fmt.slot_bytes
+    fp = footprint(model, experts, config, dtype, fmt.slot_bytes,
+                   locator.nbytes_on_disk(layers[0], 0), E, top_k, I, tensors)
+    return Probe(fp, str(config.model_type), fmt.name, device, sidecar)
+
+
+def plan_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> tuple[Probe, MemoryPlan]:
+    """The plan `serve` would make for this checkpoint on this machine (ConfigError if it cannot fit)."""
+    probe = probe_checkpoint(model_dir, cfg)
+    dev = str(probe.device) if probe.device.type == "cuda" else "cpu"
+    free = device_memory("cuda:0" if dev == "cuda" else dev)
+    from engine.memory.machine import disk_free
+    from engine.experts.quant_cache import default_cache_dir
+
+    quant_dir = cfg.quant_cache_dir or default_cache_dir()
+    return probe, plan_memory(probe.footprint, cfg, dev, host_memory(), device_free=free[0] if free else None,
+                              sidecar_bytes=probe.sidecar_bytes, sidecar_disk_free=disk_free(quant_dir) if probe.sidecar_bytes else None)
+
+
+def memory_probe(plan: MemoryPlan, model: nn.Module, store: object, tier: object):
+    """A callable returning {pool: {"planned": bytes, "used": bytes}}: the plan beside what the
+    process holds now. Used bytes are measured where one object holds the pool (dense parameters,
+    the fast tier's slots, the RAM tier's buffers) and, for the whole process, its resident set
+    and (on a GPU) the bytes torch has allocated."""
+    from engine.memory.machine import rss_bytes
+
+    planned = plan.planned()
+    dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    slots = getattr(store, "slots", None)
+    fast = 0 if plan.zero_copy or slots is None else slots.numel() * slots.element_size()
+    slow = int(getattr(tier, "nbytes", 0))
+
+    def probe() -> dict[str, dict[str, int]]:
+        out = {name: {"planned": b} for name, b in planned.items()}
+        out["dense"]["used"] = dense
+        out["fast_tier"]["used"] = fast
+        out["slow_tier"]["used"] = slow
+        out["slow_tier_pageable"] = {"planned": 0, "used": int(getattr(tier, "pageable_bytes", 0))}
+        out["host_total"] = {"planned": plan.total("host"), "used": rss_bytes()}
+        if plan.device_budget is not None:
+            out["device_total"] = {"planned": plan.total("device"), "used": int(torch.cuda.memory_allocated())}
+        return out
+
+    return probe
