@@ -35,6 +35,7 @@ from server.reasoning import reasoning_prompt
 from server.routes import _check_messages
 from server.state import ServerState
 from server.tools import tool_mode
+from server.openapi import AnthropicErrorResponse, error_responses, json_or_stream
 
 
 class _Lenient(BaseModel):
@@ -204,7 +205,7 @@ def router(st: ServerState) -> APIRouter:
     r = APIRouter(route_class=AnthropicRoute)
     model = st.settings.served_model_name
 
-    @r.post("/messages")
+    @r.post("/messages", responses={**json_or_stream("A message, or its events when streamed."), **error_responses(400, 401, 404, 413, 429, 500, 503, 529, model=AnthropicErrorResponse)})
     async def create(body: MessagesRequest, raw: Request) -> Any:
         run = await start_chat(st, to_chat(body, body.max_tokens, body.stream), "msg", body.thinking_switch())
         mid = f"msg_{uuid.uuid4().hex}"
@@ -279,7 +280,7 @@ def router(st: ServerState) -> APIRouter:
         finally:  # a client that went away: its sequence is aborted now, not when the generator is collected
             run.choices.abort_unfinished()
 
-    @r.post("/messages/count_tokens")
+    @r.post("/messages/count_tokens", responses=error_responses(400, 401, 404, 413, 500, 503, model=AnthropicErrorResponse))
     async def count_tokens(body: CountTokensRequest) -> Any:
         chat = to_chat(body)
         st.check_model(chat.model)

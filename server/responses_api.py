@@ -41,6 +41,7 @@ from server.protocol import (
 from server.reasoning import thinking_of_effort
 from server.response_store import ResponseStore
 from server.state import ServerState
+from server.openapi import error_responses, json_or_stream
 
 SUPPORTED_PARTS = ("input_text", "output_text", "text")
 
@@ -287,7 +288,7 @@ def _sse(event: dict[str, Any]) -> str:
 def router(st: ServerState, store: ResponseStore) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/responses")
+    @r.post("/responses", responses={**json_or_stream("A response, or its typed events when streamed."), **error_responses(400, 401, 404, 413, 429, 500, 503)})
     async def create(body: ResponsesRequest, raw: Request) -> Any:
         history: list[ChatMessage] = []
         if body.previous_response_id is not None:
@@ -415,14 +416,14 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
         finally:  # a client that went away: its sequence is aborted now, not when the generator is collected
             run.choices.abort_unfinished()
 
-    @r.get("/responses/{response_id}")
+    @r.get("/responses/{response_id}", responses=error_responses(401, 404))
     async def retrieve(response_id: str) -> Any:
         item = store.get(response_id)
         if item is None:
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
         return item.response
 
-    @r.delete("/responses/{response_id}")
+    @r.delete("/responses/{response_id}", responses=error_responses(401, 404))
     async def delete(response_id: str) -> Any:
         if not store.delete(response_id):
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")

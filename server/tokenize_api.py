@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from server.errors import ApiError
 from server.state import ServerState
+from server.openapi import error_responses
 
 
 class TokenizeRequest(BaseModel):
@@ -30,7 +31,7 @@ class DetokenizeRequest(BaseModel):
 def router(st: ServerState) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/tokenize")
+    @r.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         st.check_text_length(len(body.content), "content")
         ids: list[int] = await st.off_loop(lambda: list(st.tokenizer(body.content, add_special_tokens=body.add_special)["input_ids"]))
@@ -38,7 +39,7 @@ def router(st: ServerState) -> APIRouter:
             return {"tokens": [{"id": t, "piece": st.token_text(t)} for t in ids]}
         return {"tokens": ids}
 
-    @r.post("/detokenize")
+    @r.post("/detokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if len(body.tokens) > st.max_model_len * 4:
             raise ApiError(400, f"at most {st.max_model_len * 4} tokens", param="tokens")
