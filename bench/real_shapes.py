@@ -1,9 +1,9 @@
 """Random-weight checkpoints with the released configs of real MoE models, written shard by shard.
 
     python -m bench.real_shapes --model qwen3-30b-a3b --out /data/qwen3-30b-a3b            # 61 GB, bf16
-    python -m bench.real_shapes --model qwen3-30b-a3b --layers 4 --out /tmp/q30-4l          # same layer shape, 4 layers
+    python -m bench.real_shapes --model qwen3-30b-a3b --layers 4 --out .cache/real/q30-4l          # same layer shape, 4 layers
     python -m bench.real_shapes --model gpt-oss-20b --out /data/gpt-oss-20b                 # MXFP4 experts as released
-    python -m bench.real_shapes --model qwen3-next-80b-a3b --layers 2 --out /tmp/qnext-2l
+    python -m bench.real_shapes --model qwen3-next-80b-a3b --layers 2 --out .cache/real/qnext-2l
 
 Each model is its released config.json (Hugging Face, values copied below) and its real on-disk tensor
 names and dtypes: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` in bf16 for the Qwen models,
