@@ -17,14 +17,14 @@ from server.openapi import error_responses
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "0" is not false, "1" not a token id
     content: str
     add_special: bool = False
     with_pieces: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "0" is not false, "1" not a token id
     tokens: list[int]
 
 

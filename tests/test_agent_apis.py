@@ -57,7 +57,9 @@ def test_responses_usage_and_greedy_equality_with_chat_and_messages(oai: openai.
     assert r.usage.input_tokens == chat.usage.prompt_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens == m.usage.output_tokens
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    assert r.usage.input_tokens_details.cached_tokens == 0  # no prefix cache yet
+    # The chat request just cached this prompt, so both later requests read the same prefix from it.
+    cached = r.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < r.usage.input_tokens and cached == m.usage.cache_read_input_tokens
     if chat.choices[0].finish_reason == "length":
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
         assert m.stop_reason == "max_tokens"

@@ -90,4 +90,6 @@ def test_reasoning_fields_in_all_three_apis(srv: RunningServer, ckpt) -> None:
     assert [b.type for b in m_off.content] == ["text"]
     n_on = ant.messages.count_tokens(model=MODEL, messages=MSGS)
     n_off = ant.messages.count_tokens(model=MODEL, messages=MSGS, thinking={"type": "disabled"})
-    assert n_off.input_tokens > n_on.input_tokens == m.usage.input_tokens
+    # Anthropic's usage splits the prompt: uncached input + prefix-cache reads + cache writes.
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.cache_creation_input_tokens
+    assert n_off.input_tokens > n_on.input_tokens == prompt
