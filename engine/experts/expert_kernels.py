@@ -16,14 +16,15 @@ Three kernels cover the architectures we run:
 from __future__ import annotations
 
 import math
-from typing import Any
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.native.kernels import bf16_gemv
+from engine.native.row_kernels import native_rows_allowed
 
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
 
@@ -54,7 +55,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = bf16_gemv(x, w)
     if y is not None:
         return y
-    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu":
+    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and native_rows_allowed():
         return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.native.build import build
+from engine.native.row_kernels import native_rows_allowed
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +261,9 @@ def _load() -> tuple[NativeKernels | None, str]:
 
 
 def usable(x: torch.Tensor) -> NativeKernels | None:
-    """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous."""
-    if x.device.type != "cpu" or x.dtype not in X_CODES or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
+    """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous,
+    in a step whose rows take them (engine/native/row_kernels.py)."""
+    if not native_rows_allowed() or x.device.type != "cpu" or x.dtype not in X_CODES or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
         return None
     return native()
 

@@ -10,7 +10,8 @@
   in a bf16 model), so each norm module is checked against its own forward on its first call and
   keeps that forward if they differ.
 
-Everything else (prefill, batches over 16 rows, other dtypes, other devices) runs as before.
+Everything else (prompts and evaluation forwards, whatever their length: engine/native/row_kernels.py;
+batches over 16 rows, other dtypes, other devices) runs as before.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels, bf16_gemv, native
+from engine.native.row_kernels import native_rows_allowed
 
 
 class NativeLinear(nn.Linear):
@@ -54,6 +56,8 @@ class NativeRMSNorm:
         # This runs several times a layer in every decode step, where each norm sees one shape: an
         # input of the shape and dtype accepted last time needs only the contiguity check (and the
         # verdict of the first call's check against the module).
+        if not native_rows_allowed():
+            return None
         if self._accepted == (x.shape, x.dtype) and x.is_contiguous() and self.verified is not False:
             return native()
         w = self.module.weight

@@ -23,15 +23,20 @@ from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
+from engine.native.row_kernels import few_row_kernels
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import LoadedModel
-from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
+from engine.worker.packed_batch import (
+    NO_ROLLBACK_MODEL_TYPES,
+    one_by_one_forward,
+    packed_forward,
+    spans_of,
+)
 from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
-
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
 DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
@@ -65,13 +70,16 @@ class ModelRunner:
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
             bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
-        if self._lean is not None:
-            out = self._lean(windows, starts, caches, keep, self.lm.device)
-            path, declined = self._lean.last_path
-        else:
-            run = packed_forward if self.lm.packed else one_by_one_forward
-            out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
-            path, declined = "transformers", ""
+        # Decode and verification rows take the native few-row kernels, prompt and evaluation rows torch's,
+        # whatever else shares the step: a request's output never depends on its batch (engine/native/row_kernels.py).
+        with few_row_kernels(kind in ("decode", "verify")):
+            if self._lean is not None:
+                out = self._lean(windows, starts, caches, keep, self.lm.device)
+                path, declined = self._lean.last_path
+            else:
+                run = packed_forward if self.lm.packed else one_by_one_forward
+                out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
+                path, declined = "transformers", ""
         if self._stats is not None:
             self._stats.record_step(kind, path, declined)
         return out
