@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig
 from engine.budget import fmt_bytes
+from engine.config import EngineConfig
 from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
 

@@ -16,9 +16,9 @@ Three kernels cover the architectures we run:
 from __future__ import annotations
 
 import math
-from typing import Any
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

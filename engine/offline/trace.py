@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.worker.loader import OffloadedModel
 from engine.experts.routing_bus import RoutingEvent
 from engine.paths import portable_path
+from engine.worker.loader import OffloadedModel
 
 
 @torch.inference_mode()

@@ -58,7 +58,7 @@ class GrammarCompiler:
         eos = list(eos_ids) if eos_ids else None
         self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
 
-    def make(self, spec: ConstraintSpec) -> "LLGuidanceConstraint":
+    def make(self, spec: ConstraintSpec) -> LLGuidanceConstraint:
         import llguidance
 
         grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)

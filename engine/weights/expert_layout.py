@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.errors import CheckpointError
 from engine.weights.arch import ArchSpec, disk_names
 from engine.weights.checkpoint import TensorLocation
-from engine.errors import CheckpointError
 
 
 @dataclass(frozen=True)

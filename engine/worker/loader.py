@@ -10,46 +10,52 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from engine.native.kernels import use_native_kernels
-from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.native.layers import accelerate
-from engine.weights.arch import arch_for, disk_names, text_config, unsupported
-from engine.weights.arch_adapters import adapter_for
-from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
-from engine.experts.expert_source import expert_source, read_dense
-from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
 from engine.core.contracts import Runner
 from engine.errors import CheckpointError, ConfigError
-from engine.weights.expert_layout import ExpertShape
-from engine.experts.expert_store import ExpertStore
-from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.expert_kernels import make_kernel
-from engine.experts.moe_block import OffloadedMoeBlock
-from engine.experts.moe_executor import MoeExecutor
-from engine.experts.routing_bus import RoutingBus
-from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
-from engine.stats import EngineStats
-from engine.experts.transfers import TransferEngine
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
+from engine.experts.expert_kernels import make_kernel
+from engine.experts.expert_source import expert_source, read_dense
+from engine.experts.expert_store import ExpertStore
+from engine.experts.link import EmulatedLink, parse_link
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.moe_executor import MoeExecutor
 from engine.experts.quant import ExpertFormat
+from engine.experts.routing_bus import RoutingBus
+from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
+from engine.experts.transfers import TransferEngine
 from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.memory.measure import memory_probe, plan_for_model, print_plan
+from engine.native.kernels import use_native_kernels
+from engine.native.layers import accelerate
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
+from engine.stats import EngineStats
+from engine.weights.arch import arch_for, disk_names, text_config, unsupported
+from engine.weights.arch_adapters import adapter_for
+from engine.weights.checkpoint import index_checkpoint
+from engine.weights.expert_layout import ExpertShape
+from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
+from engine.worker.dispatch import ExecutionPlan, resolve_plan
+from engine.worker.packed_batch import use_packed_attention
 from engine.worker.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
-from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
-from engine.worker.dispatch import ExecutionPlan, resolve_plan
-from engine.worker.packed_batch import use_packed_attention
 
 log = logging.getLogger(__name__)
 

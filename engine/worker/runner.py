@@ -27,11 +27,15 @@ from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import LoadedModel
-from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES, one_by_one_forward, packed_forward, spans_of
+from engine.worker.packed_batch import (
+    NO_ROLLBACK_MODEL_TYPES,
+    one_by_one_forward,
+    packed_forward,
+    spans_of,
+)
 from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
-
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
 DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
