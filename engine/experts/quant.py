@@ -131,7 +131,7 @@ class GroupQuantFormat(ExpertFormat):
         for w, parts in zip(weights, self._layout):
             w = w.detach().to(torch.float32)
             encoded = [w] if w.dim() != 2 else (_int8(w, self.group_of(w.shape[1])) if self.bits == 8 else _int4(w, self.group_of(w.shape[1])))
-            for t, (off, nbytes, dtype, pshape) in zip(encoded, parts):
+            for t, (off, nbytes, dtype, _pshape) in zip(encoded, parts):
                 out[off : off + nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
         return out
 

@@ -47,7 +47,7 @@ class SlowTier(ABC):
     @abstractmethod
     def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: tiers without resources keep the no-op)
         pass
 
 
