@@ -102,7 +102,7 @@ class FilteredView(AbstractSet[Hashable]):
         self._base, self._keep = base, keep
 
     def __contains__(self, key: object) -> bool:
-        return key in self._base and self._keep(key)  # type: ignore[arg-type]
+        return key in self._base and self._keep(key)
 
     def __iter__(self):  # noqa: ANN204
         return (k for k in self._base if self._keep(k))
