@@ -66,7 +66,7 @@ class LoadedModel:
 
     model: PreTrainedModel
     config: PretrainedConfig
-    tokenizer: object | None
+    tokenizer: Any | None  # a transformers tokenizer (used by duck typing), None where the checkpoint has none
     generation_config: GenerationConfig | None
     model_dir: Path
     device: torch.device
@@ -135,7 +135,7 @@ class OffloadedModel(LoadedModel):
 
 
 
-def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, GenerationConfig | None]:
+def _tokenizer_and_generation_config(model_dir: Path) -> tuple[Any | None, GenerationConfig | None]:
     has_tok = (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists()
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tok else None
     gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
@@ -160,7 +160,8 @@ def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "
         raise CheckpointError(f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})")
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()
+    # Ignored: transformers types the decorated PreTrainedModel.to without its bound self.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()  # type: ignore[arg-type]
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
@@ -198,7 +199,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
 
     stats = EngineStats(num_layers=len(layers))
     # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
-    _fp, mplan = plan_for_model(model, [s.block.experts for s in sites], config, dtype, fmt.slot_bytes,
+    _fp, mplan = plan_for_model(model, [s.block.get_submodule("experts") for s in sites], config, dtype, fmt.slot_bytes,
                                 locator.nbytes_on_disk(moe_layers[0], 0), E, I, top_k, tensors, cfg, device)
     print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
@@ -210,12 +211,12 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
-    zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+    ram = tier if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E else None
     policies.eviction.bind(moe_layers, E)
     store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=protect_ticks(len(moe_layers)),
-                        slots=tier.buffer if zero_copy else None)
-    if zero_copy:
-        store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
+                        slots=ram.buffer if ram is not None else None)
+    if ram is not None:
+        store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
     kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers),
                             pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda")
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
