@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType

@@ -20,12 +20,12 @@ from tqdm.auto import tqdm
 
 from bench.report import write_report
 from engine.config import EngineConfig
-from engine.offline.evaluation import score_window
-from engine.paths import portable_path
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
-from engine.worker.runner import ModelRunner
+from engine.offline.evaluation import score_window
+from engine.paths import portable_path
 from engine.worker.loader import load_model
+from engine.worker.runner import ModelRunner
 from engine.worker.sampling import SamplingParams
 
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")

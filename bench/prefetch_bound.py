@@ -29,7 +29,14 @@ from bench.report import write_report
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
 from engine.paths import portable_path
-from engine.prefetch.training import AdapterData, data_from_trace, evaluate, evaluate_base, fit_predictor, train_adapter
+from engine.prefetch.training import (
+    AdapterData,
+    data_from_trace,
+    evaluate,
+    evaluate_base,
+    fit_predictor,
+    train_adapter,
+)
 from engine.worker.loader import load_model
 from server.cli_common import resolve_model_dir
 from server.cli_eval import _read_tokens

@@ -28,11 +28,11 @@ from typing import Any
 import httpx
 import openai
 
+from models import EMBEDDED_DIR, EMBEDDED_TARGET
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from server_fixtures import serve  # the tests' server launcher
-
-from models import EMBEDDED_DIR, EMBEDDED_TARGET
+from server_fixtures import serve  # noqa: E402 (the tests' server launcher: needs tests/ on sys.path)
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository and return its text.",

@@ -26,15 +26,20 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from bench.report import write_report
-
 from bench.policy_bench import PROMPT_TOKENS
+from bench.report import write_report
 from bench.spac_bench import CONFIGS as SPAC_CONFIGS
 from engine.config import EngineConfig
-from engine.speculative.config import SpecConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
 from engine.offline.projection import project_trace
-from engine.offline.simulator import Acceptance, SimSettings, Simulator, load_trace, trace_from_arrays
+from engine.offline.simulator import (
+    Acceptance,
+    SimSettings,
+    Simulator,
+    load_trace,
+    trace_from_arrays,
+)
+from engine.speculative.config import SpecConfig
 
 DOCS = Path("docs/benchmarks")
 HEADER = ("# The router-trace simulator against the engine, and projections (all figures below are SIMULATED; "

@@ -26,7 +26,15 @@ import argparse
 
 import torch
 
-from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
+from bench.report import (
+    add_run_flags,
+    cut_prompts,
+    interleaved,
+    machine_line,
+    prompts_line,
+    summarize,
+    write_report,
+)
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.paths import portable_path

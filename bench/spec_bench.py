@@ -19,7 +19,15 @@ import time
 
 import torch
 
-from bench.report import add_run_flags, cut_prompts, interleaved, machine_line, prompts_line, summarize, write_report
+from bench.report import (
+    add_run_flags,
+    cut_prompts,
+    interleaved,
+    machine_line,
+    prompts_line,
+    summarize,
+    write_report,
+)
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore

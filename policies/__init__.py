@@ -1,5 +1,12 @@
 """Pure decision objects: they see expert ids, gate weights and cache state, never tensors."""
-from policies.base import DROPPED, AdmissionPolicy, EvictionPolicy, ExpertPlan, MissPolicy, SubstituteChoice
+from policies.base import (
+    DROPPED,
+    AdmissionPolicy,
+    EvictionPolicy,
+    ExpertPlan,
+    MissPolicy,
+    SubstituteChoice,
+)
 from policies.registry import (
     POLICY_NAMES,
     PolicyBundle,

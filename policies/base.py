@@ -102,7 +102,7 @@ class FilteredView(AbstractSet[Hashable]):
         self._base, self._keep = base, keep
 
     def __contains__(self, key: object) -> bool:
-        return key in self._base and self._keep(key)  # type: ignore[arg-type]
+        return key in self._base and self._keep(key)
 
     def __iter__(self):  # noqa: ANN204
         return (k for k in self._base if self._keep(k))
@@ -129,12 +129,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_remove(self, key: Hashable) -> None: ...
 
-    def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:
+    def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:  # noqa: B027 (optional hook)
         """The model's MoE layers in the order a forward runs them, and experts per layer (keys
         are `layer * num_experts + expert`). Policies that rank by layer order use it. Default:
         ignored."""
 
-    def on_layer(self, layer: int) -> None:
+    def on_layer(self, layer: int) -> None:  # noqa: B027 (optional hook)
         """An MoE layer (model layer index) starts planning: policies that know the forward's
         layer order (reuse distance) track where in it the engine is. Default: ignored."""
 

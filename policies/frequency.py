@@ -47,11 +47,11 @@ class FrequencyEviction(EvictionPolicy):
         order = math.log(score) - self._log_decay * self.clock
         self._order[key] = order
         if push:
-            heapq.heappush(self._heap, (order, key))  # type: ignore[misc]
+            heapq.heappush(self._heap, (order, key))
             self._stale += 1
             if self._stale > len(self._order) + 1024:
                 self._heap = [(o, k) for k, o in self._order.items()]
-                heapq.heapify(self._heap)  # type: ignore[arg-type]
+                heapq.heapify(self._heap)
                 self._stale = 0
 
     def on_insert(self, key: Hashable) -> None:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from policies.admission import BackgroundAdmission, NoAdmission
 from policies.base import AdmissionPolicy, EvictionPolicy, MissPolicy, SubstituteChoice
-from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
+from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.reuse_distance import ReuseDistanceEviction
 from policies.substitute import BestResident, DropRenormalize
 from policies.utility import UtilityEviction

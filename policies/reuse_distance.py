@@ -52,7 +52,7 @@ class ReuseDistanceEviction(EvictionPolicy):
         # Residents: key -> log p as of run 0 of its layer (the heap order); per layer, a heap of
         # (that value, key) with stale entries skipped lazily.
         self._resident: dict[Hashable, float] = {}
-        self._heaps: dict[int, list[tuple[float, int]]] = {}
+        self._heaps: dict[int, list[tuple[float, Hashable]]] = {}
         self._stale = 0  # heap entries pushed by inserts since the heaps were last rebuilt
 
     def bind(self, moe_layers: Sequence[int], num_experts: int) -> None:
@@ -94,7 +94,7 @@ class ReuseDistanceEviction(EvictionPolicy):
         order = math.log(p) - self._log_keep * runs  # log p at run r is order + r * log_keep
         if insert:
             self._resident[key] = order
-            heapq.heappush(self._heaps.setdefault(layer, []), (order, key))  # type: ignore[misc]
+            heapq.heappush(self._heaps.setdefault(layer, []), (order, key))
             self._stale += 1
             if self._stale > len(self._resident) + 1024:
                 self._rebuild()
@@ -106,9 +106,9 @@ class ReuseDistanceEviction(EvictionPolicy):
     def _rebuild(self) -> None:
         """Drop the stale entries: every insert pushes one, and a stale entry leaves only when it
         reaches a heap's top during an eviction, so without a bound the heaps could keep growing."""
-        heaps: dict[int, list[tuple[float, int]]] = {}
+        heaps: dict[int, list[tuple[float, Hashable]]] = {}
         for key, order in self._resident.items():
-            heaps.setdefault(self._layer(key), []).append((order, key))  # type: ignore[arg-type]
+            heaps.setdefault(self._layer(key), []).append((order, key))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps, self._stale = heaps, 0

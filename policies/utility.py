@@ -26,7 +26,7 @@ embedded model and documented here so they can be tuned. Pure: plain numbers in 
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from policies.base import EvictionPolicy, FilteredView, as_set
 from policies.reuse_distance import ReuseDistanceEviction
@@ -93,7 +93,7 @@ class SpeculativeUtilityEstimator:
         return 1 + sum(count >= b for b in self.boundaries)
 
     # -- learning -------------------------------------------------------------------------
-    def observe(self, layer_counts: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+    def observe(self, layer_counts: Mapping[int, tuple[Sequence[int], Sequence[int]]]) -> None:
         """One step's windows. layer_counts[layer] = (counts over all window rows, counts over
         the accepted rows), each of length num_experts, summed over the step's requests."""
         effective = {

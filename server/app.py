@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from server import messages_api, responses_api, routes, tokenize_api
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
-from server.openapi import PROMETHEUS, Health, error_responses, install_openapi, json_or_stream
 from server.limits import BodyLimitMiddleware, RequestCounter
+from server.openapi import PROMETHEUS, Health, error_responses, install_openapi, json_or_stream
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.response_store import ResponseStore
 from server.state import ServerState, ServeSettings

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
 from engine.worker.sampling import SamplingParams
-from server.cli_common import add_engine_flags, add_spec_flags, engine_config_from_args, resolve_model_dir, spec_choice_from_args
+from server.cli_common import (
+    add_engine_flags,
+    add_spec_flags,
+    engine_config_from_args,
+    resolve_model_dir,
+    spec_choice_from_args,
+)
 from server.cli_eval import add_eval_parsers
 from server.cli_plan import add_plan_parser
 from server.cli_prefetch import add_prefetch_parser
@@ -33,8 +39,8 @@ class GenerateOptions:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.launch import max_model_len_of
     from engine.core.messages import GenerateRequest
+    from engine.launch import max_model_len_of
     from engine.worker.loader import load_model
 
     opts = GenerateOptions(**overrides_from_args(args, GenerateOptions))

@@ -111,8 +111,8 @@ def _plot(rows: list[dict], path: Path, fraction: float | None) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from engine.worker.loader import load_model
     from engine.offline.trace import record_trace, save_trace
+    from engine.worker.loader import load_model
 
     # With --expert-quant the trace records the quantized expert size, which `simulate` then charges per transfer.
     om = load_model(resolve_model_dir(args.model), EngineConfig(device=args.device or "auto", expert_quant=args.expert_quant))
@@ -130,7 +130,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from engine.experts.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
     from engine.offline.projection import project_trace
-    from engine.offline.simulator import Acceptance, OraclePredictor, SimSettings, Simulator, load_trace, manual_costs
+    from engine.offline.simulator import (
+        Acceptance,
+        OraclePredictor,
+        SimSettings,
+        Simulator,
+        load_trace,
+        manual_costs,
+    )
     from server.policy_sweep import POLICY_SWEEP
 
     if not Path(args.trace).is_file():
@@ -199,7 +206,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_eval_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = sub.add_parser("eval", help="teacher-forced perplexity per miss policy",
                        description="Teacher-forced perplexity on held-out text, decoding token by token so the expert cache evolves exactly as in generation. Reports PPL, ΔPPL %% against fetch-all on the same tokens, the share of expert calls substituted, the mean substituted gate mass per token-layer and fetches per token.")
     e.add_argument("--data", required=True, metavar="FILE", help="UTF-8 text to score, e.g. models/embedded/data/test.txt")

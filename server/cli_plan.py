@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig
 from engine.budget import fmt_bytes
+from engine.config import EngineConfig
 from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
 
@@ -53,7 +53,7 @@ def project(fp: Footprint, model_type: str, cache_fraction: float, hardware: str
         costs = with_link(costs, spec.mb_per_s, spec.latency_us)
     rows = []
     for preset in PRESETS:
-        cfg = EngineConfig(policy=preset, **({} if preset == "fetch-all" else {"substitute": "drop"}))  # projected traces have no logits
+        cfg = EngineConfig(policy=preset) if preset == "fetch-all" else EngineConfig(policy=preset, substitute="drop")  # projected traces have no logits
         try:
             res = simulate(trace, cfg.policies(), cache_fraction, costs, max_tokens=SIM_TOKENS).to_dict()
         except (ValueError, ProfileError) as e:
@@ -118,6 +118,6 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      ("--offload", {"default": "auto", "choices": ("auto", "ram", "disk"), "help": "slow tier as serve --offload (default auto: the plan's choice)"}),
                      ("--cache-fraction", {"type": float, "metavar": "F", "help": "fast-tier share as serve --cache-fraction (default: the plan's choice)"}),
                      ("--kv-tokens", {"type": int, "metavar": "N", "help": "KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))"})):
-        p.add_argument(flag, **kw)  # type: ignore[arg-type]
+        p.add_argument(flag, **kw)
     p.set_defaults(func=cmd_plan)
 

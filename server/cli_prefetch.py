@@ -16,7 +16,13 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.offline.trace import record_trace
     from engine.prefetch.adapter import FILE_NAME, save_adapter
-    from engine.prefetch.training import data_from_trace, evaluate, evaluate_base, model_fingerprint, train_adapter
+    from engine.prefetch.training import (
+        data_from_trace,
+        evaluate,
+        evaluate_base,
+        model_fingerprint,
+        train_adapter,
+    )
     from engine.worker.loader import load_model
     from server.cli_eval import _read_tokens
 
@@ -56,7 +62,7 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_prefetch_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_prefetch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("train-prefetcher", help="train SpecPrefetch's router adapter (next-layer expert predictor) for a model",
                        description="Train the low-rank adapter that predicts layer l+1's router logits from layer l's router input "
                                    "(engine/prefetch/adapter.py). Predictions only start transfers: `serve --prefetch adapter`.")

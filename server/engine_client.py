@@ -27,8 +27,17 @@ from enum import Enum
 from typing import Any
 
 from engine.core.faults import new_error_id
+from engine.core.messages import (
+    AbortRequest,
+    EngineDead,
+    EngineOutput,
+    EngineReady,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+    StatsUpdate,
+)
 from engine.launch import EngineArgs, engine_main
-from engine.core.messages import AbortRequest, EngineDead, EngineOutput, EngineReady, GenerateRequest, RequestOutput, Shutdown, StatsUpdate
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("moe_offload.server")

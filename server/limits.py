@@ -9,7 +9,8 @@ been written).
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from server.anthropic_errors import anthropic_error_body
 from server.errors import error_body

@@ -30,12 +30,12 @@ from server.chat_bridge import (
     start_chat,
 )
 from server.errors import ApiError
+from server.openapi import AnthropicErrorResponse, error_responses, json_or_stream
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.reasoning import reasoning_prompt
 from server.routes import _check_messages
 from server.state import ServerState
 from server.tools import tool_mode
-from server.openapi import AnthropicErrorResponse, error_responses, json_or_stream
 
 
 class _Lenient(BaseModel):

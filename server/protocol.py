@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -50,7 +50,7 @@ class ToolCall(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (history)
     tool_call_id: str | None = None  # a tool result answers this call
@@ -90,13 +90,13 @@ class NamedToolChoice(_Lenient):
     function: FunctionName
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class JsonSchemaFormat(_Lenient):
     name: str = Field(default="response", max_length=64)
     description: str | None = None
-    schema_: Union[dict[str, Any], bool] = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
@@ -106,7 +106,7 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _needs_schema(self) -> "ResponseFormat":
+    def _needs_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs a `json_schema` object")
         return self
@@ -120,7 +120,7 @@ class _SamplingFields(_Lenient):
     top_k: Int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM spells "off" as -1)
     n: Int = Field(default=1, ge=1, le=16)
     # At most 16 (checked by _stops, so that an error names `stop`); the schema says so too.
-    stop: Union[str, list[str], None] = Field(default=None, json_schema_extra={"anyOf": [
+    stop: str | list[str] | None = Field(default=None, json_schema_extra={"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}, {"type": "null"}]})
     seed: Int | None = None
     stream: bool = False
@@ -132,14 +132,14 @@ class _SamplingFields(_Lenient):
     min_tokens: Int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingFields":
+    def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")  # as OpenAI
         return self
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v: Union[str, list[str], None]) -> Union[str, list[str], None]:
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop sequences")
         return v
@@ -171,8 +171,8 @@ class ChatCompletionRequest(_SamplingFields):
 TokenId = Annotated[Int, Field(ge=0)]
 Text = Annotated[str, Field(min_length=1)]
 # A prompt: text, a batch of texts, token ids, or a batch of token id lists (none of them empty).
-PromptType = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
-                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+PromptType = (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
 
 
 class CompletionRequest(_SamplingFields):

@@ -31,6 +31,7 @@ from server.chat_bridge import (
     start_chat,
 )
 from server.errors import ApiError
+from server.openapi import error_responses, json_or_stream
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -41,7 +42,6 @@ from server.protocol import (
 from server.reasoning import thinking_of_effort
 from server.response_store import ResponseStore
 from server.state import ServerState
-from server.openapi import error_responses, json_or_stream
 
 SUPPORTED_PARTS = ("input_text", "output_text", "text")
 

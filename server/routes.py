@@ -2,21 +2,27 @@
 from __future__ import annotations
 
 import time
-
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.engine_client import EngineFailure
-from server.errors import ApiError, internal_error
-from server.formatting import Accumulated, chat_logprobs, completion_logprobs, failure_of, sse, sse_error
 from engine.structured.constraint import check_spec
 from engine.structured.spec import ConstraintSpec
+from server.engine_client import EngineFailure
+from server.errors import ApiError, internal_error
+from server.formatting import (
+    Accumulated,
+    chat_logprobs,
+    completion_logprobs,
+    failure_of,
+    sse,
+    sse_error,
+)
 from server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now, usage
-from server.state import Choices, ServerState
 from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole, thinking_of_effort
+from server.state import Choices, ServerState
 from server.tools import ToolMode, ToolStream, parse_calls, tool_constraint, tool_mode
 
 DISCONNECT_POLL_S = 0.5

@@ -9,15 +9,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine.launch import EngineArgs
 from engine.core.messages import GenerateRequest, RequestOutput
+from engine.launch import EngineArgs
 from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams
 from server.engine_client import EngineClient, EngineFailure, EngineState
 from server.errors import ApiError
 from server.metrics import ServerMetrics
 from server.protocol import _SamplingFields
-
 
 # Below this, temperature means greedy (as vLLM does): logits / 1e-300 overflow to inf and the
 # softmax turns to NaN (found by tests/test_fuzz.py).
@@ -158,7 +157,7 @@ class ServerState:
                 reqs.append(GenerateRequest(f"{rid}-{pi * body.n + i}", ids, params, logprobs, prompt_logprobs, body.presence_penalty, body.frequency_penalty, constraint))
         return reqs
 
-    def submit(self, reqs: list[GenerateRequest]) -> "Choices":
+    def submit(self, reqs: list[GenerateRequest]) -> Choices:
         self.check_accepting(len(reqs))
         return Choices(self.client, [r.request_id for r in reqs], self.client.submit(reqs))
 

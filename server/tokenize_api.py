@@ -12,8 +12,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from server.errors import ApiError
-from server.state import ServerState
 from server.openapi import error_responses
+from server.state import ServerState
 
 
 class TokenizeRequest(BaseModel):

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 from engine.config import EngineConfig
+from engine.core.completion import generate
 from engine.errors import CheckpointError
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.weights.arch_adapters import adapter_for
-from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
-from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 SETTINGS = [(off, cf) for off in ("ram", "disk") for cf in (1.0, 0.5, 0.1)]
 # save_pretrained already writes fused tensors for these (their released checkpoints are fused too).

@@ -12,7 +12,7 @@ from engine.offline.belady import flatten, lru_loads, min_loads
 def brute_force_min(seq: tuple[int, ...], capacity: int, resident: frozenset[int]) -> int:
     """Fewest loads over every possible eviction choice (exponential: tiny inputs only)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cached: frozenset[int]) -> int:
         if i == len(seq):
             return 0

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from server_fixtures import free_port
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
 from engine.worker.loader import load_model
-from server_fixtures import free_port
 
 
 def _copy(src: Path, dst: Path) -> Path:

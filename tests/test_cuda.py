@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import settle
+from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import complete, generate, request
@@ -17,8 +19,6 @@ from engine.worker.lean_forward import LEAN_MODEL_TYPES
 from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, prompt_logits
 from engine.worker.sampling import SamplingParams
-from engine_helpers import settle
-from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

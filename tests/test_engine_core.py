@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_helpers import settle
+from tiny_models import ARCHS
 
 from engine.config import EngineConfig
 from engine.core.completion import complete, generate, request
@@ -16,8 +18,6 @@ from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.scheduler import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
-from engine_helpers import settle
-from tiny_models import ARCHS
 
 SETTINGS = [("ram", 1.0), ("disk", 0.25)]
 

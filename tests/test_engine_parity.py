@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS, load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.worker.runner import prompt_logits
 from engine.worker.loader import load_model
+from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
-from tiny_models import ARCHS, load_reference
 
 LAYOUTS = ("per-expert", "fused")
 SETTINGS = [(off, cf) for off in ("ram", "disk") for cf in (1.0, 0.5, 0.1)]

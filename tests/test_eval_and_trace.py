@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tiny_models import load_reference
 
 from engine.config import EngineConfig
 from engine.offline.evaluation import reference_nll, teacher_forced_eval
-from engine.worker.loader import load_model
 from engine.offline.trace import record_trace, save_trace
-from tiny_models import load_reference
+from engine.worker.loader import load_model
 
 TEXT = ("To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. " * 6)
 

@@ -28,7 +28,7 @@ def test_manifests_validate_strictly_against_current_kubernetes() -> None:
     assert tuple(int(x) for x in version.split(".")[:2]) >= MIN_VERSION
     res = manifests()
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"} <= set(res)
-    for kind, doc in res.items():
+    for doc in res.values():
         # strict: unknown fields (a typo'd probe or a misplaced key) are errors, not ignored.
         kubernetes_validate.validate(doc, version, strict=True)
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache
 
+import engine.worker.runner as runner_module
 from engine.config import EngineConfig
 from engine.core.completion import generate
-import engine.worker.runner as runner_module
 from engine.worker import kv_cache
 from engine.worker.kv_cache import InPlaceLayer, new_kv_cache
 from engine.worker.loader import load_model

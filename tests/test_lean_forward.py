@@ -169,7 +169,7 @@ def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
         lean = LeanForward(om.model, fused=False)  # the layer-by-layer path's hand-over
         ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
         window, start, native_steps = [5, 9, 11], 0, []
-        for step in range(10):
+        for _step in range(10):
             before = calls[0]
             got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
             want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.budget import parse_budget, resolve_budget
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import ConfigError
 from engine.experts.slow_tier import DiskTier, RamTier
-from engine.budget import parse_budget, resolve_budget
 from engine.memory.footprint import Footprint
 from engine.memory.machine import HostMemory, cgroup_headroom, host_memory
 from engine.memory.planner import plan_memory

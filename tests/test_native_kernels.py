@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
@@ -17,7 +18,6 @@ from engine.native.kernels import MAX_ROWS, native
 from engine.native.layers import NativeLinear, NativeRMSNorm, accelerate
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
-from tiny_models import load_reference
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,9 @@ def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) ->
 
 
 def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # y = x * rsqrt(...) * (1 + w)
+    from transformers.models.gemma3.modeling_gemma3 import (
+        Gemma3RMSNorm,  # y = x * rsqrt(...) * (1 + w)
+    )
 
     norm = Gemma3RMSNorm(64, eps=1e-6)
     with torch.no_grad():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import load_reference
 
 from engine.native.kernels import native
 from engine.native.router import NativeTopKRouter
-from tiny_models import load_reference
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe"])

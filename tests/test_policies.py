@@ -5,9 +5,9 @@ import pytest
 
 from policies import DROPPED, make_policies
 from policies.admission import BackgroundAdmission
-from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction
+from policies.miss import FetchAll, FirstChoicePolicy, ThresholdPolicy
 from policies.substitute import BestResident, DropRenormalize
 
 E = 8

@@ -15,7 +15,15 @@ from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.offline.trace import record_trace
 from engine.prefetch.adapter import RouterAdapter, load_adapter, save_adapter
-from engine.prefetch.training import AdapterData, data_from_trace, evaluate, model_fingerprint, moe_blocks, recall_at_k, train_adapter
+from engine.prefetch.training import (
+    AdapterData,
+    data_from_trace,
+    evaluate,
+    model_fingerprint,
+    moe_blocks,
+    recall_at_k,
+    train_adapter,
+)
 from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
 from engine.worker.loader import load_model

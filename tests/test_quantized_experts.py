@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import load_reference
 
 from engine.config import EngineConfig
+from engine.core.completion import generate
 from engine.errors import ConfigError
 from engine.experts.expert_kernels import SwiGLUKernel, make_kernel
 from engine.experts.quant import GroupQuantFormat, make_format
 from engine.weights.arch import arch_for
 from engine.weights.moe_hook import expert_geometry, find_moe_sites
-from engine.core.completion import generate
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
-from tiny_models import load_reference
 
 # Kernel weight name -> the transformers experts parameter holding it (row e is expert e).
 _PARAM = {"gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj", "down_bias": "down_proj_bias"}

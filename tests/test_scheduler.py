@@ -5,8 +5,8 @@ from dataclasses import replace
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.messages import GenerateRequest
-from engine.worker.sampling import SamplingParams
 from engine.core.scheduler import Scheduler, SeqResult, StepOutput, StepPlan
+from engine.worker.sampling import SamplingParams
 
 
 class CharTok:

@@ -13,9 +13,23 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.offline.belady import flatten, min_loads
-from engine.offline.hardware import SHAPES, ProfileError, check_sources, costs_for, list_profiles, load_profile
+from engine.offline.hardware import (
+    SHAPES,
+    ProfileError,
+    check_sources,
+    costs_for,
+    list_profiles,
+    load_profile,
+)
 from engine.offline.projection import project_trace
-from engine.offline.simulator import Acceptance, OraclePredictor, SimSettings, Simulator, manual_costs, simulate
+from engine.offline.simulator import (
+    Acceptance,
+    OraclePredictor,
+    SimSettings,
+    Simulator,
+    manual_costs,
+    simulate,
+)
 from policies.utility import UtilityEviction
 
 

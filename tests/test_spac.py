@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from engine_helpers import settle
+from tiny_models import ARCHS
 
 from engine.config import EngineConfig
 from engine.core.completion import complete, request
@@ -16,8 +18,6 @@ from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from policies.balancer import LayerCosts, choose_tau, makespan
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
-from engine_helpers import settle
-from tiny_models import ARCHS
 
 E = 8
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import ARCHS, make_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -20,7 +21,6 @@ from engine.worker.sampling import SamplingParams
 from engine.worker.verify import verify_window
 from models import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from policies.adaptive_k import AdaptiveK
-from tiny_models import ARCHS, make_tokenizer
 
 # -- the acceptance rule ---------------------------------------------------------------------
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
+from engine.errors import ConfigError
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
-from engine.errors import ConfigError
-from engine.stats import EngineStats
 from engine.experts.transfers import TransferEngine
+from engine.stats import EngineStats
 from policies.lru import LRUEviction
 
 NUMEL = 16

@@ -6,7 +6,7 @@ EngineDead.  Nothing here holds tensors or locks, so every message crosses a spa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.structured.spec import ConstraintSpec
@@ -83,5 +83,5 @@ class EngineDead:
     error: str
 
 
-EngineInput = Union[GenerateRequest, AbortRequest, Shutdown]
-EngineOutput = Union[EngineReady, RequestOutput, StatsUpdate, EngineDead]
+EngineInput = GenerateRequest | AbortRequest | Shutdown
+EngineOutput = EngineReady | RequestOutput | StatsUpdate | EngineDead

@@ -25,10 +25,14 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (key, rows [n, H]) -> 
 
 class ExpertCompute:
     def __init__(self, store: ExpertStore, shape: ExpertShape, num_experts: int,
-                 act_fn: Callable[[torch.Tensor], torch.Tensor], fmt: ExpertFormat | None = None) -> None:
+                 act_fn: Callable[[torch.Tensor], torch.Tensor] | None, fmt: ExpertFormat | None = None) -> None:
         self.store, self.shape, self.num_experts = store, shape, num_experts
-        # What an expert computes and how a slot encodes it (engine/experts/quant.py); default: SwiGLU in floats.
-        self.fmt = fmt if fmt is not None else PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
+        # What an expert computes and how a slot encodes it (engine/experts/quant.py); default: SwiGLU in
+        # floats, with the experts' act_fn (None only where a format is given).
+        if fmt is None:
+            assert act_fn is not None, "the default SwiGLU format needs the experts' act_fn"
+            fmt = PlainFormat(SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype)
+        self.fmt = fmt
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).
         self.views = [self.fmt.views(row) for row in store.slots]
         # One-token steps on the CPU run their experts in one native call (engine/experts/native_moe.py)

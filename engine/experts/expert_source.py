@@ -19,11 +19,11 @@ from engine.experts.native_quant import (
     RawPartsFormat,
     dequant_fp8_block,
 )
-from engine.experts.quant import ExpertFormat, make_format
+from engine.experts.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.quant_cache import PackedShape, quantized_locator
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
-from engine.weights.expert_layout import ExpertLocator, ExpertShape, block_prefixes
+from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
 
 _MXFP4 = ("gate_up_proj_bias", "down_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
@@ -43,7 +43,7 @@ class RawLocator:
 
 def expert_source(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, TensorLocation], moe_layers: list[int],
                   num_experts: int, shape: ExpertShape, kernel: ExpertKernel, cfg: EngineConfig,
-                  dtype: torch.dtype) -> tuple[ExpertFormat, ExpertLocator | RawLocator]:
+                  dtype: torch.dtype) -> tuple[ExpertFormat, SegmentLocator]:
     native = _native(spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype)
     if native is not None:
         if cfg.expert_quant != "none":
@@ -52,6 +52,7 @@ def expert_source(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, T
     fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
     locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
     if cfg.expert_quant != "none":
+        assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
         return fmt, quantized_locator(locator, fmt, moe_layers, cfg.quant_cache_dir)  # sidecar, built once
     return fmt, locator
 

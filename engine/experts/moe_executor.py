@@ -39,7 +39,7 @@ __all__ = ["ExecutorCapabilities", "ExpertLoadError", "MoeExecutor"]
 
 class MoeExecutor(PrivateAliases):
     def __init__(self, store: ExpertStore, transfers: TransferEngine, policy: MissPolicy, admission: AdmissionPolicy,
-                 stats: EngineStats, shape: ExpertShape, num_experts: int, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                 stats: EngineStats, shape: ExpertShape, num_experts: int, act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
                  fmt: ExpertFormat | None = None) -> None:
         self.store, self.transfers, self.policy, self.admission, self.stats = store, transfers, policy, admission, stats
         self.shape, self.num_experts = shape, num_experts

@@ -85,7 +85,7 @@ class Fp8BlockSwiGLUFormat(RawPartsFormat):
         H, I = hidden, intermediate
         self.block = block
         mats = [(I, H), (I, H), (H, I)]
-        parts = [(torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats]
+        parts: list[Part] = [(torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats]
         parts += [(torch.float8_e4m3fn, shape) for shape in mats]
         super().__init__("fp8-block", kernel, parts, compute_dtype)
 

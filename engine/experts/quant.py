@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import cast
 
 import torch
 
@@ -131,7 +132,7 @@ class GroupQuantFormat(ExpertFormat):
         for w, parts in zip(weights, self._layout):
             w = w.detach().to(torch.float32)
             encoded = [w] if w.dim() != 2 else (_int8(w, self.group_of(w.shape[1])) if self.bits == 8 else _int4(w, self.group_of(w.shape[1])))
-            for t, (off, nbytes, dtype, pshape) in zip(encoded, parts):
+            for t, (off, nbytes, dtype, _pshape) in zip(encoded, parts):
                 out[off : off + nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
         return out
 
@@ -144,7 +145,7 @@ class GroupQuantFormat(ExpertFormat):
             if self._int8_rows:
                 (q_gu, s_gu), (q_d, s_d) = views
                 gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
-                return _int8_linear(self.kernel.act_fn(gate) * up, q_d, s_d)
+                return _int8_linear(cast("SwiGLUKernel", self.kernel).act_fn(gate) * up, q_d, s_d)  # _int8_rows: SwiGLU only
             if self._int4_groups:
                 y = self._int4_swiglu(views, x)
                 if y is not None:
@@ -163,7 +164,7 @@ class GroupQuantFormat(ExpertFormat):
         if gu is None:
             return None
         gate, up = gu.chunk(2, dim=-1)
-        return kernels.gemv_q4((self.kernel.act_fn(gate) * up).contiguous(), p_d.view(p_d.shape[0], -1), s_d, z_d)
+        return kernels.gemv_q4((cast("SwiGLUKernel", self.kernel).act_fn(gate) * up).contiguous(), p_d.view(p_d.shape[0], -1), s_d, z_d)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         out = []

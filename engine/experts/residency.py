@@ -145,7 +145,7 @@ class Residency:
             if victim is None:
                 victim = cast("int | None", self.eviction.victim(self.evictable(now, False) if candidates is None else candidates))
             if candidates is not None:
-                candidates.discard(victim)  # type: ignore[arg-type]  # None: a no-op
+                candidates.discard(victim)  # None: a no-op
             if victim is None and may_evict_protected:
                 victim = cast("int | None", self.eviction.victim(self.evictable(now, True)))
             if victim is None:

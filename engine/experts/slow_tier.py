@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from engine.experts.link import EmulatedLink
 from engine.experts.uncached_io import UncachedReader
 from engine.weights.checkpoint import TensorLocation, read_tensor
-from engine.weights.expert_layout import ExpertLocator
+from engine.weights.expert_layout import SegmentLocator
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class SlowTier(ABC):
     name: str
 
-    def __init__(self, locator: ExpertLocator, link: EmulatedLink | None) -> None:
+    def __init__(self, locator: SegmentLocator, link: EmulatedLink | None) -> None:
         self.locator = locator
         self.link = link
 
@@ -47,7 +47,7 @@ class SlowTier(ABC):
     @abstractmethod
     def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: tiers without resources keep the no-op)
         pass
 
 
@@ -66,7 +66,7 @@ class RamTier(SlowTier):
 
     name = "ram"
 
-    def __init__(self, locator: ExpertLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None,
+    def __init__(self, locator: SegmentLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None,
                  chunk_bytes: int = PIN_CHUNK_BYTES, pin_limit: int | None = None) -> None:
         super().__init__(locator, link)
         n, E = len(layers), locator.num_experts
@@ -144,7 +144,7 @@ class DiskTier(SlowTier):
 
     name = "disk"
 
-    def __init__(self, locator: ExpertLocator, link: EmulatedLink | None = None, prefer_direct: bool = True) -> None:
+    def __init__(self, locator: SegmentLocator, link: EmulatedLink | None = None, prefer_direct: bool = True) -> None:
         super().__init__(locator, link)
         self.reader = UncachedReader(prefer_direct)
 

@@ -39,7 +39,7 @@ class Transfer:
     started: bool = False
     cancelled: bool = False
     error: BaseException | None = None
-    cuda_event: "torch.cuda.Event | None" = None
+    cuda_event: torch.cuda.Event | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_end: float = 0.0

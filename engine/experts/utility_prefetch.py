@@ -26,7 +26,6 @@ from engine.stats import EngineStats
 from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, worth_displacing
 
 
-
 class UtilityPrefetcher:
     def __init__(self, estimator: SpeculativeUtilityEstimator, store: ExpertStore, transfers: TransferEngine,
                  moe_layers: list[int], stats: EngineStats, prefetch: bool = True, min_level: int = PREFETCH_MIN_LEVEL) -> None:

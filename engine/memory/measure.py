@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,13 +51,13 @@ class Probe:
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
     from engine.experts.expert_kernels import make_kernel
+    from engine.experts.expert_source import _native
     from engine.experts.quant import make_format
     from engine.weights.arch import arch_for, text_config
     from engine.weights.checkpoint import index_checkpoint
     from engine.weights.expert_layout import ExpertLocator, ExpertShape
-    from engine.experts.expert_source import _native
-    from engine.weights.moe_hook import expert_geometry, find_moe_sites
     from engine.weights.model_config import read_config, resolve_device, resolve_dtype
+    from engine.weights.moe_hook import expert_geometry, find_moe_sites
 
     model_dir = Path(model_dir)
     config = read_config(model_dir)
@@ -99,8 +99,8 @@ def plan_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> tuple[Probe, Me
     probe = probe_checkpoint(model_dir, cfg)
     dev = str(probe.device) if probe.device.type == "cuda" else "cpu"
     free = device_memory("cuda:0" if dev == "cuda" else dev)
-    from engine.memory.machine import disk_free
     from engine.experts.quant_cache import default_cache_dir
+    from engine.memory.machine import disk_free
 
     quant_dir = cfg.quant_cache_dir or default_cache_dir()
     return probe, plan_memory(probe.footprint, cfg, dev, host_memory(), device_free=free[0] if free else None,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.budget import fmt_bytes, resolve_budget
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.budget import fmt_bytes, resolve_budget
 from engine.memory.footprint import Footprint, MiB
 from engine.memory.machine import HostMemory
 

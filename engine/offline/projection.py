@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.offline.hardware import ModelShape, SHAPES
+from engine.offline.hardware import SHAPES, ModelShape
 
 
 def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:

@@ -49,7 +49,10 @@ class LayerReplay(PrefetchReplay):
         experts it uses (ascending): pinned for the layer and touched, as the executor does."""
         cache, base, pol = self.cache, li * self.E, self.pol
         get = cache.ready.get
-        is_res = lambda e: get(base + e, INF) <= now
+
+        def is_res(e: int) -> bool:
+            return get(base + e, INF) <= now
+
         ids, weights = self.ids, self.weights
         lg = self.logits  # not None where the policy needs it (checked when built)
         logits = [lg[t, li].tolist() for t in rows] if lg is not None and pol.miss.needs_logits else None

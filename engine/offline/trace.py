@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.worker.loader import OffloadedModel
 from engine.experts.routing_bus import RoutingEvent
 from engine.paths import portable_path
+from engine.worker.loader import OffloadedModel
 
 
 @torch.inference_mode()
@@ -50,8 +50,8 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
 
     blocks = moe_blocks(om.model)
     biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in om.moe_layers]
-    extra = {"score_bias": [b.cpu().tolist() for b in biases]} if all(b is not None for b in biases) else {}
-    out = {
+    extra = {"score_bias": [b.cpu().tolist() for b in biases if b is not None]} if all(b is not None for b in biases) else {}
+    out: dict[str, np.ndarray] = {
         "tokens": np.asarray(ids, dtype=np.int32),
         "ids": stack(0).astype(np.int16),
         "weights": stack(1).astype(np.float32),
@@ -71,5 +71,5 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
 def save_trace(trace: dict[str, np.ndarray], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, **trace)
+    np.savez_compressed(path, **trace)  # type: ignore[arg-type]  # the stub fears a key named allow_pickle
     return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")

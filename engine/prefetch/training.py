@@ -80,7 +80,7 @@ def data_from_trace(trace: dict[str, np.ndarray], model: torch.nn.Module, moe_la
         for a in range(len(moe_layers) - 1)], dim=1)
     # Sigmoid routers with a correction bias rank sigmoid(logits) + bias: read it off each next layer once.
     biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in moe_layers[1:]]
-    score_bias = None if any(b is None for b in biases) else torch.stack([b.cpu() for b in biases])
+    score_bias = None if any(b is None for b in biases) else torch.stack([b.cpu() for b in biases if b is not None])
     return AdapterData(hidden[:, :-1].contiguous(), base, logits[:, 1:].contiguous(), ids[:, 1:].contiguous(), score_bias)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from engine.core.scheduler import SeqWork, StepPlan
 from engine.speculative.lean_dense import LeanDenseModel, LeanKVCache
@@ -73,7 +72,7 @@ class DraftProposer(ProposerBase):
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))
         logits = self.forward(windows, starts, caches, [[len(win) - 1] for win in windows])
-        for step in range(max(k for _, _, k in active)):
+        for _step in range(max(k for _, _, k in active)):
             for j, lg in zip(live, logits):
                 _, w, _ = active[j]
                 tok, q = self._choose(lg[-1], w, drafts[j])

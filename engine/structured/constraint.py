@@ -16,15 +16,18 @@ and computes a mask in microseconds per token, and it supports rollback natively
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.structured.spec import ConstraintSpec
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Compact JSON (no free whitespace): a sampling model cannot wander through unbounded runs of
 # spaces and newlines, and the output matches what OpenAI's structured outputs return.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class TokenConstraint(ABC):
@@ -58,10 +61,11 @@ class GrammarCompiler:
         eos = list(eos_ids) if eos_ids else None
         self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
 
-    def make(self, spec: ConstraintSpec) -> "LLGuidanceConstraint":
+    def make(self, spec: ConstraintSpec) -> LLGuidanceConstraint:
         import llguidance
 
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)
+        # Ignored: llguidance takes a boolean schema too; its stub says str | dict only.
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
         matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} constraint: {matcher.get_error()}")
@@ -73,7 +77,7 @@ def check_spec(spec: ConstraintSpec) -> str | None:
     import llguidance
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]  # a bool schema: as make()
     except (ValueError, TypeError) as e:
         return str(e)
     return llguidance.LLMatcher.validate_grammar(grammar) or None

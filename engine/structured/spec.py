@@ -32,7 +32,7 @@ class ConstraintSpec:
             raise ValueError(f"a {self.kind} constraint needs a schema")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool, kind: Kind = "json_schema") -> "ConstraintSpec":
+    def json_schema(cls, schema: dict[str, Any] | bool, kind: Kind = "json_schema") -> ConstraintSpec:
         return cls(kind, json.dumps(schema, sort_keys=True))
 
     def schema_value(self) -> dict[str, Any] | bool:

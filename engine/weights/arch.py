@@ -16,6 +16,7 @@ files; tests/test_architectures.py builds tiny checkpoints with those names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -43,7 +44,7 @@ class ArchSpec:
 _QWEN35_PREFIX = (("model.", "model.language_model."),)
 # Llama 4 checkpoints (Scout, Maverick) keep the text model under language_model.*.
 _LLAMA4_PREFIX = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
-_LLAMA4 = dict(disk_block="feed_forward", gate_up_down=(), kernel="llama4")
+_LLAMA4: dict[str, Any] = dict(disk_block="feed_forward", gate_up_down=(), kernel="llama4")
 
 ARCHS: dict[str, ArchSpec] = {
     "qwen3_moe": ArchSpec("qwen3_moe"),

@@ -47,7 +47,7 @@ class TensorLocation:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    def slice_first_dim(self, index: int) -> "TensorLocation":
+    def slice_first_dim(self, index: int) -> TensorLocation:
         """The location of `tensor[index]`, which is contiguous because storage is row-major."""
         if not self.shape or not 0 <= index < self.shape[0]:
             raise CheckpointError(f"{self.path}: tensor {self.name} has no row {index} (shape {self.shape})")

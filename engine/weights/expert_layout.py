@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
+from engine.errors import CheckpointError
 from engine.weights.arch import ArchSpec, disk_names
 from engine.weights.checkpoint import TensorLocation
-from engine.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,26 @@ class ExpertShape:
     @property
     def numel(self) -> int:
         return 3 * self.hidden * self.intermediate + self.extra
+
+
+class _PackedSize(Protocol):
+    @property
+    def numel(self) -> int: ...
+
+
+class SegmentLocator(Protocol):
+    """What the slow tiers read experts through: ExpertLocator, or a locator standing in for it
+    over raw checkpoint bytes or a quantized sidecar (engine/experts/)."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def shape(self) -> _PackedSize: ...  # shape.numel: elements of one packed expert
+
+    def segments(self, layer: int, expert: int) -> list[TensorLocation]: ...
+
+    def nbytes_on_disk(self, layer: int, expert: int) -> int: ...
 
 
 class ExpertLocator:

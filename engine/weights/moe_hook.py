@@ -13,6 +13,7 @@ deviate get a small subclass in engine/weights/arch_adapters.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -95,11 +96,12 @@ class BlockAdapter:
     returns_tuple = False  # gpt-oss and Llama 4 blocks return (hidden, router output)
 
     def __init__(self, native: nn.Module, model_type: str) -> None:
-        self.router = router_name(native)
-        assert self.router is not None, "not a sparse MoE block"
+        router = router_name(native)
+        assert router is not None, "not a sparse MoE block"
+        self.router: str = router
         self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
         self._logits_dtype = torch.float32  # the dtype the router computes its logits in, when linear
-        self._native_router: NativeTopKRouter | bool | None = None  # decided on the first one-token step
+        self._native_router: NativeTopKRouter | Literal[False] | None = None  # decided on the first one-token step
         # Routers that return their top-k in descending order (torch.topk's default, and the native router
         # standing in for them): the block need not sort them again.
         self.sorted_topk = type(getattr(native, self.router)).__name__ in ROUTER_CLASSES
@@ -115,7 +117,7 @@ class BlockAdapter:
         return _SHARED
 
     @property
-    def native_router(self) -> NativeTopKRouter | bool | None:
+    def native_router(self) -> NativeTopKRouter | Literal[False] | None:
         """The native one-token router: None until the first one-token step decides, False where
         the router does not run natively (engine/native/router.py)."""
         return self._native_router
@@ -133,6 +135,7 @@ class BlockAdapter:
         # The router's forward straight from the module table: no hooks are registered on it, and
         # this runs once per layer in every decode step.
         router = block._modules[self.router]
+        assert router is not None  # the block's router child (router_name found it)
         if x.shape[0] == 1:  # a one-token step: the native router where it applies (engine/native/router.py)
             if self._native_router is None:
                 self.decide_native_router(block)
@@ -143,11 +146,12 @@ class BlockAdapter:
         logits, weights, ids = router.forward(x)
         return logits, weights, ids
 
-    def decide_native_router(self, block: nn.Module) -> NativeTopKRouter | bool:
+    def decide_native_router(self, block: nn.Module) -> NativeTopKRouter | Literal[False]:
         """The block's native one-token router (engine/native/router.py), or False where its router does not run
         natively; decided on first use."""
         if self._native_router is None:
             router = block._modules[self.router]
+            assert router is not None
             self._native_router = NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
         return self._native_router
 
@@ -228,12 +232,21 @@ class BlockAdapter:
         return out
 
 
+def fused_expert_tensors(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse block's fused `experts.gate_up_proj` and `experts.down_proj` (3-D each)."""
+    experts = block.experts
+    assert isinstance(experts, nn.Module)  # a sparse block's `experts` child (router_name checked it)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    return gate_up, down
+
+
 def expert_geometry(block: nn.Module, transposed: bool) -> tuple[int, int, int, int]:
     """(num_experts E, hidden H, intermediate I, top_k) of a sparse block.
 
     `gate_up_proj` is [E, 2I, H], or [E, H, 2I] for the transposed kernels (gpt-oss, Llama 4).
     """
-    E, a, b = block.experts.gate_up_proj.shape
+    E, a, b = fused_expert_tensors(block)[0].shape
     H, two_i = (a, b) if transposed else (b, a)
     router = getattr(block, router_name(block) or "")
     top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None)
@@ -258,7 +271,8 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
         for _, b in test.named_buffers():
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-        H = test.experts.gate_up_proj.shape[-1] if kernel.views[0][1][-1] == test.experts.gate_up_proj.shape[-1] else test.experts.gate_up_proj.shape[1]
+        gate_up, down = fused_expert_tensors(test)
+        H = gate_up.shape[-1] if kernel.views[0][1][-1] == gate_up.shape[-1] else gate_up.shape[1]
         x = torch.randn(1, 3, H, generator=g)
         ref = test(x)
         ref = ref[0] if isinstance(ref, tuple) else ref
@@ -269,7 +283,7 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
         for t in range(rows.shape[0]):
             for k in range(ids.shape[1]):
                 e = int(ids[t, k])
-                w = [test.experts.gate_up_proj[e], test.experts.down_proj[e]]
+                w = [gate_up[e], down[e]]
                 routed[t] += scale[t, k].float() * kernel.forward(w, inputs[t : t + 1])[0]
         dense = adapter.dense(test, rows)
         out = routed + (dense if dense is not None else 0)

@@ -55,9 +55,10 @@ class InPlaceLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
+        assert keys is not None and values is not None  # lazy_initialization set them
         n = key_states.shape[-2]
         length = keys.shape[-2] if keys.dim() == 4 else 0  # lazy_initialization's prefix is a 1-d empty tensor
-        if (kb is None or not length or length + n > kb.shape[2] or keys.data_ptr() != kb.data_ptr()
+        if (kb is None or vb is None or not length or length + n > kb.shape[2] or keys.data_ptr() != kb.data_ptr()
                 or values.data_ptr() != vb.data_ptr() or keys.stride() != kb.stride() or values.stride() != vb.stride()):
             # First append, full, or the prefix is not (or no longer) a view of the buffers: new ones.
             kb, vb = _grown(keys, key_states, length), _grown(values, value_states, length)
@@ -67,7 +68,9 @@ class InPlaceLayer(DynamicLayer):
 
     def advance(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of the buffers are the cache now: (keys, values) views of them."""
-        self.keys, self.values = self._key_buffer.narrow(2, 0, length), self._value_buffer.narrow(2, 0, length)
+        kb, vb = self._key_buffer, self._value_buffer
+        assert kb is not None and vb is not None  # reserve() made them
+        self.keys, self.values = kb.narrow(2, 0, length), vb.narrow(2, 0, length)
         return self.keys, self.values
 
 

@@ -33,7 +33,13 @@ from engine.native.layers import NativeRMSNorm
 from engine.worker import dispatch
 from engine.worker.fused_decode import FusedDecode
 from engine.worker.kv_cache import InPlaceLayer
-from engine.worker.packed_batch import PACKED_ATTENTION, PackedBatch, PackedCache, packed_attention, positions
+from engine.worker.packed_batch import (
+    PACKED_ATTENTION,
+    PackedBatch,
+    PackedCache,
+    packed_attention,
+    positions,
+)
 
 # Checked against each architecture's modeling code (decoder layer and attention forward) in
 # transformers 5; a new architecture joins only with a parity test in tests/test_lean_forward.py.

@@ -10,46 +10,52 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from engine.native.kernels import use_native_kernels
-from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.native.layers import accelerate
-from engine.weights.arch import arch_for, disk_names, text_config, unsupported
-from engine.weights.arch_adapters import adapter_for
-from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
-from engine.experts.expert_source import expert_source, read_dense
-from engine.weights.checkpoint import index_checkpoint
 from engine.config import EngineConfig
 from engine.core.contracts import Runner
 from engine.errors import CheckpointError, ConfigError
-from engine.weights.expert_layout import ExpertShape
-from engine.experts.expert_store import ExpertStore
-from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.expert_kernels import make_kernel
-from engine.experts.moe_block import OffloadedMoeBlock
-from engine.experts.moe_executor import MoeExecutor
-from engine.experts.routing_bus import RoutingBus
-from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
-from engine.stats import EngineStats
-from engine.experts.transfers import TransferEngine
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
+from engine.experts.expert_kernels import make_kernel
+from engine.experts.expert_source import expert_source, read_dense
+from engine.experts.expert_store import ExpertStore
+from engine.experts.link import EmulatedLink, parse_link
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.moe_executor import MoeExecutor
 from engine.experts.quant import ExpertFormat
+from engine.experts.routing_bus import RoutingBus
+from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
+from engine.experts.transfers import TransferEngine
 from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.memory.measure import memory_probe, plan_for_model, print_plan
+from engine.native.kernels import use_native_kernels
+from engine.native.layers import accelerate
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
+from engine.stats import EngineStats
+from engine.weights.arch import arch_for, disk_names, text_config, unsupported
+from engine.weights.arch_adapters import adapter_for
+from engine.weights.checkpoint import index_checkpoint
+from engine.weights.expert_layout import ExpertShape
+from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
+from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
+from engine.worker.dispatch import ExecutionPlan, resolve_plan
+from engine.worker.packed_batch import use_packed_attention
 from engine.worker.sensor import sensor_for
 from policies.base import EvictionPolicy
 from policies.miss import SubstitutingPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
-from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
-from engine.worker.dispatch import ExecutionPlan, resolve_plan
-from engine.worker.packed_batch import use_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class LoadedModel:
 
     model: PreTrainedModel
     config: PretrainedConfig
-    tokenizer: object | None
+    tokenizer: Any | None  # a transformers tokenizer (used by duck typing), None where the checkpoint has none
     generation_config: GenerationConfig | None
     model_dir: Path
     device: torch.device
@@ -129,7 +135,7 @@ class OffloadedModel(LoadedModel):
 
 
 
-def _tokenizer_and_generation_config(model_dir: Path) -> tuple[object | None, GenerationConfig | None]:
+def _tokenizer_and_generation_config(model_dir: Path) -> tuple[Any | None, GenerationConfig | None]:
     has_tok = (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists()
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tok else None
     gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
@@ -154,7 +160,8 @@ def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "
         raise CheckpointError(f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})")
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()
+    # Ignored: transformers types the decorated PreTrainedModel.to without its bound self.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()  # type: ignore[arg-type]
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
@@ -192,7 +199,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
 
     stats = EngineStats(num_layers=len(layers))
     # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
-    _fp, mplan = plan_for_model(model, [s.block.experts for s in sites], config, dtype, fmt.slot_bytes,
+    _fp, mplan = plan_for_model(model, [s.block.get_submodule("experts") for s in sites], config, dtype, fmt.slot_bytes,
                                 locator.nbytes_on_disk(moe_layers[0], 0), E, I, top_k, tensors, cfg, device)
     print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
@@ -204,12 +211,12 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
-    zero_copy = isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+    ram = tier if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E else None
     policies.eviction.bind(moe_layers, E)
     store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=protect_ticks(len(moe_layers)),
-                        slots=tier.buffer if zero_copy else None)
-    if zero_copy:
-        store.adopt({layer * E + e: tier.row(layer, e) for layer in moe_layers for e in range(E)})
+                        slots=ram.buffer if ram is not None else None)
+    if ram is not None:
+        store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
     kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers),
                             pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda")
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None

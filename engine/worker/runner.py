@@ -14,6 +14,7 @@ only its request (engine/core/faults.py); a device (CUDA) fault is re-raised: th
 from __future__ import annotations
 
 import time
+from typing import Protocol, cast
 
 import torch
 from transformers import DynamicCache
@@ -239,10 +240,18 @@ def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
     return PrefixCache(budget, getattr(lm, "stats", None))
 
 
+class _CroppableLayer(Protocol):
+    """A KV layer with keys to crop: what rollback-capable models' caches hold (no linear attention)."""
+
+    keys: torch.Tensor | None
+
+    def crop(self, tokens_to_remove: int) -> None: ...
+
+
 def truncate_cache(cache: DynamicCache, length: int) -> None:
     """Crop every layer of a KV cache back to `length` positions (layers may differ after a
     forward that failed midway: the ones it reached hold the window, the others do not)."""
-    for layer in cache.layers:
+    for layer in cast("list[_CroppableLayer]", cache.layers):
         if getattr(layer, "is_initialized", False) and layer.keys is not None:
             extra = layer.keys.shape[-2] - length
             if extra > 0:

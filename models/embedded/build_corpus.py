@@ -20,10 +20,10 @@ import argparse
 import glob
 import json
 import os
-import shutil
-import subprocess
 import random
 import re
+import shutil
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
