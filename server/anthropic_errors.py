@@ -1,7 +1,7 @@
 """Anthropic's error shape for /v1/messages: {"type": "error", "error": {"type", "message"}}.
 
 Routes of the Messages API use `AnthropicRoute`, which renders every failure of the route
-(validation, auth, ApiError raised by the shared chat path) in that shape.  Statuses follow
+(validation, an unparsable body, auth, ApiError raised by the shared chat path) in that shape.  Statuses follow
 Anthropic's: a full request queue is 429 rate_limit_error (retry later), any other unavailable
 engine (our 503: loading, restarting, draining) 529 overloaded_error.
 """
@@ -15,6 +15,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import ApiError
 
@@ -61,5 +62,7 @@ class AnthropicRoute(APIRoute):
                 return anthropic_error(e.status, e.message, e.headers, e.code)
             except RequestValidationError as e:
                 return anthropic_error(400, validation_message(e))
+            except StarletteHTTPException as e:  # e.g. a body that is not UTF-8 JSON
+                return anthropic_error(e.status_code, str(e.detail), dict(e.headers or {}))
 
         return handler

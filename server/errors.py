@@ -15,6 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
+
+try:  # newer FastAPI keeps included routers nested in app.routes; this walks the routes inside them
+    from fastapi.routing import iter_route_contexts
+except ImportError:  # older FastAPI: app.routes is already flat
+    def iter_route_contexts(routes: list[BaseRoute]) -> list[BaseRoute]:  # type: ignore[misc]
+        return routes
 
 from engine.core.faults import new_error_id
 
@@ -56,6 +63,17 @@ def internal_error(e: BaseException, where: str) -> str:
     return f"The server had an error while processing this request (error id {eid})."
 
 
+def allowed_methods(request: Request) -> str:
+    """The `Allow` header of a 405: the methods of every route on this path.  Starlette's own
+    names only the first route that matched the path, so a path served by two routes (GET and
+    DELETE /v1/responses/{id}) would advertise one of them."""
+    methods: set[str] = set()
+    for route in iter_route_contexts(request.app.routes):
+        if route.methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError) -> JSONResponse:
@@ -71,8 +89,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, msg or "invalid request", ".".join(loc) or None, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), None, None, dict(e.headers or {}))
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        headers = dict(e.headers or {})
+        if e.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
+        if request.url.path.startswith("/v1/messages"):  # Anthropic clients read Anthropic's shape
+            return JSONResponse(anthropic_error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=headers)
+        return error_response(e.status_code, str(e.detail), None, None, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:

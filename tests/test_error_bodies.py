@@ -64,3 +64,48 @@ def test_anthropic_error_shape() -> None:
     assert anthropic_error_body(413, "big")["error"]["type"] == "request_too_large"
     assert anthropic_error_body(529, "busy")["error"]["type"] == "overloaded_error"
     assert anthropic_error_body(500, "x")["error"]["type"] == "api_error"
+
+
+def _two_route_app() -> FastAPI:
+    """One path served by two routes (GET and DELETE), as /v1/responses/{id} is, and a Messages route."""
+    from fastapi import APIRouter
+
+    from server.anthropic_errors import AnthropicRoute
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/items/{item_id}")
+    async def get(item_id: str) -> dict:
+        return {"id": item_id}
+
+    @app.delete("/items/{item_id}")
+    async def delete(item_id: str) -> dict:
+        return {"id": item_id}
+
+    r = APIRouter(route_class=AnthropicRoute)
+
+    @r.post("/v1/messages")
+    async def messages(body: dict) -> dict:
+        return body
+
+    app.include_router(r)
+    return app
+
+
+def test_405_allow_lists_every_route_of_the_path() -> None:
+    with TestClient(_two_route_app()) as c:
+        for method in ("OPTIONS", "POST", "PUT", "HEAD"):
+            r = c.request(method, "/items/0")
+            assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", (method, r.headers)
+            if method != "HEAD":
+                assert r.json()["error"]["type"] == "invalid_request_error"
+        r = c.get("/v1/messages")
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["type"] == "error"
+
+
+def test_messages_body_that_is_not_utf8_is_an_anthropic_error() -> None:
+    with TestClient(_two_route_app()) as c:
+        r = c.post("/v1/messages", content=b"\x1c\xff", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "There was an error parsing the body"}}
