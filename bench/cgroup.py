@@ -12,6 +12,7 @@ Cold cache: before each run the model files' pages are dropped from the page cac
 pages are reclaimed (v1 `memory.force_empty`; in v2 the group is emptied by lowering and
 restoring its limit).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,9 @@ class MemoryCgroup:
     @staticmethod
     def unavailable() -> str | None:
         """None when a memory cgroup can be made here, else one line saying why not."""
-        root = _v2_has_memory() or (V1_ROOT if (V1_ROOT / "memory.limit_in_bytes").exists() else None)
+        root = _v2_has_memory() or (
+            V1_ROOT if (V1_ROOT / "memory.limit_in_bytes").exists() else None
+        )
         if root is None:
             return "no memory cgroup controller is mounted (neither cgroup v2 with 'memory' nor v1 /sys/fs/cgroup/memory)"
         if not os.access(root, os.W_OK):
@@ -70,7 +73,9 @@ class MemoryCgroup:
             self._set_limit(0)
             self._set_limit(self.limit)
 
-    def run(self, argv: Sequence[str], cold: Sequence[Path] = (), timeout: float = 3600) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: Sequence[str], cold: Sequence[Path] = (), timeout: float = 3600
+    ) -> subprocess.CompletedProcess:
         """Run argv inside the group (stdout/stderr captured as text), after evicting `cold` files."""
         for f in cold:
             evict_page_cache(f)
@@ -81,7 +86,9 @@ class MemoryCgroup:
             with open(procs, "w") as fh:
                 fh.write(str(os.getpid()))
 
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=enter)
+        return subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=enter
+        )
 
     def close(self) -> None:
         try:

@@ -16,6 +16,7 @@ per-round figures are reported; ratios are taken within a round, so they share i
 
     python -m bench.concurrency_bench --out docs/benchmarks/concurrency.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,23 @@ STREAMS = (1, 4, 8, 16)
 
 
 def run_cell(om, prompts: list[list[int]], tokens: int) -> dict[str, float]:
-    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096))
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096)
+    )
     reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
     for r in reqs:
         core.add(r)
     started: set[str] = set()
-    while len(started) < len(reqs):  # prefill (and any decode steps that share them) before the clock
+    while len(started) < len(
+        reqs
+    ):  # prefill (and any decode steps that share them) before the clock
         started |= {o.request_id for o in core.step() if o.token_ids}
     E = om.num_experts
-    resident = [k for k in (layer * E + e for layer in om.moe_layers for e in range(E)) if om.store.is_resident(k)]
+    resident = [
+        k
+        for k in (layer * E + e for layer in om.moe_layers for e in range(E))
+        if om.store.is_resident(k)
+    ]
     accesses: list[list[int]] = []
 
     def record(ev: RoutingEvent) -> None:
@@ -78,7 +87,9 @@ def run_cell(om, prompts: list[list[int]], tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="model directory (default: the embedded model)")
     add_run_flags(ap, prompt_tokens=32, tokens=24, rounds=3, link="hdd")
     args = ap.parse_args()
@@ -87,13 +98,17 @@ def main() -> None:
     settings = {
         "cache 1.0 (ram)": EngineConfig(cache_fraction=1.0, offload="ram"),
         "cache 0.25 (disk)": EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"),
-        f"cache 0.25 (disk + {args.link})": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"),
+        f"cache 0.25 (disk + {args.link})": EngineConfig(
+            cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"
+        ),
     }
     engines = {name: load_model(model_dir, cfg) for name, cfg in settings.items()}
     tok = next(iter(engines.values())).tokenizer
     prompts = cut_prompts(tok, args.data, max(STREAMS), args.prompt_tokens)
     cells = [(s, n) for s in settings for n in STREAMS]
-    results = interleaved(cells, args.rounds, lambda cell: run_cell(engines[cell[0]], prompts[: cell[1]], args.tokens))
+    results = interleaved(
+        cells, args.rounds, lambda cell: run_cell(engines[cell[0]], prompts[: cell[1]], args.tokens)
+    )
     for om in engines.values():
         om.close()
 
@@ -101,33 +116,56 @@ def main() -> None:
         return statistics.median(r[key] for r in results[(s, n)])
 
     def ratio(s: str, n: int, key: str) -> float:  # per-round ratio against 1 stream, then median
-        return statistics.median(a[key] / b[key] for a, b in zip(results[(s, n)], results[(s, 1)]) if b[key])
+        return statistics.median(
+            a[key] / b[key] for a, b in zip(results[(s, n)], results[(s, 1)]) if b[key]
+        )
 
-    lines = ["| setting | streams | aggregate decode tok/s | × 1 stream | demand loads / token | × 1 stream | stall share "
-             "| fewest possible loads / token (Belady) | × 1 stream's demand loads | LRU replay / token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | streams | aggregate decode tok/s | × 1 stream | demand loads / token | × 1 stream | stall share "
+        "| fewest possible loads / token (Belady) | × 1 stream's demand loads | LRU replay / token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = []
     for s in settings:
         for n in STREAMS:
-            row = {"setting": s, "streams": n, "tok_s": med(s, n, "tok_s"), "tok_s_vs_1": ratio(s, n, "tok_s"),
-                   "demand_per_token": med(s, n, "demand_per_token"), "stall_share": med(s, n, "stall_share")}
-            row["demand_vs_1"] = ratio(s, n, "demand_per_token") if row["demand_per_token"] else float("nan")
+            row = {
+                "setting": s,
+                "streams": n,
+                "tok_s": med(s, n, "tok_s"),
+                "tok_s_vs_1": ratio(s, n, "tok_s"),
+                "demand_per_token": med(s, n, "demand_per_token"),
+                "stall_share": med(s, n, "stall_share"),
+            }
+            row["demand_vs_1"] = (
+                ratio(s, n, "demand_per_token") if row["demand_per_token"] else float("nan")
+            )
             bound = "| – | – | – |"
             if "belady_per_token" in results[(s, n)][0]:
                 row["belady_per_token"] = med(s, n, "belady_per_token")
                 row["lru_replay_per_token"] = med(s, n, "lru_replay_per_token")
                 # The bound at n streams against what one stream actually needed, per round.
-                row["belady_vs_1_demand"] = statistics.median(a["belady_per_token"] / b["demand_per_token"]
-                                                              for a, b in zip(results[(s, n)], results[(s, 1)]))
+                row["belady_vs_1_demand"] = statistics.median(
+                    a["belady_per_token"] / b["demand_per_token"]
+                    for a, b in zip(results[(s, n)], results[(s, 1)])
+                )
                 bound = f"| {row['belady_per_token']:.2f} | {row['belady_vs_1_demand']:.2f}× | {row['lru_replay_per_token']:.2f} |"
             rows.append(row)
-            lines.append(f"| {s} | {n} | {row['tok_s']:.1f} | {row['tok_s_vs_1']:.2f}× | {row['demand_per_token']:.2f} | "
-                         f"{row['demand_vs_1']:.2f}× | {row['stall_share']:.0%} {bound}")
-    header = (f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}. "
-              f"Model: {portable_path(model_dir)}. Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
-              f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round. "
-              f"Link `{args.link}` is emulated.")
-    write_report(args.out, header, lines, {"rows": rows, "rounds": {f"{s}|{n}": v for (s, n), v in results.items()}})
+            lines.append(
+                f"| {s} | {n} | {row['tok_s']:.1f} | {row['tok_s_vs_1']:.2f}× | {row['demand_per_token']:.2f} | "
+                f"{row['demand_vs_1']:.2f}× | {row['stall_share']:.0%} {bound}"
+            )
+    header = (
+        f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}. "
+        f"Model: {portable_path(model_dir)}. Prompts: {args.prompt_tokens} tokens cut from {portable_path(args.data)}; "
+        f"{args.tokens} greedy tokens per request; medians of {args.rounds} interleaved rounds after a warm-up round. "
+        f"Link `{args.link}` is emulated."
+    )
+    write_report(
+        args.out,
+        header,
+        lines,
+        {"rows": rows, "rounds": {f"{s}|{n}": v for (s, n), v in results.items()}},
+    )
 
 
 if __name__ == "__main__":

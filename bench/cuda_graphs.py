@@ -9,6 +9,7 @@ norm). This module times that sublayer of one decoder layer of a transformers mo
 decode token, eagerly and as a replayed CUDA graph with static buffers (a fixed-size KV cache and a
 mask), so gpu_check can say how much of a decode step graphs would save.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _attention_sublayer(model: torch.nn.Module, device: torch.device, cache_len: int) -> Callable[[], None]:
+def _attention_sublayer(
+    model: torch.nn.Module, device: torch.device, cache_len: int
+) -> Callable[[], None]:
     """One decode token through layer 0's attention sublayer, on static buffers (graph-capturable)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
@@ -46,7 +49,9 @@ def _attention_sublayer(model: torch.nn.Module, device: torch.device, cache_len:
         k_cache.index_copy_(2, pos, k)
         v_cache.index_copy_(2, pos, v)
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        out.copy_(layer.post_attention_layernorm(x + at.o_proj(o.transpose(1, 2).reshape(1, 1, -1))))
+        out.copy_(
+            layer.post_attention_layernorm(x + at.o_proj(o.transpose(1, 2).reshape(1, 1, -1)))
+        )
 
     return step
 
@@ -65,7 +70,9 @@ def _per_call_s(fn: Callable[[], None], device: torch.device, iters: int) -> flo
 
 
 @torch.inference_mode()
-def attention_graph_figures(model: torch.nn.Module, device: torch.device, cache_len: int = 512, iters: int = 300) -> dict[str, float]:
+def attention_graph_figures(
+    model: torch.nn.Module, device: torch.device, cache_len: int = 512, iters: int = 300
+) -> dict[str, float]:
     """Seconds per call of one layer's attention sublayer, eager and replayed as a CUDA graph
     (NaN on the CPU, where there are no graphs), and the kernels it launches."""
     step = _attention_sublayer(model, device, cache_len)

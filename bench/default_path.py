@@ -13,6 +13,7 @@ last request to start until every request ends), and whether each stream's token
 
     python -m bench.default_path --out docs/benchmarks/default_path.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,21 @@ from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models import EMBEDDED_TARGET
 
-PROMPTS = ("KING HENRY:\nWhat say you to", "The history of the city begins", "First Citizen:\nBefore we proceed any further,",
-           "In the morning the ships")
-CELLS = {"cache 1.0 (ram)": dict(cache_fraction=1.0), "cache 0.25 (disk)": dict(cache_fraction=0.25, offload="disk")}
-SETTINGS = {"default": {}, "--speculative off": dict(speculative="off"), "--speculative draft": dict(speculative="draft")}
+PROMPTS = (
+    "KING HENRY:\nWhat say you to",
+    "The history of the city begins",
+    "First Citizen:\nBefore we proceed any further,",
+    "In the morning the ships",
+)
+CELLS = {
+    "cache 1.0 (ram)": dict(cache_fraction=1.0),
+    "cache 0.25 (disk)": dict(cache_fraction=0.25, offload="disk"),
+}
+SETTINGS = {
+    "default": {},
+    "--speculative off": dict(speculative="off"),
+    "--speculative draft": dict(speculative="draft"),
+}
 
 
 @dataclass
@@ -54,7 +66,9 @@ def build(name: str, cell: dict, spec_overrides: dict, max_len: int) -> Setting:
     spec, why = SpecConfig(**spec_overrides).choose(EMBEDDED_TARGET, device)
     om = load_model(EMBEDDED_TARGET, EngineConfig(**cell))
     proposer, observers = make_speculation(spec, om)
-    core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers)
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers
+    )
     return Setting(name, om, core, spec, why)
 
 
@@ -73,8 +87,12 @@ def run(s: Setting, prompts: list[list[int]], tokens: int) -> tuple[float, list[
 def served(args: argparse.Namespace, lines: list[str]) -> None:
     """1 stream against 8, with serve's defaults (max_running 64, prefill budget 1024) at cache 1.0."""
     s = build("default", CELLS["cache 1.0 (ram)"], {}, max_len=4096)
-    core = EngineCore.for_model(s.om, CoreLimits(max_running=64, prefill_token_budget=1024, max_model_len=4096),
-                                s.core.proposer, tuple(o for o in s.core.observers if o is not s.core.proposer))
+    core = EngineCore.for_model(
+        s.om,
+        CoreLimits(max_running=64, prefill_token_budget=1024, max_model_len=4096),
+        s.core.proposer,
+        tuple(o for o in s.core.observers if o is not s.core.proposer),
+    )
     prompts = [list(s.om.tokenizer(p)["input_ids"]) for p in (PROMPTS * 2)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
 
@@ -96,28 +114,46 @@ def served(args: argparse.Namespace, lines: list[str]) -> None:
             same = same and outs == solo[:n]
     ratio = statistics.median(a / b for a, b in zip(speeds[8], speeds[1]))
     steps = s.om.stats.snapshot()["steps"].get("decode", {})
-    lines += ["## Served: 8 concurrent streams against 1 (defaults, cache 1.0)", "",
-              "| streams | aggregate decode tok/s per round | × 1 stream (median) | each output = its solo run | decode steps per path |",
-              "|---|---|---|---|---|",
-              f"| 1 | {' / '.join(f'{v:.1f}' for v in speeds[1])} | 1.00× | yes | |",
-              f"| 8 | {' / '.join(f'{v:.1f}' for v in speeds[8])} | {ratio:.2f}× | {'yes' if same else 'NO'} | "
-              + ", ".join(f"{p} {n}" for p, n in steps.items()) + " (both cells) |", ""]
+    lines += [
+        "## Served: 8 concurrent streams against 1 (defaults, cache 1.0)",
+        "",
+        "| streams | aggregate decode tok/s per round | × 1 stream (median) | each output = its solo run | decode steps per path |",
+        "|---|---|---|---|---|",
+        f"| 1 | {' / '.join(f'{v:.1f}' for v in speeds[1])} | 1.00× | yes | |",
+        f"| 8 | {' / '.join(f'{v:.1f}' for v in speeds[8])} | {ratio:.2f}× | {'yes' if same else 'NO'} | "
+        + ", ".join(f"{p} {n}" for p, n in steps.items())
+        + " (both cells) |",
+        "",
+    ]
     s.om.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=160, help="greedy tokens per prompt (default 160)")
-    ap.add_argument("--rounds", type=int, default=3, help="measured rounds, alternating the settings' order (default 3)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=160, help="greedy tokens per prompt (default 160)"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measured rounds, alternating the settings' order (default 3)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--out", type=Path, help="write the report (Markdown) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lines = ["# Is the default the fastest exact path?", "",
-             f"Command: `python -m bench.default_path --tokens {args.tokens} --rounds {args.rounds} --threads {args.threads}`; "
-             f"the embedded pair, {len(PROMPTS)} greedy prompts of {args.tokens} tokens, one request at a time, "
-             f"{args.threads} thread(s), {time.strftime('%Y-%m-%d')}. Each round runs every setting in turn "
-             "(the order alternates between rounds) after one warm-up generate each.", ""]
+    lines = [
+        "# Is the default the fastest exact path?",
+        "",
+        f"Command: `python -m bench.default_path --tokens {args.tokens} --rounds {args.rounds} --threads {args.threads}`; "
+        f"the embedded pair, {len(PROMPTS)} greedy prompts of {args.tokens} tokens, one request at a time, "
+        f"{args.threads} thread(s), {time.strftime('%Y-%m-%d')}. Each round runs every setting in turn "
+        "(the order alternates between rounds) after one warm-up generate each.",
+        "",
+    ]
     for cell_name, cell in CELLS.items():
         tok = None
         settings = []
@@ -138,15 +174,23 @@ def main() -> None:
                 outputs.setdefault(s.name, outs)
                 assert outputs[s.name] == outs, "greedy output changed between rounds"
         off = speeds["--speculative off"]
-        lines += [f"## {cell_name}", "", "| setting | resolves to | tok/s per round | × `--speculative off` (median of rounds) | tokens = off | steps per path |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {cell_name}",
+            "",
+            "| setting | resolves to | tok/s per round | × `--speculative off` (median of rounds) | tokens = off | steps per path |",
+            "|---|---|---|---|---|---|",
+        ]
         for s in settings:
             ratio = statistics.median(a / b for a, b in zip(speeds[s.name], off))
             same = outputs[s.name] == outputs["--speculative off"]
             steps = s.om.stats.snapshot()["steps"]
-            path = "; ".join(f"{k}: " + ", ".join(f"{p} {n}" for p, n in v.items()) for k, v in steps.items())
-            lines.append(f"| {s.name} | {s.spec.speculative} ({s.why}) | {' / '.join(f'{v:.1f}' for v in speeds[s.name])} "
-                         f"| {ratio:.2f}× | {'yes' if same else 'NO'} | {path} |")
+            path = "; ".join(
+                f"{k}: " + ", ".join(f"{p} {n}" for p, n in v.items()) for k, v in steps.items()
+            )
+            lines.append(
+                f"| {s.name} | {s.spec.speculative} ({s.why}) | {' / '.join(f'{v:.1f}' for v in speeds[s.name])} "
+                f"| {ratio:.2f}× | {'yes' if same else 'NO'} | {path} |"
+            )
         lines.append("")
         for s in settings:
             s.om.close()

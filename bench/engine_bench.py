@@ -9,6 +9,7 @@ interleaved over several rounds measures decode tokens/s of:
 and the stall time (compute blocked on transfers) as a share of decode wall time.
 Results go to stdout and, with --out, to a markdown file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ def hf_decode(model, ids: list[int], n: int) -> tuple[float, list[int]]:
         out = model.generate(inp, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
         sync()
         t2 = time.perf_counter()
-    return n / ((t2 - t1) - (t1 - t0)), out[0, len(ids):].tolist()
+    return n / ((t2 - t1) - (t1 - t0)), out[0, len(ids) :].tolist()
 
 
 def hf_decode_tps(model, ids: list[int], n: int) -> float:
@@ -53,18 +54,35 @@ def hf_decode_tps(model, ids: list[int], n: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported (default 3)")
-    ap.add_argument("--link", default="sdcard", help="emulated slow link for the last configuration (default sdcard: 80 MB/s, 1 ms)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=64, help="decode tokens per measurement (default 64)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; medians are reported (default 3)"
+    )
+    ap.add_argument(
+        "--link",
+        default="sdcard",
+        help="emulated slow link for the last configuration (default sdcard: 80 MB/s, 1 ms)",
+    )
     ap.add_argument("--out", type=Path, help="write a markdown report here")
     args = ap.parse_args()
     torch.manual_seed(0)
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     ckpt = make_tiny_checkpoint(
-        tmp / "ckpt", "qwen3_moe", num_layers=4, hidden=256, num_experts=64, num_experts_per_tok=8,
-        moe_intermediate_size=128, intermediate_size=512, head_dim=64,
+        tmp / "ckpt",
+        "qwen3_moe",
+        num_layers=4,
+        hidden=256,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        intermediate_size=512,
+        head_dim=64,
     )
     ref = load_reference(ckpt)
     vocab = ref.config.vocab_size
@@ -72,7 +90,9 @@ def main() -> None:
     configs = {
         "ours cache=1.0 (ram)": EngineConfig(cache_fraction=1.0, offload="ram"),
         "ours cache=0.25 disk": EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"),
-        f"ours cache=0.25 disk + link {args.link}": EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"),
+        f"ours cache=0.25 disk + link {args.link}": EngineConfig(
+            cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"
+        ),
     }
     models = {name: load_model(ckpt, cfg) for name, cfg in configs.items()}
     params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
@@ -82,14 +102,19 @@ def main() -> None:
     for _ in tqdm(range(args.rounds), desc="bench rounds"):
         tps["transformers generate"].append(hf_decode_tps(ref, ids, args.tokens))
         for name, om in models.items():
-            generate(om, ids, SamplingParams(max_tokens=2, ignore_eos=True))  # same cache state start
+            generate(
+                om, ids, SamplingParams(max_tokens=2, ignore_eos=True)
+            )  # same cache state start
             om.stats.reset()
             res = generate(om, ids, params)
             snap = om.stats.snapshot()
             tps[name].append(res.decode_tokens_per_s)
             stall[name].append(snap["stall_seconds"] / (res.prefill_seconds + res.decode_seconds))
             n = len(res.tokens)
-            per_tok[name] = {"hit_rate": snap["hit_rate"], "MB/token": snap["bytes_moved"] / n / 1e6}
+            per_tok[name] = {
+                "hit_rate": snap["hit_rate"],
+                "MB/token": snap["bytes_moved"] / n / 1e6,
+            }
     for om in models.values():
         om.close()
 
@@ -107,7 +132,9 @@ def main() -> None:
         st = f"{statistics.median(stall[name]):.1%}" if name in stall else "–"
         hr = f"{per_tok[name]['hit_rate']:.1%}" if name in per_tok else "–"
         mb = f"{per_tok[name]['MB/token']:.2f}" if name in per_tok else "–"
-        lines.append(f"| {name} | {m:.1f} | {vs_hf:.2f}× | {vs_ceiling:.2f}× | {st} | {hr} | {mb} |")
+        lines.append(
+            f"| {name} | {m:.1f} | {vs_hf:.2f}× | {vs_ceiling:.2f}× | {st} | {hr} | {mb} |"
+        )
     table = "\n".join(lines)
     header = (
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "

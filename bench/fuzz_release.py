@@ -7,6 +7,7 @@ whether the engine process is still the one it started with.
 
 Prints one JSON line; exits 1 if any 5xx, leak or engine restart was seen.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "tests" / "schemathesis.toml"
-LEAKS = re.compile(r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b")
+LEAKS = re.compile(
+    r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b"
+)
 
 
 def _port() -> int:
@@ -46,7 +49,14 @@ def _exchanges(har: Path) -> list[tuple[str, int, str, str]]:
     out = []
     for e in json.loads(har.read_text())["log"]["entries"]:
         c = e["response"].get("content", {})
-        out.append((httpx.URL(e["request"]["url"]).path, e["response"]["status"], c.get("mimeType", ""), c.get("text", "") or ""))
+        out.append(
+            (
+                httpx.URL(e["request"]["url"]).path,
+                e["response"]["status"],
+                c.get("mimeType", ""),
+                c.get("text", "") or "",
+            )
+        )
     return out
 
 
@@ -61,20 +71,60 @@ def _leaks(ex: list[tuple[str, int, str, str]]) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(REPO / "models" / "embedded" / "target"), help="model directory (default: the embedded model)")
-    ap.add_argument("--requests", type=int, default=1000, help="fuzzed requests to send at least (default 1000)")
-    ap.add_argument("--examples", type=int, default=150, help="Schemathesis examples per operation and round (default 150)")
-    ap.add_argument("--max-model-len", type=int, default=64, help="context length, short so that every request is quick (default 64)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=str(REPO / "models" / "embedded" / "target"),
+        help="model directory (default: the embedded model)",
+    )
+    ap.add_argument(
+        "--requests", type=int, default=1000, help="fuzzed requests to send at least (default 1000)"
+    )
+    ap.add_argument(
+        "--examples",
+        type=int,
+        default=150,
+        help="Schemathesis examples per operation and round (default 150)",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=64,
+        help="context length, short so that every request is quick (default 64)",
+    )
     args = ap.parse_args()
     port = _port()
     base = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="fuzz-release-"))
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning",
-           "--model", args.model, "--max-model-len", str(args.max_model_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        "--model",
+        args.model,
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     with open(tmp / "server.log", "wb") as log:
-        srv = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+        srv = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+        )
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -94,10 +144,36 @@ def main() -> int:
         while sum(statuses.values()) < args.requests:
             rounds += 1
             har = tmp / f"round{rounds}.har"
-            run = subprocess.run([sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "--no-color", "run", base + "/openapi.json",
-                                  "--checks", "all", "--max-examples", str(args.examples), "--seed", str(rounds), "--workers", "1",
-                                  "--generation-database", "none", "--report", "har", "--report-har-path", str(har)],
-                                 cwd=tmp, capture_output=True, text=True, check=False)  # its cache stays out of the repo
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "schemathesis.cli",
+                    "--config-file",
+                    str(CONFIG),
+                    "--no-color",
+                    "run",
+                    base + "/openapi.json",
+                    "--checks",
+                    "all",
+                    "--max-examples",
+                    str(args.examples),
+                    "--seed",
+                    str(rounds),
+                    "--workers",
+                    "1",
+                    "--generation-database",
+                    "none",
+                    "--report",
+                    "har",
+                    "--report-har-path",
+                    str(har),
+                ],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                check=False,
+            )  # its cache stays out of the repo
             failed_runs += run.returncode != 0
             if run.returncode != 0:
                 print(run.stdout[-4000:], file=sys.stderr)
@@ -108,11 +184,27 @@ def main() -> int:
         pid1 = _engine_pid(srv.pid)
         server_errors = sum(n for s, n in statuses.items() if s >= 500)
         tracebacks = (tmp / "server.log").read_text(errors="replace").count("Traceback")
-        result = {"requests": sum(statuses.values()), "rounds": rounds, "seconds": round(time.monotonic() - t0, 1),
-                  "statuses": dict(sorted(statuses.items())), "5xx": server_errors, "leaks": leaks, "schemathesis_failed_rounds": failed_runs,
-                  "engine_pid_before": pid0, "engine_pid_after": pid1, "health": health, "server_log_tracebacks": tracebacks}
+        result = {
+            "requests": sum(statuses.values()),
+            "rounds": rounds,
+            "seconds": round(time.monotonic() - t0, 1),
+            "statuses": dict(sorted(statuses.items())),
+            "5xx": server_errors,
+            "leaks": leaks,
+            "schemathesis_failed_rounds": failed_runs,
+            "engine_pid_before": pid0,
+            "engine_pid_after": pid1,
+            "health": health,
+            "server_log_tracebacks": tracebacks,
+        }
         print(json.dumps(result))
-        return 0 if server_errors == leaks == failed_runs == 0 and pid0 == pid1 and health == {"status": "ready"} else 1
+        return (
+            0
+            if server_errors == leaks == failed_runs == 0
+            and pid0 == pid1
+            and health == {"status": "ready"}
+            else 1
+        )
     finally:
         if srv.poll() is None:
             os.killpg(srv.pid, signal.SIGTERM)

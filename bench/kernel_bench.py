@@ -16,6 +16,7 @@ Rounds are interleaved (every cell once per round, a warm-up round first); media
 
     python -m bench.kernel_bench --out docs/benchmarks/kernels.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,9 @@ def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return packed.reshape(w.shape[0], -1).contiguous(), s.half().contiguous(), z.half().contiguous()
 
 
-def _int4_dequant_linear(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def _int4_dequant_linear(
+    x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor
+) -> torch.Tensor:
     """What an int4 expert cost through torch: dequantize the weight, then F.linear."""
     q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).view(s.shape[0], s.shape[1], -1)
     return F.linear(x, ((q.to(x.dtype) - z.to(x.dtype)) * s.to(x.dtype)).view(packed.shape[0], -1))
@@ -72,17 +75,34 @@ def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], 
         "f32 torch F.linear": (lambda i: F.linear(x, f32[i]), 4 * numel),
         "bf16 torch F.linear": (lambda i: F.linear(xb, bf16[i]), 2 * numel),
         "bf16 torch.mv": (lambda i: torch.mv(bf16[i], xb[0]), 2 * numel),
-        "int8 torch _weight_int8pack_mm": (lambda i: torch.ops.aten._weight_int8pack_mm(xb, q8[i][0], q8[i][1].bfloat16()), numel),
-        "int4 (groups of 64) torch: dequantize + F.linear": (lambda i: _int4_dequant_linear(xb, *q4[i]), numel * 9 // 16),
+        "int8 torch _weight_int8pack_mm": (
+            lambda i: torch.ops.aten._weight_int8pack_mm(xb, q8[i][0], q8[i][1].bfloat16()),
+            numel,
+        ),
+        "int4 (groups of 64) torch: dequantize + F.linear": (
+            lambda i: _int4_dequant_linear(xb, *q4[i]),
+            numel * 9 // 16,
+        ),
     }
     if nk is not None:
-        cells.update({
-            "f32 native": (lambda i: nk.gemv(x, f32[i]), 4 * numel),
-            "bf16 native (bf16 dot)": (lambda i: nk.gemv(xb, bf16[i]), 2 * numel),
-            "int8 native, bf16 activation (VNNI)": (lambda i: nk.gemv(xb, q8[i][0], q8[i][1]), numel),
-            "int8 native, f32 activation (widened)": (lambda i: nk.gemv(x, q8[i][0], q8[i][1]), numel),
-            "int4 (groups of 64) native, bf16 activation (VNNI)": (lambda i: nk.gemv_q4(xb, *q4[i]), numel * 9 // 16),
-        })
+        cells.update(
+            {
+                "f32 native": (lambda i: nk.gemv(x, f32[i]), 4 * numel),
+                "bf16 native (bf16 dot)": (lambda i: nk.gemv(xb, bf16[i]), 2 * numel),
+                "int8 native, bf16 activation (VNNI)": (
+                    lambda i: nk.gemv(xb, q8[i][0], q8[i][1]),
+                    numel,
+                ),
+                "int8 native, f32 activation (widened)": (
+                    lambda i: nk.gemv(x, q8[i][0], q8[i][1]),
+                    numel,
+                ),
+                "int4 (groups of 64) native, bf16 activation (VNNI)": (
+                    lambda i: nk.gemv_q4(xb, *q4[i]),
+                    numel * 9 // 16,
+                ),
+            }
+        )
     return cells
 
 
@@ -90,7 +110,13 @@ def moe_cells(H: int, I: int, k: int = 8, pool: int = 64) -> dict[str, Callable[
     """One token through k of `pool` experts: torch expert by expert vs the fused native call."""
     nk = native()
     g = torch.Generator().manual_seed(1)
-    experts = [((torch.randn(2 * I, H, generator=g) / 16).bfloat16(), (torch.randn(H, I, generator=g) / 16).bfloat16()) for _ in range(pool)]
+    experts = [
+        (
+            (torch.randn(2 * I, H, generator=g) / 16).bfloat16(),
+            (torch.randn(H, I, generator=g) / 16).bfloat16(),
+        )
+        for _ in range(pool)
+    ]
     x = torch.randn(1, H).bfloat16()
     w = torch.rand(k, generator=g).tolist()
     state = {"round": 0}
@@ -110,9 +136,18 @@ def moe_cells(H: int, I: int, k: int = 8, pool: int = 64) -> dict[str, Callable[
 
     cells: dict[str, Callable[[], object]] = {"torch, expert by expert": torch_loop}
     if nk is not None:
+
         def fused() -> torch.Tensor:
             ids = chosen()
-            return nk.moe_swiglu(x, torch.bfloat16, H, I, [experts[e][0].data_ptr() for e in ids], [experts[e][1].data_ptr() for e in ids], w)
+            return nk.moe_swiglu(
+                x,
+                torch.bfloat16,
+                H,
+                I,
+                [experts[e][0].data_ptr() for e in ids],
+                [experts[e][1].data_ptr() for e in ids],
+                w,
+            )
 
         cells["native, fused"] = fused
     return cells
@@ -120,24 +155,46 @@ def moe_cells(H: int, I: int, k: int = 8, pool: int = 64) -> dict[str, Callable[
 
 def memory_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
     """Read bandwidth: the best of `passes` sequential passes (a sum reads each byte once)."""
-    return max(buf.numel() * buf.element_size() / _timed(lambda _: buf.sum(), 1) for _ in range(passes)) / GB
+    return (
+        max(
+            buf.numel() * buf.element_size() / _timed(lambda _: buf.sum(), 1) for _ in range(passes)
+        )
+        / GB
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=1024, help="weight rows (output features; default 1024)")
-    ap.add_argument("--cols", type=int, default=1024, help="weight columns (input features; default 1024)")
-    ap.add_argument("--matrices", type=int, default=96, help="distinct weights cycled through, so none stays cached (default 96)")
-    ap.add_argument("--rounds", type=int, default=5, help="measured rounds after a warm-up round (default 5)")
-    ap.add_argument("--threads", default="1,2", help="comma-separated torch/native thread counts (default 1,2)")
-    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--rows", type=int, default=1024, help="weight rows (output features; default 1024)"
+    )
+    ap.add_argument(
+        "--cols", type=int, default=1024, help="weight columns (input features; default 1024)"
+    )
+    ap.add_argument(
+        "--matrices",
+        type=int,
+        default=96,
+        help="distinct weights cycled through, so none stays cached (default 96)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="measured rounds after a warm-up round (default 5)"
+    )
+    ap.add_argument(
+        "--threads", default="1,2", help="comma-separated torch/native thread counts (default 1,2)"
+    )
+    ap.add_argument(
+        "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
+    )
     args = ap.parse_args()
     nk = native()
     threads = [int(t) for t in args.threads.split(",")]
     cells = gemv_cells(args.rows, args.cols, args.matrices)
     shapes = {"tiny (H=256, I=128)": (256, 128), "mid (H=1024, I=512)": (1024, 512)}
     moe = {s: moe_cells(*hw) for s, hw in shapes.items()}
-    big = torch.ones(512 * 2 ** 20 // 4)  # 512 MB of f32
+    big = torch.ones(512 * 2**20 // 4)  # 512 MB of f32
 
     def run(cell: tuple[str, str, int]) -> dict:
         kind, name, t = cell
@@ -157,11 +214,19 @@ def main() -> None:
     grid += [("gemv", name, t) for t in threads for name in cells]
     grid += [("moe", f"{s}|{impl}", t) for t in threads for s in shapes for impl in moe[s]]
     res = interleaved(grid, args.rounds, run)
-    med = {cell: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for cell, runs in res.items()}
+    med = {
+        cell: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for cell, runs in res.items()
+    }
 
-    lines = [f"### Weight bandwidth, one activation row, [{args.rows}, {args.cols}] weights, {args.matrices} distinct", "",
-             "| kernel | " + " | ".join(f"{t} thread(s): GB/s, µs/call, × memory read" for t in threads) + " |",
-             "|---|" + "---|" * len(threads)]
+    lines = [
+        f"### Weight bandwidth, one activation row, [{args.rows}, {args.cols}] weights, {args.matrices} distinct",
+        "",
+        "| kernel | "
+        + " | ".join(f"{t} thread(s): GB/s, µs/call, × memory read" for t in threads)
+        + " |",
+        "|---|" + "---|" * len(threads),
+    ]
     for name in ["memory read: sum over 512 MB (f32)", *cells]:
         row = []
         for t in threads:
@@ -172,16 +237,32 @@ def main() -> None:
                 m = med[("gemv", name, t)]
                 row.append(f"{m['gbs']:.2f}, {m['us']:.0f}, {m['gbs'] / mem:.2f}×")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
-    lines += ["", "### One token through 8 of 64 SwiGLU experts (bf16)", "",
-              "| shape | implementation | " + " | ".join(f"{t} thread(s): µs" for t in threads) + " |",
-              "|---|---|" + "---|" * len(threads)]
+    lines += [
+        "",
+        "### One token through 8 of 64 SwiGLU experts (bf16)",
+        "",
+        "| shape | implementation | " + " | ".join(f"{t} thread(s): µs" for t in threads) + " |",
+        "|---|---|" + "---|" * len(threads),
+    ]
     for s in shapes:
         for impl in moe[s]:
-            lines.append(f"| {s} | {impl} | " + " | ".join(f"{med[('moe', f'{s}|{impl}', t)]['us']:.0f}" for t in threads) + " |")
-    kernels = nk.describe().capitalize() if nk is not None else "Native kernels unavailable on this machine"
-    header = (f"# Decode kernels: weight bandwidth against memory bandwidth\n\n{machine_line(threads[-1])} "
-              f"Thread counts: {args.threads}. {kernels}. Medians of {args.rounds} interleaved rounds after a warm-up round.")
-    write_report(args.out, header, lines, {"medians": {"|".join(map(str, c)): v for c, v in med.items()}})
+            lines.append(
+                f"| {s} | {impl} | "
+                + " | ".join(f"{med[('moe', f'{s}|{impl}', t)]['us']:.0f}" for t in threads)
+                + " |"
+            )
+    kernels = (
+        nk.describe().capitalize()
+        if nk is not None
+        else "Native kernels unavailable on this machine"
+    )
+    header = (
+        f"# Decode kernels: weight bandwidth against memory bandwidth\n\n{machine_line(threads[-1])} "
+        f"Thread counts: {args.threads}. {kernels}. Medians of {args.rounds} interleaved rounds after a warm-up round."
+    )
+    write_report(
+        args.out, header, lines, {"medians": {"|".join(map(str, c)): v for c, v in med.items()}}
+    )
 
 
 if __name__ == "__main__":

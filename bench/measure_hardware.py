@@ -21,6 +21,7 @@ the engine's Python and dispatch costs, which dominate such small experts):
 
     python -m bench.measure_hardware --out docs/benchmarks/this_machine_profile.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,9 @@ def _timed_cell(om, prompts: list[list[int]], tokens: int, spec: SpecConfig = OF
     pending: list[RoutingEvent] = []
     blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
 
-    def timed(seconds: float, rows: int) -> None:  # after each block call: its routing was published during it
+    def timed(
+        seconds: float, rows: int
+    ) -> None:  # after each block call: its routing was published during it
         ev = pending.pop() if pending else None
         if ev is not None:
             calls.append((seconds, len(set(ev.ids.reshape(-1).tolist())), ev.ids.shape[0]))
@@ -98,7 +101,9 @@ def seq_read_mb_s(model_dir: Path, chunk: int = 1 << 20, n: int = 32) -> float:
     return chunk * n / (time.perf_counter() - t0) / 1e6
 
 
-def utility_step_s(rows: int = 5, layers: int = 4, experts: int = 64, top_k: int = 8, steps: int = 200) -> float:
+def utility_step_s(
+    rows: int = 5, layers: int = 4, experts: int = 64, top_k: int = 8, steps: int = 200
+) -> float:
     """Seconds per step of the engine's utility bookkeeping in Python: SpeculativeUtilityEstimator
     .observe on one window's counts, the level histogram, and one ranked() per layer (the top-ups)."""
     import random
@@ -129,27 +134,39 @@ def measure_shapes() -> dict:
     """Per-expert and dense-layer GEMM time of the projected shapes on this CPU (1 thread): what the
     profile charges when the embedded model's engine overheads are not measurable for a shape."""
     from engine.offline.hardware import SHAPES
+
     out = {}
     for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):
         sh = SHAPES[name]
-        t1, t8 = statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 1) for _ in range(3)), \
-            statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 8) for _ in range(3))
+        t1, t8 = (
+            statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 1) for _ in range(3)),
+            statistics.median(time_gemms(sh.hidden, sh.moe_intermediate, 8) for _ in range(3)),
+        )
         # Dense part: a GEMV over the layer's dense parameters (+ its share of the LM head) as one square-ish matrix.
         params = sh.dense_params_per_layer + sh.head_params / sh.layers
         w = torch.randn(int(params // sh.hidden), sh.hidden)
         x1, x8 = torch.randn(1, sh.hidden), torch.randn(8, sh.hidden)
+
         def lin(x: torch.Tensor, w: torch.Tensor = w) -> float:
             torch.nn.functional.linear(x, w)
             t0 = time.perf_counter()
             for _ in range(5):
                 torch.nn.functional.linear(x, w)
             return (time.perf_counter() - t0) / 5
+
         d1, d8 = lin(x1), lin(x8)
-        out[name] = {"expert_a_s": t1 - (t8 - t1) / 7, "expert_b_s": (t8 - t1) / 7, "dense_a_s": d1 - (d8 - d1) / 7, "dense_b_s": (d8 - d1) / 7}
+        out[name] = {
+            "expert_a_s": t1 - (t8 - t1) / 7,
+            "expert_b_s": (t8 - t1) / 7,
+            "dense_a_s": d1 - (d8 - d1) / 7,
+            "dense_b_s": (d8 - d1) / 7,
+        }
     return out
 
 
-def measure_window(args: argparse.Namespace, ram=None, prompts: list[list[int]] | None = None) -> dict:
+def measure_window(
+    args: argparse.Namespace, ram=None, prompts: list[list[int]] | None = None
+) -> dict:
     """The draft's time per proposed token and the target's dense time per layer of a k = 4
     verification window (one request, ~5 rows) against a plain one-row step (cache 1.0, one stream)."""
     own = ram is None
@@ -173,20 +190,37 @@ def measure_window(args: argparse.Namespace, ram=None, prompts: list[list[int]] 
         for _ in range(args.repeats + 1):
             # A plain one-stream cell and a k = 4 cell back to back, so both see the same machine load.
             plain = _timed_cell(ram, prompts[:1], args.tokens)
-            d_plain = (plain["produced"] / plain["tok_s"] - sum(c[0] for c in plain["calls"])) / len(plain["calls"])
+            d_plain = (
+                plain["produced"] / plain["tok_s"] - sum(c[0] for c in plain["calls"])
+            ) / len(plain["calls"])
             spent.clear()
-            r = _timed_cell(ram, prompts[:1], args.tokens, SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False))
+            r = _timed_cell(
+                ram,
+                prompts[:1],
+                args.tokens,
+                SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False),
+            )
             wall, calls = r["produced"] / r["tok_s"], r["calls"]
             # The target's dense part per layer of a verification window (one request, ~5 rows).
             d_win = (wall - sum(spent) - sum(c[0] for c in calls)) / len(calls)
             rows = statistics.mean(c[2] for c in calls)
-            windows.append({"dense_per_layer_s": d_win, "plain_dense_per_layer_s": d_plain, "rows": rows,
-                            "extra_per_row_s": (d_win - d_plain) / max(rows - 1, 1e-9), "draft_token_s": statistics.median(spent) / 4})
+            windows.append(
+                {
+                    "dense_per_layer_s": d_win,
+                    "plain_dense_per_layer_s": d_plain,
+                    "rows": rows,
+                    "extra_per_row_s": (d_win - d_plain) / max(rows - 1, 1e-9),
+                    "draft_token_s": statistics.median(spent) / 4,
+                }
+            )
     finally:
         DraftProposer._propose = orig  # type: ignore[method-assign]
     windows = windows[1:]
     out["draft_token_s"] = statistics.median(w["draft_token_s"] for w in windows)
-    out["draft_k4"] = {"tokens_per_verification": r["tokens_per_verification"], "acceptance_by_position": r["acceptance_by_position"]}
+    out["draft_k4"] = {
+        "tokens_per_verification": r["tokens_per_verification"],
+        "acceptance_by_position": r["acceptance_by_position"],
+    }
     # Extra dense time per row beyond one per request: a window's rows share its request's
     # attention call, sampling and scheduling, so they cost less than as many requests.
     out["dense_window"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
@@ -196,14 +230,35 @@ def measure_window(args: argparse.Namespace, ram=None, prompts: list[list[int]] 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from")
-    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per request and cell (default 48)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats of each cell; medians are reported (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the benchmarks)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--data", default="models/embedded/data/test.txt", help="text the prompts are cut from"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=48, help="greedy tokens per request and cell (default 48)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="repeats of each cell; medians are reported (default 3)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1, as the benchmarks)"
+    )
     ap.add_argument("--out", type=Path, help="write the measured numbers as JSON here")
-    ap.add_argument("--shapes-only", action="store_true", help="only time the projected shapes' expert and dense GEMMs")
-    ap.add_argument("--window-only", action="store_true", help="only the draft token and the verification window's dense time (cache 1.0)")
+    ap.add_argument(
+        "--shapes-only",
+        action="store_true",
+        help="only time the projected shapes' expert and dense GEMMs",
+    )
+    ap.add_argument(
+        "--window-only",
+        action="store_true",
+        help="only the draft token and the verification window's dense time (cache 1.0)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.shapes_only:
@@ -216,19 +271,28 @@ def main() -> None:
     ram = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=1.0))
     L = len(ram.moe_layers)
     prompts = cut_prompts(ram.tokenizer, args.data, 8, 64)
-    res: dict = {"machine": f"{platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, {platform.python_version()}"}
+    res: dict = {
+        "machine": f"{platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, {platform.python_version()}"
+    }
 
     # 1) cache 1.0: step time, MoE block time vs distinct experts and rows.
     per_streams = {}
     prompts = cut_prompts(ram.tokenizer, args.data, 16, 64)
     for n in (1, 4, 8, 16):
-        runs = [_timed_cell(ram, prompts[:n], args.tokens) for _ in range(args.repeats + 1)][1:]  # first is warm-up
+        runs = [_timed_cell(ram, prompts[:n], args.tokens) for _ in range(args.repeats + 1)][
+            1:
+        ]  # first is warm-up
         step_s = statistics.median(n * 1.0 / r["tok_s"] for r in runs)  # every step makes n tokens
         calls = [c for r in runs for c in r["calls"] if c[2] == n]
         moe_s = statistics.median(c[0] for c in calls)
         distinct = statistics.mean(c[1] for c in calls)
-        per_streams[n] = {"step_s": step_s, "moe_block_s": moe_s, "distinct": distinct, "rows": n,
-                          "dense_per_layer_s": (step_s - L * moe_s) / L}
+        per_streams[n] = {
+            "step_s": step_s,
+            "moe_block_s": moe_s,
+            "distinct": distinct,
+            "rows": n,
+            "dense_per_layer_s": (step_s - L * moe_s) / L,
+        }
     res["ram"] = per_streams
     # Per-expert cost on the fast tier: single-row path (rows 1: 8 experts per call) and the
     # grouped path (8 rows: ~42 experts, 64 row-slots).
@@ -247,22 +311,34 @@ def main() -> None:
     ram.close()
 
     # 3) cache 0.25 on disk: transfer seconds and the compute thread's extra time per load.
-    disk = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"))
+    disk = load_model(
+        EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none")
+    )
     reps = []
     for _ in range(args.repeats + 1):
         r = run_cell(disk, OFF, prompts[:1], args.tokens)
         s = r["stats"]
         loads = s["transfers"].get("demand", 0)
         wall = r["produced"] / r["tok_s"]
-        reps.append({"read_s": s["transfer_seconds"].get("demand", 0.0) / max(loads, 1), "loads_per_token": loads / r["produced"],
-                     "stall_s_per_token": s["stall_seconds"] / r["produced"], "step_s": wall / r["produced"],
-                     "extra_per_load_s": (wall - s["stall_seconds"] - r["produced"] * one["step_s"]) / max(loads, 1)})
+        reps.append(
+            {
+                "read_s": s["transfer_seconds"].get("demand", 0.0) / max(loads, 1),
+                "loads_per_token": loads / r["produced"],
+                "stall_s_per_token": s["stall_seconds"] / r["produced"],
+                "step_s": wall / r["produced"],
+                "extra_per_load_s": (wall - s["stall_seconds"] - r["produced"] * one["step_s"])
+                / max(loads, 1),
+            }
+        )
     reps = reps[1:]
     res["disk"] = {k: statistics.median(x[k] for x in reps) for k in reps[0]}
     disk.close()
 
     # 4) CPU-run experts: the engine's own cost-meter fit (read + convert + compute on a CPU worker).
-    cpu = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all", prefetch="none"))
+    cpu = load_model(
+        EMBEDDED_TARGET,
+        EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all", prefetch="none"),
+    )
     for _ in range(args.repeats):
         run_cell(cpu, OFF, prompts[:8], args.tokens // 2)
         run_cell(cpu, OFF, prompts[:1], args.tokens // 2)
@@ -271,7 +347,9 @@ def main() -> None:
     cpu.close()
 
     res["seq_read_mb_s"] = seq_read_mb_s(Path(EMBEDDED_TARGET))
-    res["utility_step_s"] = {rows: statistics.median(utility_step_s(rows) for _ in range(3)) for rows in (1, 5, 40)}
+    res["utility_step_s"] = {
+        rows: statistics.median(utility_step_s(rows) for _ in range(3)) for rows in (1, 5, 40)
+    }
     res["shapes"] = measure_shapes()
     print(json.dumps(res, indent=2))
     if args.out:

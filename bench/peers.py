@@ -24,6 +24,7 @@ pre-tokenizers mapped to "gpt-2", which changes nothing about the weights or the
     python -m bench.peers --shape mid --out docs/benchmarks/peers.md
     python -m bench.peers --shape mid --memory-limit 0.6,1.0 --tokens 32 --out docs/benchmarks/peers_memory.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,17 +50,35 @@ from engine.worker.sampling import SamplingParams
 # The mid-size shape of issue 15's first measurement (843M parameters there; ours has a 512-token
 # vocabulary, so a few million fewer) and a tiny one where per-call overhead dominates.
 SHAPES: dict[str, dict[str, int]] = {
-    "mid": dict(num_layers=8, hidden=1024, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
-                intermediate_size=2048, head_dim=128),
-    "tiny": dict(num_layers=4, hidden=256, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
-                 intermediate_size=512, head_dim=64),
+    "mid": dict(
+        num_layers=8,
+        hidden=1024,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        intermediate_size=2048,
+        head_dim=128,
+    ),
+    "tiny": dict(
+        num_layers=4,
+        hidden=256,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        intermediate_size=512,
+        head_dim=64,
+    ),
 }
 GGUF_TYPES = ("f32", "bf16", "q8_0")
 ENGINE_CELLS: dict[str, EngineConfig] = {
     "engine cache 1.0 f32": EngineConfig(cache_fraction=1.0, dtype="float32"),
     "engine cache 1.0 bf16": EngineConfig(cache_fraction=1.0, dtype="bfloat16"),
-    "engine cache 1.0 int8": EngineConfig(cache_fraction=1.0, dtype="bfloat16", expert_quant="int8"),
-    "engine cache 0.25 disk f32": EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"),
+    "engine cache 1.0 int8": EngineConfig(
+        cache_fraction=1.0, dtype="bfloat16", expert_quant="int8"
+    ),
+    "engine cache 0.25 disk f32": EngineConfig(
+        cache_fraction=0.25, offload="disk", dtype="float32"
+    ),
 }
 # Runs the converter with unknown BPE pre-tokenizers mapped to gpt-2 (see the docstring).
 CONVERT = """
@@ -89,7 +108,9 @@ def checkpoint(work: Path, shape: str) -> Path:
     if not (path / "config.json").exists():
         print(f"building the random {shape} checkpoint in {path} ...", flush=True)
         # 512 tokens: a BPE with merges, which llama.cpp's tokenizer loader requires.
-        make_tiny_checkpoint(path, "qwen3_moe", tokenizer_vocab=512, max_shard_size="2GB", **SHAPES[shape])
+        make_tiny_checkpoint(
+            path, "qwen3_moe", tokenizer_vocab=512, max_shard_size="2GB", **SHAPES[shape]
+        )
     return path
 
 
@@ -97,38 +118,87 @@ def checkpoint(work: Path, shape: str) -> Path:
 def find_llama_cpp(work: Path, explicit: Path | None) -> tuple[Path | None, str]:
     """A llama.cpp source tree with build/bin/llama-bench (building one if needed), or None and why not."""
     if explicit is not None:
-        return (explicit, "") if (explicit / "build/bin/llama-bench").exists() else (None, f"--llama-cpp {explicit}: no build/bin/llama-bench there")
+        return (
+            (explicit, "")
+            if (explicit / "build/bin/llama-bench").exists()
+            else (None, f"--llama-cpp {explicit}: no build/bin/llama-bench there")
+        )
     found = sorted(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     if found and (found[-1] / "build/bin/llama-bench").exists():
         return found[-1], ""
     if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
-        return None, "llama.cpp skipped: building it needs cmake and a C++ compiler (apt-get install cmake g++)"
+        return (
+            None,
+            "llama.cpp skipped: building it needs cmake and a C++ compiler (apt-get install cmake g++)",
+        )
     try:
         if not found:
             print("downloading the llama-cpp-python sdist (it vendors llama.cpp) ...", flush=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "llama-cpp-python",
-                            "-d", str(work)], check=True, capture_output=True, timeout=600)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "llama-cpp-python",
+                    "-d",
+                    str(work),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             sdist = sorted(work.glob("llama_cpp_python-*.tar.gz"))[-1]
             with tarfile.open(sdist) as tar:
                 tar.extractall(work, filter="data")
             found = sorted(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         src = found[-1]
         print(f"building llama-bench in {src} (several minutes) ...", flush=True)
-        subprocess.run(["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=src, check=True,
-                       capture_output=True, timeout=600)
-        subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "-j"], cwd=src, check=True,
-                       capture_output=True, timeout=3600)
+        subprocess.run(
+            ["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+            cwd=src,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        subprocess.run(
+            ["cmake", "--build", "build", "--target", "llama-bench", "-j"],
+            cwd=src,
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
         return src, ""
     except (subprocess.SubprocessError, OSError, IndexError) as e:
-        return None, f"llama.cpp skipped: could not download or build it ({type(e).__name__}); pass --llama-cpp DIR to use a built tree"
+        return (
+            None,
+            f"llama.cpp skipped: could not download or build it ({type(e).__name__}); pass --llama-cpp DIR to use a built tree",
+        )
 
 
 def convert(src: Path, ckpt: Path, outtype: str) -> Path:
     out = ckpt.parent / f"{ckpt.name}-{outtype}.gguf"
     if not out.exists():
         print(f"converting {ckpt.name} to {out.name} with llama.cpp's converter ...", flush=True)
-        subprocess.run([sys.executable, "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", outtype,
-                        "--outfile", str(out)], check=True, capture_output=True, timeout=3600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CONVERT,
+                str(src / "convert_hf_to_gguf.py"),
+                str(ckpt),
+                "--outtype",
+                outtype,
+                "--outfile",
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
     return out
 
 
@@ -138,9 +208,25 @@ def llama_bench_tps(src: Path, gguf: Path, tokens: int, threads: int) -> float:
     engine's RAM tier does). Why both: on this machine the same mmapped f32 GGUF decoded at 25 tok/s
     one day and 14 the next (its page-cache pages, not llama.cpp's code), while read into memory it
     ran at 27. Builds without `-lm` run mmap alone."""
-    cmd = [str(src / "build/bin/llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    cmd = [
+        str(src / "build/bin/llama-bench"),
+        "-m",
+        str(gguf),
+        "-p",
+        "0",
+        "-n",
+        str(tokens),
+        "-t",
+        str(threads),
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
     try:
-        res = subprocess.run(cmd + ["-lm", "mmap,none"], check=True, capture_output=True, text=True, timeout=1800)
+        res = subprocess.run(
+            cmd + ["-lm", "mmap,none"], check=True, capture_output=True, text=True, timeout=1800
+        )
     except subprocess.CalledProcessError:
         res = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     return max(float(r["avg_ts"]) for r in json.loads(res.stdout))
@@ -148,7 +234,9 @@ def llama_bench_tps(src: Path, gguf: Path, tokens: int, threads: int) -> float:
 
 # -- in-process systems ------------------------------------------------------------------------
 def engine_tps(om, prompt: list[int], tokens: int) -> float:
-    return generate(om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)).decode_tokens_per_s
+    return generate(
+        om, prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+    ).decode_tokens_per_s
 
 
 def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -187,6 +275,7 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
                     return fn(*a)
                 finally:
                     native_s[0] += time.perf_counter() - t0
+
             setattr(self, name, call)
             return call
 
@@ -225,11 +314,17 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
             kernels.lib = lib
     top = [e for e in prof.events() if e.cpu_parent is None]
     inside = sum(e.cpu_time_total for e in top) / 1e6
-    return {"ms_outside_ops_per_layer": (wall - inside - native_s[0]) / per * 1e3, "ms_in_ops_per_layer": inside / per * 1e3,
-            "ms_in_native_per_layer": native_s[0] / per * 1e3, "torch_calls_per_layer": len(top) / per,
-            "ms_python_estimate_per_layer": max(0.0, plain - inside - native_plain) / per * 1e3,
-            "fused_step_share": fused["steps"] / tokens,
-            "ms_python_in_layers_per_layer": (fused["wall"] - fused["native"]) / max(1, fused["steps"] * layers) * 1e3}
+    return {
+        "ms_outside_ops_per_layer": (wall - inside - native_s[0]) / per * 1e3,
+        "ms_in_ops_per_layer": inside / per * 1e3,
+        "ms_in_native_per_layer": native_s[0] / per * 1e3,
+        "torch_calls_per_layer": len(top) / per,
+        "ms_python_estimate_per_layer": max(0.0, plain - inside - native_plain) / per * 1e3,
+        "fused_step_share": fused["steps"] / tokens,
+        "ms_python_in_layers_per_layer": (fused["wall"] - fused["native"])
+        / max(1, fused["steps"] * layers)
+        * 1e3,
+    }
 
 
 def disk_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -245,30 +340,64 @@ def disk_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     busy = sum(s["transfer_seconds"].values())
     gbs = s["bytes_moved"] / busy / 1e9 if busy else float("nan")
     mb = s["bytes_moved"] / (tokens + 1) / 1e6
-    return {"misses_per_token": s["misses"] / (tokens + 1), "mb_read_per_token": mb, "read_gb_s": gbs,
-            "ms_reading_per_token": mb / gbs if busy else float("nan"), "ms_waiting_per_token": s["stall_seconds"] / (tokens + 1) * 1e3,
-            "ms_per_token": wall / (tokens + 1) * 1e3}
+    return {
+        "misses_per_token": s["misses"] / (tokens + 1),
+        "mb_read_per_token": mb,
+        "read_gb_s": gbs,
+        "ms_reading_per_token": mb / gbs if busy else float("nan"),
+        "ms_waiting_per_token": s["stall_seconds"] / (tokens + 1) * 1e3,
+        "ms_per_token": wall / (tokens + 1) * 1e3,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="mid", help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)")
-    ap.add_argument("--tokens", type=int, default=128, help="decode tokens per measurement (default 128)")
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="mid",
+        help="checkpoint shape (default mid: hidden 1024, 8 layers, 64 experts, top-8)",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=128, help="decode tokens per measurement (default 128)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)"
+    )
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where checkpoints, GGUF files and llama.cpp go (default .cache/peers)")
-    ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin/llama-bench (default: find or build one under --work)")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(".cache/peers"),
+        help="where checkpoints, GGUF files and llama.cpp go (default .cache/peers)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        help="a llama.cpp source tree with build/bin/llama-bench (default: find or build one under --work)",
+    )
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
-    ap.add_argument("--memory-limit", metavar="FRACTIONS",
-                    help="instead of the speed table: bigger-than-RAM runs under a memory cgroup capped at these fractions of the model's "
-                         "bf16 size, e.g. 0.6,1.0 (bench/peers_memory.py; needs root or a delegated cgroup)")
-    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    ap.add_argument(
+        "--memory-limit",
+        metavar="FRACTIONS",
+        help="instead of the speed table: bigger-than-RAM runs under a memory cgroup capped at these fractions of the model's "
+        "bf16 size, e.g. 0.6,1.0 (bench/peers_memory.py; needs root or a delegated cgroup)",
+    )
+    ap.add_argument(
+        "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
+    )
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint(args.work, args.shape)
 
-    src, why = (None, "llama.cpp skipped (--no-llama-cpp)") if args.no_llama_cpp else find_llama_cpp(args.work, args.llama_cpp)
+    src, why = (
+        (None, "llama.cpp skipped (--no-llama-cpp)")
+        if args.no_llama_cpp
+        else find_llama_cpp(args.work, args.llama_cpp)
+    )
     ggufs = {f"llama.cpp {t}": convert(src, ckpt, t) for t in GGUF_TYPES} if src is not None else {}
     if why:
         print(why, flush=True)
@@ -276,14 +405,18 @@ def main() -> None:
         from bench.peers_memory import run as memory_run
 
         fractions = [float(f) for f in args.memory_limit.split(",")]
-        memory_run(ckpt, src, ggufs.get("llama.cpp bf16"), fractions, args.tokens, args.rounds, args.out)
+        memory_run(
+            ckpt, src, ggufs.get("llama.cpp bf16"), fractions, args.tokens, args.rounds, args.out
+        )
         return
 
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     engines = {name: load_model(ckpt, cfg) for name, cfg in ENGINE_CELLS.items()}
-    prompt = torch.randint(3, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        3, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     cells = ["transformers f32", *engines, *ggufs]
 
     def run(cell: str, t: int) -> float:
@@ -305,60 +438,99 @@ def main() -> None:
                     res[(cell, t)].append(tps)
     torch.set_num_threads(threads[0])
     runs = [layer_profile(engines["engine cache 1.0 f32"], prompt, args.tokens) for _ in range(3)]
-    prof = {k: statistics.median(r[k] for r in runs) for k in runs[0]}  # each figure's median of three profiles
+    prof = {
+        k: statistics.median(r[k] for r in runs) for k in runs[0]
+    }  # each figure's median of three profiles
     disk = disk_profile(engines["engine cache 0.25 disk f32"], prompt, args.tokens)
     for om in engines.values():
         om.close()
     lines = table(res, cells, threads) + [
-        "", f"Profile of the engine at cache 1.0, f32, {threads[0]} thread(s), one generate of {args.tokens} tokens under torch.profiler "
+        "",
+        f"Profile of the engine at cache 1.0, f32, {threads[0]} thread(s), one generate of {args.tokens} tokens under torch.profiler "
         f"(per token and decoder layer, medians of three): {prof['ms_in_ops_per_layer']:.3f} ms inside torch calls, "
         f"{prof['ms_in_native_per_layer']:.3f} ms in the native library, {prof['ms_outside_ops_per_layer']:.3f} ms outside both "
         f"(Python, plus the profiler's own cost), {prof['torch_calls_per_layer']:.0f} top-level torch calls; Python estimated from the "
         f"same generate without the profiler: {prof['ms_python_estimate_per_layer']:.3f} ms (both include the step's own Python, "
         f"spread over its layers). The layer path alone: {prof['fused_step_share']:.0%} of the decode steps took the fused path "
         f"(one native call a layer), with {prof['ms_python_in_layers_per_layer'] * 1e3:.0f} us of Python a layer there.",
-        "", f"The disk cell, one more generate at {threads[0]} thread(s): {disk['misses_per_token']:.1f} experts missed a token, "
+        "",
+        f"The disk cell, one more generate at {threads[0]} thread(s): {disk['misses_per_token']:.1f} experts missed a token, "
         f"{disk['mb_read_per_token']:.1f} MB read a token at {disk['read_gb_s']:.2f} GB/s (the loads' own speed), so "
         f"{disk['ms_reading_per_token']:.1f} ms of reading a token; the compute thread waited {disk['ms_waiting_per_token']:.1f} ms a "
-        f"token for them, of a {disk['ms_per_token']:.1f} ms token."]
-    write_report(args.out, header(args, ckpt, hf, why), lines, {"rounds": {f"{c}|{t}": v for (c, t), v in res.items()}, "layer_profile": prof,
-                                                                                                  "disk_profile": disk})
+        f"token for them, of a {disk['ms_per_token']:.1f} ms token.",
+    ]
+    write_report(
+        args.out,
+        header(args, ckpt, hf, why),
+        lines,
+        {
+            "rounds": {f"{c}|{t}": v for (c, t), v in res.items()},
+            "layer_profile": prof,
+            "disk_profile": disk,
+        },
+    )
 
 
-def table(res: dict[tuple[str, int], list[float]], cells: list[str], threads: list[int]) -> list[str]:
-    def ratio(a: str, b: str, t: int) -> float:  # per-round ratio, then the median: both share a round's load
+def table(
+    res: dict[tuple[str, int], list[float]], cells: list[str], threads: list[int]
+) -> list[str]:
+    def ratio(
+        a: str, b: str, t: int
+    ) -> float:  # per-round ratio, then the median: both share a round's load
         return statistics.median(x / y for x, y in zip(res[(a, t)], res[(b, t)]))
 
     peers = [c for c in cells if c.startswith("llama.cpp")]
-    lines = ["| system | threads | decode tok/s (median) | × transformers f32 | × engine cache 1.0 f32 |", "|---|---|---|---|---|"]
+    lines = [
+        "| system | threads | decode tok/s (median) | × transformers f32 | × engine cache 1.0 f32 |",
+        "|---|---|---|---|---|",
+    ]
     for t in threads:
         for c in cells:
-            lines.append(f"| {c} | {t} | {statistics.median(res[(c, t)]):.1f} | {ratio(c, 'transformers f32', t):.2f}× | "
-                         f"{ratio(c, 'engine cache 1.0 f32', t):.2f}× |")
+            lines.append(
+                f"| {c} | {t} | {statistics.median(res[(c, t)]):.1f} | {ratio(c, 'transformers f32', t):.2f}× | "
+                f"{ratio(c, 'engine cache 1.0 f32', t):.2f}× |"
+            )
     if peers:
-        pairs = [("engine cache 1.0 f32", "llama.cpp f32"), ("engine cache 1.0 bf16", "llama.cpp bf16"),
-                 ("engine cache 1.0 int8", "llama.cpp q8_0"), ("engine cache 0.25 disk f32", "engine cache 1.0 f32")]
-        lines += ["", "| ratio | " + " | ".join(f"{t} thread(s)" for t in threads) + " |", "|---|" + "---|" * len(threads)]
+        pairs = [
+            ("engine cache 1.0 f32", "llama.cpp f32"),
+            ("engine cache 1.0 bf16", "llama.cpp bf16"),
+            ("engine cache 1.0 int8", "llama.cpp q8_0"),
+            ("engine cache 0.25 disk f32", "engine cache 1.0 f32"),
+        ]
+        lines += [
+            "",
+            "| ratio | " + " | ".join(f"{t} thread(s)" for t in threads) + " |",
+            "|---|" + "---|" * len(threads),
+        ]
         for a, b in pairs:
-            lines.append(f"| {a} / {b} | " + " | ".join(f"{ratio(a, b, t):.2f}×" for t in threads) + " |")
+            lines.append(
+                f"| {a} / {b} | " + " | ".join(f"{ratio(a, b, t):.2f}×" for t in threads) + " |"
+            )
     if len(threads) > 1:
         lo, hi = threads[0], threads[-1]
-        erratic = [c for c in cells if statistics.median(res[(c, hi)]) <= statistics.median(res[(c, lo)])]
+        erratic = [
+            c for c in cells if statistics.median(res[(c, hi)]) <= statistics.median(res[(c, lo)])
+        ]
         if erratic:
-            lines += ["", f"**Warning:** thread scaling is erratic on this shared machine: {', '.join(erratic)} "
-                      f"decoded no faster at {hi} threads than at {lo}. Read the {lo}-thread rows."]
+            lines += [
+                "",
+                f"**Warning:** thread scaling is erratic on this shared machine: {', '.join(erratic)} "
+                f"decoded no faster at {hi} threads than at {lo}. Read the {lo}-thread rows.",
+            ]
     return lines
 
 
 def header(args: argparse.Namespace, ckpt: Path, hf, why: str) -> str:
     n = sum(p.numel() for p in hf.parameters())
     s = SHAPES[args.shape]
-    return (f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, Python "
-            f"{platform.python_version()}. Checkpoint: random qwen3_moe '{args.shape}' (hidden {s['hidden']}, {s['num_layers']} "
-            f"layers, {s['num_experts']} experts, top-{s['num_experts_per_tok']}, moe_intermediate {s['moe_intermediate_size']}; "
-            f"{n / 1e6:.0f}M parameters), built by the script. {args.tokens} greedy decode tokens per measurement, prefill "
-            f"excluded; medians of {args.rounds} interleaved rounds after a warm-up round. llama.cpp: the faster of its "
-            f"mmap and read-into-memory loading modes in each measurement." + (f" {why}" if why else ""))
+    return (
+        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}. Checkpoint: random qwen3_moe '{args.shape}' (hidden {s['hidden']}, {s['num_layers']} "
+        f"layers, {s['num_experts']} experts, top-{s['num_experts_per_tok']}, moe_intermediate {s['moe_intermediate_size']}; "
+        f"{n / 1e6:.0f}M parameters), built by the script. {args.tokens} greedy decode tokens per measurement, prefill "
+        f"excluded; medians of {args.rounds} interleaved rounds after a warm-up round. llama.cpp: the faster of its "
+        f"mmap and read-into-memory loading modes in each measurement." + (f" {why}" if why else "")
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ both one token per forward step, round-robin across engines so machine noise spr
   generate:       greedy generation from prompts taken from the same text.
 Statistics are decode-only (the prefill of `generate` is excluded).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,14 @@ from engine.worker.runner import ModelRunner
 from engine.worker.sampling import SamplingParams
 
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
-COUNTERS = ("calls_hit", "calls_fetched", "substitutions", "bytes_moved", "stall_seconds", "admissions")
+COUNTERS = (
+    "calls_hit",
+    "calls_fetched",
+    "substitutions",
+    "bytes_moved",
+    "stall_seconds",
+    "admissions",
+)
 
 
 def _counters(om) -> dict[str, float]:
@@ -66,7 +74,9 @@ class Tally:
 PROMPT_TOKENS = 64
 
 
-def workload(tokenizer, data: str | Path, windows: int, window: int, prompts: int) -> tuple[list[list[int]], list[list[int]]]:
+def workload(
+    tokenizer, data: str | Path, windows: int, window: int, prompts: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """The teacher-forced windows and the generation prompts (PROMPT_TOKENS long), cut from evenly
     spaced places in the text (bench/sim_validation.py replays the same prompts)."""
     ids = tokenizer(Path(data).read_text(encoding="utf-8"))["input_ids"]
@@ -92,29 +102,57 @@ def run_generate(om, prompt: list[int], tokens: int, tally: Tally) -> None:
 
 
 def table(rows: list[dict], workload: str) -> list[str]:
-    out = [f"**{workload}**", "",
-           "| slow tier | policy | decode tok/s | × fetch-all (same tier) | × all-resident | stall share | hit share of calls | fetched calls/step | substituted calls/step | MB moved/step | admissions |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"**{workload}**",
+        "",
+        "| slow tier | policy | decode tok/s | × fetch-all (same tier) | × all-resident | stall share | hit share of calls | fetched calls/step | substituted calls/step | MB moved/step | admissions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['setting']} | {r['policy']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['vs_ceiling']:.2f}× | {r['stall_share']:.0%} | "
-                   f"{r['hit_share']:.0%} | {r['fetched_per_step']:.2f} | {r['substituted_per_step']:.2f} | {r['MB_per_step']:.3f} | {int(r['admissions'])} |")
+        out.append(
+            f"| {r['setting']} | {r['policy']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['vs_ceiling']:.2f}× | {r['stall_share']:.0%} | "
+            f"{r['hit_share']:.0%} | {r['fetched_per_step']:.2f} | {r['substituted_per_step']:.2f} | {r['MB_per_step']:.3f} | {int(r['admissions'])} |"
+        )
     return out + [""]
 
 
 def main() -> None:
     from server.cli_common import resolve_model_dir
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="model directory (default: the embedded model)")
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="held-out text (default: the embedded test split)")
-    ap.add_argument("--cache-fraction", type=float, default=0.25, help="fast-tier share of experts (default 0.25)")
-    ap.add_argument("--link", default="sdcard", help="emulated slow link for the second setting (default sdcard: 80 MB/s, 1 ms)")
+    ap.add_argument(
+        "--data",
+        default="models/embedded/data/test.txt",
+        help="held-out text (default: the embedded test split)",
+    )
+    ap.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.25,
+        help="fast-tier share of experts (default 0.25)",
+    )
+    ap.add_argument(
+        "--link",
+        default="sdcard",
+        help="emulated slow link for the second setting (default sdcard: 80 MB/s, 1 ms)",
+    )
     ap.add_argument("--windows", type=int, default=4, help="teacher-forced windows (default 4)")
-    ap.add_argument("--window", type=int, default=128, help="tokens per teacher-forced window (default 128)")
+    ap.add_argument(
+        "--window", type=int, default=128, help="tokens per teacher-forced window (default 128)"
+    )
     ap.add_argument("--prompts", type=int, default=3, help="generation prompts (default 3)")
-    ap.add_argument("--tokens", type=int, default=48, help="greedy decode tokens per prompt (default 48)")
-    ap.add_argument("--prefetch", default="auto", metavar="A,B,...",
-                    help="engine --prefetch settings to compare, each a row group (default auto: SpecPrefetch's adapter where the model ships one; e.g. auto,none)")
+    ap.add_argument(
+        "--tokens", type=int, default=48, help="greedy decode tokens per prompt (default 48)"
+    )
+    ap.add_argument(
+        "--prefetch",
+        default="auto",
+        metavar="A,B,...",
+        help="engine --prefetch settings to compare, each a row group (default auto: SpecPrefetch's adapter where the model ships one; e.g. auto,none)",
+    )
     ap.add_argument("--out", type=Path, help="write markdown tables here")
     ap.add_argument("--out-json", type=Path, help="write raw numbers here")
     args = ap.parse_args()
@@ -126,11 +164,17 @@ def main() -> None:
         label = "" if len(prefetch) == 1 else f", prefetch {pf}"
         settings[f"disk{label}"] = dict(offload="disk", prefetch=pf)
         settings[f"disk + {args.link}{label}"] = dict(offload="disk", link=args.link, prefetch=pf)
-    engines = {("all-resident (ram)", "fetch-all"): load_model(model_dir, EngineConfig(cache_fraction=1.0))}
+    engines = {
+        ("all-resident (ram)", "fetch-all"): load_model(model_dir, EngineConfig(cache_fraction=1.0))
+    }
     for sname, kw in settings.items():
         for p in POLICIES:
-            engines[(sname, p)] = load_model(model_dir, EngineConfig(cache_fraction=args.cache_fraction, policy=p, **kw))
-    chunks, prompts = workload(next(iter(engines.values())).tokenizer, args.data, args.windows, args.window, args.prompts)
+            engines[(sname, p)] = load_model(
+                model_dir, EngineConfig(cache_fraction=args.cache_fraction, policy=p, **kw)
+            )
+    chunks, prompts = workload(
+        next(iter(engines.values())).tokenizer, args.data, args.windows, args.window, args.prompts
+    )
     tallies = {w: {k: Tally() for k in engines} for w in ("teacher-forced", "generate")}
     for chunk in tqdm(chunks, desc="teacher-forced windows"):
         for key, om in engines.items():
@@ -141,22 +185,27 @@ def main() -> None:
     for om in engines.values():
         om.close()
 
-    header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
-              f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
-              f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated. "
-              f"Prefetch: {', '.join(prefetch)}.")
+    header = (
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
+        f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
+        f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated. "
+        f"Prefetch: {', '.join(prefetch)}."
+    )
     md, raw = [header, ""], {}
     for mode, t in tallies.items():
         rows = [{"setting": s, "policy": p, **t[(s, p)].row()} for (s, p) in engines]
         ceiling = rows[0]["tok_s"]
         for r in rows:
-            base = next(x for x in rows if x["setting"] == r["setting"] and x["policy"] == "fetch-all")
+            base = next(
+                x for x in rows if x["setting"] == r["setting"] and x["policy"] == "fetch-all"
+            )
             r["vs_fetch_all"], r["vs_ceiling"] = r["tok_s"] / base["tok_s"], r["tok_s"] / ceiling
         md += table(rows, mode)
         raw[mode] = rows
     write_report(args.out, header, md[2:], raw)  # keeps the page's analysis (from "Command:" on)
     if args.out_json:
         args.out_json.write_text(json.dumps({"header": header, **raw}, indent=2))
+
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ Train on one text, report on another (held out), as `moe-offload train-prefetche
 
     python -m bench.prefetch_bound --out docs/benchmarks/prefetch_bound.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,9 @@ class PerLayer(nn.Module):
         def head() -> nn.Module:
             if not mlp_width:
                 return nn.Linear(hidden, experts)
-            return nn.Sequential(nn.Linear(hidden, mlp_width), nn.GELU(), nn.Linear(mlp_width, experts))
+            return nn.Sequential(
+                nn.Linear(hidden, mlp_width), nn.GELU(), nn.Linear(mlp_width, experts)
+            )
 
         self.heads = nn.ModuleList(head() for _ in range(anchors))
         for h in self.heads:  # start as exactly the guess, like the adapter
@@ -74,23 +77,55 @@ def examples(om, path: str, tokens: int) -> AdapterData:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="model directory (default: the embedded model)")
-    ap.add_argument("--train-data", default="models/embedded/data/valid.txt", help="text the predictors are fitted on (default: the validation split, as the shipped adapter)")
-    ap.add_argument("--test-data", default="models/embedded/data/test.txt", help="held-out text recall is measured on (default: the test split)")
-    ap.add_argument("--train-tokens", type=int, default=60000, help="tokens traced for fitting (default 60000, train-prefetcher's default)")
-    ap.add_argument("--test-tokens", type=int, default=20000, help="held-out tokens (default 20000, as bench/prefetch_bench.py)")
-    ap.add_argument("--steps", type=int, default=1500, help="optimiser steps of 1024 examples for every predictor (default 1500)")
-    ap.add_argument("--mlp-width", type=int, default=512, help="hidden width of the per-layer MLP (default 512)")
+    ap.add_argument(
+        "--train-data",
+        default="models/embedded/data/valid.txt",
+        help="text the predictors are fitted on (default: the validation split, as the shipped adapter)",
+    )
+    ap.add_argument(
+        "--test-data",
+        default="models/embedded/data/test.txt",
+        help="held-out text recall is measured on (default: the test split)",
+    )
+    ap.add_argument(
+        "--train-tokens",
+        type=int,
+        default=60000,
+        help="tokens traced for fitting (default 60000, train-prefetcher's default)",
+    )
+    ap.add_argument(
+        "--test-tokens",
+        type=int,
+        default=20000,
+        help="held-out tokens (default 20000, as bench/prefetch_bench.py)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=1500,
+        help="optimiser steps of 1024 examples for every predictor (default 1500)",
+    )
+    ap.add_argument(
+        "--mlp-width", type=int, default=512, help="hidden width of the per-layer MLP (default 512)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--out", type=Path, help="write the markdown report here (and its .json beside it)")
+    ap.add_argument(
+        "--out", type=Path, help="write the markdown report here (and its .json beside it)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     model_dir = resolve_model_dir(args.model)
     om = load_model(Path(model_dir), EngineConfig())
     try:
-        fit, held = examples(om, args.train_data, args.train_tokens), examples(om, args.test_data, args.test_tokens)
+        fit, held = (
+            examples(om, args.train_data, args.train_tokens),
+            examples(om, args.test_data, args.test_tokens),
+        )
         params = om.parameter_count()
     finally:
         om.close()
@@ -98,22 +133,43 @@ def main() -> None:
     E = fit.teacher.shape[-1]
     torch.manual_seed(0)
     predictors: dict[str, nn.Module] = {
-        "adapter (shipped form: rank 64, shared, per-layer bias)": train_adapter(fit, 64, args.steps),
-        "per-layer linear (bound for any linear predictor)": fit_predictor(PerLayer(D, E, A), fit, args.steps, desc="per-layer linear"),
-        f"per-layer MLP, width {args.mlp_width}": fit_predictor(PerLayer(D, E, A, args.mlp_width), fit, args.steps, desc="per-layer MLP"),
+        "adapter (shipped form: rank 64, shared, per-layer bias)": train_adapter(
+            fit, 64, args.steps
+        ),
+        "per-layer linear (bound for any linear predictor)": fit_predictor(
+            PerLayer(D, E, A), fit, args.steps, desc="per-layer linear"
+        ),
+        f"per-layer MLP, width {args.mlp_width}": fit_predictor(
+            PerLayer(D, E, A, args.mlp_width), fit, args.steps, desc="per-layer MLP"
+        ),
     }
     rows = {"FATE-like (next router on x_l)": (evaluate_base(held), 0)}
     for name, m in predictors.items():
         rows[name] = (evaluate(m, held), sum(p.numel() for p in m.parameters()))
     k = int(held.true_ids.shape[-1])
-    lines = ["| predictor | " + " | ".join(f"recall@{k} layer {a + 1}" for a in range(A)) + " | mean | parameters | share of the model |",
-             "|---" * (A + 4) + "|"]
+    lines = [
+        "| predictor | "
+        + " | ".join(f"recall@{k} layer {a + 1}" for a in range(A))
+        + " | mean | parameters | share of the model |",
+        "|---" * (A + 4) + "|",
+    ]
     for name, (rec, n) in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r:.1%}" for r in rec) + f" | **{np.mean(rec):.1%}** | {n:,} | {n / params:.2%} |")
-    header = (f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}. Model: "
-              f"{portable_path(Path(model_dir))} ({params:,} parameters). Fitted on {N:,} tokens of {args.train_data}, recall on "
-              f"{held.x.shape[0]:,} tokens of {args.test_data}; {args.steps} steps of 1024 examples each.")
-    write_report(args.out, header, lines, {name: {"recall": rec, "parameters": n} for name, (rec, n) in rows.items()})
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{r:.1%}" for r in rec)
+            + f" | **{np.mean(rec):.1%}** | {n:,} | {n / params:.2%} |"
+        )
+    header = (
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}. Model: "
+        f"{portable_path(Path(model_dir))} ({params:,} parameters). Fitted on {N:,} tokens of {args.train_data}, recall on "
+        f"{held.x.shape[0]:,} tokens of {args.test_data}; {args.steps} steps of 1024 examples each."
+    )
+    write_report(
+        args.out,
+        header,
+        lines,
+        {name: {"recall": rec, "parameters": n} for name, (rec, n) in rows.items()},
+    )
 
 
 if __name__ == "__main__":

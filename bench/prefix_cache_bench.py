@@ -14,6 +14,7 @@ The embedded model has a 1024-token context; the run uses a copy of it whose con
 
     python -m bench.prefix_cache_bench --out docs/benchmarks/prefix_cache.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,49 @@ sys.path.insert(0, str(REPO / "tests"))
 from server_fixtures import serve  # noqa: E402 (the tests' server launcher: needs tests/ on sys.path)
 
 TOOLS = [
-    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository and return its text.",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, or one test file, and return the summary.",
-                                      "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "apply_patch", "description": "Apply a unified diff to the working tree.",
-                                      "parameters": {"type": "object", "properties": {"patch": {"type": "string"}}, "required": ["patch"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository and return its text.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite, or one test file, and return the summary.",
+            "parameters": {"type": "object", "properties": {"target": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "apply_patch",
+            "description": "Apply a unified diff to the working tree.",
+            "parameters": {
+                "type": "object",
+                "properties": {"patch": {"type": "string"}},
+                "required": ["patch"],
+            },
+        },
+    },
 ]
-TURNS = ["List the files you need.", "Read the scheduler.", "What does schedule() decide?", "Run the tests.",
-         "One failed; why?", "Write a patch.", "Run the tests again.", "Summarise the change."]
+TURNS = [
+    "List the files you need.",
+    "Read the scheduler.",
+    "What does schedule() decide?",
+    "Run the tests.",
+    "One failed; why?",
+    "Write a patch.",
+    "Run the tests again.",
+    "Summarise the change.",
+]
 
 
 def long_context_copy(dst: Path, max_positions: int) -> Path:
@@ -66,12 +101,23 @@ def system_prompt(tok: Any, n_tokens: int) -> str:
     return head + tok.decode(tok(instructions)["input_ids"][:need])
 
 
-def one_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+def one_turn(
+    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], max_tokens: int
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     first = None
     text, usage = "", None
-    for c in client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+    for c in client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
         if c.choices and c.choices[0].delta.content:
             first = first or time.perf_counter()
             text += c.choices[0].delta.content
@@ -79,15 +125,23 @@ def one_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], 
             usage = c.usage
     end = time.perf_counter()
     assert usage is not None
-    return {"ttft": (first or end) - t0, "total": end - t0, "text": text, "prompt": usage.prompt_tokens,
-            "cached": usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0}
+    return {
+        "ttft": (first or end) - t0,
+        "total": end - t0,
+        "text": text,
+        "prompt": usage.prompt_tokens,
+        "cached": usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system-tokens", type=int, default=1100)
     ap.add_argument("--max-tokens", type=int, default=16, help="reply tokens per turn")
-    ap.add_argument("--engine-flags", default="--cache-fraction 0.25 --offload disk --link hdd --speculative off")
+    ap.add_argument(
+        "--engine-flags",
+        default="--cache-fraction 0.25 --offload disk --link hdd --speculative off",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -99,37 +153,74 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = long_context_copy(Path(tmp) / "model", 2048)
         common = ["--model", str(model_dir), "--served-model-name", "agent", *flags]
-        with serve(common, Path(tmp) / "cached.log", ready_timeout=300) as on, serve([*common, "--prefix-cache-bytes", "0"], Path(tmp) / "plain.log", ready_timeout=300) as off:
-            clients = {"cache": openai.OpenAI(base_url=on.v1, api_key="x", max_retries=0, timeout=600),
-                       "no cache": openai.OpenAI(base_url=off.v1, api_key="x", max_retries=0, timeout=600)}
+        with (
+            serve(common, Path(tmp) / "cached.log", ready_timeout=300) as on,
+            serve(
+                [*common, "--prefix-cache-bytes", "0"], Path(tmp) / "plain.log", ready_timeout=300
+            ) as off,
+        ):
+            clients = {
+                "cache": openai.OpenAI(base_url=on.v1, api_key="x", max_retries=0, timeout=600),
+                "no cache": openai.OpenAI(base_url=off.v1, api_key="x", max_retries=0, timeout=600),
+            }
             for c in clients.values():  # warm-up: a short unrelated request each (first-call setup)
-                c.chat.completions.create(model="agent", messages=[{"role": "user", "content": "warm up"}], max_tokens=2)
+                c.chat.completions.create(
+                    model="agent", messages=[{"role": "user", "content": "warm up"}], max_tokens=2
+                )
             history: list[dict[str, Any]] = [{"role": "system", "content": sys_prompt}]
             for t, user in enumerate(TURNS):
                 history.append({"role": "user", "content": user})
                 order = ["cache", "no cache"] if t % 2 == 0 else ["no cache", "cache"]
-                got = {name: one_turn(clients[name], "agent", history, args.max_tokens) for name in order}
-                assert got["cache"]["text"] == got["no cache"]["text"], "greedy replies differ with and without the cache"
+                got = {
+                    name: one_turn(clients[name], "agent", history, args.max_tokens)
+                    for name in order
+                }
+                assert got["cache"]["text"] == got["no cache"]["text"], (
+                    "greedy replies differ with and without the cache"
+                )
                 history.append({"role": "assistant", "content": got["cache"]["text"]})
-                rows.append({"turn": t + 1, "prompt_tokens": got["cache"]["prompt"], "cached_tokens": got["cache"]["cached"],
-                             **{f"{k}_{name}": got[name][k] for name in clients for k in ("ttft", "total")}})
+                rows.append(
+                    {
+                        "turn": t + 1,
+                        "prompt_tokens": got["cache"]["prompt"],
+                        "cached_tokens": got["cache"]["cached"],
+                        **{
+                            f"{k}_{name}": got[name][k]
+                            for name in clients
+                            for k in ("ttft", "total")
+                        },
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
-            stats = {name: httpx.get(s.base_url + "/metrics", timeout=10).text for name, s in (("cache", on), ("no cache", off))}
-    hits = [line for line in stats["cache"].splitlines() if line.startswith("moe_offload_prefix_cache_hit_tokens_total")]
+            stats = {
+                name: httpx.get(s.base_url + "/metrics", timeout=10).text
+                for name, s in (("cache", on), ("no cache", off))
+            }
+    hits = [
+        line
+        for line in stats["cache"].splitlines()
+        if line.startswith("moe_offload_prefix_cache_hit_tokens_total")
+    ]
     report(args, rows, hits)
     return 0
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]], hits: list[str]) -> None:
-    lines = ["| turn | prompt tokens | cached | TTFT cache (s) | TTFT no cache (s) | TTFT ratio | total cache (s) | total no cache (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| turn | prompt tokens | cached | TTFT cache (s) | TTFT no cache (s) | TTFT ratio | total cache (s) | total no cache (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} ({r['cached_tokens'] / r['prompt_tokens']:.0%}) | {r['ttft_cache']:.2f} | "
-                     f"{r['ttft_no cache']:.2f} | {r['ttft_cache'] / r['ttft_no cache']:.2f} | {r['total_cache']:.2f} | {r['total_no cache']:.2f} |")
+        lines.append(
+            f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} ({r['cached_tokens'] / r['prompt_tokens']:.0%}) | {r['ttft_cache']:.2f} | "
+            f"{r['ttft_no cache']:.2f} | {r['ttft_cache'] / r['ttft_no cache']:.2f} | {r['total_cache']:.2f} | {r['total_no cache']:.2f} |"
+        )
     sum_c, sum_n = sum(r["total_cache"] for r in rows), sum(r["total_no cache"] for r in rows)
     second = rows[1]["ttft_cache"] / rows[0]["ttft_cache"] if len(rows) > 1 else float("nan")
-    body = "\n".join(lines) + (f"\n\nWhole conversation: {sum_c:.1f} s with the prefix cache, {sum_n:.1f} s without ({sum_c / sum_n:.2f}x). "
-                               f"Second turn's TTFT against the first's, with the cache: {second:.2f}x. Final counter: {' '.join(hits)}.\n")
+    body = "\n".join(lines) + (
+        f"\n\nWhole conversation: {sum_c:.1f} s with the prefix cache, {sum_n:.1f} s without ({sum_c / sum_n:.2f}x). "
+        f"Second turn's TTFT against the first's, with the cache: {second:.2f}x. Final counter: {' '.join(hits)}.\n"
+    )
     print(body)
     if args.out is not None:
         args.out.write_text(
@@ -137,7 +228,11 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], hits: list[str]
             f"Command: `python -m bench.prefix_cache_bench --system-tokens {args.system_tokens} --max-tokens {args.max_tokens} "
             f"--engine-flags '{args.engine_flags}' --out docs/benchmarks/prefix_cache.md`\n\n"
             f"Machine: {cpu_model()}, Python {platform.python_version()}; shared 2-core box, one run, "
-            "turns interleaved between the two servers (alternating which goes first).\n\n" + NOTES + "\n" + body)
+            "turns interleaved between the two servers (alternating which goes first).\n\n"
+            + NOTES
+            + "\n"
+            + body
+        )
 
 
 NOTES = """Both servers run the embedded model (a copy whose config allows 2048 positions, so the 1,100-token

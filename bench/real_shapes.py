@@ -17,6 +17,7 @@ models/tiny.py gives them (std 0.5), so each token picks its top-k clearly. Rand
 without the locality of a trained model: consecutive tokens reuse experts far less than a real
 Qwen3 does, which makes every cache figure measured on these checkpoints pessimistic.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,40 +35,131 @@ _SLIDING_FULL_24 = ["sliding_attention", "full_attention"] * 12
 RELEASED: dict[str, dict] = {
     # Qwen/Qwen3-30B-A3B config.json
     "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-        "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
-        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-        "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     },
     # openai/gpt-oss-20b config.json
     "gpt-oss-20b": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
-        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": _SLIDING_FULL_24,
-        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
-        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
-        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
-                                "quant_method": "mxfp4"},
-        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                                                "rope_type": "yarn", "truncate": False},
-        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": _SLIDING_FULL_24,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 201088,
     },
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json
     "qwen3-next-80b-a3b": {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1, "full_attention_interval": 4, "head_dim": 256,
-        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
-        "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512, "norm_topk_prob": True,
-        "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
-        "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
-        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "decoder_sparse_step": 1,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     },
 }
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8"}
@@ -103,7 +195,14 @@ def entries(cfg: dict) -> list[Entry]:
     model), routed experts as released checkpoints store them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "quantization_config")})
+    conf = AutoConfig.for_model(
+        cfg["model_type"],
+        **{
+            k: v
+            for k, v in cfg.items()
+            if k not in ("model_type", "architectures", "quantization_config")
+        },
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
     out: list[Entry] = []
@@ -126,19 +225,31 @@ def entries(cfg: dict) -> list[Entry]:
 
 
 def _expert_entries(cfg: dict, name: str, shape: tuple[int, ...]) -> list[Entry]:
-    prefix, leaf = name.rsplit(".", 1)  # model.layers.{l}.mlp.experts, gate_up_proj | down_proj | *_bias
+    prefix, leaf = name.rsplit(
+        ".", 1
+    )  # model.layers.{l}.mlp.experts, gate_up_proj | down_proj | *_bias
     if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":
         E, H, I = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
         if leaf.endswith("_bias"):
             return [Entry(name, torch.bfloat16, shape, "zeros")]
         rows, cols = (2 * I, H) if leaf == "gate_up_proj" else (H, I)
-        return [Entry(f"{prefix}.{leaf}_blocks", torch.uint8, (E, rows, cols // 32, 16), "blocks"),
-                Entry(f"{prefix}.{leaf}_scales", torch.uint8, (E, rows, cols // 32), "scales")]
+        return [
+            Entry(f"{prefix}.{leaf}_blocks", torch.uint8, (E, rows, cols // 32, 16), "blocks"),
+            Entry(f"{prefix}.{leaf}_scales", torch.uint8, (E, rows, cols // 32), "scales"),
+        ]
     if leaf != "gate_up_proj":
         return []  # down_proj is written with gate/up, per expert
     E, H, I = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
-    return [Entry(f"{prefix}.{e}.{p}.weight", torch.bfloat16, (I, H) if p != "down_proj" else (H, I), "normal")
-            for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")]
+    return [
+        Entry(
+            f"{prefix}.{e}.{p}.weight",
+            torch.bfloat16,
+            (I, H) if p != "down_proj" else (H, I),
+            "normal",
+        )
+        for e in range(E)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
 
 
 def _chunks(entry: Entry, gen: torch.Generator, std: float) -> Iterator[bytes]:
@@ -154,7 +265,9 @@ def _chunks(entry: Entry, gen: torch.Generator, std: float) -> Iterator[bytes]:
         elif entry.init == "zeros":
             t = torch.zeros(m, dtype=entry.dtype)
         else:
-            t = (torch.randn(m, generator=gen) * (0.5 if entry.init == "router" else std)).to(entry.dtype)
+            t = (torch.randn(m, generator=gen) * (0.5 if entry.init == "router" else std)).to(
+                entry.dtype
+            )
         yield t.view(torch.uint8).numpy().tobytes()
 
 
@@ -170,8 +283,16 @@ def _shards(items: list[Entry], max_bytes: int) -> list[list[Entry]]:
     return shards
 
 
-def write_checkpoint(out: str | Path, model: str, layers: int | None = None, shard_bytes: int = 4 << 30, seed: int = 0,
-                     progress: bool = True, sparse: bool = False, **overrides: object) -> Path:
+def write_checkpoint(
+    out: str | Path,
+    model: str,
+    layers: int | None = None,
+    shard_bytes: int = 4 << 30,
+    seed: int = 0,
+    progress: bool = True,
+    sparse: bool = False,
+    **overrides: object,
+) -> Path:
     """Write `model`'s released shape (or `layers` of it, or with `overrides`) to `out`, one shard at a time.
     `sparse`: headers only, the data left as holes of the right size (no disk space; reads as zeros),
     for what reads headers alone (`moe-offload plan`)."""
@@ -186,13 +307,19 @@ def write_checkpoint(out: str | Path, model: str, layers: int | None = None, sha
     std = float(cfg.get("initializer_range", 0.02))
     weight_map: dict[str, str] = {}
     total = sum(e.nbytes for e in items)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {model}", disable=not progress) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"writing {model}", disable=not progress
+    ) as bar:
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             header: dict[str, object] = {"__metadata__": {"format": "pt"}}
             offset = 0
             for e in shard:
-                header[e.name] = {"dtype": _ST_DTYPE[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+                header[e.name] = {
+                    "dtype": _ST_DTYPE[e.dtype],
+                    "shape": list(e.shape),
+                    "data_offsets": [offset, offset + e.nbytes],
+                }
                 offset += e.nbytes
                 weight_map[e.name] = fname
             raw = json.dumps(header, separators=(",", ":")).encode()
@@ -207,7 +334,9 @@ def write_checkpoint(out: str | Path, model: str, layers: int | None = None, sha
                     for chunk in _chunks(e, gen, std):
                         f.write(chunk)
                         bar.update(len(chunk))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     cfg_out = {k: v for k, v in cfg.items()}
     cfg_out["dtype"] = cfg_out.pop("torch_dtype", "bfloat16")
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
@@ -217,15 +346,38 @@ def write_checkpoint(out: str | Path, model: str, layers: int | None = None, sha
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", required=True, choices=sorted(RELEASED), help="which released config to write")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--model", required=True, choices=sorted(RELEASED), help="which released config to write"
+    )
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
-    ap.add_argument("--layers", type=int, metavar="N", help="decoder layers to write (default: the released depth); the per-layer shape is kept")
-    ap.add_argument("--shard-gb", type=float, default=4.0, metavar="GB", help="shard size in GB (default 4, as released)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="decoder layers to write (default: the released depth); the per-layer shape is kept",
+    )
+    ap.add_argument(
+        "--shard-gb",
+        type=float,
+        default=4.0,
+        metavar="GB",
+        help="shard size in GB (default 4, as released)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    ap.add_argument("--sparse", action="store_true", help="headers only, data left as file holes (no disk space, zeros when read): for `moe-offload plan`, which reads headers alone")
+    ap.add_argument(
+        "--sparse",
+        action="store_true",
+        help="headers only, data left as file holes (no disk space, zeros when read): for `moe-offload plan`, which reads headers alone",
+    )
     args = ap.parse_args()
-    path = write_checkpoint(args.out, args.model, args.layers, int(args.shard_gb * 1e9), args.seed, sparse=args.sparse)
+    path = write_checkpoint(
+        args.out, args.model, args.layers, int(args.shard_gb * 1e9), args.seed, sparse=args.sparse
+    )
     print(f"{path}: {sum(p.stat().st_size for p in path.glob('*.safetensors')) / 1e9:.2f} GB")
 
 

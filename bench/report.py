@@ -1,6 +1,7 @@
 """Writing a benchmark's report: header and table to stdout, and to `out` (.md) with the numbers
 as JSON beside it. Hand-written analysis below the table (from a line starting `Command:` or `Command (` on)
 is kept when a rerun rewrites the table."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-ANALYSIS_STARTS = ("\nCommand:", "\nCommand (")  # "Command (what it covers; how long):" opens some pages' analysis
+ANALYSIS_STARTS = (
+    "\nCommand:",
+    "\nCommand (",
+)  # "Command (what it covers; how long):" opens some pages' analysis
 
 
 def write_report(out: Path | None, header: str, lines: list[str], payload: dict[str, Any]) -> None:
@@ -24,7 +28,7 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     out.with_suffix(".json").write_text(json.dumps({"header": header, **payload}, indent=2))
     old = out.read_text() if out.exists() else ""
     starts = [old.index(m) for m in ANALYSIS_STARTS if m in old]
-    analysis = old[min(starts):] if starts else ""
+    analysis = old[min(starts) :] if starts else ""
     out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n" + analysis)
 
 
@@ -35,7 +39,9 @@ def cut_prompts(tokenizer: Any, data: str | Path, n: int, length: int) -> list[l
     return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
-def interleaved(cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dict]) -> dict[Any, list[dict]]:
+def interleaved(
+    cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dict]
+) -> dict[Any, list[dict]]:
     """Run every cell once per round, a warm-up round first (discarded), so the measured rounds
     of all cells share the machine's load; returns each cell's measured results in round order."""
     res: dict[Any, list[dict]] = {cell: [] for cell in cells}
@@ -47,7 +53,9 @@ def interleaved(cells: Sequence[Hashable], rounds: int, run: Callable[[Any], dic
     return res
 
 
-def summarize(res: dict[Any, list[dict]], cell: Any, baseline: Any, keys: Sequence[str]) -> dict[str, float]:
+def summarize(
+    res: dict[Any, list[dict]], cell: Any, baseline: Any, keys: Sequence[str]
+) -> dict[str, float]:
     """Medians of `keys` over a cell's rounds, and `ratio`: the median over rounds of the cell's
     tok/s divided by the baseline cell's in the same round (both ran under the same load)."""
     runs = res[cell]
@@ -61,14 +69,20 @@ def machine_line(threads: int, device: str = "") -> str:
 
     import torch
 
-    return f"Machine: {platform.machine()}, {threads} torch thread(s), torch {torch.__version__}" + (f", {device}" if device else "") + "."
+    return (
+        f"Machine: {platform.machine()}, {threads} torch thread(s), torch {torch.__version__}"
+        + (f", {device}" if device else "")
+        + "."
+    )
 
 
 def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int, link: str) -> str:
     from engine.paths import portable_path
 
-    return (f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "
-            f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated.")
+    return (
+        f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "
+        f"{rounds} interleaved rounds after a warm-up round; link `{link}` emulated."
+    )
 
 
 def positive_int(text: str) -> int:
@@ -82,12 +96,42 @@ def positive_int(text: str) -> int:
     return n
 
 
-def add_run_flags(ap: argparse.ArgumentParser, prompt_tokens: int, tokens: int, rounds: int, link: str) -> None:
+def add_run_flags(
+    ap: argparse.ArgumentParser, prompt_tokens: int, tokens: int, rounds: int, link: str
+) -> None:
     """The flags every decode benchmark shares: prompts, length, rounds, the emulated link, threads, output."""
-    ap.add_argument("--data", default="models/embedded/data/test.txt", help="text the prompts are cut from (default: the test split)")
-    ap.add_argument("--prompt-tokens", type=positive_int, default=prompt_tokens, help=f"tokens per prompt (default {prompt_tokens})")
-    ap.add_argument("--tokens", type=positive_int, default=tokens, help=f"tokens generated per request (default {tokens})")
-    ap.add_argument("--rounds", type=positive_int, default=rounds, help=f"measured rounds after one warm-up round (default {rounds})")
-    ap.add_argument("--link", default=link, help=f"the emulated link of the slow-link setting (default {link})")
-    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1: steadier on a shared machine)")
-    ap.add_argument("--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)")
+    ap.add_argument(
+        "--data",
+        default="models/embedded/data/test.txt",
+        help="text the prompts are cut from (default: the test split)",
+    )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=prompt_tokens,
+        help=f"tokens per prompt (default {prompt_tokens})",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=tokens,
+        help=f"tokens generated per request (default {tokens})",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=rounds,
+        help=f"measured rounds after one warm-up round (default {rounds})",
+    )
+    ap.add_argument(
+        "--link", default=link, help=f"the emulated link of the slow-link setting (default {link})"
+    )
+    ap.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads (default 1: steadier on a shared machine)",
+    )
+    ap.add_argument(
+        "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
+    )

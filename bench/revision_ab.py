@@ -14,6 +14,7 @@ The checkpoint is bench/peers.py's random qwen3_moe of `--shape` (built once und
 runs at cache 1.0, prefetch none, 1 thread by default. The base revision must load that checkpoint
 with the same API (engine.worker.loader.load_model, engine.core.completion.generate).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,61 +74,148 @@ def measure(tree: Path, ckpt: Path, args: argparse.Namespace) -> tuple[float, fl
     """(median tok/s of `args.reps` runs of the workload in a fresh process importing the engine from `tree`, the
     share of its forwards that took the fused path, or None where that revision does not count paths)."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads))
-    res = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), args.dtype, str(args.tokens), str(args.reps), str(args.threads),
-                          args.workload],
-                         cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(ckpt),
+            args.dtype,
+            str(args.tokens),
+            str(args.reps),
+            str(args.threads),
+            args.workload,
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if res.returncode != 0 or "RESULT" not in res.stdout:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"revision_ab: the run in {tree} failed ({tail}); check that the revision loads this checkpoint")
+        raise SystemExit(
+            f"revision_ab: the run in {tree} failed ({tail}); check that the revision loads this checkpoint"
+        )
     out = json.loads(res.stdout.split("RESULT", 1)[1])
     steps = out["steps"]
-    fused = None if steps is None else (sum(p.get("fused", 0) for p in steps.values()) / max(1, sum(sum(p.values()) for p in steps.values())))
+    fused = (
+        None
+        if steps is None
+        else (
+            sum(p.get("fused", 0) for p in steps.values())
+            / max(1, sum(sum(p.values()) for p in steps.values()))
+        )
+    )
     return statistics.median(out["tps"]), fused
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the git revision to compare this checkout against (a commit, tag or branch)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="bench/peers.py checkpoint shape (default tiny)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default float32)")
-    ap.add_argument("--rounds", type=int, default=6, help="rounds; each runs both revisions, alternating which first (default 6)")
-    ap.add_argument("--tokens", type=int, default=128, help="decode tokens per generate (default 128)")
-    ap.add_argument("--reps", type=int, default=2, help="generates per process, their median kept (default 2)")
-    ap.add_argument("--threads", type=int, default=1, help="torch and native threads (default 1: steadier on a shared machine)")
-    ap.add_argument("--work", type=Path, default=Path(".cache/peers"), help="where the checkpoint is built (default .cache/peers)")
-    ap.add_argument("--workload", choices=("decode", "batch8", "window3", "window5"), default="decode",
-                    help="decode: one request's decode tok/s (default); batch8: 8 requests decoding together, aggregate tok/s; "
-                         "window3, window5: verification windows of 3 or 5 rows after a prompt, verified rows per second")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--base",
+        required=True,
+        help="the git revision to compare this checkout against (a commit, tag or branch)",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="tiny",
+        help="bench/peers.py checkpoint shape (default tiny)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype (default float32)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds; each runs both revisions, alternating which first (default 6)",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=128, help="decode tokens per generate (default 128)"
+    )
+    ap.add_argument(
+        "--reps", type=int, default=2, help="generates per process, their median kept (default 2)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch and native threads (default 1: steadier on a shared machine)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(".cache/peers"),
+        help="where the checkpoint is built (default .cache/peers)",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=("decode", "batch8", "window3", "window5"),
+        default="decode",
+        help="decode: one request's decode tok/s (default); batch8: 8 requests decoding together, aggregate tok/s; "
+        "window3, window5: verification windows of 3 or 5 rows after a prompt, verified rows per second",
+    )
     args = ap.parse_args()
     here = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.base}^{{commit}}"], cwd=here, capture_output=True, text=True)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--verify", f"{args.base}^{{commit}}"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        )
     except FileNotFoundError:
-        raise SystemExit("revision_ab: needs git (apt-get install git) and a git checkout of this repository") from None
+        raise SystemExit(
+            "revision_ab: needs git (apt-get install git) and a git checkout of this repository"
+        ) from None
     if rev.returncode != 0:
-        raise SystemExit(f"revision_ab: {args.base!r} is not a commit of this repository; pass --base with a commit, tag or branch")
+        raise SystemExit(
+            f"revision_ab: {args.base!r} is not a commit of this repository; pass --base with a commit, tag or branch"
+        )
     args.work.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint(args.work, args.shape).resolve()
     with tempfile.TemporaryDirectory(prefix="revision-ab-") as tmp:
         base_tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), rev.stdout.strip()], cwd=here, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base_tree), rev.stdout.strip()],
+            cwd=here,
+            check=True,
+            capture_output=True,
+        )
         try:
             trees = {"base": base_tree, "this checkout": here}
             tps: dict[str, list[float]] = {name: [] for name in trees}
             fused: dict[str, float | None] = {}
             for r in tqdm(range(args.rounds), desc="rounds"):
-                for name, tree in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+                for name, tree in list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]:
                     speed, fused[name] = measure(tree, ckpt, args)
                     tps[name].append(speed)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=here, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base_tree)],
+                cwd=here,
+                capture_output=True,
+            )
     ratios = [a / b for a, b in zip(tps["this checkout"], tps["base"])]
-    print(f"{args.shape} {args.dtype} {args.workload}, {args.threads} thread(s), {args.tokens} tokens, base {args.base} "
-          f"({rev.stdout.strip()[:10]})")
+    print(
+        f"{args.shape} {args.dtype} {args.workload}, {args.threads} thread(s), {args.tokens} tokens, base {args.base} "
+        f"({rev.stdout.strip()[:10]})"
+    )
     for name, values in tps.items():
         share = "not counted by this revision" if fused[name] is None else f"{fused[name]:.0%}"
-        print(f"  {name:14s} tok/s per round: {', '.join(f'{v:.1f}' for v in values)}; fused steps {share}")
-    print(f"  this checkout / base per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}")
+        print(
+            f"  {name:14s} tok/s per round: {', '.join(f'{v:.1f}' for v in values)}; fused steps {share}"
+        )
+    print(
+        f"  this checkout / base per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ tok/s per hardware profile for each projected shape (right).
 
     python -m bench.sim_plots --json docs/benchmarks/simulator.json --out docs/benchmarks/simulator.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,28 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MARKERS = {"policies_speed (teacher-forced)": "o", "policies_speed (generate)": "s", "spac": "^", "speculative": "D", "concurrency": "v"}
+MARKERS = {
+    "policies_speed (teacher-forced)": "o",
+    "policies_speed (generate)": "s",
+    "spac": "^",
+    "speculative": "D",
+    "concurrency": "v",
+}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, default=Path("docs/benchmarks/simulator.json"), help="output of bench.sim_validation --out")
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/simulator.png"), help="PNG to write")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=Path("docs/benchmarks/simulator.json"),
+        help="output of bench.sim_validation --out",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=Path("docs/benchmarks/simulator.png"), help="PNG to write"
+    )
     args = ap.parse_args()
     d = json.loads(args.json.read_text())
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2))
@@ -31,7 +47,13 @@ def main() -> None:
     for table, marker in MARKERS.items():
         pts = [r for r in rows if r["table"] == table]
         if pts:
-            a.scatter([r["measured_x"] for r in pts], [r["simulated_x"] for r in pts], marker=marker, s=28, label=table)
+            a.scatter(
+                [r["measured_x"] for r in pts],
+                [r["simulated_x"] for r in pts],
+                marker=marker,
+                s=28,
+                label=table,
+            )
     a.set_xlabel("measured speed-up (engine, this machine)")
     a.set_ylabel("SIMULATED speed-up")
     a.set_title(f"Simulator vs engine: {d['within_15pct']} of {d['cells']} within 15 %")
@@ -40,14 +62,34 @@ def main() -> None:
     a.legend(fontsize=8, loc="upper left")
 
     proj = d.get("projections") or []
-    configs = ["fetch-all", "speed-first", "spac (exact)" if any(p["config"] == "spac (exact)" for p in proj) else "spec+utility+cpu (exact)"]
+    configs = [
+        "fetch-all",
+        "speed-first",
+        "spac (exact)"
+        if any(p["config"] == "spac (exact)" for p in proj)
+        else "spec+utility+cpu (exact)",
+    ]
     shapes = sorted({p["shape"] for p in proj})
     profiles = [p for p in dict.fromkeys(p["profile"] for p in proj)]
     width = 0.8 / max(len(configs) * len(shapes), 1)
     for i, (shape, config) in enumerate((s, c) for s in shapes for c in configs):
-        vals = [next((p["tokens_per_s"] for p in proj if (p["profile"], p["shape"], p["config"]) == (prof, shape, config)), 0.0) for prof in profiles]
-        b.bar([j + i * width for j in range(len(profiles))], vals, width, label=f"{shape}: {config}")
-    b.set_xticks([j + 0.4 - width / 2 for j in range(len(profiles))], profiles, rotation=20, fontsize=8)
+        vals = [
+            next(
+                (
+                    p["tokens_per_s"]
+                    for p in proj
+                    if (p["profile"], p["shape"], p["config"]) == (prof, shape, config)
+                ),
+                0.0,
+            )
+            for prof in profiles
+        ]
+        b.bar(
+            [j + i * width for j in range(len(profiles))], vals, width, label=f"{shape}: {config}"
+        )
+    b.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(profiles))], profiles, rotation=20, fontsize=8
+    )
     b.set_yscale("log")
     b.set_ylabel("PROJECTED + SIMULATED decode tok/s (cache 0.25, 1 stream)")
     b.set_title("Projected tok/s per hardware profile")

@@ -11,6 +11,7 @@ Rounds are interleaved (every cell once per round) after a warm-up round.
 
     python -m bench.spec_bench --out docs/benchmarks/speculative.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ CONFIGS = {
     "draft k=2": SpecConfig(speculative="draft", num_speculative_tokens=2, adaptive=False),
     "draft k=4": SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False),
     "draft k=6": SpecConfig(speculative="draft", num_speculative_tokens=6, adaptive=False),
-    "draft adaptive (k<=4)": SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=True),
+    "draft adaptive (k<=4)": SpecConfig(
+        speculative="draft", num_speculative_tokens=4, adaptive=True
+    ),
     "ngram (k<=4)": SpecConfig(speculative="ngram", num_speculative_tokens=4, adaptive=True),
 }
 
@@ -62,7 +65,12 @@ def speculation_for(om, spec: SpecConfig) -> tuple:
 
 def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
     proposer, observers = speculation_for(om, spec)
-    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048), proposer, observers)
+    core = EngineCore.for_model(
+        om,
+        CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048),
+        proposer,
+        observers,
+    )
     for p in prompts:
         core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
     started: set[str] = set()
@@ -74,10 +82,14 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         produced += sum(len(o.token_ids) for o in core.step())
     wall = time.perf_counter() - t0
     s = om.stats.snapshot()
-    per_layer = [r["distinct_experts_per_window"] for r in s["per_layer"] if r["distinct_experts_per_window"]]
+    per_layer = [
+        r["distinct_experts_per_window"] for r in s["per_layer"] if r["distinct_experts_per_window"]
+    ]
     return {
         "tok_s": produced / wall,
-        "tokens_per_verification": (s["spec_accepted_tokens"] / s["spec_drafts"] + 1) if s["spec_drafts"] else 1.0,
+        "tokens_per_verification": (s["spec_accepted_tokens"] / s["spec_drafts"] + 1)
+        if s["spec_drafts"]
+        else 1.0,
         "acceptance_by_position": s["spec_acceptance_by_position"],
         "distinct_per_window": statistics.mean(per_layer) if per_layer else float(om.top_k),
         "bytes_per_token": s["bytes_moved"] / produced,
@@ -88,16 +100,28 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_run_flags(ap, prompt_tokens=64, tokens=32, rounds=2, link="hdd")
-    ap.add_argument("--streams", default="1,8", help="comma-separated concurrency levels (default 1,8)")
-    ap.add_argument("--settings", default="ram,disk,link", help="which settings to run (default ram,disk,link)")
+    ap.add_argument(
+        "--streams", default="1,8", help="comma-separated concurrency levels (default 1,8)"
+    )
+    ap.add_argument(
+        "--settings", default="ram,disk,link", help="which settings to run (default ram,disk,link)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     all_settings = {
         "ram": ("cache 1.0 (ram)", EngineConfig(cache_fraction=1.0)),
-        "disk": ("cache 0.25 (disk)", EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none")),
-        "link": (f"cache 0.25 (disk + {args.link})", EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none")),
+        "disk": (
+            "cache 0.25 (disk)",
+            EngineConfig(cache_fraction=0.25, offload="disk", prefetch="none"),
+        ),
+        "link": (
+            f"cache 0.25 (disk + {args.link})",
+            EngineConfig(cache_fraction=0.25, offload="disk", link=args.link, prefetch="none"),
+        ),
     }
     settings = dict(all_settings[s] for s in args.settings.split(","))
     engines = {name: load_model(EMBEDDED_TARGET, cfg) for name, cfg in settings.items()}
@@ -114,20 +138,38 @@ def main() -> None:
     for om in engines.values():
         om.close()
 
-    lines = ["| setting | streams | config | decode tok/s | × off | tokens / verification | acceptance by position | distinct experts / window (1 token: top-8) | expert MB / token | stall share |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | streams | config | decode tok/s | × off | tokens / verification | acceptance by position | distinct experts / window (1 token: top-8) | expert MB / token | stall share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = []
     for s, n, c in cells:
-        keys = ("tok_s", "tokens_per_verification", "distinct_per_window", "bytes_per_token", "stall_share")
-        row = {"setting": s, "streams": n, "config": c, **summarize(res, (s, n, c), (s, n, "off"), keys),
-               "acceptance_by_position": res[(s, n, c)][-1]["acceptance_by_position"]}
+        keys = (
+            "tok_s",
+            "tokens_per_verification",
+            "distinct_per_window",
+            "bytes_per_token",
+            "stall_share",
+        )
+        row = {
+            "setting": s,
+            "streams": n,
+            "config": c,
+            **summarize(res, (s, n, c), (s, n, "off"), keys),
+            "acceptance_by_position": res[(s, n, c)][-1]["acceptance_by_position"],
+        }
         ratio = row["ratio"]
         rows.append(row)
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "–"
-        lines.append(f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
-                     f"{row['distinct_per_window']:.1f} | {row['bytes_per_token'] / 1e6:.2f} | {row['stall_share']:.0%} |")
-    header = (f"{machine_line(args.threads)} Model: the embedded pair ({portable_path(EMBEDDED_TARGET)} + draft). "
-              + prompts_line(args.prompt_tokens, args.data, args.tokens, args.rounds, args.link) + " Acceptance by position is from the last round.")
+        lines.append(
+            f"| {s} | {n} | {c} | {row['tok_s']:.1f} | {ratio:.2f}× | {row['tokens_per_verification']:.2f} | {acc} | "
+            f"{row['distinct_per_window']:.1f} | {row['bytes_per_token'] / 1e6:.2f} | {row['stall_share']:.0%} |"
+        )
+    header = (
+        f"{machine_line(args.threads)} Model: the embedded pair ({portable_path(EMBEDDED_TARGET)} + draft). "
+        + prompts_line(args.prompt_tokens, args.data, args.tokens, args.rounds, args.link)
+        + " Acceptance by position is from the last round."
+    )
     write_report(args.out, header, lines, {"rows": rows})
 
 

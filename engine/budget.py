@@ -1,13 +1,23 @@
 """`--device-memory` / `--host-memory` values: BYTES (1234, 24GiB, 24G, 512MiB) or a FRACTION of
 what the machine has free (0.8, 80%)."""
+
 from __future__ import annotations
 
 import re
 
 from engine.errors import ConfigError
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
 
 
 def parse_budget(text: str, flag: str) -> tuple[int | None, float | None]:
@@ -21,7 +31,9 @@ def parse_budget(text: str, flag: str) -> tuple[int | None, float | None]:
         return None, frac
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g|t|ki|mi|gi|ti)?b?", s)
     if not m:
-        raise ConfigError(f"{flag} {text!r}: use bytes (e.g. 24GiB, 512MiB, 2000000000) or a fraction (0.8 or 80%)")
+        raise ConfigError(
+            f"{flag} {text!r}: use bytes (e.g. 24GiB, 512MiB, 2000000000) or a fraction (0.8 or 80%)"
+        )
     value, unit = float(m.group(1)), m.group(2) or ""
     if not unit and value <= 1.0 and "." in m.group(1):
         if value <= 0:

@@ -3,6 +3,7 @@
 Each field's `setting(...)` carries its command-line help, so the flags of every command are
 generated from this class (engine/settings_file.py) and cannot drift from it.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,41 +20,145 @@ FORWARDS = ("auto", "fused", "lean", "transformers")
 class EngineConfig(YamlSection):
     SECTION = "engine"
 
-    cache_fraction: float | None = setting(None, "share of all routed experts kept in the fast tier, in (0, 1]. Default: the memory plan's choice (every expert where they fit, else what the budget leaves)", metavar="F")
-    cache_bytes: int | None = setting(None, "fast-tier budget in bytes (overrides --cache-fraction)", metavar="N")
-    offload: str = setting("auto", "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O; 'auto' (default): ram where every expert fits the host budget, else disk", choices=("auto", "ram", "disk"))
+    cache_fraction: float | None = setting(
+        None,
+        "share of all routed experts kept in the fast tier, in (0, 1]. Default: the memory plan's choice (every expert where they fit, else what the budget leaves)",
+        metavar="F",
+    )
+    cache_bytes: int | None = setting(
+        None, "fast-tier budget in bytes (overrides --cache-fraction)", metavar="N"
+    )
+    offload: str = setting(
+        "auto",
+        "slow tier: 'ram' keeps all experts in host memory; 'disk' reads them from the checkpoint with uncached I/O; 'auto' (default): ram where every expert fits the host budget, else disk",
+        choices=("auto", "ram", "disk"),
+    )
     # The memory plan (engine/memory/planner.py) sizes what the flags above leave open to these budgets.
-    device_memory: str | None = setting(None, "GPU memory the engine may use: BYTES (24GiB, 512MiB, 2000000000) or a FRACTION of the free memory (0.9, 90%%). Default: all free memory (torch.cuda.mem_get_info) less a stated headroom", metavar="BYTES|FRACTION")
-    host_memory: str | None = setting(None, "host RAM the engine may use: BYTES or a FRACTION of what is available (the smaller of MemAvailable and the memory cgroup's limit less its working set). Default: all of it less a stated headroom", metavar="BYTES|FRACTION")
-    kv_tokens: int | None = setting(None, "KV-cache tokens the memory plan reserves, summed over sequences (default: 4 sequences x min(context, 8192))", metavar="N")
-    link: str | None = setting(None, "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500", metavar="NAME|MBPS[:US]")
-    policy: str = setting("fetch-all", "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)", metavar="NAME")
-    eviction: str | None = setting(None, "eviction policy: lru, frequency (decayed LFU), utility (lowest speculative utility level first, then by reuse distance) or reuse (the expert whose next use is predicted farthest away, from the layer order and an average of its use; the best with many concurrent streams). Default: frequency for the presets, else reuse", metavar="NAME")
-    admission: str | None = setting(None, "admission policy: none, or background (load an expert asynchronously once its substituted gate mass adds up to --admission-beta). Default: background for the presets, else none", metavar="NAME")
-    substitute: str = setting("best-resident", "what stands in for a substituted miss: best-resident (default; the resident expert the router ranks highest, by logit or by sigmoid + bias for DeepSeek-V3-style routers, takes its gate weight) or drop (renormalize the remaining gates)", metavar="NAME")
-    threshold: float = setting(0.15, "gate cut-off of the threshold rule (default 0.15)", metavar="G")
-    admission_beta: float = setting(0.5, "substituted gate mass that triggers background admission (default 0.5)", metavar="B")
-    frequency_decay: float = setting(0.999, "frequency eviction: score decay per cache access (default 0.999)", metavar="D")
-    prefetch: str = setting("auto", "prefetch: auto (default: adapter when the model directory holds a SpecPrefetch adapter, prefetcher.safetensors, made for this checkpoint, the fast tier holds fewer than all routed experts, and the miss policy substitutes or the device is a GPU; otherwise none); none; utility (MoE-SpAc: queue the experts whose speculative utility level is high, from the verification windows; cancel stale ones); adapter (SpecPrefetch: a learned adapter predicts layer l+1's experts while layer l runs; needs --prefetcher or prefetcher.safetensors beside the model); or both, adapter,utility. Predictions only start transfers: output is unchanged", metavar="KINDS")
-    prefetcher: str | None = setting(None, "SpecPrefetch adapter file for --prefetch adapter (default: prefetcher.safetensors in the model directory; train one with `moe-offload train-prefetcher`)", metavar="FILE")
-    cpu_experts: str = setting("off", "CPU-run experts: off (default), auto (a missed expert may be computed by CPU workers straight from the host tier; the workload balancer picks which, minimising each layer's makespan), or all (every miss runs on the CPU; a diagnostic)", choices=("off", "auto", "all"))
+    device_memory: str | None = setting(
+        None,
+        "GPU memory the engine may use: BYTES (24GiB, 512MiB, 2000000000) or a FRACTION of the free memory (0.9, 90%%). Default: all free memory (torch.cuda.mem_get_info) less a stated headroom",
+        metavar="BYTES|FRACTION",
+    )
+    host_memory: str | None = setting(
+        None,
+        "host RAM the engine may use: BYTES or a FRACTION of what is available (the smaller of MemAvailable and the memory cgroup's limit less its working set). Default: all of it less a stated headroom",
+        metavar="BYTES|FRACTION",
+    )
+    kv_tokens: int | None = setting(
+        None,
+        "KV-cache tokens the memory plan reserves, summed over sequences (default: 4 sequences x min(context, 8192))",
+        metavar="N",
+    )
+    link: str | None = setting(
+        None,
+        "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500",
+        metavar="NAME|MBPS[:US]",
+    )
+    policy: str = setting(
+        "fetch-all",
+        "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)",
+        metavar="NAME",
+    )
+    eviction: str | None = setting(
+        None,
+        "eviction policy: lru, frequency (decayed LFU), utility (lowest speculative utility level first, then by reuse distance) or reuse (the expert whose next use is predicted farthest away, from the layer order and an average of its use; the best with many concurrent streams). Default: frequency for the presets, else reuse",
+        metavar="NAME",
+    )
+    admission: str | None = setting(
+        None,
+        "admission policy: none, or background (load an expert asynchronously once its substituted gate mass adds up to --admission-beta). Default: background for the presets, else none",
+        metavar="NAME",
+    )
+    substitute: str = setting(
+        "best-resident",
+        "what stands in for a substituted miss: best-resident (default; the resident expert the router ranks highest, by logit or by sigmoid + bias for DeepSeek-V3-style routers, takes its gate weight) or drop (renormalize the remaining gates)",
+        metavar="NAME",
+    )
+    threshold: float = setting(
+        0.15, "gate cut-off of the threshold rule (default 0.15)", metavar="G"
+    )
+    admission_beta: float = setting(
+        0.5, "substituted gate mass that triggers background admission (default 0.5)", metavar="B"
+    )
+    frequency_decay: float = setting(
+        0.999, "frequency eviction: score decay per cache access (default 0.999)", metavar="D"
+    )
+    prefetch: str = setting(
+        "auto",
+        "prefetch: auto (default: adapter when the model directory holds a SpecPrefetch adapter, prefetcher.safetensors, made for this checkpoint, the fast tier holds fewer than all routed experts, and the miss policy substitutes or the device is a GPU; otherwise none); none; utility (MoE-SpAc: queue the experts whose speculative utility level is high, from the verification windows; cancel stale ones); adapter (SpecPrefetch: a learned adapter predicts layer l+1's experts while layer l runs; needs --prefetcher or prefetcher.safetensors beside the model); or both, adapter,utility. Predictions only start transfers: output is unchanged",
+        metavar="KINDS",
+    )
+    prefetcher: str | None = setting(
+        None,
+        "SpecPrefetch adapter file for --prefetch adapter (default: prefetcher.safetensors in the model directory; train one with `moe-offload train-prefetcher`)",
+        metavar="FILE",
+    )
+    cpu_experts: str = setting(
+        "off",
+        "CPU-run experts: off (default), auto (a missed expert may be computed by CPU workers straight from the host tier; the workload balancer picks which, minimising each layer's makespan), or all (every miss runs on the CPU; a diagnostic)",
+        choices=("off", "auto", "all"),
+    )
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
-    settle_background: bool = setting(False, "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off", flag="--settle-background")
-    device: str = setting("auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV")
-    dtype: str = setting("auto", "compute dtype: auto (default: the checkpoint's own dtype, from config.json, on CPU as on GPU), float32 (the exact reference the parity tests use), bfloat16 or float16", choices=DTYPES)
+    settle_background: bool = setting(
+        False,
+        "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off",
+        flag="--settle-background",
+    )
+    device: str = setting(
+        "auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV"
+    )
+    dtype: str = setting(
+        "auto",
+        "compute dtype: auto (default: the checkpoint's own dtype, from config.json, on CPU as on GPU), float32 (the exact reference the parity tests use), bfloat16 or float16",
+        choices=DTYPES,
+    )
     transfer_workers: int = setting(2, "background transfer threads (default 2)", metavar="N")
-    warm_start: bool = setting(True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm")
-    direct_io: bool = setting(True, "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only", flag="--no-direct-io")
+    warm_start: bool = setting(
+        True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm"
+    )
+    direct_io: bool = setting(
+        True,
+        "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only",
+        flag="--no-direct-io",
+    )
     # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
     # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
-    expert_quant: str = setting("none", "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)", choices=("none", "int8", "int4"))
-    expert_quant_group: int | None = setting(None, "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4", metavar="N")
+    expert_quant: str = setting(
+        "none",
+        "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)",
+        choices=("none", "int8", "int4"),
+    )
+    expert_quant_group: int | None = setting(
+        None,
+        "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4",
+        metavar="N",
+    )
     # The paths a step may take (engine/worker/dispatch.py resolves them once at load and logs the plan).
-    forward: str = setting("auto", "model forward: auto (default: the fastest this model and device allow), fused (one native call per decoder layer for decode steps whose experts are all resident, else lean), lean (the same sublayers without transformers' wrappers, layer by layer), or transformers (transformers' own forward). Every path computes the same tokens; `generate --json` and /metrics count the steps each took", choices=FORWARDS)
-    native_kernels: str = setting("auto", "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a compiler is found), on (fail at start without one) or off (torch's kernels). One choice per process", choices=("auto", "on", "off"))
-    decode_attention: str = setting("auto", "a decode row's attention: auto (default: native up to 1024 cached positions, then SDPA), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention)", choices=("auto", "native", "sdpa"))
-    prefix_cache_bytes: int = setting(256 * 1024 * 1024, "prompt (prefix) cache: bytes of KV of completed prompt blocks kept after requests end, so a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; least recently used blocks no running request holds are evicted; 0 turns it off; hybrid linear-attention and sliding-window models are never cached (default 256 MiB)", metavar="N")
-    quant_cache_dir: str | None = setting(None, "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)", metavar="DIR")
+    forward: str = setting(
+        "auto",
+        "model forward: auto (default: the fastest this model and device allow), fused (one native call per decoder layer for decode steps whose experts are all resident, else lean), lean (the same sublayers without transformers' wrappers, layer by layer), or transformers (transformers' own forward). Every path computes the same tokens; `generate --json` and /metrics count the steps each took",
+        choices=FORWARDS,
+    )
+    native_kernels: str = setting(
+        "auto",
+        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a compiler is found), on (fail at start without one) or off (torch's kernels). One choice per process",
+        choices=("auto", "on", "off"),
+    )
+    decode_attention: str = setting(
+        "auto",
+        "a decode row's attention: auto (default: native up to 1024 cached positions, then SDPA), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention)",
+        choices=("auto", "native", "sdpa"),
+    )
+    prefix_cache_bytes: int = setting(
+        256 * 1024 * 1024,
+        "prompt (prefix) cache: bytes of KV of completed prompt blocks kept after requests end, so a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; least recently used blocks no running request holds are evicted; 0 turns it off; hybrid linear-attention and sliding-window models are never cached (default 256 MiB)",
+        metavar="N",
+    )
+    quant_cache_dir: str | None = setting(
+        None,
+        "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)",
+        metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
         # Everything that can be checked without a model is checked here, so every front end
@@ -66,15 +171,24 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"offload must be 'auto', 'ram' or 'disk', got {self.offload!r}")
         from engine.budget import parse_budget
 
-        for flag, value in (("--device-memory", self.device_memory), ("--host-memory", self.host_memory)):
+        for flag, value in (
+            ("--device-memory", self.device_memory),
+            ("--host-memory", self.host_memory),
+        ):
             if value is not None:
                 parse_budget(str(value), flag)
         if self.kv_tokens is not None and self.kv_tokens < 0:
             raise ConfigError(f"kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.expert_quant not in ("none", "int8", "int4"):
-            raise ConfigError(f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}")
-        if self.expert_quant_group not in (None, 0) and (self.expert_quant_group < 2 or self.expert_quant_group % 2):
-            raise ConfigError(f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}")
+            raise ConfigError(
+                f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}"
+            )
+        if self.expert_quant_group not in (None, 0) and (
+            self.expert_quant_group < 2 or self.expert_quant_group % 2
+        ):
+            raise ConfigError(
+                f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}"
+            )
         if self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.transfer_workers < 1:
@@ -82,22 +196,43 @@ class EngineConfig(YamlSection):
         if self.cpu_workers < 1:
             raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
         kinds = self.prefetch_kinds
-        if self.prefetch != "auto" and (not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)):
-            raise ConfigError(f"prefetch must be auto, none, utility, adapter or adapter,utility; got {self.prefetch!r}")
+        if self.prefetch != "auto" and (
+            not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)
+        ):
+            raise ConfigError(
+                f"prefetch must be auto, none, utility, adapter or adapter,utility; got {self.prefetch!r}"
+            )
         if self.cpu_experts not in ("off", "auto", "all"):
-            raise ConfigError(f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}")
-        for name, allowed in (("forward", FORWARDS), ("native_kernels", ("auto", "on", "off")),
-                              ("decode_attention", ("auto", "native", "sdpa"))):
+            raise ConfigError(
+                f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}"
+            )
+        for name, allowed in (
+            ("forward", FORWARDS),
+            ("native_kernels", ("auto", "on", "off")),
+            ("decode_attention", ("auto", "native", "sdpa")),
+        ):
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.native_kernels == "off" and (self.forward == "fused" or self.decode_attention == "native"):
-            raise ConfigError("--forward fused and --decode-attention native need the native kernels; drop --native-kernels off")
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.native_kernels == "off" and (
+            self.forward == "fused" or self.decode_attention == "native"
+        ):
+            raise ConfigError(
+                "--forward fused and --decode-attention native need the native kernels; drop --native-kernels off"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"bad device {self.device!r}; use auto, cpu, cuda or cuda:N")
-        if not 0.0 <= self.threshold <= 1.0 or self.admission_beta <= 0 or not 0.0 < self.frequency_decay <= 1.0:
-            raise ConfigError("threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]")
+        if (
+            not 0.0 <= self.threshold <= 1.0
+            or self.admission_beta <= 0
+            or not 0.0 < self.frequency_decay <= 1.0
+        ):
+            raise ConfigError(
+                "threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]"
+            )
         if self.link:
             from engine.link_spec import parse_link
 
@@ -108,7 +243,11 @@ class EngineConfig(YamlSection):
     def prefetch_kinds(self) -> set[str]:
         """The prefetchers --prefetch names (empty for none; for auto, the loader decides: engine/worker/loader.py
         `_prefetch_kinds`)."""
-        return set() if self.prefetch in ("none", "auto") else {k.strip() for k in self.prefetch.split(",") if k.strip()}
+        return (
+            set()
+            if self.prefetch in ("none", "auto")
+            else {k.strip() for k in self.prefetch.split(",") if k.strip()}
+        )
 
     def quant_group(self) -> int:
         """Weights per quantization group for --expert-quant (0: whole rows), with the default resolved."""
@@ -121,7 +260,14 @@ class EngineConfig(YamlSection):
         from policies import make_policies
 
         try:
-            return make_policies(self.policy, self.eviction, self.admission, self.substitute,
-                                 self.threshold, self.admission_beta, self.frequency_decay)
+            return make_policies(
+                self.policy,
+                self.eviction,
+                self.admission,
+                self.substitute,
+                self.threshold,
+                self.admission_beta,
+                self.frequency_decay,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None

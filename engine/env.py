@@ -4,6 +4,7 @@ None of them changes what the engine computes or which path it takes: those choi
 EngineConfig (engine/config.py), resolved once at load and logged. What remains here says where
 files go and which compiler builds the native kernels, as any build tool reads them.
 """
+
 from __future__ import annotations
 
 import os

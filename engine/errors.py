@@ -1,4 +1,5 @@
 """Errors that reach users as one line naming the file or input and the problem."""
+
 from __future__ import annotations
 
 

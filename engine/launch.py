@@ -5,6 +5,7 @@ its loop (engine/core/engine_process.py).
 Started by the front end with the `spawn` start method. SIGINT/SIGTERM are ignored here: the front
 end decides when to stop (drain first), and shuts the engine down with a Shutdown message.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,9 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The child's log (tracebacks under error ids) goes to the stderr it shares with the server.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # tqdm's default lock is a multiprocessing semaphore; an engine killed with -9 leaks it
     # (issue 14). The engine draws its progress bars from one process, so a thread lock does.
     import tqdm
@@ -60,12 +63,21 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
 
         om = load_model(args.model_dir, args.engine_config)
         proposer, observers = make_speculation(args.spec, om)
-        core = EngineCore.for_model(om, CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len), proposer, observers)
+        core = EngineCore.for_model(
+            om,
+            CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len),
+            proposer,
+            observers,
+        )
     except BaseException as e:  # noqa: BLE001 - report any load failure, then exit
         eid = new_error_id()
         log.error("model load failed [error id %s]", eid, exc_info=e)
         out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
-    plan = om.plan.with_choice("speculation", args.spec.speculative, args.spec_why or f"--speculative {args.spec.speculative}")
+    plan = om.plan.with_choice(
+        "speculation",
+        args.spec.speculative,
+        args.spec_why or f"--speculative {args.spec.speculative}",
+    )
     ready = EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines()))
     run_engine(core, om.stats, om.close, ready, in_q, out_q)

@@ -1,4 +1,5 @@
 """Paths written into committed files (JSON, .npz metadata, docs) must not carry this machine's layout."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Frozen settings dataclasses: loaded from a section of a YAML file, and turned into flags."""
+
 from __future__ import annotations
 
 from dataclasses import field, fields, replace
@@ -35,20 +36,39 @@ class YamlSection:
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(section) - known)
         if unknown:
-            raise ConfigError(f"{path}: unknown {cls.SECTION} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"{path}: unknown {cls.SECTION} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return cls(**section)
 
 
 # -- command-line flags generated from the settings dataclasses (one source of truth) -----------
 
-def setting(default: Any, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
-            flag: str | None = None, repeat: bool = False) -> Any:
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    repeat: bool = False,
+) -> Any:
     """A dataclass field that also describes its command-line flag.
 
     flag: the option string (default --field-name; for a bool that defaults to True, give the
     negative form such as --no-warm). repeat: the flag may be given several times (a tuple).
     """
-    return field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices, "flag": flag, "repeat": repeat})
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "metavar": metavar,
+            "choices": choices,
+            "flag": flag,
+            "repeat": repeat,
+        },
+    )
 
 
 def _base_type(tp: Any) -> Any:
@@ -73,7 +93,11 @@ def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
         elif meta["repeat"]:
             kw.update(action="append", metavar=meta["metavar"])
         else:
-            kw.update(type=_base_type(get_args(tp)[0]) if get_origin(tp) is tuple else tp, metavar=meta["metavar"], choices=meta["choices"])
+            kw.update(
+                type=_base_type(get_args(tp)[0]) if get_origin(tp) is tuple else tp,
+                metavar=meta["metavar"],
+                choices=meta["choices"],
+            )
         group.add_argument(flag, **kw)
 
 

@@ -3,6 +3,7 @@
 One lock guards everything: increments are rare relative to compute (a few per layer per
 step), so contention is negligible and snapshots are always self-consistent.
 """
+
 from __future__ import annotations
 
 import threading
@@ -10,7 +11,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 TRANSFER_KINDS = ("demand", "prefetch", "admission")
-SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)  # upper bounds of τ/M: the share of missed experts copied
+SHARE_BUCKETS = (
+    0.0,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+)  # upper bounds of τ/M: the share of missed experts copied
 
 
 @dataclass
@@ -35,26 +42,36 @@ class EngineStats:
     spec_drafts: int = 0  # verification windows that carried proposals
     spec_draft_tokens: int = 0  # proposals made
     spec_accepted_tokens: int = 0  # proposals accepted
-    spec_proposed_at: list[int] = field(default_factory=list)  # [position] windows with a proposal at that position
+    spec_proposed_at: list[int] = field(
+        default_factory=list
+    )  # [position] windows with a proposal at that position
     spec_accepted_at: list[int] = field(default_factory=list)  # [position] ... accepted there
-    window_distinct_experts: list[int] = field(default_factory=list)  # [layer] sum over windows of distinct experts
+    window_distinct_experts: list[int] = field(
+        default_factory=list
+    )  # [layer] sum over windows of distinct experts
     windows_seen: list[int] = field(default_factory=list)  # [layer] verification windows counted
     stall_by_layer: list[float] = field(default_factory=list)  # [layer] stall seconds
     cpu_expert_calls: int = 0  # missed experts computed by CPU workers from the host tier
     balancer_calls: int = 0  # layer runs where the CPU/GPU balancer split the misses
     balancer_copied: int = 0  # ... missed experts it sent to the fast device (sum of τ)
     balancer_missed: int = 0  # ... missed experts it split (sum of M)
-    balancer_share: list[int] = field(default_factory=lambda: [0] * len(SHARE_BUCKETS))  # calls by τ/M, cumulative buckets
+    balancer_share: list[int] = field(
+        default_factory=lambda: [0] * len(SHARE_BUCKETS)
+    )  # calls by τ/M, cumulative buckets
     utility_levels: list[int] = field(default_factory=list)  # experts at each utility level, latest
     # Forwards by step kind (prefill, decode, verify, forward) and path (fused, lean, transformers:
     # engine/worker/dispatch.py), and the lean steps' reasons for not taking the fused one.
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
     fused_declined: dict[str, int] = field(default_factory=dict)
-    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (engine/worker/prefix_cache.py)
+    prefix_hit_tokens: int = (
+        0  # prompt tokens served from the prefix cache (engine/worker/prefix_cache.py)
+    )
     prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
     prefix_bytes: int = 0  # bytes of KV it holds now
     prefix_blocks: int = 0  # blocks it holds now
-    memory_probe: Any = field(default=None, repr=False, compare=False)  # engine/memory/measure.py memory_probe
+    memory_probe: Any = field(
+        default=None, repr=False, compare=False
+    )  # engine/memory/measure.py memory_probe
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,9 +163,16 @@ class EngineStats:
         with self._lock:
             self.utility_levels = list(histogram)
 
-    def set_prefix_cache(self, hit_tokens: int, query_tokens: int, nbytes: int, blocks: int) -> None:
+    def set_prefix_cache(
+        self, hit_tokens: int, query_tokens: int, nbytes: int, blocks: int
+    ) -> None:
         with self._lock:
-            self.prefix_hit_tokens, self.prefix_query_tokens, self.prefix_bytes, self.prefix_blocks = hit_tokens, query_tokens, nbytes, blocks
+            (
+                self.prefix_hit_tokens,
+                self.prefix_query_tokens,
+                self.prefix_bytes,
+                self.prefix_blocks,
+            ) = hit_tokens, query_tokens, nbytes, blocks
 
     def record_eviction(self) -> None:
         with self._lock:
@@ -186,13 +210,23 @@ class EngineStats:
                 "spec_drafts": self.spec_drafts,
                 "spec_draft_tokens": self.spec_draft_tokens,
                 "spec_accepted_tokens": self.spec_accepted_tokens,
-                "spec_mean_accepted_length": self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0,
-                "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.spec_accepted_at, self.spec_proposed_at)],
+                "spec_mean_accepted_length": self.spec_accepted_tokens / self.spec_drafts
+                if self.spec_drafts
+                else 0.0,
+                "spec_acceptance_by_position": [
+                    a / p if p else 0.0
+                    for a, p in zip(self.spec_accepted_at, self.spec_proposed_at)
+                ],
                 "spec_accepted_at": list(self.spec_accepted_at),
                 "spec_proposed_at": list(self.spec_proposed_at),
                 "cpu_expert_calls": self.cpu_expert_calls,
-                "balancer": {"calls": self.balancer_calls, "copied": self.balancer_copied, "missed": self.balancer_missed,
-                             "share_buckets": list(SHARE_BUCKETS), "share_counts": list(self.balancer_share)},
+                "balancer": {
+                    "calls": self.balancer_calls,
+                    "copied": self.balancer_copied,
+                    "missed": self.balancer_missed,
+                    "share_buckets": list(SHARE_BUCKETS),
+                    "share_counts": list(self.balancer_share),
+                },
                 "utility_levels": list(self.utility_levels),
                 "steps": {kind: dict(paths) for kind, paths in self.steps.items()},
                 "fused_declined": dict(self.fused_declined),
@@ -202,8 +236,16 @@ class EngineStats:
                 "prefix_blocks": self.prefix_blocks,
                 "memory": self.memory_probe() if self.memory_probe is not None else {},
                 "per_layer": [
-                    {"layer": i, "hits": h, "misses": m, "stall_seconds": self.stall_by_layer[i],
-                     "distinct_experts_per_window": self.window_distinct_experts[i] / self.windows_seen[i] if self.windows_seen[i] else 0.0}
+                    {
+                        "layer": i,
+                        "hits": h,
+                        "misses": m,
+                        "stall_seconds": self.stall_by_layer[i],
+                        "distinct_experts_per_window": self.window_distinct_experts[i]
+                        / self.windows_seen[i]
+                        if self.windows_seen[i]
+                        else 0.0,
+                    }
                     for i, (h, m) in enumerate(zip(self.hits, self.misses))
                 ],
             }

@@ -1,4 +1,5 @@
 """Models this project trains and ships (see models/embedded/README.md)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@
 Nothing is downloaded: configs are made in code, weights are random with a fixed seed,
 and the tokenizer is a byte-level BPE trained on a few sentences.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,42 +16,136 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Families opened by the generic MoE hook (engine/weights/moe_hook.py); tests/test_architectures.py.
-NEW_ARCHS = ("qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2",
-             "llama4_text", "granitemoe", "phimoe", "ernie4_5_moe")
-STRUCTURAL_ARCHS = ("hunyuan_v1_moe", "dots1")  # families outside the architecture table, run by structure
-_HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16)
+NEW_ARCHS = (
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "deepseek_v3",
+    "gpt_oss",
+    "glm4_moe",
+    "minimax_m2",
+    "llama4_text",
+    "granitemoe",
+    "phimoe",
+    "ernie4_5_moe",
+)
+STRUCTURAL_ARCHS = (
+    "hunyuan_v1_moe",
+    "dots1",
+)  # families outside the architecture table, run by structure
+_HYBRID = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
 _MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 _ARCH_KW: dict[str, dict] = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        head_dim=16,
+    ),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
     # Expert intermediate 24 (not H/2 = 32) so a transposed [H, 2I] weight can never pass for [2I, H].
-    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, **_HYBRID),
-    "qwen3_5_moe_text": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, **_HYBRID),
+    "qwen3_next": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        **_HYBRID,
+    ),
+    "qwen3_5_moe_text": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        **_HYBRID,
+    ),
     # The first layer dense (first_k_dense_replace), two expert groups of which one is kept (group-limited routing).
-    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                        moe_intermediate_size=24, n_shared_experts=1, num_hidden_layers=3, **_MLA),
-    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=16,
-                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
-    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                     moe_intermediate_size=24, n_shared_experts=1, num_hidden_layers=3, head_dim=16),
-    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=16),
-    "llama4_text": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=24, intermediate_size_mlp=40, head_dim=16),
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=24,
+        n_shared_experts=1,
+        num_hidden_layers=3,
+        **_MLA,
+    ),
+    "gpt_oss": dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=24,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=24,
+        n_shared_experts=1,
+        num_hidden_layers=3,
+        head_dim=16,
+    ),
+    "minimax_m2": dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=16
+    ),
+    "llama4_text": dict(
+        num_local_experts=8,
+        num_experts_per_tok=1,
+        intermediate_size=24,
+        intermediate_size_mlp=40,
+        head_dim=16,
+    ),
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
     # Not in engine/weights/arch.py's table: run by structure (a router nested as gate.wg, an ungated shared_mlp).
-    "hunyuan_v1_moe": dict(num_experts=8, num_local_experts=8, moe_topk=2, moe_intermediate_size=24, head_dim=16),
-    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
-                  n_shared_experts=1, num_hidden_layers=3, head_dim=16),
-    "ernie4_5_moe": dict(moe_num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_num_shared_experts=1,
-                         moe_layer_start_index=1, head_dim=16),
+    "hunyuan_v1_moe": dict(
+        num_experts=8, num_local_experts=8, moe_topk=2, moe_intermediate_size=24, head_dim=16
+    ),
+    "dots1": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        num_hidden_layers=3,
+        head_dim=16,
+    ),
+    "ernie4_5_moe": dict(
+        moe_num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        head_dim=16,
+    ),
 }
 # Multimodal wrappers whose released checkpoints keep the text model under another prefix.
-_HUB_WRAPPERS = {"qwen3_5_moe_text": ("qwen3_5_moe", (("model.", "model.language_model."),)),
-                 "llama4_text": ("llama4", (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")))}
+_HUB_WRAPPERS = {
+    "qwen3_5_moe_text": ("qwen3_5_moe", (("model.", "model.language_model."),)),
+    "llama4_text": (
+        "llama4",
+        (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    ),
+}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -70,9 +165,15 @@ def make_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_SAMPLE_TEXT, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -126,11 +227,17 @@ def make_tiny_checkpoint(
     with torch.no_grad():
         for site in find_moe_sites(model):
             router = getattr(site.block, router_name(site.block))
-            (router.weight if isinstance(getattr(router, "weight", None), torch.Tensor) else next(router.children()).weight).normal_(0.0, 0.5)
+            (
+                router.weight
+                if isinstance(getattr(router, "weight", None), torch.Tensor)
+                else next(router.children()).weight
+            ).normal_(0.0, 0.5)
             for name, buf in site.block.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.1)
-    if dtype != torch.float32:  # a checkpoint stored in bf16/fp16, as released ones are (config.json says so)
+    if (
+        dtype != torch.float32
+    ):  # a checkpoint stored in bf16/fp16, as released ones are (config.json says so)
         model = model.to(dtype)
         cfg.dtype = dtype
     if layout == "per-expert":
@@ -173,7 +280,7 @@ def _save_hub_layout(model: torch.nn.Module, cfg: object, path: Path) -> None:
     for k, v in model.state_dict().items():
         for mem, disk in prefixes:
             if k.startswith(mem):
-                k = disk + k[len(mem):]
+                k = disk + k[len(mem) :]
                 break
         state[k] = v.contiguous()
     if getattr(cfg, "tie_word_embeddings", False):

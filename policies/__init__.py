@@ -1,4 +1,5 @@
 """Pure decision objects: they see expert ids, gate weights and cache state, never tensors."""
+
 from policies.base import (
     DROPPED,
     AdmissionPolicy,
@@ -17,6 +18,16 @@ from policies.registry import (
 )
 
 __all__ = [
-    "DROPPED", "AdmissionPolicy", "EvictionPolicy", "ExpertPlan", "MissPolicy", "SubstituteChoice",
-    "POLICY_NAMES", "PolicyBundle", "make_admission", "make_eviction", "make_miss_policy", "make_policies",
+    "DROPPED",
+    "AdmissionPolicy",
+    "EvictionPolicy",
+    "ExpertPlan",
+    "MissPolicy",
+    "SubstituteChoice",
+    "POLICY_NAMES",
+    "PolicyBundle",
+    "make_admission",
+    "make_eviction",
+    "make_miss_policy",
+    "make_policies",
 ]

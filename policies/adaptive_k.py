@@ -11,6 +11,7 @@ maximise tokens per unit of cost; when no k beats plain decoding, k = 0 (the req
 plainly, costing nothing extra), and it is probed again with k = 1 every `probe_every` steps
 so a request whose text becomes predictable gets speculation back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class AdaptiveK:
     adaptive: bool = True
     decay: float = 0.7  # weight of the past in the moving averages (about the last 3 windows)
     start_rate: float = 0.6  # optimistic start: the first windows measure the proposer
-    probe_every: int = 48  # plain steps between probes of a switched-off request (a probe costs ~2 steps: ~3 %)
+    probe_every: int = (
+        48  # plain steps between probes of a switched-off request (a probe costs ~2 steps: ~3 %)
+    )
     proposal_cost: float = 0.0  # c: one proposed token, as a fraction of a target step (measured)
     # v: one more verified row in the target's window. For an offloaded MoE a row is expensive: it
     # routes to experts the others do not use. Measured on the embedded model (one stream, 1 CPU
@@ -58,8 +61,14 @@ class AdaptiveK:
     def begin_step(self, batch: int) -> None:
         """The proposer is planning a step with `batch` decode windows (0: a step with a prefill)."""
         self._batch = batch
-        self._measure_plain = bool(self.adaptive and batch and (
-            batch not in self._plain_step or self._since_plain.get(batch, 0) >= self.refresh_every))
+        self._measure_plain = bool(
+            self.adaptive
+            and batch
+            and (
+                batch not in self._plain_step
+                or self._since_plain.get(batch, 0) >= self.refresh_every
+            )
+        )
 
     def observe_step(self, batch: int, extra_rows: int, seconds: float) -> None:
         """A step of `batch` decode windows carried `extra_rows` proposals and took `seconds`."""
@@ -70,7 +79,11 @@ class AdaptiveK:
             # Down at once, up slowly: the first plain step after a prefill pays for a cold cache
             # (at cache 0.25 with 8 streams, twice a later step), and a baseline that is too slow
             # makes speculation look better than it is.
-            self._plain_step[batch] = seconds if plain is None or seconds < plain else self.decay * plain + (1.0 - self.decay) * seconds
+            self._plain_step[batch] = (
+                seconds
+                if plain is None or seconds < plain
+                else self.decay * plain + (1.0 - self.decay) * seconds
+            )
             self._since_plain[batch] = 0
         elif plain is not None:
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
@@ -108,7 +121,9 @@ class AdaptiveK:
         trials = min(proposed, accepted + 1)
         st.rate = self.decay * st.rate + (1.0 - self.decay) * (accepted / trials)
 
-    def observe_proposal_time(self, batch: int, seconds_per_token: float, step_seconds: float) -> None:
+    def observe_proposal_time(
+        self, batch: int, seconds_per_token: float, step_seconds: float
+    ) -> None:
         """Proposing one token for the whole batch took `seconds_per_token`. As a fraction of a
         plain step at this batch size (what the cost model counts in), or of the verification
         step that followed when no plain step is known yet (an underestimate: that step is longer)."""
@@ -119,7 +134,9 @@ class AdaptiveK:
     def observe_costs(self, proposal_cost: float | None, row_cost: float | None) -> None:
         """Measured costs (fractions of a plain target step), folded into moving averages."""
         if proposal_cost is not None:
-            self.proposal_cost = self.decay * self.proposal_cost + (1.0 - self.decay) * proposal_cost
+            self.proposal_cost = (
+                self.decay * self.proposal_cost + (1.0 - self.decay) * proposal_cost
+            )
         if row_cost is not None:
             self.row_cost = self.decay * self.row_cost + (1.0 - self.decay) * row_cost
 

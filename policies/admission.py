@@ -1,4 +1,5 @@
 """Background admission: bring an expert into the cache once substitutions show it is wanted."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

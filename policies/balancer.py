@@ -20,6 +20,7 @@ exact: every τ is evaluated with prefix sums (a sort-and-sweep, O(M) after the 
 
 Pure: numbers in, a number out.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,12 +44,19 @@ class LayerCosts:
         return self.cpu[0] + self.cpu[1] * rows
 
 
-def rank_misses(missed: Sequence[int], in_flight: Sequence[int], level: Callable[[int], int], rows: Mapping[int, int]) -> list[int]:
+def rank_misses(
+    missed: Sequence[int],
+    in_flight: Sequence[int],
+    level: Callable[[int], int],
+    rows: Mapping[int, int],
+) -> list[int]:
     """The balancer's ranking of a layer's missed experts: those already on their way first (they
     stay on the fast device), then hottest first (utility level, then rows in this step, then id)."""
     on_way = set(in_flight)
     moving = [e for e in missed if e in on_way]
-    return moving + sorted((e for e in missed if e not in on_way), key=lambda e: (-level(e), -rows[e], e))
+    return moving + sorted(
+        (e for e in missed if e not in on_way), key=lambda e: (-level(e), -rows[e], e)
+    )
 
 
 def makespan(tau: int, rows: Sequence[int], costs: LayerCosts) -> float:
@@ -56,8 +64,14 @@ def makespan(tau: int, rows: Sequence[int], costs: LayerCosts) -> float:
     fast, cpu = rows[:tau], rows[tau:]
     f = costs.resident_seconds + sum(costs.g(n) for n in fast)
     if fast:
-        f = max(f, math.ceil(len(fast) / costs.transfer_workers) * costs.copy_seconds + costs.g(fast[-1]))
-    c = max(sum(costs.h(n) for n in cpu) / costs.cpu_workers, max((costs.h(n) for n in cpu), default=0.0))
+        f = max(
+            f,
+            math.ceil(len(fast) / costs.transfer_workers) * costs.copy_seconds + costs.g(fast[-1]),
+        )
+    c = max(
+        sum(costs.h(n) for n in cpu) / costs.cpu_workers,
+        max((costs.h(n) for n in cpu), default=0.0),
+    )
     return max(f, c)
 
 
@@ -81,7 +95,11 @@ def choose_tau(rows: Sequence[int], costs: LayerCosts, capacity: int, tau_min: i
             continue
         f = costs.resident_seconds + g_sum
         if tau:
-            f = max(f, math.ceil(tau / costs.transfer_workers) * costs.copy_seconds + costs.g(rows[tau - 1]))
+            f = max(
+                f,
+                math.ceil(tau / costs.transfer_workers) * costs.copy_seconds
+                + costs.g(rows[tau - 1]),
+            )
         span = max(f, suf_sum[tau] / costs.cpu_workers, suf_max[tau])
         if span <= best:
             best_tau, best = tau, span

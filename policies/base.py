@@ -4,6 +4,7 @@ Contract: policies are called from the engine's scheduler thread with plain Pyth
 numbers (expert ids, gate weights, router logits, a residency predicate). They never
 touch tensors, the transfer engine or the store; the engine carries out what they decide.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -9,6 +9,7 @@ victim, so after a topic shift the new hot set churns among itself while the old
 sits on decaying scores. Dynamic aging (as in LFU-DA) fixes that: a newcomer starts at
 the score of the last evicted expert (+1), so it competes on equal footing.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -1,4 +1,5 @@
 """Least-recently-used eviction."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

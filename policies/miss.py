@@ -1,4 +1,5 @@
 """Miss policies: fetch-all (exact), the 0.15 threshold rule and the first-choice rule."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -15,11 +16,15 @@ class FetchAll(MissPolicy):
         needed = {e for row in experts for e in row}
         fetch = sorted(e for e in needed if not is_resident(e))
         if not fetch:  # all resident (cache 1.0, or all hits): the common decode step, kept short
-            return ExpertPlan(experts, None, fetch, calls_hit=sum(map(len, experts)), calls_fetched=0)
+            return ExpertPlan(
+                experts, None, fetch, calls_hit=sum(map(len, experts)), calls_fetched=0
+            )
         missing = set(fetch)
         fetched_calls = sum(e in missing for row in experts for e in row)
         total = sum(len(row) for row in experts)
-        return ExpertPlan(experts, None, fetch, calls_hit=total - fetched_calls, calls_fetched=fetched_calls)
+        return ExpertPlan(
+            experts, None, fetch, calls_hit=total - fetched_calls, calls_fetched=fetched_calls
+        )
 
 
 class SubstitutingPolicy(MissPolicy):
@@ -89,7 +94,9 @@ class ThresholdPolicy(SubstitutingPolicy):
 
     name = "threshold"
 
-    def __init__(self, substitute: SubstituteChoice, threshold: float = 0.15, protect_first: bool = True) -> None:
+    def __init__(
+        self, substitute: SubstituteChoice, threshold: float = 0.15, protect_first: bool = True
+    ) -> None:
         super().__init__(substitute)
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")

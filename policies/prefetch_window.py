@@ -11,6 +11,7 @@ holds a transfer worker that a demand load may need, so a late guess must be sur
 Candidates scoring at least `min_confidence` are submitted, best first, at most `budget`.
 Pure: numbers in, expert ids out.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,23 @@ class PrefetchCandidate:
     confidence: float  # the predictor's probability that layer l+1 routes a row to this expert
 
 
-def schedule_prefetches(candidates: Sequence[PrefetchCandidate], is_resident: Callable[[int], bool], is_pending: Callable[[int], bool],
-                        copy_seconds: float, workers: int, queued: int, time_to_next: float, budget: int,
-                        min_confidence: float = 0.0) -> list[int]:
+def schedule_prefetches(
+    candidates: Sequence[PrefetchCandidate],
+    is_resident: Callable[[int], bool],
+    is_pending: Callable[[int], bool],
+    copy_seconds: float,
+    workers: int,
+    queued: int,
+    time_to_next: float,
+    budget: int,
+    min_confidence: float = 0.0,
+) -> list[int]:
     """The experts to prefetch for the next layer, in submission order (at most `budget`)."""
-    live = [c for c in sorted(candidates, key=lambda c: (-c.confidence, c.expert))
-            if c.confidence >= min_confidence and not is_resident(c.expert) and not is_pending(c.expert)]
+    live = [
+        c
+        for c in sorted(candidates, key=lambda c: (-c.confidence, c.expert))
+        if c.confidence >= min_confidence and not is_resident(c.expert) and not is_pending(c.expert)
+    ]
     scored = []
     for i, c in enumerate(live):
         lands_in = math.ceil((queued + i + 1) / max(1, workers)) * copy_seconds

@@ -3,6 +3,7 @@
 A *policy name* picks a miss rule and, for the presets, the eviction and admission that
 go with it; an explicit eviction or admission name overrides the preset's choice.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,15 +43,23 @@ def _pick(kind: str, name: str, choices: tuple[str, ...]) -> str:
 
 
 def make_substitute(name: str) -> SubstituteChoice:
-    return BestResident() if _pick("substitute choice", name, SUBSTITUTES) == "best-resident" else DropRenormalize()
+    return (
+        BestResident()
+        if _pick("substitute choice", name, SUBSTITUTES) == "best-resident"
+        else DropRenormalize()
+    )
 
 
-def make_miss_policy(name: str, substitute: str = "best-resident", threshold: float = 0.15) -> MissPolicy:
+def make_miss_policy(
+    name: str, substitute: str = "best-resident", threshold: float = 0.15
+) -> MissPolicy:
     rule = PRESETS[name][0] if name in PRESETS else _pick("miss policy", name, POLICY_NAMES)
     if rule == "fetch-all":
         return FetchAll()
     if rule in ("threshold", "threshold-noprotect"):
-        return ThresholdPolicy(make_substitute(substitute), threshold, protect_first=rule == "threshold")
+        return ThresholdPolicy(
+            make_substitute(substitute), threshold, protect_first=rule == "threshold"
+        )
     return FirstChoicePolicy(make_substitute(substitute))
 
 
@@ -64,7 +73,11 @@ def make_eviction(name: str, decay: float = 0.999) -> EvictionPolicy:
 
 
 def make_admission(name: str, beta: float = 0.5) -> AdmissionPolicy:
-    return NoAdmission() if _pick("admission policy", name, ADMISSIONS) == "none" else BackgroundAdmission(beta)
+    return (
+        NoAdmission()
+        if _pick("admission policy", name, ADMISSIONS) == "none"
+        else BackgroundAdmission(beta)
+    )
 
 
 def make_policies(

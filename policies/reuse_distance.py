@@ -19,6 +19,7 @@ next run plus (1/p - 1) whole forwards (the mean wait of a geometric law), and t
 the expert with the largest one. Pure decision object: the store tells it which layer starts
 (`on_layer`) and which experts are used; keys are the store's `layer * num_experts + expert`.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -28,7 +29,9 @@ from collections.abc import Hashable, Iterable, Sequence
 from policies.base import EvictionPolicy, as_set
 from policies.lazy_heap import lowest_allowed
 
-RATE = 0.5  # EMA rate of p per run of the expert's layer: a use counts about as much as the last two
+RATE = (
+    0.5  # EMA rate of p per run of the expert's layer: a use counts about as much as the last two
+)
 
 
 class ReuseDistanceEviction(EvictionPolicy):
@@ -48,7 +51,9 @@ class ReuseDistanceEviction(EvictionPolicy):
         self.num_experts = 0
         self._runs: dict[int, int] = {}  # model layer -> how many times it started
         self._current = -1  # place of the layer running now (-1: none yet)
-        self._p: dict[Hashable, tuple[float, int]] = {}  # key -> (p just after its last use, runs then)
+        self._p: dict[
+            Hashable, tuple[float, int]
+        ] = {}  # key -> (p just after its last use, runs then)
         # Residents: key -> log p as of run 0 of its layer (the heap order); per layer, a heap of
         # (that value, key) with stale entries skipped lazily.
         self._resident: dict[Hashable, float] = {}
@@ -120,7 +125,9 @@ class ReuseDistanceEviction(EvictionPolicy):
         if st is None:
             return math.inf
         layer = self._layer(key)
-        return self._wait(layer, st[0] * math.exp(self._log_keep * (self._runs.get(layer, 0) - st[1])))
+        return self._wait(
+            layer, st[0] * math.exp(self._log_keep * (self._runs.get(layer, 0) - st[1]))
+        )
 
     def _wait(self, layer: int, p: float) -> float:
         """MoE layer runs until an expert of `layer` used with probability p per forward is used:

@@ -1,4 +1,5 @@
 """What stands in for a missed expert that we chose not to wait for."""
+
 from __future__ import annotations
 
 from policies.base import DROPPED, SubstituteChoice

@@ -24,6 +24,7 @@ Three mechanisms, each with its constant documented below:
 The seed (MoE-SpAc) gives none of these constants; the values are ours, chosen on the
 embedded model and documented here so they can be tuned. Pure: plain numbers in and out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -36,8 +37,12 @@ PATIENCE = 2  # consecutive windows a change must persist before a level moves
 REJECTED_WEIGHT = 0.5  # weight of a rejected row's activation against an accepted row's
 BOUNDARY_RATE = 0.1  # moving-average rate of the boundaries (about the last 10 windows)
 BOUNDARY_QUANTILES = (0.5, 0.8)  # quantiles of the non-zero counts behind b_2 .. b_K
-PREFETCH_MIN_LEVEL = 1  # level at which an expert is worth a prefetch: used in two consecutive windows
-PROTECTED_FORWARDS = 2  # a prefetched expert stays protected for this many forwards' worth of MoE layer runs
+PREFETCH_MIN_LEVEL = (
+    1  # level at which an expert is worth a prefetch: used in two consecutive windows
+)
+PROTECTED_FORWARDS = (
+    2  # a prefetched expert stays protected for this many forwards' worth of MoE layer runs
+)
 
 
 def protect_ticks(num_moe_layers: int) -> int:
@@ -48,16 +53,32 @@ def protect_ticks(num_moe_layers: int) -> int:
 class SpeculativeUtilityEstimator:
     """Per-(layer, expert) utility levels from verification-window activation counts."""
 
-    def __init__(self, num_experts: int, levels: int = NUM_LEVELS, patience: int = PATIENCE,
-                 rejected_weight: float = REJECTED_WEIGHT, boundary_rate: float = BOUNDARY_RATE,
-                 quantiles: Sequence[float] = BOUNDARY_QUANTILES) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        levels: int = NUM_LEVELS,
+        patience: int = PATIENCE,
+        rejected_weight: float = REJECTED_WEIGHT,
+        boundary_rate: float = BOUNDARY_RATE,
+        quantiles: Sequence[float] = BOUNDARY_QUANTILES,
+    ) -> None:
         if levels < 2 or len(quantiles) != levels - 2:
-            raise ValueError(f"{levels} levels need {levels - 2} boundary quantiles, got {len(quantiles)}")
+            raise ValueError(
+                f"{levels} levels need {levels - 2} boundary quantiles, got {len(quantiles)}"
+            )
         self.num_experts, self.levels, self.patience = num_experts, levels, patience
-        self.rejected_weight, self.rate, self.quantiles = rejected_weight, boundary_rate, tuple(quantiles)
-        self.boundaries: list[float] = []  # b_2 .. b_K (b_1 is "count > 0"); empty until the first window
+        self.rejected_weight, self.rate, self.quantiles = (
+            rejected_weight,
+            boundary_rate,
+            tuple(quantiles),
+        )
+        self.boundaries: list[
+            float
+        ] = []  # b_2 .. b_K (b_1 is "count > 0"); empty until the first window
         self._level: dict[tuple[int, int], int] = {}  # (layer, expert) -> level, absent = 0
-        self._run: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (signed run length, conservative target)
+        self._run: dict[
+            tuple[int, int], tuple[int, int]
+        ] = {}  # key -> (signed run length, conservative target)
         self.windows = 0
         self._hot: tuple[int, dict[int, int]] = (-1, {})  # (windows then, hot_keys() then)
 
@@ -70,7 +91,10 @@ class SpeculativeUtilityEstimator:
         Levels only change in `observe`, so this is rebuilt once per window, not per eviction."""
         if self._hot[0] != self.windows:
             E = self.num_experts
-            self._hot = (self.windows, {layer * E + e: lv for (layer, e), lv in self._level.items()})
+            self._hot = (
+                self.windows,
+                {layer * E + e: lv for (layer, e), lv in self._level.items()},
+            )
         return self._hot[1]
 
     def histogram(self, layers: Iterable[int]) -> list[int]:
@@ -131,7 +155,9 @@ class SpeculativeUtilityEstimator:
         if run * side <= 0:  # the run changed direction (or starts): restart it
             run, bound = 0, target
         run += side
-        bound = min(bound, target) if side > 0 else max(bound, target)  # most conservative target of the run
+        bound = (
+            min(bound, target) if side > 0 else max(bound, target)
+        )  # most conservative target of the run
         if abs(run) >= self.patience:
             if bound:
                 self._level[key] = bound
@@ -142,7 +168,9 @@ class SpeculativeUtilityEstimator:
             self._run[key] = (run, bound)
 
 
-def worth_displacing(estimator: SpeculativeUtilityEstimator, eviction: EvictionPolicy, candidate: int, victim: int) -> bool:
+def worth_displacing(
+    estimator: SpeculativeUtilityEstimator, eviction: EvictionPolicy, candidate: int, victim: int
+) -> bool:
     """Whether a prefetch of `candidate` may evict `victim` (keys are `layer * num_experts + expert`).
 
     Two conditions. The candidate's utility level must be strictly higher: a guess never

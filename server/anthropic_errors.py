@@ -5,6 +5,7 @@ Routes of the Messages API use `AnthropicRoute`, which renders every failure of 
 Anthropic's: a full request queue is 429 rate_limit_error (retry later), any other unavailable
 engine (our 503: loading, restarting, draining) 529 overloaded_error.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import ApiError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_status(status: int, code: str | None = None) -> int:
@@ -31,10 +40,18 @@ def anthropic_status(status: int, code: str | None = None) -> int:
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """`status` is Anthropic's (after anthropic_status)."""
-    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+            "message": message,
+        },
+    }
 
 
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+def anthropic_error(
+    status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None
+) -> JSONResponse:
     st = anthropic_status(status, code)
     return JSONResponse(anthropic_error_body(st, message), status_code=st, headers=headers)
 

@@ -1,4 +1,5 @@
 """FastAPI app factory: OpenAI routes, /health, /metrics, auth, and the engine's lifespan."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,36 +52,77 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         if not settings.api_keys:
             return
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "").strip()  # x-api-key: Anthropic clients
+        key = (
+            auth[7:].strip()
+            if auth.lower().startswith("bearer ")
+            else request.headers.get("x-api-key", "").strip()
+        )  # x-api-key: Anthropic clients
         if not any(secrets.compare_digest(key, k) for k in settings.api_keys):
-            raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Missing or invalid API key (send 'Authorization: Bearer KEY').",
+                code="invalid_api_key",
+            )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
     generation_errors = error_responses(400, 401, 404, 413, 500, 503)
 
-    @v1.post("/chat/completions", responses={**json_or_stream("A chat completion, or its chunks when streamed."), **generation_errors})
+    @v1.post(
+        "/chat/completions",
+        responses={
+            **json_or_stream("A chat completion, or its chunks when streamed."),
+            **generation_errors,
+        },
+    )
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
         return await routes.chat_completions(st, body, raw)
 
-    @v1.post("/completions", responses={**json_or_stream("A text completion, or its chunks when streamed."), **generation_errors})
+    @v1.post(
+        "/completions",
+        responses={
+            **json_or_stream("A text completion, or its chunks when streamed."),
+            **generation_errors,
+        },
+    )
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await routes.completions(st, body, raw)
 
     @v1.get("/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "moe-offload", "max_model_len": settings.engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "moe-offload",
+                    "max_model_len": settings.engine.max_model_len,
+                }
+            ],
+        }
 
-    v1.include_router(responses_api.router(st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)))
+    v1.include_router(
+        responses_api.router(
+            st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)
+        )
+    )
     v1.include_router(messages_api.router(st))
     app.include_router(v1)
     app.include_router(tokenize_api.router(st), dependencies=[Depends(require_api_key)])
 
-    @app.get("/health", response_model=Health, response_model_exclude_none=True,
-             responses={503: {"model": Health, "description": "Not ready: loading, restarting, draining or dead (with a short error and its id)."}})
+    @app.get(
+        "/health",
+        response_model=Health,
+        response_model_exclude_none=True,
+        responses={
+            503: {
+                "model": Health,
+                "description": "Not ready: loading, restarting, draining or dead (with a short error and its id).",
+            }
+        },
+    )
     async def health() -> JSONResponse:
         status = "draining" if st.draining else st.client.state.value
         body: dict[str, Any] = {"status": status}
@@ -105,7 +147,12 @@ async def drain(st: ServerState, requests: RequestCounter, timeout: float) -> No
     output arrives, and closing the listener then cut them off."""
     st.draining = True
     deadline = time.monotonic() + timeout
-    log.info("draining %d in-flight sequence(s), %d HTTP request(s) (up to %.0f s)", st.client.in_flight, requests.active, timeout)
+    log.info(
+        "draining %d in-flight sequence(s), %d HTTP request(s) (up to %.0f s)",
+        st.client.in_flight,
+        requests.active,
+        timeout,
+    )
 
     def busy() -> bool:
         return bool(st.client.in_flight or requests.active)

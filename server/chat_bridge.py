@@ -7,6 +7,7 @@ calls) and the tool mode.  So a conversation gets the same prompt tokens, and wi
 sampling the same output, from all three APIs.  The results come back API-neutral:
 `finish_chat` for a whole response, `chat_pieces` for a stream of text and tool-call pieces.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -48,7 +49,9 @@ class ChatRun:
 @dataclass
 class ChatResult:
     text: str | None  # content left after tool calls were taken out
-    calls: list[dict[str, Any]]  # chat-completions tool_calls entries (id, function.name, .arguments)
+    calls: list[
+        dict[str, Any]
+    ]  # chat-completions tool_calls entries (id, function.name, .arguments)
     finish: str  # stop | length | tool_calls
     stop_sequence: str | None
     prompt_tokens: int
@@ -84,7 +87,9 @@ class StreamFailed(Exception):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def start_chat(st: ServerState, body: ChatCompletionRequest, id_prefix: str, thinking: bool | None = None) -> ChatRun:
+async def start_chat(
+    st: ServerState, body: ChatCompletionRequest, id_prefix: str, thinking: bool | None = None
+) -> ChatRun:
     """Validate, template and submit `body` exactly as /v1/chat/completions does (n must be 1)."""
     assert body.n == 1
     st.check_model(body.model)
@@ -94,8 +99,18 @@ async def start_chat(st: ServerState, body: ChatCompletionRequest, id_prefix: st
     constraint = await _chat_constraint(st, body, mode)
     prompt, reasoning, inside = await reasoning_prompt(st, body, thinking)
     rid = new_id(id_prefix)
-    choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), None, None, constraint))
-    return ChatRun(rid, choices, prompt, mode, [t.function.name for t in body.tools or []], reasoning and constraint is None, inside)
+    choices = st.submit(
+        st.make_requests(rid, [prompt], body, body.token_limit(), None, None, constraint)
+    )
+    return ChatRun(
+        rid,
+        choices,
+        prompt,
+        mode,
+        [t.function.name for t in body.tools or []],
+        reasoning and constraint is None,
+        inside,
+    )
 
 
 async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
@@ -112,7 +127,16 @@ async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
         content, calls = parse_calls(text, run.mode, run.tool_names)
         if calls and finish == "stop":
             finish = "tool_calls"
-    return ChatResult(content, calls, finish, a.stop_sequence, len(run.prompt), a.num_output_tokens, a.num_cached_tokens, reasoning)
+    return ChatResult(
+        content,
+        calls,
+        finish,
+        a.stop_sequence,
+        len(run.prompt),
+        a.num_output_tokens,
+        a.num_cached_tokens,
+        reasoning,
+    )
 
 
 async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
@@ -142,7 +166,9 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
                     r, text = r + r2, text + c2
                 if r:
                     yield Piece("reasoning", r)
-            deltas: list[dict[str, Any]] = [stream.feed(text)] if stream is not None else [{"content": text}]
+            deltas: list[dict[str, Any]] = (
+                [stream.feed(text)] if stream is not None else [{"content": text}]
+            )
             has_calls = False
             if stream is not None and o.finish_reason is not None:
                 last, has_calls = stream.finish()
@@ -153,12 +179,30 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
                 for c in d.get("tool_calls", []):
                     if "id" in c:
                         n_calls += 1
-                        yield Piece("call", c["function"].get("arguments", ""), n_calls - 1, c["id"], c["function"]["name"])
+                        yield Piece(
+                            "call",
+                            c["function"].get("arguments", ""),
+                            n_calls - 1,
+                            c["id"],
+                            c["function"]["name"],
+                        )
                     elif c["function"].get("arguments"):
                         yield Piece("args", c["function"]["arguments"], c["index"])
             if o.finish_reason is not None:
-                finish = "tool_calls" if has_calls and o.finish_reason == "stop" else o.finish_reason
-                yield Piece("end", result=ChatResult(None, [], finish, o.stop_sequence, len(run.prompt), o.num_output_tokens, o.num_cached_tokens))
+                finish = (
+                    "tool_calls" if has_calls and o.finish_reason == "stop" else o.finish_reason
+                )
+                yield Piece(
+                    "end",
+                    result=ChatResult(
+                        None,
+                        [],
+                        finish,
+                        o.stop_sequence,
+                        len(run.prompt),
+                        o.num_output_tokens,
+                        o.num_cached_tokens,
+                    ),
+                )
     finally:
         run.choices.abort_unfinished()
-

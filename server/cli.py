@@ -1,4 +1,5 @@
 """The `moe-offload` command line: serve, generate, (cli_eval.py) eval, trace, simulate, and (cli_prefetch.py) train-prefetcher."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,29 @@ class GenerateOptions:
     """`generate` flags beyond sampling (those come from SamplingParams)."""
 
     prompt: str = setting("", "the prompt text (required)")
-    chat: bool = setting(False, "wrap the prompt as a user message with the tokenizer's chat template")
-    presence_penalty: float = setting(0.0, "OpenAI presence penalty in [-2, 2] (default 0)", metavar="X")
-    frequency_penalty: float = setting(0.0, "OpenAI frequency penalty in [-2, 2] (default 0)", metavar="X")
-    logprobs: int | None = setting(None, "report each token's logprob and the N most likely alternatives (with --json)", metavar="N")
-    max_model_len: int | None = setting(None, "context length: generation ends ('length') when prompt + output reach it (default: the model's max_position_embeddings)", metavar="N")
-    json: bool = setting(False, "print one JSON object: text, tokens, finish reason, timings and statistics (hits, misses, bytes moved, stall seconds, per layer)")
+    chat: bool = setting(
+        False, "wrap the prompt as a user message with the tokenizer's chat template"
+    )
+    presence_penalty: float = setting(
+        0.0, "OpenAI presence penalty in [-2, 2] (default 0)", metavar="X"
+    )
+    frequency_penalty: float = setting(
+        0.0, "OpenAI frequency penalty in [-2, 2] (default 0)", metavar="X"
+    )
+    logprobs: int | None = setting(
+        None,
+        "report each token's logprob and the N most likely alternatives (with --json)",
+        metavar="N",
+    )
+    max_model_len: int | None = setting(
+        None,
+        "context length: generation ends ('length') when prompt + output reach it (default: the model's max_position_embeddings)",
+        metavar="N",
+    )
+    json: bool = setting(
+        False,
+        "print one JSON object: text, tokens, finish reason, timings and statistics (hits, misses, bytes moved, stall seconds, per layer)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -59,19 +77,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print("engine plan:\n  " + "\n  ".join(plan.lines()), file=sys.stderr, flush=True)
     try:
         if om.tokenizer is None:
-            raise MoeOffloadError(f"{om.model_dir}: no tokenizer files; add tokenizer.json/tokenizer_config.json")
+            raise MoeOffloadError(
+                f"{om.model_dir}: no tokenizer files; add tokenizer.json/tokenizer_config.json"
+            )
         if opts.chat:
-            ids = om.tokenizer.apply_chat_template([{"role": "user", "content": opts.prompt}], add_generation_prompt=True, tokenize=True)
+            ids = om.tokenizer.apply_chat_template(
+                [{"role": "user", "content": opts.prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         else:
             ids = list(om.tokenizer(opts.prompt)["input_ids"])
         if len(ids) >= max_len:
-            raise MoeOffloadError(f"the prompt has {len(ids)} tokens but the context is {max_len}; shorten it or raise --max-model-len")
+            raise MoeOffloadError(
+                f"the prompt has {len(ids)} tokens but the context is {max_len}; shorten it or raise --max-model-len"
+            )
         from engine.speculative.factory import make_speculation
 
         proposer, observers = make_speculation(spec, om)
-        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers)
-        req = GenerateRequest("generate", ids, params, opts.logprobs, None, opts.presence_penalty, opts.frequency_penalty)
+        core = EngineCore.for_model(
+            om, CoreLimits(max_running=1, max_model_len=max_len), proposer, observers
+        )
+        req = GenerateRequest(
+            "generate",
+            ids,
+            params,
+            opts.logprobs,
+            None,
+            opts.presence_penalty,
+            opts.frequency_penalty,
+        )
         text, tokens, logprobs, finish = "", [], [], None
         t0 = time.perf_counter()
         t_first: float | None = None
@@ -90,20 +126,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         t_end = time.perf_counter()
         if opts.json:
             decode_s = t_end - (t_first or t_end)
-            print(json.dumps({
-                "text": text,
-                "tokens": tokens,
-                "prompt_tokens": len(ids),
-                "finish_reason": finish,
-                "logprobs": [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in logprobs] if opts.logprobs is not None else None,
-                "prefill_seconds": (t_first or t_end) - t0,
-                "decode_seconds": decode_s,
-                # The first token comes from prefill; decode speed counts the tokens after it.
-                "decode_tokens_per_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
-                "fast_tier_slots": om.store.n_slots,
-                "plan": plan.to_dict(),
-                "stats": om.stats.snapshot(),
-            }, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "text": text,
+                        "tokens": tokens,
+                        "prompt_tokens": len(ids),
+                        "finish_reason": finish,
+                        "logprobs": [
+                            {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                            for lp in logprobs
+                        ]
+                        if opts.logprobs is not None
+                        else None,
+                        "prefill_seconds": (t_first or t_end) - t0,
+                        "decode_seconds": decode_s,
+                        # The first token comes from prefill; decode speed counts the tokens after it.
+                        "decode_tokens_per_s": (len(tokens) - 1) / decode_s
+                        if len(tokens) > 1 and decode_s > 0
+                        else 0.0,
+                        "fast_tier_slots": om.store.n_slots,
+                        "plan": plan.to_dict(),
+                        "stats": om.stats.snapshot(),
+                    },
+                    indent=2,
+                )
+            )
         else:
             print()
     finally:
@@ -131,28 +179,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_model_dir(model_dir, need_tokenizer=True)
     from engine.memory.measure import plan_checkpoint
 
-    plan_checkpoint(model_dir, engine_config)  # a combination that cannot fit fails here, before anything listens
+    plan_checkpoint(
+        model_dir, engine_config
+    )  # a combination that cannot fit fails here, before anything listens
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
-        model_dir=model_dir, engine_config=engine_config, max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
-        max_running=scfg.max_running, prefill_token_budget=scfg.prefill_token_budget, spec=spec, spec_why=spec_why,
+        model_dir=model_dir,
+        engine_config=engine_config,
+        max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
+        max_running=scfg.max_running,
+        prefill_token_budget=scfg.prefill_token_budget,
+        spec=spec,
+        spec_why=spec_why,
     )
     settings = ServeSettings(
-        engine, scfg.served_model_name or Path(model_dir).resolve().name, scfg.api_keys, scfg.max_queue,
-        scfg.max_body_bytes, scfg.max_messages, scfg.max_prompts, scfg.max_request_tokens, scfg.engine_restarts, scfg.engine_restart_window,
-        responses_store_bytes=scfg.responses_store_bytes, responses_store_ttl=scfg.responses_store_ttl,
+        engine,
+        scfg.served_model_name or Path(model_dir).resolve().name,
+        scfg.api_keys,
+        scfg.max_queue,
+        scfg.max_body_bytes,
+        scfg.max_messages,
+        scfg.max_prompts,
+        scfg.max_request_tokens,
+        scfg.engine_restarts,
+        scfg.engine_restart_window,
+        responses_store_bytes=scfg.responses_store_bytes,
+        responses_store_ttl=scfg.responses_store_ttl,
     )
-    logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_server(create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level)
+    logging.basicConfig(
+        level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_server(
+        create_app(settings, tokenizer), scfg.host, scfg.port, scfg.drain_timeout, scfg.log_level
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-offload", description="Run Mixture-of-Experts models whose experts do not fit in fast memory.")
+    parser = argparse.ArgumentParser(
+        prog="moe-offload",
+        description="Run Mixture-of-Experts models whose experts do not fit in fast memory.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /health, /metrics). "
         "Settings come from --config YAML (sections engine: and server:), overridden by these flags.",
     )
@@ -161,8 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(s)
     s.set_defaults(func=cmd_serve)
 
-    g = sub.add_parser("generate", help="generate text for one prompt",
-                       description="Generate text for one prompt with offloaded experts, through the same engine core as the server.")
+    g = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description="Generate text for one prompt with offloaded experts, through the same engine core as the server.",
+    )
     add_flags(g.add_argument_group("prompt and output"), GenerateOptions)
     add_flags(g.add_argument_group("sampling"), SamplingParams)
     add_engine_flags(g)

@@ -1,5 +1,6 @@
 """What every model-loading command shares: engine flags (generated from EngineConfig), the
 engine settings they produce, and the default model. Imported by cli.py and cli_eval.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,16 @@ from engine.speculative.config import SpecConfig
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """--model, --config and one flag per EngineConfig setting."""
     g = p.add_argument_group("model and memory")
-    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + *.safetensors + tokenizer). Default: the embedded model shipped in models/embedded/target")
-    g.add_argument("--config", metavar="YAML", help="settings file (see configs/); flags given here override it")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json + *.safetensors + tokenizer). Default: the embedded model shipped in models/embedded/target",
+    )
+    g.add_argument(
+        "--config",
+        metavar="YAML",
+        help="settings file (see configs/); flags given here override it",
+    )
     add_flags(g, EngineConfig)
 
 
@@ -39,8 +48,12 @@ def spec_choice_from_args(args: argparse.Namespace, model_dir: str) -> tuple[Spe
 
     base = SpecConfig.from_yaml(args.config) if getattr(args, "config", None) else SpecConfig()
     device = engine_config_from_args(args).device
-    device_type = ("cuda" if torch_cuda_available() else "cpu") if device == "auto" else device.split(":")[0]
-    spec, why = base.with_overrides(**overrides_from_args(args, SpecConfig)).choose(model_dir, device_type)
+    device_type = (
+        ("cuda" if torch_cuda_available() else "cpu") if device == "auto" else device.split(":")[0]
+    )
+    spec, why = base.with_overrides(**overrides_from_args(args, SpecConfig)).choose(
+        model_dir, device_type
+    )
     if spec.draft is not None:
         check_draft(model_dir, spec.draft)
     return spec, why
@@ -58,5 +71,7 @@ def resolve_model_dir(arg: str | None) -> str:
     from models import EMBEDDED_TARGET
 
     if not (EMBEDDED_TARGET / "config.json").exists():
-        raise MoeOffloadError(f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run models/embedded/train.py")
+        raise MoeOffloadError(
+            f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run models/embedded/train.py"
+        )
     return str(EMBEDDED_TARGET)

@@ -1,6 +1,7 @@
 """`moe-offload plan`: the placement `serve` would choose for a checkpoint on this machine (or on
 the budgets given), and the decode speed the router-trace simulator projects for it per policy
 preset, from config.json and the safetensors headers alone: no weight is read."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,9 @@ from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "embedded_test_trace.npz"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "embedded_test_trace.npz"
+)
 DEFAULT_PROFILE = "this-machine-disk"
 SIM_TOKENS = 128  # trace tokens replayed per preset: a stable mean in a few seconds even at 48 layers (every preset replays the same tokens)
 
@@ -24,17 +27,37 @@ def _shape(fp: Footprint, model_type: str):
     from engine.offline.hardware import SHAPES, ModelShape
 
     for s in SHAPES.values():
-        if (s.layers, s.experts, s.top_k, s.hidden) == (fp.moe_layers, fp.experts_per_layer, fp.top_k, fp.hidden):
+        if (s.layers, s.experts, s.top_k, s.hidden) == (
+            fp.moe_layers,
+            fp.experts_per_layer,
+            fp.top_k,
+            fp.hidden,
+        ):
             return s
     itemsize = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}.get(str(fp.dtype), 2)
     head = fp.vocab * fp.hidden
     dense_params = max(0.0, fp.dense_bytes / itemsize - 2 * head) / max(1, fp.moe_layers)
-    return ModelShape(model_type, layers=fp.moe_layers, experts=fp.experts_per_layer, top_k=fp.top_k, hidden=fp.hidden,
-                      moe_intermediate=fp.intermediate // max(1, fp.top_k), dense_params_per_layer=dense_params, head_params=head,
-                      source="derived from the checkpoint's config.json and safetensors headers")
+    return ModelShape(
+        model_type,
+        layers=fp.moe_layers,
+        experts=fp.experts_per_layer,
+        top_k=fp.top_k,
+        hidden=fp.hidden,
+        moe_intermediate=fp.intermediate // max(1, fp.top_k),
+        dense_params_per_layer=dense_params,
+        head_params=head,
+        source="derived from the checkpoint's config.json and safetensors headers",
+    )
 
 
-def project(fp: Footprint, model_type: str, cache_fraction: float, hardware: str, link: str | None, trace_path: Path) -> tuple[list[tuple[str, float]], str]:
+def project(
+    fp: Footprint,
+    model_type: str,
+    cache_fraction: float,
+    hardware: str,
+    link: str | None,
+    trace_path: Path,
+) -> tuple[list[tuple[str, float]], str]:
     """[(preset, projected decode tok/s)] and a one-line description of the projection (or why there is none)."""
     from engine.experts.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
@@ -53,16 +76,24 @@ def project(fp: Footprint, model_type: str, cache_fraction: float, hardware: str
         costs = with_link(costs, spec.mb_per_s, spec.latency_us)
     rows = []
     for preset in PRESETS:
-        cfg = EngineConfig(policy=preset) if preset == "fetch-all" else EngineConfig(policy=preset, substitute="drop")  # projected traces have no logits
+        cfg = (
+            EngineConfig(policy=preset)
+            if preset == "fetch-all"
+            else EngineConfig(policy=preset, substitute="drop")
+        )  # projected traces have no logits
         try:
-            res = simulate(trace, cfg.policies(), cache_fraction, costs, max_tokens=SIM_TOKENS).to_dict()
+            res = simulate(
+                trace, cfg.policies(), cache_fraction, costs, max_tokens=SIM_TOKENS
+            ).to_dict()
         except (ValueError, ProfileError) as e:
             return [], f"no projection: {e}"
         rows.append((preset, float(res["tokens_per_s"])))
-    how = (f"PROJECTED (simulated): profile {costs.profile} ({', '.join(costs.notes)} costs), shape {shape.name}, link "
-           f"{costs.link_mb_per_s:g} MB/s + {costs.link_latency_s * 1e6:g} us, {costs.expert_bytes} B/expert read, cache {cache_fraction:.0%}, "
-           f"{min(SIM_TOKENS, trace['ids'].shape[0])} tokens of the embedded model's routing projected onto this shape (random or untrained routers "
-           "reuse experts less; real models more)")
+    how = (
+        f"PROJECTED (simulated): profile {costs.profile} ({', '.join(costs.notes)} costs), shape {shape.name}, link "
+        f"{costs.link_mb_per_s:g} MB/s + {costs.link_latency_s * 1e6:g} us, {costs.expert_bytes} B/expert read, cache {cache_fraction:.0%}, "
+        f"{min(SIM_TOKENS, trace['ids'].shape[0])} tokens of the embedded model's routing projected onto this shape (random or untrained routers "
+        "reuse experts less; real models more)"
+    )
     return rows, how
 
 
@@ -73,9 +104,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = EngineConfig().with_overrides(**overrides_from_args(args, EngineConfig))
     probe, plan = plan_checkpoint(args.model, cfg)
     fp = probe.footprint
-    print(f"{args.model}: {probe.model_type}, {fp.moe_layers} MoE layers x {fp.experts_per_layer} experts (top-{fp.top_k}), "
-          f"experts {probe.expert_format} at {fmt_bytes(fp.slot_bytes)} each ({fmt_bytes(fp.experts_bytes)} in all), "
-          f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {str(fp.dtype).removeprefix('torch.')}")
+    print(
+        f"{args.model}: {probe.model_type}, {fp.moe_layers} MoE layers x {fp.experts_per_layer} experts (top-{fp.top_k}), "
+        f"experts {probe.expert_format} at {fmt_bytes(fp.slot_bytes)} each ({fmt_bytes(fp.experts_bytes)} in all), "
+        f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {str(fp.dtype).removeprefix('torch.')}"
+    )
     print(plan.table())
     share = plan.n_slots / plan.total_experts
     rows, how = project(fp, probe.model_type, share, args.hardware, args.link, Path(args.trace))
@@ -85,7 +118,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {'policy':15s} {'projected tok/s':>15s} {'x fetch-all':>11s}")
         for name, tps in rows:
             print(f"  {name:15s} {tps:15.2f} {tps / first if first else 0:10.2f}x")
-    flags = f"--offload {plan.offload}" + ("" if plan.n_slots == plan.total_experts else f" --cache-fraction {share:.3f}")
+    flags = f"--offload {plan.offload}" + (
+        "" if plan.n_slots == plan.total_experts else f" --cache-fraction {share:.3f}"
+    )
     if rows and share < 1.0:
         best = max(rows, key=lambda r: r[1])
         exact = rows[0][1]
@@ -94,30 +129,106 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             rec = f"{flags} --policy fetch-all (exact; the presets project under 1.2x)"
     else:
-        rec = f"{flags} --policy fetch-all (every expert resident: exact at full speed)" if share >= 1.0 else f"{flags} --policy fetch-all"
+        rec = (
+            f"{flags} --policy fetch-all (every expert resident: exact at full speed)"
+            if share >= 1.0
+            else f"{flags} --policy fetch-all"
+        )
     print(f"recommended: moe-offload serve --model {args.model} {rec}")
     print(f"(planned from headers in {time.perf_counter() - t0:.1f} s; no weights read)")
     return 0
 
 
 def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("plan", help="show the memory placement serve would choose, and projected decode speed",
-                       description="Read a checkpoint's config.json and safetensors headers (no weights), print the memory plan `serve` would "
-                       "choose on this machine or on the budgets given, the decode tok/s the router-trace simulator projects for each policy "
-                       "preset on a hardware profile (labelled projected), and a recommended configuration.")
-    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory (config.json + *.safetensors)")
-    p.add_argument("--device-memory", metavar="BYTES|FRACTION", help="GPU memory to plan for: bytes (24GiB) or a fraction of the free memory (0.9, 90%%). Default: this machine's")
-    p.add_argument("--host-memory", metavar="BYTES|FRACTION", help="host RAM to plan for: bytes (64GiB) or a fraction of what is available. Default: this machine's (MemAvailable, or the memory cgroup's limit if tighter)")
-    p.add_argument("--hardware", default=DEFAULT_PROFILE, metavar="PROFILE",
-                   help=f"hardware profile for the projection: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})")
-    p.add_argument("--link", metavar="NAME|MBPS[:US]", help="replace the profile's slow-tier link for the projection: pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd, or MB/s with optional latency in us")
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="NPZ", help="router trace (`moe-offload trace`) projected onto the checkpoint's shape (default: the embedded model's test-set trace)")
-    for flag, kw in (("--device", {"default": "auto", "metavar": "DEV", "help": "device to plan for: auto (default), cpu, cuda, cuda:N"}),
-                     ("--dtype", {"default": "auto", "choices": ("auto", "float32", "bfloat16", "float16"), "help": "compute dtype to plan for (default auto: the checkpoint's)"}),
-                     ("--expert-quant", {"default": "none", "choices": ("none", "int8", "int4"), "help": "routed experts quantized as serve --expert-quant would (default none)"}),
-                     ("--offload", {"default": "auto", "choices": ("auto", "ram", "disk"), "help": "slow tier as serve --offload (default auto: the plan's choice)"}),
-                     ("--cache-fraction", {"type": float, "metavar": "F", "help": "fast-tier share as serve --cache-fraction (default: the plan's choice)"}),
-                     ("--kv-tokens", {"type": int, "metavar": "N", "help": "KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))"})):
+    p = sub.add_parser(
+        "plan",
+        help="show the memory placement serve would choose, and projected decode speed",
+        description="Read a checkpoint's config.json and safetensors headers (no weights), print the memory plan `serve` would "
+        "choose on this machine or on the budgets given, the decode tok/s the router-trace simulator projects for each policy "
+        "preset on a hardware profile (labelled projected), and a recommended configuration.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="Hugging Face model directory (config.json + *.safetensors)",
+    )
+    p.add_argument(
+        "--device-memory",
+        metavar="BYTES|FRACTION",
+        help="GPU memory to plan for: bytes (24GiB) or a fraction of the free memory (0.9, 90%%). Default: this machine's",
+    )
+    p.add_argument(
+        "--host-memory",
+        metavar="BYTES|FRACTION",
+        help="host RAM to plan for: bytes (64GiB) or a fraction of what is available. Default: this machine's (MemAvailable, or the memory cgroup's limit if tighter)",
+    )
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_PROFILE,
+        metavar="PROFILE",
+        help=f"hardware profile for the projection: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})",
+    )
+    p.add_argument(
+        "--link",
+        metavar="NAME|MBPS[:US]",
+        help="replace the profile's slow-tier link for the projection: pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd, or MB/s with optional latency in us",
+    )
+    p.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        metavar="NPZ",
+        help="router trace (`moe-offload trace`) projected onto the checkpoint's shape (default: the embedded model's test-set trace)",
+    )
+    for flag, kw in (
+        (
+            "--device",
+            {
+                "default": "auto",
+                "metavar": "DEV",
+                "help": "device to plan for: auto (default), cpu, cuda, cuda:N",
+            },
+        ),
+        (
+            "--dtype",
+            {
+                "default": "auto",
+                "choices": ("auto", "float32", "bfloat16", "float16"),
+                "help": "compute dtype to plan for (default auto: the checkpoint's)",
+            },
+        ),
+        (
+            "--expert-quant",
+            {
+                "default": "none",
+                "choices": ("none", "int8", "int4"),
+                "help": "routed experts quantized as serve --expert-quant would (default none)",
+            },
+        ),
+        (
+            "--offload",
+            {
+                "default": "auto",
+                "choices": ("auto", "ram", "disk"),
+                "help": "slow tier as serve --offload (default auto: the plan's choice)",
+            },
+        ),
+        (
+            "--cache-fraction",
+            {
+                "type": float,
+                "metavar": "F",
+                "help": "fast-tier share as serve --cache-fraction (default: the plan's choice)",
+            },
+        ),
+        (
+            "--kv-tokens",
+            {
+                "type": int,
+                "metavar": "N",
+                "help": "KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))",
+            },
+        ),
+    ):
         p.add_argument(flag, **kw)
     p.set_defaults(func=cmd_plan)
-

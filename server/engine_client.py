@@ -10,6 +10,7 @@ fresh queues: a process killed while holding a queue's lock would leave it locke
 After `max_restarts` restarts within `restart_window` seconds the client gives up and calls
 `on_fatal`, so the server exits non-zero and its own supervisor (systemd, Kubernetes) acts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -85,7 +86,13 @@ class _Engine:
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs, metrics: ServerMetrics, max_restarts: int = 3, restart_window: float = 600.0) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        metrics: ServerMetrics,
+        max_restarts: int = 3,
+        restart_window: float = 600.0,
+    ) -> None:
         self.args = args
         self.metrics = metrics
         self.max_restarts = max_restarts
@@ -117,7 +124,12 @@ class EngineClient:
             return
         self._gen += 1
         eng = _Engine(self._gen, None, self._ctx.Queue(), self._ctx.Queue())
-        eng.proc = self._ctx.Process(target=engine_main, args=(self.args, eng.in_q, eng.out_q), name="moe-offload-engine", daemon=True)
+        eng.proc = self._ctx.Process(
+            target=engine_main,
+            args=(self.args, eng.in_q, eng.out_q),
+            name="moe-offload-engine",
+            daemon=True,
+        )
         # Ignored signals stay ignored across exec: the child is immune from its first
         # instruction, even when a SIGTERM to the whole process group arrives during startup.
         saved = None
@@ -131,7 +143,9 @@ class EngineClient:
         self._engine = eng
         if self.state is not EngineState.RESTARTING:
             self.state = EngineState.LOADING
-        threading.Thread(target=self._read_loop, args=(eng,), name=f"engine-reader-{eng.gen}", daemon=True).start()
+        threading.Thread(
+            target=self._read_loop, args=(eng,), name=f"engine-reader-{eng.gen}", daemon=True
+        ).start()
 
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
@@ -151,7 +165,10 @@ class EngineClient:
         now = time.monotonic()
         if self.state is EngineState.RESTARTING and self._restart_at is not None:
             wait = self._restart_at - now + self._load_seconds
-        elif self._engine is not None and self.state in (EngineState.LOADING, EngineState.RESTARTING):
+        elif self._engine is not None and self.state in (
+            EngineState.LOADING,
+            EngineState.RESTARTING,
+        ):
             wait = self._engine.started + self._load_seconds - now
         else:
             wait = 1.0
@@ -172,7 +189,11 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to drop a request; its final "abort" output still comes back."""
-        if request_id in self._reqs and self.state is EngineState.READY and self._engine is not None:
+        if (
+            request_id in self._reqs
+            and self.state is EngineState.READY
+            and self._engine is not None
+        ):
             self._engine.in_q.put(AbortRequest(request_id))
 
     def abort_all(self) -> None:
@@ -210,7 +231,12 @@ class EngineClient:
         elif isinstance(msg, EngineReady):
             self.state, self.engine_pid = EngineState.READY, msg.pid
             self._load_seconds = time.monotonic() - self._engine.started
-            log.info("engine ready (pid %d, max_model_len %d, %.1f s)", msg.pid, msg.max_model_len, self._load_seconds)
+            log.info(
+                "engine ready (pid %d, max_model_len %d, %.1f s)",
+                msg.pid,
+                msg.max_model_len,
+                self._load_seconds,
+            )
             log.info("engine plan:\n  %s", "\n  ".join(msg.plan))
         elif isinstance(msg, EngineDead):
             self._on_death(msg.error)
@@ -233,17 +259,30 @@ class EngineClient:
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < self.restart_window]
         if not was_ready and self.engine_pid is None:
-            log.error("engine failed to start: %s", error)  # a first load that fails will fail again
+            log.error(
+                "engine failed to start: %s", error
+            )  # a first load that fails will fail again
         elif len(self._restarts) < self.max_restarts:
             delay = BACKOFF_S[min(len(self._restarts), len(BACKOFF_S) - 1)]
             self._restarts.append(now)
             self.state, self._restart_at = EngineState.RESTARTING, now + delay
-            log.error("engine died: %s; restart %d of %d in %.0f s", error, len(self._restarts), self.max_restarts, delay)
+            log.error(
+                "engine died: %s; restart %d of %d in %.0f s",
+                error,
+                len(self._restarts),
+                self.max_restarts,
+                delay,
+            )
             assert self._loop is not None
             self._restart_handle = self._loop.call_later(delay, self._spawn)
             return
         else:
-            log.error("engine died: %s; %d restarts within %.0f s spent: giving up", error, self.max_restarts, self.restart_window)
+            log.error(
+                "engine died: %s; %d restarts within %.0f s spent: giving up",
+                error,
+                self.max_restarts,
+                self.restart_window,
+            )
         self.state = EngineState.DEAD
         if self.on_fatal is not None:
             self.on_fatal()

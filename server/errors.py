@@ -6,6 +6,7 @@ a traceback, a file path or a module name: an unexpected exception is answered w
 and an error id, and the traceback goes to the server log at error level under that id
 (`internal_error`), so every route, streamed or not, reports failures the same way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,40 +21,95 @@ from starlette.routing import BaseRoute, Match
 try:  # newer FastAPI keeps included routers nested in app.routes; this walks the routes inside them
     from fastapi.routing import iter_route_contexts
 except ImportError:  # older FastAPI: app.routes is already flat
+
     def iter_route_contexts(routes: list[BaseRoute]) -> list[BaseRoute]:  # type: ignore[misc]
         return routes
+
 
 from engine.core.faults import new_error_id
 
 log = logging.getLogger("moe_offload.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 class ApiError(Exception):
     """Raised by route code; rendered as an OpenAI error object with this status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.status, self.message, self.param, self.code, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            headers,
+        )
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def anthropic_error_body(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
     """The Anthropic Messages API's error object for `status`."""
-    return {"type": "error", "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
 
 
 def internal_error(e: BaseException, where: str) -> str:
@@ -84,8 +140,15 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI says 422; OpenAI clients expect 400 with the offending field in `param`.
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [] if first.get("type") == "json_invalid" else [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg', '')}" for err in errs[:5])
+        loc = (
+            []
+            if first.get("type") == "json_invalid"
+            else [str(x) for x in first.get("loc", ()) if x != "body"]
+        )
+        msg = "; ".join(
+            f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg', '')}"
+            for err in errs[:5]
+        )
         return error_response(400, msg or "invalid request", ".".join(loc) or None, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
@@ -94,9 +157,15 @@ def install_error_handlers(app: FastAPI) -> None:
         if e.status_code == 405:
             headers["Allow"] = allowed_methods(request)
         if request.url.path.startswith("/v1/messages"):  # Anthropic clients read Anthropic's shape
-            return JSONResponse(anthropic_error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=headers)
+            return JSONResponse(
+                anthropic_error_body(e.status_code, str(e.detail)),
+                status_code=e.status_code,
+                headers=headers,
+            )
         return error_response(e.status_code, str(e.detail), None, None, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        return error_response(500, internal_error(e, f"{request.method} {request.url.path}"), None, "internal_error")
+        return error_response(
+            500, internal_error(e, f"{request.method} {request.url.path}"), None, "internal_error"
+        )

@@ -1,4 +1,5 @@
 """OpenAI wire objects built from engine outputs: logprobs, SSE framing, accumulated choices."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,21 @@ def chat_logprobs(entries: list[TokenLogprob], text_of: Callable[[int], str]) ->
         s = text_of(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
 
 
-def completion_logprobs(ids: list[int], entries: list[TokenLogprob | None], text_of: Callable[[int], str], offset: int, eos: TokenLogprob | None = None) -> dict[str, Any]:
+def completion_logprobs(
+    ids: list[int],
+    entries: list[TokenLogprob | None],
+    text_of: Callable[[int], str],
+    offset: int,
+    eos: TokenLogprob | None = None,
+) -> dict[str, Any]:
     """Legacy format; `offset` is the character position of the first token in the choice text.
 
     As vLLM and OpenAI do (and lm_eval relies on): each top_logprobs dict also holds the chosen
@@ -84,7 +96,11 @@ class Accumulated:
         self.num_cached_tokens = o.num_cached_tokens
         self.eos_logprob = o.eos_logprob or self.eos_logprob
         if o.finish_reason is not None:
-            self.finish_reason, self.error, self.stop_sequence = o.finish_reason, o.error, o.stop_sequence
+            self.finish_reason, self.error, self.stop_sequence = (
+                o.finish_reason,
+                o.error,
+                o.stop_sequence,
+            )
 
 
 def failure_of(reason: str | None, error: str | None) -> tuple[int, str, str] | None:

@@ -1,4 +1,5 @@
 """Run the app under uvicorn with a graceful drain on SIGTERM/SIGINT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,13 @@ class DrainingServer(uvicorn.Server):
     requests) while in-flight requests finish, then exit with status 0.  A second signal
     forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, requests: RequestCounter, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        requests: RequestCounter,
+        drain_timeout: float,
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.requests = requests
@@ -66,9 +73,13 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info") -> NoReturn:
+def run_server(
+    app: FastAPI, host: str, port: int, drain_timeout: float, log_level: str = "info"
+) -> NoReturn:
     """Serve until drained (exit 0) or the engine is beyond repair (exit 1); ends the process."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on"
+    )
     server = DrainingServer(config, app.state.server, app.state.requests, drain_timeout)
     server.run()
     exit_now(server.exit_code)

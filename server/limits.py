@@ -6,6 +6,7 @@ more than `max_bytes` of it in memory.  It also counts the HTTP requests in prog
 SIGTERM drain waits for (an engine sequence finishing is not the same as its response having
 been written).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,11 +33,23 @@ class RequestCounter:
 async def _send_413(send: Send, limit: int, path: str = "") -> None:
     msg = f"The request body exceeds the server's limit of {limit} bytes (--max-body-bytes)."
     # /v1/messages clients (Anthropic SDKs) read Anthropic's error shape.
-    obj = anthropic_error_body(413, msg) if path.startswith("/v1/messages") else error_body(413, msg, None, "request_too_large")
+    obj = (
+        anthropic_error_body(413, msg)
+        if path.startswith("/v1/messages")
+        else error_body(413, msg, None, "request_too_large")
+    )
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": 413, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
-    ]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -4,6 +4,7 @@ Front-end metrics are ordinary prometheus-client objects in a per-app registry (
 singletons).  Engine metrics come from the latest EngineStats snapshot the engine process
 sent, exported by a custom Collector, so they are exactly the engine's own counters.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -19,28 +20,103 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 P = "moe_offload_"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 # (metric name without prefix, snapshot key, help) for scalar engine counters.
 _ENGINE_COUNTERS = (
-    ("expert_bytes_transferred", "bytes_moved", "Bytes of expert weights copied from the slow tier to the fast tier."),
+    (
+        "expert_bytes_transferred",
+        "bytes_moved",
+        "Bytes of expert weights copied from the slow tier to the fast tier.",
+    ),
     ("expert_stall_seconds", "stall_seconds", "Seconds the forward waited on expert transfers."),
     ("expert_evictions", "evictions", "Experts evicted from the fast tier."),
-    ("expert_calls_hit", "calls_hit", "Selected expert calls (token, slot) served from the fast tier."),
-    ("expert_calls_fetched", "calls_fetched", "Selected expert calls that waited for a load from the slow tier."),
-    ("expert_substitutions", "substitutions", "Selected expert calls not waited for: served by a resident stand-in or dropped."),
-    ("expert_substituted_gate_mass", "substituted_mass", "Sum of router gate weight given to substituted experts."),
-    ("expert_admissions", "admissions", "Experts admitted to the fast tier in the background after repeated substitution."),
-    ("expert_transfers_cancelled", "transfers_cancelled", "Queued expert transfers cancelled before they started."),
-    ("expert_prefetches_issued", "prefetch_issued", "Expert prefetches submitted (protected until used or expired)."),
-    ("expert_prefetches_used", "prefetch_used", "Prefetched experts used by a layer before eviction or expiry."),
-    ("expert_prefetches_wasted", "prefetch_wasted", "Prefetched experts evicted or expired unused."),
-    ("cpu_expert_calls", "cpu_expert_calls", "Missed experts computed by CPU workers straight from the host tier (--cpu-experts)."),
-    ("spec_drafts", "spec_drafts", "Speculative-decoding verification windows that carried proposals."),
+    (
+        "expert_calls_hit",
+        "calls_hit",
+        "Selected expert calls (token, slot) served from the fast tier.",
+    ),
+    (
+        "expert_calls_fetched",
+        "calls_fetched",
+        "Selected expert calls that waited for a load from the slow tier.",
+    ),
+    (
+        "expert_substitutions",
+        "substitutions",
+        "Selected expert calls not waited for: served by a resident stand-in or dropped.",
+    ),
+    (
+        "expert_substituted_gate_mass",
+        "substituted_mass",
+        "Sum of router gate weight given to substituted experts.",
+    ),
+    (
+        "expert_admissions",
+        "admissions",
+        "Experts admitted to the fast tier in the background after repeated substitution.",
+    ),
+    (
+        "expert_transfers_cancelled",
+        "transfers_cancelled",
+        "Queued expert transfers cancelled before they started.",
+    ),
+    (
+        "expert_prefetches_issued",
+        "prefetch_issued",
+        "Expert prefetches submitted (protected until used or expired).",
+    ),
+    (
+        "expert_prefetches_used",
+        "prefetch_used",
+        "Prefetched experts used by a layer before eviction or expiry.",
+    ),
+    (
+        "expert_prefetches_wasted",
+        "prefetch_wasted",
+        "Prefetched experts evicted or expired unused.",
+    ),
+    (
+        "cpu_expert_calls",
+        "cpu_expert_calls",
+        "Missed experts computed by CPU workers straight from the host tier (--cpu-experts).",
+    ),
+    (
+        "spec_drafts",
+        "spec_drafts",
+        "Speculative-decoding verification windows that carried proposals.",
+    ),
     ("spec_draft_tokens", "spec_draft_tokens", "Speculative-decoding tokens proposed."),
-    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative-decoding proposed tokens accepted."),
-    ("prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens read from the prefix cache instead of prefilled."),
-    ("prefix_cache_query_tokens", "prefix_query_tokens", "Prompt tokens of requests that looked up the prefix cache (hit ratio = hit / query)."),
+    (
+        "spec_accepted_tokens",
+        "spec_accepted_tokens",
+        "Speculative-decoding proposed tokens accepted.",
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "prefix_hit_tokens",
+        "Prompt tokens read from the prefix cache instead of prefilled.",
+    ),
+    (
+        "prefix_cache_query_tokens",
+        "prefix_query_tokens",
+        "Prompt tokens of requests that looked up the prefix cache (hit ratio = hit / query).",
+    ),
 )
 
 
@@ -50,28 +126,65 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
-        hits = CounterMetricFamily(P + "expert_cache_hits", "Expert lookups served from the fast tier, per MoE layer.", labels=["layer"])
-        misses = CounterMetricFamily(P + "expert_cache_misses", "Expert lookups not in the fast tier, per MoE layer.", labels=["layer"])
+        hits = CounterMetricFamily(
+            P + "expert_cache_hits",
+            "Expert lookups served from the fast tier, per MoE layer.",
+            labels=["layer"],
+        )
+        misses = CounterMetricFamily(
+            P + "expert_cache_misses",
+            "Expert lookups not in the fast tier, per MoE layer.",
+            labels=["layer"],
+        )
         for row in s.get("per_layer", []):
             hits.add_metric([str(row["layer"])], row["hits"])
             misses.add_metric([str(row["layer"])], row["misses"])
         yield hits
         yield misses
-        stall = CounterMetricFamily(P + "expert_stall_seconds_by_layer", "Seconds the forward waited on expert loads (or CPU-run experts), per MoE layer.", labels=["layer"])
+        stall = CounterMetricFamily(
+            P + "expert_stall_seconds_by_layer",
+            "Seconds the forward waited on expert loads (or CPU-run experts), per MoE layer.",
+            labels=["layer"],
+        )
         for row in s.get("per_layer", []):
             if "stall_seconds" in row:
                 stall.add_metric([str(row["layer"])], row["stall_seconds"])
         yield stall
-        levels = GaugeMetricFamily(P + "expert_utility_level_experts", "Experts at each speculative utility level (0 = cold .. 3 = hot), all MoE layers.", labels=["level"])
+        levels = GaugeMetricFamily(
+            P + "expert_utility_level_experts",
+            "Experts at each speculative utility level (0 = cold .. 3 = hot), all MoE layers.",
+            labels=["level"],
+        )
         for lv, n in enumerate(s.get("utility_levels", [])):
             levels.add_metric([str(lv)], n)
         yield levels
-        bal = s.get("balancer") or {"calls": 0, "copied": 0, "missed": 0, "share_buckets": [0.0, 0.25, 0.5, 0.75, 1.0], "share_counts": [0] * 5}
-        buckets = [(f"{b:g}" if b < 1 else "+Inf", n) for b, n in zip(bal["share_buckets"], bal["share_counts"])]
-        yield HistogramMetricFamily(P + "balancer_tau_share", "CPU/GPU balancer decisions by τ/M, the share of a layer's missed experts copied to the fast device (the rest ran on the CPU).",
-                                        buckets=buckets, sum_value=bal["copied"] / max(1, bal["missed"]) * bal["calls"])  # sum approximated by the mean share
-        planned = GaugeMetricFamily(P + "memory_planned_bytes", "Bytes the memory plan gives each pool (engine/memory/planner.py).", labels=["pool"])
-        used = GaugeMetricFamily(P + "memory_used_bytes", "Bytes each pool holds now, where measured (host_total: the engine's RSS; slow_tier_pageable: host-tier bytes that could not be pinned).", labels=["pool"])
+        bal = s.get("balancer") or {
+            "calls": 0,
+            "copied": 0,
+            "missed": 0,
+            "share_buckets": [0.0, 0.25, 0.5, 0.75, 1.0],
+            "share_counts": [0] * 5,
+        }
+        buckets = [
+            (f"{b:g}" if b < 1 else "+Inf", n)
+            for b, n in zip(bal["share_buckets"], bal["share_counts"])
+        ]
+        yield HistogramMetricFamily(
+            P + "balancer_tau_share",
+            "CPU/GPU balancer decisions by τ/M, the share of a layer's missed experts copied to the fast device (the rest ran on the CPU).",
+            buckets=buckets,
+            sum_value=bal["copied"] / max(1, bal["missed"]) * bal["calls"],
+        )  # sum approximated by the mean share
+        planned = GaugeMetricFamily(
+            P + "memory_planned_bytes",
+            "Bytes the memory plan gives each pool (engine/memory/planner.py).",
+            labels=["pool"],
+        )
+        used = GaugeMetricFamily(
+            P + "memory_used_bytes",
+            "Bytes each pool holds now, where measured (host_total: the engine's RSS; slow_tier_pageable: host-tier bytes that could not be pinned).",
+            labels=["pool"],
+        )
         for pool, row in sorted(s.get("memory", {}).items()):
             if "planned" in row:
                 planned.add_metric([pool], row["planned"])
@@ -79,34 +192,78 @@ class EngineStatsCollector(Collector):
                 used.add_metric([pool], row["used"])
         yield planned
         yield used
-        yield GaugeMetricFamily(P + "expert_cache_hit_ratio", "Share of expert lookups that hit the fast tier (0-1).", value=s.get("hit_rate", 0.0))
-        transfers = CounterMetricFamily(P + "expert_transfers", "Expert transfers by kind (demand, prefetch, admission).", labels=["kind"])
-        for kind, n in sorted(s.get("transfers", {"demand": 0, "prefetch": 0, "admission": 0}).items()):
+        yield GaugeMetricFamily(
+            P + "expert_cache_hit_ratio",
+            "Share of expert lookups that hit the fast tier (0-1).",
+            value=s.get("hit_rate", 0.0),
+        )
+        transfers = CounterMetricFamily(
+            P + "expert_transfers",
+            "Expert transfers by kind (demand, prefetch, admission).",
+            labels=["kind"],
+        )
+        for kind, n in sorted(
+            s.get("transfers", {"demand": 0, "prefetch": 0, "admission": 0}).items()
+        ):
             transfers.add_metric([kind], n)
         yield transfers
         for name, key, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(P + name, doc, value=s.get(key, 0))
-        proposed = CounterMetricFamily(P + "spec_proposed_at_position", "Verification windows with a proposal at this position (1 = first proposal).", labels=["position"])
-        accepted = CounterMetricFamily(P + "spec_accepted_at_position", "Proposals accepted at this position (acceptance per position = accepted / proposed).", labels=["position"])
-        for i, (pn, an) in enumerate(zip(s.get("spec_proposed_at", []), s.get("spec_accepted_at", []))):
+        proposed = CounterMetricFamily(
+            P + "spec_proposed_at_position",
+            "Verification windows with a proposal at this position (1 = first proposal).",
+            labels=["position"],
+        )
+        accepted = CounterMetricFamily(
+            P + "spec_accepted_at_position",
+            "Proposals accepted at this position (acceptance per position = accepted / proposed).",
+            labels=["position"],
+        )
+        for i, (pn, an) in enumerate(
+            zip(s.get("spec_proposed_at", []), s.get("spec_accepted_at", []))
+        ):
             proposed.add_metric([str(i + 1)], pn)
             accepted.add_metric([str(i + 1)], an)
         yield proposed
         yield accepted
-        yield GaugeMetricFamily(P + "prefix_cache_bytes", "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-bytes).", value=s.get("prefix_bytes", 0))
-        yield GaugeMetricFamily(P + "prefix_cache_blocks", "Prompt blocks (16 tokens each) the prefix cache holds.", value=s.get("prefix_blocks", 0))
-        yield GaugeMetricFamily(P + "spec_mean_accepted_length", "Mean proposals accepted per verification window, since start.", value=s.get("spec_mean_accepted_length", 0.0))
-        distinct = GaugeMetricFamily(P + "spec_distinct_experts_per_window", "Mean distinct experts a verification window routes to, per MoE layer (one token routes to top_k).", labels=["layer"])
+        yield GaugeMetricFamily(
+            P + "prefix_cache_bytes",
+            "Bytes of prompt KV the prefix cache holds (bounded by --prefix-cache-bytes).",
+            value=s.get("prefix_bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            P + "prefix_cache_blocks",
+            "Prompt blocks (16 tokens each) the prefix cache holds.",
+            value=s.get("prefix_blocks", 0),
+        )
+        yield GaugeMetricFamily(
+            P + "spec_mean_accepted_length",
+            "Mean proposals accepted per verification window, since start.",
+            value=s.get("spec_mean_accepted_length", 0.0),
+        )
+        distinct = GaugeMetricFamily(
+            P + "spec_distinct_experts_per_window",
+            "Mean distinct experts a verification window routes to, per MoE layer (one token routes to top_k).",
+            labels=["layer"],
+        )
         for row in s.get("per_layer", []):
             if row.get("distinct_experts_per_window"):
                 distinct.add_metric([str(row["layer"])], row["distinct_experts_per_window"])
         yield distinct
-        steps = CounterMetricFamily(P + "decode_steps", "Engine forwards by step kind (prefill, decode, verify) and the path they took (fused: one native call a decoder layer; lean: layer by layer; transformers).", labels=["kind", "path"])
+        steps = CounterMetricFamily(
+            P + "decode_steps",
+            "Engine forwards by step kind (prefill, decode, verify) and the path they took (fused: one native call a decoder layer; lean: layer by layer; transformers).",
+            labels=["kind", "path"],
+        )
         for kind, paths in sorted(s.get("steps", {}).items()):
             for path, n in sorted(paths.items()):
                 steps.add_metric([kind, path], n)
         yield steps
-        declined = CounterMetricFamily(P + "fused_declined_steps", "Layer-by-layer steps by why they did not take the fused path (several requests, several rows, experts can miss, ...).", labels=["reason"])
+        declined = CounterMetricFamily(
+            P + "fused_declined_steps",
+            "Layer-by-layer steps by why they did not take the fused path (several requests, several rows, experts can miss, ...).",
+            labels=["reason"],
+        )
         for reason, n in sorted(s.get("fused_declined", {}).items()):
             declined.add_metric([reason], n)
         yield declined
@@ -118,14 +275,43 @@ class ServerMetrics:
         r = self.registry
         self.engine = EngineStatsCollector()
         r.register(self.engine)
-        self.running = Gauge(P + "requests_running", "Requests in the engine's running batch.", registry=r)
-        self.waiting = Gauge(P + "requests_waiting", "Requests queued in the engine, not yet scheduled.", registry=r)
+        self.running = Gauge(
+            P + "requests_running", "Requests in the engine's running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            P + "requests_waiting", "Requests queued in the engine, not yet scheduled.", registry=r
+        )
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
-        self.finished = Counter(P + "requests_finished", "Sequences finished, by finish_reason (stop, length, abort, error).", ["finish_reason"], registry=r)
+        self.finished = Counter(
+            P + "requests_finished",
+            "Sequences finished, by finish_reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=r,
+        )
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens of a request.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival in the engine to first scheduled.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            P + "request_queue_time_seconds",
+            "Arrival in the engine to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )

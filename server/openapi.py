@@ -3,6 +3,7 @@ error object as its schema, `text/event-stream` beside JSON where a route stream
 Prometheus text for /metrics. FastAPI's default 422 is dropped (validation errors are 400s,
 as OpenAI answers). Routes added elsewhere (APIRouter modules) reuse `error_responses`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -54,22 +55,44 @@ class Health(BaseModel):
     error_id: str | None = None
 
 
-def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a route: each status with the error object as its JSON schema."""
     return {s: {"model": model, "description": _WHY.get(s, "Error.")} for s in statuses}
 
 
 def json_or_stream(description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is JSON, or Server-Sent Events when the request sets `stream: true`."""
-    return {200: {"description": description, "content": {
-        "application/json": {"schema": {"type": "object"}},
-        # Each Server-Sent Event (the schema describes one event, as OpenAPI 3.2's itemSchema does).
-        "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": {
-            "type": "string", "description": "A chunk object as JSON; a failure after the start is an OpenAI error object; the last event is `[DONE]`."}}}},
-    }}}
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                # Each Server-Sent Event (the schema describes one event, as OpenAPI 3.2's itemSchema does).
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["data"],
+                        "properties": {
+                            "data": {
+                                "type": "string",
+                                "description": "A chunk object as JSON; a failure after the start is an OpenAI error object; the last event is `[DONE]`.",
+                            }
+                        },
+                    }
+                },
+            },
+        }
+    }
 
 
-PROMETHEUS: dict[int | str, dict[str, Any]] = {200: {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+PROMETHEUS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format.",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -77,7 +100,9 @@ def install_openapi(app: FastAPI) -> None:
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+            doc = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=app.description
+            )
             for item in doc.get("paths", {}).values():
                 for op in item.values():
                     op.get("responses", {}).pop("422", None)

@@ -1,4 +1,5 @@
 """The policies `moe-offload eval --all-policies` compares, and the mass-hypothesis check."""
+
 from __future__ import annotations
 
 import math

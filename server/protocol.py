@@ -4,6 +4,7 @@ Values are checked strictly against their JSON types (no "5" for 5, no 1 for tru
 OpenAPI document's types are the truth. The ranges are OpenAI's: temperature in [0, 2] (below
 1e-5 it means greedy), top_p in (0, 1], penalties in [-2, 2]; anything outside is a 400.
 """
+
 from __future__ import annotations
 
 import time
@@ -120,8 +121,16 @@ class _SamplingFields(_Lenient):
     top_k: Int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM spells "off" as -1)
     n: Int = Field(default=1, ge=1, le=16)
     # At most 16 (checked by _stops, so that an error names `stop`); the schema says so too.
-    stop: str | list[str] | None = Field(default=None, json_schema_extra={"anyOf": [
-        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}, {"type": "null"}]})
+    stop: str | list[str] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "maxItems": 16},
+                {"type": "null"},
+            ]
+        },
+    )
     seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,21 +174,31 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None  # "none" turns a template's thinking off (enable_thinking)
 
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 TokenId = Annotated[Int, Field(ge=0)]
 Text = Annotated[str, Field(min_length=1)]
 # A prompt: text, a batch of texts, token ids, or a batch of token id lists (none of them empty).
-PromptType = (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+PromptType = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     echo: bool = False
     logprobs: Int | None = Field(default=None, ge=0, le=20)
-    max_tokens: Int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo (prompt logprobs)
+    max_tokens: Int | None = Field(
+        default=16, ge=0
+    )  # OpenAI's default; 0 only with echo (prompt logprobs)
     suffix: str | None = None
 
     def token_limit(self) -> int | None:
@@ -196,5 +215,9 @@ def now() -> int:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI usage; prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

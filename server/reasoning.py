@@ -11,6 +11,7 @@ The template's own switch is `enable_thinking` (Qwen3, GLM-4.5); `reasoning_effo
 (OpenAI) and `thinking.type` "disabled" (Anthropic) turn it off, other values on.  A template
 without that switch ignores them.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,7 @@ class ReasoningSplitter:
             if self.may_open:
                 head = self.buf.lstrip()
                 if head.startswith(OPEN):
-                    self.buf, self.inside, self.may_open = head[len(OPEN):], True, False
+                    self.buf, self.inside, self.may_open = head[len(OPEN) :], True, False
                     continue
                 if OPEN.startswith(head):  # still possibly "<think>": wait for more
                     break
@@ -82,11 +83,15 @@ class ReasoningSplitter:
                 at = self.buf.find(CLOSE)
                 if at >= 0:
                     r += self.buf[:at]
-                    self.buf, self.inside, self.after_close = self.buf[at + len(CLOSE):], False, True
+                    self.buf, self.inside, self.after_close = (
+                        self.buf[at + len(CLOSE) :],
+                        False,
+                        True,
+                    )
                     continue
                 keep = _partial(self.buf, CLOSE)
-                r += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                r += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep :]
                 break
             if self.after_close:
                 self.buf = self.buf.lstrip("\n")
@@ -126,7 +131,9 @@ def thinking_of_effort(effort: str | None) -> bool | None:
     return None if effort is None else effort != "none"
 
 
-async def reasoning_prompt(st: ServerState, body: ChatCompletionRequest, thinking: bool | None) -> tuple[list[int], bool, bool]:
+async def reasoning_prompt(
+    st: ServerState, body: ChatCompletionRequest, thinking: bool | None
+) -> tuple[list[int], bool, bool]:
     """(prompt ids, whether outputs are split into reasoning, whether they start inside it)."""
     reasoning = supports_reasoning(st.tokenizer)
     extra = template_switch(st.tokenizer, thinking) if reasoning else {}

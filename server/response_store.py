@@ -5,6 +5,7 @@ later `previous_response_id` continues from.  Its size is the length of both as 
 past `max_bytes` evicts the oldest entries first; an entry older than `ttl_s` is gone.  An
 entry larger than the whole budget is not stored (its response says store=false).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_bytes, self.ttl_s, self.clock = max_bytes, ttl_s, clock
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
         self.bytes = 0
@@ -35,7 +38,9 @@ class ResponseStore:
 
     def put(self, rid: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
         """Store (or replace) an entry; False if it alone exceeds the budget."""
-        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        size = len(json.dumps(response, ensure_ascii=False)) + len(
+            json.dumps(conversation, ensure_ascii=False)
+        )
         if size > self.max_bytes:
             return False
         self.delete(rid)

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions and /v1/completions: validate, submit, stream or collect."""
+
 from __future__ import annotations
 
 import time
@@ -85,31 +86,48 @@ async def stream_events(choices: Choices, make_chunk: Any, final_usage: Any) -> 
 
 def _cached(per_choice: list[int], n: int) -> int:
     """Prompt tokens read from the prefix cache: once per prompt (its n choices share it)."""
-    return sum(max(per_choice[k:k + n]) for k in range(0, len(per_choice), n))
+    return sum(max(per_choice[k : k + n]) for k in range(0, len(per_choice), n))
 
 
 def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        gen,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-async def _chat_constraint(st: ServerState, body: ChatCompletionRequest, mode: ToolMode) -> ConstraintSpec | None:
+async def _chat_constraint(
+    st: ServerState, body: ChatCompletionRequest, mode: ToolMode
+) -> ConstraintSpec | None:
     """The grammar a chat request's output must follow, checked here so a bad schema is a 400."""
     fmt = body.response_format
     wants_json = fmt is not None and fmt.type != "text"
     if mode.constrained and wants_json:
-        raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format")
+        raise ApiError(
+            400,
+            "response_format cannot be combined with a tool_choice that forces a call",
+            param="response_format",
+        )
     if mode.constrained:
         spec, param = tool_constraint(body, mode), "tools"
     elif fmt is not None and fmt.type == "json_object":
         spec, param = ConstraintSpec("json_object"), "response_format"
     elif fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None
-        spec, param = ConstraintSpec.json_schema(fmt.json_schema.schema_), "response_format.json_schema.schema"
+        spec, param = (
+            ConstraintSpec.json_schema(fmt.json_schema.schema_),
+            "response_format.json_schema.schema",
+        )
     else:
         return None
     assert spec is not None
     if body.ignore_eos:
-        raise ApiError(400, "ignore_eos cannot be combined with structured output (the grammar ends the output)", param="ignore_eos")
+        raise ApiError(
+            400,
+            "ignore_eos cannot be combined with structured output (the grammar ends the output)",
+            param="ignore_eos",
+        )
     if (err := await st.off_loop(check_spec, spec)) is not None:
         raise ApiError(400, f"invalid schema: {err}", param=param)
     return spec
@@ -117,10 +135,17 @@ async def _chat_constraint(st: ServerState, body: ChatCompletionRequest, mode: T
 
 def _check_messages(st: ServerState, body: ChatCompletionRequest) -> None:
     if len(body.messages) > st.settings.max_messages:
-        raise ApiError(400, f"at most {st.settings.max_messages} messages per request", param="messages")
+        raise ApiError(
+            400, f"at most {st.settings.max_messages} messages per request", param="messages"
+        )
     for i, m in enumerate(body.messages):
         if (bad := m.unsupported_part()) is not None:
-            raise ApiError(400, f"content parts of type `{bad[1]}` are not supported: this server reads text only", param=f"messages[{i}].content[{bad[0]}].type", code="unsupported_content")
+            raise ApiError(
+                400,
+                f"content parts of type `{bad[1]}` are not supported: this server reads text only",
+                param=f"messages[{i}].content[{bad[0]}].type",
+                code="unsupported_content",
+            )
     st.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
 
 
@@ -132,11 +157,17 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
     st.check_accepting(body.n)  # refuse early (draining, queue full) before any tokenizing
     mode = tool_mode(body)
     constraint = await _chat_constraint(st, body, mode)
-    prompt, reasoning, inside = await reasoning_prompt(st, body, thinking_of_effort(body.reasoning_effort))
-    reasoning = reasoning and constraint is None  # a grammar-constrained output has no <think> section
+    prompt, reasoning, inside = await reasoning_prompt(
+        st, body, thinking_of_effort(body.reasoning_effort)
+    )
+    reasoning = (
+        reasoning and constraint is None
+    )  # a grammar-constrained output has no <think> section
     lp = (body.top_logprobs or 0) if body.logprobs else None
     rid, created, model = new_id("chatcmpl"), now(), st.settings.served_model_name
-    choices = st.submit(st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint))
+    choices = st.submit(
+        st.make_requests(rid, [prompt], body, body.token_limit(), lp, None, constraint)
+    )
     n_out = [0] * len(choices.rids)
     n_cached = [0] * len(choices.rids)
     names = [t.function.name for t in body.tools or []]
@@ -153,14 +184,37 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
             finish = a.finish_reason
             if parse_tools:
                 content, calls = parse_calls(text, mode, names)
-                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    **({"tool_calls": calls} if calls else {}),
+                }
                 if calls and finish == "stop":
                     finish = "tool_calls"
             if reasoning:
                 message["reasoning_content"] = thought or None
-            out.append({"index": i, "message": message, "logprobs": chat_logprobs(a.logprobs, st.token_text) if lp is not None else None, "finish_reason": finish})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-                "usage": usage(len(prompt), sum(a.num_output_tokens for a in accs), max(a.num_cached_tokens for a in accs))}
+            out.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(a.logprobs, st.token_text)
+                    if lp is not None
+                    else None,
+                    "finish_reason": finish,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": out,
+            "usage": usage(
+                len(prompt),
+                sum(a.num_output_tokens for a in accs),
+                max(a.num_cached_tokens for a in accs),
+            ),
+        }
 
     extra = {"usage": None} if body.include_usage() else {}
     streams = [ToolStream(mode, names) for _ in choices.rids] if parse_tools else None
@@ -185,7 +239,9 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
                 if finish is not None:
                     last, has_calls = streams[i].finish()
                     for k, v in last.items():  # content and tool_calls of the final piece
-                        delta[k] = delta.get(k, []) + v if k == "tool_calls" else delta.get(k, "") + v
+                        delta[k] = (
+                            delta.get(k, []) + v if k == "tool_calls" else delta.get(k, "") + v
+                        )
                     if has_calls and finish == "stop":
                         finish = "tool_calls"
             else:
@@ -196,12 +252,26 @@ async def chat_completions(st: ServerState, body: ChatCompletionRequest, raw: Re
                 return None
             lps = chat_logprobs(o.logprobs or [], st.token_text) if lp is not None else None
         c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c], **extra}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [c],
+            **extra,
+        }
 
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(len(prompt), sum(n_out), max(n_cached))}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage(len(prompt), sum(n_out), max(n_cached)),
+        }
 
     return _sse_response(stream_events(choices, chunk, final))
 
@@ -211,9 +281,19 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.max_tokens == 0 and not body.echo:
-        raise ApiError(400, "max_tokens 0 is only allowed with echo=true (prompt logprobs only)", param="max_tokens")
-    batch = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [body.prompt]
-    st.check_accepting(body.n * len(batch))  # refuse early (draining, queue full) before any tokenizing
+        raise ApiError(
+            400,
+            "max_tokens 0 is only allowed with echo=true (prompt logprobs only)",
+            param="max_tokens",
+        )
+    batch = (
+        body.prompt
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+        else [body.prompt]
+    )
+    st.check_accepting(
+        body.n * len(batch)
+    )  # refuse early (draining, queue full) before any tokenizing
     prompts = await st.off_loop(st.text_prompts, body.prompt)
     lp = body.logprobs
     plp = lp if (body.echo and lp is not None) else None
@@ -221,12 +301,16 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
     rid, created, model = new_id("cmpl"), now(), st.settings.served_model_name
     choices = st.submit(st.make_requests(rid, prompts, body, body.token_limit(), lp, plp))
     prompt_of = [prompts[i // body.n] for i in range(len(choices.rids))]
-    prompt_text = await st.off_loop(lambda: [st.tokenizer.decode(p) if body.echo else "" for p in prompt_of])
+    prompt_text = await st.off_loop(
+        lambda: [st.tokenizer.decode(p) if body.echo else "" for p in prompt_of]
+    )
     n_prompt = sum(len(p) for p in prompts)
     n_out = [0] * len(choices.rids)
     offsets = [0] * len(choices.rids)  # characters of each choice's text already sent
 
-    def logprobs_of(i: int, ids: list[int], entries: list[Any], plps: list[Any] | None, eos: Any) -> dict[str, Any] | None:
+    def logprobs_of(
+        i: int, ids: list[int], entries: list[Any], plps: list[Any] | None, eos: Any
+    ) -> dict[str, Any] | None:
         if lp is None:
             return None
         if prompt_only:
@@ -240,13 +324,26 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
         if accs is None:
             return JSONResponse({}, status_code=499)
         return {
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{
-                "index": i, "text": prompt_text[i] + ("" if prompt_only else a.text),
-                "logprobs": logprobs_of(i, a.token_ids, list(a.logprobs), a.prompt_logprobs, a.eos_logprob),
-                "finish_reason": "length" if prompt_only else a.finish_reason,
-            } for i, a in enumerate(accs)],
-            "usage": usage(n_prompt, 0 if prompt_only else sum(a.num_output_tokens for a in accs), _cached([a.num_cached_tokens for a in accs], body.n)),
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": prompt_text[i] + ("" if prompt_only else a.text),
+                    "logprobs": logprobs_of(
+                        i, a.token_ids, list(a.logprobs), a.prompt_logprobs, a.eos_logprob
+                    ),
+                    "finish_reason": "length" if prompt_only else a.finish_reason,
+                }
+                for i, a in enumerate(accs)
+            ],
+            "usage": usage(
+                n_prompt,
+                0 if prompt_only else sum(a.num_output_tokens for a in accs),
+                _cached([a.num_cached_tokens for a in accs], body.n),
+            ),
         }
 
     extra = {"usage": None} if body.include_usage() else {}
@@ -264,13 +361,34 @@ async def completions(st: ServerState, body: CompletionRequest, raw: Request) ->
         finish = ("length" if o.finish_reason else None) if prompt_only else o.finish_reason
         if not text and not finish and not (lp is not None and o.token_ids and not prompt_only):
             return None
-        c = {"index": i, "text": text, "logprobs": logprobs_of(i, o.token_ids, list(o.logprobs or []), o.prompt_logprobs, o.eos_logprob), "finish_reason": finish}
+        c = {
+            "index": i,
+            "text": text,
+            "logprobs": logprobs_of(
+                i, o.token_ids, list(o.logprobs or []), o.prompt_logprobs, o.eos_logprob
+            ),
+            "finish_reason": finish,
+        }
         offsets[i] += len(text)
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c], **extra}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [c],
+            **extra,
+        }
 
     def final() -> dict[str, Any] | None:
         if not body.include_usage():
             return None
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(n_prompt, sum(n_out), _cached(n_cached, body.n))}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage(n_prompt, sum(n_out), _cached(n_cached, body.n)),
+        }
 
     return _sse_response(stream_events(choices, chunk, final))

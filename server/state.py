@@ -1,4 +1,5 @@
 """Front-end state shared by the routes: tokenizer, engine client, metrics, admission checks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ class ServeSettings:
     max_request_tokens: int = 262144  # sum of max_tokens over a request's choices (n x prompts)
     engine_restarts: int = 3  # engine restarts allowed within engine_restart_window, then exit 1
     engine_restart_window: float = 600.0
-    responses_store_bytes: int = 64 * 1024 * 1024  # stored /v1/responses (store=true), oldest evicted first
+    responses_store_bytes: int = (
+        64 * 1024 * 1024
+    )  # stored /v1/responses (store=true), oldest evicted first
     responses_store_ttl: float = 3600.0  # seconds a stored response is kept
 
 
@@ -44,7 +47,9 @@ class ServerState:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = ServerMetrics()
-        self.client = EngineClient(settings.engine, self.metrics, settings.engine_restarts, settings.engine_restart_window)
+        self.client = EngineClient(
+            settings.engine, self.metrics, settings.engine_restarts, settings.engine_restart_window
+        )
         self.draining = False
         cfg = json.loads((Path(settings.engine.model_dir) / "config.json").read_text())
         self.vocab_size = int(cfg.get("text_config", cfg).get("vocab_size") or len(tokenizer))
@@ -63,7 +68,12 @@ class ServerState:
     def check_text_length(self, n_chars: int, param: str) -> None:
         """Cheap bound before tokenizing: each token covers at most `max_token_chars` characters."""
         if n_chars > self.max_model_len * self.max_token_chars:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the input ({n_chars} characters) is certainly longer.", param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, and the input ({n_chars} characters) is certainly longer.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     @property
     def max_model_len(self) -> int:
@@ -72,29 +82,66 @@ class ServerState:
     # -- admission -------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.settings.served_model_name}`.", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_accepting(self, n_seqs: int) -> None:
         retry = {"Retry-After": "1"}
         if self.draining:
             raise ApiError(503, "The server is shutting down.", code="shutting_down", headers=retry)
         if self.client.state is EngineState.LOADING:
-            raise ApiError(503, "The model is still loading.", code="loading", headers={"Retry-After": self.client.retry_after()})
+            raise ApiError(
+                503,
+                "The model is still loading.",
+                code="loading",
+                headers={"Retry-After": self.client.retry_after()},
+            )
         if self.client.state is EngineState.RESTARTING:
-            raise ApiError(503, f"The engine is restarting after a failure ({self.client.error}).", code="engine_restarting", headers={"Retry-After": self.client.retry_after()})
+            raise ApiError(
+                503,
+                f"The engine is restarting after a failure ({self.client.error}).",
+                code="engine_restarting",
+                headers={"Retry-After": self.client.retry_after()},
+            )
         if self.client.state is EngineState.DEAD:  # restart budget spent: the server is exiting
-            raise ApiError(503, f"The engine is not running: {self.client.error}", code="engine_dead")
+            raise ApiError(
+                503, f"The engine is not running: {self.client.error}", code="engine_dead"
+            )
         cap = self.settings.engine.max_running + self.settings.max_queue
         if n_seqs > cap:  # could never be admitted: retrying would not help, so not a 503
-            raise ApiError(400, f"This request needs {n_seqs} sequences (prompts x n); this server holds at most {cap} at once.", param="n")
+            raise ApiError(
+                400,
+                f"This request needs {n_seqs} sequences (prompts x n); this server holds at most {cap} at once.",
+                param="n",
+            )
         if self.client.in_flight + n_seqs > cap:
-            raise ApiError(503, f"The request queue is full ({cap} sequences); retry later.", code="queue_full", headers=retry)
+            raise ApiError(
+                503,
+                f"The request queue is full ({cap} sequences); retry later.",
+                code="queue_full",
+                headers=retry,
+            )
 
     # -- prompts ---------------------------------------------------------------------
-    def chat_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, template_vars: dict[str, Any] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        msgs: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_vars: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Runs in the tokenizer pool (blocking).  `template_vars`: e.g. enable_thinking."""
         try:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **(template_vars or {}))
+            text = self.tokenizer.apply_chat_template(
+                msgs,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **(template_vars or {}),
+            )
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -110,19 +157,28 @@ class ServerState:
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if len(prompts) > self.settings.max_prompts:
-            raise ApiError(400, f"at most {self.settings.max_prompts} prompts per request", param="prompt")
+            raise ApiError(
+                400, f"at most {self.settings.max_prompts} prompts per request", param="prompt"
+            )
         for p in prompts:
             if isinstance(p, str):
                 self.check_text_length(len(p), "prompt")
             elif len(p) > self.max_model_len:
-                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt has {len(p)}.", param="prompt", code="context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens; a prompt has {len(p)}.",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
         out = []
         for p in prompts:
             ids = list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
             if not ids:
                 raise ApiError(400, "prompt must contain at least one token", param="prompt")
             if any(not 0 <= t < self.vocab_size for t in ids):
-                raise ApiError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+                raise ApiError(
+                    400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+                )
             out.append(ids)
         return out
 
@@ -130,31 +186,81 @@ class ServerState:
         return self.tokenizer.decode([token_id])
 
     # -- engine requests ---------------------------------------------------------------
-    def make_requests(self, rid: str, prompts: list[list[int]], body: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, constraint: ConstraintSpec | None = None) -> list[GenerateRequest]:
-        if max_tokens is not None and max_tokens * body.n * len(prompts) > self.settings.max_request_tokens:
-            raise ApiError(400, f"n x max_tokens over all prompts ({max_tokens * body.n * len(prompts)}) exceeds this server's limit of {self.settings.max_request_tokens} tokens per request", param="max_tokens")
+    def make_requests(
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        body: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        constraint: ConstraintSpec | None = None,
+    ) -> list[GenerateRequest]:
+        if (
+            max_tokens is not None
+            and max_tokens * body.n * len(prompts) > self.settings.max_request_tokens
+        ):
+            raise ApiError(
+                400,
+                f"n x max_tokens over all prompts ({max_tokens * body.n * len(prompts)}) exceeds this server's limit of {self.settings.max_request_tokens} tokens per request",
+                param="max_tokens",
+            )
         reqs = []
         for pi, ids in enumerate(prompts):
             if max_tokens is None and len(ids) >= self.max_model_len:
-                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has {len(ids)} tokens, leaving no room for a completion.", param="messages", code="context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has {len(ids)} tokens, leaving no room for a completion.",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
             limit = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
             # max_tokens 0 (echo, prompt logprobs only) still runs one engine step, whose token is dropped.
             engine_limit = max(limit, 1)
             if len(ids) + limit > self.max_model_len:
-                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested {len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} in the completion).", param="max_tokens", code="context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested {len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} in the completion).",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
             if body.min_tokens > limit:
-                raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit})", param="min_tokens")
+                raise ApiError(
+                    400,
+                    f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit})",
+                    param="min_tokens",
+                )
             for i in range(body.n):
                 try:
                     params = SamplingParams(
-                        max_tokens=engine_limit, temperature=body.temperature if body.temperature >= TEMPERATURE_EPS else 0.0, top_p=body.top_p, top_k=max(body.top_k, 0),
+                        max_tokens=engine_limit,
+                        temperature=body.temperature
+                        if body.temperature >= TEMPERATURE_EPS
+                        else 0.0,
+                        top_p=body.top_p,
+                        top_k=max(body.top_k, 0),
                         # n > 1 with a seed: distinct but reproducible choices.
-                        seed=None if body.seed is None else (body.seed + pi * body.n + i) % 2**63,  # any int is valid
-                        stop=body.stop_list(), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                        seed=None
+                        if body.seed is None
+                        else (body.seed + pi * body.n + i) % 2**63,  # any int is valid
+                        stop=body.stop_list(),
+                        ignore_eos=body.ignore_eos,
+                        min_tokens=body.min_tokens,
                     )
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
-                reqs.append(GenerateRequest(f"{rid}-{pi * body.n + i}", ids, params, logprobs, prompt_logprobs, body.presence_penalty, body.frequency_penalty, constraint))
+                reqs.append(
+                    GenerateRequest(
+                        f"{rid}-{pi * body.n + i}",
+                        ids,
+                        params,
+                        logprobs,
+                        prompt_logprobs,
+                        body.presence_penalty,
+                        body.frequency_penalty,
+                        constraint,
+                    )
+                )
         return reqs
 
     def submit(self, reqs: list[GenerateRequest]) -> Choices:
@@ -165,7 +271,9 @@ class ServerState:
 class Choices:
     """The outputs of one HTTP request's sequences (choices), in arrival order."""
 
-    def __init__(self, client: EngineClient, rids: list[str], q: asyncio.Queue[RequestOutput | EngineFailure]) -> None:
+    def __init__(
+        self, client: EngineClient, rids: list[str], q: asyncio.Queue[RequestOutput | EngineFailure]
+    ) -> None:
         self.client, self.rids, self.q = client, rids, q
         self.index = {r: i for i, r in enumerate(rids)}
         self.unfinished = set(rids)

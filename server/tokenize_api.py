@@ -4,6 +4,7 @@
 {"tokens": [id, ...]}, or with pieces {"tokens": [{"id": id, "piece": str}, ...]}.
 /detokenize: {"tokens": [id, ...]} -> {"content": str}.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,7 +35,11 @@ def router(st: ServerState) -> APIRouter:
     @r.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         st.check_text_length(len(body.content), "content")
-        ids: list[int] = await st.off_loop(lambda: list(st.tokenizer(body.content, add_special_tokens=body.add_special)["input_ids"]))
+        ids: list[int] = await st.off_loop(
+            lambda: list(
+                st.tokenizer(body.content, add_special_tokens=body.add_special)["input_ids"]
+            )
+        )
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": st.token_text(t)} for t in ids]}
         return {"tokens": ids}

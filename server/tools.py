@@ -8,6 +8,7 @@
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` are parsed out of the text.
 - "none": tools are shown to the chat template, and the output is plain text.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,14 +45,20 @@ def tool_mode(body: ChatCompletionRequest) -> ToolMode:
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
-            raise ApiError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+            raise ApiError(
+                400, "tool_choice is only allowed when tools are specified", param="tool_choice"
+            )
         return ToolMode("none")
     names = [t.function.name for t in body.tools]
     if len(set(names)) != len(names):
         raise ApiError(400, "tool function names must be unique", param="tools")
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise ApiError(400, f"tool_choice names the function `{choice.function.name}`, which is not in tools", param="tool_choice")
+            raise ApiError(
+                400,
+                f"tool_choice names the function `{choice.function.name}`, which is not in tools",
+                param="tool_choice",
+            )
         return ToolMode("named", choice.function.name)
     return ToolMode(choice or "auto")
 
@@ -62,11 +69,15 @@ def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> ConstraintSp
         tool = next(t for t in body.tools or [] if t.function.name == mode.named)
         return ConstraintSpec.json_schema(_params(tool), kind="tool_calls")
     if mode.kind == "required":
-        call = [{
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": _params(t)},
-            "required": ["name", "arguments"], "additionalProperties": False,
-        } for t in body.tools or []]
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": _params(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in body.tools or []
+        ]
         items: dict[str, Any] = call[0] if len(call) == 1 else {"anyOf": call}
         schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
         if body.parallel_tool_calls is False:
@@ -76,10 +87,16 @@ def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> ConstraintSp
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
-def parse_calls(text: str, mode: ToolMode, tool_names: list[str]) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_calls(
+    text: str, mode: ToolMode, tool_names: list[str]
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(remaining content, calls) from a finished output."""
     if mode.kind == "named":
         assert mode.named is not None
@@ -89,7 +106,9 @@ def parse_calls(text: str, mode: ToolMode, tool_names: list[str]) -> tuple[str |
             calls = json.loads(text)
         except json.JSONDecodeError:
             return text, []  # cut short by max_tokens: no call can be claimed
-        return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        return None, [
+            new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls
+        ]
     if mode.kind == "auto":
         calls = []
         for m in _HERMES.finditer(text):
@@ -99,7 +118,12 @@ def parse_calls(text: str, mode: ToolMode, tool_names: list[str]) -> tuple[str |
                 continue
             if isinstance(obj, dict) and obj.get("name") in tool_names:
                 args = obj.get("arguments", obj.get("parameters", {}))
-                calls.append(new_call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+                calls.append(
+                    new_call(
+                        obj["name"],
+                        args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                    )
+                )
         if calls:
             rest = _HERMES.sub("", text).strip()
             return rest or None, calls
@@ -116,7 +140,17 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _maybe_json(c.function.arguments)}} for c in m.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _maybe_json(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
         out.append(d)
     return out
 
@@ -131,7 +165,10 @@ def _maybe_json(s: str) -> Any:
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     if not body.tools:
         return None
-    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools]
+    return [
+        {"type": "function", "function": t.function.model_dump(exclude_none=True)}
+        for t in body.tools
+    ]
 
 
 def _open_overlap(text: str) -> int:
@@ -159,13 +196,22 @@ class ToolStream:
             assert self.mode.named is not None
             if self.call_id is None:
                 self.call_id = new_call(self.mode.named, "")["id"]
-                return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function", "function": {"name": self.mode.named, "arguments": piece}}]}
+                return {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": self.call_id,
+                            "type": "function",
+                            "function": {"name": self.mode.named, "arguments": piece},
+                        }
+                    ]
+                }
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
         if self.mode.kind != "auto":
             return {}  # required: a JSON array, parsed once complete
         start = self.text.find(TOOL_CALL_OPEN)
         safe = start if start >= 0 else len(self.text) - _open_overlap(self.text)
-        out = self.text[self.sent:safe] if safe > self.sent else ""
+        out = self.text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return {"content": out} if out else {}
 
@@ -173,7 +219,7 @@ class ToolStream:
         """The last delta once the choice ended, and whether it holds tool calls."""
         if self.mode.kind == "named":
             return {}, self.call_id is not None
-        content, calls = parse_calls(self.text[self.sent:], self.mode, self.tool_names)
+        content, calls = parse_calls(self.text[self.sent :], self.mode, self.tool_names)
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content

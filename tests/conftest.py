@@ -25,7 +25,9 @@ def tiny_ckpt(tmp_path_factory):
     def get(arch: str = "qwen3_moe", layout: str = "per-expert", **kw) -> Path:
         key = (arch, layout, tuple(sorted(kw.items())))
         if key not in made:
-            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"{arch}-{layout}"), arch, layout, **kw)
+            made[key] = make_tiny_checkpoint(
+                tmp_path_factory.mktemp(f"{arch}-{layout}"), arch, layout, **kw
+            )
         return made[key]
 
     return get

@@ -1,4 +1,5 @@
 """Small helpers shared by the engine tests."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Start the real `moe-offload serve` as a subprocess on a free loopback port, for tests."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,11 @@ class RunningServer:
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """{(sample name, sorted labels): value} from /metrics, parsed by prometheus_client."""
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def engine_pid(self) -> int | None:
         # Children are the multiprocessing resource tracker and the engine (spawn_main).
@@ -54,10 +59,26 @@ class RunningServer:
 def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Iterator[RunningServer]:
     """Yield a ready server; its own process group, so a test can SIGTERM the whole group."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        *args,
+    ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     srv = RunningServer(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + ready_timeout

@@ -4,6 +4,7 @@ both slow tiers. Checkpoints are tiny and random, built once per session with sa
 (what transformers writes), fused (3-D expert tensors, as in memory), or in the layout of the
 released multimodal checkpoints ("hub": Qwen3.5/3.6 MoE under model.language_model.*, Llama 4
 under language_model.*)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def _prompt(vocab: int, n: int = 24) -> list[int]:
 def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     """The reference: n greedy tokens from transformers' generate."""
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch, layout", CASES)
@@ -51,7 +52,9 @@ def test_logits_and_greedy_match_transformers(tiny_ckpt, arch: str, layout: str)
     for offload, fraction in SETTINGS:
         om = load_model(path, EngineConfig(cache_fraction=fraction, offload=offload))
         try:
-            assert not any(".experts." in n for n, _ in om.model.named_parameters()), "routed experts must not be materialized"
+            assert not any(".experts." in n for n, _ in om.model.named_parameters()), (
+                "routed experts must not be materialized"
+            )
             # Through the engine's own runner (the one generation loop), not transformers' generate.
             diff = (prompt_logits(om, ids) - ref_logits).abs().max().item()
             assert diff <= 1e-4, f"{offload} cache={fraction}: max |Δlogit| = {diff}"
@@ -60,8 +63,12 @@ def test_logits_and_greedy_match_transformers(tiny_ckpt, arch: str, layout: str)
             assert got == ref_tokens, f"{offload} cache={fraction}: greedy tokens differ"
             snap = om.stats.snapshot()
             if fraction < 1.0:
-                assert snap["misses"] > 0 and snap["evictions"] > 0  # the small cache really was small
-                assert snap["bytes_moved"] == snap["transfers"]["demand"] * om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
+                assert (
+                    snap["misses"] > 0 and snap["evictions"] > 0
+                )  # the small cache really was small
+                assert snap["bytes_moved"] == snap["transfers"][
+                    "demand"
+                ] * om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
             else:
                 assert snap["misses"] == 0
         finally:
@@ -74,7 +81,9 @@ def test_dense_parts_stay_dense(tiny_ckpt) -> None:
     om = load_model(tiny_ckpt("deepseek_v3"), EngineConfig(cache_fraction=0.25))
     try:
         assert om.moe_layers == [1, 2]
-        names = {n for n, _ in om.model.named_parameters()} | {n for n, _ in om.model.named_buffers()}
+        names = {n for n, _ in om.model.named_parameters()} | {
+            n for n, _ in om.model.named_buffers()
+        }
         assert "model.layers.0.mlp.gate_proj.weight" in names
         assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
@@ -103,7 +112,9 @@ def test_llama4_with_top2_is_refused(tiny_ckpt) -> None:
         load_model(tiny_ckpt("llama4_text", num_experts_per_tok=2))
 
 
-ROUTER_CASES = [(arch, "float32") for arch in sorted(set(ARCHS) | set(NEW_ARCHS))] + [(a, "bfloat16") for a in ("qwen3_moe", "glm4_moe", "deepseek_v3")]
+ROUTER_CASES = [(arch, "float32") for arch in sorted(set(ARCHS) | set(NEW_ARCHS))] + [
+    (a, "bfloat16") for a in ("qwen3_moe", "glm4_moe", "deepseek_v3")
+]
 
 
 @pytest.mark.parametrize("arch, dtype", ROUTER_CASES)
@@ -114,13 +125,24 @@ def test_router_logits_alone_equal_the_routers(tiny_ckpt, arch: str, dtype: str)
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=0.5, dtype=dtype))
     try:
         blocks = [m for m in om.model.modules() if isinstance(m, OffloadedMoeBlock)]
-        x = torch.randn(5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+        x = torch.randn(
+            5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+        ).to(getattr(torch, dtype))
         with torch.no_grad():
             for block in blocks:
                 ref = block.adapter.route(block, x)[0]
-                for _ in range(2):  # the first call checks the shortcut, the second takes it (or not)
-                    assert torch.allclose(block.adapter.router_logits(block, x).float(), ref.float(), rtol=1e-4, atol=1e-5)
+                for _ in range(
+                    2
+                ):  # the first call checks the shortcut, the second takes it (or not)
+                    assert torch.allclose(
+                        block.adapter.router_logits(block, x).float(),
+                        ref.float(),
+                        rtol=1e-4,
+                        atol=1e-5,
+                    )
         if arch in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
-            assert all(b.adapter._logits_are_linear for b in blocks), "the shortcut should apply to this router"
+            assert all(b.adapter._logits_are_linear for b in blocks), (
+                "the shortcut should apply to this router"
+            )
     finally:
         om.close()

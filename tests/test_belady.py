@@ -1,4 +1,5 @@
 """Belady's MIN (engine/offline/belady.py) is the true minimum: checked against exhaustive search."""
+
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,9 @@ def test_min_loads_equals_exhaustive_search(seed: int) -> None:
 def test_cyclic_pattern_lru_misses_everything_min_does_not() -> None:
     seq = [1, 2, 3, 4] * 5
     assert lru_loads(seq, 3) == 20  # LRU's worst case: always evicts the next one needed
-    assert min_loads(seq, 3) == 9  # 4 cold loads, then about one per 3 accesses: MIN keeps 2 of its 3 slots useful
+    assert (
+        min_loads(seq, 3) == 9
+    )  # 4 cold loads, then about one per 3 accesses: MIN keeps 2 of its 3 slots useful
 
 
 def test_flatten_dedups_and_orders_each_call() -> None:

@@ -1,4 +1,5 @@
 """bench/report.py: a rerun rewrites a page's tables and keeps the hand-written analysis below them."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,9 @@ import pytest
 from bench.report import write_report
 
 
-@pytest.mark.parametrize("opening", ["Command: `python -m bench.x`", "Command (validation; about 20 minutes):"])
+@pytest.mark.parametrize(
+    "opening", ["Command: `python -m bench.x`", "Command (validation; about 20 minutes):"]
+)
 def test_a_rerun_keeps_the_analysis_and_replaces_the_table(tmp_path: Path, opening: str) -> None:
     out = tmp_path / "page.md"
     write_report(out, "header v1", ["| a |", "| 1 |"], {"rows": [1]})

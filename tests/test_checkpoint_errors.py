@@ -1,4 +1,5 @@
 """Bad checkpoints give one clear line that names the file and the problem — never a hang."""
+
 from __future__ import annotations
 
 import json
@@ -88,16 +89,37 @@ def test_cli_reports_one_line(tiny_ckpt, tmp_path) -> None:
     f.write_bytes(f.read_bytes()[:100])
     proc = subprocess.run(
         [sys.executable, "-m", "server.cli", "generate", "--model", str(path), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=110,
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "model.safetensors" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--model", str(tiny_ckpt("qwen3_moe")), "--prompt", "hi", "--cache-fraction", "2"],
-        capture_output=True, text=True, timeout=110,
+    assert len(lines) == 1 and "model.safetensors" in lines[0] and "Traceback" not in proc.stderr, (
+        proc.stderr
     )
-    assert bad.returncode == 2 and "cache_fraction must be in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "--model",
+            str(tiny_ckpt("qwen3_moe")),
+            "--prompt",
+            "hi",
+            "--cache-fraction",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert (
+        bad.returncode == 2
+        and "cache_fraction must be in (0, 1]" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
 
 
 @pytest.mark.timeout(120)
@@ -122,7 +144,9 @@ def test_cli_bad_input_is_one_line(argv: list[str], message: str) -> None:
         port = free_port()
         argv = [*argv, "--port", str(port)] if "--port" not in argv else argv
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=110)
+    p = subprocess.run(
+        [sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=110
+    )
     if argv[0] == "serve":
         assert time.monotonic() - t0 < 60, "a bad setting must fail fast, before any engine starts"
     lines = [l for l in p.stderr.splitlines() if l.strip()]

@@ -1,5 +1,6 @@
 """The named contracts of engine/core/contracts.py: the core runs on anything that implements them
 (no worker/ import), and every model forward of the engine answers ModelForward's call."""
+
 from __future__ import annotations
 
 import inspect
@@ -32,7 +33,9 @@ class CountingRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
-        return StepOutput({w.request_id: SeqResult(sampled=[ord("a") + len(w.output_ids)]) for w in plan.work})
+        return StepOutput(
+            {w.request_id: SeqResult(sampled=[ord("a") + len(w.output_ids)]) for w in plan.work}
+        )
 
 
 class FakeModel:
@@ -51,25 +54,41 @@ class FakeModel:
 def test_the_core_runs_any_runnable_model() -> None:
     lm: RunnableModel = FakeModel()
     core = EngineCore.for_model(lm, CoreLimits(max_running=2, max_model_len=64))
-    reqs = [GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
+    reqs = [
+        GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+        for i in range(2)
+    ]
     text: dict[str, str] = {}
     finished: dict[str, str | None] = {}
     for o in core.generate(reqs):
         text[o.request_id] = text.get(o.request_id, "") + o.text
         finished[o.request_id] = o.finish_reason
     assert text == {"r0": "abc", "r1": "abc"} and finished == {"r0": "length", "r1": "length"}
-    plans = lm.runner.plans  # both requests in every step (a prefill + sample, two decodes), then their caches freed
-    assert [len(p.work) for p in plans] == [2, 2, 2, 0] and sorted(plans[-1].free_ids) == ["r0", "r1"]
+    plans = (
+        lm.runner.plans
+    )  # both requests in every step (a prefill + sample, two decodes), then their caches freed
+    assert [len(p.work) for p in plans] == [2, 2, 2, 0] and sorted(plans[-1].free_ids) == [
+        "r0",
+        "r1",
+    ]
 
 
-def _call(fwd: ModelForward, windows: list[list[int]], starts: list[int], caches: list, keep: list[list[int]]) -> list[torch.Tensor]:
+def _call(
+    fwd: ModelForward,
+    windows: list[list[int]],
+    starts: list[int],
+    caches: list,
+    keep: list[list[int]],
+) -> list[torch.Tensor]:
     return fwd(windows, starts, caches, keep)
 
 
 def test_every_model_forward_answers_the_contract(tiny_ckpt) -> None:
     """The same two-request prefill through each forward, called as a ModelForward: one [len(keep[r]), V]
     tensor per request, caches advanced by each window, and the same logits (f32)."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu")
+    )
     try:
         forwards: dict[str, ModelForward] = {
             "runner": om.make_runner().forward,  # type: ignore[attr-defined]
@@ -86,7 +105,9 @@ def test_every_model_forward_answers_the_contract(tiny_ckpt) -> None:
             assert list(sig.parameters)[: len(params)] == params, name
             caches = [new_kv_cache(om.config) for _ in windows]
             out = _call(fwd, windows, starts, caches, keep)
-            assert [tuple(t.shape) for t in out] == [(len(k), om.config.vocab_size) for k in keep], name
+            assert [tuple(t.shape) for t in out] == [
+                (len(k), om.config.vocab_size) for k in keep
+            ], name
             assert [c.get_seq_length() for c in caches] == [len(w) for w in windows], name
             if ref is None:
                 ref = out

@@ -3,6 +3,7 @@ here is marked `cuda` and runs only where torch sees a GPU (bench/gpu_check.sh r
 none and deselects the mark). On the GPU the experts of the fast tier live in device memory, misses
 cross the PCIe link on a side stream from pinned host memory, and CPU-run experts really run on a
 different device than the rest of the layer: all paths the CPU tests cannot reach."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,10 @@ from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, prompt_logits
 from engine.worker.sampling import SamplingParams
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _prompt(vocab: int, n: int = 32, seed: int = 1234) -> list[int]:
@@ -37,18 +41,31 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
     ids = _prompt(ref.config.vocab_size)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids], device="cuda")).logits[0].float()
-        ref_tokens = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        ref_tokens = ref.generate(
+            torch.tensor([ids], device="cuda"),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
     for offload, fraction in (("ram", 1.0), ("ram", 0.25), ("disk", 0.25)):
-        om = load_model(path, EngineConfig(cache_fraction=fraction, offload=offload, device="cuda", dtype="float32"))
+        om = load_model(
+            path,
+            EngineConfig(cache_fraction=fraction, offload=offload, device="cuda", dtype="float32"),
+        )
         try:
             assert om.store.slots.is_cuda, "the fast tier must live in GPU memory"
             diff = (prompt_logits(om, ids).float() - ref_logits).abs().max().item()
             assert diff <= 1e-3, f"{arch} {offload} cache={fraction}: max |Δlogit| = {diff}"
-            assert generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True)).tokens == ref_tokens, f"{arch} {offload} {fraction}"
+            assert (
+                generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True)).tokens
+                == ref_tokens
+            ), f"{arch} {offload} {fraction}"
             snap = om.stats.snapshot()
             assert (snap["misses"] > 0) == (fraction < 1.0)
             if arch in LEAN_MODEL_TYPES:
-                assert ModelRunner(om)._lean is not None, "the lean forward must serve this architecture on the GPU too"
+                assert ModelRunner(om)._lean is not None, (
+                    "the lean forward must serve this architecture on the GPU too"
+                )
         finally:
             om.close()
 
@@ -56,9 +73,14 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
 def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt) -> None:
     """The RAM tier is pinned (so a copy can be asynchronous), and loads are issued on the transfer
     manager's own stream, so they overlap the default stream's compute."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32"),
+    )
     try:
-        assert om.transfers._stream is not None and om.transfers._stream != torch.cuda.current_stream()
+        assert (
+            om.transfers._stream is not None and om.transfers._stream != torch.cuda.current_stream()
+        )
         assert om.transfers.tier.buffer.is_pinned()
         generate(om, _prompt(om.config.vocab_size), SamplingParams(max_tokens=8, ignore_eos=True))
         settle(om)
@@ -71,8 +93,12 @@ def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt) ->
 
 def _core_run(om, spec: SpecConfig, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     proposer, observers = make_speculation(spec.resolve(om.model_dir), om)
-    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), max_model_len=2048), proposer, observers)
-    outs = complete(core, [request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts])
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=len(prompts), max_model_len=2048), proposer, observers
+    )
+    outs = complete(
+        core, [request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    )
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     settle(om)
     assert om.store.pinned_count() == 0
@@ -87,11 +113,16 @@ def test_speculation_utility_prefetch_and_cpu_experts_are_exact_on_the_gpu() -> 
     from models import EMBEDDED_TARGET
 
     def load(**kw):
-        return load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32", **kw))
+        return load_model(
+            EMBEDDED_TARGET,
+            EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32", **kw),
+        )
 
     om = load()
     try:
-        ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:30000])["input_ids"]
+        ids = om.tokenizer(
+            (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:30000]
+        )["input_ids"]
         prompts = [ids[i * 700 : i * 700 + 16 + 4 * i] for i in range(6)]
         plain = _core_run(om, SpecConfig(speculative="off"), prompts, 24)
         om.stats.reset()
@@ -100,11 +131,17 @@ def test_speculation_utility_prefetch_and_cpu_experts_are_exact_on_the_gpu() -> 
         assert s["spec_drafts"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
     finally:
         om.close()
-    for name, kw in {"utility prefetch + eviction + cpu experts": dict(prefetch="utility", eviction="utility", cpu_experts="auto"),
-                     "every miss on the cpu": dict(cpu_experts="all")}.items():
+    for name, kw in {
+        "utility prefetch + eviction + cpu experts": dict(
+            prefetch="utility", eviction="utility", cpu_experts="auto"
+        ),
+        "every miss on the cpu": dict(cpu_experts="all"),
+    }.items():
         om = load(**kw)
         try:
-            assert _core_run(om, SpecConfig(speculative="draft", adaptive=False), prompts, 24) == plain, name
+            assert (
+                _core_run(om, SpecConfig(speculative="draft", adaptive=False), prompts, 24) == plain
+            ), name
             s = om.stats.snapshot()
             if kw.get("cpu_experts") == "all":
                 assert s["cpu_expert_calls"] > 0 and s["transfers"]["demand"] == 0, name

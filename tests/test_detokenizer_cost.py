@@ -1,4 +1,5 @@
 """The incremental detokenizer's work per token does not grow with the output length."""
+
 from __future__ import annotations
 
 import time

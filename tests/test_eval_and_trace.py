@@ -1,4 +1,5 @@
 """Teacher-forced perplexity per policy, and router traces."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,10 @@ from engine.offline.evaluation import reference_nll, teacher_forced_eval
 from engine.offline.trace import record_trace, save_trace
 from engine.worker.loader import load_model
 
-TEXT = ("To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. " * 6)
+TEXT = (
+    "To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. "
+    * 6
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,11 @@ def test_substituting_policies_account_their_calls(ckpt, token_ids) -> None:
             om.close()
     ref, thr, spd = out["fetch-all"], out["threshold"], out["speed-first"]
     for r in out.values():
-        assert r.calls_hit + r.calls_fetched + r.calls_substituted == r.expert_calls == ref.expert_calls
+        assert (
+            r.calls_hit + r.calls_fetched + r.calls_substituted
+            == r.expert_calls
+            == ref.expert_calls
+        )
     assert thr.calls_substituted > 0 and spd.calls_substituted > thr.calls_substituted
     assert spd.fetches_per_token < thr.fetches_per_token < ref.fetches_per_token
     assert 0 < thr.mean_substituted_mass < spd.mean_substituted_mass < 1
@@ -80,9 +88,15 @@ def test_trace_matches_engine_routing(ckpt, token_ids, tmp_path) -> None:
         with torch.no_grad():
             router_logits = ref(torch.tensor([chunk]), output_router_logits=True).router_logits
         for layer in range(L):
-            top = torch.topk(torch.softmax(router_logits[layer].float(), -1), 4, dim=-1).indices.numpy()
+            top = torch.topk(
+                torch.softmax(router_logits[layer].float(), -1), 4, dim=-1
+            ).indices.numpy()
             assert np.array_equal(top, loaded["ids"][start : start + len(chunk), layer])
-            assert np.allclose(router_logits[layer].numpy(), loaded["logits"][start : start + len(chunk), layer], atol=1e-2)
+            assert np.allclose(
+                router_logits[layer].numpy(),
+                loaded["logits"][start : start + len(chunk), layer],
+                atol=1e-2,
+            )
 
 
 @pytest.mark.timeout(300)
@@ -90,23 +104,67 @@ def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
     data = tmp_path / "d.txt"
     data.write_text(TEXT)
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "eval", "--model", str(ckpt), "--data", str(data), "--all-policies",
-         "--cache-fraction", "0.25", "--max-tokens", "48", "--window", "48",
-         "--out-json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")],
-        capture_output=True, text=True, timeout=290,
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "eval",
+            "--model",
+            str(ckpt),
+            "--data",
+            str(data),
+            "--all-policies",
+            "--cache-fraction",
+            "0.25",
+            "--max-tokens",
+            "48",
+            "--window",
+            "48",
+            "--out-json",
+            str(tmp_path / "p.json"),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=290,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads((tmp_path / "p.json").read_text())
     labels = [r["label"] for r in out["results"]]
-    assert labels[0] == "fetch-all" and {"quality-first", "speed-first", "threshold", "first-choice"} <= set(labels)
+    assert labels[0] == "fetch-all" and {
+        "quality-first",
+        "speed-first",
+        "threshold",
+        "first-choice",
+    } <= set(labels)
     assert out["results"][0]["delta_ppl_pct"] == 0.0
-    assert out["prefetch"] == "auto" and {r["prefetch"] for r in out["results"]} == {"none"}  # no adapter beside it
+    assert out["prefetch"] == "auto" and {r["prefetch"] for r in out["results"]} == {
+        "none"
+    }  # no adapter beside it
     assert "mass_hypothesis_pearson_r" in out
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert "speed-first" in proc.stdout and "ΔPPL" in proc.stdout
-    missing = subprocess.run([sys.executable, "-m", "server.cli", "eval", "--model", str(ckpt), "--data", str(tmp_path / "none.txt")],
-                             capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "data file not found" in missing.stderr and "Traceback" not in missing.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "eval",
+            "--model",
+            str(ckpt),
+            "--data",
+            str(tmp_path / "none.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        missing.returncode == 2
+        and "data file not found" in missing.stderr
+        and "Traceback" not in missing.stderr
+    )
 
 
 @pytest.mark.timeout(300)
@@ -114,10 +172,21 @@ def test_trace_then_simulate_cli(ckpt, tmp_path) -> None:
     data = tmp_path / "d.txt"
     data.write_text(TEXT)
     trace = tmp_path / "t.npz"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "server.cli", *a], capture_output=True, text=True, timeout=250)  # noqa: E731
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "server.cli", *a], capture_output=True, text=True, timeout=250
+    )  # noqa: E731
     p = run("trace", "--model", str(ckpt), "--data", str(data), "--out", str(trace), "--logits")
     assert p.returncode == 0, p.stderr[-2000:]
-    p = run("simulate", "--trace", str(trace), "--all-policies", "--link", "sdcard", "--out-json", str(tmp_path / "s.json"))
+    p = run(
+        "simulate",
+        "--trace",
+        str(trace),
+        "--all-policies",
+        "--link",
+        "sdcard",
+        "--out-json",
+        str(tmp_path / "s.json"),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("SIMULATED")
     rows = {r["label"]: r for r in json.loads((tmp_path / "s.json").read_text())["rows"]}

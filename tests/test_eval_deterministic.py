@@ -1,5 +1,6 @@
 """`moe-offload eval` is deterministic: background admissions land at a defined point (before the
 next MoE layer plans), so the same command gives the same numbers, bit for bit."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -26,9 +27,17 @@ def _eval(cfg: EngineConfig, ids: list[int]) -> dict:
 @pytest.mark.timeout(600)
 def test_settled_eval_repeats_bit_for_bit() -> None:
     om = load_model(EMBEDDED_TARGET, EngineConfig())
-    ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:20000])["input_ids"][:256]
+    ids = om.tokenizer(
+        (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:20000]
+    )["input_ids"][:256]
     om.close()
-    cfg = EngineConfig(cache_fraction=0.25, offload="disk", policy="quality-first", link="hdd", settle_background=True)
+    cfg = EngineConfig(
+        cache_fraction=0.25,
+        offload="disk",
+        policy="quality-first",
+        link="hdd",
+        settle_background=True,
+    )
     first, second = _eval(cfg, ids), _eval(cfg, ids)
     assert first["admissions"] > 0, "the check needs background admissions to happen"
     assert first == second
@@ -47,7 +56,15 @@ def test_eval_cli_defaults_to_settled(monkeypatch) -> None:
     from server.cli import main
 
     with pytest.raises(SystemExit):
-        main(["eval", "--data", str(EMBEDDED_TARGET.parent / "data" / "test.txt"), "--max-tokens", "16"])
+        main(
+            [
+                "eval",
+                "--data",
+                str(EMBEDDED_TARGET.parent / "data" / "test.txt"),
+                "--max-tokens",
+                "16",
+            ]
+        )
     assert seen and seen[0].settle_background
     assert replace(seen[0], settle_background=False) != seen[0]
     assert cli_eval is not None

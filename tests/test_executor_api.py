@@ -1,5 +1,6 @@
 """MoeExecutor's public surface (capabilities, lane_open, native_moe, expert_pointers) and the
 adapter's native_router say what the private names engine/worker/fused_decode.py reads say."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,9 @@ from engine.worker.sampling import SamplingParams
 
 
 def test_capabilities_at_cache_one(tiny_ckpt) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu")
+    )
     try:
         ex = om.executor
         caps = ex.capabilities()
@@ -26,7 +29,9 @@ def test_capabilities_at_cache_one(tiny_ckpt) -> None:
             caps.lane_open = False  # type: ignore[misc]
         if ex.native_moe is not None:
             layer, E = om.moe_layers[0], om.num_experts
-            assert ex.expert_pointers(layer) == [ex._pointers[om.store.slot_index(layer * E + e)] for e in range(E)]
+            assert ex.expert_pointers(layer) == [
+                ex._pointers[om.store.slot_index(layer * E + e)] for e in range(E)
+            ]
         ex._native = None  # the alias writes through to the compute strategy
         assert ex.native_moe is None and not ex.capabilities().native_lane
     finally:
@@ -34,7 +39,10 @@ def test_capabilities_at_cache_one(tiny_ckpt) -> None:
 
 
 def test_capabilities_follow_what_the_loader_attaches(tiny_ckpt) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, offload="ram", device="cpu", cpu_experts="auto"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.5, offload="ram", device="cpu", cpu_experts="auto"),
+    )
     try:
         caps = om.executor.capabilities()
         assert caps.cpu_experts and caps.cpu_mode == "auto"
@@ -45,7 +53,9 @@ def test_capabilities_follow_what_the_loader_attaches(tiny_ckpt) -> None:
 
 
 def test_the_adapters_native_router_is_decided_on_the_first_one_token_step(tiny_ckpt) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, offload="ram", device="cpu")
+    )
     try:
         block = om.model.get_submodule(f"model.layers.{om.moe_layers[0]}.mlp")
         assert block.adapter.native_router is None

@@ -1,6 +1,7 @@
 """A request can fail only itself (issue 30): the sampler is safe for any logits and valid
 parameters, and a fault in one sequence's sampling, detokenization, proposal window or
 forward ends that sequence alone while the rest of the batch finishes exactly."""
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,26 @@ from engine.worker.verify import verify_window
 # -- the sampler, by property -------------------------------------------------------------
 
 special = st.sampled_from([math.inf, -math.inf, math.nan, 3.4e38, -3.4e38, 1e30, -1e30, 0.0, 1e-45])
-logit = st.one_of(special, st.floats(-1e4, 1e4), st.floats(allow_nan=True, allow_infinity=True, width=32))
-temperature = st.one_of(st.sampled_from([0.0, 5e-324, 1e-300, 1e-6, 1e-5, 1.0, 2.0, 1e30, 1e308, 1.7976931348623157e308]), st.floats(0, 1e308))
-top_p = st.one_of(st.sampled_from([5e-324, 1e-300, 1e-45, 1e-8, 0.5, 1.0]), st.floats(5e-324, 1.0, exclude_min=False))
-FAST = settings(max_examples=400, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+logit = st.one_of(
+    special, st.floats(-1e4, 1e4), st.floats(allow_nan=True, allow_infinity=True, width=32)
+)
+temperature = st.one_of(
+    st.sampled_from(
+        [0.0, 5e-324, 1e-300, 1e-6, 1e-5, 1.0, 2.0, 1e30, 1e308, 1.7976931348623157e308]
+    ),
+    st.floats(0, 1e308),
+)
+top_p = st.one_of(
+    st.sampled_from([5e-324, 1e-300, 1e-45, 1e-8, 0.5, 1.0]),
+    st.floats(5e-324, 1.0, exclude_min=False),
+)
+FAST = settings(
+    max_examples=400,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def _possible(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +54,29 @@ def _possible(x: torch.Tensor) -> torch.Tensor:
 
 
 @FAST
-@given(values=st.lists(logit, min_size=1, max_size=40), t=temperature, p=top_p, k=st.integers(0, 50),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]), seed=st.integers(0, 2**31))
-@example(values=[0.0, 9.430409702906072e-22], t=1e30, p=5e-324, k=0, dtype=torch.float32, seed=0)  # a tie made by the temperature
+@given(
+    values=st.lists(logit, min_size=1, max_size=40),
+    t=temperature,
+    p=top_p,
+    k=st.integers(0, 50),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    seed=st.integers(0, 2**31),
+)
+@example(
+    values=[0.0, 9.430409702906072e-22], t=1e30, p=5e-324, k=0, dtype=torch.float32, seed=0
+)  # a tie made by the temperature
 @example(values=[float("nan")] * 3, t=1.0, p=1.0, k=0, dtype=torch.float32, seed=0)
-@example(values=[1.0, float("inf"), float("nan"), float("inf")], t=0.0, p=1.0, k=0, dtype=torch.float32, seed=0)
-def test_sampler_returns_a_possible_token_or_a_clear_value_error(values, t, p, k, dtype, seed) -> None:
+@example(
+    values=[1.0, float("inf"), float("nan"), float("inf")],
+    t=0.0,
+    p=1.0,
+    k=0,
+    dtype=torch.float32,
+    seed=0,
+)
+def test_sampler_returns_a_possible_token_or_a_clear_value_error(
+    values, t, p, k, dtype, seed
+) -> None:
     logits = torch.tensor(values, dtype=torch.float64).to(dtype)  # the cast itself may add inf
     params = SamplingParams(max_tokens=1, temperature=t, top_p=p, top_k=k, seed=seed)
     gen = torch.Generator().manual_seed(seed)
@@ -68,17 +102,35 @@ def test_sampler_returns_a_possible_token_or_a_clear_value_error(values, t, p, k
 
 
 @FAST
-@given(values=st.lists(st.floats(-1e4, 1e4), min_size=2, max_size=20), presence=st.floats(-2, 2), frequency=st.floats(-2, 2),
-       history=st.lists(st.integers(0, 1), max_size=200), t=temperature, p=top_p)
-def test_penalties_within_the_api_range_never_break_sampling(values, presence, frequency, history, t, p) -> None:
+@given(
+    values=st.lists(st.floats(-1e4, 1e4), min_size=2, max_size=20),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    history=st.lists(st.integers(0, 1), max_size=200),
+    t=temperature,
+    p=top_p,
+)
+def test_penalties_within_the_api_range_never_break_sampling(
+    values, presence, frequency, history, t, p
+) -> None:
     logits = apply_penalties(torch.tensor(values), history, presence, frequency)
-    tok = sample(logits, SamplingParams(max_tokens=1, temperature=t, top_p=p), torch.Generator().manual_seed(0))
+    tok = sample(
+        logits,
+        SamplingParams(max_tokens=1, temperature=t, top_p=p),
+        torch.Generator().manual_seed(0),
+    )
     assert 0 <= tok < len(values)
 
 
 def test_invalid_parameters_are_clear_value_errors() -> None:
-    for kw, msg in [({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"), ({"temperature": -1.0}, "temperature"),
-                    ({"top_p": 0.0}, "top_p"), ({"top_p": math.nan}, "top_p"), ({"top_k": -1}, "top_k")]:
+    for kw, msg in [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="penalties must be finite"):
@@ -86,18 +138,26 @@ def test_invalid_parameters_are_clear_value_errors() -> None:
 
 
 @FAST
-@given(values=st.lists(logit, min_size=3, max_size=12), q_bad=st.sampled_from([math.nan, math.inf, -1.0, 0.0]), t=temperature, d=st.integers(0, 2))
+@given(
+    values=st.lists(logit, min_size=3, max_size=12),
+    q_bad=st.sampled_from([math.nan, math.inf, -1.0, 0.0]),
+    t=temperature,
+    d=st.integers(0, 2),
+)
 def test_verification_survives_a_broken_draft_distribution(values, q_bad, t, d) -> None:
     logits = torch.tensor([values, values])  # [k+1 = 2, V]
     if not bool(_possible(logits[0]).any()):
         return  # covered by the sampler property above
     q = torch.full((1, len(values)), q_bad)
     params = SamplingParams(max_tokens=2, temperature=t)
-    out = verify_window(logits, [d], params, torch.Generator().manual_seed(1), lambda row, acc: row, q)
+    out = verify_window(
+        logits, [d], params, torch.Generator().manual_seed(1), lambda row, acc: row, q
+    )
     assert 1 <= len(out) <= 2 and all(bool(_possible(logits[0])[x]) for x in out[-1:])
 
 
 # -- one bad sequence among eight ------------------------------------------------------------
+
 
 def _prompts(vocab: int, n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
@@ -122,7 +182,11 @@ def _eight(om, core: EngineCore) -> tuple[list, list[list[int]]]:
 def _check_one_failed(outs, alone, bad: int, stage: str) -> None:
     for i, (c, solo) in enumerate(zip(outs, alone)):
         if i == bad:
-            assert c.finish_reason == "error" and c.error.startswith(f"{stage} failed for this request") and "error id err-" in c.error, c.error
+            assert (
+                c.finish_reason == "error"
+                and c.error.startswith(f"{stage} failed for this request")
+                and "error id err-" in c.error
+            ), c.error
         else:
             assert c.error is None and c.token_ids == solo, (i, c.error)
 
@@ -137,7 +201,9 @@ def test_sampling_fault_fails_only_its_sequence(om, monkeypatch) -> None:
         if w.request_id == bad_id:
             calls["n"] += 1
             if calls["n"] == 3:  # mid-generation: two tokens already went out
-                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (injected)")
+                raise RuntimeError(
+                    "probability tensor contains either `inf`, `nan` or element < 0 (injected)"
+                )
         return real(w, logits)
 
     monkeypatch.setattr(core.runner, "_finish", flaky)
@@ -171,7 +237,10 @@ def test_detokenization_fault_fails_only_its_sequence(om) -> None:
                 errors[o.request_id] = o.error
     for i, r in enumerate(reqs):
         if i == 5:
-            assert errors[r.request_id].startswith("detokenization failed for this request") and "error id err-" in errors[r.request_id]
+            assert (
+                errors[r.request_id].startswith("detokenization failed for this request")
+                and "error id err-" in errors[r.request_id]
+            )
         else:
             assert errors[r.request_id] is None and got[r.request_id] == alone[i]
     assert core.runner.caches == {}
@@ -186,7 +255,15 @@ class _FailingProposer:
     def propose(self, plan: StepPlan) -> StepPlan:
         if any(w.request_id == self.bad and not w.is_prefill for w in plan.work):
             raise IndexError("draft window out of range (injected)")
-        return StepPlan([w if w.is_prefill or w.max_draft == 0 else replace(w, input_ids=w.input_ids + [1], num_draft=1) for w in plan.work], plan.free_ids)
+        return StepPlan(
+            [
+                w
+                if w.is_prefill or w.max_draft == 0
+                else replace(w, input_ids=w.input_ids + [1], num_draft=1)
+                for w in plan.work
+            ],
+            plan.free_ids,
+        )
 
     def observe(self, plan: StepPlan, out) -> None:
         pass
@@ -197,7 +274,9 @@ def test_proposer_fault_fails_only_its_window(om) -> None:
     prompts = _prompts(om.config.vocab_size, 8)
     alone = [generate(om, p, params).token_ids for p in prompts]
     reqs = [request(p, params) for p in prompts]
-    core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512), _FailingProposer(reqs[6].request_id))
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=8, max_model_len=512), _FailingProposer(reqs[6].request_id)
+    )
     outs = complete(core, reqs)
     _check_one_failed(outs, alone, 6, "proposing")
 
@@ -211,7 +290,9 @@ def test_forward_fault_is_bisected_to_its_sequence(om, monkeypatch) -> None:
     real = core.runner.forward
 
     def forward(windows, starts, caches, keep, request_ids=(), kind="forward"):
-        out = real(windows, starts, caches, keep, request_ids, kind)  # the caches grow first: bisection must roll them back
+        out = real(
+            windows, starts, caches, keep, request_ids, kind
+        )  # the caches grow first: bisection must roll them back
         if bad_id in request_ids and starts[request_ids.index(bad_id)] > 0:
             raise RuntimeError("injected forward failure")
         return out

@@ -2,6 +2,7 @@
 per decoder layer computes what the layer-by-layer lean forward computes (bf16: bit for bit; f32:
 within rounding, its projections being the native gemv rather than torch's), and it declines, step by
 step, wherever it does not apply."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model
 from engine.worker.runner import truncate_cache
 
-pytestmark = pytest.mark.skipif(lean_module.native() is None, reason="needs the native CPU kernels (a C compiler)")
+pytestmark = pytest.mark.skipif(
+    lean_module.native() is None, reason="needs the native CPU kernels (a C compiler)"
+)
 
 
 class CountingLib:
@@ -35,7 +38,13 @@ class CountingLib:
         return counted
 
 
-def _decode(lean: LeanForward, config, fused: bool, tokens: int = 12, prompt: tuple[int, ...] = (3, 4, 5, 6, 7)):  # noqa: ANN001
+def _decode(
+    lean: LeanForward,
+    config,
+    fused: bool,
+    tokens: int = 12,
+    prompt: tuple[int, ...] = (3, 4, 5, 6, 7),
+):  # noqa: ANN001
     """Greedy decode from `prompt` with the fused path allowed or not: (logits of every step [T, V], the cache)."""
     if not fused:
         kept, lean._fused = lean._fused, None
@@ -55,10 +64,18 @@ def _decode(lean: LeanForward, config, fused: bool, tokens: int = 12, prompt: tu
 
 # qwen2_moe: q/k/v biases and a gated shared expert; glm4_moe: a dense first layer, the sigmoid router, a shared expert
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
-@pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
-def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, monkeypatch, arch: str, dtype: str, quant: str) -> None:
-    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype, expert_quant=quant,
-                                                  quant_cache_dir=str(tmp_path)))
+@pytest.mark.parametrize(
+    ("dtype", "quant"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")]
+)
+def test_fused_decode_equals_the_layer_by_layer_path(
+    tiny_ckpt, tmp_path, monkeypatch, arch: str, dtype: str, quant: str
+) -> None:
+    om = load_model(
+        tiny_ckpt(arch),
+        EngineConfig(
+            cache_fraction=1.0, dtype=dtype, expert_quant=quant, quant_cache_dir=str(tmp_path)
+        ),
+    )
     try:
         lean = LeanForward(om.model)
         _decode(lean, om.config, fused=False)  # the norms' and the router's first-call checks
@@ -66,7 +83,9 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, monkey
         want, want_cache = _decode(lean, om.config, fused=False)
         hits_unfused, before = sum(om.stats.hits) - before, sum(om.stats.hits)
         counting = CountingLib(lean._fused.kernels.lib)
-        monkeypatch.setattr(lean._fused.kernels, "lib", counting)  # the process's kernels: restored after the test
+        monkeypatch.setattr(
+            lean._fused.kernels, "lib", counting
+        )  # the process's kernels: restored after the test
         got, got_cache = _decode(lean, om.config, fused=True)
         assert lean._fused.state == "ready", lean._fused.why
         layers = om.config.num_hidden_layers
@@ -74,14 +93,22 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, monkey
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         if dtype == "bfloat16" and arch == "qwen3_moe":
             assert torch.equal(got, want)
-            assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-                       for a, b in zip(got_cache.layers, want_cache.layers))
-        elif dtype == "bfloat16":  # SiLU, sigmoids and the f32 router: the C library's expf and sums against torch's
-            assert torch.allclose(got.float(), want.float(), rtol=0, atol=3e-2), (got.float() - want.float()).abs().max()
+            assert all(
+                torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                for a, b in zip(got_cache.layers, want_cache.layers)
+            )
+        elif (
+            dtype == "bfloat16"
+        ):  # SiLU, sigmoids and the f32 router: the C library's expf and sums against torch's
+            assert torch.allclose(got.float(), want.float(), rtol=0, atol=3e-2), (
+                (got.float() - want.float()).abs().max()
+            )
         else:  # f32: the projections' sums in another order
             assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
         assert got_cache.get_seq_length() == want_cache.get_seq_length() == 5 + 12
-        assert sum(om.stats.hits) - before == hits_unfused > 0  # the same hit counts as the resident lane's
+        assert (
+            sum(om.stats.hits) - before == hits_unfused > 0
+        )  # the same hit counts as the resident lane's
     finally:
         om.close()
 
@@ -90,12 +117,19 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_ckpt, tmp_path, monkey
 def test_fused_decode_adds_projection_biases(tiny_ckpt, dtype: str) -> None:
     """Attention projections with biases (Qwen3-MoE's attention_bias), set to random values here so that the
     adds show: the same tokens as the layer-by-layer path (bf16: the same logits)."""
-    om = load_model(tiny_ckpt("qwen3_moe", attention_bias=True), EngineConfig(cache_fraction=1.0, dtype=dtype))
+    om = load_model(
+        tiny_ckpt("qwen3_moe", attention_bias=True), EngineConfig(cache_fraction=1.0, dtype=dtype)
+    )
     try:
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for layer in om.model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                    layer.self_attn.o_proj,
+                ):
                     assert proj.bias is not None
                     proj.bias.copy_(torch.randn(proj.bias.shape, generator=g) * 0.5)
         lean = LeanForward(om.model)
@@ -104,7 +138,11 @@ def test_fused_decode_adds_projection_biases(tiny_ckpt, dtype: str) -> None:
         got, _ = _decode(lean, om.config, fused=True)
         assert lean._fused.state == "ready", lean._fused.why
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        assert torch.equal(got, want) if dtype == "bfloat16" else torch.allclose(got, want, rtol=0, atol=1e-5)
+        assert (
+            torch.equal(got, want)
+            if dtype == "bfloat16"
+            else torch.allclose(got, want, rtol=0, atol=1e-5)
+        )
     finally:
         om.close()
 
@@ -116,14 +154,20 @@ def test_fused_decode_declines_other_layers_and_says_why(tiny_ckpt) -> None:
         om.model.model.layers[1].mlp.shared_experts.act_fn = torch.nn.GELU()
         lean = LeanForward(om.model)
         _decode(lean, om.config, fused=True, tokens=3)
-        assert lean._fused.state == "off" and "shared expert is not a plain SwiGLU MLP" in lean._fused.why, lean._fused.why
+        assert (
+            lean._fused.state == "off"
+            and "shared expert is not a plain SwiGLU MLP" in lean._fused.why
+        ), lean._fused.why
     finally:
         om.close()
 
 
 def test_fused_decode_waits_while_experts_can_miss_or_someone_listens(tiny_ckpt) -> None:
     """A partial fast tier (experts can miss) and a routing listener each keep the layer-by-layer path."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, dtype="float32", offload="ram", prefetch="none"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.25, dtype="float32", offload="ram", prefetch="none"),
+    )
     try:
         lean = LeanForward(om.model)
         assert not om.store.complete
@@ -137,7 +181,9 @@ def test_fused_decode_waits_while_experts_can_miss_or_someone_listens(tiny_ckpt)
         seen: list[int] = []
         unsubscribe = om.bus.subscribe(lambda ev: seen.append(ev.layer))
         _decode(lean, om.config, fused=True, tokens=4)
-        assert lean._fused.state == "pending" and len(seen) == (4 + 1) * om.config.num_hidden_layers  # every layer published
+        assert (
+            lean._fused.state == "pending" and len(seen) == (4 + 1) * om.config.num_hidden_layers
+        )  # every layer published
         unsubscribe()
         _decode(lean, om.config, fused=True, tokens=4)
         assert lean._fused.state == "ready"
@@ -155,7 +201,9 @@ def test_fused_decode_hands_over_past_the_native_attention_range(tiny_ckpt, monk
         _decode(lean, om.config, fused=False)
         want, _ = _decode(lean, om.config, fused=False, tokens=12)
         counting = CountingLib(lean._fused.kernels.lib)
-        monkeypatch.setattr(lean._fused.kernels, "lib", counting)  # the process's kernels: restored after the test
+        monkeypatch.setattr(
+            lean._fused.kernels, "lib", counting
+        )  # the process's kernels: restored after the test
         got, _ = _decode(lean, om.config, fused=True, tokens=12)
         # Steps at 5..9 cached positions fuse (the new row makes at most 10); from 10 on, SDPA.
         assert counting.calls == 5 * om.config.num_hidden_layers
@@ -173,7 +221,10 @@ def test_the_forward_follows_the_engine_config(tiny_ckpt) -> None:
 
     tokens, steps = {}, {}
     for forward in ("auto", "lean", "transformers"):
-        om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32", forward=forward))
+        om = load_model(
+            tiny_ckpt("qwen3_moe"),
+            EngineConfig(cache_fraction=1.0, dtype="float32", forward=forward),
+        )
         try:
             runner = ModelRunner(om)
             assert om.plan.forward == {"auto": "fused"}.get(forward, forward)
@@ -184,11 +235,17 @@ def test_the_forward_follows_the_engine_config(tiny_ckpt) -> None:
         finally:
             om.close()
     assert tokens["lean"] == tokens["auto"] == tokens["transformers"]
-    assert steps["auto"].get("fused", 0) >= 7 and set(steps["lean"]) == {"lean"} and set(steps["transformers"]) == {"transformers"}
+    assert (
+        steps["auto"].get("fused", 0) >= 7
+        and set(steps["lean"]) == {"lean"}
+        and set(steps["transformers"]) == {"transformers"}
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
-def test_fused_decode_publishes_routing_to_deferred_listeners(tiny_ckpt, monkeypatch, arch: str) -> None:
+def test_fused_decode_publishes_routing_to_deferred_listeners(
+    tiny_ckpt, monkeypatch, arch: str
+) -> None:
     """A listener that may see a step's routing after the forward (the speculative sensor's kind) does not keep
     the step off the fused path: the native call writes each layer's routing, published after it, the same
     experts in the same order as the layer-by-layer path publishes them."""
@@ -228,7 +285,9 @@ def _with_fused(lean: LeanForward, fused: bool, run):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_step_takes_batched_decode_and_verification_windows(tiny_ckpt, monkeypatch, arch: str, dtype: str) -> None:
+def test_fused_step_takes_batched_decode_and_verification_windows(
+    tiny_ckpt, monkeypatch, arch: str, dtype: str
+) -> None:
     """Several requests' decode rows, and one request's verification window (rows at consecutive positions,
     attending causally, then rolled back), in one native call a layer: the same greedy tokens and logits
     within rounding as the layer-by-layer path, and the caches hold the same positions."""
@@ -241,10 +300,14 @@ def test_fused_step_takes_batched_decode_and_verification_windows(tiny_ckpt, mon
 
         def batched() -> tuple[torch.Tensor, list]:
             caches = [new_kv_cache(om.config) for _ in prompts]
-            outs = [lean([list(p)], [0], [c], [[len(p) - 1]], cpu)[0] for p, c in zip(prompts, caches)]
+            outs = [
+                lean([list(p)], [0], [c], [[len(p) - 1]], cpu)[0] for p, c in zip(prompts, caches)
+            ]
             pos, steps = [len(p) for p in prompts], []
             for _ in range(6):
-                outs = lean([[int(o.argmax())] for o in outs], pos, caches, [[0]] * len(prompts), cpu)
+                outs = lean(
+                    [[int(o.argmax())] for o in outs], pos, caches, [[0]] * len(prompts), cpu
+                )
                 steps.append(torch.cat(outs))
                 pos = [p + 1 for p in pos]
             return torch.stack(steps), caches
@@ -252,23 +315,43 @@ def test_fused_step_takes_batched_decode_and_verification_windows(tiny_ckpt, mon
         def window() -> tuple[torch.Tensor, torch.Tensor]:
             cache = new_kv_cache(om.config)
             lean([list(prompts[0])], [0], [cache], [[4]], cpu)
-            rows = lean([[20, 21, 22, 23]], [5], [cache], [[0, 1, 2, 3]], cpu)[0]  # a window of 4 rows
+            rows = lean([[20, 21, 22, 23]], [5], [cache], [[0, 1, 2, 3]], cpu)[
+                0
+            ]  # a window of 4 rows
             truncate_cache(cache, 7)  # two of its tokens kept: the rejected tail leaves the cache
             after = lean([[24]], [7], [cache], [[0]], cpu)[0]
             return rows, after
 
         counting = CountingLib(lean._fused.kernels.lib)
         monkeypatch.setattr(lean._fused.kernels, "lib", counting)
-        (want, want_caches), (got, got_caches) = (_with_fused(lean, f, batched) for f in (False, True))
-        assert counting.calls == 6 * om.config.num_hidden_layers  # one call a layer for all three requests' rows
+        (want, want_caches), (got, got_caches) = (
+            _with_fused(lean, f, batched) for f in (False, True)
+        )
+        assert (
+            counting.calls == 6 * om.config.num_hidden_layers
+        )  # one call a layer for all three requests' rows
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        assert torch.allclose(got.float(), want.float(), rtol=0, atol=tol), (got.float() - want.float()).abs().max()
-        assert [c.get_seq_length() for c in got_caches] == [c.get_seq_length() for c in want_caches] == [11, 9, 10]
+        assert torch.allclose(got.float(), want.float(), rtol=0, atol=tol), (
+            (got.float() - want.float()).abs().max()
+        )
+        assert (
+            [c.get_seq_length() for c in got_caches]
+            == [c.get_seq_length() for c in want_caches]
+            == [11, 9, 10]
+        )
         counting.calls = 0
-        (want_rows, want_after), (got_rows, got_after) = (_with_fused(lean, f, window) for f in (False, True))
-        assert counting.calls == 2 * om.config.num_hidden_layers  # the window, then the row after the rollback
-        assert torch.equal(got_rows.argmax(-1), want_rows.argmax(-1)) and int(got_after.argmax()) == int(want_after.argmax())
+        (want_rows, want_after), (got_rows, got_after) = (
+            _with_fused(lean, f, window) for f in (False, True)
+        )
+        assert (
+            counting.calls == 2 * om.config.num_hidden_layers
+        )  # the window, then the row after the rollback
+        assert torch.equal(got_rows.argmax(-1), want_rows.argmax(-1)) and int(
+            got_after.argmax()
+        ) == int(want_after.argmax())
         for a, b in ((want_rows, got_rows), (want_after, got_after)):
-            assert torch.allclose(a.float(), b.float(), rtol=0, atol=tol), (a.float() - b.float()).abs().max()
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=tol), (
+                (a.float() - b.float()).abs().max()
+            )
     finally:
         om.close()

@@ -1,4 +1,5 @@
 """Sampling, stopping rules and the `generate` command."""
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,20 @@ def _ids(om, text: str = "To be, or not to be") -> list[int]:
 def test_seeded_sampling_is_reproducible(om) -> None:
     p = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     a, b = generate(om, _ids(om), p), generate(om, _ids(om), p)
-    c = generate(om, _ids(om), SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True))
+    c = generate(
+        om, _ids(om), SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)
+    )
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
 
 
 def test_top_k_one_equals_greedy(om) -> None:
     greedy = generate(om, _ids(om), SamplingParams(max_tokens=10, ignore_eos=True))
-    topk1 = generate(om, _ids(om), SamplingParams(max_tokens=10, temperature=0.8, top_k=1, seed=3, ignore_eos=True))
+    topk1 = generate(
+        om,
+        _ids(om),
+        SamplingParams(max_tokens=10, temperature=0.8, top_k=1, seed=3, ignore_eos=True),
+    )
     assert greedy.tokens == topk1.tokens
 
 
@@ -46,7 +53,9 @@ def test_filters() -> None:
     p = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert torch.isfinite(p[0]) and torch.isinf(p[1:]).all()  # p(top1) ≈ 0.64 already covers 0.5
     g = torch.Generator().manual_seed(0)
-    assert all(sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) == 0 for _ in range(20))
+    assert all(
+        sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) == 0 for _ in range(20)
+    )
 
 
 def test_max_tokens_and_eos(om) -> None:
@@ -81,15 +90,43 @@ def test_stop_string_truncates(om) -> None:
 @pytest.mark.timeout(180)
 def test_generate_cli_json(tiny_ckpt) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--model", str(tiny_ckpt("qwen3_moe")), "--prompt", "Hello",
-         "--max-tokens", "6", "--ignore-eos", "--cache-fraction", "0.25", "--offload", "disk", "--link", "nvme", "--json"],
-        capture_output=True, text=True, timeout=170,
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "--model",
+            str(tiny_ckpt("qwen3_moe")),
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--cache-fraction",
+            "0.25",
+            "--offload",
+            "disk",
+            "--link",
+            "nvme",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["tokens"]) == 6 and out["finish_reason"] == "length"
     stats = out["stats"]
-    for key in ("hits", "misses", "bytes_moved", "stall_seconds", "per_layer", "transfers", "evictions"):
+    for key in (
+        "hits",
+        "misses",
+        "bytes_moved",
+        "stall_seconds",
+        "per_layer",
+        "transfers",
+        "evictions",
+    ):
         assert key in stats
     assert out["decode_tokens_per_s"] > 0
     assert stats["misses"] > 0 and stats["bytes_moved"] > 0

@@ -1,5 +1,6 @@
 """bench/gpu_check.py must run the day a GPU is lent: here its whole path runs on the CPU (--device cpu)
 on the tiny peers shape, and its report says what it measured."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +10,28 @@ from pathlib import Path
 
 def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.md"
-    res = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--shape", "tiny", "--work", str(tmp_path),
-                          "--tokens", "4", "--rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--work",
+            str(tmp_path),
+            "--tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     text = out.read_text()
     assert "## Transfers" in text and "| engine cache 0.25 (disk) |" in text
@@ -25,7 +46,9 @@ def test_gpu_check_refuses_without_a_gpu_in_one_line() -> None:
 
     if torch.cuda.is_available():
         return  # a GPU box: the refusal cannot happen there
-    res = subprocess.run([sys.executable, "-m", "bench.gpu_check"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1].startswith("gpu_check: no CUDA GPU visible")
     assert "Traceback" not in res.stderr
@@ -33,9 +56,30 @@ def test_gpu_check_refuses_without_a_gpu_in_one_line() -> None:
 
 def test_gpu_profile_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_profile.md"
-    res = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--device", "cpu", "--shape", "tiny", "--work", str(tmp_path),
-                          "--tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_profile",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--work",
+            str(tmp_path),
+            "--tokens",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     text = out.read_text()
-    assert "| wall time |" in text and "Host operators with the most self time, engine cache 1.0" in text
+    assert (
+        "| wall time |" in text
+        and "Host operators with the most self time, engine cache 1.0" in text
+    )
     assert "`aten::mm`" in text  # the profiler saw the models' matrix products

@@ -1,4 +1,5 @@
 """docker/k8s/: schema-valid for a current Kubernetes, and consistent with the image and the server."""
+
 from __future__ import annotations
 
 import re
@@ -12,7 +13,10 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "docker" / "k8s"
-MIN_VERSION = (1, 33)  # "current": the oldest Kubernetes release the manifests must validate against
+MIN_VERSION = (
+    1,
+    33,
+)  # "current": the oldest Kubernetes release the manifests must validate against
 
 
 def manifests() -> dict[str, dict[str, Any]]:
@@ -55,7 +59,9 @@ def test_deployment_probes_drain_and_gpu() -> None:
     pod = res["Deployment"]["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    port = int(next(e["value"] for e in c["env"] if e["name"] == "PORT"))  # the entrypoint's listen port
+    port = int(
+        next(e["value"] for e in c["env"] if e["name"] == "PORT")
+    )  # the entrypoint's listen port
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
@@ -72,7 +78,9 @@ def test_deployment_probes_drain_and_gpu() -> None:
         assert user and int(user.group(1)) == uid, dockerfile
     assert pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert "/cache" in mounts  # HF_HOME in the image: writable although the root filesystem is read-only
+    assert (
+        "/cache" in mounts
+    )  # HF_HOME in the image: writable although the root filesystem is read-only
 
 
 def test_service_and_autoscaler_point_at_the_deployment_and_a_real_metric() -> None:

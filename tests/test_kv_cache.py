@@ -1,4 +1,5 @@
 """The in-place KV cache (engine/worker/kv_cache.py) holds what transformers' DynamicCache holds."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,9 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("native_append", [True, False])
-def test_appends_crops_and_growth_hold_the_same_positions_as_dynamic_cache(monkeypatch, tiny_ckpt, native_append: bool) -> None:
+def test_appends_crops_and_growth_hold_the_same_positions_as_dynamic_cache(
+    monkeypatch, tiny_ckpt, native_append: bool
+) -> None:
     """With the native append (CPU) and with torch's copies (a GPU, or no compiler)."""
     monkeypatch.setattr(kv_cache, "MIN_CAPACITY", 4)  # grow often
     if not native_append:
@@ -43,7 +46,10 @@ def test_appends_crops_and_growth_hold_the_same_positions_as_dynamic_cache(monke
             assert ours.get_seq_length() == ref.get_seq_length() == length
     layer = ours.layers[0]
     assert (layer._kernels is not None) is native_append  # which append ran
-    assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer._key_buffer.shape[-2] >= layer.keys.shape[-2]
+    assert (
+        layer.keys.data_ptr() == layer._key_buffer.data_ptr()
+        and layer._key_buffer.shape[-2] >= layer.keys.shape[-2]
+    )
 
 
 def test_an_append_with_room_writes_in_place(tiny_ckpt) -> None:
@@ -51,7 +57,9 @@ def test_an_append_with_room_writes_in_place(tiny_ckpt) -> None:
     cache.update(_rows(5, 0), _rows(5, 1), 0)
     buffer = cache.layers[0]._key_buffer
     keys, _ = cache.update(_rows(1, 2), _rows(1, 3), 0)
-    assert cache.layers[0]._key_buffer is buffer and keys.data_ptr() == buffer.data_ptr()  # no copy of the first 5
+    assert (
+        cache.layers[0]._key_buffer is buffer and keys.data_ptr() == buffer.data_ptr()
+    )  # no copy of the first 5
     assert torch.equal(keys[..., 5:, :], _rows(1, 2))
 
 
@@ -59,7 +67,10 @@ def test_a_replaced_tensor_is_adopted_on_the_next_append(tiny_ckpt) -> None:
     cache = new_kv_cache(AutoConfig.from_pretrained(tiny_ckpt("qwen3_moe")))
     cache.update(_rows(3, 0), _rows(3, 1), 0)
     layer = cache.layers[0]
-    layer.keys, layer.values = layer.keys.clone() * 2, layer.values.clone() * 2  # as reorder/select operations do
+    layer.keys, layer.values = (
+        layer.keys.clone() * 2,
+        layer.values.clone() * 2,
+    )  # as reorder/select operations do
     keys, values = cache.update(_rows(1, 2), _rows(1, 3), 0)
     assert torch.equal(keys, torch.cat([_rows(3, 0) * 2, _rows(1, 2)], dim=-2))
     assert torch.equal(values, torch.cat([_rows(3, 1) * 2, _rows(1, 3)], dim=-2))
@@ -81,7 +92,9 @@ def test_engine_decodes_past_the_first_buffer(tiny_ckpt, monkeypatch) -> None:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         monkeypatch.setattr(kv_cache, "MIN_CAPACITY", 4)
         grown = generate(om, [5, 6, 7], params).token_ids
-        monkeypatch.setattr(runner_module, "new_kv_cache", lambda config: DynamicCache(config=config))
+        monkeypatch.setattr(
+            runner_module, "new_kv_cache", lambda config: DynamicCache(config=config)
+        )
         plain = generate(om, [5, 6, 7], params).token_ids
         assert list(grown) == list(plain) and len(grown) == 24
     finally:

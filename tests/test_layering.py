@@ -1,5 +1,6 @@
 """The package graph is one-way (.importlinter): CI runs import-linter's contracts here, and checks
 that every engine package has a place in the layers, so a new package cannot escape them."""
+
 from __future__ import annotations
 
 import configparser
@@ -14,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_import_contracts_hold(monkeypatch) -> None:
     monkeypatch.chdir(ROOT)
     configuration.configure()  # what the lint-imports command does first (readers, graph builder)
-    assert lint_imports(config_filename=str(ROOT / ".importlinter"), cache_dir=None, no_logo=True), "see the report above"
+    assert lint_imports(
+        config_filename=str(ROOT / ".importlinter"), cache_dir=None, no_logo=True
+    ), "see the report above"
 
 
 def test_every_engine_package_is_in_a_layer() -> None:
@@ -25,6 +28,8 @@ def test_every_engine_package_is_in_a_layer() -> None:
     engine = ROOT / "engine"
     packages = {f"engine.{p.name}" for p in engine.iterdir() if (p / "__init__.py").exists()}
     modules = {f"engine.{p.stem}" for p in engine.glob("*.py") if p.stem != "__init__"}
-    assert packages - named == set(), "a package of engine/ that the layering contract does not place"
+    assert packages - named == set(), (
+        "a package of engine/ that the layering contract does not place"
+    )
     assert modules - named == set(), "a module of engine/ that the layering contract does not place"
     assert named <= packages | modules, "the layering contract names a module that does not exist"

@@ -3,6 +3,7 @@
 Same windows through both: packed prefills of different lengths, single-token steps, a
 multi-token window after a crop (a rejected speculative tail), for each draft architecture.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,17 @@ ARCH_OPTIONS = {
 
 
 def make_dense(path: Path, arch: str) -> Path:
-    cfg = AutoConfig.for_model(arch, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, **ARCH_OPTIONS[arch])
+    cfg = AutoConfig.for_model(
+        arch,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=256,
+        **ARCH_OPTIONS[arch],
+    )
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # random biases and norm weights, so a dropped term would show
@@ -46,8 +56,12 @@ def compare(model_dir: Path, vocab: int) -> None:
     lc = [lean.new_cache() for _ in prompts]
     rc = [DynamicCache(config=lm.config) for _ in prompts]
 
-    def both(windows: list[list[int]], starts: list[int], idx: list[int], keep: list[list[int]]) -> None:
-        for i, s in zip(idx, starts):  # the caller crops a rejected tail, as the draft proposer does
+    def both(
+        windows: list[list[int]], starts: list[int], idx: list[int], keep: list[list[int]]
+    ) -> None:
+        for i, s in zip(
+            idx, starts
+        ):  # the caller crops a rejected tail, as the draft proposer does
             lc[i].crop(s)
             truncate_cache(rc[i], s)
         a = lean.forward(windows, starts, [lc[i] for i in idx], keep)
@@ -76,5 +90,7 @@ def test_lean_forward_matches_transformers_on_the_embedded_draft() -> None:
 def test_sliding_window_models_keep_the_transformers_path(tmp_path: Path) -> None:
     path = make_dense(tmp_path / "m", "mistral")
     lm = load_dense_model(path, device="cpu", dtype="float32")
-    lm.model.config.sliding_window = 4  # windowed attention: the lean path would attend too far back
+    lm.model.config.sliding_window = (
+        4  # windowed attention: the lean path would attend too far back
+    )
     assert not LeanDenseModel.supports(lm.model)

@@ -1,6 +1,7 @@
 """The lean target forward (engine/worker/lean_forward.py) is transformers' packed forward without
 its wrappers: the same logits bit for bit (all experts resident, so both take the same expert path), on every architecture it claims, in steps that mix
 a prompt, plain decodes and a speculative window, in f32 and bf16."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
         steps.append((wins, [[0], [0, 1, 2, 3], [0]]))
     for _ in range(2):  # all three decoding: the attention path of plain decode steps
         steps.append(([tok(1), tok(1), tok(1)], [[0], [0], [0]]))
-    steps.append(([tok(3), tok(2), tok(1)], [[], [1], [0]]))  # a prefill chunk whose logits nobody needs
+    steps.append(
+        ([tok(3), tok(2), tok(1)], [[], [1], [0]])
+    )  # a prefill chunk whose logits nobody needs
     return steps
 
 
@@ -44,13 +47,18 @@ def test_lean_forward_equals_packed_forward(tiny_ckpt, arch: str, dtype: str) ->
         warm = DynamicCache(config=om.config)
         packed_forward(om.model, [[3, 4, 5]], [0], [warm], [[2]], om.device)
         packed_forward(om.model, [[6]], [3], [warm], [[0]], om.device)
-        ours, ref = [DynamicCache(config=om.config) for _ in range(3)], [DynamicCache(config=om.config) for _ in range(3)]
+        ours, ref = (
+            [DynamicCache(config=om.config) for _ in range(3)],
+            [DynamicCache(config=om.config) for _ in range(3)],
+        )
         starts = [0, 0, 0]
         for windows, keep in _steps(om.config.vocab_size):
             got = lean(windows, starts, ours, keep, om.device)
             want = packed_forward(om.model, windows, starts, ref, keep, om.device)
             for g, w in zip(got, want):
-                assert g.shape == w.shape and torch.equal(g, w), f"{arch} {dtype}: max |Δ| {(g - w).abs().max().item()}"
+                assert g.shape == w.shape and torch.equal(g, w), (
+                    f"{arch} {dtype}: max |Δ| {(g - w).abs().max().item()}"
+                )
             for c, r in zip(ours, ref):
                 assert torch.equal(c.layers[0].keys, r.layers[0].keys)
             starts = [s + len(w) for s, w in zip(starts, windows)]
@@ -81,13 +89,19 @@ def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: s
         window, start = [5, 9, 11, 7, 6, 3], 0
         for step in range(6):
             got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
-            want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]
+            want = packed_forward(
+                om.model, [window], [start], [ref], [[len(window) - 1]], om.device
+            )[0]
             assert torch.equal(got, want), f"step {step}: max |Δ| {(got - want).abs().max().item()}"
             start += len(window)
             window = [int(got.argmax())]
         layers = om.config.num_hidden_layers
-        assert calls["qk_norm_rope"] == 5 * layers, "the decode steps should take the fused q/k call"
-        assert calls["add_rmsnorm"] == 6 * 2 * layers, "and the fused residual add + norm (the 6-row prompt too)"
+        assert calls["qk_norm_rope"] == 5 * layers, (
+            "the decode steps should take the fused q/k call"
+        )
+        assert calls["add_rmsnorm"] == 6 * 2 * layers, (
+            "and the fused residual add + norm (the 6-row prompt too)"
+        )
     finally:
         om.close()
 
@@ -127,29 +141,41 @@ def _count_native_attention(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_attention_agrees_with_packed_forward(tiny_ckpt, monkeypatch, arch: str, dtype: str) -> None:
+def test_native_decode_attention_agrees_with_packed_forward(
+    tiny_ckpt, monkeypatch, arch: str, dtype: str
+) -> None:
     """With the engine's in-place KV cache a decode row's attention is one native call (q/k norms,
     rotary, KV append, softmax attention): its sums run in another order than SDPA's, so the logits
     agree to rounding (f32: 1e-6; bf16: 1e-2, about one of its ulps) and the greedy tokens are the same."""
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))
     try:
         calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
+        lean = LeanForward(
+            om.model, fused=False
+        )  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
         warm = new_kv_cache(om.config)  # the norms' and the router's first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
         lean([[6]], [3], [warm], [[0]], om.device)
         calls[0] = 0
         ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
         window, start = [5, 9, 11, 7, 6, 3], 0
-        tol = 1e-6 if dtype == "float32" else 1e-2  # measured: at most 1.5e-7 and 3.9e-3 (one bf16 ulp near 1)
+        tol = (
+            1e-6 if dtype == "float32" else 1e-2
+        )  # measured: at most 1.5e-7 and 3.9e-3 (one bf16 ulp near 1)
         for step in range(8):
             got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
-            want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]
-            assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), f"step {step}: max |Δ| {(got - want).abs().max().item()}"
+            want = packed_forward(
+                om.model, [window], [start], [ref], [[len(window) - 1]], om.device
+            )[0]
+            assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (
+                f"step {step}: max |Δ| {(got - want).abs().max().item()}"
+            )
             assert int(got.argmax()) == int(want.argmax())
             start += len(window)
             window = [int(want.argmax())]
-        assert calls[0] == 7 * om.config.num_hidden_layers, "every decode step's layers take the native attention"
+        assert calls[0] == 7 * om.config.num_hidden_layers, (
+            "every decode step's layers take the native attention"
+        )
         assert ours.get_seq_length() == ref.get_seq_length() == start
         for a, b in zip(ours.layers, ref.layers):  # the cache holds the same keys and values
             assert torch.allclose(a.keys.float(), b.keys.float(), atol=tol, rtol=tol)
@@ -172,7 +198,9 @@ def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
         for _step in range(10):
             before = calls[0]
             got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
-            want = packed_forward(om.model, [window], [start], [ref], [[len(window) - 1]], om.device)[0]
+            want = packed_forward(
+                om.model, [window], [start], [ref], [[len(window) - 1]], om.device
+            )[0]
             assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
             native_steps.append(calls[0] > before)
             start += len(window)
@@ -188,7 +216,9 @@ def test_native_decode_attention_for_several_requests(tiny_ckpt, monkeypatch) ->
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
     try:
         calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
+        lean = LeanForward(
+            om.model, fused=False
+        )  # the layer-by-layer path (the fused one: tests/test_fused_decode.py)
         warm = new_kv_cache(om.config)  # the norms' first calls check themselves
         lean([[3, 4, 5]], [0], [warm], [[2]], om.device)
         lean([[6]], [3], [warm], [[0]], om.device)
@@ -205,7 +235,9 @@ def test_native_decode_attention_for_several_requests(tiny_ckpt, monkeypatch) ->
             want = packed_forward(om.model, rows, starts, refs, [[0], [0]], om.device)
             for g, w in zip(got, want):
                 assert torch.allclose(g, w, atol=1e-6, rtol=1e-6)
-            assert all(layer.keys.shape[-2] == s + 1 for c, s in zip(ours, starts) for layer in c.layers)
+            assert all(
+                layer.keys.shape[-2] == s + 1 for c, s in zip(ours, starts) for layer in c.layers
+            )
             starts = [s + 1 for s in starts]
             rows = [[int(w.argmax())] for w in want]
         assert calls[0] == 3 * 2 * om.config.num_hidden_layers

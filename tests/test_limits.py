@@ -1,5 +1,6 @@
 """Front-end limits: oversized bodies are refused early (413) without stalling /health or
 growing memory; slow clients hold no one up; requests that cannot be honoured get a 400."""
+
 from __future__ import annotations
 
 import socket
@@ -21,7 +22,10 @@ MB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", MODEL], tmp_path_factory.mktemp("limits") / "server.log") as s:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
+        tmp_path_factory.mktemp("limits") / "server.log",
+    ) as s:
         yield s
 
 
@@ -44,7 +48,9 @@ def _upload(srv: RunningServer, size: int, chunked: bool) -> tuple[int, float]:
     sock = socket.create_connection(_addr(srv), timeout=30)
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
     t0 = time.perf_counter()
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+    )
     piece = b'{"prompt": "' + b"a" * (64 * 1024 - 12)
     got: dict[str, object] = {}
 
@@ -93,16 +99,28 @@ def test_20mb_body_is_413_fast_while_health_stays_fast(srv: RunningServer, chunk
     finally:
         stop.set()
         poller.join()
-    assert lat and max(lat) < 0.1, f"/health latencies (s): max {max(lat):.3f}, median {statistics.median(lat):.3f}"
+    assert lat and max(lat) < 0.1, (
+        f"/health latencies (s): max {max(lat):.3f}, median {statistics.median(lat):.3f}"
+    )
     assert proc.memory_info().rss < base * 1.10, (base, proc.memory_info().rss)
-    r = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+    r = httpx.post(
+        srv.v1 + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30
+    )
     assert r.status_code == 200  # the server is fine afterwards
 
 
 def test_413_is_an_openai_error_object(srv: RunningServer) -> None:
-    r = httpx.post(srv.v1 + "/completions", content=b"x" * (9 * MB), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        srv.v1 + "/completions",
+        content=b"x" * (9 * MB),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 413
-    assert r.json()["error"]["code"] == "request_too_large" and r.json()["error"]["type"] == "invalid_request_error"
+    assert (
+        r.json()["error"]["code"] == "request_too_large"
+        and r.json()["error"]["type"] == "invalid_request_error"
+    )
 
 
 def test_slowloris_holds_no_one_up(srv: RunningServer) -> None:
@@ -117,7 +135,11 @@ def test_slowloris_holds_no_one_up(srv: RunningServer) -> None:
         t0 = time.perf_counter()
         assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
         assert time.perf_counter() - t0 < 0.5
-        r = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+        r = httpx.post(
+            srv.v1 + "/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+            timeout=30,
+        )
         assert r.status_code == 200
     finally:
         for s in socks:
@@ -135,7 +157,16 @@ def test_health_stays_fast_while_long_prompts_are_tokenized(srv: RunningServer) 
     try:
         with httpx.Client(timeout=60) as hc:
             for _ in range(10):
-                codes.append(hc.post(srv.v1 + "/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "ab " * (n_chars // 3)}], "max_tokens": 1}).status_code)
+                codes.append(
+                    hc.post(
+                        srv.v1 + "/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "messages": [{"role": "user", "content": "ab " * (n_chars // 3)}],
+                            "max_tokens": 1,
+                        },
+                    ).status_code
+                )
     finally:
         stop.set()
         poller.join()
@@ -149,21 +180,43 @@ def _err(srv: RunningServer, path: str, body: dict) -> dict:
     return r.json()["error"]
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
-])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ],
+)
 def test_image_and_audio_parts_are_400(srv: RunningServer, part: dict) -> None:
-    e = _err(srv, "/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]})
+    e = _err(
+        srv,
+        "/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}],
+        },
+    )
     assert e["param"] == "messages[0].content[1].type" and part["type"] in e["message"]
 
 
 def test_unhonourable_fields_are_400_and_unknown_extras_ignored(srv: RunningServer) -> None:
-    e = _err(srv, "/chat/completions", {"model": MODEL, "messages": MSGS, "stream_options": {"include_usage": True}})
+    e = _err(
+        srv,
+        "/chat/completions",
+        {"model": MODEL, "messages": MSGS, "stream_options": {"include_usage": True}},
+    )
     assert "stream_options" in e["message"]
-    e = _err(srv, "/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}, "stream": False})
+    e = _err(
+        srv,
+        "/completions",
+        {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}, "stream": False},
+    )
     assert "stream_options" in e["message"]
-    ok = httpx.post(srv.v1 + "/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 1, "some_future_field": {"x": 1}}, timeout=30)
+    ok = httpx.post(
+        srv.v1 + "/chat/completions",
+        json={"model": MODEL, "messages": MSGS, "max_tokens": 1, "some_future_field": {"x": 1}},
+        timeout=30,
+    )
     assert ok.status_code == 200
 
 
@@ -172,7 +225,9 @@ def test_request_size_limits(srv: RunningServer) -> None:
     assert e["param"] == "messages" and "1024" in e["message"]
     e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 65, "max_tokens": 1})
     assert e["param"] == "prompt"
-    e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 16, "n": 16, "max_tokens": 1100})
+    e = _err(
+        srv, "/completions", {"model": MODEL, "prompt": ["x"] * 16, "n": 16, "max_tokens": 1100}
+    )
     assert e["param"] == "max_tokens" and "262144" in e["message"]
     e = _err(srv, "/completions", {"model": MODEL, "prompt": ["x"] * 64, "n": 16, "max_tokens": 1})
     assert e["param"] == "n" and "1024 sequences" in e["message"]  # more than the server ever holds

@@ -2,6 +2,7 @@
 transformers backend ("hf") on the same checkpoint: multiple choice, loglikelihood (with
 answers the model follows by EOS: the end-of-turn case), rolling perplexity and generation.
 The wire behaviour lm_eval relies on is also checked directly."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,10 @@ def ckpt(tiny_ckpt, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(ckpt: Path, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(["--model", str(ckpt), "--served-model-name", MODEL], tmp_path_factory.mktemp("lm_eval_srv") / "server.log") as s:
+    with serve(
+        ["--model", str(ckpt), "--served-model-name", MODEL],
+        tmp_path_factory.mktemp("lm_eval_srv") / "server.log",
+    ) as s:
         yield s
 
 
@@ -63,7 +67,9 @@ def _docs(ckpt: Path) -> dict[str, list[dict[str, Any]]]:
         cont = " " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(1 + i % 2))
         with torch.no_grad():
             nxt = int(ref(torch.tensor([tok(ctx + cont)["input_ids"]])).logits[0, -1].argmax())
-        (eos_next if nxt == tok.eos_token_id else other).append({"context": ctx, "continuation": cont})
+        (eos_next if nxt == tok.eos_token_id else other).append(
+            {"context": ctx, "continuation": cont}
+        )
     assert len(eos_next) >= 2, "the EOS-prone checkpoint did not make any answer end in EOS"
     ll = eos_next[:4] + other[:4]
     gens = []
@@ -71,13 +77,25 @@ def _docs(ckpt: Path) -> dict[str, list[dict[str, Any]]]:
         q = " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(4))
         ids = tok(q, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
-        greedy = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0]
+            out = ref.generate(
+                ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id
+            )
+        greedy = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0]
         gens.append({"question": q, "answer": greedy if i % 2 == 0 else "no such answer"})
     return {
-        "mc": [{"question": " ".join(WORDS[i:i + 4]), "choices": [" fox", " dog", " hello"], "answer": i % 3} for i in range(6)],
+        "mc": [
+            {
+                "question": " ".join(WORDS[i : i + 4]),
+                "choices": [" fox", " dog", " hello"],
+                "answer": i % 3,
+            }
+            for i in range(6)
+        ],
         "ll": ll,
-        "roll": [{"text": " ".join(WORDS[(i * 11 + j) % len(WORDS)] for j in range(40 + 30 * i))} for i in range(3)],
+        "roll": [
+            {"text": " ".join(WORDS[(i * 11 + j) % len(WORDS)] for j in range(40 + 30 * i))}
+            for i in range(3)
+        ],
         "gen": gens,
     }
 
@@ -96,13 +114,17 @@ def _write_tasks(ckpt: Path, d: Path) -> list[str]:
         data = d / f"{kind}.jsonl"
         data.write_text("".join(json.dumps(x) + "\n" for x in docs))
         name = f"moe_offload_{kind}"
-        (d / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{_YAML[kind]}")
+        (d / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{_YAML[kind]}"
+        )
         names.append(name)
     return names
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_equal_transformers(ckpt: Path, srv: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lm_eval_scores_equal_transformers(
+    ckpt: Path, srv: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything is local: never wait on a hub
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval  # the test extra lm-eval[api]
@@ -111,10 +133,18 @@ def test_lm_eval_scores_equal_transformers(ckpt: Path, srv: RunningServer, tmp_p
     tasks = _write_tasks(ckpt, tmp_path)
     tm = TaskManager(include_path=str(tmp_path))
     common = dict(tasks=tasks, task_manager=tm, batch_size=1, bootstrap_iters=0)
-    server = lm_eval.simple_evaluate(model="local-completions", model_args=f"model={MODEL},base_url={srv.v1}/completions,tokenizer_backend=huggingface,tokenizer={ckpt},tokenized_requests=True,num_concurrent=1,max_retries=1,max_length={MAX_LEN}", **common)
+    server = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model={MODEL},base_url={srv.v1}/completions,tokenizer_backend=huggingface,tokenizer={ckpt},tokenized_requests=True,num_concurrent=1,max_retries=1,max_length={MAX_LEN}",
+        **common,
+    )
     # lm_eval's API backend keeps one position for a generated token and windows rolling
     # texts by max_length - 2; the hf backend by max_length.  Same windows: hf gets MAX_LEN - 2.
-    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={ckpt},dtype=float32,device=cpu,max_length={MAX_LEN - 2}", **common)
+    hf = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={ckpt},dtype=float32,device=cpu,max_length={MAX_LEN - 2}",
+        **common,
+    )
     compared = 0
     for task in tasks:
         for key, want in hf["results"][task].items():
@@ -125,18 +155,28 @@ def test_lm_eval_scores_equal_transformers(ckpt: Path, srv: RunningServer, tmp_p
                 # exp of a mean log-likelihood: compare the means. A random checkpoint's perplexity is about 7e14
                 # (a mean NLL of 34), where f32 rounding of the logits moved the mean by 1.6e-6 on this project's
                 # AMD machine, 1.6e-6 relative in the perplexity itself.
-                assert math.isclose(math.log(got), math.log(want), rel_tol=0, abs_tol=1e-5), (task, key, got, want)
+                assert math.isclose(math.log(got), math.log(want), rel_tol=0, abs_tol=1e-5), (
+                    task,
+                    key,
+                    got,
+                    want,
+                )
             else:
                 assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (task, key, got, want)
             compared += 1
     assert compared >= 8
-    assert 0 < hf["results"]["moe_offload_gen"]["exact_match,none"] <= 1  # the generation task really compares outputs
+    assert (
+        0 < hf["results"]["moe_offload_gen"]["exact_match,none"] <= 1
+    )  # the generation task really compares outputs
 
 
 # -- the wire behaviour lm_eval relies on, checked directly ---------------------------------
 
+
 def _complete(srv: RunningServer, **body: Any) -> dict[str, Any]:
-    r = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+    r = httpx.post(
+        srv.v1 + "/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -161,21 +201,54 @@ def test_max_tokens_0_with_echo_returns_prompt_logprobs_only(srv: RunningServer)
     ids = [5, 17, 42, 99, 7]
     for stream in (False, True):
         if stream:
-            r = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2, "stream": True}, timeout=60)
-            chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
-            c = {"text": "".join(x["choices"][0]["text"] for x in chunks), "logprobs": chunks[0]["choices"][0]["logprobs"], "finish_reason": chunks[-1]["choices"][0]["finish_reason"]}
+            r = httpx.post(
+                srv.v1 + "/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": ids,
+                    "max_tokens": 0,
+                    "echo": True,
+                    "logprobs": 2,
+                    "stream": True,
+                },
+                timeout=60,
+            )
+            chunks = [
+                json.loads(ln[6:])
+                for ln in r.text.splitlines()
+                if ln.startswith("data: ") and ln != "data: [DONE]"
+            ]
+            c = {
+                "text": "".join(x["choices"][0]["text"] for x in chunks),
+                "logprobs": chunks[0]["choices"][0]["logprobs"],
+                "finish_reason": chunks[-1]["choices"][0]["finish_reason"],
+            }
         else:
             out = _complete(srv, prompt=ids, max_tokens=0, echo=True, logprobs=2)
             c = out["choices"][0]
-            assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+            assert out["usage"] == {
+                "prompt_tokens": 5,
+                "completion_tokens": 0,
+                "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
         assert c["finish_reason"] == "length"
         assert len(c["logprobs"]["tokens"]) == 5 and c["logprobs"]["token_logprobs"][0] is None
-    assert httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 0}, timeout=30).status_code == 400
+    assert (
+        httpx.post(
+            srv.v1 + "/completions",
+            json={"model": MODEL, "prompt": ids, "max_tokens": 0},
+            timeout=30,
+        ).status_code
+        == 400
+    )
 
 
 def test_top_logprobs_include_the_chosen_token(srv: RunningServer) -> None:
     """Sampling picks tokens outside the top 1: their entry lists them too (k+1 entries)."""
-    out = _complete(srv, prompt="Hello there", max_tokens=40, logprobs=1, temperature=2.0, seed=3, echo=True)
+    out = _complete(
+        srv, prompt="Hello there", max_tokens=40, logprobs=1, temperature=2.0, seed=3, echo=True
+    )
     lp = out["choices"][0]["logprobs"]
     extra = 0
     for tok, val, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):

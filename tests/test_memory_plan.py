@@ -1,4 +1,5 @@
 """The memory planner (engine/memory/): machine readings, budgets, placement, and its use at load."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +23,23 @@ GiB, MiB = 1 << 30, 1 << 20
 
 
 def _fp(slot: int = 4 * MiB, layers: int = 4, experts: int = 16) -> Footprint:
-    return Footprint(dtype=torch.bfloat16, dense_bytes=100 * MiB, slot_bytes=slot, expert_disk_bytes=slot, moe_layers=layers,
-                     experts_per_layer=experts, top_k=2, kv_bytes_per_token=4096, sliding_kv_bytes_per_token=0, sliding_window=0,
-                     context=2048, hidden=256, intermediate=512, vocab=1000, checkpoint_bytes=400 * MiB)
+    return Footprint(
+        dtype=torch.bfloat16,
+        dense_bytes=100 * MiB,
+        slot_bytes=slot,
+        expert_disk_bytes=slot,
+        moe_layers=layers,
+        experts_per_layer=experts,
+        top_k=2,
+        kv_bytes_per_token=4096,
+        sliding_kv_bytes_per_token=0,
+        sliding_window=0,
+        context=2048,
+        hidden=256,
+        intermediate=512,
+        vocab=1000,
+        checkpoint_bytes=400 * MiB,
+    )
 
 
 def _host(n: int) -> HostMemory:
@@ -57,19 +72,46 @@ def test_cgroup_v1_and_v2_limits_are_read(tmp_path: Path) -> None:
     meminfo.write_text("MemTotal: 100000000 kB\nMemAvailable: 8000000 kB\n")
     # v1: the limit less the working set (usage without the inactive page cache); the tightest ancestor wins.
     root1 = tmp_path / "v1"
-    _write(root1 / "memory" / "a" / "b", {"memory.limit_in_bytes": str(3 * GiB), "memory.usage_in_bytes": str(2 * GiB),
-                                          "memory.stat": f"cache 1\ntotal_inactive_file {GiB // 2}\n"})
-    _write(root1 / "memory" / "a", {"memory.limit_in_bytes": str(9 * GiB), "memory.usage_in_bytes": str(2 * GiB), "memory.stat": ""})
+    _write(
+        root1 / "memory" / "a" / "b",
+        {
+            "memory.limit_in_bytes": str(3 * GiB),
+            "memory.usage_in_bytes": str(2 * GiB),
+            "memory.stat": f"cache 1\ntotal_inactive_file {GiB // 2}\n",
+        },
+    )
+    _write(
+        root1 / "memory" / "a",
+        {
+            "memory.limit_in_bytes": str(9 * GiB),
+            "memory.usage_in_bytes": str(2 * GiB),
+            "memory.stat": "",
+        },
+    )
     _write(root1 / "memory", {"memory.limit_in_bytes": str(1 << 62), "memory.usage_in_bytes": "0"})
     cg1 = tmp_path / "cgroup1"
     cg1.write_text("9:name=systemd:/\n4:memory:/a/b\n0::/\n")
-    assert cgroup_headroom(cg1, root1) == (3 * GiB - (2 * GiB - GiB // 2), f"cgroup v1 limit {3 * GiB} B")
+    assert cgroup_headroom(cg1, root1) == (
+        3 * GiB - (2 * GiB - GiB // 2),
+        f"cgroup v1 limit {3 * GiB} B",
+    )
     hm = host_memory(meminfo, cg1, root1)
-    assert hm.available == int(1.5 * GiB) and hm.source.startswith("cgroup v1") and hm.mem_available == 8000000 * 1024
+    assert (
+        hm.available == int(1.5 * GiB)
+        and hm.source.startswith("cgroup v1")
+        and hm.mem_available == 8000000 * 1024
+    )
     # v2: memory.max / memory.current / inactive_file; "max" is no limit.
     root2 = tmp_path / "v2"
     _write(root2, {"cgroup.controllers": "memory"})
-    _write(root2 / "svc", {"memory.max": str(GiB), "memory.current": str(GiB // 4), "memory.stat": "inactive_file 0\n"})
+    _write(
+        root2 / "svc",
+        {
+            "memory.max": str(GiB),
+            "memory.current": str(GiB // 4),
+            "memory.stat": "inactive_file 0\n",
+        },
+    )
     cg2 = tmp_path / "cgroup2"
     cg2.write_text("0::/svc\n")
     assert cgroup_headroom(cg2, root2)[0] == GiB - GiB // 4
@@ -89,7 +131,9 @@ def test_cpu_plan_keeps_experts_in_ram_when_they_fit_else_reads_disk() -> None:
     assert small.total("host", budgeted=True) <= 400 * MiB
     assert "slow_tier" in small.table() and "disk" in small.table()
     # Explicit flags win over the plan's choice.
-    forced = plan_memory(fp, EngineConfig(offload="disk", cache_fraction=0.25), "cpu", _host(8 * GiB))
+    forced = plan_memory(
+        fp, EngineConfig(offload="disk", cache_fraction=0.25), "cpu", _host(8 * GiB)
+    )
     assert (forced.offload, forced.n_slots) == ("disk", 16)
 
 
@@ -98,9 +142,19 @@ def test_a_combination_that_cannot_fit_fails_with_one_line() -> None:
     with pytest.raises(ConfigError) as e:
         plan_memory(fp, EngineConfig(offload="ram", kv_tokens=0), "cpu", _host(400 * MiB))
     msg = str(e.value)
-    assert "\n" not in msg and "every expert in RAM" in msg and "short by" in msg and "--offload disk" in msg
+    assert (
+        "\n" not in msg
+        and "every expert in RAM" in msg
+        and "short by" in msg
+        and "--offload disk" in msg
+    )
     with pytest.raises(ConfigError, match="short by"):
-        plan_memory(fp, EngineConfig(cache_fraction=1.0, offload="disk", kv_tokens=0), "cpu", _host(300 * MiB))
+        plan_memory(
+            fp,
+            EngineConfig(cache_fraction=1.0, offload="disk", kv_tokens=0),
+            "cpu",
+            _host(300 * MiB),
+        )
     with pytest.raises(ConfigError, match="dense part"):
         plan_memory(fp, EngineConfig(), "cpu", _host(50 * MiB))
 
@@ -114,7 +168,9 @@ def test_gpu_plan_sizes_the_fast_tier_to_device_memory() -> None:
     assert plan.total("device") <= GiB
     # Not enough host RAM for every expert: the slow tier is the disk.
     assert plan_memory(fp, cfg, "cuda:0", _host(200 * MiB), device_free=80 * GiB).offload == "disk"
-    half = plan_memory(fp, EngineConfig(device_memory="0.5"), "cuda:0", _host(64 * GiB), device_free=2 * GiB)
+    half = plan_memory(
+        fp, EngineConfig(device_memory="0.5"), "cuda:0", _host(64 * GiB), device_free=2 * GiB
+    )
     assert half.device_budget == GiB
 
 
@@ -122,14 +178,26 @@ def test_load_follows_the_plan_and_stays_exact(tiny_ckpt) -> None:
     path = tiny_ckpt("qwen3_moe")
     ref = load_reference(path)
     with torch.no_grad():
-        want = ref.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+        want = ref.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False)[
+            0, 3:
+        ].tolist()
     # Budget for the dense part, the scratch and the headroom, plus 5 experts: the plan reads the rest from disk.
     probe = load_model(path, EngineConfig(device="cpu", dtype="float32", kv_tokens=0))
-    slot, fixed = probe.memory_plan.slot_bytes, sum(p.nbytes for p in probe.memory_plan.pools if p.name in ("dense", "scratch")) + 64 * MiB
+    slot, fixed = (
+        probe.memory_plan.slot_bytes,
+        sum(p.nbytes for p in probe.memory_plan.pools if p.name in ("dense", "scratch")) + 64 * MiB,
+    )
     probe.close()
-    om = load_model(path, EngineConfig(device="cpu", dtype="float32", kv_tokens=0, host_memory=str(fixed + 5 * slot)))
+    om = load_model(
+        path,
+        EngineConfig(device="cpu", dtype="float32", kv_tokens=0, host_memory=str(fixed + 5 * slot)),
+    )
     try:
-        assert om.memory_plan.offload == "disk" and isinstance(om.transfers.tier, DiskTier) and om.store.n_slots == 5
+        assert (
+            om.memory_plan.offload == "disk"
+            and isinstance(om.transfers.tier, DiskTier)
+            and om.store.n_slots == 5
+        )
         out = generate(om, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
         assert out.token_ids == want
         mem = om.stats.snapshot()["memory"]
@@ -161,23 +229,39 @@ def test_metrics_export_planned_and_used_bytes(tiny_ckpt) -> None:
 def test_serve_refuses_a_plan_that_cannot_fit_before_listening(tiny_ckpt, capsys) -> None:
     from server.cli import main
 
-    rc = main(["serve", "--model", str(tiny_ckpt("qwen3_moe")), "--host-memory", "10MiB", "--port", "1"])
+    rc = main(
+        ["serve", "--model", str(tiny_ckpt("qwen3_moe")), "--host-memory", "10MiB", "--port", "1"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].startswith("moe-offload: error: memory plan:") and "short by" in err[-1]
+    assert (
+        rc == 2 and err[-1].startswith("moe-offload: error: memory plan:") and "short by" in err[-1]
+    )
 
 
 def test_ram_tier_pins_in_chunks_and_falls_back_to_pageable(tiny_ckpt, caplog) -> None:
     """On this CPU-only build pinning is refused: the tier must come up pageable, say so once, and
     serve the same rows as the disk tier, chunked or not."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", cache_fraction=0.5, offload="disk"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", cache_fraction=0.5, offload="disk")
+    )
     try:
         locator, layers = om.transfers.tier.locator, om.moe_layers
         disk = om.transfers.tier
         row = om.executor.fmt.slot_bytes
         with caplog.at_level("WARNING", logger="engine.experts.slow_tier"):
-            tier = RamTier(locator, layers, om.executor.fmt.slot_dtype, pin=True, chunk_bytes=3 * row, pin_limit=None if not torch.cuda.is_available() else 0)
+            tier = RamTier(
+                locator,
+                layers,
+                om.executor.fmt.slot_dtype,
+                pin=True,
+                chunk_bytes=3 * row,
+                pin_limit=None if not torch.cuda.is_available() else 0,
+            )
         warnings = [r for r in caplog.records if "pinning failed" in r.getMessage()]
-        assert len(warnings) == 1 and tier.pageable_bytes == tier.nbytes == len(layers) * om.num_experts * row
+        assert (
+            len(warnings) == 1
+            and tier.pageable_bytes == tier.nbytes == len(layers) * om.num_experts * row
+        )
         assert len(tier._chunks) == -(-len(layers) * om.num_experts // 3)
         for layer in layers:
             for e in range(om.num_experts):

@@ -1,6 +1,7 @@
 """The native CPU kernels (engine/native/): built on this machine, equal to torch's arithmetic within
 the documented rounding, independent of the thread count, and used by the engine without changing
 what it decodes. Speeds are in docs/benchmarks/kernels.md, not here."""
+
 from __future__ import annotations
 
 import shutil
@@ -40,17 +41,19 @@ def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.float()[:, None]
 
 
-@pytest.mark.parametrize("rows,cols,m", [(64, 128, 1), (37, 70, 3), (256, 192, MAX_ROWS), (5, 64, 2)])
+@pytest.mark.parametrize(
+    "rows,cols,m", [(64, 128, 1), (37, 70, 3), (256, 192, MAX_ROWS), (5, 64, 2)]
+)
 def test_gemv_f32_and_bf16_equal_torch(nk, rows: int, cols: int, m: int) -> None:
     g = torch.Generator().manual_seed(rows + cols)
     w, x = torch.randn(rows, cols, generator=g), torch.randn(m, cols, generator=g)
     torch.testing.assert_close(nk.gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     wb, xb = w.bfloat16(), x.bfloat16()
     # bf16 x bf16 products are exact in f32; only the f32 sum's order and the final rounding differ.
-    exact = (xb.double() @ wb.double().T)
+    exact = xb.double() @ wb.double().T
     got = nk.gemv(xb, wb)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-6)
     # An f32 activation against bf16 weights keeps exact products (the weights are widened).
     torch.testing.assert_close(nk.gemv(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +73,9 @@ def test_gemv_int8_rows(nk) -> None:
     # Columns that are not a multiple of the 64-wide block: the activation is not quantized (widened path).
     w2, x2 = torch.randn(40, 96, generator=g), torch.randn(2, 96, generator=g).bfloat16()
     q2, s2 = _int8_rows(w2)
-    torch.testing.assert_close(nk.gemv(x2, q2, s2).float(), x2.float() @ _dequant(q2, s2).T, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(
+        nk.gemv(x2, q2, s2).float(), x2.float() @ _dequant(q2, s2).T, rtol=2**-7, atol=1e-2
+    )
 
 
 def test_gemv_int4_groups(nk) -> None:
@@ -79,7 +84,11 @@ def test_gemv_int4_groups(nk) -> None:
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(72, 256, generator=g), torch.randn(3, 256, generator=g).bfloat16()
     packed, s, z = _int4(w, 64)  # [72, 4, 32] codes, [72, 4, 1] scales and zeros
-    packed, s, z = packed.reshape(72, -1).contiguous(), s.to(torch.float16).contiguous(), z.to(torch.float16).contiguous()
+    packed, s, z = (
+        packed.reshape(72, -1).contiguous(),
+        s.to(torch.float16).contiguous(),
+        z.to(torch.float16).contiguous(),
+    )
     q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float().view(72, 4, 64)
     deq = ((q - z.float()) * s.float()).view(72, 256)
     ref = x.float() @ deq.T
@@ -89,8 +98,12 @@ def test_gemv_int4_groups(nk) -> None:
         return
     rel = ((got.float() - ref).norm() / ref.norm()).item()
     assert rel < 0.02, rel
-    assert nk.gemv_q4(x.float(), packed, s, z) is None  # f32 activations keep the exact dequantizing path
-    assert nk.gemv_q4(x[:, :200].contiguous(), packed[:, :100].contiguous(), s, z) is None  # not a multiple of 64
+    assert (
+        nk.gemv_q4(x.float(), packed, s, z) is None
+    )  # f32 activations keep the exact dequantizing path
+    assert (
+        nk.gemv_q4(x[:, :200].contiguous(), packed[:, :100].contiguous(), s, z) is None
+    )  # not a multiple of 64
 
 
 def test_int4_expert_format_runs_natively_in_bf16(nk) -> None:
@@ -100,18 +113,25 @@ def test_int4_expert_format_runs_natively_in_bf16(nk) -> None:
     H, I = 128, 64
     fmt = make_format(SwiGLUKernel(H, I, torch.nn.SiLU()), "int4", 64, torch.bfloat16)
     g = torch.Generator().manual_seed(9)
-    views = fmt.views(fmt.encode([torch.randn(2 * I, H, generator=g) / 8, torch.randn(H, I, generator=g) / 8]))
+    views = fmt.views(
+        fmt.encode([torch.randn(2 * I, H, generator=g) / 8, torch.randn(H, I, generator=g) / 8])
+    )
     x = torch.randn(2, H, generator=g).bfloat16()
     fast = fmt.forward(views, x)
     slow = fmt.kernel.forward(fmt.weights(views), x)  # dequantize, then torch
     assert fast.dtype == slow.dtype == torch.bfloat16
     assert ((fast.float() - slow.float()).norm() / slow.float().norm()).item() < 0.04
-    assert torch.equal(fast, slow) != nk.int8_dot  # with VNNI the native kernel ran (activation quantized), else the dequantizing path
+    assert (
+        torch.equal(fast, slow) != nk.int8_dot
+    )  # with VNNI the native kernel ran (activation quantized), else the dequantizing path
 
 
 def test_gemv_results_do_not_depend_on_threads(nk) -> None:
     g = torch.Generator().manual_seed(5)
-    w, x = torch.randn(300, 512, generator=g).bfloat16(), torch.randn(3, 512, generator=g).bfloat16()
+    w, x = (
+        torch.randn(300, 512, generator=g).bfloat16(),
+        torch.randn(3, 512, generator=g).bfloat16(),
+    )
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -128,7 +148,9 @@ def test_gemv_rejects_too_many_rows(nk) -> None:
         nk.gemv(torch.randn(MAX_ROWS + 1, 64), torch.randn(8, 64))
 
 
-def _swiglu_reference(x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float]) -> torch.Tensor:
+def _swiglu_reference(
+    x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float]
+) -> torch.Tensor:
     """transformers' order and rounding: each expert in x's dtype, scaled in f32, cast, summed in order."""
     out = None
     for (gate_up, down), w in zip(experts, weights):
@@ -143,19 +165,36 @@ def _swiglu_reference(x: torch.Tensor, experts: list[tuple[torch.Tensor, torch.T
 def test_fused_moe_equals_expert_by_expert(nk, dtype: torch.dtype) -> None:
     H, I, m = 128, 64, 6
     g = torch.Generator().manual_seed(11)
-    experts = [((torch.randn(2 * I, H, generator=g) / 8).to(dtype), (torch.randn(H, I, generator=g) / 8).to(dtype)) for _ in range(m)]
+    experts = [
+        (
+            (torch.randn(2 * I, H, generator=g) / 8).to(dtype),
+            (torch.randn(H, I, generator=g) / 8).to(dtype),
+        )
+        for _ in range(m)
+    ]
     weights = torch.rand(m, generator=g).tolist()
     x = torch.randn(1, H, generator=g).to(dtype)
-    got = nk.moe_swiglu(x, dtype, H, I, [gu.data_ptr() for gu, _ in experts], [d.data_ptr() for _, d in experts], weights)
+    got = nk.moe_swiglu(
+        x,
+        dtype,
+        H,
+        I,
+        [gu.data_ptr() for gu, _ in experts],
+        [d.data_ptr() for _, d in experts],
+        weights,
+    )
     ref = _swiglu_reference(x, experts, weights)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-6, atol=2e-3)
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
 def test_fused_moe_results_do_not_depend_on_threads(nk) -> None:
     H, I, m = 256, 96, 8
     g = torch.Generator().manual_seed(13)
-    experts = [(torch.randn(2 * I, H, generator=g).bfloat16(), torch.randn(H, I, generator=g).bfloat16()) for _ in range(m)]
+    experts = [
+        (torch.randn(2 * I, H, generator=g).bfloat16(), torch.randn(H, I, generator=g).bfloat16())
+        for _ in range(m)
+    ]
     weights = torch.rand(m, generator=g).tolist()
     x = torch.randn(1, H, generator=g).bfloat16()
     before = torch.get_num_threads()
@@ -163,7 +202,17 @@ def test_fused_moe_results_do_not_depend_on_threads(nk) -> None:
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            outs.append(nk.moe_swiglu(x, torch.bfloat16, H, I, [gu.data_ptr() for gu, _ in experts], [d.data_ptr() for _, d in experts], weights))
+            outs.append(
+                nk.moe_swiglu(
+                    x,
+                    torch.bfloat16,
+                    H,
+                    I,
+                    [gu.data_ptr() for gu, _ in experts],
+                    [d.data_ptr() for _, d in experts],
+                    weights,
+                )
+            )
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
@@ -172,18 +221,44 @@ def test_fused_moe_results_do_not_depend_on_threads(nk) -> None:
 def test_fused_moe_int8(nk) -> None:
     H, I, m = 128, 64, 3
     g = torch.Generator().manual_seed(12)
-    parts = [(_int8_rows(torch.randn(2 * I, H, generator=g) / 8), _int8_rows(torch.randn(H, I, generator=g) / 8)) for _ in range(m)]
+    parts = [
+        (
+            _int8_rows(torch.randn(2 * I, H, generator=g) / 8),
+            _int8_rows(torch.randn(H, I, generator=g) / 8),
+        )
+        for _ in range(m)
+    ]
     weights = [0.5, 0.3, 0.2]
     x = torch.randn(1, H, generator=g)
-    got = nk.moe_swiglu(x, torch.int8, H, I, [gu[0].data_ptr() for gu, _ in parts], [d[0].data_ptr() for _, d in parts], weights,
-                        [gu[1].data_ptr() for gu, _ in parts], [d[1].data_ptr() for _, d in parts])
+    got = nk.moe_swiglu(
+        x,
+        torch.int8,
+        H,
+        I,
+        [gu[0].data_ptr() for gu, _ in parts],
+        [d[0].data_ptr() for _, d in parts],
+        weights,
+        [gu[1].data_ptr() for gu, _ in parts],
+        [d[1].data_ptr() for _, d in parts],
+    )
     ref = _swiglu_reference(x, [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)  # f32 activation: exact products
     # bf16 activation: VNNI with the activation quantized in blocks of 64 (H = 128 and I = 64 both qualify).
     xb = x.bfloat16()
-    got_b = nk.moe_swiglu(xb, torch.int8, H, I, [gu[0].data_ptr() for gu, _ in parts], [d[0].data_ptr() for _, d in parts], weights,
-                          [gu[1].data_ptr() for gu, _ in parts], [d[1].data_ptr() for _, d in parts]).float()
-    ref_b = _swiglu_reference(xb.float(), [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights)
+    got_b = nk.moe_swiglu(
+        xb,
+        torch.int8,
+        H,
+        I,
+        [gu[0].data_ptr() for gu, _ in parts],
+        [d[0].data_ptr() for _, d in parts],
+        weights,
+        [gu[1].data_ptr() for gu, _ in parts],
+        [d[1].data_ptr() for _, d in parts],
+    ).float()
+    ref_b = _swiglu_reference(
+        xb.float(), [(_dequant(*gu), _dequant(*d)) for gu, d in parts], weights
+    )
     assert ((got_b - ref_b).norm() / ref_b.norm()).item() < 0.03
 
 
@@ -192,8 +267,10 @@ def test_native_linear_matches_f_linear(nk) -> None:
     lin.__class__ = NativeLinear
     x = torch.randn(1, 3, 96).bfloat16()
     ref = F.linear(x, lin.weight, lin.bias)
-    torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2 ** -6, atol=2e-2)
-    big = torch.randn(2, MAX_ROWS, 96).bfloat16()  # over the row limit: torch's F.linear, bit for bit
+    torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2**-6, atol=2e-2)
+    big = torch.randn(
+        2, MAX_ROWS, 96
+    ).bfloat16()  # over the row limit: torch's F.linear, bit for bit
     assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))
 
 
@@ -202,15 +279,22 @@ def test_bf16_engine_decodes_like_transformers(nk, tiny_ckpt, arch: str) -> None
     """The bf16 decode path (native dense layers and fused experts) gives transformers' bf16 greedy tokens."""
     path = tiny_ckpt(arch)
     ref = load_reference(path).to(torch.bfloat16)
-    ids = torch.randint(3, ref.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(
+        3, ref.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     with torch.no_grad():
-        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        ref_tokens = ref.generate(
+            torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )[0, len(ids) :].tolist()
     for fraction in (1.0, 0.5):
         om = load_model(path, EngineConfig(cache_fraction=fraction, dtype="bfloat16"))
         try:
             assert isinstance(om.executor._native, NativeMoe)
             assert any(isinstance(mod, NativeLinear) for mod in om.model.modules())
-            assert generate(om, ids, SamplingParams(max_tokens=16, min_tokens=16)).token_ids == ref_tokens, fraction
+            assert (
+                generate(om, ids, SamplingParams(max_tokens=16, min_tokens=16)).token_ids
+                == ref_tokens
+            ), fraction
         finally:
             om.close()
 
@@ -226,7 +310,10 @@ def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
     """--native-kernels off: torch's kernels everywhere, said in the plan; auto brings them back."""
     from engine.native.kernels import native
 
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="off"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="off"),
+    )
     try:
         assert native() is None and om.executor._native is None
         assert not any(isinstance(mod, NativeLinear) for mod in om.model.modules())
@@ -247,7 +334,11 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path) -> None:
     bad.write_text("this is not C\n")
     monkeypatch.setattr(native_build, "SOURCES", [bad])
     lib, why = native_build.build()
-    assert lib is None and why.startswith("building the native CPU kernels with") and "using torch's" in why
+    assert (
+        lib is None
+        and why.startswith("building the native CPU kernels with")
+        and "using torch's" in why
+    )
     assert not list((tmp_path / "native").glob("*.so"))  # no half-built library left to load later
 
 
@@ -261,9 +352,11 @@ def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) ->
     ref = Qwen3MoeRMSNorm(96, eps=1e-6).to(dtype)
     ref.load_state_dict(norm.state_dict())
     assert accelerate(norm) == 1 and isinstance(norm.forward, NativeRMSNorm)
-    for _ in range(3):  # the first call checks against the module's own forward, later ones run natively
+    for _ in range(
+        3
+    ):  # the first call checks against the module's own forward, later ones run natively
         x = torch.randn(1, 2, 96).to(dtype)
-        tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
         torch.testing.assert_close(norm(x).float(), ref(x).float(), rtol=tol, atol=tol)
     assert norm.forward.verified is True
     big = torch.randn(3, MAX_ROWS, 96).to(dtype)  # over the row limit: the module's own arithmetic
@@ -288,18 +381,29 @@ def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rot", [16, 8])  # full rotary (qwen3) and half of a 16-wide head (glm4's partial rotary)
+@pytest.mark.parametrize(
+    "rot", [16, 8]
+)  # full rotary (qwen3) and half of a 16-wide head (glm4's partial rotary)
 def test_rope_equals_transformers(nk, dtype: torch.dtype, rot: int) -> None:
     """The rotary kernel rounds each product and sum as torch does: bit-equal to transformers'."""
     from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(5)
     N, hq, hk, d = 3, 4, 2, 16
-    q, k = torch.randn(1, N, hq, d, generator=g).to(dtype), torch.randn(1, N, hk, d, generator=g).to(dtype)
+    q, k = (
+        torch.randn(1, N, hq, d, generator=g).to(dtype),
+        torch.randn(1, N, hk, d, generator=g).to(dtype),
+    )
     ang = torch.rand(1, N, rot // 2, generator=g) * 6.28
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    cos, sin = (
+        torch.cat([ang.cos(), ang.cos()], -1).to(dtype),
+        torch.cat([ang.sin(), ang.sin()], -1).to(dtype),
+    )
     want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    got_q, got_k = nk.rope(q.clone(), cos, sin).transpose(1, 2), nk.rope(k.clone(), cos, sin).transpose(1, 2)
+    got_q, got_k = (
+        nk.rope(q.clone(), cos, sin).transpose(1, 2),
+        nk.rope(k.clone(), cos, sin).transpose(1, 2),
+    )
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 

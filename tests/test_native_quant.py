@@ -1,6 +1,7 @@
 """Experts that ship quantized: gpt-oss MXFP4 and FP8 block-quantized (DeepSeek-V3 names). The engine
 reads, moves and caches their own bytes and must equal transformers running the dequantized weights
 (dequantized, for MXFP4, by transformers' own converter)."""
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,34 @@ def _copy_dir(src, dst):
 
 def _compare(quant_dir, float_dir, expect_format: str) -> None:
     ref = load_reference(float_dir)
-    ids = torch.randint(3, ref.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        3, ref.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
         ref_logits = ref(ids).logits[0]
-        ref_tokens = ref.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 24:].tolist()
+        ref_tokens = ref.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[
+            0, 24:
+        ].tolist()
     for offload in ("ram", "disk"):
         om = load_model(quant_dir, EngineConfig(cache_fraction=0.5, offload=offload))
         try:
             assert om.executor.fmt.name == expect_format
-            diff = (prompt_logits(om, ids[0].tolist()) - ref_logits).abs().max().item()  # through the engine's runner
+            diff = (
+                (prompt_logits(om, ids[0].tolist()) - ref_logits).abs().max().item()
+            )  # through the engine's runner
             assert diff <= 1e-4, f"{offload}: max |Δlogit| = {diff}"
-            assert generate(om, ids[0].tolist(), SamplingParams(max_tokens=10, min_tokens=10)).token_ids == ref_tokens
+            assert (
+                generate(
+                    om, ids[0].tolist(), SamplingParams(max_tokens=10, min_tokens=10)
+                ).token_ids
+                == ref_tokens
+            )
             snap = om.stats.snapshot()
             nbytes = om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
-            assert nbytes == om.store.slot_bytes and snap["bytes_moved"] == snap["transfers"]["demand"] * nbytes > 0
+            assert (
+                nbytes == om.store.slot_bytes
+                and snap["bytes_moved"] == snap["transfers"]["demand"] * nbytes > 0
+            )
         finally:
             om.close()
 
@@ -58,11 +73,18 @@ def test_gpt_oss_mxfp4(tiny_ckpt, tmp_path) -> None:
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts"
         for name, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
-            blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            blocks = torch.randint(
+                0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8
+            )
             scales = torch.randint(119, 125, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
             del quant[f"{p}.{name}"]
-            quant[f"{p}.{name}_blocks"], quant[f"{p}.{name}_scales"] = blocks, scales  # released gpt-oss names
-            dense[f"{p}.{name}"] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+            quant[f"{p}.{name}_blocks"], quant[f"{p}.{name}_scales"] = (
+                blocks,
+                scales,
+            )  # released gpt-oss names
+            dense[f"{p}.{name}"] = convert_moe_packed_tensors(
+                blocks, scales, dtype=torch.float32
+            ).contiguous()
         for b in ("gate_up_proj_bias", "down_proj_bias"):
             quant[f"{p}.{b}"] = state[f"{p}.{b}"].to(torch.bfloat16)  # biases ship in bf16
             dense[f"{p}.{b}"] = quant[f"{p}.{b}"].float()
@@ -91,7 +113,9 @@ def test_deepseek_fp8_block(tiny_ckpt, tmp_path) -> None:
     block = 16  # released checkpoints use 128; 16 gives these tiny matrices several blocks each
     quant, dense = {}, {}
     for name, w in state.items():
-        fp8 = (".experts." in name or ".shared_experts." in name or ".self_attn." in name) and name.endswith("proj.weight")
+        fp8 = (
+            ".experts." in name or ".shared_experts." in name or ".self_attn." in name
+        ) and name.endswith("proj.weight")
         if fp8 and w.dim() == 2:
             q, s, dq = _fp8(w, block)
             quant[name], quant[name + "_scale_inv"], dense[name] = q, s, dq
@@ -99,7 +123,12 @@ def test_deepseek_fp8_block(tiny_ckpt, tmp_path) -> None:
             quant[name] = dense[name] = w
     qdir, fdir = _copy_dir(src, tmp_path / "fp8"), _copy_dir(src, tmp_path / "dense")
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [block, block]}
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+    }
     (qdir / "config.json").write_text(json.dumps(cfg))
     save_file(quant, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(dense, str(fdir / "model.safetensors"), metadata={"format": "pt"})

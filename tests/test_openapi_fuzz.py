@@ -3,6 +3,7 @@
 unsupported methods), against one real server; every error body, /health and streamed error
 is then searched for internals. Then the poison request of issue 30 and other extreme values
 in the documented ranges, while an ordinary request runs beside them."""
+
 from __future__ import annotations
 
 import json
@@ -22,23 +23,53 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 # What must never reach a client: tracebacks, source files, paths, module names.
-LEAKS = re.compile(r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b")
+LEAKS = re.compile(
+    r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b"
+)
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
     # A short context keeps every generated request short, so hundreds run in seconds.
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"], tmp_path_factory.mktemp("st") / "server.log") as s:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
+        tmp_path_factory.mktemp("st") / "server.log",
+    ) as s:
         yield s
 
 
-def run_schemathesis(base_url: str, examples: int, har: Path, seed: int = 1) -> subprocess.CompletedProcess[str]:
+def run_schemathesis(
+    base_url: str, examples: int, har: Path, seed: int = 1
+) -> subprocess.CompletedProcess[str]:
     """The Schemathesis CLI over the server's own document: all checks, seeded, bounded."""
-    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "--no-color", "run", base_url + "/openapi.json",
-           "--checks", "all", "--max-examples", str(examples), "--seed", str(seed), "--workers", "1",
-           "--generation-database", "none", "--report", "har", "--report-har-path", str(har)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "--config-file",
+        str(CONFIG),
+        "--no-color",
+        "run",
+        base_url + "/openapi.json",
+        "--checks",
+        "all",
+        "--max-examples",
+        str(examples),
+        "--seed",
+        str(seed),
+        "--workers",
+        "1",
+        "--generation-database",
+        "none",
+        "--report",
+        "har",
+        "--report-har-path",
+        str(har),
+    ]
     # cwd: Schemathesis keeps a cache directory where it runs; not in the repository.
-    return subprocess.run(cmd, cwd=har.parent, capture_output=True, text=True, timeout=1800, check=False)
+    return subprocess.run(
+        cmd, cwd=har.parent, capture_output=True, text=True, timeout=1800, check=False
+    )
 
 
 def responses_of(har: Path) -> list[tuple[str, int, str, str]]:
@@ -46,7 +77,14 @@ def responses_of(har: Path) -> list[tuple[str, int, str, str]]:
     out = []
     for e in json.loads(har.read_text())["log"]["entries"]:
         content = e["response"].get("content", {})
-        out.append((httpx.URL(e["request"]["url"]).path, e["response"]["status"], content.get("mimeType", ""), content.get("text", "") or ""))
+        out.append(
+            (
+                httpx.URL(e["request"]["url"]).path,
+                e["response"]["status"],
+                content.get("mimeType", ""),
+                content.get("text", "") or "",
+            )
+        )
     return out
 
 
@@ -92,12 +130,38 @@ def test_schemathesis_all_checks_long(srv: RunningServer, tmp_path: Path) -> Non
 def test_leak_detector_catches_what_it_must() -> None:
     """The detector itself: the bodies issue 30 found, and ordinary messages it must pass."""
     tb = 'engine loop failed: RuntimeError: x\nTraceback (most recent call last):\n  File "/srv/app/engine/core/engine_core.py", line 74, in step'
-    found = leaks_in([("/health", 503, "application/json", json.dumps({"status": "restarting", "error": tb})),
-                      ("/v1/completions", 200, "text/event-stream", 'data: {"error": {"message": "in engine.worker.sampling.sample"}}'),
-                      ("/v1/completions", 500, "application/json", '{"error": {"message": "/opt/venv/lib/python3.11/site-packages/torch"}}')])
+    found = leaks_in(
+        [
+            ("/health", 503, "application/json", json.dumps({"status": "restarting", "error": tb})),
+            (
+                "/v1/completions",
+                200,
+                "text/event-stream",
+                'data: {"error": {"message": "in engine.worker.sampling.sample"}}',
+            ),
+            (
+                "/v1/completions",
+                500,
+                "application/json",
+                '{"error": {"message": "/opt/venv/lib/python3.11/site-packages/torch"}}',
+            ),
+        ]
+    )
     assert len(found) == 3
-    ok = [("/v1/completions", 400, "application/json", '{"error": {"message": "top_p: Input should be greater than 0", "type": "invalid_request_error"}}'),
-          ("/health", 503, "application/json", '{"status": "restarting", "error": "engine process exited (code -9) (error id err-0123456789abcdef)"}')]
+    ok = [
+        (
+            "/v1/completions",
+            400,
+            "application/json",
+            '{"error": {"message": "top_p: Input should be greater than 0", "type": "invalid_request_error"}}',
+        ),
+        (
+            "/health",
+            503,
+            "application/json",
+            '{"status": "restarting", "error": "engine process exited (code -9) (error id err-0123456789abcdef)"}',
+        ),
+    ]
     assert leaks_in(ok) == []
 
 
@@ -105,19 +169,45 @@ def test_leak_detector_catches_what_it_must() -> None:
 
 POISON = {"prompt": "Hi", "max_tokens": 4, "top_p": 5e-324, "temperature": 1.0}
 EXTREMES: list[dict[str, Any]] = [
-    POISON, {**POISON, "stream": True}, {**POISON, "n": 16}, {**POISON, "top_p": 2.2250738585072014e-308},
-    {"prompt": "Hi", "max_tokens": 4, "temperature": 5e-324}, {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-5},
-    {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0000001e-5, "top_p": 1e-300}, {"prompt": "Hi", "max_tokens": 4, "temperature": 2.0, "top_k": 1},
-    {"prompt": "Hi", "max_tokens": 4, "temperature": 2.0, "top_k": 2**31}, {"prompt": [0], "max_tokens": 8, "temperature": 2.0, "presence_penalty": 2, "frequency_penalty": 2},
-    {"prompt": "Hi", "max_tokens": 8, "temperature": 1e-5, "presence_penalty": -2, "frequency_penalty": -2, "min_tokens": 8},
-    {"prompt": "Hi", "max_tokens": 4, "temperature": 1.5, "seed": 2**63 - 1, "logprobs": 20}, {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "seed": -(2**70)},
-    {"prompt": "Hi", "max_tokens": 4, "temperature": 1e308}, {"prompt": "Hi", "max_tokens": 4, "top_p": 0}, {"prompt": "Hi", "max_tokens": 4, "temperature": -1e-308},
-    {"prompt": "Hi", "max_tokens": 4, "top_p": 1.0000000000000002}, {"prompt": "Hi", "max_tokens": 4, "presence_penalty": 2.0000000000000004},
+    POISON,
+    {**POISON, "stream": True},
+    {**POISON, "n": 16},
+    {**POISON, "top_p": 2.2250738585072014e-308},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 5e-324},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-5},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0000001e-5, "top_p": 1e-300},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 2.0, "top_k": 1},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 2.0, "top_k": 2**31},
+    {
+        "prompt": [0],
+        "max_tokens": 8,
+        "temperature": 2.0,
+        "presence_penalty": 2,
+        "frequency_penalty": 2,
+    },
+    {
+        "prompt": "Hi",
+        "max_tokens": 8,
+        "temperature": 1e-5,
+        "presence_penalty": -2,
+        "frequency_penalty": -2,
+        "min_tokens": 8,
+    },
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 1.5, "seed": 2**63 - 1, "logprobs": 20},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "seed": -(2**70)},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": 1e308},
+    {"prompt": "Hi", "max_tokens": 4, "top_p": 0},
+    {"prompt": "Hi", "max_tokens": 4, "temperature": -1e-308},
+    {"prompt": "Hi", "max_tokens": 4, "top_p": 1.0000000000000002},
+    {"prompt": "Hi", "max_tokens": 4, "presence_penalty": 2.0000000000000004},
 ]
 
 
 def _as_chat(e: dict[str, Any]) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": "Hi"}], **{k: v for k, v in e.items() if k not in ("prompt", "logprobs")}}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        **{k: v for k, v in e.items() if k not in ("prompt", "logprobs")},
+    }
     return {**body, "logprobs": True, "top_logprobs": e["logprobs"]} if "logprobs" in e else body
 
 
@@ -126,7 +216,13 @@ CHAT_EXTREMES = [_as_chat(e) for e in EXTREMES[:13]]
 
 def test_poison_and_extremes_fail_nobody_else(srv: RunningServer) -> None:
     pid = srv.engine_pid()
-    ordinary = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    ordinary = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=srv.v1, timeout=120) as hc:
         solo = hc.post("/completions", json=ordinary).json()["choices"][0]["text"]
 
@@ -135,17 +231,32 @@ def test_poison_and_extremes_fail_nobody_else(srv: RunningServer) -> None:
 
         with ThreadPoolExecutor(8) as pool:
             beside = pool.submit(send, ("/completions", ordinary))
-            answers = list(pool.map(send, [("/completions", e) for e in EXTREMES] + [("/chat/completions", e) for e in CHAT_EXTREMES]))
+            answers = list(
+                pool.map(
+                    send,
+                    [("/completions", e) for e in EXTREMES]
+                    + [("/chat/completions", e) for e in CHAT_EXTREMES],
+                )
+            )
             together = beside.result()
-        for (body, r) in zip(EXTREMES + CHAT_EXTREMES, answers):
+        for body, r in zip(EXTREMES + CHAT_EXTREMES, answers):
             assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
             if r.status_code == 400:
-                assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"], r.text
+                assert (
+                    r.json()["error"]["type"] == "invalid_request_error"
+                    and r.json()["error"]["param"]
+                ), r.text
             elif body.get("stream"):
-                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-500:]
+                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[
+                    -500:
+                ]
             else:
-                assert all(c["finish_reason"] in ("stop", "length") for c in r.json()["choices"]), r.text[:300]
-        assert [b for b, r in zip(EXTREMES, answers) if r.status_code == 400] == EXTREMES[13:]  # only the out-of-range ones
+                assert all(c["finish_reason"] in ("stop", "length") for c in r.json()["choices"]), (
+                    r.text[:300]
+                )
+        assert [b for b, r in zip(EXTREMES, answers) if r.status_code == 400] == EXTREMES[
+            13:
+        ]  # only the out-of-range ones
         assert together.status_code == 200 and together.json()["choices"][0]["text"] == solo
     assert httpx.get(srv.base_url + "/health", timeout=10).json() == {"status": "ready"}
     assert srv.engine_pid() == pid

@@ -1,4 +1,5 @@
 """bench/peers.py: how it finds llama.cpp, and what its report says (no model is run here)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,10 +20,21 @@ def test_an_explicit_built_tree_is_used(tmp_path: Path) -> None:
 
 
 def test_ratios_are_per_round_and_erratic_thread_scaling_is_flagged() -> None:
-    cells = ["transformers f32", "engine cache 1.0 f32", "engine cache 1.0 bf16", "engine cache 1.0 int8",
-             "engine cache 0.25 disk f32", "llama.cpp f32", "llama.cpp bf16", "llama.cpp q8_0"]
+    cells = [
+        "transformers f32",
+        "engine cache 1.0 f32",
+        "engine cache 1.0 bf16",
+        "engine cache 1.0 int8",
+        "engine cache 0.25 disk f32",
+        "llama.cpp f32",
+        "llama.cpp bf16",
+        "llama.cpp q8_0",
+    ]
     res = {(c, t): [10.0 * t, 20.0 * t] for c in cells for t in (1, 2)}
-    res[("llama.cpp f32", 1)] = [20.0, 20.0]  # engine f32 / llama f32 per round: 0.5 and 1.0 -> median 0.75
+    res[("llama.cpp f32", 1)] = [
+        20.0,
+        20.0,
+    ]  # engine f32 / llama f32 per round: 0.5 and 1.0 -> median 0.75
     res[("engine cache 1.0 int8", 2)] = [5.0, 5.0]  # slower at 2 threads than at 1
     lines = "\n".join(table(res, cells, [1, 2]))
     assert "| engine cache 1.0 f32 / llama.cpp f32 | 0.75× | 1.00× |" in lines
@@ -42,7 +54,9 @@ def test_a_child_over_its_memory_limit_is_killed_and_reported_as_such() -> None:
 
     why = MemoryCgroup.unavailable()
     if why:
-        pytest.skip(why)  # environment: no writable memory cgroup (the benchmark refuses with the same line)
+        pytest.skip(
+            why
+        )  # environment: no writable memory cgroup (the benchmark refuses with the same line)
     cg = MemoryCgroup(128 * 2**20, name="moe-offload-test-limit")
     try:
         touch = "x = bytearray({} * 2**20); x[::4096] = b'1' * len(x[::4096]); print('{{\"tok_s\": 1.5}}')"
@@ -60,8 +74,15 @@ def test_revision_ab_refuses_an_unknown_revision_in_one_line() -> None:
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "bench.revision_ab", "--base", "no-such-revision"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.revision_ab", "--base", "no-such-revision"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=300,
+    )
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == ["revision_ab: 'no-such-revision' is not a commit of this repository; "
-                                               "pass --base with a commit, tag or branch"]
+    assert res.stderr.strip().splitlines() == [
+        "revision_ab: 'no-such-revision' is not a commit of this repository; "
+        "pass --base with a commit, tag or branch"
+    ]

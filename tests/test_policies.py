@@ -1,4 +1,5 @@
 """Every policy on hand-built scenarios: pure decisions on ids and numbers, no tensors."""
+
 from __future__ import annotations
 
 import pytest
@@ -78,7 +79,10 @@ def test_drop_renormalizes_the_row() -> None:
 def test_rows_are_decided_independently() -> None:
     pol = ThresholdPolicy(BestResident())
     plan = pol.plan(0, [[1, 6], [6, 1]], [[0.9, 0.1], [0.9, 0.1]], resident(0, 1), [LOGITS[0]] * 2)
-    assert plan.experts == [[1, 0], [6, 1]]  # row 0 substitutes its minor miss; row 1 fetches its first choice
+    assert plan.experts == [
+        [1, 0],
+        [6, 1],
+    ]  # row 0 substitutes its minor miss; row 1 fetches its first choice
     assert plan.fetch == [6]
 
 
@@ -150,17 +154,25 @@ def test_stand_ins_are_ranked_as_a_bias_router_ranks(tiny_ckpt) -> None:
     from engine.worker.loader import load_model
     from engine.worker.sampling import SamplingParams
 
-    om = load_model(tiny_ckpt("glm4_moe"), EngineConfig(cache_fraction=0.25, policy="quality-first"))
+    om = load_model(
+        tiny_ckpt("glm4_moe"), EngineConfig(cache_fraction=0.25, policy="quality-first")
+    )
     try:
         block = om.model.get_submodule(f"model.layers.{om.moe_layers[0]}.mlp")
         bias = block.adapter.selection_bias(block)
         assert bias is not None
-        bias.copy_(torch.linspace(2.0, -2.0, bias.numel()))  # a bias far larger than sigmoid's range of 1
+        bias.copy_(
+            torch.linspace(2.0, -2.0, bias.numel())
+        )  # a bias far larger than sigmoid's range of 1
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         run = block.executor.run
-        block.executor.run = lambda layer, x, ids, w, scores: seen.append((layer, scores.clone())) or run(layer, x, ids, w, scores)
+        block.executor.run = lambda layer, x, ids, w, scores: (
+            seen.append((layer, scores.clone())) or run(layer, x, ids, w, scores)
+        )
         logits_seen: list[torch.Tensor] = []
-        block.bus.subscribe(lambda ev: logits_seen.append(ev.logits.clone()) if ev.layer == block.layer else None)
+        block.bus.subscribe(
+            lambda ev: logits_seen.append(ev.logits.clone()) if ev.layer == block.layer else None
+        )
         generate(om, list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True))
         scores = [s for layer, s in seen if layer == block.layer]
         assert scores and len(scores) == len(logits_seen)

@@ -1,5 +1,6 @@
 """SpecPrefetch: the router adapter learns, the window-aware scheduler orders and bounds what it
 submits, the adapter file belongs to one checkpoint, and prefetching never changes the output."""
+
 from __future__ import annotations
 
 import subprocess
@@ -38,24 +39,57 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_scheduler_skips_resident_and_pending_and_respects_the_budget() -> None:
     cands = [PrefetchCandidate(e, c) for e, c in [(1, 0.9), (2, 0.8), (3, 0.7), (4, 0.6), (5, 0.2)]]
-    out = schedule_prefetches(cands, is_resident=lambda e: e == 1, is_pending=lambda e: e == 3, copy_seconds=0.0,
-                              workers=1, queued=0, time_to_next=1.0, budget=2, min_confidence=0.5)
+    out = schedule_prefetches(
+        cands,
+        is_resident=lambda e: e == 1,
+        is_pending=lambda e: e == 3,
+        copy_seconds=0.0,
+        workers=1,
+        queued=0,
+        time_to_next=1.0,
+        budget=2,
+        min_confidence=0.5,
+    )
     assert out == [2, 4]
-    assert schedule_prefetches(cands, lambda e: False, lambda e: False, 0.0, 1, 0, 1.0, budget=10, min_confidence=0.5) == [1, 2, 3, 4]
+    assert schedule_prefetches(
+        cands, lambda e: False, lambda e: False, 0.0, 1, 0, 1.0, budget=10, min_confidence=0.5
+    ) == [1, 2, 3, 4]
 
 
 def test_a_late_guess_must_be_surer() -> None:
     # Copies take 1 ms, one at a time, next layer in 1.5 ms: only the first candidate lands in time.
     cands = [PrefetchCandidate(7, 0.95), PrefetchCandidate(8, 0.9), PrefetchCandidate(9, 0.6)]
-    timely_only = schedule_prefetches(cands, lambda e: False, lambda e: False, 1e-3, 1, 0, 1.5e-3, budget=5, min_confidence=0.5)
-    assert timely_only == [7, 8]  # 8 lands late but 0.9 * LATE_WEIGHT >= 0.5; 9 is late and 0.6 * 0.7 < 0.5
+    timely_only = schedule_prefetches(
+        cands, lambda e: False, lambda e: False, 1e-3, 1, 0, 1.5e-3, budget=5, min_confidence=0.5
+    )
+    assert timely_only == [
+        7,
+        8,
+    ]  # 8 lands late but 0.9 * LATE_WEIGHT >= 0.5; 9 is late and 0.6 * 0.7 < 0.5
     assert 0.9 * LATE_WEIGHT >= 0.5 > 0.6 * LATE_WEIGHT
     # With two copies in flight, 7 and 8 land in time and 9 late: 9 still fails.
-    assert schedule_prefetches(cands, lambda e: False, lambda e: False, 1e-3, 2, 0, 1.5e-3, budget=5, min_confidence=0.5) == [7, 8]
+    assert schedule_prefetches(
+        cands, lambda e: False, lambda e: False, 1e-3, 2, 0, 1.5e-3, budget=5, min_confidence=0.5
+    ) == [7, 8]
     # With a fast link everything lands in time, and 9 passes.
-    assert schedule_prefetches(cands, lambda e: False, lambda e: False, 1e-5, 1, 0, 1.5e-3, budget=5, min_confidence=0.5) == [7, 8, 9]
+    assert schedule_prefetches(
+        cands, lambda e: False, lambda e: False, 1e-5, 1, 0, 1.5e-3, budget=5, min_confidence=0.5
+    ) == [7, 8, 9]
     # A queue of earlier transfers makes even the best guess late.
-    assert schedule_prefetches([PrefetchCandidate(7, 0.6)], lambda e: False, lambda e: False, 1e-3, 1, 5, 1.5e-3, 5, 0.5) == []
+    assert (
+        schedule_prefetches(
+            [PrefetchCandidate(7, 0.6)],
+            lambda e: False,
+            lambda e: False,
+            1e-3,
+            1,
+            5,
+            1.5e-3,
+            5,
+            0.5,
+        )
+        == []
+    )
 
 
 # -- the adapter -------------------------------------------------------------------------------
@@ -74,7 +108,10 @@ def _synthetic(n: int, seed: int) -> AdapterData:
 
 def test_adapter_learns_what_the_base_guess_misses() -> None:
     fit, held = _synthetic(4000, 1), _synthetic(1000, 2)
-    base_recall = sum(recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(held.anchors)) / held.anchors
+    base_recall = (
+        sum(recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(held.anchors))
+        / held.anchors
+    )
     adapter = train_adapter(fit, rank=16, steps=300, batch=256, lr=1e-2)
     learned = sum(evaluate(adapter, held)) / held.anchors
     assert learned > base_recall + 0.3 and learned > 0.9
@@ -90,8 +127,12 @@ def test_recall_at_k() -> None:
 def tiny_adapter(tiny_ckpt, tmp_path_factory) -> Path:
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig())
     try:
-        ids = torch.randint(3, om.config.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
-        data = data_from_trace(record_trace(om, ids, 128, logits=True, hidden=True), om.model, om.moe_layers)
+        ids = torch.randint(
+            3, om.config.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
+        data = data_from_trace(
+            record_trace(om, ids, 128, logits=True, hidden=True), om.model, om.moe_layers
+        )
         adapter = train_adapter(data, rank=8, steps=60, batch=256)
         path = tmp_path_factory.mktemp("prefetcher") / "prefetcher.safetensors"
         return save_adapter(adapter, path, model_fingerprint(om.model))
@@ -107,24 +148,43 @@ def test_an_adapter_for_another_checkpoint_is_refused(tiny_ckpt, tiny_adapter: P
     finally:
         om.close()
     with pytest.raises(ConfigError, match="no prefetcher file"):
-        load_model(tiny_ckpt("qwen3_moe"), EngineConfig(prefetch="adapter"))  # none beside the tiny model
+        load_model(
+            tiny_ckpt("qwen3_moe"), EngineConfig(prefetch="adapter")
+        )  # none beside the tiny model
 
 
 def _outputs(om, spec: SpecConfig) -> list[list[int]]:
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, om.config.vocab_size, (3 + 4 * i,), generator=g).tolist() for i in range(6)]
+    prompts = [
+        torch.randint(3, om.config.vocab_size, (3 + 4 * i,), generator=g).tolist() for i in range(6)
+    ]
     proposer, observers = make_speculation(spec.resolve(om.model_dir), om)
-    core = EngineCore.for_model(om, CoreLimits(max_running=6, max_model_len=512), proposer, observers)
-    outs = complete(core, [request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts])
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=6, max_model_len=512), proposer, observers
+    )
+    outs = complete(
+        core, [request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    )
     assert all(o.error is None for o in outs)
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(speculative="off"), SpecConfig(speculative="ngram", adaptive=False)], ids=["plain", "ngram"])
-def test_prefetching_never_changes_the_output(tiny_ckpt, tiny_adapter: Path, spec: SpecConfig) -> None:
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(speculative="off"), SpecConfig(speculative="ngram", adaptive=False)],
+    ids=["plain", "ngram"],
+)
+def test_prefetching_never_changes_the_output(
+    tiny_ckpt, tiny_adapter: Path, spec: SpecConfig
+) -> None:
     outs = {}
     for kinds in ("none", "adapter", "adapter,utility"):
-        om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", prefetch=kinds, prefetcher=str(tiny_adapter)))
+        om = load_model(
+            tiny_ckpt("qwen3_moe"),
+            EngineConfig(
+                cache_fraction=0.25, offload="disk", prefetch=kinds, prefetcher=str(tiny_adapter)
+            ),
+        )
         try:
             outs[kinds] = _outputs(om, spec)
             if "adapter" in kinds:
@@ -146,14 +206,51 @@ def test_train_prefetcher_cli(tiny_ckpt, tmp_path: Path) -> None:
     text = tmp_path / "data.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     out = tmp_path / "p.safetensors"
-    r = subprocess.run([sys.executable, "-m", "server.cli", "train-prefetcher", "--model", str(tiny_ckpt("qwen3_moe")), "--data", str(text),
-                        "--out", str(out), "--steps", "30", "--max-tokens", "2000", "--rank", "8"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "train-prefetcher",
+            "--model",
+            str(tiny_ckpt("qwen3_moe")),
+            "--data",
+            str(text),
+            "--out",
+            str(out),
+            "--steps",
+            "30",
+            "--max-tokens",
+            "2000",
+            "--rank",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out recall@" in r.stdout and out.is_file()
-    bad = subprocess.run([sys.executable, "-m", "server.cli", "train-prefetcher", "--data", str(tmp_path / "missing.txt")],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert bad.returncode == 2 and "data file not found" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "train-prefetcher",
+            "--data",
+            str(tmp_path / "missing.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert (
+        bad.returncode == 2
+        and "data file not found" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
 
 
 @torch.inference_mode()
@@ -167,12 +264,20 @@ def test_selection_scores_rank_like_a_bias_corrected_router(tiny_ckpt) -> None:
         g = torch.Generator().manual_seed(3)
         for block in moe_blocks(om.model).values():
             router = getattr(block, block.adapter.router)
-            router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape, generator=g))
+            router.e_score_correction_bias.copy_(
+                torch.randn(router.e_score_correction_bias.shape, generator=g)
+            )
             x = torch.randn(64, om.config.hidden_size, generator=g)
             logits, _, ids = block.adapter.route(block, x)
-            mine = block.adapter.selection_scores(block, logits.float()).topk(ids.shape[1], dim=-1).indices
+            mine = (
+                block.adapter.selection_scores(block, logits.float())
+                .topk(ids.shape[1], dim=-1)
+                .indices
+            )
             assert torch.equal(mine.sort(-1).values, ids.sort(-1).values)
-            plain = logits.topk(ids.shape[1], dim=-1).indices  # ranking raw logits ignores the bias and misses
+            plain = logits.topk(
+                ids.shape[1], dim=-1
+            ).indices  # ranking raw logits ignores the bias and misses
             assert not torch.equal(plain.sort(-1).values, ids.sort(-1).values)
     finally:
         om.close()
@@ -188,7 +293,11 @@ def test_slot_zero_is_the_first_choice_for_unsorted_routers(tiny_ckpt) -> None:
     seen: list[RoutingEvent] = []
     unsubscribe = om.bus.subscribe(seen.append)
     try:
-        om.model(input_ids=torch.randint(3, om.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5)))
+        om.model(
+            input_ids=torch.randint(
+                3, om.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5)
+            )
+        )
     finally:
         unsubscribe()
         om.close()
@@ -208,7 +317,9 @@ def test_folded_adapter_predicts_what_router_plus_adapter_do(tiny_ckpt, arch: st
         adapter = RouterAdapter(D, om.num_experts, rank=4, anchors=len(om.moe_layers) - 1)
         with torch.no_grad():
             for p in adapter.parameters():
-                p.normal_(generator=torch.Generator().manual_seed(p.numel()))  # B and b are zero at init: make them count
+                p.normal_(
+                    generator=torch.Generator().manual_seed(p.numel())
+                )  # B and b are zero at init: make them count
         x = torch.randn(3, D, generator=torch.Generator().manual_seed(7))
         nxt = blocks[om.moe_layers[1]]
         with torch.no_grad():
@@ -228,9 +339,15 @@ def test_confidence_is_the_measured_precision_per_rank() -> None:
     try:
         pf = om.adapter_prefetcher
         assert pf.precision_at_rank == [0.5] * om.top_k  # the prior, before any layer routed
-        ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:2000])["input_ids"][:24]
-        proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(om.model_dir), om)
-        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=512), proposer, observers)
+        ids = om.tokenizer(
+            (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:2000]
+        )["input_ids"][:24]
+        proposer, observers = make_speculation(
+            SpecConfig(speculative="off").resolve(om.model_dir), om
+        )
+        core = EngineCore.for_model(
+            om, CoreLimits(max_running=1, max_model_len=512), proposer, observers
+        )
         complete(core, [request(ids, SamplingParams(max_tokens=64, ignore_eos=True))])
         p = pf.precision_at_rank
         assert all(0.0 <= v <= 1.0 for v in p) and p[0] > p[-1] + 0.1, p
@@ -249,22 +366,29 @@ def test_the_per_layer_bound_fits_with_the_adapters_recipe() -> None:
     base_recall = sum(recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(A)) / A
     for width in (0, 32):
         m = PerLayer(D, E, A, mlp_width=width)
-        assert sum(evaluate(m, held)) / A == pytest.approx(base_recall)  # zero-initialised: exactly the guess
+        assert sum(evaluate(m, held)) / A == pytest.approx(
+            base_recall
+        )  # zero-initialised: exactly the guess
         fit_predictor(m, fit, steps=300, batch=256, lr=1e-2)
         assert sum(evaluate(m, held)) / A > base_recall + 0.3
 
 
-def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_ckpt, tiny_adapter: Path, tmp_path: Path,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(
+    tiny_ckpt, tiny_adapter: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import shutil
 
     model = tmp_path / "model"
     shutil.copytree(tiny_ckpt("qwen3_moe"), model)
 
     def attached(d: Path, **kw) -> bool:
-        om = load_model(d, EngineConfig(**{"policy": "quality-first", **kw}))  # prefetch="auto" is the default
+        om = load_model(
+            d, EngineConfig(**{"policy": "quality-first", **kw})
+        )  # prefetch="auto" is the default
         try:
-            assert om.prefetchers == (("adapter",) if om.adapter_prefetcher is not None else ())  # what reports show
+            assert om.prefetchers == (
+                ("adapter",) if om.adapter_prefetcher is not None else ()
+            )  # what reports show
             return om.adapter_prefetcher is not None
         finally:
             om.close()
@@ -274,7 +398,9 @@ def test_prefetch_auto_uses_a_matching_adapter_only_when_the_cache_misses(tiny_c
     assert attached(model, cache_fraction=0.25)
     assert not attached(model)  # cache 1.0: nothing to prefetch
     assert not attached(model, cache_fraction=0.25, prefetch="none")
-    assert not attached(model, cache_fraction=0.25, policy="fetch-all")  # exact policy on a CPU: it would only cost time
+    assert not attached(
+        model, cache_fraction=0.25, policy="fetch-all"
+    )  # exact policy on a CPU: it would only cost time
     assert attached(model, cache_fraction=0.25, policy="speed-first")
     # An adapter made for another checkpoint: auto warns and serves without; asked for explicitly, it is an error.
     other = tmp_path / "other"
@@ -295,15 +421,48 @@ def test_settled_prefetch_does_not_depend_on_transfer_timing() -> None:
     ids = (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:2000]
     counts = []
     for link in (None, "hdd"):
-        om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, prefetch="adapter", settle_background=True, link=link,
-                                                      policy="quality-first"))
+        om = load_model(
+            EMBEDDED_TARGET,
+            EngineConfig(
+                cache_fraction=0.25,
+                prefetch="adapter",
+                settle_background=True,
+                link=link,
+                policy="quality-first",
+            ),
+        )
         try:
-            proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(om.model_dir), om)
-            core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=512), proposer, observers)
-            complete(core, [request(om.tokenizer(ids)["input_ids"][:16], SamplingParams(max_tokens=40, ignore_eos=True))])
+            proposer, observers = make_speculation(
+                SpecConfig(speculative="off").resolve(om.model_dir), om
+            )
+            core = EngineCore.for_model(
+                om, CoreLimits(max_running=1, max_model_len=512), proposer, observers
+            )
+            complete(
+                core,
+                [
+                    request(
+                        om.tokenizer(ids)["input_ids"][:16],
+                        SamplingParams(max_tokens=40, ignore_eos=True),
+                    )
+                ],
+            )
             s = om.stats.snapshot()
-            counts.append({k: s[k] for k in ("prefetch_issued", "calls_hit", "calls_fetched", "substitutions", "admissions")})
-            assert om.adapter_prefetcher.meter.copy_seconds > (5e-3 if link else 0.0)  # the link really was slow
+            counts.append(
+                {
+                    k: s[k]
+                    for k in (
+                        "prefetch_issued",
+                        "calls_hit",
+                        "calls_fetched",
+                        "substitutions",
+                        "admissions",
+                    )
+                }
+            )
+            assert om.adapter_prefetcher.meter.copy_seconds > (
+                5e-3 if link else 0.0
+            )  # the link really was slow
         finally:
             om.close()
     assert counts[0] == counts[1] and counts[0]["prefetch_issued"] > 0, counts

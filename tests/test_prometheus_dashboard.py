@@ -6,6 +6,7 @@ docker/grafana/moe-offload.json is evaluated through Prometheus's HTTP API, with
 variables resolved the way Grafana would.  Every expression must return data, so a panel whose metric is
 renamed or no longer exported fails here.  Grafana itself is not run (no package for it here).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,32 +29,50 @@ from server_fixtures import RunningServer, free_port, serve
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "docker" / "grafana" / "moe-offload.json"
 PROM_CONFIG = REPO / "docker" / "prometheus" / "prometheus.yml"
-RATE_WINDOW = "30s"  # stands in for Grafana's $__rate_interval; covers the whole load at evaluation time
+RATE_WINDOW = (
+    "30s"  # stands in for Grafana's $__rate_interval; covers the whole load at evaluation time
+)
 
 # What an operator of an offloading server must be able to see (the issue's panel list): each metric must
 # be queried by some panel.
 REQUIRED_METRICS = {
-    "moe_offload_requests_running", "moe_offload_requests_waiting",
-    "moe_offload_time_to_first_token_seconds_bucket", "moe_offload_inter_token_latency_seconds_bucket",
+    "moe_offload_requests_running",
+    "moe_offload_requests_waiting",
+    "moe_offload_time_to_first_token_seconds_bucket",
+    "moe_offload_inter_token_latency_seconds_bucket",
     "moe_offload_generation_tokens_total",
-    "moe_offload_expert_cache_hits_total", "moe_offload_expert_cache_misses_total",
+    "moe_offload_expert_cache_hits_total",
+    "moe_offload_expert_cache_misses_total",
     "moe_offload_expert_stall_seconds_total",
-    "moe_offload_expert_bytes_transferred_total", "moe_offload_expert_transfers_total",
-    "moe_offload_expert_substitutions_total", "moe_offload_expert_substituted_gate_mass_total",
-    "moe_offload_expert_prefetches_issued_total", "moe_offload_expert_prefetches_used_total",
+    "moe_offload_expert_bytes_transferred_total",
+    "moe_offload_expert_transfers_total",
+    "moe_offload_expert_substitutions_total",
+    "moe_offload_expert_substituted_gate_mass_total",
+    "moe_offload_expert_prefetches_issued_total",
+    "moe_offload_expert_prefetches_used_total",
     "moe_offload_expert_prefetches_wasted_total",
-    "moe_offload_spec_accepted_tokens_total", "moe_offload_spec_draft_tokens_total", "moe_offload_spec_drafts_total",
+    "moe_offload_spec_accepted_tokens_total",
+    "moe_offload_spec_draft_tokens_total",
+    "moe_offload_spec_drafts_total",
     "moe_offload_requests_finished_total",
-    "moe_offload_prefix_cache_hit_tokens_total", "moe_offload_prefix_cache_query_tokens_total", "moe_offload_prefix_cache_bytes",
+    "moe_offload_prefix_cache_hit_tokens_total",
+    "moe_offload_prefix_cache_query_tokens_total",
+    "moe_offload_prefix_cache_bytes",
 }
 # Panels whose numbers this load must move (a quality-first policy at cache 0.25 misses, fetches and
 # substitutes).  The others must return series, possibly 0 or NaN: the running/waiting gauges read 0 once
 # the load is over, and prefetch and speculation are not exercised in this configuration.
 MUST_BE_POSITIVE = (
-    "Generation tokens per second", "Finished requests by reason",
-    "Time to first token", "Inter-token latency", "End-to-end request latency",
-    "Expert cache hit ratio", "Expert cache hit ratio per layer", "Stall seconds per second",
-    "Expert bytes transferred per second, by kind", "Substitutions",
+    "Generation tokens per second",
+    "Finished requests by reason",
+    "Time to first token",
+    "Inter-token latency",
+    "End-to-end request latency",
+    "Expert cache hit ratio",
+    "Expert cache hit ratio per layer",
+    "Stall seconds per second",
+    "Expert bytes transferred per second, by kind",
+    "Substitutions",
 )
 
 
@@ -80,7 +99,9 @@ def test_dashboard_covers_the_operator_panels() -> None:
         assert p.get("targets"), f"panel {p['title']!r} has no query"
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
     queried = set().union(*(metric_names(e) for _, e in panel_queries(dash)))
-    assert REQUIRED_METRICS <= queried, f"not on the dashboard: {sorted(REQUIRED_METRICS - queried)}"
+    assert REQUIRED_METRICS <= queried, (
+        f"not on the dashboard: {sorted(REQUIRED_METRICS - queried)}"
+    )
     names = {v["name"] for v in dash["templating"]["list"]}
     assert {"datasource", "instance", "model"} <= names
     for _, expr in panel_queries(dash):  # every query honours both template variables
@@ -92,7 +113,10 @@ def exported_metric_names() -> set[str]:
     """Every metric /metrics exposes, as Prometheus names them (counters with _total)."""
     from server.metrics import ServerMetrics
 
-    return {f.name + ("_total" if f.type == "counter" else "") for f in ServerMetrics().registry.collect()}
+    return {
+        f.name + ("_total" if f.type == "counter" else "")
+        for f in ServerMetrics().registry.collect()
+    }
 
 
 def test_readme_monitor_table_lists_every_exported_metric() -> None:
@@ -100,14 +124,18 @@ def test_readme_monitor_table_lists_every_exported_metric() -> None:
     section = readme.split("## Monitor", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(moe_offload_[a-z0-9_]+)` \|", section, re.M))
     exported = exported_metric_names()
-    assert documented == exported, f"undocumented: {sorted(exported - documented)}; not exported: {sorted(documented - exported)}"
+    assert documented == exported, (
+        f"undocumented: {sorted(exported - documented)}; not exported: {sorted(documented - exported)}"
+    )
 
 
 def test_dashboard_queries_only_exported_metrics() -> None:
     """Without Prometheus: a query naming a metric the server does not export can never return data."""
     exported = exported_metric_names()
     exported |= {n + s for n in exported for s in ("_bucket", "_sum", "_count")}
-    queried = set().union(*(metric_names(e) for _, e in panel_queries(json.loads(DASHBOARD.read_text()))))
+    queried = set().union(
+        *(metric_names(e) for _, e in panel_queries(json.loads(DASHBOARD.read_text())))
+    )
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
 
 
@@ -132,8 +160,14 @@ def test_shipped_prometheus_config_is_valid() -> None:
 
 def send_load(srv: RunningServer) -> None:
     """12 requests, 4 at a time: chat and completions, streamed and not, some ending on a stop string."""
+
     def one(i: int) -> None:
-        body: dict[str, Any] = {"model": "target", "max_tokens": 24, "temperature": 0 if i % 2 else 0.8, "seed": i}
+        body: dict[str, Any] = {
+            "model": "target",
+            "max_tokens": 24,
+            "temperature": 0 if i % 2 else 0.8,
+            "seed": i,
+        }
         if i % 3 == 0:
             body["messages"] = [{"role": "user", "content": f"Tell me about kings, number {i}."}]
             path = "/chat/completions"
@@ -173,7 +207,9 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def prometheus_and_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, RunningServer]]:
+def prometheus_and_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Prometheus, RunningServer]]:
     need_prometheus()
     tmp = tmp_path_factory.mktemp("prometheus")
     args = ["--cache-fraction", "0.25", "--policy", "quality-first"]
@@ -190,9 +226,15 @@ def prometheus_and_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         port = free_port()
         log = open(tmp / "prometheus.log", "wb")
         proc = subprocess.Popen(
-            ["prometheus", f"--config.file={cfg_path}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                "prometheus",
+                f"--config.file={cfg_path}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             prom = Prometheus(f"http://127.0.0.1:{port}")
@@ -205,7 +247,9 @@ def prometheus_and_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                         break
                 except (httpx.HTTPError, ValueError, AssertionError):
                     pass
-                assert time.monotonic() < deadline, f"target never up: {(tmp / 'prometheus.log').read_text()}"
+                assert time.monotonic() < deadline, (
+                    f"target never up: {(tmp / 'prometheus.log').read_text()}"
+                )
                 time.sleep(0.5)
             yield prom, srv
         finally:
@@ -214,7 +258,9 @@ def prometheus_and_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             log.close()
 
 
-def test_every_dashboard_query_returns_data(prometheus_and_server: tuple[Prometheus, RunningServer]) -> None:
+def test_every_dashboard_query_returns_data(
+    prometheus_and_server: tuple[Prometheus, RunningServer],
+) -> None:
     prom, srv = prometheus_and_server
     dash = json.loads(DASHBOARD.read_text())
     send_load(srv)
@@ -225,12 +271,18 @@ def test_every_dashboard_query_returns_data(prometheus_and_server: tuple[Prometh
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     instances = prom.label_values(variables["instance"]["query"]["query"])
     assert instances == [srv.base_url.removeprefix("http://")]
-    models = prom.label_values(variables["model"]["query"]["query"].replace("$instance", instances[0]))
+    models = prom.label_values(
+        variables["model"]["query"]["query"].replace("$instance", instances[0])
+    )
     assert models == ["target"]  # the scrape config's model label
 
     empty, not_positive = [], []
     for title, expr in panel_queries(dash):
-        q = expr.replace("$__rate_interval", RATE_WINDOW).replace("$instance", instances[0]).replace("$model", models[0])
+        q = (
+            expr.replace("$__rate_interval", RATE_WINDOW)
+            .replace("$instance", instances[0])
+            .replace("$model", models[0])
+        )
         assert "$" not in q, f"unresolved variable in {title!r}: {q}"
         result = prom.query(q, at)
         if not result:

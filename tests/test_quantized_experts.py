@@ -1,5 +1,6 @@
 """--expert-quant int8|int4: the engine equals transformers running the same dequantized weights,
 and every byte it stores and moves is the quantized size."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,12 @@ from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 # Kernel weight name -> the transformers experts parameter holding it (row e is expert e).
-_PARAM = {"gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj", "down_bias": "down_proj_bias"}
+_PARAM = {
+    "gate_up": "gate_up_proj",
+    "gate_up_bias": "gate_up_proj_bias",
+    "down": "down_proj",
+    "down_bias": "down_proj_bias",
+}
 # SwiGLU, gpt-oss (biases, interleaved clamped SwiGLU, transposed) and Llama 4 (input scaling, transposed).
 ARCHS = ("qwen3_moe", "gpt_oss", "llama4_text")
 
@@ -45,31 +51,52 @@ def _prompt(vocab: int, n: int = 24) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_equals_transformers_on_dequantized_weights(tiny_ckpt, tmp_path, arch: str, kind: str) -> None:
+def test_engine_equals_transformers_on_dequantized_weights(
+    tiny_ckpt, tmp_path, arch: str, kind: str
+) -> None:
     path = tiny_ckpt(arch)
-    ref = _dequantized_reference(path, kind, EngineConfig(expert_quant=kind).quant_group())  # int8: whole rows, int4: 64
+    ref = _dequantized_reference(
+        path, kind, EngineConfig(expert_quant=kind).quant_group()
+    )  # int8: whole rows, int4: 64
     plain = load_reference(path)
     ids = _prompt(ref.config.vocab_size)
     x = torch.tensor([ids])
     with torch.no_grad():
         ref_logits = ref(x).logits[0]
-        assert (plain(x).logits[0] - ref_logits).abs().max() > 1e-4  # quantization really changed the model
-        ref_tokens = ref.generate(x, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        assert (
+            plain(x).logits[0] - ref_logits
+        ).abs().max() > 1e-4  # quantization really changed the model
+        ref_tokens = ref.generate(x, max_new_tokens=12, min_new_tokens=12, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     for offload in ("ram", "disk"):
-        cfg = EngineConfig(cache_fraction=0.5, offload=offload, expert_quant=kind, quant_cache_dir=str(tmp_path))
+        cfg = EngineConfig(
+            cache_fraction=0.5, offload=offload, expert_quant=kind, quant_cache_dir=str(tmp_path)
+        )
         om = load_model(path, cfg)
         try:
-            diff = (prompt_logits(om, ids) - ref_logits).abs().max().item()  # through the engine's runner
+            diff = (
+                (prompt_logits(om, ids) - ref_logits).abs().max().item()
+            )  # through the engine's runner
             assert diff <= 1e-4, f"{offload}: max |Δlogit| = {diff}"
             tokens = generate(om, ids, SamplingParams(max_tokens=12, min_tokens=12)).token_ids
             assert tokens == ref_tokens
             # Slots, transfers and byte counters all carry the quantized encoding.
             fmt = om.executor.fmt
             assert isinstance(fmt, GroupQuantFormat) and om.store.slots.dtype == torch.uint8
-            assert om.store.slot_bytes == fmt.slot_bytes == om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
-            assert fmt.slot_bytes < fmt.kernel.numel * 2 / (1.5 if kind == "int8" else 2.5)  # tiny shapes: small groups
+            assert (
+                om.store.slot_bytes
+                == fmt.slot_bytes
+                == om.transfers.tier.expert_nbytes(om.moe_layers[0], 0)
+            )
+            assert fmt.slot_bytes < fmt.kernel.numel * 2 / (
+                1.5 if kind == "int8" else 2.5
+            )  # tiny shapes: small groups
             snap = om.stats.snapshot()
-            assert snap["misses"] > 0 and snap["bytes_moved"] == snap["transfers"]["demand"] * fmt.slot_bytes
+            assert (
+                snap["misses"] > 0
+                and snap["bytes_moved"] == snap["transfers"]["demand"] * fmt.slot_bytes
+            )
         finally:
             om.close()
 
@@ -82,7 +109,9 @@ def test_sidecar_is_built_once_and_reused(tiny_ckpt, tmp_path) -> None:
     stamp = sidecar.stat().st_mtime_ns
     load_model(path, cfg).close()
     assert list(tmp_path.glob("*.safetensors")) == [sidecar] and sidecar.stat().st_mtime_ns == stamp
-    load_model(path, EngineConfig(cache_fraction=0.5, expert_quant="int8", quant_cache_dir=str(tmp_path))).close()
+    load_model(
+        path, EngineConfig(cache_fraction=0.5, expert_quant="int8", quant_cache_dir=str(tmp_path))
+    ).close()
     assert len(list(tmp_path.glob("*.safetensors"))) == 2  # another format is another file
 
 
@@ -106,7 +135,10 @@ def test_round_trip_error_is_small(kind: str, bound: float) -> None:
     assert rel < bound, rel
 
 
-@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this torch has no weight-only int8 matmul")
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int8pack_mm"),
+    reason="this torch has no weight-only int8 matmul",
+)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_whole_row_int8_matmul_equals_the_dequantized_path(rows: int) -> None:
     """int8 in whole rows on bf16 runs torch's int8 matmul, not a dequantize, and gives the
@@ -124,7 +156,9 @@ def test_whole_row_int8_matmul_equals_the_dequantized_path(rows: int) -> None:
     torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)
     assert not torch.equal(fast, torch.zeros_like(fast))
     # fp32 compute keeps the exact dequantize path (the fast kernel would round activations to bf16).
-    assert not GroupQuantFormat(SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.float32)._int8_rows
+    assert not GroupQuantFormat(
+        SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.float32
+    )._int8_rows
 
 
 def test_bad_quant_settings_are_config_errors() -> None:
@@ -140,7 +174,9 @@ def test_trace_records_the_quantized_expert_size(tiny_ckpt, tmp_path) -> None:
 
     from engine.offline.trace import record_trace
 
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(expert_quant="int8", quant_cache_dir=str(tmp_path)))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(expert_quant="int8", quant_cache_dir=str(tmp_path))
+    )
     try:
         meta = json.loads(str(record_trace(om, _prompt(om.config.vocab_size), 16)["meta"]))
         assert meta["expert_nbytes"] == om.store.slot_bytes < om.executor.fmt.kernel.numel * 4

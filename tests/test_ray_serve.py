@@ -4,6 +4,7 @@
 output must equal a direct run of the server at temperature 0.  Needs `pip install -e ".[ray]"` (skipped
 without Ray); slow: starting Ray and two engines takes about a minute on 2 cores.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,14 +24,27 @@ pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 SERVE_ARGS = ["--cache-fraction", "0.5", "--max-running", "8"]
-PROMPTS = [f"{i}. {p}" for i, p in enumerate([
-    "To be, or not to be", "The os module provides", "Friends, Romans, countrymen", "A list comprehension",
-    "Now is the winter of our discontent", "The json module", "All the world's a stage", "Exceptions are raised",
-])]
+PROMPTS = [
+    f"{i}. {p}"
+    for i, p in enumerate(
+        [
+            "To be, or not to be",
+            "The os module provides",
+            "Friends, Romans, countrymen",
+            "A list comprehension",
+            "Now is the winter of our discontent",
+            "The json module",
+            "All the world's a stage",
+            "Exceptions are raised",
+        ]
+    )
+]
 
 
 def load_module():  # docker/ is not a package: load the deployment file by path
-    spec = importlib.util.spec_from_file_location("moe_offload_serve", REPO / "docker" / "ray" / "moe_offload_serve.py")
+    spec = importlib.util.spec_from_file_location(
+        "moe_offload_serve", REPO / "docker" / "ray" / "moe_offload_serve.py"
+    )
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -42,7 +56,10 @@ def stream_completion(base_url: str, prompt: str) -> tuple[str, str | None, int]
     """(text, serving replica, number of SSE chunks) of one streamed completion."""
     body = {"model": "target", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
     text, chunks = [], 0
-    with httpx.Client(timeout=120) as c, c.stream("POST", base_url + "/v1/completions", json=body) as r:
+    with (
+        httpx.Client(timeout=120) as c,
+        c.stream("POST", base_url + "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         replica = r.headers.get("x-moe-offload-replica")
@@ -66,7 +83,9 @@ def ray_proxy() -> Iterator[str]:
     try:
         port = free_port()
         # max_ongoing_requests=4: 8 concurrent requests cannot all fit one replica, so both must serve.
-        mod.start(SERVE_ARGS, "127.0.0.1", port, replicas=2, cpus_per_replica=1, max_ongoing_requests=4)
+        mod.start(
+            SERVE_ARGS, "127.0.0.1", port, replicas=2, cpus_per_replica=1, max_ongoing_requests=4
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         from ray import serve as ray_serve
@@ -80,7 +99,9 @@ def test_two_replicas_stream_and_match_a_direct_run(ray_proxy: str, tmp_path: Pa
     replicas = {r for _, r, _ in through_ray}
     assert None not in replicas, "a response without the replica header"
     assert len(replicas) == 2, f"served by {replicas}"
-    assert all(chunks > 1 for _, _, chunks in through_ray), "responses were not streamed chunk by chunk"
+    assert all(chunks > 1 for _, _, chunks in through_ray), (
+        "responses were not streamed chunk by chunk"
+    )
 
     with serve(SERVE_ARGS, tmp_path / "direct.log") as srv:
         direct = run_concurrently(srv.base_url)

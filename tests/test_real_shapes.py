@@ -1,5 +1,6 @@
 """bench/real_shapes.py's builder at a tiny width and depth (the real shapes are for the benchmark only):
 released names and dtypes that transformers and the engine both load, streamed shard by shard."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,30 @@ from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-            bos_token_id=None, eos_token_id=0, pad_token_id=0)  # the builder's tiny tokenizer: ids below 512
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)  # the builder's tiny tokenizer: ids below 512
 WIDTH = {
     "qwen3-30b-a3b": dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-    "qwen3-next-80b-a3b": dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=32,
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3-next-80b-a3b": dict(
+        TINY,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
     "gpt-oss-20b": dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
 }
 
@@ -36,18 +55,29 @@ def test_released_sizes_are_the_real_ones() -> None:
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
 def test_tiny_builds_match_transformers(tmp_path, model: str) -> None:
-    path = write_checkpoint(tmp_path / model, model, layers=4 if "next" in model else 2, shard_bytes=200_000, progress=False, **WIDTH[model])
+    path = write_checkpoint(
+        tmp_path / model,
+        model,
+        layers=4 if "next" in model else 2,
+        shard_bytes=200_000,
+        progress=False,
+        **WIDTH[model],
+    )
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # several shards, as released
     tensors = index_checkpoint(path)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in tensors
-    ref, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    ref, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ids = list(range(3, 19))
     with torch.no_grad():
         want = ref.eval()(torch.tensor([ids])).logits[0]
-        greedy = ref.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+        greedy = ref.generate(
+            torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )[0, len(ids) :].tolist()
     om = load_model(path, EngineConfig(dtype="float32", cache_fraction=0.25, offload="disk"))
     try:
         assert (prompt_logits(om, ids) - want).abs().max().item() <= 1e-4
@@ -59,10 +89,18 @@ def test_tiny_builds_match_transformers(tmp_path, model: str) -> None:
 def test_tiny_gpt_oss_has_mxfp4_experts_as_released(tmp_path, capsys) -> None:
     from server.cli import main
 
-    path = write_checkpoint(tmp_path / "oss", "gpt-oss-20b", layers=2, progress=False, **WIDTH["gpt-oss-20b"])
+    path = write_checkpoint(
+        tmp_path / "oss", "gpt-oss-20b", layers=2, progress=False, **WIDTH["gpt-oss-20b"]
+    )
     tensors = index_checkpoint(path)
-    blocks, scales = tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"], tensors["model.layers.1.mlp.experts.down_proj_scales"]
-    assert (blocks.dtype, blocks.shape) == (torch.uint8, (4, 64, 2, 16)) and (scales.dtype, scales.shape) == (torch.uint8, (4, 64, 1))
+    blocks, scales = (
+        tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"],
+        tensors["model.layers.1.mlp.experts.down_proj_scales"],
+    )
+    assert (blocks.dtype, blocks.shape) == (torch.uint8, (4, 64, 2, 16)) and (
+        scales.dtype,
+        scales.shape,
+    ) == (torch.uint8, (4, 64, 1))
     assert tensors["model.layers.1.mlp.experts.gate_up_proj_bias"].dtype == torch.bfloat16
     om = load_model(path, EngineConfig(cache_fraction=0.5, offload="disk"))
     try:
@@ -78,6 +116,15 @@ def test_tiny_gpt_oss_has_mxfp4_experts_as_released(tmp_path, capsys) -> None:
 
 
 def test_sparse_build_writes_headers_only(tmp_path) -> None:
-    path = write_checkpoint(tmp_path / "s", "qwen3-30b-a3b", layers=2, progress=False, sparse=True, **WIDTH["qwen3-30b-a3b"])
+    path = write_checkpoint(
+        tmp_path / "s",
+        "qwen3-30b-a3b",
+        layers=2,
+        progress=False,
+        sparse=True,
+        **WIDTH["qwen3-30b-a3b"],
+    )
     tensors = index_checkpoint(path)  # sizes check out against the headers
-    assert sum(t.nbytes for t in tensors.values()) == sum(e.nbytes for e in entries(config_for("qwen3-30b-a3b", 2, **WIDTH["qwen3-30b-a3b"])))
+    assert sum(t.nbytes for t in tensors.values()) == sum(
+        e.nbytes for e in entries(config_for("qwen3-30b-a3b", 2, **WIDTH["qwen3-30b-a3b"]))
+    )

@@ -1,5 +1,6 @@
 """The tensor-free residency core (engine/experts/residency.py) that ExpertStore and the simulator
 share: which expert a reservation evicts, what pins and protection keep, what is counted."""
+
 from __future__ import annotations
 
 import subprocess
@@ -59,7 +60,9 @@ def test_protected_prefetches_go_last_and_expire_as_wasted() -> None:
         res.land(key, 0.0)
     res.protect(0)  # the least recently inserted, but protected
     assert res.reserve(5, may_evict_protected=False, pin=False) == 1  # the unprotected one goes
-    assert res.reserve(6, may_evict_protected=False, pin=False) is None  # only a protected one is left (5 is loading)
+    assert (
+        res.reserve(6, may_evict_protected=False, pin=False) is None
+    )  # only a protected one is left (5 is loading)
     assert res.tick() == 0 and res.tick() == 1  # protect_ticks runs later its protection expires
     assert wasted == [1] and res.wasted == 1 and not res.protected
 
@@ -78,7 +81,10 @@ def test_abort_forgets_a_load_while_drop_evicts() -> None:
     assert res.reserve(7) == 0
     res.abort(7)  # never resident: the policy forgets it, its slot and pins are free
     i = ev.calls.index(("insert", 7))
-    assert ev.calls[i - 1] == ("remove", 0) and ev.calls[i + 1] == ("forget", 7)  # (LRU's forget then removes it)
+    assert ev.calls[i - 1] == ("remove", 0) and ev.calls[i + 1] == (
+        "forget",
+        7,
+    )  # (LRU's forget then removes it)
     assert 7 not in res.ready and 7 not in res.pins and res.free == [0]
     res.abort(1)  # a resident expert is not aborted
     assert res.is_resident(1) and res.ready[1] == LANDED
@@ -92,10 +98,14 @@ def test_the_simulated_clock_decides_residency() -> None:
     res.reserve(1, pin=False)
     res.land(1, 1.0)
     assert res.reserve(2, now=4.0, pin=False) == 1  # only 1 has landed by t=4
-    assert res.free_or_evictable(now=6.0) == 1 and res.evictable_set(now=6.0) == {0}  # 2 is still loading
+    assert res.free_or_evictable(now=6.0) == 1 and res.evictable_set(now=6.0) == {
+        0
+    }  # 2 is still loading
 
 
 def test_the_replays_tensor_free_modules_import_no_torch() -> None:
-    code = ("import sys, engine.experts.residency, engine.experts.cpu_split, engine.offline.simulator; "
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
+    code = (
+        "import sys, engine.experts.residency, engine.experts.cpu_split, engine.offline.simulator; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,7 @@
 It must change nothing observable but time: the same tokens and bit-identical logits as the full
 path (MoeExecutor.run's plan, pins and scheduling), the same hit counters; and it must only open
 where no expert can miss (store.complete)."""
+
 from __future__ import annotations
 
 import random
@@ -41,16 +42,23 @@ def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
 
 
 @pytest.mark.parametrize("native_kernels", [True, False])
-def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch, native_kernels: bool) -> None:
+def test_the_lane_matches_the_full_path_at_cache_one(
+    tiny_ckpt, monkeypatch, native_kernels: bool
+) -> None:
     """With the native kernels (one call for the layer's experts) and without (torch's loop, as on a GPU)."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"),
+    )
     try:
         assert om.store.complete
         if not native_kernels:
             om.executor._native = None
         tokens_lane, stats_lane, taken = _decode(om, monkeypatch, lane=True)
         tokens_full, stats_full, taken_full = _decode(om, monkeypatch, lane=False)
-        assert taken == 7 * len(om.moe_layers) and taken_full == 0  # every decode step's layers; not the prefill
+        assert (
+            taken == 7 * len(om.moe_layers) and taken_full == 0
+        )  # every decode step's layers; not the prefill
         assert tokens_lane == tokens_full
         for key in ("hits", "misses", "calls_hit", "calls_fetched", "substitutions"):
             assert stats_lane[key] == stats_full[key], key
@@ -60,27 +68,41 @@ def test_the_lane_matches_the_full_path_at_cache_one(tiny_ckpt, monkeypatch, nat
 
 
 def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt, monkeypatch) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"),
+    )
     try:
         ids = [5, 6, 7, 8, 9]
 
         def step_logits() -> torch.Tensor:  # one row a step through the runner, as decoding runs
             runner, cache = ModelRunner(om), new_kv_cache(om.config)
-            return torch.cat([runner.forward([[t]], [i], [cache], [[0]])[0] for i, t in enumerate(ids)])
+            return torch.cat(
+                [runner.forward([[t]], [i], [cache], [[0]])[0] for i, t in enumerate(ids)]
+            )
 
         step_logits()  # first calls: the native router and norms check themselves against their modules (and return those)
         lane = step_logits()
         monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self: False)
         full = step_logits()
         assert torch.equal(lane, full)
-        assert torch.allclose(lane, prompt_logits(om, ids), atol=1e-5, rtol=1e-5)  # and the packed prefill agrees
+        assert torch.allclose(
+            lane, prompt_logits(om, ids), atol=1e-5, rtol=1e-5
+        )  # and the packed prefill agrees
     finally:
         om.close()
 
 
-@pytest.mark.parametrize("fraction, offload, complete", [(0.5, "ram", False), (1.0, "disk", True), (0.5, "disk", False)])
-def test_the_store_is_complete_only_when_every_expert_is_resident_for_good(tiny_ckpt, fraction, offload, complete) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(forward="lean", cache_fraction=fraction, offload=offload, device="cpu"))
+@pytest.mark.parametrize(
+    "fraction, offload, complete", [(0.5, "ram", False), (1.0, "disk", True), (0.5, "disk", False)]
+)
+def test_the_store_is_complete_only_when_every_expert_is_resident_for_good(
+    tiny_ckpt, fraction, offload, complete
+) -> None:
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(forward="lean", cache_fraction=fraction, offload=offload, device="cpu"),
+    )
     try:
         assert om.store.complete is complete
         generate(om, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))

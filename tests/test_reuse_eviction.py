@@ -1,4 +1,5 @@
 """Reuse-distance eviction (policies/reuse_distance.py): what it evicts, and what it saves."""
+
 from __future__ import annotations
 
 import random
@@ -50,17 +51,26 @@ def test_sticky_experts_over_a_layer_cycle_bigger_than_the_tier() -> None:
     # 3 layers, each with 5 sticky experts (used 90 % of forwards) and 3 random one-offs: about
     # 24 experts a forward against 16 slots. LRU evicts by age and loses the sticky ones.
     rng = random.Random(0)
-    steps = [[[e for e in range(5) if rng.random() < 0.9] + rng.sample(range(5, E), 3) for _ in range(3)]
-             for _ in range(60)]
+    steps = [
+        [[e for e in range(5) if rng.random() < 0.9] + rng.sample(range(5, E), 3) for _ in range(3)]
+        for _ in range(60)
+    ]
     lru = drive(LRUEviction(), steps, capacity=16)
     ours = drive(reuse(3), steps, capacity=16)
-    bound = min_loads(flatten([[layer * E + e for e in exps] for step in steps for layer, exps in enumerate(step)]), 16)
+    bound = min_loads(
+        flatten(
+            [[layer * E + e for e in exps] for step in steps for layer, exps in enumerate(step)]
+        ),
+        16,
+    )
     assert bound <= ours < 0.7 * lru
 
 
 def test_a_sticky_expert_outlives_a_one_off_used_at_the_same_time() -> None:
     policy = reuse(2)
-    steps = [[[1], [2]] for _ in range(5)] + [[[1, 3], [2]]]  # expert 1 in every forward, expert 3 in the last
+    steps = [[[1], [2]] for _ in range(5)] + [
+        [[1, 3], [2]]
+    ]  # expert 1 in every forward, expert 3 in the last
     for step in steps:
         for layer, experts in enumerate(step):
             policy.on_layer(layer)

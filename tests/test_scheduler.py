@@ -1,4 +1,5 @@
 """Scheduler and detokenizer on CPU, without a model: the runner is faked with plain data."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,7 +18,9 @@ class CharTok:
 
 
 def fake_execute(plan: StepPlan, next_tok: int = ord("a")) -> StepOutput:
-    return StepOutput({w.request_id: SeqResult(sampled=[next_tok + len(w.output_ids)]) for w in plan.work})
+    return StepOutput(
+        {w.request_id: SeqResult(sampled=[next_tok + len(w.output_ids)]) for w in plan.work}
+    )
 
 
 def req(rid: str, n_prompt: int = 3, **kw: object) -> GenerateRequest:
@@ -30,12 +33,18 @@ def test_decodes_interleave_and_long_prompts_prefill_in_chunks() -> None:
         s.add(req(r, n_prompt=3, max_tokens=3))
     plan = s.schedule()
     # a fits whole; b gets the 2 tokens left of the budget, a chunk that does not sample yet.
-    assert [(w.request_id, w.input_ids, w.start_pos, w.samples) for w in plan.work] == [("a", [1, 2, 3], 0, True), ("b", [1, 2], 0, False)]
+    assert [(w.request_id, w.input_ids, w.start_pos, w.samples) for w in plan.work] == [
+        ("a", [1, 2, 3], 0, True),
+        ("b", [1, 2], 0, False),
+    ]
     outs = s.update(plan, fake_execute(plan))
     assert [o.request_id for o in outs] == ["a"] and s.running["b"].num_computed == 2
     plan = s.schedule()
     assert [(w.request_id, w.input_ids, w.start_pos, w.samples) for w in plan.work] == [
-        ("a", [ord("a")], 3, True), ("b", [3], 2, True), ("c", [1, 2, 3], 0, True)]
+        ("a", [ord("a")], 3, True),
+        ("b", [3], 2, True),
+        ("c", [1, 2, 3], 0, True),
+    ]
     outs = s.update(plan, fake_execute(plan))
     assert [o.text for o in outs] == ["b", "a", "a"]
 
@@ -63,9 +72,16 @@ def test_stop_inside_a_window_emits_nothing_after_it() -> None:
     plan = s.schedule()
     s.update(plan, fake_execute(plan))
     w = s.schedule().work[0]
-    outs = s.update(StepPlan([w]), StepOutput({"r": SeqResult(sampled=[ord(c) for c in "xyzw"], num_kept=4)}))
+    outs = s.update(
+        StepPlan([w]), StepOutput({"r": SeqResult(sampled=[ord(c) for c in "xyzw"], num_kept=4)})
+    )
     # "w" after the stop string is dropped; usage counts the tokens up to the stop (as vLLM does).
-    assert outs[0].finish_reason == "stop" and outs[0].text == "x" and outs[0].token_ids == [120, 121, 122] and outs[0].num_output_tokens == 4
+    assert (
+        outs[0].finish_reason == "stop"
+        and outs[0].text == "x"
+        and outs[0].token_ids == [120, 121, 122]
+        and outs[0].num_output_tokens == 4
+    )
 
 
 def test_context_cap_inside_a_window() -> None:
@@ -76,7 +92,9 @@ def test_context_cap_inside_a_window() -> None:
     w = s.schedule().work[0]
     assert w.max_draft == 1  # 6 - (3 prompt + 1 output) - 1
     outs = s.update(StepPlan([w]), StepOutput({"r": SeqResult(sampled=[98, 99, 100], num_kept=3)}))
-    assert outs[0].finish_reason == "length" and outs[0].num_output_tokens == 3  # 3 + 3 = max_model_len
+    assert (
+        outs[0].finish_reason == "length" and outs[0].num_output_tokens == 3
+    )  # 3 + 3 = max_model_len
 
 
 def test_length_stop_and_abort_free_caches() -> None:
@@ -93,7 +111,12 @@ def test_length_stop_and_abort_free_caches() -> None:
     assert texts["x"] == "ab" and finish["x"] == "length"
     assert s.schedule().free_ids == ["x"]
     o = s.abort("y")
-    assert o is not None and o.finish_reason == "abort" and s.schedule().free_ids == ["y"] and not s.has_work()
+    assert (
+        o is not None
+        and o.finish_reason == "abort"
+        and s.schedule().free_ids == ["y"]
+        and not s.has_work()
+    )
 
 
 def test_detokenizer_holds_back_stop_prefix() -> None:

@@ -3,6 +3,7 @@ NaN makes any request holding that token produce NaN logits, so its sampling fai
 Among 8 concurrent streams, that one gets a clear in-band error with an error id (its
 traceback is in the server log under that id); the other 7 equal their solo outputs; the
 engine process is the same one throughout."""
+
 from __future__ import annotations
 
 import json
@@ -37,25 +38,39 @@ def poisoned(tiny_ckpt, tmp_path_factory) -> tuple[Path, int]:
 
 @pytest.fixture(scope="module")
 def srv(poisoned, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(["--model", str(poisoned[0]), "--served-model-name", MODEL], tmp_path_factory.mktemp("faults") / "server.log") as s:
+    with serve(
+        ["--model", str(poisoned[0]), "--served-model-name", MODEL],
+        tmp_path_factory.mktemp("faults") / "server.log",
+    ) as s:
         yield s
 
 
 def _stream(hc: httpx.Client, prompt: list[int]) -> tuple[str, list[dict]]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with hc.stream("POST", "/completions", json=body) as r:
         assert r.status_code == 200
         events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), [c["error"] for c in chunks if "error" in c]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), [
+        c["error"] for c in chunks if "error" in c
+    ]
 
 
 def test_one_failing_stream_among_eight(srv: RunningServer, poisoned) -> None:
     bad_token = poisoned[1]
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, bad_token, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
-    prompts[5] = prompts[5] + [bad_token]  # NaN from the last prompt position on: the first sample fails
+    prompts[5] = prompts[5] + [
+        bad_token
+    ]  # NaN from the last prompt position on: the first sample fails
     pid = srv.engine_pid()
     with httpx.Client(base_url=srv.v1, timeout=120) as hc:
         solo = [_stream(hc, p) for i, p in enumerate(prompts) if i != 5]
@@ -66,7 +81,10 @@ def test_one_failing_stream_among_eight(srv: RunningServer, poisoned) -> None:
         if i == 5:
             assert len(errs) == 1 and errs[0]["code"] == "engine_error", errs
             msg = errs[0]["message"]
-            assert "sampling failed for this request: no token can be sampled" in msg and "Traceback" not in msg
+            assert (
+                "sampling failed for this request: no token can be sampled" in msg
+                and "Traceback" not in msg
+            )
             eid = re.search(r"error id (err-[0-9a-f]+)", msg).group(1)
         else:
             assert not errs and text == solo[i - (i > 5)][0], (i, errs)
@@ -74,4 +92,4 @@ def test_one_failing_stream_among_eight(srv: RunningServer, poisoned) -> None:
     assert srv.engine_pid() == pid
     log = srv.log_path.read_text(errors="replace")
     at = log.index(eid)  # the traceback is in the server log, under the id the client got
-    assert "ERROR" in log[max(0, at - 200):at] and "Traceback" in log[at:at + 4000]
+    assert "ERROR" in log[max(0, at - 200) : at] and "Traceback" in log[at : at + 4000]

@@ -1,4 +1,5 @@
 """Server lifecycle: API keys, queue full, SIGTERM drain, engine death, the embedded model."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,14 @@ import pytest
 from server_fixtures import REPO, serve
 
 MSGS = [{"role": "user", "content": "Hello"}]
-LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "stream": True, "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": "tiny",
+    "prompt": "Hello",
+    "max_tokens": 480,
+    "stream": True,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _events(r: httpx.Response) -> list[str]:
@@ -25,8 +33,26 @@ def _events(r: httpx.Response) -> list[str]:
 def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
     # Behind the emulated hdd link (8 ms per expert load) the long request takes seconds, so it still holds the
     # only slot when the second request arrives; on the RAM tier a loaded CI machine could finish it first.
-    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--api-key", "k1", "--api-key", "k2", "--max-running", "1",
-            "--max-queue", "0", "--cache-fraction", "0.25", "--offload", "disk", "--link", "hdd"]
+    args = [
+        "--model",
+        str(tiny_ckpt()),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--max-running",
+        "1",
+        "--max-queue",
+        "0",
+        "--cache-fraction",
+        "0.25",
+        "--offload",
+        "disk",
+        "--link",
+        "hdd",
+    ]
     with serve(args, tmp_path / "log") as srv:
         assert httpx.get(srv.base_url + "/health").status_code == 200  # public
         assert httpx.get(srv.base_url + "/metrics").status_code == 200  # public
@@ -39,14 +65,28 @@ def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
         ok = openai.OpenAI(base_url=srv.v1, api_key="k2", max_retries=0)
         assert ok.models.list().data[0].id == "tiny"
         auth = {"Authorization": "Bearer k1"}
-        with httpx.Client(timeout=60) as hc, hc.stream("POST", srv.v1 + "/completions", json=LONG, headers=auth) as long:
+        with (
+            httpx.Client(timeout=60) as hc,
+            hc.stream("POST", srv.v1 + "/completions", json=LONG, headers=auth) as long,
+        ):
             next(long.iter_lines())  # the only slot is now taken
-            full = hc.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
-            assert full.status_code == 503 and full.headers["retry-after"] and full.json()["error"]["code"] == "queue_full"
+            full = hc.post(
+                srv.v1 + "/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                headers=auth,
+            )
+            assert (
+                full.status_code == 503
+                and full.headers["retry-after"]
+                and full.json()["error"]["code"] == "queue_full"
+            )
         deadline = time.monotonic() + 10  # the hang-up frees the slot
         while True:
             try:
-                assert ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+                assert (
+                    ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text
+                    is not None
+                )
                 break
             except openai.InternalServerError:
                 assert time.monotonic() < deadline, "slot not freed after disconnect"
@@ -58,11 +98,25 @@ def test_sigterm_to_process_group_drains_in_flight(tiny_ckpt, tmp_path: Path) ->
     # Behind the emulated hdd link the long request takes seconds, so it is still in flight when the refused request
     # arrives; on the RAM tier a fast machine finished all 480 tokens first and the drained server had already closed
     # its socket (connection refused instead of 503).
-    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--drain-timeout", "60", "--cache-fraction", "0.25",
-            "--offload", "disk", "--link", "hdd"]
+    args = [
+        "--model",
+        str(tiny_ckpt()),
+        "--served-model-name",
+        "tiny",
+        "--drain-timeout",
+        "60",
+        "--cache-fraction",
+        "0.25",
+        "--offload",
+        "disk",
+        "--link",
+        "hdd",
+    ]
     with serve(args, tmp_path / "log") as srv:
         engine_pid = srv.engine_pid()
-        assert engine_pid is not None, "the engine process was not found among the server's children"
+        assert engine_pid is not None, (
+            "the engine process was not found among the server's children"
+        )
         result: dict[str, object] = {}
         started = threading.Event()
 
@@ -77,11 +131,15 @@ def test_sigterm_to_process_group_drains_in_flight(tiny_ckpt, tmp_path: Path) ->
 
         t = threading.Thread(target=stream)
         t.start()
-        assert started.wait(30)  # the stream is running (480 tokens behind hdd: seconds of work left)
+        assert started.wait(
+            30
+        )  # the stream is running (480 tokens behind hdd: seconds of work left)
         os.killpg(srv.proc.pid, signal.SIGTERM)  # front end AND engine get it
         time.sleep(0.3)
         assert httpx.get(srv.base_url + "/health").status_code == 503
-        refused = httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        refused = httpx.post(
+            srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         t.join(90)
         events = result["events"]
@@ -103,9 +161,24 @@ def test_engine_death_fails_requests_cleanly(tiny_ckpt, tmp_path: Path) -> None:
     # read the first chunk (issue 29). Behind the emulated hdd link (8 ms per expert load) with
     # a quarter cache, 480 tokens take many seconds, so the request is still decoding when the
     # first token arrives; the count of chunks received checks that it was.
-    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--cache-fraction", "0.25", "--offload", "disk", "--link", "hdd", "--no-warm"]
+    args = [
+        "--model",
+        str(tiny_ckpt()),
+        "--served-model-name",
+        "tiny",
+        "--cache-fraction",
+        "0.25",
+        "--offload",
+        "disk",
+        "--link",
+        "hdd",
+        "--no-warm",
+    ]
     with serve(args, tmp_path / "log") as srv:
-        with httpx.Client(timeout=30) as hc, hc.stream("POST", srv.v1 + "/completions", json=LONG) as r:
+        with (
+            httpx.Client(timeout=30) as hc,
+            hc.stream("POST", srv.v1 + "/completions", json=LONG) as r,
+        ):
             lines = (ln[6:] for ln in r.iter_lines() if ln.startswith("data: "))
             first = json.loads(next(lines))
             assert first["choices"][0]["finish_reason"] is None  # a token, not the end
@@ -118,7 +191,11 @@ def test_engine_death_fails_requests_cleanly(tiny_ckpt, tmp_path: Path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         t0 = time.monotonic()
-        r2 = httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        r2 = httpx.post(
+            srv.v1 + "/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+            timeout=10,
+        )
         assert r2.status_code == 503 and "error" in r2.json() and time.monotonic() - t0 < 2
 
 
@@ -130,19 +207,37 @@ def test_embedded_default_model(tmp_path: Path) -> None:
     with serve([], tmp_path / "log", ready_timeout=240) as srv:
         client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
         name = client.models.list().data[0].id
-        full = client.chat.completions.create(model=name, messages=MSGS, max_tokens=16, temperature=0)
-        chunks = list(client.chat.completions.create(model=name, messages=MSGS, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+        full = client.chat.completions.create(
+            model=name, messages=MSGS, max_tokens=16, temperature=0
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model=name,
+                messages=MSGS,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            == full.choices[0].message.content
+        )
         assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
         assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
-        lp = client.chat.completions.create(model=name, messages=MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+        lp = client.chat.completions.create(
+            model=name, messages=MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+        )
         assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
         assert all(-1e4 < e.logprob <= 0 for e in lp.choices[0].logprobs.content)
         kw = dict(model=name, messages=MSGS, max_tokens=8, temperature=0.8, n=2, seed=7)
         a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
         assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
         # The default's plain one-request decode steps take the fused path (the first request alone made 15).
-        fused = _metric(srv, 'moe_offload_decode_steps_total{kind="decode",path="fused"}', at_least=15)
+        fused = _metric(
+            srv, 'moe_offload_decode_steps_total{kind="decode",path="fused"}', at_least=15
+        )
         assert fused >= 15, srv.log()
 
 
@@ -163,9 +258,22 @@ def _metric(srv, sample: str, at_least: float, timeout: float = 30.0) -> float: 
 def test_policy_counters_reach_prometheus(tiny_ckpt, tmp_path: Path) -> None:
     """A substituting preset on a small cache: its decisions show up in /metrics."""
     model = tiny_ckpt("qwen3_moe")
-    with serve(["--model", str(model), "--policy", "speed-first", "--cache-fraction", "0.25"], tmp_path / "log") as srv:
+    with serve(
+        ["--model", str(model), "--policy", "speed-first", "--cache-fraction", "0.25"],
+        tmp_path / "log",
+    ) as srv:
         for prompt in ("To be, or not to be", "def main():", "Mixture-of-Experts models"):
-            r = httpx.post(srv.v1 + "/completions", json={"model": model.name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
+            r = httpx.post(
+                srv.v1 + "/completions",
+                json={
+                    "model": model.name,
+                    "prompt": prompt,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
         m = srv.metrics()
     value = lambda name: m.get(("moe_offload_" + name, ()), 0.0)  # noqa: E731

@@ -7,6 +7,7 @@ stream had written its final chunks, so uvicorn closed the listener and cancelle
 response (the CancelledError in the log), and a test that happened to be slow to look found
 the port closed.  The drain now waits for the HTTP responses themselves.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,15 @@ from server_fixtures import serve
 
 pytestmark = pytest.mark.timeout(900)
 N, TOKENS = 4, 480  # seconds of decoding, so the drain is really exercised
-LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": TOKENS, "n": N, "stream": True, "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": "tiny",
+    "prompt": "Hello",
+    "max_tokens": TOKENS,
+    "n": N,
+    "stream": True,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _gone_or_zombie_reaped(pid: int | None) -> bool:
@@ -32,7 +41,9 @@ def _gone_or_zombie_reaped(pid: int | None) -> bool:
 
 
 def _drain_cycle(model: Path, log: Path) -> None:
-    with serve(["--model", str(model), "--served-model-name", "tiny", "--drain-timeout", "60"], log) as srv:
+    with serve(
+        ["--model", str(model), "--served-model-name", "tiny", "--drain-timeout", "60"], log
+    ) as srv:
         engine_pid = srv.engine_pid()
         result: dict[str, object] = {}
         started = threading.Event()
@@ -57,7 +68,11 @@ def _drain_cycle(model: Path, log: Path) -> None:
                 h = hc.get(srv.base_url + "/health", headers={"connection": "close"})
                 assert h.status_code == 503 and h.json()["status"] == "draining"
                 if checks % 5 == 0:
-                    r = hc.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers={"connection": "close"})
+                    r = hc.post(
+                        srv.v1 + "/completions",
+                        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                        headers={"connection": "close"},
+                    )
                     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
                 checks += 1
                 time.sleep(0.05)
@@ -65,7 +80,12 @@ def _drain_cycle(model: Path, log: Path) -> None:
         assert checks >= 3, "the stream ended before the drain could be observed"
         events = result["events"]
         assert isinstance(events, list) and events[-1] == "[DONE]"
-        finals = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+        finals = [
+            c["finish_reason"]
+            for e in events[:-1]
+            for c in json.loads(e)["choices"]
+            if c["finish_reason"]
+        ]
         assert finals == ["length"] * N
         assert srv.proc.wait(30) == 0
         assert time.monotonic() - float(result["done_at"]) < 5  # type: ignore[arg-type]
@@ -79,9 +99,18 @@ def test_sigterm_drain(tiny_ckpt, tmp_path: Path) -> None:
 
 
 def test_idle_shutdown_under_1s(tiny_ckpt, tmp_path: Path) -> None:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log") as srv:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log"
+    ) as srv:
         engine_pid = srv.engine_pid()
-        assert httpx.post(srv.v1 + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                srv.v1 + "/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                timeout=30,
+            ).status_code
+            == 200
+        )
         t0 = time.monotonic()
         os.killpg(srv.proc.pid, signal.SIGTERM)
         assert srv.proc.wait(10) == 0

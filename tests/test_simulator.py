@@ -1,5 +1,6 @@
 """The router-trace simulator drives the engine's own policies over a recorded trace; its hardware
 profiles cite a source for every number; projections have the target model's shape."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ from engine.offline.simulator import (
 from policies.utility import UtilityEviction
 
 
-def synthetic_trace(N: int = 200, L: int = 2, E: int = 16, k: int = 4, seed: int = 0, topics: int = 2) -> dict:
+def synthetic_trace(
+    N: int = 200, L: int = 2, E: int = 16, k: int = 4, seed: int = 0, topics: int = 2
+) -> dict:
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(N, L, E)).astype(np.float32)
     block = N // topics
@@ -42,21 +45,40 @@ def synthetic_trace(N: int = 200, L: int = 2, E: int = 16, k: int = 4, seed: int
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     ids = np.argsort(-probs, axis=-1)[..., :k]
     w = np.take_along_axis(probs, ids, -1)
-    return {"ids": ids, "weights": w / w.sum(-1, keepdims=True), "logits": logits,
-            "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000}}
+    return {
+        "ids": ids,
+        "weights": w / w.sum(-1, keepdims=True),
+        "logits": logits,
+        "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000},
+    }
 
 
 HW = manual_costs(100.0, 100.0, expert_bytes=1_000_000, layer_compute_s=1e-3, expert_compute_s=1e-4)
 
 
-def run(policy: str, fraction: float = 0.25, trace: dict | None = None, costs=HW, settings: dict | None = None, **kw) -> dict:
-    return simulate(trace or synthetic_trace(), EngineConfig(policy=policy, **kw).policies(), fraction, costs, **(settings or {})).to_dict()
+def run(
+    policy: str,
+    fraction: float = 0.25,
+    trace: dict | None = None,
+    costs=HW,
+    settings: dict | None = None,
+    **kw,
+) -> dict:
+    return simulate(
+        trace or synthetic_trace(),
+        EngineConfig(policy=policy, **kw).policies(),
+        fraction,
+        costs,
+        **(settings or {}),
+    ).to_dict()
 
 
 # -- the classic replay ------------------------------------------------------------------------
 def test_all_resident_has_no_stall() -> None:
     r = run("fetch-all", fraction=1.0)
-    assert r["simulated"] and r["stall_s"] == 0.0 and r["hit_share"] == 1.0 and r["demand_loads"] == 0
+    assert (
+        r["simulated"] and r["stall_s"] == 0.0 and r["hit_share"] == 1.0 and r["demand_loads"] == 0
+    )
 
 
 def test_fetch_all_accounts_every_call_and_stalls() -> None:
@@ -106,7 +128,9 @@ def test_fetch_all_replay_counts_exactly_the_loads_of_an_lru_store(fraction: flo
 def test_reuse_eviction_replay_lies_between_belady_and_lru() -> None:
     tr = synthetic_trace(N=300, L=3, E=16, k=4, seed=3)
     n_slots = round(0.25 * 3 * 16)
-    accesses = [[layer * 16 + int(e) for e in tr["ids"][t, layer]] for t in range(300) for layer in range(3)]
+    accesses = [
+        [layer * 16 + int(e) for e in tr["ids"][t, layer]] for t in range(300) for layer in range(3)
+    ]
     bound = min_loads(flatten(accesses), n_slots)
     ours = run("fetch-all", trace=tr, eviction="reuse")["demand_loads"]
     assert bound <= ours <= lru_reference_loads(tr, n_slots)
@@ -120,7 +144,10 @@ def test_substitution_trades_fetches_for_mass() -> None:
 
 
 def test_admission_loads_substituted_experts_in_the_background() -> None:
-    plain, adm = run("first-choice", eviction="frequency"), run("first-choice", eviction="frequency", admission="background")
+    plain, adm = (
+        run("first-choice", eviction="frequency"),
+        run("first-choice", eviction="frequency", admission="background"),
+    )
     assert plain["admissions"] == 0 and adm["admissions"] > 0
     assert adm["evictions"] > plain["evictions"]
 
@@ -145,14 +172,26 @@ def test_speculative_windows_follow_the_acceptance_model() -> None:
     tr = synthetic_trace(N=101)
     costs = manual_costs(100.0, 100.0, 1_000_000, 1e-3, 1e-4)
     costs = type(costs)(**{**vars(costs), "draft_token_s": 2e-3})
-    all_in = Simulator(tr, EngineConfig().policies(), costs, SimSettings(speculative=True, k=4, adaptive=False,
-                                                                         acceptance=Acceptance((1.0, 1.0, 1.0, 1.0)))).run()
-    assert all_in.tokens == 101 and all_in.steps == 21  # 20 windows of 5 rows, then the last token alone
+    all_in = Simulator(
+        tr,
+        EngineConfig().policies(),
+        costs,
+        SimSettings(
+            speculative=True, k=4, adaptive=False, acceptance=Acceptance((1.0, 1.0, 1.0, 1.0))
+        ),
+    ).run()
+    assert (
+        all_in.tokens == 101 and all_in.steps == 21
+    )  # 20 windows of 5 rows, then the last token alone
     assert all_in.to_dict()["tokens_per_verification"] == 5.0
     assert all_in.draft_s == pytest.approx(20 * 4 * 2e-3)
     assert all_in.token_layers == 101 * 2  # every row of every window, in both layers
-    none_in = Simulator(tr, EngineConfig().policies(), costs, SimSettings(speculative=True, k=4, adaptive=False,
-                                                                          acceptance=Acceptance((0.0,)))).run()
+    none_in = Simulator(
+        tr,
+        EngineConfig().policies(),
+        costs,
+        SimSettings(speculative=True, k=4, adaptive=False, acceptance=Acceptance((0.0,))),
+    ).run()
     assert none_in.steps == 101 and none_in.to_dict()["tokens_per_verification"] == 1.0
     # Rejected rows are still verified: 97 windows of 5 rows, then 4, 3, 2, 1 rows at the trace's end.
     assert none_in.token_layers == (97 * 5 + 4 + 3 + 2 + 1) * 2
@@ -161,8 +200,18 @@ def test_speculative_windows_follow_the_acceptance_model() -> None:
 def test_requests_end_together_and_windows_never_cross_them() -> None:
     tr = synthetic_trace(N=100)
     costs = type(HW)(**{**vars(HW), "draft_token_s": 1e-3})
-    r = Simulator(tr, EngineConfig().policies(), costs, SimSettings(speculative=True, k=4, adaptive=False, request_tokens=10,
-                                                                   acceptance=Acceptance((1.0, 1.0, 1.0, 1.0)))).run()
+    r = Simulator(
+        tr,
+        EngineConfig().policies(),
+        costs,
+        SimSettings(
+            speculative=True,
+            k=4,
+            adaptive=False,
+            request_tokens=10,
+            acceptance=Acceptance((1.0, 1.0, 1.0, 1.0)),
+        ),
+    ).run()
     assert r.tokens == 100 and r.steps == 20  # each 10-token request: two full windows of 5
 
 
@@ -176,24 +225,48 @@ def test_prompts_are_prefilled_in_one_untimed_step() -> None:
     ids[:50], ids[50:] = np.arange(4), np.arange(4, 8)
     logits = np.zeros((N, L, E), dtype=np.float32)
     np.put_along_axis(logits, ids, 5.0, axis=-1)
-    tr = {"ids": ids, "weights": np.full((N, L, k), 1 / k), "logits": logits, "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000}}
-    r = Simulator(tr, EngineConfig().policies(), HW, SimSettings(request_tokens=30, prompt_tokens=20)).run()
-    assert r.tokens == 60 and r.steps == 60 and r.calls == 60 * L * k == r.calls_hit and r.demand_loads == 0 and r.stall_s == 0
+    tr = {
+        "ids": ids,
+        "weights": np.full((N, L, k), 1 / k),
+        "logits": logits,
+        "meta": {"num_experts": E, "top_k": k, "expert_nbytes": 1_000_000},
+    }
+    r = Simulator(
+        tr, EngineConfig().policies(), HW, SimSettings(request_tokens=30, prompt_tokens=20)
+    ).run()
+    assert (
+        r.tokens == 60
+        and r.steps == 60
+        and r.calls == 60 * L * k == r.calls_hit
+        and r.demand_loads == 0
+        and r.stall_s == 0
+    )
     assert r.token_layers == N * L  # the replay's own work includes the prompts' rows
     keep = np.r_[20:50, 70:100]  # the same decode tokens without their prompts
-    cold = Simulator({**{key: tr[key][keep] for key in ("ids", "weights", "logits")}, "meta": tr["meta"]},
-                     EngineConfig().policies(), HW, SimSettings(request_tokens=30)).run()
+    cold = Simulator(
+        {**{key: tr[key][keep] for key in ("ids", "weights", "logits")}, "meta": tr["meta"]},
+        EngineConfig().policies(),
+        HW,
+        SimSettings(request_tokens=30),
+    ).run()
     assert cold.tokens == 60 and cold.demand_loads == 4 * L and cold.stall_s > 0
 
 
 def test_utility_prefetch_and_eviction_use_the_engines_estimator() -> None:
     tr = synthetic_trace(N=400, topics=4)
     pol = EngineConfig(eviction="utility").policies()
-    sim = Simulator(tr, pol, HW, SimSettings(speculative=True, prefetch="utility", acceptance=Acceptance((0.6, 0.4))))
+    sim = Simulator(
+        tr,
+        pol,
+        HW,
+        SimSettings(speculative=True, prefetch="utility", acceptance=Acceptance((0.6, 0.4))),
+    )
     r = sim.run().to_dict()
     assert isinstance(pol.eviction, UtilityEviction) and pol.eviction.estimator is sim.utility
     assert sim.utility.windows == r["steps"] and r["prefetch_issued"] > 0 and r["prefetch_used"] > 0
-    assert r["prefetch_used"] + r["prefetch_wasted"] + r["prefetch_cancelled"] <= r["prefetch_issued"]
+    assert (
+        r["prefetch_used"] + r["prefetch_wasted"] + r["prefetch_cancelled"] <= r["prefetch_issued"]
+    )
 
 
 @pytest.mark.parametrize("cpu_cost, expect_cpu", [(1e-6, True), (10.0, False)])
@@ -226,7 +299,10 @@ def test_predictor_hook_prefetches_the_next_layer() -> None:
     base = run("fetch-all", trace=tr)
     oracle = run("fetch-all", trace=tr, settings={"predictor": OraclePredictor(tr)})
     assert oracle["prefetch_used"] > 0 and oracle["prefetch_precision"] > 0.9
-    assert oracle["demand_loads"] < base["demand_loads"] and oracle["tokens_per_s"] > base["tokens_per_s"]
+    assert (
+        oracle["demand_loads"] < base["demand_loads"]
+        and oracle["tokens_per_s"] > base["tokens_per_s"]
+    )
     garbage = GarbagePredictor()
     bad = run("fetch-all", trace=tr, settings={"predictor": garbage})
     assert {layer for _, layer in garbage.calls} == {0, 1}  # never asked past the last layer
@@ -234,7 +310,14 @@ def test_predictor_hook_prefetches_the_next_layer() -> None:
 
 
 # -- hardware profiles --------------------------------------------------------------------------
-REQUIRED = {"rtx3090-pcie4", "rtx4090-pcie4", "h200-pcie5", "phone-ufs31", "this-machine-disk", "this-machine-disk-hdd"}
+REQUIRED = {
+    "rtx3090-pcie4",
+    "rtx4090-pcie4",
+    "h200-pcie5",
+    "phone-ufs31",
+    "this-machine-disk",
+    "this-machine-disk-hdd",
+}
 
 
 def test_every_profile_parses_and_every_number_has_a_source() -> None:
@@ -244,13 +327,23 @@ def test_every_profile_parses_and_every_number_has_a_source() -> None:
         assert check_sources(prof, name) >= 8
         for shape in SHAPES:
             c = costs_for(name, shape)
-            assert c.link_mb_per_s > 0 and c.copy_seconds() > 0 and c.g(1) > 0 and c.h(1) > 0 and c.d(1) > 0
+            assert (
+                c.link_mb_per_s > 0
+                and c.copy_seconds() > 0
+                and c.g(1) > 0
+                and c.h(1) > 0
+                and c.d(1) > 0
+            )
             assert c.g(8) >= c.g(1) and c.d(8) >= c.d(1)
 
 
 def test_measured_dense_time_is_interpolated_between_its_points() -> None:
     c = costs_for("this-machine-disk", "embedded")
-    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/hardware/this-machine-disk.yaml").read_text())
+    raw = yaml.safe_load(
+        (
+            Path(__file__).resolve().parents[1] / "configs/hardware/this-machine-disk.yaml"
+        ).read_text()
+    )
     pts = {rows: us * 1e-6 for rows, us in raw["measured"]["embedded"]["dense_us_by_rows"]["value"]}
     assert c.d(1) == pytest.approx(pts[1]) and c.d(16) == pytest.approx(pts[16])
     assert c.d(6) == pytest.approx((pts[4] + pts[8]) / 2)  # halfway between the 4- and 8-row points
@@ -272,8 +365,12 @@ def test_a_number_without_a_source_is_refused(tmp_path: Path) -> None:
 def test_faster_hardware_is_faster_on_a_projected_shape() -> None:
     pt = project_trace(synthetic_trace(N=24, L=4, E=64, k=8), "qwen3-30b-a3b")
     pol = lambda: EngineConfig().policies()  # noqa: E731
-    tps = {p: Simulator(pt, pol(), costs_for(p, "qwen3-30b-a3b"), SimSettings()).run().to_dict()["tokens_per_s"]
-           for p in ("phone-ufs31", "rtx3090-pcie4", "h200-pcie5")}
+    tps = {
+        p: Simulator(pt, pol(), costs_for(p, "qwen3-30b-a3b"), SimSettings())
+        .run()
+        .to_dict()["tokens_per_s"]
+        for p in ("phone-ufs31", "rtx3090-pcie4", "h200-pcie5")
+    }
     assert tps["phone-ufs31"] < tps["rtx3090-pcie4"] < tps["h200-pcie5"]
 
 
@@ -304,21 +401,69 @@ def test_projection_to_a_wider_top_k_needs_logits() -> None:
 
 
 # -- the command line ---------------------------------------------------------------------------
-def test_simulate_cli_labels_simulated_and_projected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_cli_labels_simulated_and_projected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from server.cli import main
 
     tr = synthetic_trace(N=40, L=4, E=64, k=8)
     path = tmp_path / "t.npz"
-    np.savez(path, ids=tr["ids"].astype(np.int16), weights=tr["weights"].astype(np.float32), logits=tr["logits"].astype(np.float16),
-             meta=np.asarray(json.dumps({"num_experts": 64, "top_k": 8, "moe_layers": [0, 1, 2, 3], "expert_nbytes": 98304})))
+    np.savez(
+        path,
+        ids=tr["ids"].astype(np.int16),
+        weights=tr["weights"].astype(np.float32),
+        logits=tr["logits"].astype(np.float16),
+        meta=np.asarray(
+            json.dumps(
+                {"num_experts": 64, "top_k": 8, "moe_layers": [0, 1, 2, 3], "expert_nbytes": 98304}
+            )
+        ),
+    )
     out_json = tmp_path / "o.json"
-    assert main(["simulate", "--trace", str(path), "--hardware", "this-machine-disk", "--policy", "speed-first",
-                 "--speculative", "draft", "--prefetch", "utility", "--cpu-experts", "auto", "--out-json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(path),
+                "--hardware",
+                "this-machine-disk",
+                "--policy",
+                "speed-first",
+                "--speculative",
+                "draft",
+                "--prefetch",
+                "utility",
+                "--cpu-experts",
+                "auto",
+                "--out-json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.startswith("SIMULATED: profile this-machine-disk") and "speed-first" in text
     assert json.loads(out_json.read_text())["rows"][0]["simulated"] is True
-    assert main(["simulate", "--trace", str(path), "--hardware", "h200-pcie5", "--project-to", "qwen3-next-80b-a3b", "--max-tokens", "8"]) == 0
-    assert capsys.readouterr().out.startswith("PROJECTED + SIMULATED: profile h200-pcie5, shape qwen3-next-80b-a3b")
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(path),
+                "--hardware",
+                "h200-pcie5",
+                "--project-to",
+                "qwen3-next-80b-a3b",
+                "--max-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.startswith(
+        "PROJECTED + SIMULATED: profile h200-pcie5, shape qwen3-next-80b-a3b"
+    )
 
 
 # -- against the engine itself ------------------------------------------------------------------
@@ -334,14 +479,21 @@ def test_replay_counts_exactly_the_engines_demand_loads(tiny_ckpt, fraction: flo
     from engine.worker.loader import load_model
 
     ckpt = tiny_ckpt("qwen3_moe", "per-expert", num_experts=16, num_experts_per_tok=4)
-    text = "To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. " * 6
+    text = (
+        "To be, or not to be, that is the question. Mixture-of-Experts models route each token to a few experts. "
+        * 6
+    )
     ids = AutoTokenizer.from_pretrained(ckpt)(text)["input_ids"][:160]
     om = load_model(ckpt, EngineConfig(cache_fraction=fraction))
     routed: dict[int, list[np.ndarray]] = {}
     try:
-        while om.transfers.pending():  # the warm start's loads land first, as the simulator's warm start assumes
+        while (
+            om.transfers.pending()
+        ):  # the warm start's loads land first, as the simulator's warm start assumes
             time.sleep(0.01)
-        unsubscribe = om.bus.subscribe(lambda ev: routed.setdefault(ev.layer, []).append(ev.ids.cpu().numpy()))
+        unsubscribe = om.bus.subscribe(
+            lambda ev: routed.setdefault(ev.layer, []).append(ev.ids.cpu().numpy())
+        )
         teacher_forced_eval(om, ids, window=64, progress=False)
         unsubscribe()
         engine_loads = om.stats.snapshot()["transfers"].get("demand", 0)
@@ -350,8 +502,17 @@ def test_replay_counts_exactly_the_engines_demand_loads(tiny_ckpt, fraction: flo
         om.close()
     trace_ids = np.stack([np.concatenate(routed[layer]) for layer in layers], axis=1)  # [N, L, k]
     assert trace_ids.shape == (157, 2, 4)  # 63 + 63 + 31 predicted tokens, one step each
-    tr = {"ids": trace_ids, "weights": np.full(trace_ids.shape, 0.25, np.float32), "meta": {"num_experts": E}}
-    sim = Simulator(tr, EngineConfig(cache_fraction=fraction).policies(), HW, SimSettings(cache_fraction=fraction)).run()
+    tr = {
+        "ids": trace_ids,
+        "weights": np.full(trace_ids.shape, 0.25, np.float32),
+        "meta": {"num_experts": E},
+    }
+    sim = Simulator(
+        tr,
+        EngineConfig(cache_fraction=fraction).policies(),
+        HW,
+        SimSettings(cache_fraction=fraction),
+    ).run()
     if fraction == 0.25:
         assert sim.demand_loads == engine_loads > 0
     else:

@@ -1,5 +1,6 @@
 """MoE-SpAc: the speculative utility estimator, the CPU/GPU workload balancer, utility prefetch
 and eviction, and CPU-run experts, which must all leave exact configurations exact."""
+
 from __future__ import annotations
 
 import random
@@ -123,9 +124,13 @@ def test_utility_eviction_sees_levels_change_between_windows() -> None:
 
 def _random_costs(rng: random.Random) -> LayerCosts:
     return LayerCosts(
-        resident_seconds=rng.uniform(0, 2e-3), copy_seconds=rng.uniform(1e-5, 5e-3),
-        fast=(rng.uniform(1e-6, 1e-4), rng.uniform(0, 2e-5)), cpu=(rng.uniform(1e-5, 2e-3), rng.uniform(0, 2e-4)),
-        transfer_workers=rng.randint(1, 4), cpu_workers=rng.randint(1, 4))
+        resident_seconds=rng.uniform(0, 2e-3),
+        copy_seconds=rng.uniform(1e-5, 5e-3),
+        fast=(rng.uniform(1e-6, 1e-4), rng.uniform(0, 2e-5)),
+        cpu=(rng.uniform(1e-5, 2e-3), rng.uniform(0, 2e-4)),
+        transfer_workers=rng.randint(1, 4),
+        cpu_workers=rng.randint(1, 4),
+    )
 
 
 def test_balancer_tau_is_the_brute_force_optimum() -> None:
@@ -150,7 +155,9 @@ def test_balancer_extremes() -> None:
     assert choose_tau(rows, slow_cpu, capacity=2) == 2  # ... as far as the free slots allow
     slow_link = LayerCosts(0.0, 1.0, (1e-5, 0.0), (1e-4, 0.0))
     assert choose_tau(rows, slow_link, capacity=10) == 0  # the link is hopeless: all on the CPU
-    assert choose_tau(rows, slow_link, capacity=10, tau_min=1) == 1  # an expert already on its way stays
+    assert (
+        choose_tau(rows, slow_link, capacity=10, tau_min=1) == 1
+    )  # an expert already on its way stays
     even = LayerCosts(0.0, 1e-3, (0.0, 0.0), (1e-3, 0.0), transfer_workers=1, cpu_workers=1)
     assert choose_tau(rows, even, capacity=10) == 2  # equal costs: split the work in half
 
@@ -171,15 +178,32 @@ def _prompts(vocab: int, n: int = 8) -> list[list[int]]:
 
 def _run(om, prompts: list[list[int]], spec: SpecConfig, max_tokens: int) -> list[list[int]]:
     proposer, observers = make_speculation(spec.resolve(om.model_dir), om)
-    core = EngineCore.for_model(om, CoreLimits(max_running=len(prompts), prefill_token_budget=256, max_model_len=2048), proposer, observers)
-    outs = complete(core, [request(p, SamplingParams(max_tokens=max_tokens + 2 * (i % 3), ignore_eos=True)) for i, p in enumerate(prompts)])
+    core = EngineCore.for_model(
+        om,
+        CoreLimits(max_running=len(prompts), prefill_token_budget=256, max_model_len=2048),
+        proposer,
+        observers,
+    )
+    outs = complete(
+        core,
+        [
+            request(p, SamplingParams(max_tokens=max_tokens + 2 * (i % 3), ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ],
+    )
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     settle(om)
     assert om.store.pinned_count() == 0  # only in-flight loads pin a slot once requests are done
     return [o.token_ids for o in outs]
 
 
-def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, configs: dict[str, dict] = SPAC_CONFIGS) -> None:
+def _check_exact(
+    model_dir,
+    prompts_of,
+    spec: SpecConfig,
+    max_tokens: int,
+    configs: dict[str, dict] = SPAC_CONFIGS,
+) -> None:
     base = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"))
     try:
         prompts = prompts_of(base)
@@ -187,7 +211,9 @@ def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, confi
     finally:
         base.close()
     for name, kw in configs.items():
-        om = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32", **kw))
+        om = load_model(
+            model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32", **kw)
+        )
         try:
             assert _run(om, prompts, spec, max_tokens) == reference, name
             s = om.stats.snapshot()
@@ -196,14 +222,22 @@ def _check_exact(model_dir, prompts_of, spec: SpecConfig, max_tokens: int, confi
             if kw.get("cpu_experts") == "all":
                 assert s["cpu_expert_calls"] > 0 and s["transfers"]["demand"] == 0, name
             if "utility" in kw.get("prefetch", ""):
-                assert s["utility_levels"] and sum(s["utility_levels"]) == len(om.moe_layers) * om.num_experts
+                assert (
+                    s["utility_levels"]
+                    and sum(s["utility_levels"]) == len(om.moe_layers) * om.num_experts
+                )
         finally:
             om.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_spac_configurations_are_exact_on_every_architecture(tiny_ckpt, arch: str) -> None:
-    _check_exact(tiny_ckpt(arch), lambda om: _prompts(om.config.vocab_size), SpecConfig(speculative="ngram", adaptive=False), 12)
+    _check_exact(
+        tiny_ckpt(arch),
+        lambda om: _prompts(om.config.vocab_size),
+        SpecConfig(speculative="ngram", adaptive=False),
+        12,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -211,23 +245,47 @@ def test_spac_configurations_are_exact_on_the_embedded_pair() -> None:
     from models import EMBEDDED_TARGET
 
     def prompts_of(om) -> list[list[int]]:
-        ids = om.tokenizer((EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:40000])["input_ids"]
+        ids = om.tokenizer(
+            (EMBEDDED_TARGET.parent / "data" / "test.txt").read_text(encoding="utf-8")[:40000]
+        )["input_ids"]
         return [ids[i * 900 : i * 900 + 16 + 4 * i] for i in range(8)]
 
     # With the embedded model's own SpecPrefetch adapter too (issue 11: prefetching never changes the output).
-    configs = {**SPAC_CONFIGS, "adapter + utility prefetch": dict(prefetch="adapter,utility", eviction="utility")}
-    _check_exact(EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="draft", adaptive=False), 16, configs)
-    _check_exact(EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="off"), 16, {"adapter prefetch": dict(prefetch="adapter")})
+    configs = {
+        **SPAC_CONFIGS,
+        "adapter + utility prefetch": dict(prefetch="adapter,utility", eviction="utility"),
+    }
+    _check_exact(
+        EMBEDDED_TARGET, prompts_of, SpecConfig(speculative="draft", adaptive=False), 16, configs
+    )
+    _check_exact(
+        EMBEDDED_TARGET,
+        prompts_of,
+        SpecConfig(speculative="off"),
+        16,
+        {"adapter prefetch": dict(prefetch="adapter")},
+    )
 
 
 def test_utility_prefetch_counts_wasted_predictions(tiny_ckpt) -> None:
     """A prediction that nothing uses is counted as wasted once its protection expires."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, prefetch="utility", eviction="utility", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.5, prefetch="utility", eviction="utility", warm_start=False),
+    )
     try:
         est, layer = om.utility.estimator, om.moe_layers[0]
         # Two windows in which experts 0 and 1 are hot: the estimator predicts them.
         for _ in range(3):
-            est.observe({la: ([4, 4] + [1] * 6 + [0] * (om.num_experts - 8), [4, 4] + [1] * 6 + [0] * (om.num_experts - 8)) for la in om.moe_layers})
+            est.observe(
+                {
+                    la: (
+                        [4, 4] + [1] * 6 + [0] * (om.num_experts - 8),
+                        [4, 4] + [1] * 6 + [0] * (om.num_experts - 8),
+                    )
+                    for la in om.moe_layers
+                }
+            )
         assert est.level(layer, 0) >= 2
         om.utility.top_up(layer)  # may stop early: prefetches go only to idle transfer workers
         issued = om.stats.snapshot()["prefetch_issued"]
@@ -246,7 +304,10 @@ def test_utility_prefetch_waits_for_an_idle_transfer_worker(tiny_ckpt) -> None:
     busy, no further prefetch is queued, and topping up resumes once one is idle."""
     import threading
 
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, prefetch="utility", eviction="utility", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.5, prefetch="utility", eviction="utility", warm_start=False),
+    )
     gate = threading.Event()
     fetch = om.transfers.tier._fetch
 
@@ -258,10 +319,20 @@ def test_utility_prefetch_waits_for_an_idle_transfer_worker(tiny_ckpt) -> None:
     try:
         est, layer = om.utility.estimator, om.moe_layers[0]
         for _ in range(3):
-            est.observe({la: ([4] * 6 + [0] * (om.num_experts - 6), [4] * 6 + [0] * (om.num_experts - 6)) for la in om.moe_layers})
+            est.observe(
+                {
+                    la: ([4] * 6 + [0] * (om.num_experts - 6), [4] * 6 + [0] * (om.num_experts - 6))
+                    for la in om.moe_layers
+                }
+            )
         assert len(est.ranked(layer)) == 6
         assert om.utility.top_up(layer) is False
-        assert om.stats.snapshot()["prefetch_issued"] == om.utility.max_pending == om.transfers.workers == om.transfers.pending()
+        assert (
+            om.stats.snapshot()["prefetch_issued"]
+            == om.utility.max_pending
+            == om.transfers.workers
+            == om.transfers.pending()
+        )
         gate.set()
         settle(om)
         om.utility.top_up(layer)
@@ -272,7 +343,10 @@ def test_utility_prefetch_waits_for_an_idle_transfer_worker(tiny_ckpt) -> None:
 
 
 def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -> None:
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(cache_fraction=0.25, offload="disk", cpu_experts="all", warm_start=False),
+    )
     try:
         fetch = om.transfers.tier._fetch
 
@@ -283,7 +357,13 @@ def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -
 
         om.transfers.tier._fetch = flaky  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=256))
-        outs = complete(core, [request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in _prompts(om.config.vocab_size, 4)])
+        outs = complete(
+            core,
+            [
+                request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+                for p in _prompts(om.config.vocab_size, 4)
+            ],
+        )
         assert any(o.error and "expert 1" in o.error for o in outs)
         assert om.store.pinned_count() == 0
         om.transfers.tier._fetch = fetch  # type: ignore[method-assign]
@@ -295,8 +375,17 @@ def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -
 
 def test_stale_utility_prefetches_are_cancelled(tiny_ckpt) -> None:
     """Prefetches still queued when their expert's utility falls are cancelled, not loaded."""
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, offload="disk", link="1:300000", prefetch="utility",
-                                                         eviction="utility", warm_start=False))
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(
+            cache_fraction=0.5,
+            offload="disk",
+            link="1:300000",
+            prefetch="utility",
+            eviction="utility",
+            warm_start=False,
+        ),
+    )
     try:
         est, layer, E = om.utility.estimator, om.moe_layers[0], om.num_experts
         om.utility.max_pending = 64  # a deep queue (the default queues only into idle workers)
@@ -321,10 +410,20 @@ def test_cpu_run_quantized_experts_equal_the_copied_path(tiny_ckpt, tmp_path, qu
     """The CPU path reads the host tier's encoded bytes and dequantizes as a slot would."""
     outs = {}
     for mode in ("off", "all"):
-        om = load_model(tiny_ckpt("qwen2_moe"), EngineConfig(cache_fraction=0.25, offload="ram", expert_quant=quant, cpu_experts=mode,
-                                                            quant_cache_dir=str(tmp_path)))
+        om = load_model(
+            tiny_ckpt("qwen2_moe"),
+            EngineConfig(
+                cache_fraction=0.25,
+                offload="ram",
+                expert_quant=quant,
+                cpu_experts=mode,
+                quant_cache_dir=str(tmp_path),
+            ),
+        )
         try:
-            outs[mode] = _run(om, _prompts(om.config.vocab_size, 4), SpecConfig(speculative="off"), 8)
+            outs[mode] = _run(
+                om, _prompts(om.config.vocab_size, 4), SpecConfig(speculative="off"), 8
+            )
             if mode == "all":
                 assert om.stats.snapshot()["cpu_expert_calls"] > 0
         finally:

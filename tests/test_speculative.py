@@ -1,5 +1,6 @@
 """Speculative decoding: exact greedy output with draft and n-gram proposers, the rejection
 rule's output distribution, adaptive k, the sensor, and draft compatibility checks."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,14 +30,20 @@ def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
     """Pearson chi-square goodness of fit; p-value from the regularized upper gamma function."""
     cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
     stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0)))
+    return float(
+        torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0))
+    )
 
 
 def _emitted_first_tokens(rule, n: int = 20000) -> tuple[list[int], torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     V = 6
-    target_logits = torch.tensor([[1.5, 0.2, -0.5, 0.9, -1.2, 0.0], [0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])  # [k+1, V], k=1
-    q = torch.softmax(torch.tensor([0.0, 1.8, 0.4, -0.3, 0.9, -2.0]), dim=-1)  # the draft's distribution
+    target_logits = torch.tensor(
+        [[1.5, 0.2, -0.5, 0.9, -1.2, 0.0], [0.3, 0.3, 0.3, 0.3, 0.3, 0.3]]
+    )  # [k+1, V], k=1
+    q = torch.softmax(
+        torch.tensor([0.0, 1.8, 0.4, -0.3, 0.9, -2.0]), dim=-1
+    )  # the draft's distribution
     params = SamplingParams(temperature=1.0, max_tokens=4)
     counts = [0] * V
     for _ in range(n):
@@ -53,7 +60,9 @@ def test_rejection_sampling_emits_the_target_distribution() -> None:
 
 
 def test_the_distribution_test_rejects_a_wrong_rule() -> None:
-    def always_accept(logits, drafts, params, g, process, probs):  # the classic bug: trusting the draft
+    def always_accept(
+        logits, drafts, params, g, process, probs
+    ):  # the classic bug: trusting the draft
         return list(drafts) + [0]
 
     counts, p = _emitted_first_tokens(always_accept, n=5000)
@@ -89,7 +98,9 @@ def test_adaptive_k_counts_the_cost_of_proposing() -> None:
     assert k.best_k(0.5) >= 1  # cheap proposals (n-gram): worth it at 50 % acceptance
     for _ in range(20):
         k.observe_costs(0.9, None)  # a draft forward costs almost a target step
-    assert k.best_k(0.5) == 0 and k.best_k(0.95) == 0  # 0.95 accepted still costs more than it yields
+    assert (
+        k.best_k(0.5) == 0 and k.best_k(0.95) == 0
+    )  # 0.95 accepted still costs more than it yields
     assert AdaptiveK(k_max=4, proposal_cost=0.3, row_cost=0.1).best_k(0.95) >= 1
 
 
@@ -100,10 +111,20 @@ def _prompts_embedded(tok) -> list[list[int]]:
     root = EMBEDDED_TARGET.parent / "data"
     verse = tok((root / "test_shakespeare.txt").read_text(encoding="utf-8")[:60000])["input_ids"]
     docs = tok((root / "test_pydocs.txt").read_text(encoding="utf-8")[:60000])["input_ids"]
-    out = [verse[i * 1500 : i * 1500 + 64] for i in range(7)] + [docs[i * 1500 : i * 1500 + 64] for i in range(7)]
-    for q in ("What is a generator?", "Tell me about Hamlet.", "How do I open a file?", "Who was the king?",
-              "Explain list comprehensions.", "Write a sonnet."):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+    out = [verse[i * 1500 : i * 1500 + 64] for i in range(7)] + [
+        docs[i * 1500 : i * 1500 + 64] for i in range(7)
+    ]
+    for q in (
+        "What is a generator?",
+        "Tell me about Hamlet.",
+        "How do I open a file?",
+        "Who was the king?",
+        "Explain list comprehensions.",
+        "Write a sonnet.",
+    ):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         out.append(ids[:64])
     return out  # 20 prompts: verse, documentation, chat
@@ -111,7 +132,9 @@ def _prompts_embedded(tok) -> list[list[int]]:
 
 def _run(om, spec: SpecConfig, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     proposer, observers = make_speculation(spec.resolve(om.model_dir), om)
-    core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=2048), proposer, observers)
+    core = EngineCore.for_model(
+        om, CoreLimits(max_running=8, max_model_len=2048), proposer, observers
+    )
     outs = complete(core, [request(p, params) for p in prompts])
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     return [o.token_ids for o in outs]
@@ -120,7 +143,9 @@ def _run(om, spec: SpecConfig, prompts: list[list[int]], params: SamplingParams)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("offload,fraction", [("ram", 1.0), ("disk", 0.25)])
 def test_embedded_pair_speculation_is_exact(offload: str, fraction: float) -> None:
-    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=fraction, offload=offload, dtype="float32"))
+    om = load_model(
+        EMBEDDED_TARGET, EngineConfig(cache_fraction=fraction, offload=offload, dtype="float32")
+    )
     try:
         prompts = _prompts_embedded(om.tokenizer)
         # 64 new tokens in RAM; 32 from disk, where every step pays real reads (CI time).
@@ -129,10 +154,14 @@ def test_embedded_pair_speculation_is_exact(offload: str, fraction: float) -> No
         om.stats.reset()
         assert _run(om, SpecConfig(speculative="draft", adaptive=False), prompts, params) == plain
         s = om.stats.snapshot()
-        assert s["spec_drafts"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]  # partial acceptance happened
+        assert (
+            s["spec_drafts"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+        )  # partial acceptance happened
         assert om.store.pinned_count() == 0
         if fraction == 1.0:
-            assert _run(om, SpecConfig(speculative="ngram", adaptive=False), prompts, params) == plain
+            assert (
+                _run(om, SpecConfig(speculative="ngram", adaptive=False), prompts, params) == plain
+            )
             assert _run(om, SpecConfig(speculative="draft"), prompts, params) == plain  # adaptive k
     finally:
         om.close()
@@ -141,9 +170,20 @@ def test_embedded_pair_speculation_is_exact(offload: str, fraction: float) -> No
 def make_tiny_draft(path: Path) -> Path:
     """A tiny dense qwen3 with the tiny MoE checkpoints' tokenizer."""
     tok = make_tokenizer()
-    cfg = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, vocab_size=len(tok), max_position_embeddings=512,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     tok.save_pretrained(path)
@@ -160,10 +200,21 @@ def test_tiny_architectures_with_a_tiny_draft(tiny_ckpt, tiny_draft: Path, arch:
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=0.25, offload="disk"))
     try:
         g = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(3, om.config.vocab_size, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
+        prompts = [
+            torch.randint(3, om.config.vocab_size, (4 + 3 * i,), generator=g).tolist()
+            for i in range(8)
+        ]
         params = SamplingParams(max_tokens=16, ignore_eos=True)
         plain = _run(om, SpecConfig(speculative="off"), prompts, params)
-        assert _run(om, SpecConfig(speculative="draft", draft=str(tiny_draft), adaptive=False), prompts, params) == plain
+        assert (
+            _run(
+                om,
+                SpecConfig(speculative="draft", draft=str(tiny_draft), adaptive=False),
+                prompts,
+                params,
+            )
+            == plain
+        )
         assert _run(om, SpecConfig(speculative="ngram", adaptive=False), prompts, params) == plain
     finally:
         om.close()
@@ -185,15 +236,24 @@ def test_sensor_reports_window_counts(tiny_ckpt) -> None:
     try:
         reports = []
         om.bus.subscribe_windows(reports.append)
-        _run(om, SpecConfig(speculative="ngram", adaptive=False), [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=12, ignore_eos=True))
+        _run(
+            om,
+            SpecConfig(speculative="ngram", adaptive=False),
+            [[5, 6, 7, 5, 6, 7, 5, 6]],
+            SamplingParams(max_tokens=12, ignore_eos=True),
+        )
         assert reports
         for rep in reports:
             for w in rep.windows:
                 assert int(w.counts.sum()) == w.rows * om.top_k  # each row activates top_k experts
                 assert int(w.accepted_counts.sum()) == w.kept * om.top_k and 1 <= w.kept <= w.rows
-                assert torch.equal(rep.union[w.layer], w.counts)  # one request: the union is its window
+                assert torch.equal(
+                    rep.union[w.layer], w.counts
+                )  # one request: the union is its window
         per_layer = om.stats.snapshot()["per_layer"]
-        assert all(om.top_k <= row["distinct_experts_per_window"] <= om.num_experts for row in per_layer)
+        assert all(
+            om.top_k <= row["distinct_experts_per_window"] <= om.num_experts for row in per_layer
+        )
     finally:
         om.close()
 
@@ -203,7 +263,9 @@ def test_mismatched_draft_is_refused(tiny_ckpt, tmp_path: Path) -> None:
         check_draft(tiny_ckpt("qwen3_moe"), EMBEDDED_DRAFT)
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpecConfig(speculative="draft").resolve(tiny_ckpt("qwen3_moe"))
-    assert SpecConfig().resolve(EMBEDDED_TARGET, "cuda").draft is not None  # the embedded pair on a GPU: draft by default
+    assert (
+        SpecConfig().resolve(EMBEDDED_TARGET, "cuda").draft is not None
+    )  # the embedded pair on a GPU: draft by default
     cpu, why = SpecConfig().choose(EMBEDDED_TARGET, "cpu")
     assert cpu.speculative == "off" and "on a CPU" in why  # where a verification window cannot pay
     assert SpecConfig().resolve(tiny_ckpt("qwen3_moe")).speculative == "off"
@@ -216,8 +278,15 @@ def test_structured_output_with_speculation_equals_without() -> None:
 
     from engine.structured.spec import ConstraintSpec
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
-              "required": ["name", "tags"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
     om = load_model(EMBEDDED_TARGET, EngineConfig(dtype="float32"))
     try:
         ids = om.tokenizer("Describe Hamlet as JSON:")["input_ids"]
@@ -225,8 +294,12 @@ def test_structured_output_with_speculation_equals_without() -> None:
 
         def run(spec: SpecConfig) -> tuple[list[int], str]:
             proposer, observers = make_speculation(spec.resolve(EMBEDDED_TARGET), om)
-            core = EngineCore.for_model(om, CoreLimits(max_running=2, max_model_len=2048), proposer, observers)
-            out = complete(core, [request(ids, SamplingParams(max_tokens=48), constraint=spec_c)])[0]
+            core = EngineCore.for_model(
+                om, CoreLimits(max_running=2, max_model_len=2048), proposer, observers
+            )
+            out = complete(core, [request(ids, SamplingParams(max_tokens=48), constraint=spec_c)])[
+                0
+            ]
             assert out.error is None, out.error
             return out.token_ids, out.text
 

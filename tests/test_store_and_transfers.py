@@ -1,4 +1,5 @@
 """Fast-tier slots, eviction, and the background transfer engine, on a fake slow tier."""
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,9 @@ class FakeTier:
         self.delay = delay
         self.fail_on: set[tuple[int, int]] = set()
 
-    def fetch(self, layer: int, expert: int, into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    def fetch(
+        self, layer: int, expert: int, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         self.gate.wait()
         time.sleep(self.delay)
         self.calls.append((layer, expert))

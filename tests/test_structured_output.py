@@ -1,5 +1,6 @@
 """Grammar-constrained decoding: the TokenConstraint contract, then JSON mode and JSON schema
 through the real server (sampled at temperature 1, streamed and not)."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,17 @@ PERSON = {
         "admin": {"type": "boolean"},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 6}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False,
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
         },
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
     },
-    "required": ["name", "age", "admin", "address", "tags"], "additionalProperties": False,
+    "required": ["name", "age", "admin", "address", "tags"],
+    "additionalProperties": False,
 }
 
 
@@ -91,7 +97,9 @@ def test_constraint_rollback_restores_the_state(compiler: GrammarCompiler) -> No
 
 def test_spec_is_plain_data() -> None:
     spec = ConstraintSpec.json_schema(PERSON)
-    assert pickle.loads(pickle.dumps(spec)) == spec and hash(spec) == hash(ConstraintSpec.json_schema(PERSON))
+    assert pickle.loads(pickle.dumps(spec)) == spec and hash(spec) == hash(
+        ConstraintSpec.json_schema(PERSON)
+    )
     assert check_spec(spec) is None and check_spec(ConstraintSpec("json_object")) is None
     assert "foo" in (check_spec(ConstraintSpec.json_schema({"type": "foo"})) or "")
     with pytest.raises(ValueError):
@@ -100,7 +108,10 @@ def test_spec_is_plain_data() -> None:
 
 @pytest.fixture(scope="module")
 def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", MODEL], tmp_path_factory.mktemp("so") / "server.log") as s:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
+        tmp_path_factory.mktemp("so") / "server.log",
+    ) as s:
         yield s
 
 
@@ -109,15 +120,28 @@ def client(srv: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=120)
 
 
-SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+}
 
 
-def _sampled(client: openai.OpenAI, requests: int, n: int, stream: bool) -> list[tuple[str, str | None]]:
+def _sampled(
+    client: openai.OpenAI, requests: int, n: int, stream: bool
+) -> list[tuple[str, str | None]]:
     """`requests` x `n` choices at temperature 1 under the PERSON schema: (text, finish_reason)."""
     texts: dict[tuple[int, int], str] = {}
     finishes: dict[tuple[int, int], str | None] = {}
     for seed in range(requests):
-        kw = dict(model=MODEL, messages=MSGS, n=n, temperature=1.0, seed=seed + (100 if stream else 0), max_tokens=150, response_format=SCHEMA_FORMAT)
+        kw = dict(
+            model=MODEL,
+            messages=MSGS,
+            n=n,
+            temperature=1.0,
+            seed=seed + (100 if stream else 0),
+            max_tokens=150,
+            response_format=SCHEMA_FORMAT,
+        )
         if not stream:
             for c in client.chat.completions.create(**kw).choices:
                 texts[seed, c.index], finishes[seed, c.index] = c.message.content, c.finish_reason
@@ -151,11 +175,23 @@ def test_json_schema_50_sampled(client: openai.OpenAI, stream: bool) -> None:
 
 
 def test_json_mode_and_greedy_stream_equality(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, messages=MSGS, temperature=0, max_tokens=200, response_format={"type": "json_object"})
+    kw = dict(
+        model=MODEL,
+        messages=MSGS,
+        temperature=0,
+        max_tokens=200,
+        response_format={"type": "json_object"},
+    )
     full = client.chat.completions.create(**kw)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    )
     assert streamed == full.choices[0].message.content
-    if full.choices[0].finish_reason == "stop":  # greedy on a random model may loop until max_tokens
+    if (
+        full.choices[0].finish_reason == "stop"
+    ):  # greedy on a random model may loop until max_tokens
         assert isinstance(json.loads(streamed), dict)
     else:
         assert streamed.startswith("{")
@@ -165,21 +201,42 @@ def test_json_mode_and_greedy_stream_equality(client: openai.OpenAI) -> None:
 
 
 def test_completions_prompt_is_untouched_by_json(client: openai.OpenAI) -> None:
-    plain = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=0, max_tokens=8, response_format={"type": "text"})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=0, max_tokens=8, response_format={"type": "text"}
+    )
     assert plain.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("fmt,param", [
-    ({"type": "yaml"}, "response_format.type"),
-    ({"type": "json_schema"}, "response_format"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "response_format.json_schema.schema"),
-])
+@pytest.mark.parametrize(
+    "fmt,param",
+    [
+        ({"type": "yaml"}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
 def test_bad_response_format_is_400(srv: RunningServer, fmt: dict, param: str) -> None:
-    r = httpx.post(srv.v1 + "/chat/completions", json={"model": MODEL, "messages": MSGS, "response_format": fmt}, timeout=30)
+    r = httpx.post(
+        srv.v1 + "/chat/completions",
+        json={"model": MODEL, "messages": MSGS, "response_format": fmt},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
 def test_ignore_eos_with_schema_is_400(srv: RunningServer) -> None:
-    r = httpx.post(srv.v1 + "/chat/completions", json={"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "ignore_eos": True}, timeout=30)
+    r = httpx.post(
+        srv.v1 + "/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": MSGS,
+            "response_format": {"type": "json_object"},
+            "ignore_eos": True,
+        },
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"

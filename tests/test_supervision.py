@@ -1,5 +1,6 @@
 """Engine faults: kill -9 (restart with backoff, then exit 1 once the budget is spent, no
 zombies), and a checkpoint that becomes unreadable mid-service (expert read errors)."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,14 @@ import pytest
 from server_fixtures import RunningServer, serve
 
 pytestmark = pytest.mark.timeout(240)
-LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": "tiny",
+    "prompt": "Hello",
+    "max_tokens": 400,
+    "stream": True,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 SHORT = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
 
@@ -58,12 +66,19 @@ def _kill_engine_mid_stream(srv: RunningServer) -> int:
 
 
 def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(tiny_ckpt, tmp_path: Path) -> None:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--engine-restarts", "1"], tmp_path / "log") as srv:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--engine-restarts", "1"],
+        tmp_path / "log",
+    ) as srv:
         t0 = time.monotonic()
         old = _kill_engine_mid_stream(srv)
         h = _wait_health(srv, "restarting", 5)
         assert h["code"] == 503 and int(h["retry"]) >= 1 and "exited" in h["error"]
-        assert h["error_id"].startswith("err-") and h["error_id"] in h["error"] and h["error_id"] in srv.log_path.read_text()
+        assert (
+            h["error_id"].startswith("err-")
+            and h["error_id"] in h["error"]
+            and h["error_id"] in srv.log_path.read_text()
+        )
         refused = httpx.post(srv.v1 + "/completions", json=SHORT, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting"
         assert int(refused.headers["retry-after"]) >= 1
@@ -85,15 +100,21 @@ def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(tiny_ckpt, tmp_pat
 
 @pytest.mark.slow
 def test_in_flight_nonstreamed_request_gets_503_on_engine_death(tiny_ckpt, tmp_path: Path) -> None:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log") as srv:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny"], tmp_path / "log"
+    ) as srv:
         pid = srv.engine_pid()
         with httpx.Client(timeout=60) as hc:
             res: dict[str, httpx.Response] = {}
             body = {**LONG, "stream": False, "n": 8, "max_tokens": 480}  # seconds of work
-            t = threading.Thread(target=lambda: res.setdefault("r", hc.post(srv.v1 + "/completions", json=body)))
+            t = threading.Thread(
+                target=lambda: res.setdefault("r", hc.post(srv.v1 + "/completions", json=body))
+            )
             t.start()
             deadline = time.monotonic() + 30
-            while srv.metrics().get(("moe_offload_generation_tokens_total", ()), 0) == 0:  # decoding has begun
+            while (
+                srv.metrics().get(("moe_offload_generation_tokens_total", ()), 0) == 0
+            ):  # decoding has begun
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
@@ -112,20 +133,54 @@ def test_checkpoint_becomes_unreadable_mid_service(tiny_ckpt, tmp_path: Path) ->
     shutil.copytree(tiny_ckpt(), model)
     shard = next(model.glob("*.safetensors"))
     original = shard.read_bytes()
-    args = ["--model", str(model), "--served-model-name", "tiny", "--offload", "disk", "--cache-fraction", "0.25", "--no-warm"]
+    args = [
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--offload",
+        "disk",
+        "--cache-fraction",
+        "0.25",
+        "--no-warm",
+    ]
     with serve(args, tmp_path / "log") as srv:
         assert httpx.post(srv.v1 + "/completions", json=SHORT, timeout=30).status_code == 200
         with open(shard, "r+b") as f:
             f.truncate(0)
-        bad = [httpx.post(srv.v1 + "/completions", json={**SHORT, "prompt": p, "max_tokens": 8}, timeout=30) for p in ("Mixture", "def main():", "To be")]
+        bad = [
+            httpx.post(
+                srv.v1 + "/completions", json={**SHORT, "prompt": p, "max_tokens": 8}, timeout=30
+            )
+            for p in ("Mixture", "def main():", "To be")
+        ]
         failed = [r for r in bad if r.status_code != 200]
         assert failed, "no request touched an uncached expert"
         for r in failed:
-            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error" and "truncated" in r.json()["error"]["message"]
-        streamed = httpx.post(srv.v1 + "/completions", json={**SHORT, "prompt": "Mixture", "max_tokens": 8, "stream": True}, timeout=30)
-        assert streamed.status_code == 200 and "engine_error" in streamed.text and streamed.text.rstrip().endswith("[DONE]")
+            assert (
+                r.status_code == 500
+                and r.json()["error"]["code"] == "engine_error"
+                and "truncated" in r.json()["error"]["message"]
+            )
+        streamed = httpx.post(
+            srv.v1 + "/completions",
+            json={**SHORT, "prompt": "Mixture", "max_tokens": 8, "stream": True},
+            timeout=30,
+        )
+        assert (
+            streamed.status_code == 200
+            and "engine_error" in streamed.text
+            and streamed.text.rstrip().endswith("[DONE]")
+        )
         assert httpx.get(srv.base_url + "/health").status_code == 200
         with open(shard, "r+b") as f:
             f.write(original)
         for p in ("Mixture", "def main():", "To be"):
-            assert httpx.post(srv.v1 + "/completions", json={**SHORT, "prompt": p, "max_tokens": 8}, timeout=30).status_code == 200
+            assert (
+                httpx.post(
+                    srv.v1 + "/completions",
+                    json={**SHORT, "prompt": p, "max_tokens": 8},
+                    timeout=30,
+                ).status_code
+                == 200
+            )

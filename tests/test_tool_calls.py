@@ -1,5 +1,6 @@
 """Tool calls through the official openai SDK: tool_choice required and named, streamed and
 not; the auto-mode parser; and the 400s for requests that cannot be honoured."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,29 @@ MODEL = "tiny"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "unit", "days"], "additionalProperties": False,
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"], "additionalProperties": False}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["utc", "cet"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": WEATHER,
+        },
+    },
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 PARAMS = {"get_weather": WEATHER, "get_time": TIME}
@@ -32,7 +50,10 @@ PARAMS = {"get_weather": WEATHER, "get_time": TIME}
 
 @pytest.fixture(scope="module")
 def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(["--model", str(tiny_ckpt()), "--served-model-name", MODEL], tmp_path_factory.mktemp("tools") / "server.log") as s:
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
+        tmp_path_factory.mktemp("tools") / "server.log",
+    ) as s:
         yield s
 
 
@@ -49,22 +70,46 @@ def _check_calls(calls: list, only: str | None = None) -> None:
         jsonschema.validate(json.loads(c.function.arguments), PARAMS[c.function.name])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_forced_calls_nonstreamed(client: openai.OpenAI, choice) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=5, n=4, max_tokens=200)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        max_tokens=200,
+    )
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and c.message.content is None
         _check_calls(c.message.tool_calls, None if choice == "required" else "get_weather")
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
 def test_forced_calls_streamed(client: openai.OpenAI, choice) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=9, max_tokens=200, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=1.0,
+        seed=9,
+        max_tokens=200,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for ch in stream:
         for c in ch.choices:
-            for tc in c.delta.tool_calls or []:  # the SDK's typed deltas: id/name once, arguments in pieces
+            for tc in (
+                c.delta.tool_calls or []
+            ):  # the SDK's typed deltas: id/name once, arguments in pieces
                 d = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
                 d["id"] = tc.id or d["id"]
                 d["name"] = (tc.function.name if tc.function else None) or d["name"]
@@ -79,25 +124,67 @@ def test_forced_calls_streamed(client: openai.OpenAI, choice) -> None:
 def test_tool_history_and_auto_mode(client: openai.OpenAI) -> None:
     """A conversation carrying an earlier call and its result renders; auto mode answers."""
     history = MSGS + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "utc"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz": "utc"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
-    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=8)
+    r = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=8
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    none = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8)
-    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+    none = client.chat.completions.create(
+        model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
+    )
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tool_choice": "required"}, "tool_choice"),  # no tools
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "nonsense"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400(srv: RunningServer, body: dict, param: str) -> None:
-    r = httpx.post(srv.v1 + "/chat/completions", json={"model": MODEL, "messages": MSGS, **body}, timeout=30)
+    r = httpx.post(
+        srv.v1 + "/chat/completions", json={"model": MODEL, "messages": MSGS, **body}, timeout=30
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.json()
 
@@ -107,21 +194,37 @@ def _auto() -> ToolMode:
 
 
 def test_auto_mode_parser() -> None:
-    text = 'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>'
+    text = (
+        'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>'
+    )
     content, calls = parse_calls(text, _auto(), list(PARAMS))
     assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"tz": "cet"}
     assert parse_calls("<tool_call>{broken</tool_call>", _auto(), list(PARAMS))[1] == []
-    assert parse_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', _auto(), list(PARAMS))[1] == []
+    assert (
+        parse_calls(
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', _auto(), list(PARAMS)
+        )[1]
+        == []
+    )
 
 
 def test_auto_mode_stream_holds_back_only_what_may_be_a_call() -> None:
     ts = ToolStream(_auto(), list(PARAMS))
-    pieces = ["Let me ", "check.<tool", '_call>{"name": "get_time", ', '"arguments": {"tz": "utc"}}</tool_call>']
+    pieces = [
+        "Let me ",
+        "check.<tool",
+        '_call>{"name": "get_time", ',
+        '"arguments": {"tz": "utc"}}</tool_call>',
+    ]
     sent = "".join(ts.feed(p).get("content", "") for p in pieces)
     assert sent == "Let me check."
     last, has_calls = ts.finish()
-    assert has_calls and last["tool_calls"][0]["function"]["name"] == "get_time" and "content" not in last
+    assert (
+        has_calls
+        and last["tool_calls"][0]["function"]["name"] == "get_time"
+        and "content" not in last
+    )
     plain = ToolStream(_auto(), list(PARAMS))
     assert "".join(plain.feed(p).get("content", "") for p in ["a <", "b"]) == "a <b"
     assert plain.finish() == ({}, False)

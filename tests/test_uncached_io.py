@@ -19,7 +19,9 @@ def _supports_o_direct(path) -> bool:
 
 @pytest.mark.parametrize("scratch", [False, True])
 @pytest.mark.parametrize("prefer_direct", [True, False])
-def test_reads_exact_bytes_at_unaligned_offsets(tmp_path, prefer_direct: bool, scratch: bool) -> None:
+def test_reads_exact_bytes_at_unaligned_offsets(
+    tmp_path, prefer_direct: bool, scratch: bool
+) -> None:
     data = os.urandom(3 * 4096 + 123)
     f = tmp_path / "blob.bin"
     f.write_bytes(data)
@@ -27,7 +29,9 @@ def test_reads_exact_bytes_at_unaligned_offsets(tmp_path, prefer_direct: bool, s
     for off, n in [(0, 10), (1, 4096), (4095, 2), (5000, 7000), (len(data) - 5, 5)]:
         assert bytes(r.read(f, off, n, scratch=scratch)) == data[off : off + n]
     # The mode used is the one this file system allows: probe O_DIRECT independently.
-    assert r.modes[str(f)] == ("O_DIRECT" if prefer_direct and _supports_o_direct(f) else "pread+DONTNEED")
+    assert r.modes[str(f)] == (
+        "O_DIRECT" if prefer_direct and _supports_o_direct(f) else "pread+DONTNEED"
+    )
     with pytest.raises(CheckpointError, match="truncated"):
         r.read(f, len(data) - 5, 50)
     r.close()
@@ -51,7 +55,9 @@ def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_c
         fetched = {}
         for layer in om.moe_layers:
             for e in range(om.num_experts):
-                assert _one_span(tier.locator.segments(layer, e)) is not None  # save_pretrained stores an expert's tensors together
+                assert (
+                    _one_span(tier.locator.segments(layer, e)) is not None
+                )  # save_pretrained stores an expert's tensors together
                 calls.clear()
                 fetched[(layer, e)] = tier._fetch(layer, e, None)
                 assert len(calls) == 1
@@ -69,6 +75,10 @@ def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_c
         # A slot of another dtype (a conversion) cannot take the raw bytes: a buffer of its own comes back.
         other = torch.zeros(want.numel(), dtype=torch.float64)
         got, _ = tier.fetch(layer, e, into=other)
-        assert got is not other and torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and not other.any()
+        assert (
+            got is not other
+            and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            and not other.any()
+        )
     finally:
         om.close()

@@ -1,4 +1,5 @@
 """Tests build their tiny checkpoints with models.tiny; re-exported here for short imports."""
+
 from models.tiny import (
     ARCHS,
     CHAT_TEMPLATE,
@@ -9,4 +10,12 @@ from models.tiny import (
     make_tokenizer,
 )
 
-__all__ = ["ARCHS", "NEW_ARCHS", "CHAT_TEMPLATE", "config_dict", "load_reference", "make_tiny_checkpoint", "make_tokenizer"]
+__all__ = [
+    "ARCHS",
+    "NEW_ARCHS",
+    "CHAT_TEMPLATE",
+    "config_dict",
+    "load_reference",
+    "make_tiny_checkpoint",
+    "make_tokenizer",
+]

@@ -14,6 +14,7 @@ replica that served it.
 
 Needs `pip install -e ".[ray]"`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,9 @@ def build_server_app(serve_argv: Sequence[str]) -> FastAPI:
     finally:
         launch.run_server = real_run_server
     if rc != 0 or len(built) != 1:
-        raise RuntimeError(f"moe-offload serve {' '.join(serve_argv)} failed (exit {rc}); see the replica's log")
+        raise RuntimeError(
+            f"moe-offload serve {' '.join(serve_argv)} failed (exit {rc}); see the replica's log"
+        )
     return built[0]
 
 
@@ -64,7 +67,13 @@ class ReplicaHeader:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica)]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (REPLICA_HEADER.encode(), self.replica),
+                    ],
+                }
             await send(message)
 
         await self.app(scope, receive, send_with_header if scope["type"] == "http" else send)
@@ -82,7 +91,9 @@ def wait_until_ready(app: FastAPI, timeout_s: float) -> None:
         async def ctx() -> Any:
             async with original(a) as state:
                 transport = httpx.ASGITransport(app=a)  # the public /health contract, in-process
-                async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://replica"
+                ) as client:
                     deadline = time.monotonic() + timeout_s
                     while True:
                         r = await client.get("/health")
@@ -98,8 +109,14 @@ def wait_until_ready(app: FastAPI, timeout_s: float) -> None:
     app.router.lifespan_context = lifespan
 
 
-def deployment(serve_argv: Sequence[str], replicas: int = 2, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0,
-               max_ongoing_requests: int = 32, ready_timeout_s: float = 1200.0) -> Any:
+def deployment(
+    serve_argv: Sequence[str],
+    replicas: int = 2,
+    cpus_per_replica: float = 1.0,
+    gpus_per_replica: float = 0.0,
+    max_ongoing_requests: int = 32,
+    ready_timeout_s: float = 1200.0,
+) -> Any:
     """A bound Ray Serve application: `replicas` copies of the server, each with its own engine.
 
     max_ongoing_requests caps what Ray's router sends one replica at once; the engine batches up to its
@@ -123,7 +140,12 @@ def deployment(serve_argv: Sequence[str], replicas: int = 2, cpus_per_replica: f
             "num_cpus": cpus_per_replica,
             "num_gpus": gpus_per_replica,
             # One torch thread per CPU given to the replica; two replicas must not fight over the same cores.
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus_per_replica))), "TOKENIZERS_PARALLELISM": "false"}},
+            "runtime_env": {
+                "env_vars": {
+                    "OMP_NUM_THREADS": str(max(1, int(cpus_per_replica))),
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
+            },
         },
     )
     @serve.ingress(build)
@@ -137,13 +159,17 @@ def app_builder(args: dict[str, str]) -> Any:
     """For `serve run moe_offload_serve:app_builder replicas=2 serve_args="--cache-fraction 0.25"` and Serve
     config files (every value arrives as a string)."""
     return deployment(
-        args.get("serve_args", "").split(), replicas=int(args.get("replicas", 2)),
-        cpus_per_replica=float(args.get("cpus_per_replica", 1)), gpus_per_replica=float(args.get("gpus_per_replica", 0)),
+        args.get("serve_args", "").split(),
+        replicas=int(args.get("replicas", 2)),
+        cpus_per_replica=float(args.get("cpus_per_replica", 1)),
+        gpus_per_replica=float(args.get("gpus_per_replica", 0)),
         max_ongoing_requests=int(args.get("max_ongoing_requests", 32)),
     )
 
 
-def start(serve_argv: Sequence[str], host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> DeploymentHandle:
+def start(
+    serve_argv: Sequence[str], host: str = "127.0.0.1", port: int = 8000, **kwargs: Any
+) -> DeploymentHandle:
     """Deploy on the connected Ray instance (a new local one if none), with the HTTP proxy on host:port."""
     # Ship this module's code with the deployment, so workers need not import it from docker/ray.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -153,21 +179,55 @@ def start(serve_argv: Sequence[str], host: str = "127.0.0.1", port: int = 8000, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    serve_argv = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description="Serve moe-offload replicas behind Ray Serve's HTTP proxy on a local (or RAY_ADDRESS) Ray instance. "
-                                "Arguments after `--` are `moe-offload serve` flags, applied to every replica.")
-    p.add_argument("--replicas", type=int, default=2, help="server replicas, each with its own engine and expert cache (default 2)")
-    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
-    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs Ray reserves per replica (default 0; 1 on a GPU cluster)")
-    p.add_argument("--max-ongoing-requests", type=int, default=32, help="requests Ray's router sends one replica at once (default 32)")
-    p.add_argument("--host", default="127.0.0.1", help="address of Ray's HTTP proxy (default 127.0.0.1)")
+    serve_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(
+        description="Serve moe-offload replicas behind Ray Serve's HTTP proxy on a local (or RAY_ADDRESS) Ray instance. "
+        "Arguments after `--` are `moe-offload serve` flags, applied to every replica."
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="server replicas, each with its own engine and expert cache (default 2)",
+    )
+    p.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves per replica (default 1)",
+    )
+    p.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=0.0,
+        help="GPUs Ray reserves per replica (default 0; 1 on a GPU cluster)",
+    )
+    p.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=32,
+        help="requests Ray's router sends one replica at once (default 32)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address of Ray's HTTP proxy (default 127.0.0.1)"
+    )
     p.add_argument("--port", type=int, default=8000, help="port of Ray's HTTP proxy (default 8000)")
     a = p.parse_args(own)
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-    start(serve_argv, a.host, a.port, replicas=a.replicas, cpus_per_replica=a.cpus_per_replica,
-          gpus_per_replica=a.gpus_per_replica, max_ongoing_requests=a.max_ongoing_requests)
-    print(f"moe-offload: {a.replicas} replica(s) behind http://{a.host}:{a.port}/v1 (Ctrl-C stops)", flush=True)
+    start(
+        serve_argv,
+        a.host,
+        a.port,
+        replicas=a.replicas,
+        cpus_per_replica=a.cpus_per_replica,
+        gpus_per_replica=a.gpus_per_replica,
+        max_ongoing_requests=a.max_ongoing_requests,
+    )
+    print(
+        f"moe-offload: {a.replicas} replica(s) behind http://{a.host}:{a.port}/v1 (Ctrl-C stops)",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)

@@ -1,4 +1,5 @@
 """Run requests to completion in-process through the engine core (CLI, benchmarks, tests)."""
+
 from __future__ import annotations
 
 import itertools
@@ -66,7 +67,11 @@ def complete(core: EngineCore, reqs: list[GenerateRequest]) -> list[Completion]:
     return [done[r.request_id] for r in reqs]
 
 
-def generate(lm: Any, prompt_ids: list[int], params: SamplingParams, max_model_len: int = 1 << 20, **kw: Any) -> Completion:
+def generate(
+    lm: Any, prompt_ids: list[int], params: SamplingParams, max_model_len: int = 1 << 20, **kw: Any
+) -> Completion:
     """One request alone, through a fresh engine core on the loaded model `lm`."""
-    core = EngineCore.for_model(lm, CoreLimits(max_running=1, prefill_token_budget=1 << 20, max_model_len=max_model_len))
+    core = EngineCore.for_model(
+        lm, CoreLimits(max_running=1, prefill_token_budget=1 << 20, max_model_len=max_model_len)
+    )
     return complete(core, [request(prompt_ids, params, **kw)])[0]

@@ -13,6 +13,7 @@ enforce it):
 - `RunnableModel`: a loaded model that makes its own Runner (LoadedModel, engine/worker/loader.py),
   which is how EngineCore.for_model builds a core without importing the worker.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,8 +34,9 @@ class ModelForward(Protocol):
     Every window runs in one pass where the model allows (the rows of a step share each MoE layer).
     """
 
-    def __call__(self, windows: list[list[int]], starts: list[int], caches: list[Any],
-                 keep: list[list[int]]) -> list[Tensor]: ...
+    def __call__(
+        self, windows: list[list[int]], starts: list[int], caches: list[Any], keep: list[list[int]]
+    ) -> list[Tensor]: ...
 
 
 class Runner(Protocol):

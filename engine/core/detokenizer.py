@@ -7,6 +7,7 @@ while the tail decodes to a trailing U+FFFD the text is not advanced, so the con
 stream always equals a full decode. Text ending in a prefix of a stop string is held back
 until it is resolved.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,7 +33,9 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded text so far (truncated at a stop string once found)
         self.released = 0  # characters of `text` already sent
         self.stopped = False
-        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
+        self.matched: str | None = (
+            None  # the stop string that ended the text (Anthropic's stop_sequence)
+        )
         # tokens[prefix_offset:read_offset] were decoded last time: context for the next decode,
         # so tokenizers that merge spaces or bytes across token boundaries decode correctly.
         self._prefix_offset = 0
@@ -61,7 +64,7 @@ class IncrementalDetokenizer:
         full = dec(self.tokens[self._prefix_offset :], skip_special_tokens=True)
         if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""  # an incomplete multi-byte character (or nothing visible yet): wait
-        new = full[len(prefix):]
+        new = full[len(prefix) :]
         self._prefix_offset = self._read_offset  # the tokens just decoded are the next context
         self._read_offset = len(self.tokens)
         return new
@@ -69,7 +72,9 @@ class IncrementalDetokenizer:
     def release(self, final: bool) -> str:
         """Text that is safe to send now; everything left when `final`."""
         if final and not self.stopped and self.tokenizer is not None:
-            self.text += self._new_text(final=True)  # flush what is held back (an incomplete character at the end)
+            self.text += self._new_text(
+                final=True
+            )  # flush what is held back (an incomplete character at the end)
         end = len(self.text)
         if not final:
             end = min(end, len(self.text) - _stop_prefix_overlap(self.text, self.stops))

@@ -15,6 +15,7 @@ The server's engine process runs it behind a process boundary (engine/launch.py 
 engine/core/engine_process.py runs its loop); `moe-offload generate` and the benchmarks run it
 in-process through `generate()`. The runner and the model are seen through engine/core/contracts.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -44,35 +45,57 @@ class Proposer(StepObserver, Protocol):
 @dataclass(frozen=True)
 class CoreLimits:
     max_running: int = 64  # sequences decoded together in one step
-    prefill_token_budget: int = 1024  # prompt tokens prefilled per step (longer prompts are chunked)
+    prefill_token_budget: int = (
+        1024  # prompt tokens prefilled per step (longer prompts are chunked)
+    )
     max_model_len: int = 2048  # prompt + output tokens
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, proposer: Proposer | None = None,
-                 observers: tuple[StepObserver, ...] = ()) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        proposer: Proposer | None = None,
+        observers: tuple[StepObserver, ...] = (),
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
         self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
 
     @classmethod
-    def for_model(cls, lm: RunnableModel, limits: CoreLimits = CoreLimits(), proposer: Proposer | None = None,
-                  observers: tuple[StepObserver, ...] = ()) -> EngineCore:
+    def for_model(
+        cls,
+        lm: RunnableModel,
+        limits: CoreLimits = CoreLimits(),
+        proposer: Proposer | None = None,
+        observers: tuple[StepObserver, ...] = (),
+    ) -> EngineCore:
         """A core for a loaded model: its own runner (lm.make_runner(); the tensors live in worker/), whose prefix
         cache (if any) the scheduler consults when it admits a request."""
         runner = lm.make_runner()
-        sched = Scheduler(lm.tokenizer, lm.eos_token_ids, limits.max_running, limits.prefill_token_budget, limits.max_model_len,
-                          getattr(runner, "prefix", None))
+        sched = Scheduler(
+            lm.tokenizer,
+            lm.eos_token_ids,
+            limits.max_running,
+            limits.prefill_token_budget,
+            limits.max_model_len,
+            getattr(runner, "prefix", None),
+        )
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
-        observers = tuple(observers) + tuple(o for o in getattr(lm, "step_observers", ()) if o not in observers)
+        observers = tuple(observers) + tuple(
+            o for o in getattr(lm, "step_observers", ()) if o not in observers
+        )
         return cls(sched, runner, proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
         self.scheduler.add(req)
 
-    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+    def abort(
+        self, request_id: str, reason: str = "abort", error: str | None = None
+    ) -> RequestOutput | None:
         return self.scheduler.abort(request_id, reason, error)
 
     def abort_all(self, reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
@@ -92,7 +115,9 @@ class EngineCore:
             try:
                 obs.observe(plan, out)
             except Exception:  # noqa: BLE001 - statistics are not worth a request
-                log.exception("step observer %s failed; the step's tokens stand", type(obs).__name__)
+                log.exception(
+                    "step observer %s failed; the step's tokens stand", type(obs).__name__
+                )
         return failed + self._update(plan, out)
 
     def _propose(self, plan: StepPlan, failed: list[RequestOutput]) -> StepPlan:
@@ -102,7 +127,9 @@ class EngineCore:
         try:
             return self.proposer.propose(plan)
         except Exception:  # noqa: BLE001 - blame is placed below, one window at a time
-            log.warning("the proposer failed on a step of %d windows; proposing each alone", len(plan.work))
+            log.warning(
+                "the proposer failed on a step of %d windows; proposing each alone", len(plan.work)
+            )
         work = []
         for i, w in enumerate(plan.work):
             try:
@@ -121,7 +148,9 @@ class EngineCore:
                 outputs += self.scheduler.update(StepPlan([w]), out)
             except Exception as e:  # noqa: BLE001 - this request's detokenization or stop check
                 if seq is not None:
-                    outputs.append(self._fail(seq, request_fault("detokenization", w.request_id, e)))
+                    outputs.append(
+                        self._fail(seq, request_fault("detokenization", w.request_id, e))
+                    )
         return outputs
 
     def _fail(self, seq: SeqState, error: str) -> RequestOutput:
@@ -130,8 +159,15 @@ class EngineCore:
         seq.detok = IncrementalDetokenizer(None, ())
         o = self.scheduler.abort(seq.request_id, "error", error)
         if o is None:  # the update had already finished it (and queued its cache to be freed)
-            o = RequestOutput(seq.request_id, [], "", finish_reason="error", error=error,
-                              num_prompt_tokens=len(seq.req.prompt_ids), num_output_tokens=len(seq.output_ids))
+            o = RequestOutput(
+                seq.request_id,
+                [],
+                "",
+                finish_reason="error",
+                error=error,
+                num_prompt_tokens=len(seq.req.prompt_ids),
+                num_output_tokens=len(seq.output_ids),
+            )
         return o
 
     def generate(self, reqs: list[GenerateRequest]) -> Iterator[RequestOutput]:

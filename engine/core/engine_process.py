@@ -4,6 +4,7 @@ The main thread only moves messages from the input queue into an inbox (and watc
 parent's death); the scheduler thread runs `schedule -> execute -> update` and puts outputs and
 statistics on the output queue.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,12 +29,21 @@ from engine.core.messages import (
 STATS_INTERVAL_S = 0.25  # while busy; an idle engine sends once, right after it goes idle
 
 
-def run_engine(core: Any, stats: Any, close: Callable[[], None], ready: EngineReady, in_q: mp.Queue, out_q: mp.Queue) -> None:
+def run_engine(
+    core: Any,
+    stats: Any,
+    close: Callable[[], None],
+    ready: EngineReady,
+    in_q: mp.Queue,
+    out_q: mp.Queue,
+) -> None:
     """The engine process's life once `core` is built (engine/launch.py builds it): a scheduler thread
     owns the core; this thread moves messages from the input queue into its inbox and watches for
     the parent's death. Ends the process."""
     inbox: queue.Queue[EngineInput] = queue.Queue()
-    loop = threading.Thread(target=_scheduler_loop, args=(core, stats, inbox, out_q), name="scheduler", daemon=True)
+    loop = threading.Thread(
+        target=_scheduler_loop, args=(core, stats, inbox, out_q), name="scheduler", daemon=True
+    )
     loop.start()
     out_q.put(ready)
     parent = mp.parent_process()
@@ -41,7 +51,9 @@ def run_engine(core: Any, stats: Any, close: Callable[[], None], ready: EngineRe
         try:
             msg = in_q.get(timeout=0.5)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():  # orphaned: nobody will read our output
+            if (
+                parent is not None and not parent.is_alive()
+            ):  # orphaned: nobody will read our output
                 msg = Shutdown()
             else:
                 continue
@@ -62,7 +74,9 @@ def _flush_and_exit(out_q: mp.Queue, code: int) -> None:
     os._exit(code)
 
 
-def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue) -> None:
+def _scheduler_loop(
+    core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_q: mp.Queue
+) -> None:
     """Owns the engine core: moves messages in, steps, sends outputs and statistics out."""
     last_stats = 0.0
     dirty = True
@@ -84,7 +98,9 @@ def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_
                     return
                 if isinstance(msg, GenerateRequest):
                     core.add(msg)
-                elif isinstance(msg, AbortRequest) and (o := core.abort(msg.request_id)) is not None:
+                elif (
+                    isinstance(msg, AbortRequest) and (o := core.abort(msg.request_id)) is not None
+                ):
                     out_q.put(o)
                 dirty = True
             if core.has_work():
@@ -94,7 +110,11 @@ def _scheduler_loop(core: Any, stats: Any, inbox: queue.Queue[EngineInput], out_
             now = time.monotonic()
             idle = not core.has_work()
             if dirty and (idle or now - last_stats >= STATS_INTERVAL_S):
-                out_q.put(StatsUpdate(len(core.scheduler.running), len(core.scheduler.waiting), stats.snapshot()))
+                out_q.put(
+                    StatsUpdate(
+                        len(core.scheduler.running), len(core.scheduler.waiting), stats.snapshot()
+                    )
+                )
                 last_stats, dirty = now, False
     except BaseException as e:  # noqa: BLE001 - an engine bug must surface in the front end, not hang it
         # The traceback stays in the log; the front end (and so /health and error bodies) gets one line.

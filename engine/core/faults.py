@@ -6,6 +6,7 @@ the rest of the batch and the engine go on. The client sees one short line and a
 the traceback goes to the log at error level under the same id, so an operator can find it
 and nothing about the server's files, modules or layout reaches a response.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,9 @@ def describe(e: BaseException) -> str:
     expert with its cause; only the exception's type for anything else, whose text may name
     internals."""
     layer, expert = getattr(e, "layer", None), getattr(e, "expert", None)
-    if isinstance(layer, int) and isinstance(expert, int):  # ExpertLoadError (engine/experts is not imported here)
+    if isinstance(layer, int) and isinstance(
+        expert, int
+    ):  # ExpertLoadError (engine/experts is not imported here)
         cause = e.__cause__
         why = f" ({type(cause).__name__}: {redact(str(cause))})" if isinstance(cause, _SAFE) else ""
         return f"expert {expert} of layer {layer} could not be loaded{why}"

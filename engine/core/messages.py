@@ -3,6 +3,7 @@
 In: GenerateRequest, AbortRequest, Shutdown.  Out: EngineReady, RequestOutput, StatsUpdate,
 EngineDead.  Nothing here holds tensors or locks, so every message crosses a spawn boundary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,7 +76,9 @@ class EngineReady:
     model_dir: str
     max_model_len: int
     pid: int
-    plan: tuple[str, ...] = ()  # the resolved execution plan, one line a choice (engine/worker/dispatch.py)
+    plan: tuple[
+        str, ...
+    ] = ()  # the resolved execution plan, one line a choice (engine/worker/dispatch.py)
 
 
 @dataclass(frozen=True)

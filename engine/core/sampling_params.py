@@ -1,5 +1,6 @@
 """What a request asks of sampling (plain data, picklable): part of a GenerateRequest, read by the
 scheduler (max_tokens, stops) and by the runner's sampler (engine/worker/sampling.py)."""
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,16 @@ class SamplingParams:
     top_p: float = setting(1.0, "nucleus sampling mass (default 1.0 = off)", metavar="P")
     top_k: int = setting(0, "sample among the K most likely tokens (default 0 = off)", metavar="K")
     seed: int | None = setting(None, "random seed for sampling (reproducible output)", metavar="S")
-    stop: tuple[str, ...] = setting((), "stop when this text appears (repeatable); it is not included in the output", metavar="TEXT", repeat=True)
+    stop: tuple[str, ...] = setting(
+        (),
+        "stop when this text appears (repeatable); it is not included in the output",
+        metavar="TEXT",
+        repeat=True,
+    )
     ignore_eos: bool = setting(False, "keep generating past the end-of-sequence token")
-    min_tokens: int = setting(0, "do not end (EOS) before this many tokens (default 0)", metavar="N")
+    min_tokens: int = setting(
+        0, "do not end (EOS) before this many tokens (default 0)", metavar="N"
+    )
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -13,6 +13,7 @@ tokens for speculative verification.  `SeqResult.num_kept` says how many positio
 window stay in the KV cache (the runner has already cropped it to that), and the scheduler
 advances by exactly that count, so a window that keeps 1 of 5 positions rolls back cleanly.
 """
+
 from __future__ import annotations
 
 import time
@@ -61,8 +62,12 @@ class SeqWork:
     samples: bool = True  # False for a prompt chunk that does not reach the prompt's end
     num_draft: int = 0  # the last num_draft input_ids are proposed tokens to verify
     max_draft: int = 0  # proposals the request can still use (max_tokens and context left)
-    draft_probs: object | None = None  # the proposer's distributions [num_draft, V], None = deterministic
-    prefix_hit: int = 0  # prompt positions the runner restores from the prefix cache before the first chunk
+    draft_probs: object | None = (
+        None  # the proposer's distributions [num_draft, V], None = deterministic
+    )
+    prefix_hit: int = (
+        0  # prompt positions the runner restores from the prefix cache before the first chunk
+    )
 
     @property
     def new_seq(self) -> bool:
@@ -70,13 +75,15 @@ class SeqWork:
 
     @property
     def draft_ids(self) -> list[int]:
-        return self.input_ids[len(self.input_ids) - self.num_draft:] if self.num_draft else []
+        return self.input_ids[len(self.input_ids) - self.num_draft :] if self.num_draft else []
 
 
 @dataclass
 class StepPlan:
     work: list[SeqWork] = field(default_factory=list)
-    free_ids: list[str] = field(default_factory=list)  # requests whose KV cache/RNG the runner drops
+    free_ids: list[str] = field(
+        default_factory=list
+    )  # requests whose KV cache/RNG the runner drops
 
 
 @dataclass
@@ -103,8 +110,15 @@ class Scheduler:
     asks for prompt logprobs is prefilled whole, in one step.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: set[int], max_running: int, prefill_token_budget: int, max_model_len: int,
-                 prefix: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_ids: set[int],
+        max_running: int,
+        prefill_token_budget: int,
+        max_model_len: int,
+        prefix: Any = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_running = max_running
@@ -119,7 +133,9 @@ class Scheduler:
     def add(self, req: GenerateRequest) -> None:
         self.waiting.append(SeqState(req, IncrementalDetokenizer(self.tokenizer, req.params.stop)))
 
-    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+    def abort(
+        self, request_id: str, reason: str = "abort", error: str | None = None
+    ) -> RequestOutput | None:
         """Drop a request wherever it is; returns its final output, or None if unknown."""
         seq = self.running.pop(request_id, None)
         if seq is not None:
@@ -152,18 +168,37 @@ class Scheduler:
                     budget -= len(plan.work[-1].input_ids)
                 continue
             total = n_prompt + len(seq.output_ids)
-            room = min(seq.req.params.max_tokens - len(seq.output_ids), self.max_model_len - total) - 1
-            plan.work.append(SeqWork(seq.request_id, [seq.output_ids[-1]], seq.num_computed, False, seq.req,
-                                     tuple(seq.output_ids), max_draft=max(room, 0)))
+            room = (
+                min(seq.req.params.max_tokens - len(seq.output_ids), self.max_model_len - total) - 1
+            )
+            plan.work.append(
+                SeqWork(
+                    seq.request_id,
+                    [seq.output_ids[-1]],
+                    seq.num_computed,
+                    False,
+                    seq.req,
+                    tuple(seq.output_ids),
+                    max_draft=max(room, 0),
+                )
+            )
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
-            if seq.req.prompt_logprobs is not None and len(seq.req.prompt_ids) > budget and budget < self.prefill_token_budget:
+            if (
+                seq.req.prompt_logprobs is not None
+                and len(seq.req.prompt_ids) > budget
+                and budget < self.prefill_token_budget
+            ):
                 break  # needs a whole-prompt step; it gets the next one
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.queue_seconds = time.monotonic() - seq.arrival
-            if self.prefix is not None and seq.req.prompt_logprobs is None:  # prompt logprobs need every position
-                seq.num_computed = seq.num_cached = self.prefix.match(seq.request_id, seq.req.prompt_ids)
+            if (
+                self.prefix is not None and seq.req.prompt_logprobs is None
+            ):  # prompt logprobs need every position
+                seq.num_computed = seq.num_cached = self.prefix.match(
+                    seq.request_id, seq.req.prompt_ids
+                )
             self.running[seq.request_id] = seq
             plan.work.append(self._prefill_chunk(seq, budget))
             budget -= len(plan.work[-1].input_ids)
@@ -172,8 +207,19 @@ class Scheduler:
     def _prefill_chunk(self, seq: SeqState, budget: int) -> SeqWork:
         prompt = seq.req.prompt_ids
         start = seq.num_computed
-        end = len(prompt) if seq.req.prompt_logprobs is not None else min(len(prompt), start + budget)
-        return SeqWork(seq.request_id, list(prompt[start:end]), start, True, seq.req, (), samples=end == len(prompt), prefix_hit=seq.num_cached)
+        end = (
+            len(prompt) if seq.req.prompt_logprobs is not None else min(len(prompt), start + budget)
+        )
+        return SeqWork(
+            seq.request_id,
+            list(prompt[start:end]),
+            start,
+            True,
+            seq.req,
+            (),
+            samples=end == len(prompt),
+            prefix_hit=seq.num_cached,
+        )
 
     def update(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -187,7 +233,9 @@ class Scheduler:
                     outputs.append(o)
                 continue
             # Advance by what the runner kept (a rejected speculative tail is already cropped).
-            seq.num_computed = w.start_pos + (len(w.input_ids) if res.num_kept is None else res.num_kept)
+            seq.num_computed = w.start_pos + (
+                len(w.input_ids) if res.num_kept is None else res.num_kept
+            )
             if not w.samples:  # a prompt chunk short of the prompt's end: nothing to emit yet
                 continue
             new: list[int] = []
@@ -199,7 +247,9 @@ class Scheduler:
             for i, tok in enumerate(res.sampled):
                 if tok in self.eos_ids and not p.ignore_eos:
                     finish = "stop"  # EOS ends the text and is not part of it (nor of usage)
-                    eos_lp = res.logprobs[i] if res.logprobs is not None else None  # lm_eval exactness (issue 14)
+                    eos_lp = (
+                        res.logprobs[i] if res.logprobs is not None else None
+                    )  # lm_eval exactness (issue 14)
                     break
                 seq.output_ids.append(tok)
                 new.append(tok)
@@ -208,7 +258,10 @@ class Scheduler:
                 seq.detok.append([tok])
                 if seq.detok.stopped:
                     finish = "stop"
-                elif len(seq.output_ids) >= p.max_tokens or n_prompt + len(seq.output_ids) >= self.max_model_len:
+                elif (
+                    len(seq.output_ids) >= p.max_tokens
+                    or n_prompt + len(seq.output_ids) >= self.max_model_len
+                ):
                     finish = "length"
                 if finish:
                     break  # nothing after a stop is emitted, even if the window produced more
@@ -216,11 +269,26 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 del self.running[w.request_id]
                 self._to_free.append(w.request_id)
-            ro = self._output(seq, new, lps if res.logprobs is not None else None, res.prompt_logprobs, finish, None)
+            ro = self._output(
+                seq,
+                new,
+                lps if res.logprobs is not None else None,
+                res.prompt_logprobs,
+                finish,
+                None,
+            )
             outputs.append(replace(ro, eos_logprob=eos_lp) if eos_lp is not None else ro)
         return outputs
 
-    def _output(self, seq: SeqState, new: list[int], lps: list[TokenLogprob] | None, plps: list[TokenLogprob | None] | None, finish: str | None, error: str | None) -> RequestOutput:
+    def _output(
+        self,
+        seq: SeqState,
+        new: list[int],
+        lps: list[TokenLogprob] | None,
+        plps: list[TokenLogprob | None] | None,
+        finish: str | None,
+        error: str | None,
+    ) -> RequestOutput:
         first = not seq.sent_first
         seq.sent_first = True
         return RequestOutput(

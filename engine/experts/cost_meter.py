@@ -5,6 +5,7 @@ A linear fit t = a + b·rows is kept per device from exponentially weighted mome
 measurements dominate (the machine's load and the link change while serving). Until a device
 has been measured its fit is None, and the caller decides how to explore.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,7 +46,11 @@ class CostMeter:
 
     def record_copy(self, seconds: float) -> None:
         with self.lock:
-            self.copy_seconds = seconds if self.copy_seconds is None else self.copy_seconds + RATE * (seconds - self.copy_seconds)
+            self.copy_seconds = (
+                seconds
+                if self.copy_seconds is None
+                else self.copy_seconds + RATE * (seconds - self.copy_seconds)
+            )
 
     def record_fast(self, rows: int, seconds: float) -> None:
         with self.lock:

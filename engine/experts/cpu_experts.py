@@ -12,6 +12,7 @@ Exactness: the weights are converted to the slot's dtype exactly as a copy into 
 runs, so on the CPU the result is bit-identical to the copied path. The disk tier's reads go
 through the same emulated link as a transfer: on disk, the read is the cost either way.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,12 +28,18 @@ from engine.stats import EngineStats
 
 
 class CpuExperts:
-    def __init__(self, tier: SlowTier, fmt: ExpertFormat, workers: int, meter: CostMeter, stats: EngineStats) -> None:
+    def __init__(
+        self, tier: SlowTier, fmt: ExpertFormat, workers: int, meter: CostMeter, stats: EngineStats
+    ) -> None:
         self.tier, self.fmt, self.meter, self.stats = tier, fmt, meter, stats
         self.workers = workers
         # Plain float experts compute in fp32 on the CPU (bf16 matmuls are slow there); quantized
         # slots keep their byte layout and dequantize in the format's own compute dtype.
-        self.weight_dtype = torch.float32 if isinstance(fmt, PlainFormat) and fmt.slot_dtype != torch.float32 else fmt.slot_dtype
+        self.weight_dtype = (
+            torch.float32
+            if isinstance(fmt, PlainFormat) and fmt.slot_dtype != torch.float32
+            else fmt.slot_dtype
+        )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cpu-expert")
         self._local = threading.local()
 
@@ -42,7 +49,9 @@ class CpuExperts:
         x_host = x.to("cpu", torch.float32 if x.is_cuda else x.dtype)
         return self._pool.submit(self._run, layer, expert, x_host, x.device, x.dtype)
 
-    def _run(self, layer: int, expert: int, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def _run(
+        self, layer: int, expert: int, x: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
         t0 = time.perf_counter()
         host, _ = self.tier.fetch(layer, expert)
         y = self.fmt.forward(self.fmt.views(self._weights(host)), x)

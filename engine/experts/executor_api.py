@@ -1,6 +1,7 @@
 """What MoeExecutor publishes to other packages (its capabilities), and the private names that
 engine/worker/fused_decode.py and tests read today, kept as thin aliases until they use the
 public ones (MoeExecutor.capabilities, lane_open, native_moe, expert_pointers)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -13,6 +13,7 @@ Three kernels cover the architectures we run:
   biases, and a clamped SwiGLU: `(clamp(up) + 1) * g * sigmoid(alpha * g)`, g = clamp(gate).
 - Llama 4: transposed weights `gate_up [H, 2I]` (gate | up halves) and `down [I, H]`.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,9 @@ class ExpertKernel(ABC):
         """x [n, H] and float weights shaped as `views` -> the unscaled expert output [n, H]."""
 
 
-def _fast_act(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _fast_act(
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
     # transformers' SiLUActivation.forward is F.silu; calling the functional form skips a module call per expert.
     return F.silu if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else act_fn
 
@@ -55,13 +58,20 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = bf16_gemv(x, w)
     if y is not None:
         return y
-    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and native_rows_allowed():
+    if (
+        x.shape[0] == 1
+        and x.dtype == w.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and native_rows_allowed()
+    ):
         return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w)
 
 
 class SwiGLUKernel(ExpertKernel):
-    def __init__(self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         H, I = hidden, intermediate
         self.views = (("gate_up", (2 * I, H)), ("down", (H, I)))
         self.act_fn = _fast_act(act_fn)
@@ -75,7 +85,12 @@ class SwiGLUKernel(ExpertKernel):
 class GptOssKernel(ExpertKernel):
     def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
         H, I = hidden, intermediate
-        self.views = (("gate_up", (H, 2 * I)), ("gate_up_bias", (2 * I,)), ("down", (I, H)), ("down_bias", (H,)))
+        self.views = (
+            ("gate_up", (H, 2 * I)),
+            ("gate_up_bias", (2 * I,)),
+            ("down", (I, H)),
+            ("down_bias", (H,)),
+        )
         self.alpha, self.limit = alpha, limit
 
     def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +103,9 @@ class GptOssKernel(ExpertKernel):
 
 
 class Llama4Kernel(ExpertKernel):
-    def __init__(self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         H, I = hidden, intermediate
         self.views = (("gate_up", (H, 2 * I)), ("down", (I, H)))
         self.act_fn = _fast_act(act_fn)

@@ -5,6 +5,7 @@
 2. Otherwise the checkpoint's float experts (ExpertLocator), either as they are or, with
    --expert-quant int8|int4, through a quantized sidecar file (engine/experts/quant_cache.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,14 +26,30 @@ from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
 
-_MXFP4 = ("gate_up_proj_bias", "down_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+_MXFP4 = (
+    "gate_up_proj_bias",
+    "down_proj_bias",
+    "gate_up_proj_blocks",
+    "gate_up_proj_scales",
+    "down_proj_blocks",
+    "down_proj_scales",
+)
 
 
 class RawLocator:
     """ExpertLocator's interface over checkpoint tensors read as raw bytes (their dtypes differ)."""
 
-    def __init__(self, segments: dict[tuple[int, int], list[TensorLocation]], num_experts: int, slot_bytes: int) -> None:
-        self._segments, self.num_experts, self.shape = segments, num_experts, PackedShape(slot_bytes)
+    def __init__(
+        self,
+        segments: dict[tuple[int, int], list[TensorLocation]],
+        num_experts: int,
+        slot_bytes: int,
+    ) -> None:
+        self._segments, self.num_experts, self.shape = (
+            segments,
+            num_experts,
+            PackedShape(slot_bytes),
+        )
 
     def segments(self, layer: int, expert: int) -> list[TensorLocation]:
         return self._segments[(layer, expert)]
@@ -41,34 +58,60 @@ class RawLocator:
         return sum(s.nbytes for s in self._segments[(layer, expert)])
 
 
-def expert_source(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, TensorLocation], moe_layers: list[int],
-                  num_experts: int, shape: ExpertShape, kernel: ExpertKernel, cfg: EngineConfig,
-                  dtype: torch.dtype) -> tuple[ExpertFormat, SegmentLocator]:
+def expert_source(
+    spec: ArchSpec,
+    config: PretrainedConfig,
+    tensors: dict[str, TensorLocation],
+    moe_layers: list[int],
+    num_experts: int,
+    shape: ExpertShape,
+    kernel: ExpertKernel,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+) -> tuple[ExpertFormat, SegmentLocator]:
     native = _native(spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype)
     if native is not None:
         if cfg.expert_quant != "none":
-            raise ConfigError(f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({native[0].name})")
+            raise ConfigError(
+                f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({native[0].name})"
+            )
         return native
     fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
     locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
-        return fmt, quantized_locator(locator, fmt, moe_layers, cfg.quant_cache_dir)  # sidecar, built once
+        return fmt, quantized_locator(
+            locator, fmt, moe_layers, cfg.quant_cache_dir
+        )  # sidecar, built once
     return fmt, locator
 
 
-def _native(spec, config, tensors, moe_layers, E, shape, kernel, dtype) -> tuple[RawPartsFormat, RawLocator] | None:
+def _native(
+    spec, config, tensors, moe_layers, E, shape, kernel, dtype
+) -> tuple[RawPartsFormat, RawLocator] | None:
     H, I = shape.hidden, shape.intermediate
     first = block_prefixes(spec, moe_layers[0])
-    if spec.kernel == "gpt_oss" and any(f"{b}.experts.gate_up_proj_blocks" in tensors for b in first):
-        bias = next(tensors[f"{b}.experts.gate_up_proj_bias"] for b in first if f"{b}.experts.gate_up_proj_blocks" in tensors)
+    if spec.kernel == "gpt_oss" and any(
+        f"{b}.experts.gate_up_proj_blocks" in tensors for b in first
+    ):
+        bias = next(
+            tensors[f"{b}.experts.gate_up_proj_bias"]
+            for b in first
+            if f"{b}.experts.gate_up_proj_blocks" in tensors
+        )
         fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype)
         names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
         probe = "experts.gate_up_proj_blocks"
-    elif spec.kernel == "swiglu" and spec.gate_up_down and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first):
+    elif (
+        spec.kernel == "swiglu"
+        and spec.gate_up_down
+        and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
+    ):
         fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype)
-        names = lambda b, e: ([(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]  # noqa: E731
-                              + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down])
+        names = lambda b, e: (
+            [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]  # noqa: E731
+            + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
+        )
         probe = f"experts.0.{spec.gate_up_down[0]}.weight_scale_inv"
     else:
         return None
@@ -76,22 +119,34 @@ def _native(spec, config, tensors, moe_layers, E, shape, kernel, dtype) -> tuple
     for layer in moe_layers:
         b = next((b for b in block_prefixes(spec, layer) if f"{b}.{probe}" in tensors), None)
         if b is None:
-            raise CheckpointError(f"checkpoint is missing expert tensor {block_prefixes(spec, layer)[0]}.{probe} (layer {layer})")
+            raise CheckpointError(
+                f"checkpoint is missing expert tensor {block_prefixes(spec, layer)[0]}.{probe} (layer {layer})"
+            )
         for e in range(E):
             segs = []
             for (name, row), (_, _, want_dtype, want_shape) in zip(names(b, e), fmt._parts):
                 loc = tensors.get(name)
                 if loc is None:
-                    raise CheckpointError(f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})")
+                    raise CheckpointError(
+                        f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})"
+                    )
                 loc = loc.slice_first_dim(row) if row is not None else loc
                 if tuple(loc.shape) != tuple(want_shape) or loc.dtype != want_dtype:
-                    raise CheckpointError(f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected {want_dtype} {tuple(want_shape)}")
-                segs.append(TensorLocation(loc.name, loc.path, loc.offset, loc.nbytes, torch.uint8, (loc.nbytes,)))
+                    raise CheckpointError(
+                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected {want_dtype} {tuple(want_shape)}"
+                    )
+                segs.append(
+                    TensorLocation(
+                        loc.name, loc.path, loc.offset, loc.nbytes, torch.uint8, (loc.nbytes,)
+                    )
+                )
             segments[(layer, e)] = segs
     return fmt, RawLocator(segments, E, fmt.slot_numel)
 
 
-def read_dense(tensors: dict[str, TensorLocation], loc: TensorLocation, config: PretrainedConfig) -> torch.Tensor:
+def read_dense(
+    tensors: dict[str, TensorLocation], loc: TensorLocation, config: PretrainedConfig
+) -> torch.Tensor:
     """A dense (non-expert) weight; FP8 block-quantized ones are dequantized with their scales."""
     t = read_tensor(loc)
     scale = tensors.get(f"{loc.name}_scale_inv")
@@ -103,5 +158,7 @@ def read_dense(tensors: dict[str, TensorLocation], loc: TensorLocation, config: 
 def _fp8_block(config: PretrainedConfig) -> int:
     """Block edge of FP8 scales: quantization_config.weight_block_size (128 in every released checkpoint)."""
     q = getattr(config, "quantization_config", None) or {}
-    size = q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)
+    size = (
+        q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)
+    )
     return int(size[0]) if size else 128

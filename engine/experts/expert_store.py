@@ -11,6 +11,7 @@ which the router-trace simulator replays too; this class adds the slot tensor, t
 engine's counters. Every method takes `lock`, which is also the transfer engine's queue lock, so
 a plan that reads residency and pins what it uses is atomic with respect to every thread that evicts.
 """
+
 from __future__ import annotations
 
 import threading
@@ -66,7 +67,12 @@ class ExpertLease:
     def __enter__(self) -> ExpertLease:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.store.unpin_all(self.held)
         self.held.clear()
 
@@ -84,14 +90,25 @@ class ExpertStore:
         slots: torch.Tensor | None = None,
     ) -> None:
         # protect_ticks: how many MoE layer runs a prefetched expert is protected for.
-        self.res = Residency(n_slots, eviction, protect_ticks, on_evict=stats.record_eviction,
-                             on_waste=lambda n: stats.add(prefetch_wasted=n))
+        self.res = Residency(
+            n_slots,
+            eviction,
+            protect_ticks,
+            on_evict=stats.record_eviction,
+            on_waste=lambda n: stats.add(prefetch_wasted=n),
+        )
         self.n_slots = n_slots
         # [n_slots, 3*I*H]; `slots` given: an existing buffer serves as the pool (zero-copy, see adopt).
-        self.slots = slots if slots is not None else torch.empty((n_slots, numel), dtype=dtype, device=device)
+        self.slots = (
+            slots
+            if slots is not None
+            else torch.empty((n_slots, numel), dtype=dtype, device=device)
+        )
         self.eviction = eviction
         self.stats = stats
-        self._ready = self.res.ready  # the same dict: is_resident runs for every expert of every plan
+        self._ready = (
+            self.res.ready
+        )  # the same dict: is_resident runs for every expert of every plan
         self.lock = threading.RLock()
         # Every expert of the model resident in a slot of its own, for good: the zero-copy pool
         # (adopt), or a fast tier as big as the model once filled (mark_complete). Nothing can
@@ -129,7 +146,11 @@ class ExpertStore:
     def has_room(self) -> bool:
         """A demand load could get a slot now (free, or an unpinned resident to evict)."""
         with self.lock:
-            return bool(self.res.free or self.res.evictable(protected=False) or self.res.evictable(protected=True))
+            return bool(
+                self.res.free
+                or self.res.evictable(protected=False)
+                or self.res.evictable(protected=True)
+            )
 
     def is_protected(self, key: int) -> bool:
         return key in self.res.protected
@@ -141,7 +162,9 @@ class ExpertStore:
         """The expert a prefetch would evict if no slot were free, or None when nothing can go.
         Callers hold `lock` when they act on the answer."""
         with self.lock:
-            return cast("int | None", self.eviction.victim(self.res.evictable(protected=False)))  # keys are ints
+            return cast(
+                "int | None", self.eviction.victim(self.res.evictable(protected=False))
+            )  # keys are ints
 
     def free_or_evictable(self) -> int:
         """Slots a layer could take now without waiting: free ones plus unpinned residents."""

@@ -8,6 +8,7 @@ decode, verification windows: rows grouped per expert, each expert over all its 
 the resident ones in one grouped GEMM where the format allows). Either way each row's
 contributions are summed in ascending expert order, transformers' order.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,21 +30,42 @@ class ExpertLoadError(RuntimeError):
     """An expert could not be loaded; `rows` are the step's rows that needed it."""
 
     def __init__(self, layer: int, expert: int, cause: BaseException) -> None:
-        super().__init__(f"expert {expert} of layer {layer} could not be loaded: {type(cause).__name__}: {cause}")
+        super().__init__(
+            f"expert {expert} of layer {layer} could not be loaded: {type(cause).__name__}: {cause}"
+        )
         self.layer, self.expert = layer, expert
         self.rows: list[int] = []
 
 
 class ExpertStreamer:
-    def __init__(self, compute: ExpertCompute, store: ExpertStore, transfers: TransferEngine, stats: EngineStats,
-                 expert: ExpertFn) -> None:
+    def __init__(
+        self,
+        compute: ExpertCompute,
+        store: ExpertStore,
+        transfers: TransferEngine,
+        stats: EngineStats,
+        expert: ExpertFn,
+    ) -> None:
         self.compute, self.store, self.transfers, self.stats = compute, store, transfers, stats
         self.E = compute.num_experts
         self.expert = expert  # one expert over its rows (the executor's, so a test can wrap it)
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_list: list, plan: ExpertPlan,
-            lease: ExpertLease, ready: list[int], to_load: list[int], on_cpu: list[int], weight_rows: list[list[float]],
-            meter: CostMeter | None, cpu: CpuExperts | None) -> torch.Tensor:
+    def run(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        ids_list: list,
+        plan: ExpertPlan,
+        lease: ExpertLease,
+        ready: list[int],
+        to_load: list[int],
+        on_cpu: list[int],
+        weight_rows: list[list[float]],
+        meter: CostMeter | None,
+        cpu: CpuExperts | None,
+    ) -> torch.Tensor:
         """x [T, H] through `plan`: `ready` experts are resident and pinned by `lease`, `to_load` ones are
         loaded on demand, `on_cpu` ones run on `cpu`'s workers. Returns [T, H]."""
         E = self.E
@@ -56,7 +78,19 @@ class ExpertStreamer:
         T, k = ids.shape
         alive = [e for e in plan.experts[0] if e != DROPPED]
         if T == 1 and len(set(alive)) == len(alive):
-            return self._single_row(layer, x, plan.experts[0], weights, lease, ready, to_load, on_cpu, weight_rows[0], meter, cpu)
+            return self._single_row(
+                layer,
+                x,
+                plan.experts[0],
+                weights,
+                lease,
+                ready,
+                to_load,
+                on_cpu,
+                weight_rows[0],
+                meter,
+                cpu,
+            )
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -71,16 +105,22 @@ class ExpertStreamer:
             t0 = time.perf_counter()
             self.compute.grouped(layer, x, groups, w_flat, ready, contrib, k)
             if meter is not None:
-                meter.record_fast(round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready))
+                meter.record_fast(
+                    round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready)
+                )
             for e in ready:
                 lease.release(layer * E + e)
             ready = []
 
         def finish(e: int, y: torch.Tensor) -> None:
             rows = groups[e]
-            contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)  # sigmoid routers' weights are f32: as transformers, cast after
+            contrib[rows] = (y * w_flat[rows, None]).to(
+                contrib.dtype
+            )  # sigmoid routers' weights are f32: as transformers, cast after
 
-        self._stream(layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu, meter, cpu)
+        self._stream(
+            layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu, meter, cpu
+        )
         # Sum each row's k contributions in ascending expert order (transformers' order).
         perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
         c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
@@ -89,9 +129,20 @@ class ExpertStreamer:
             out += c[:, j]
         return out
 
-    def _single_row(self, layer: int, x: torch.Tensor, experts: Sequence[int], weights: torch.Tensor, lease: ExpertLease,
-                    ready: list[int], to_load: list[int], on_cpu: list[int], w_list: list[float],
-                    meter: CostMeter | None, cpu: CpuExperts | None) -> torch.Tensor:
+    def _single_row(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        experts: Sequence[int],
+        weights: torch.Tensor,
+        lease: ExpertLease,
+        ready: list[int],
+        to_load: list[int],
+        on_cpu: list[int],
+        w_list: list[float],
+        meter: CostMeter | None,
+        cpu: CpuExperts | None,
+    ) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. The same summation order as the general path; on the
         CPU the experts run through the native kernels (engine/experts/native_moe.py). weights: [1, k]
         (indexed only off the native path: each torch call here runs with a cache the previous
@@ -115,9 +166,18 @@ class ExpertStreamer:
             out += y
         return out
 
-    def _stream(self, layer: int, lease: ExpertLease, ready: list[int], pending: list[int],
-                inputs: Callable[[int], torch.Tensor], finish: Callable[[int, torch.Tensor], None], on_cpu: list[int],
-                meter: CostMeter | None, cpu: CpuExperts | None) -> None:
+    def _stream(
+        self,
+        layer: int,
+        lease: ExpertLease,
+        ready: list[int],
+        pending: list[int],
+        inputs: Callable[[int], torch.Tensor],
+        finish: Callable[[int, torch.Tensor], None],
+        on_cpu: list[int],
+        meter: CostMeter | None,
+        cpu: CpuExperts | None,
+    ) -> None:
         """Compute every needed expert over its rows `inputs(e)` and hand the result to `finish(e, y)`.
 
         `ready` experts are resident and pinned by `lease`; `pending` ones are loaded on demand and
@@ -127,7 +187,11 @@ class ExpertStreamer:
         """
         E = self.E
         assert cpu is not None or not on_cpu
-        cpu_jobs = {e: cpu.submit(layer, e, inputs(e)) for e in on_cpu} if cpu is not None and on_cpu else {}
+        cpu_jobs = (
+            {e: cpu.submit(layer, e, inputs(e)) for e in on_cpu}
+            if cpu is not None and on_cpu
+            else {}
+        )
 
         def compute(e: int) -> None:
             xe = inputs(e)
@@ -146,7 +210,9 @@ class ExpertStreamer:
                     # Every slot is pinned. Loads started by other threads (prefetch, admission)
                     # free their slots when they land; if none is in flight, nothing ever will.
                     if not self.transfers.wait_for_any_landing(layer=layer):
-                        raise RuntimeError("fast tier deadlock: every slot is pinned and a needed expert cannot load")
+                        raise RuntimeError(
+                            "fast tier deadlock: every slot is pinned and a needed expert cannot load"
+                        )
                     continue
                 e = next(iter(waiting))  # oldest submitted first
                 self._wait(e, waiting.pop(e))
@@ -177,7 +243,14 @@ class ExpertStreamer:
         except Exception as e:
             raise ExpertLoadError(t.layer, expert, e) from e
 
-    def _submit(self, layer: int, to_load: list[int], ready: list[int], waiting: dict[int, Transfer], lease: ExpertLease) -> list[int]:
+    def _submit(
+        self,
+        layer: int,
+        to_load: list[int],
+        ready: list[int],
+        waiting: dict[int, Transfer],
+        lease: ExpertLease,
+    ) -> list[int]:
         """Submit demand loads while slots allow; returns the experts still waiting for a slot."""
         E = self.E
         for i, e in enumerate(to_load):

@@ -5,6 +5,7 @@ transfers queue behind each other, and each pays a fixed latency on top. The rea
 read runs concurrently, so the emulated time is a floor: if the real medium is slower
 than the emulated link, the real time wins.
 """
+
 from __future__ import annotations
 
 import threading

@@ -4,6 +4,7 @@ It keeps the native router and any shared expert or dense MLP (through the archi
 BlockAdapter, engine/weights/moe_hook.py) untouched, so routing is exactly as trained. Only the routed experts move: they
 run through the MoeExecutor against the tiered expert store.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,12 +19,21 @@ from engine.weights.moe_hook import BlockAdapter, router_ranking
 
 
 class OffloadedMoeBlock(nn.Module):
-    def __init__(self, native: nn.Module, layer: int, executor: MoeExecutor, bus: RoutingBus, adapter: BlockAdapter | None = None) -> None:
+    def __init__(
+        self,
+        native: nn.Module,
+        layer: int,
+        executor: MoeExecutor,
+        bus: RoutingBus,
+        adapter: BlockAdapter | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         # How this architecture routes and combines (engine/weights/moe_hook.py); plain attribute, not a module.
         self.adapter = adapter if adapter is not None else BlockAdapter(native, "?")
-        self.adapter.adopt(self, native)  # native router, shared experts and block buffers, under their names
+        self.adapter.adopt(
+            self, native
+        )  # native router, shared experts and block buffers, under their names
         self.executor = executor  # plain attributes, not submodules: they own no parameters
         self.bus = bus  # traces, estimators and predictors listen here
         # The router's balancing bias for ranking stand-ins, looked up on first use (after the model

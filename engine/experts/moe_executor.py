@@ -13,6 +13,7 @@ Order of work per layer:
    rounding: bit for bit through torch's kernels, to the order of each dot product's sum
    through the native CPU kernels (engine/native/; logits within 1e-7-1e-6 in fp32).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,14 +39,31 @@ __all__ = ["ExecutorCapabilities", "ExpertLoadError", "MoeExecutor"]
 
 
 class MoeExecutor(PrivateAliases):
-    def __init__(self, store: ExpertStore, transfers: TransferEngine, policy: MissPolicy, admission: AdmissionPolicy,
-                 stats: EngineStats, shape: ExpertShape, num_experts: int, act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
-                 fmt: ExpertFormat | None = None) -> None:
-        self.store, self.transfers, self.policy, self.admission, self.stats = store, transfers, policy, admission, stats
+    def __init__(
+        self,
+        store: ExpertStore,
+        transfers: TransferEngine,
+        policy: MissPolicy,
+        admission: AdmissionPolicy,
+        stats: EngineStats,
+        shape: ExpertShape,
+        num_experts: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        fmt: ExpertFormat | None = None,
+    ) -> None:
+        self.store, self.transfers, self.policy, self.admission, self.stats = (
+            store,
+            transfers,
+            policy,
+            admission,
+            stats,
+        )
         self.shape, self.num_experts = shape, num_experts
         self.compute = ExpertCompute(store, shape, num_experts, act_fn, fmt)
         self.fmt = self.compute.fmt
-        self.streamer = ExpertStreamer(self.compute, store, transfers, stats, lambda key, x: self._expert(key, x))
+        self.streamer = ExpertStreamer(
+            self.compute, store, transfers, stats, lambda key, x: self._expert(key, x)
+        )
         self.cpu_split = CpuSplit(store, transfers, stats)
         # MoE-SpAc (set by the loader when enabled): CPU-run experts, the balancer's cost meter and
         # mode (auto: makespan-optimal split; all: every miss on the CPU, a diagnostic), the utility
@@ -61,14 +79,26 @@ class MoeExecutor(PrivateAliases):
     # -- what other packages may read -------------------------------------------------------
     def capabilities(self) -> ExecutorCapabilities:
         lane = self._lane_open()  # through the alias tests patch
-        return ExecutorCapabilities(self.store.complete, lane, self.store.complete and lane, self.compute.native is not None,
-                                    self.compute.grouped_ok, self.cpu is not None, self.cpu_mode)
+        return ExecutorCapabilities(
+            self.store.complete,
+            lane,
+            self.store.complete and lane,
+            self.compute.native is not None,
+            self.compute.grouped_ok,
+            self.cpu is not None,
+            self.cpu_mode,
+        )
 
     def lane_open(self) -> bool:
         """Whether a one-row step may take the resident lane: nothing that plans around misses is
         attached (CPU experts, the balancer's meter, the utility estimator, a per-layer hook). The
         lane also needs store.complete, which the caller checks."""
-        return self.cpu is None and self.meter is None and self.utility is None and self.after_layer is None
+        return (
+            self.cpu is None
+            and self.meter is None
+            and self.utility is None
+            and self.after_layer is None
+        )
 
     @property
     def native_moe(self) -> NativeMoe | None:
@@ -82,7 +112,14 @@ class MoeExecutor(PrivateAliases):
         return [self.compute.pointers[self.store.slot_index(layer * E + e)] for e in range(E)]
 
     # -- one layer ----------------------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        scores: torch.Tensor,
+    ) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] from the native router, and scores [T, E], what it ranks to
         pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
         if ids.shape[0] == 1 and self.store.complete and self._lane_open():
@@ -98,13 +135,23 @@ class MoeExecutor(PrivateAliases):
             # Plan and pin under the store lock: no thread can evict an expert between the
             # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.
             with self.store.lock:
-                plan = self.policy.plan(layer, ids_list, weight_rows, lambda e: self.store.is_resident(layer * E + e), logit_rows)
+                plan = self.policy.plan(
+                    layer,
+                    ids_list,
+                    weight_rows,
+                    lambda e: self.store.is_resident(layer * E + e),
+                    logit_rows,
+                )
                 fetch = set(plan.fetch)
                 needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
                 if plan.experts is ids_list and not fetch:
                     ready = needed  # the router's own choice, every expert found resident by the plan under this lock
                 else:
-                    ready = [e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)]
+                    ready = [
+                        e
+                        for e in needed
+                        if e not in fetch and self.store.is_resident(layer * E + e)
+                    ]
                 keys = [layer * E + e for e in ready]
                 lease.pin_all(keys)
                 self.store.touch_all(keys)
@@ -112,22 +159,53 @@ class MoeExecutor(PrivateAliases):
             self.stats.record_lookups(layer, len(ready), len(needed) - len(ready))
             self._account(plan)
             to_load = [e for e in needed if e not in ready]
-            on_cpu = (self.cpu_split.split(layer, plan, ready, to_load, self.cpu_mode, self.meter, self.utility, self.cpu.workers)
-                      if self.cpu is not None and to_load else [])
+            on_cpu = (
+                self.cpu_split.split(
+                    layer,
+                    plan,
+                    ready,
+                    to_load,
+                    self.cpu_mode,
+                    self.meter,
+                    self.utility,
+                    self.cpu.workers,
+                )
+                if self.cpu is not None and to_load
+                else []
+            )
             try:
-                out = self.streamer.run(layer, x, ids, weights, ids_list, plan, lease, ready, [e for e in to_load if e not in on_cpu],
-                                        on_cpu, weight_rows, self.meter, self.cpu)
+                out = self.streamer.run(
+                    layer,
+                    x,
+                    ids,
+                    weights,
+                    ids_list,
+                    plan,
+                    lease,
+                    ready,
+                    [e for e in to_load if e not in on_cpu],
+                    on_cpu,
+                    weight_rows,
+                    self.meter,
+                    self.cpu,
+                )
             except ExpertLoadError as err:
                 # Which rows needed the expert that failed: the runner fails only their requests.
                 err.rows = sorted({t for t, row in enumerate(plan.experts) if err.expert in row})
                 raise
         if plan.substituted:
-            self._admit(layer, plan)  # after compute, so admissions never evict what this layer used
+            self._admit(
+                layer, plan
+            )  # after compute, so admissions never evict what this layer used
         if self.after_layer is not None:
-            self.after_layer(layer)  # this layer's slots are unpinned now: room for the next layer's prefetches
+            self.after_layer(
+                layer
+            )  # this layer's slots are unpinned now: room for the next layer's prefetches
         return out
 
-    def _resident_lane(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _resident_lane(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """One decode row when every expert of the model is resident for good (store.complete).
 
         What run() does there, less what cannot matter: a miss policy decides only about misses
@@ -135,16 +213,32 @@ class MoeExecutor(PrivateAliases):
         prefetched, so nothing to pin, rank or expire. Left: the hit counters and the compute."""
         row = ids.tolist()[0]  # no select op: [1, k] -> a list
         self.stats.record_all_hits(layer, len(row))
-        return self.compute.resident(layer, x, sorted(row), {e: j for j, e in enumerate(row)}, weights, weights.tolist()[0], self._expert)
+        return self.compute.resident(
+            layer,
+            x,
+            sorted(row),
+            {e: j for j, e in enumerate(row)},
+            weights,
+            weights.tolist()[0],
+            self._expert,
+        )
 
     def _account(self, plan: ExpertPlan) -> None:
         """Per-call counters: hit, fetched, substituted, and the substituted gate mass."""
-        self.stats.add(calls_hit=plan.calls_hit, calls_fetched=plan.calls_fetched,
-                       substitutions=len(plan.substituted), substituted_mass=sum(m for _, m in plan.substituted))
+        self.stats.add(
+            calls_hit=plan.calls_hit,
+            calls_fetched=plan.calls_fetched,
+            substitutions=len(plan.substituted),
+            substituted_mass=sum(m for _, m in plan.substituted),
+        )
 
     def _admit(self, layer: int, plan: ExpertPlan) -> None:
         """Background admission of experts that keep being substituted (asynchronous: queued behind
         demand loads; compute never waits for it)."""
-        admitted = sum(1 for e in self.admission.observe(layer, plan.substituted) if self.transfers.submit(layer, e, "admission") is not None)
+        admitted = sum(
+            1
+            for e in self.admission.observe(layer, plan.substituted)
+            if self.transfers.submit(layer, e, "admission") is not None
+        )
         if admitted:
             self.stats.add(admissions=admitted)

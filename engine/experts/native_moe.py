@@ -9,6 +9,7 @@ given, from the slots' own memory (no copy, no per-expert tensor).
 Which slots it reads: float slots (f32 or bf16, the compute dtype) and whole-row int8 slots,
 SwiGLU only. Everything else (int4, gpt-oss, Llama 4, native MXFP4/FP8) keeps the torch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,14 @@ SlotPointers = tuple[int, int, int, int]  # gate_up, gate_up scales, down, down 
 
 
 class NativeMoe:
-    def __init__(self, kernels: NativeKernels, fmt: ExpertFormat, weight_dtype: torch.dtype, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        fmt: ExpertFormat,
+        weight_dtype: torch.dtype,
+        hidden: int,
+        intermediate: int,
+    ) -> None:
         self.kernels, self.fmt, self.weight_dtype = kernels, fmt, weight_dtype
         self.hidden, self.intermediate = hidden, intermediate
         self.quantized = weight_dtype == torch.int8
@@ -33,17 +41,30 @@ class NativeMoe:
             return None
         if isinstance(fmt, PlainFormat) and fmt.slot_dtype in (torch.float32, torch.bfloat16):
             weight_dtype = fmt.slot_dtype
-        elif isinstance(fmt, GroupQuantFormat) and fmt.bits == 8 and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views):
+        elif (
+            isinstance(fmt, GroupQuantFormat)
+            and fmt.bits == 8
+            and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
+        ):
             weight_dtype = torch.int8
         else:
             return None
         kernels = native()
-        return cls(kernels, fmt, weight_dtype, hidden, intermediate) if kernels is not None else None
+        return (
+            cls(kernels, fmt, weight_dtype, hidden, intermediate) if kernels is not None else None
+        )
 
     def accepts(self, x: torch.Tensor) -> bool:
         # Float slots must be in x's dtype (the reference computes in it); int8 slots take either.
-        return (x.device.type == "cpu" and x.shape[0] == 1 and x.is_contiguous()
-                and (x.dtype == self.weight_dtype or (self.quantized and x.dtype in (torch.float32, torch.bfloat16))))
+        return (
+            x.device.type == "cpu"
+            and x.shape[0] == 1
+            and x.is_contiguous()
+            and (
+                x.dtype == self.weight_dtype
+                or (self.quantized and x.dtype in (torch.float32, torch.bfloat16))
+            )
+        )
 
     def pointers(self, views: list) -> SlotPointers:
         """Addresses of one slot's weights, from its views (engine/experts/quant.py); stable while the slot lives."""
@@ -55,7 +76,14 @@ class NativeMoe:
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""
-        return self.kernels.moe_swiglu(x, self.weight_dtype, self.hidden, self.intermediate,
-                                       [p[0] for p in slots], [p[2] for p in slots], weights,
-                                       [p[1] for p in slots] if self.quantized else None,
-                                       [p[3] for p in slots] if self.quantized else None)
+        return self.kernels.moe_swiglu(
+            x,
+            self.weight_dtype,
+            self.hidden,
+            self.intermediate,
+            [p[0] for p in slots],
+            [p[2] for p in slots],
+            weights,
+            [p[1] for p in slots] if self.quantized else None,
+            [p[3] for p in slots] if self.quantized else None,
+        )

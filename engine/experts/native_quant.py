@@ -12,6 +12,7 @@ The slot is the checkpoint's own bytes, concatenated (see NativeLayout in
 engine/experts/expert_source.py), so reads, transfers and the fast tier all carry the
 quantized size; dequantization happens per expert call, on the compute device.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,15 @@ Part = tuple[torch.dtype, tuple[int, ...]]
 class RawPartsFormat(ExpertFormat):
     """A slot made of the checkpoint's tensors back to back, each viewed in place with its dtype."""
 
-    def __init__(self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: torch.dtype) -> None:
-        self.name, self.kernel, self.compute_dtype, self.slot_dtype = name, kernel, compute_dtype, torch.uint8
+    def __init__(
+        self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: torch.dtype
+    ) -> None:
+        self.name, self.kernel, self.compute_dtype, self.slot_dtype = (
+            name,
+            kernel,
+            compute_dtype,
+            torch.uint8,
+        )
         self._parts: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
         at = 0
         for dtype, shape in parts:
@@ -56,22 +64,38 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 class Mxfp4GptOssFormat(RawPartsFormat):
     """Slot: gate_up_bias | down_bias | gate_up blocks | gate_up scales | down blocks | down scales."""
 
-    def __init__(self, kernel: ExpertKernel, hidden: int, intermediate: int, bias_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        kernel: ExpertKernel,
+        hidden: int,
+        intermediate: int,
+        bias_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ) -> None:
         H, I = hidden, intermediate
-        parts = [(bias_dtype, (2 * I,)), (bias_dtype, (H,)),
-                 (torch.uint8, (2 * I, H // 32, 16)), (torch.uint8, (2 * I, H // 32)),
-                 (torch.uint8, (H, I // 32, 16)), (torch.uint8, (H, I // 32))]
+        parts = [
+            (bias_dtype, (2 * I,)),
+            (bias_dtype, (H,)),
+            (torch.uint8, (2 * I, H // 32, 16)),
+            (torch.uint8, (2 * I, H // 32)),
+            (torch.uint8, (H, I // 32, 16)),
+            (torch.uint8, (H, I // 32)),
+        ]
         super().__init__("mxfp4", kernel, parts, compute_dtype)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         gu_bias, down_bias, gu_blocks, gu_scales, d_blocks, d_scales = views
         dt = self.compute_dtype
-        gate_up = dequant_mxfp4(gu_blocks, gu_scales, dt).t()  # [2I, H] on disk -> [H, 2I] as the kernel wants
+        gate_up = dequant_mxfp4(
+            gu_blocks, gu_scales, dt
+        ).t()  # [2I, H] on disk -> [H, 2I] as the kernel wants
         down = dequant_mxfp4(d_blocks, d_scales, dt).t()  # [H, I] -> [I, H]
         return [gate_up, gu_bias.to(dt), down, down_bias.to(dt)]
 
 
-def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_fp8_block(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype
+) -> torch.Tensor:
     """w [out, in] float8, scale_inv [ceil(out/B), ceil(in/B)] -> w * scale per B x B block."""
     rows, cols = w.shape
     s = scale_inv.to(dtype).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
@@ -81,16 +105,27 @@ def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtyp
 class Fp8BlockSwiGLUFormat(RawPartsFormat):
     """Slot: gate, up, down scales (f32, first so they stay 4-byte aligned) | gate, up, down weights (fp8)."""
 
-    def __init__(self, kernel: ExpertKernel, hidden: int, intermediate: int, block: int, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        kernel: ExpertKernel,
+        hidden: int,
+        intermediate: int,
+        block: int,
+        compute_dtype: torch.dtype,
+    ) -> None:
         H, I = hidden, intermediate
         self.block = block
         mats = [(I, H), (I, H), (H, I)]
-        parts: list[Part] = [(torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats]
+        parts: list[Part] = [
+            (torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats
+        ]
         parts += [(torch.float8_e4m3fn, shape) for shape in mats]
         super().__init__("fp8-block", kernel, parts, compute_dtype)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         sg, su, sd, g, u, d = views
         dt, b = self.compute_dtype, self.block
-        gate_up = torch.cat((dequant_fp8_block(g, sg, b, dt), dequant_fp8_block(u, su, b, dt)))  # [2I, H]
+        gate_up = torch.cat(
+            (dequant_fp8_block(g, sg, b, dt), dequant_fp8_block(u, su, b, dt))
+        )  # [2I, H]
         return [gate_up, dequant_fp8_block(d, sd, b, dt)]

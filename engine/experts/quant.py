@@ -26,6 +26,7 @@ on every link and more experts per byte of fast tier.
   docs/benchmarks/kernels.md).
 Each encoded part starts on a 16-byte boundary so it can be viewed in place as int8/fp16/fp32.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,12 @@ class PlainFormat(ExpertFormat):
     """The checkpoint's weights converted to the compute dtype: `weights` is free (no copy)."""
 
     def __init__(self, kernel: ExpertKernel, dtype: torch.dtype) -> None:
-        self.name, self.kernel, self.slot_dtype, self.slot_numel = "none", kernel, dtype, kernel.numel
+        self.name, self.kernel, self.slot_dtype, self.slot_numel = (
+            "none",
+            kernel,
+            dtype,
+            kernel.numel,
+        )
 
     def views(self, row: torch.Tensor) -> list:
         out, at = [], 0
@@ -86,12 +92,23 @@ def _aligned(n: int) -> int:
 
 
 class GroupQuantFormat(ExpertFormat):
-    def __init__(self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype
+    ) -> None:
         if kind not in ("int8", "int4"):
-            raise ValueError(f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}")
+            raise ValueError(
+                f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}"
+            )
         if group != 0 and (group < 2 or group % 2):
-            raise ValueError(f"quantization group size must be 0 (whole rows) or an even number >= 2, got {group}")
-        self.name, self.kernel, self.bits, self.group = kind, kernel, 8 if kind == "int8" else 4, group
+            raise ValueError(
+                f"quantization group size must be 0 (whole rows) or an even number >= 2, got {group}"
+            )
+        self.name, self.kernel, self.bits, self.group = (
+            kind,
+            kernel,
+            8 if kind == "int8" else 4,
+            group,
+        )
         self.compute_dtype = compute_dtype
         self.slot_dtype = torch.uint8
         # Byte layout of one slot: per view, its parts as (offset, nbytes, dtype, shape).
@@ -105,12 +122,20 @@ class GroupQuantFormat(ExpertFormat):
                 at = _aligned(at + nbytes)
             self._layout.append(parts)
         self.slot_numel = at
-        self._int8_rows = (self.bits == 8 and compute_dtype == torch.bfloat16 and type(kernel) is SwiGLUKernel
-                           and all(self.group_of(shape[1]) == shape[1] for _, shape in kernel.views)
-                           and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+        self._int8_rows = (
+            self.bits == 8
+            and compute_dtype == torch.bfloat16
+            and type(kernel) is SwiGLUKernel
+            and all(self.group_of(shape[1]) == shape[1] for _, shape in kernel.views)
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        )
         # int4 in groups of 64, SwiGLU, bf16 compute: the native int4 kernel (where it applies) reads the slot as is.
-        self._int4_groups = (self.bits == 4 and compute_dtype == torch.bfloat16 and type(kernel) is SwiGLUKernel
-                             and all(self.group_of(shape[1]) == 64 for _, shape in kernel.views))
+        self._int4_groups = (
+            self.bits == 4
+            and compute_dtype == torch.bfloat16
+            and type(kernel) is SwiGLUKernel
+            and all(self.group_of(shape[1]) == 64 for _, shape in kernel.views)
+        )
 
     def group_of(self, cols: int) -> int:
         return math.gcd(cols, self.group)  # group 0: gcd(cols, 0) = cols, whole rows
@@ -123,7 +148,11 @@ class GroupQuantFormat(ExpertFormat):
         groups = (rows, cols // g, 1)
         if self.bits == 8:
             return [(torch.int8, (rows, cols // g, g)), (torch.float16, groups)]
-        return [(torch.uint8, (rows, cols // g, g // 2)), (torch.float16, groups), (torch.float16, groups)]
+        return [
+            (torch.uint8, (rows, cols // g, g // 2)),
+            (torch.float16, groups),
+            (torch.float16, groups),
+        ]
 
     # -- encoding (when the slow tier is built) -------------------------------------
     def encode(self, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -131,21 +160,34 @@ class GroupQuantFormat(ExpertFormat):
         out = torch.zeros(self.slot_numel, dtype=torch.uint8)
         for w, parts in zip(weights, self._layout):
             w = w.detach().to(torch.float32)
-            encoded = [w] if w.dim() != 2 else (_int8(w, self.group_of(w.shape[1])) if self.bits == 8 else _int4(w, self.group_of(w.shape[1])))
+            encoded = (
+                [w]
+                if w.dim() != 2
+                else (
+                    _int8(w, self.group_of(w.shape[1]))
+                    if self.bits == 8
+                    else _int4(w, self.group_of(w.shape[1]))
+                )
+            )
             for t, (off, nbytes, dtype, _pshape) in zip(encoded, parts):
                 out[off : off + nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
         return out
 
     # -- decoding (on every expert call) ---------------------------------------------
     def views(self, row: torch.Tensor) -> list:
-        return [[row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts] for parts in self._layout]
+        return [
+            [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts]
+            for parts in self._layout
+        ]
 
     def forward(self, views: list, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
             if self._int8_rows:
                 (q_gu, s_gu), (q_d, s_d) = views
                 gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
-                return _int8_linear(cast("SwiGLUKernel", self.kernel).act_fn(gate) * up, q_d, s_d)  # _int8_rows: SwiGLU only
+                return _int8_linear(
+                    cast("SwiGLUKernel", self.kernel).act_fn(gate) * up, q_d, s_d
+                )  # _int8_rows: SwiGLU only
             if self._int4_groups:
                 y = self._int4_swiglu(views, x)
                 if y is not None:
@@ -164,7 +206,12 @@ class GroupQuantFormat(ExpertFormat):
         if gu is None:
             return None
         gate, up = gu.chunk(2, dim=-1)
-        return kernels.gemv_q4((cast("SwiGLUKernel", self.kernel).act_fn(gate) * up).contiguous(), p_d.view(p_d.shape[0], -1), s_d, z_d)
+        return kernels.gemv_q4(
+            (cast("SwiGLUKernel", self.kernel).act_fn(gate) * up).contiguous(),
+            p_d.view(p_d.shape[0], -1),
+            s_d,
+            z_d,
+        )
 
     def weights(self, views: list) -> list[torch.Tensor]:
         out = []
@@ -177,7 +224,12 @@ class GroupQuantFormat(ExpertFormat):
             else:
                 packed, s, z = parts
                 q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [rows, groups, g]
-                out.append(((q.to(self.compute_dtype) - z.to(self.compute_dtype)) * s.to(self.compute_dtype)).view(shape))
+                out.append(
+                    (
+                        (q.to(self.compute_dtype) - z.to(self.compute_dtype))
+                        * s.to(self.compute_dtype)
+                    ).view(shape)
+                )
         return out
 
 
@@ -225,7 +277,9 @@ def _int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]:
     return [packed, s16, z16]
 
 
-def make_format(kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype) -> ExpertFormat:
+def make_format(
+    kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype
+) -> ExpertFormat:
     if kind == "none":
         return PlainFormat(kernel, compute_dtype)
     return GroupQuantFormat(kernel, kind, group, compute_dtype)

@@ -11,6 +11,7 @@ its group size, so a changed checkpoint or setting builds a new one and the next
 the same ones reuses it. It lives in a cache directory, not in the model directory: a stray
 *.safetensors file there would be taken for part of the checkpoint.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,10 +43,16 @@ class PackedShape:
 class SidecarLocator:
     """ExpertLocator's interface over a sidecar file: one U8 segment per expert."""
 
-    def __init__(self, path: Path, moe_layers: list[int], num_experts: int, slot_bytes: int) -> None:
+    def __init__(
+        self, path: Path, moe_layers: list[int], num_experts: int, slot_bytes: int
+    ) -> None:
         self.path, self.num_experts, self.shape = path, num_experts, PackedShape(slot_bytes)
         tensors = read_header(path)
-        self._segments = {(l, e): [tensors[f"layers.{l}.experts"].slice_first_dim(e)] for l in moe_layers for e in range(num_experts)}
+        self._segments = {
+            (l, e): [tensors[f"layers.{l}.experts"].slice_first_dim(e)]
+            for l in moe_layers
+            for e in range(num_experts)
+        }
 
     def segments(self, layer: int, expert: int) -> list[TensorLocation]:
         return self._segments[(layer, expert)]
@@ -58,48 +65,104 @@ def default_cache_dir() -> Path:
     return env.xdg_cache_root() / "experts"
 
 
-def sidecar_path(locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], cache_dir: Path) -> Path:
-    files = sorted({s.path for l in moe_layers for e in range(locator.num_experts) for s in locator.segments(l, e)})
-    h = hashlib.sha256(json.dumps([SIDECAR_VERSION, fmt.name, fmt.group, fmt.kernel.views, moe_layers, locator.num_experts]).encode())
+def sidecar_path(
+    locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], cache_dir: Path
+) -> Path:
+    files = sorted(
+        {
+            s.path
+            for l in moe_layers
+            for e in range(locator.num_experts)
+            for s in locator.segments(l, e)
+        }
+    )
+    h = hashlib.sha256(
+        json.dumps(
+            [
+                SIDECAR_VERSION,
+                fmt.name,
+                fmt.group,
+                fmt.kernel.views,
+                moe_layers,
+                locator.num_experts,
+            ]
+        ).encode()
+    )
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_dir / f"{files[0].parent.name}-{fmt.name}-g{fmt.group}-{h.hexdigest()[:16]}.safetensors"
+    return (
+        cache_dir
+        / f"{files[0].parent.name}-{fmt.name}-g{fmt.group}-{h.hexdigest()[:16]}.safetensors"
+    )
 
 
-def quantized_locator(locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], cache_dir: str | Path | None) -> SidecarLocator:
+def quantized_locator(
+    locator: ExpertLocator,
+    fmt: GroupQuantFormat,
+    moe_layers: list[int],
+    cache_dir: str | Path | None,
+) -> SidecarLocator:
     """The sidecar for these experts in this format, built now if no valid one exists."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{cache}: cannot create the quantized-expert cache directory ({e.strerror})") from None
+        raise ConfigError(
+            f"{cache}: cannot create the quantized-expert cache directory ({e.strerror})"
+        ) from None
     path = sidecar_path(locator, fmt, moe_layers, cache)
     if not path.exists():
         _build(locator, fmt, moe_layers, path)
     return SidecarLocator(path, moe_layers, locator.num_experts, fmt.slot_numel)
 
 
-def _build(locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], path: Path) -> None:
+def _build(
+    locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], path: Path
+) -> None:
     """Stream the sidecar to disk layer by layer (never all experts in memory), then rename into place."""
     E, row = locator.num_experts, fmt.slot_numel
-    header: dict[str, dict] = {"__metadata__": {"format": fmt.name, "group": str(fmt.group), "version": str(SIDECAR_VERSION)}}
+    header: dict[str, dict] = {
+        "__metadata__": {
+            "format": fmt.name,
+            "group": str(fmt.group),
+            "version": str(SIDECAR_VERSION),
+        }
+    }
     for i, l in enumerate(moe_layers):
-        header[f"layers.{l}.experts"] = {"dtype": "U8", "shape": [E, row], "data_offsets": [i * E * row, (i + 1) * E * row]}
+        header[f"layers.{l}.experts"] = {
+            "dtype": "U8",
+            "shape": [E, row],
+            "data_offsets": [i * E * row, (i + 1) * E * row],
+        }
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
-    unpack = PlainFormat(fmt.kernel, torch.float32)  # splits a packed float buffer into the kernel's weights
+    unpack = PlainFormat(
+        fmt.kernel, torch.float32
+    )  # splits a packed float buffer into the kernel's weights
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
-            with tqdm(total=len(moe_layers) * E, desc=f"quantizing experts ({fmt.name})", unit="expert", leave=False) as bar:
+            with tqdm(
+                total=len(moe_layers) * E,
+                desc=f"quantizing experts ({fmt.name})",
+                unit="expert",
+                leave=False,
+            ) as bar:
                 for l in moe_layers:
                     for e in range(E):
-                        flat = torch.cat([read_tensor(s).reshape(-1).to(torch.float32) for s in locator.segments(l, e)])
+                        flat = torch.cat(
+                            [
+                                read_tensor(s).reshape(-1).to(torch.float32)
+                                for s in locator.segments(l, e)
+                            ]
+                        )
                         f.write(fmt.encode(unpack.views(flat)).numpy().tobytes())
                         bar.update()
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{path}: cannot write the quantized-expert cache ({e.strerror})") from None
+        raise ConfigError(
+            f"{path}: cannot write the quantized-expert cache ({e.strerror})"
+        ) from None

@@ -16,6 +16,7 @@ Three things keep a resident expert from being evicted:
   MoE layer runs (ticks) pass;
 - the eviction policy's ranking among everything else.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,12 @@ class EvictableView(AbstractSet[int]):
 
     def __contains__(self, key: object) -> bool:
         t = self._ready.get(key)  # type: ignore[call-overload]
-        return t is not None and t <= self._now and key not in self._pins and (key in self._protected) == self._want
+        return (
+            t is not None
+            and t <= self._now
+            and key not in self._pins
+            and (key in self._protected) == self._want
+        )
 
     def __iter__(self) -> Iterator[int]:
         return (k for k in list(self._ready) if k in self)
@@ -53,8 +59,14 @@ class EvictableView(AbstractSet[int]):
 
 
 class Residency:
-    def __init__(self, n_slots: int, eviction: EvictionPolicy, protect_ticks: int = 16,
-                 on_evict: Callable[[], None] | None = None, on_waste: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        n_slots: int,
+        eviction: EvictionPolicy,
+        protect_ticks: int = 16,
+        on_evict: Callable[[], None] | None = None,
+        on_waste: Callable[[int], None] | None = None,
+    ) -> None:
         if n_slots < 1:
             raise ValueError("the fast tier needs at least one expert slot")
         self.n_slots, self.eviction, self.protect_ticks = n_slots, eviction, protect_ticks
@@ -79,11 +91,17 @@ class Residency:
     def evictable_set(self, now: float = 0.0) -> set[int]:
         """The unprotected evictable experts as a set: for a step that reserves many slots while many
         residents are pinned, one set per layer beats asking the live view key by key."""
-        return {k for k, t in self.ready.items() if t <= now} - self.pins.keys() - self.protected.keys()
+        return (
+            {k for k, t in self.ready.items() if t <= now}
+            - self.pins.keys()
+            - self.protected.keys()
+        )
 
     def free_or_evictable(self, now: float = 0.0) -> int:
         """Slots a layer could take now without waiting: free ones plus unpinned residents."""
-        return len(self.free) + sum(1 for k, t in self.ready.items() if t <= now and k not in self.pins)
+        return len(self.free) + sum(
+            1 for k, t in self.ready.items() if t <= now and k not in self.pins
+        )
 
     # -- pins and uses ---------------------------------------------------------------------------
     def pin_all(self, keys: Iterable[int]) -> None:
@@ -133,8 +151,15 @@ class Residency:
         return len(expired)
 
     # -- slot lifecycle --------------------------------------------------------------------------
-    def reserve(self, key: int, may_evict_protected: bool = True, now: float = 0.0, pin: bool = True,
-                victim: int | None = None, candidates: set[int] | None = None) -> int | None:
+    def reserve(
+        self,
+        key: int,
+        may_evict_protected: bool = True,
+        now: float = 0.0,
+        pin: bool = True,
+        victim: int | None = None,
+        candidates: set[int] | None = None,
+    ) -> int | None:
         """Claim a slot for `key` (ready INF; pinned once when `pin`, the loader's pin). Evicts an
         unpinned resident if no slot is free: unprotected ones first; protected ones only when
         `may_evict_protected` (demand loads). `victim`: the policy's victim, where the caller already
@@ -143,7 +168,12 @@ class Residency:
         assert key not in self.ready, f"expert key {key} already has a slot"
         if not self.free:
             if victim is None:
-                victim = cast("int | None", self.eviction.victim(self.evictable(now, False) if candidates is None else candidates))
+                victim = cast(
+                    "int | None",
+                    self.eviction.victim(
+                        self.evictable(now, False) if candidates is None else candidates
+                    ),
+                )
             if candidates is not None:
                 candidates.discard(victim)  # None: a no-op
             if victim is None and may_evict_protected:
@@ -188,7 +218,9 @@ class Residency:
 
     def adopt(self, rows: dict[int, int]) -> None:
         """Every key resident in slot rows[key], for good (a zero-copy pool covering every slot)."""
-        assert not self.ready and len(rows) == self.n_slots, "adopt() takes a fresh residency covering every slot"
+        assert not self.ready and len(rows) == self.n_slots, (
+            "adopt() takes a fresh residency covering every slot"
+        )
         for key, row in rows.items():
             self.slot_of[key] = row
             self.ready[key] = LANDED

@@ -9,6 +9,7 @@ a buffer, and publishes the step's events after the call, so only live listeners
 that path. The runner sets the step context first, so a listener can tell which rows belong to
 which request. With no subscriber, publishing costs one truth test.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -66,7 +67,9 @@ WindowListener = Callable[[WindowReport], None]
 class RoutingBus:
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
-        self._live: list[Listener] = []  # the listeners that must see a layer's routing before its experts run
+        self._live: list[
+            Listener
+        ] = []  # the listeners that must see a layer's routing before its experts run
         self._window_listeners: list[WindowListener] = []
         self.step = StepContext()
 
@@ -103,7 +106,14 @@ class RoutingBus:
         """Whether a listener must see each layer's routing before the layer's experts run."""
         return bool(self._live)
 
-    def publish(self, layer: int, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    def publish(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
         if self._listeners:
             ev = RoutingEvent(layer, x, logits, ids, weights, self.step)
             for fn in list(self._listeners):

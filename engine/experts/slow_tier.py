@@ -3,6 +3,7 @@
 `fetch(layer, expert)` returns the expert's packed buffer as a flat host tensor (see
 expert_layout). The transfer engine then copies it into a fast-tier slot.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,9 @@ class SlowTier(ABC):
         self.locator = locator
         self.link = link
 
-    def fetch(self, layer: int, expert: int, into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    def fetch(
+        self, layer: int, expert: int, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         """Return (flat host tensor, bytes that crossed the link). Honours the emulated link.
 
         `into`: the host slot the expert is headed for. A tier may assemble the expert there and
@@ -66,8 +69,16 @@ class RamTier(SlowTier):
 
     name = "ram"
 
-    def __init__(self, locator: SegmentLocator, layers: list[int], dtype: torch.dtype, pin: bool, link: EmulatedLink | None = None,
-                 chunk_bytes: int = PIN_CHUNK_BYTES, pin_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        locator: SegmentLocator,
+        layers: list[int],
+        dtype: torch.dtype,
+        pin: bool,
+        link: EmulatedLink | None = None,
+        chunk_bytes: int = PIN_CHUNK_BYTES,
+        pin_limit: int | None = None,
+    ) -> None:
         super().__init__(locator, link)
         n, E = len(layers), locator.num_experts
         self._row = {layer: i for i, layer in enumerate(layers)}
@@ -90,7 +101,9 @@ class RamTier(SlowTier):
             for layer in layers:
                 for e in range(E):
                     i = self._row[layer] * E + e
-                    self._chunks[i // self._per][i % self._per] = _pack([read_tensor(s) for s in locator.segments(layer, e)])
+                    self._chunks[i // self._per][i % self._per] = _pack(
+                        [read_tensor(s) for s in locator.segments(layer, e)]
+                    )
                     bar.update()
 
     def _alloc(self, count: int, numel: int, dtype: torch.dtype, budget: int) -> torch.Tensor:
@@ -103,8 +116,12 @@ class RamTier(SlowTier):
             except (RuntimeError, MemoryError) as e:  # no CUDA driver, or the allocation refused
                 self.pin_error = str(e).splitlines()[0] if str(e) else type(e).__name__
         if self.pageable_bytes == 0:
-            log.warning("host expert tier: pinning failed (%s); the rest of it (%d experts and on) is pageable memory, "
-                        "so copies to the device are slower and synchronous", self.pin_error, sum(c.shape[0] for c in self._chunks))
+            log.warning(
+                "host expert tier: pinning failed (%s); the rest of it (%d experts and on) is pageable memory, "
+                "so copies to the device are slower and synchronous",
+                self.pin_error,
+                sum(c.shape[0] for c in self._chunks),
+            )
         self.pageable_bytes += nbytes
         return torch.empty((count, numel), dtype=dtype)
 
@@ -128,7 +145,9 @@ class RamTier(SlowTier):
 
     def _fetch(self, layer: int, expert: int, into: torch.Tensor | None) -> torch.Tensor:
         i = self.row(layer, expert)
-        return self._chunks[i // self._per][i % self._per]  # a view: the caller's copy is the only one
+        return self._chunks[i // self._per][
+            i % self._per
+        ]  # a view: the caller's copy is the only one
 
 
 def _pin_limit() -> int:
@@ -144,7 +163,9 @@ class DiskTier(SlowTier):
 
     name = "disk"
 
-    def __init__(self, locator: SegmentLocator, link: EmulatedLink | None = None, prefer_direct: bool = True) -> None:
+    def __init__(
+        self, locator: SegmentLocator, link: EmulatedLink | None = None, prefer_direct: bool = True
+    ) -> None:
         super().__init__(locator, link)
         self.reader = UncachedReader(prefer_direct)
 
@@ -160,8 +181,18 @@ class DiskTier(SlowTier):
             # is a syscall, an aligned buffer and, with O_DIRECT, a device round trip, all on a
             # transfer thread that shares the machine's cores with the compute thread.
             start, end = span
-            raw = self.reader.read(segs[0].path, start, end - start, scratch=True)  # _pack copies it at once
-            return _pack([torch.frombuffer(raw[s.offset - start : s.offset - start + s.nbytes], dtype=s.dtype) for s in segs], into)
+            raw = self.reader.read(
+                segs[0].path, start, end - start, scratch=True
+            )  # _pack copies it at once
+            return _pack(
+                [
+                    torch.frombuffer(
+                        raw[s.offset - start : s.offset - start + s.nbytes], dtype=s.dtype
+                    )
+                    for s in segs
+                ],
+                into,
+            )
         return _pack([self._read(s) for s in segs], into)
 
     def _read(self, seg: TensorLocation) -> torch.Tensor:
@@ -190,8 +221,13 @@ def _pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.
     if len({p.dtype for p in parts}) != 1:
         return torch.cat([p.reshape(-1) for p in parts])
     raw = [p.reshape(-1).view(torch.uint8).numpy() for p in parts]
-    if (into is not None and into.device.type == "cpu" and into.dtype == parts[0].dtype and into.is_contiguous()
-            and into.numel() == sum(p.numel() for p in parts)):
+    if (
+        into is not None
+        and into.device.type == "cpu"
+        and into.dtype == parts[0].dtype
+        and into.is_contiguous()
+        and into.numel() == sum(p.numel() for p in parts)
+    ):
         # One copy from the read buffer into the slot, instead of a new buffer and a second copy.
         np.concatenate(raw, out=into.view(-1).view(torch.uint8).numpy())
         return into

@@ -8,6 +8,7 @@
 - On CUDA the copy runs on a dedicated stream and is ordered with an event, so the
   compute stream waits on the GPU, not the CPU.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -44,7 +45,9 @@ class Transfer:
     t_start: float = 0.0
     t_end: float = 0.0
     nbytes: int = 0
-    protect: bool = False  # a prefetch: shield it from eviction once it lands, until used or expired
+    protect: bool = (
+        False  # a prefetch: shield it from eviction once it lands, until used or expired
+    )
 
     @property
     def seconds(self) -> float:
@@ -68,11 +71,16 @@ class TransferEngine:
         self._queue: list[tuple[int, int, Transfer]] = []
         self._seq = itertools.count()
         self._inflight: dict[int, Transfer] = {}
-        self._cv = threading.Condition(store.lock)  # one lock for residency + queue: no lock-order bugs
+        self._cv = threading.Condition(
+            store.lock
+        )  # one lock for residency + queue: no lock-order bugs
         self._closed = False
         self._landed = 0  # finished transfers, for waiters that need any slot to free up
         self._stream = torch.cuda.Stream(device=store.slots.device) if store.slots.is_cuda else None
-        self._threads = [threading.Thread(target=self._worker, name=f"expert-transfer-{i}", daemon=True) for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"expert-transfer-{i}", daemon=True)
+            for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -80,7 +88,9 @@ class TransferEngine:
         return layer * self.num_experts + expert
 
     # -- API for the compute thread ------------------------------------------------
-    def submit(self, layer: int, expert: int, kind: str, pin: bool = False, protect: bool = False) -> Transfer | None:
+    def submit(
+        self, layer: int, expert: int, kind: str, pin: bool = False, protect: bool = False
+    ) -> Transfer | None:
         """Start (or join) a load. Returns None if resident already or no slot can be freed.
 
         With pin=True the caller also pins the expert and must unpin it after use (through
@@ -166,7 +176,11 @@ class TransferEngine:
     def queued(self, kind: str) -> list[tuple[int, int]]:
         """(layer, expert) of the transfers of `kind` that have not started (cancellable)."""
         with self._cv:
-            return [(t.layer, t.expert) for t in self._inflight.values() if t.kind == kind and not t.started]
+            return [
+                (t.layer, t.expert)
+                for t in self._inflight.values()
+                if t.kind == kind and not t.started
+            ]
 
     def cancel_queued(self, kind: str, stale: Callable[[int, int], bool]) -> None:
         """Cancel the transfers of `kind` that have not started and for which stale(layer, expert)."""
@@ -208,7 +222,9 @@ class TransferEngine:
             t.t_start = time.perf_counter()
             try:
                 dst = self.store.slots[t.slot]
-                host, t.nbytes = self.tier.fetch(t.layer, t.expert, into=None if self._stream is not None else dst)
+                host, t.nbytes = self.tier.fetch(
+                    t.layer, t.expert, into=None if self._stream is not None else dst
+                )
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
                         dst.copy_(host, non_blocking=True)
@@ -248,7 +264,11 @@ def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     decoding at 2 threads lost its whole second-thread gain once transfers had run
     (docs/benchmarks/peers.md). A byte copy through numpy is single-threaded and releases the GIL.
     """
-    if dst.dtype != src.dtype or not (dst.is_contiguous() and src.is_contiguous()) or dst.device.type != "cpu":
+    if (
+        dst.dtype != src.dtype
+        or not (dst.is_contiguous() and src.is_contiguous())
+        or dst.device.type != "cpu"
+    ):
         dst.copy_(src)  # a conversion, or a device copy: torch's own path
         return
     np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())

@@ -5,6 +5,7 @@ cache the whole checkpoint. We prefer O_DIRECT (aligned reads straight from the
 device); where a filesystem refuses it (tmpfs, some overlays) we fall back to a plain
 pread followed by posix_fadvise(DONTNEED), which drops the pages we just read.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -24,7 +25,9 @@ class UncachedReader:
         self._prefer_direct = prefer_direct and hasattr(os, "O_DIRECT")
         self._fds: dict[Path, tuple[int, bool]] = {}
         self._lock = threading.Lock()
-        self._scratch = threading.local()  # per thread: one reusable aligned buffer (read(scratch=True))
+        self._scratch = (
+            threading.local()
+        )  # per thread: one reusable aligned buffer (read(scratch=True))
 
     @property
     def modes(self) -> dict[str, str]:
@@ -63,23 +66,31 @@ class UncachedReader:
                 fd, _ = self._fds[path]
         data = os.pread(fd, nbytes, offset)
         if len(data) != nbytes:
-            raise CheckpointError(f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, got {len(data)}")
+            raise CheckpointError(
+                f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, got {len(data)}"
+            )
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         return memoryview(data)
 
-    def _read_direct(self, fd: int, path: Path, offset: int, nbytes: int, scratch: bool = False) -> memoryview:
+    def _read_direct(
+        self, fd: int, path: Path, offset: int, nbytes: int, scratch: bool = False
+    ) -> memoryview:
         start = offset - offset % _ALIGN
         end = -(-(offset + nbytes) // _ALIGN) * _ALIGN
         if scratch:
             buf = getattr(self._scratch, "buf", None)
             if buf is None or len(buf) < end - start:
-                buf = self._scratch.buf = mmap.mmap(-1, max(end - start, 1 << 20))  # page-aligned, as O_DIRECT needs
+                buf = self._scratch.buf = mmap.mmap(
+                    -1, max(end - start, 1 << 20)
+                )  # page-aligned, as O_DIRECT needs
         else:
             buf = mmap.mmap(-1, end - start)  # anonymous mmap is page-aligned, as O_DIRECT needs
         got = os.preadv(fd, [memoryview(buf)[: end - start]], start)
         if got < offset + nbytes - start:
-            raise CheckpointError(f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, file ended first")
+            raise CheckpointError(
+                f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, file ended first"
+            )
         return memoryview(buf)[offset - start : offset - start + nbytes]
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ plain LRU with a deep prefetch queue, 1.66x with this rule; docs/benchmarks/spac
 transfer engine at prefetch priority (behind every demand load), are protected once they land
 until used or expired, and are counted as issued, used and wasted (engine/experts/expert_store.py).
 """
+
 from __future__ import annotations
 
 from engine.experts.expert_store import ExpertStore
@@ -27,8 +28,16 @@ from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, wo
 
 
 class UtilityPrefetcher:
-    def __init__(self, estimator: SpeculativeUtilityEstimator, store: ExpertStore, transfers: TransferEngine,
-                 moe_layers: list[int], stats: EngineStats, prefetch: bool = True, min_level: int = PREFETCH_MIN_LEVEL) -> None:
+    def __init__(
+        self,
+        estimator: SpeculativeUtilityEstimator,
+        store: ExpertStore,
+        transfers: TransferEngine,
+        moe_layers: list[int],
+        stats: EngineStats,
+        prefetch: bool = True,
+        min_level: int = PREFETCH_MIN_LEVEL,
+    ) -> None:
         self.estimator, self.store, self.transfers, self.stats = estimator, store, transfers, stats
         self.moe_layers, self.prefetch, self.min_level = moe_layers, prefetch, min_level
         # Prefetches are submitted only while fewer than this many transfers are pending (see the
@@ -45,7 +54,10 @@ class UtilityPrefetcher:
         counts: dict[int, tuple[list[int], list[int]]] = {}
         for w in report.windows:
             tot, acc = counts.get(w.layer, ([0] * self.E, [0] * self.E))
-            counts[w.layer] = ([a + b for a, b in zip(tot, w.counts.tolist())], [a + b for a, b in zip(acc, w.accepted_counts.tolist())])
+            counts[w.layer] = (
+                [a + b for a, b in zip(tot, w.counts.tolist())],
+                [a + b for a, b in zip(acc, w.accepted_counts.tolist())],
+            )
         self.estimator.observe(counts)
         self.stats.set_utility_levels(self.estimator.histogram(self.moe_layers))
         if self.prefetch:
@@ -56,7 +68,9 @@ class UtilityPrefetcher:
 
     def cancel_stale(self) -> None:
         """Queued prefetches whose expert fell below the prefetch level are cancelled."""
-        self.transfers.cancel_queued("prefetch", lambda layer, e: self.estimator.level(layer, e) < self.min_level)
+        self.transfers.cancel_queued(
+            "prefetch", lambda layer, e: self.estimator.level(layer, e) < self.min_level
+        )
 
     # -- between layers -----------------------------------------------------------------------
     def after_layer(self, layer: int) -> None:
@@ -69,7 +83,9 @@ class UtilityPrefetcher:
         not be tried now)."""
         for e in self.estimator.ranked(layer, self.min_level):
             if self.transfers.pending() >= self.max_pending:
-                return False  # no idle transfer worker: a guess now would delay the next demand load
+                return (
+                    False  # no idle transfer worker: a guess now would delay the next demand load
+                )
             key = layer * self.E + e
             with self.store.lock:  # the victim check and the reservation see the same residency
                 if self.store.state(key) is not None or self.transfers.in_flight(layer, e):
@@ -83,4 +99,3 @@ class UtilityPrefetcher:
                 if self.transfers.submit(layer, e, "prefetch", protect=True) is None:
                     return False
         return True
-

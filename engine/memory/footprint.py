@@ -1,6 +1,7 @@
 """What a model needs, in bytes, from its config and safetensors headers alone (nothing is read
 but the headers, so this takes seconds for a 160 GB checkpoint): the dense part in the compute
 dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,7 +44,10 @@ class Footprint:
 
     def kv_bytes(self, tokens: int, sequences: int) -> int:
         """KV cache for `sequences` of `tokens` each: full layers grow with the tokens, sliding ones stop at the window."""
-        per_seq = tokens * self.kv_bytes_per_token + min(tokens, self.sliding_window or tokens) * self.sliding_kv_bytes_per_token
+        per_seq = (
+            tokens * self.kv_bytes_per_token
+            + min(tokens, self.sliding_window or tokens) * self.sliding_kv_bytes_per_token
+        )
         return sequences * per_seq
 
     def scratch_bytes(self, chunk_tokens: int = 1024) -> int:
@@ -78,21 +82,41 @@ def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int
     return full * per_layer, sliding * per_layer, window
 
 
-def footprint(model: nn.Module, experts: list[nn.Module], config: PretrainedConfig, dtype: torch.dtype,
-              slot_bytes: int, expert_disk_bytes: int, experts_per_layer: int, top_k: int, moe_intermediate: int,
-              tensors: dict[str, TensorLocation]) -> Footprint:
+def footprint(
+    model: nn.Module,
+    experts: list[nn.Module],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    slot_bytes: int,
+    expert_disk_bytes: int,
+    experts_per_layer: int,
+    top_k: int,
+    moe_intermediate: int,
+    tensors: dict[str, TensorLocation],
+) -> Footprint:
     """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
     the blocks' expert modules, whose parameters the tiers hold instead."""
     routed = {id(p) for m in experts for p in m.parameters()}
-    dense = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in routed) * _itemsize(dtype)
+    dense = sum(
+        p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in routed
+    ) * _itemsize(dtype)
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(
-        dtype=dtype, dense_bytes=dense, slot_bytes=slot_bytes, expert_disk_bytes=expert_disk_bytes,
-        moe_layers=len(experts), experts_per_layer=experts_per_layer, top_k=top_k,
-        kv_bytes_per_token=full, sliding_kv_bytes_per_token=sliding, sliding_window=window,
-        context=int(getattr(config, "max_position_embeddings", 4096) or 4096), hidden=int(config.hidden_size),
-        intermediate=max(dense_i, top_k * moe_intermediate), vocab=int(config.vocab_size),
+        dtype=dtype,
+        dense_bytes=dense,
+        slot_bytes=slot_bytes,
+        expert_disk_bytes=expert_disk_bytes,
+        moe_layers=len(experts),
+        experts_per_layer=experts_per_layer,
+        top_k=top_k,
+        kv_bytes_per_token=full,
+        sliding_kv_bytes_per_token=sliding,
+        sliding_window=window,
+        context=int(getattr(config, "max_position_embeddings", 4096) or 4096),
+        hidden=int(config.hidden_size),
+        intermediate=max(dense_i, top_k * moe_intermediate),
+        vocab=int(config.vocab_size),
         checkpoint_bytes=sum(t.nbytes for t in tensors.values()),
     )
 

@@ -3,6 +3,7 @@ limit less its working set, v1 and v2) and the free space of a directory's file 
 
 Every reader takes its file paths as arguments so tests can point them at a fake /proc and
 /sys/fs/cgroup; nothing is read at import time."""
+
 from __future__ import annotations
 
 import os
@@ -83,7 +84,9 @@ def _cgroup_dirs(proc_cgroup: Path, root: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> tuple[int, str] | None:
+def cgroup_headroom(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT
+) -> tuple[int, str] | None:
     """(bytes, description) the tightest memory cgroup above this process still allows: its limit
     less its working set (usage without the inactive page cache, which the kernel reclaims first).
     v1: memory.limit_in_bytes, memory.usage_in_bytes, memory.stat total_inactive_file;
@@ -91,7 +94,10 @@ def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = 
     best: tuple[int, str] | None = None
     for version, d in _cgroup_dirs(proc_cgroup, root):
         if version == "v1":
-            limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+            limit, usage = (
+                _read_int(d / "memory.limit_in_bytes"),
+                _read_int(d / "memory.usage_in_bytes"),
+            )
             inactive = _stat(d / "memory.stat", "total_inactive_file")
         else:
             limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
@@ -104,8 +110,11 @@ def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = 
     return best
 
 
-def host_memory(meminfo: Path = Path("/proc/meminfo"), proc_cgroup: Path = Path("/proc/self/cgroup"),
-                root: Path = CGROUP_ROOT) -> HostMemory:
+def host_memory(
+    meminfo: Path = Path("/proc/meminfo"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+    root: Path = CGROUP_ROOT,
+) -> HostMemory:
     avail = mem_available(meminfo)
     cg = cgroup_headroom(proc_cgroup, root)
     if avail is None:  # not Linux: what psutil-free Python can tell

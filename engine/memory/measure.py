@@ -3,6 +3,7 @@
 `plan_for_model` is what load_model calls once the model exists on the meta device (nothing
 allocated yet); `probe_checkpoint` builds the same meta model from config.json and the safetensors
 headers for `moe-offload plan` and for `serve`'s check before it listens."""
+
 from __future__ import annotations
 
 import sys
@@ -21,15 +22,35 @@ from engine.memory.planner import MemoryPlan, plan_memory
 from engine.weights.checkpoint import TensorLocation
 
 
-def plan_for_model(model: nn.Module, experts: list[nn.Module], config: PretrainedConfig, dtype: torch.dtype,
-                   slot_bytes: int, expert_disk_bytes: int, E: int, I: int, top_k: int,
-                   tensors: dict[str, TensorLocation], cfg: EngineConfig, device: torch.device) -> tuple[Footprint, MemoryPlan]:
-    fp = footprint(model, experts, config, dtype, slot_bytes, expert_disk_bytes, E, top_k, I, tensors)
+def plan_for_model(
+    model: nn.Module,
+    experts: list[nn.Module],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    slot_bytes: int,
+    expert_disk_bytes: int,
+    E: int,
+    I: int,
+    top_k: int,
+    tensors: dict[str, TensorLocation],
+    cfg: EngineConfig,
+    device: torch.device,
+) -> tuple[Footprint, MemoryPlan]:
+    fp = footprint(
+        model, experts, config, dtype, slot_bytes, expert_disk_bytes, E, top_k, I, tensors
+    )
     dev = str(device) if device.type == "cuda" else "cpu"
     free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
     from engine.memory.machine import rss_bytes
 
-    return fp, plan_memory(fp, cfg, dev, host_memory(), device_free=free[0] if free else None, runtime_bytes=rss_bytes())
+    return fp, plan_memory(
+        fp,
+        cfg,
+        dev,
+        host_memory(),
+        device_free=free[0] if free else None,
+        runtime_bytes=rss_bytes(),
+    )
 
 
 def print_plan(plan: MemoryPlan) -> None:
@@ -72,7 +93,9 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     from engine.errors import CheckpointError
 
     if not sites:
-        raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration"
+        )
     layers = [s.layer for s in sites]
     E, H, I, top_k = expert_geometry(sites[0].block, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
@@ -89,8 +112,18 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         locator = ExpertLocator(spec, tensors, layers, E, shape, kernel.views)
         if cfg.expert_quant != "none":
             sidecar = len(layers) * E * fmt.slot_bytes
-    fp = footprint(model, experts, config, dtype, fmt.slot_bytes,
-                   locator.nbytes_on_disk(layers[0], 0), E, top_k, I, tensors)
+    fp = footprint(
+        model,
+        experts,
+        config,
+        dtype,
+        fmt.slot_bytes,
+        locator.nbytes_on_disk(layers[0], 0),
+        E,
+        top_k,
+        I,
+        tensors,
+    )
     return Probe(fp, str(config.model_type), fmt.name, device, sidecar)
 
 
@@ -103,8 +136,15 @@ def plan_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> tuple[Probe, Me
     from engine.memory.machine import disk_free
 
     quant_dir = cfg.quant_cache_dir or default_cache_dir()
-    return probe, plan_memory(probe.footprint, cfg, dev, host_memory(), device_free=free[0] if free else None,
-                              sidecar_bytes=probe.sidecar_bytes, sidecar_disk_free=disk_free(quant_dir) if probe.sidecar_bytes else None)
+    return probe, plan_memory(
+        probe.footprint,
+        cfg,
+        dev,
+        host_memory(),
+        device_free=free[0] if free else None,
+        sidecar_bytes=probe.sidecar_bytes,
+        sidecar_disk_free=disk_free(quant_dir) if probe.sidecar_bytes else None,
+    )
 
 
 def memory_probe(plan: MemoryPlan, model: nn.Module, store: object, tier: object):
@@ -115,7 +155,9 @@ def memory_probe(plan: MemoryPlan, model: nn.Module, store: object, tier: object
     from engine.memory.machine import rss_bytes
 
     planned = plan.planned()
-    dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    dense = sum(
+        p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()
+    )
     slots = getattr(store, "slots", None)
     fast = 0 if plan.zero_copy or slots is None else slots.numel() * slots.element_size()
     slow = int(getattr(tier, "nbytes", 0))
@@ -128,7 +170,10 @@ def memory_probe(plan: MemoryPlan, model: nn.Module, store: object, tier: object
         out["slow_tier_pageable"] = {"planned": 0, "used": int(getattr(tier, "pageable_bytes", 0))}
         out["host_total"] = {"planned": plan.total("host"), "used": rss_bytes()}
         if plan.device_budget is not None:
-            out["device_total"] = {"planned": plan.total("device"), "used": int(torch.cuda.memory_allocated())}
+            out["device_total"] = {
+                "planned": plan.total("device"),
+                "used": int(torch.cuda.memory_allocated()),
+            }
         return out
 
     return probe

@@ -8,6 +8,7 @@ choices (no --cache-fraction / --cache-bytes, --offload auto) are made here:
 Explicit flags win; a combination that cannot fit raises ConfigError with one line saying what
 does not fit and by how much, before anything is allocated (or anything listens).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from engine.memory.footprint import Footprint, MiB
 from engine.memory.machine import HostMemory
 
 DEFAULT_KV_SEQUENCES = 4  # sequences the default KV reservation covers ...
-DEFAULT_KV_CONTEXT = 8192  # ... of at most this many tokens each (or the model's context, if shorter)
+DEFAULT_KV_CONTEXT = (
+    8192  # ... of at most this many tokens each (or the model's context, if shorter)
+)
 HEADROOM_SHARE, HOST_HEADROOM_MIN, DEVICE_HEADROOM_MIN = 0.05, 64 * MiB, 256 * MiB
 
 
@@ -53,13 +56,19 @@ class MemoryPlan:
 
     def total(self, where: str, budgeted: bool = False) -> int:
         """Planned bytes in `where`; `budgeted`: only what counts against the budget (not the runtime)."""
-        return sum(p.nbytes for p in self.pools if p.where == where and not (budgeted and p.name == "runtime"))
+        return sum(
+            p.nbytes
+            for p in self.pools
+            if p.where == where and not (budgeted and p.name == "runtime")
+        )
 
     def table(self) -> str:
         rows = [("pool", "where", "bytes", "", "why")]
         rows += [(p.name, p.where, str(p.nbytes), fmt_bytes(p.nbytes), p.why) for p in self.pools]
         w = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["memory plan (--device-memory / --host-memory / --cache-fraction / --offload change it):"]
+        lines = [
+            "memory plan (--device-memory / --host-memory / --cache-fraction / --offload change it):"
+        ]
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)) + "  " + r[4] for r in rows]
         budget = f"host budget {fmt_bytes(self.host_budget)} ({self.host_source}), planned {fmt_bytes(self.total('host', budgeted=True))} of it"
         if self.device_budget is not None:
@@ -73,43 +82,90 @@ def _headroom(budget: int, floor: int) -> int:
 
 
 def _short(what: str, need: int, have: int, hint: str) -> ConfigError:
-    return ConfigError(f"memory plan: {what} needs {fmt_bytes(need)} but the budget leaves {fmt_bytes(max(0, have))} "
-                       f"(short by {fmt_bytes(need - max(0, have))}); {hint}")
+    return ConfigError(
+        f"memory plan: {what} needs {fmt_bytes(need)} but the budget leaves {fmt_bytes(max(0, have))} "
+        f"(short by {fmt_bytes(need - max(0, have))}); {hint}"
+    )
 
 
-def plan_memory(fp: Footprint, cfg: EngineConfig, device: str, host: HostMemory,
-                device_free: int | None = None, sidecar_bytes: int = 0, sidecar_disk_free: int | None = None,
-                runtime_bytes: int = 0) -> MemoryPlan:
+def plan_memory(
+    fp: Footprint,
+    cfg: EngineConfig,
+    device: str,
+    host: HostMemory,
+    device_free: int | None = None,
+    sidecar_bytes: int = 0,
+    sidecar_disk_free: int | None = None,
+    runtime_bytes: int = 0,
+) -> MemoryPlan:
     """The plan for `fp` on this machine. `device_free`: free bytes of the CUDA device (None on CPU);
     `sidecar_bytes`: a quantized-expert file still to be written, checked against `sidecar_disk_free`;
     `runtime_bytes`: what the process holds before loading (Python, torch), already outside the
     measured budget, listed so the plan's host total is comparable with the process's RSS."""
     on_gpu = device.startswith("cuda")
     host_budget = resolve_budget(cfg.host_memory, "--host-memory", host.available)
-    host_source = "--host-memory" if cfg.host_memory is not None and not _is_fraction(cfg.host_memory) else host.source
-    dev_budget = resolve_budget(cfg.device_memory, "--device-memory", device_free or 0) if on_gpu else None
+    host_source = (
+        "--host-memory"
+        if cfg.host_memory is not None and not _is_fraction(cfg.host_memory)
+        else host.source
+    )
+    dev_budget = (
+        resolve_budget(cfg.device_memory, "--device-memory", device_free or 0) if on_gpu else None
+    )
     dense_where = "device" if on_gpu else "host"
     total, slot = fp.total_experts, fp.slot_bytes
 
-    kv_tokens = cfg.kv_tokens if cfg.kv_tokens is not None else DEFAULT_KV_SEQUENCES * min(fp.context, DEFAULT_KV_CONTEXT)
-    kv_why = (f"--kv-tokens {kv_tokens}" if cfg.kv_tokens is not None else
-              f"{kv_tokens} tokens: {DEFAULT_KV_SEQUENCES} sequences x min(context {fp.context}, {DEFAULT_KV_CONTEXT}); --kv-tokens to change")
-    kv = kv_tokens * fp.kv_bytes_per_token + min(kv_tokens, DEFAULT_KV_SEQUENCES * (fp.sliding_window or kv_tokens)) * fp.sliding_kv_bytes_per_token
+    kv_tokens = (
+        cfg.kv_tokens
+        if cfg.kv_tokens is not None
+        else DEFAULT_KV_SEQUENCES * min(fp.context, DEFAULT_KV_CONTEXT)
+    )
+    kv_why = (
+        f"--kv-tokens {kv_tokens}"
+        if cfg.kv_tokens is not None
+        else f"{kv_tokens} tokens: {DEFAULT_KV_SEQUENCES} sequences x min(context {fp.context}, {DEFAULT_KV_CONTEXT}); --kv-tokens to change"
+    )
+    kv = (
+        kv_tokens * fp.kv_bytes_per_token
+        + min(kv_tokens, DEFAULT_KV_SEQUENCES * (fp.sliding_window or kv_tokens))
+        * fp.sliding_kv_bytes_per_token
+    )
     scratch = fp.scratch_bytes()
     budget_fixed = dev_budget if on_gpu else host_budget
     assert budget_fixed is not None
     headroom = _headroom(budget_fixed, DEVICE_HEADROOM_MIN if on_gpu else HOST_HEADROOM_MIN)
     fixed = [
-        Pool("dense", dense_where, fp.dense_bytes, f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"),
+        Pool(
+            "dense",
+            dense_where,
+            fp.dense_bytes,
+            f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})",
+        ),
         Pool("kv_cache", dense_where, kv, kv_why),
-        Pool("scratch", dense_where, scratch, "activations of a 1024-token prefill chunk and kernel workspaces (estimate)"),
-        Pool("headroom", dense_where, headroom, f"{HEADROOM_SHARE:.0%} of the budget, at least {fmt_bytes(DEVICE_HEADROOM_MIN if on_gpu else HOST_HEADROOM_MIN)}"),
+        Pool(
+            "scratch",
+            dense_where,
+            scratch,
+            "activations of a 1024-token prefill chunk and kernel workspaces (estimate)",
+        ),
+        Pool(
+            "headroom",
+            dense_where,
+            headroom,
+            f"{HEADROOM_SHARE:.0%} of the budget, at least {fmt_bytes(DEVICE_HEADROOM_MIN if on_gpu else HOST_HEADROOM_MIN)}",
+        ),
     ]
     fixed_bytes = sum(p.nbytes for p in fixed)
     left = budget_fixed - fixed_bytes  # for the fast tier (and, on a CPU, a RAM tier)
     if left <= 0:
-        raise _short("the dense part, KV reservation, scratch and headroom", fixed_bytes, budget_fixed,
-                     "raise --device-memory / --host-memory or lower --kv-tokens" if on_gpu else "raise --host-memory or lower --kv-tokens")
+        raise _short(
+            "the dense part, KV reservation, scratch and headroom",
+            fixed_bytes,
+            budget_fixed,
+            "raise --device-memory / --host-memory or lower --kv-tokens"
+            if on_gpu
+            else "raise --host-memory or lower --kv-tokens",
+        )
     explicit = cfg.cache_bytes is not None or cfg.cache_fraction is not None
     offload = cfg.offload
     min_slots = min(total, fp.top_k)
@@ -117,14 +173,24 @@ def plan_memory(fp: Footprint, cfg: EngineConfig, device: str, host: HostMemory,
         if explicit:
             n = _explicit_slots(cfg, total, slot)
             if n * slot > left:
-                raise _short(f"the fast tier ({n} experts)", n * slot, left, "lower --cache-fraction / --cache-bytes or raise --device-memory")
+                raise _short(
+                    f"the fast tier ({n} experts)",
+                    n * slot,
+                    left,
+                    "lower --cache-fraction / --cache-bytes or raise --device-memory",
+                )
         else:
             n = min(total, left // slot)
         host_left = host_budget - _headroom(host_budget, HOST_HEADROOM_MIN)
         if offload == "auto":
             offload = "ram" if total * slot <= host_left else "disk"
         elif offload == "ram" and total * slot > host_left:
-            raise _short("the RAM tier (every expert, pinned)", total * slot, host_left, "use --offload disk or raise --host-memory")
+            raise _short(
+                "the RAM tier (every expert, pinned)",
+                total * slot,
+                host_left,
+                "use --offload disk or raise --host-memory",
+            )
     else:
         all_ram = total * slot
         if explicit:
@@ -134,40 +200,103 @@ def plan_memory(fp: Footprint, cfg: EngineConfig, device: str, host: HostMemory,
                 offload = "ram" if ram_need <= left else "disk"
             need = ram_need if offload == "ram" else n * slot
             if need > left:
-                what = f"the RAM tier and a {n}-expert fast tier" if offload == "ram" else f"the fast tier ({n} experts)"
-                raise _short(what, need, left, "lower --cache-fraction / --cache-bytes, use --offload disk, or raise --host-memory")
+                what = (
+                    f"the RAM tier and a {n}-expert fast tier"
+                    if offload == "ram"
+                    else f"the fast tier ({n} experts)"
+                )
+                raise _short(
+                    what,
+                    need,
+                    left,
+                    "lower --cache-fraction / --cache-bytes, use --offload disk, or raise --host-memory",
+                )
         elif offload in ("auto", "ram") and all_ram <= left:
             offload, n = "ram", total
         elif offload == "ram":
-            raise _short("every expert in RAM", all_ram, left, "use --offload disk (the fast tier is then sized to the budget) or raise --host-memory")
+            raise _short(
+                "every expert in RAM",
+                all_ram,
+                left,
+                "use --offload disk (the fast tier is then sized to the budget) or raise --host-memory",
+            )
         else:
             offload, n = "disk", min(total, left // slot)
-    if n < min_slots and not explicit:  # an explicit size below one token's top-k streams; the planner never picks one
-        raise _short(f"the fast tier's minimum ({min_slots} experts: one token's top-k)", min_slots * slot, left,
-                     "raise --device-memory / --host-memory" if on_gpu else "raise --host-memory")
+    if (
+        n < min_slots and not explicit
+    ):  # an explicit size below one token's top-k streams; the planner never picks one
+        raise _short(
+            f"the fast tier's minimum ({min_slots} experts: one token's top-k)",
+            min_slots * slot,
+            left,
+            "raise --device-memory / --host-memory" if on_gpu else "raise --host-memory",
+        )
     share = n / total
-    why_n = (f"{n} of {total} experts ({share:.0%}): " +
-             ("--cache-bytes" if cfg.cache_bytes is not None else f"--cache-fraction {cfg.cache_fraction}" if explicit
-              else "every expert fits" if n == total else "what the budget leaves after the rows above"))
+    why_n = f"{n} of {total} experts ({share:.0%}): " + (
+        "--cache-bytes"
+        if cfg.cache_bytes is not None
+        else f"--cache-fraction {cfg.cache_fraction}"
+        if explicit
+        else "every expert fits"
+        if n == total
+        else "what the budget leaves after the rows above"
+    )
     fast_where = "device" if on_gpu else "host"
-    pools = ([Pool("runtime", "host", runtime_bytes, "this process before loading: Python, torch, transformers (measured; not taken from the budget)")]
-             if runtime_bytes else [])
+    pools = (
+        [
+            Pool(
+                "runtime",
+                "host",
+                runtime_bytes,
+                "this process before loading: Python, torch, transformers (measured; not taken from the budget)",
+            )
+        ]
+        if runtime_bytes
+        else []
+    )
     pools += fixed
     if not on_gpu and offload == "ram" and n == total:
-        pools.append(Pool("fast_tier", fast_where, 0, why_n + "; the RAM tier's buffer itself (zero-copy)"))
+        pools.append(
+            Pool("fast_tier", fast_where, 0, why_n + "; the RAM tier's buffer itself (zero-copy)")
+        )
     else:
         pools.append(Pool("fast_tier", fast_where, n * slot, why_n))
     if offload == "ram":
-        pools.append(Pool("slow_tier", "host", total * slot, "every expert in host RAM: they fit the host budget" + (" (pinned, in chunks)" if on_gpu else "")))
+        pools.append(
+            Pool(
+                "slow_tier",
+                "host",
+                total * slot,
+                "every expert in host RAM: they fit the host budget"
+                + (" (pinned, in chunks)" if on_gpu else ""),
+            )
+        )
     else:
-        why = ("--offload disk" if cfg.offload == "disk" else
-               f"every expert ({fmt_bytes(total * slot)}) exceeds the host budget: read from the checkpoint with uncached I/O")
+        why = (
+            "--offload disk"
+            if cfg.offload == "disk"
+            else f"every expert ({fmt_bytes(total * slot)}) exceeds the host budget: read from the checkpoint with uncached I/O"
+        )
         pools.append(Pool("slow_tier", "disk", total * fp.expert_disk_bytes, why))
     if sidecar_bytes:
         if sidecar_disk_free is not None and sidecar_bytes > sidecar_disk_free:
-            raise _short("the quantized-expert cache file", sidecar_bytes, sidecar_disk_free, "free disk space or set --quant-cache-dir")
-        pools.append(Pool("quant_sidecar", "disk", sidecar_bytes, "quantized experts written once to --quant-cache-dir"))
-    return MemoryPlan(offload, int(n), total, slot, device, host_budget, host_source, dev_budget, tuple(pools))
+            raise _short(
+                "the quantized-expert cache file",
+                sidecar_bytes,
+                sidecar_disk_free,
+                "free disk space or set --quant-cache-dir",
+            )
+        pools.append(
+            Pool(
+                "quant_sidecar",
+                "disk",
+                sidecar_bytes,
+                "quantized experts written once to --quant-cache-dir",
+            )
+        )
+    return MemoryPlan(
+        offload, int(n), total, slot, device, host_budget, host_source, dev_budget, tuple(pools)
+    )
 
 
 def _is_fraction(text: str) -> bool:
@@ -178,5 +307,9 @@ def _is_fraction(text: str) -> bool:
 
 def _explicit_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
     """Fast-tier slots --cache-bytes or --cache-fraction ask for (at least 1, at most every expert)."""
-    n = cfg.cache_bytes // slot_bytes if cfg.cache_bytes is not None else round((cfg.cache_fraction or 1.0) * total)
+    n = (
+        cfg.cache_bytes // slot_bytes
+        if cfg.cache_bytes is not None
+        else round((cfg.cache_fraction or 1.0) * total)
+    )
     return int(min(total, max(1, n)))

@@ -8,6 +8,7 @@ about two seconds. Where no C compiler is found (`$CC`, else `gcc` or `cc`), or 
 the engine says why once and keeps torch's kernels; `--native-kernels off` turns the native
 kernels off (engine/native/kernels.py `use_native_kernels`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,7 +54,17 @@ def _cpu_flags() -> str:
 
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(f.read_text() for f in SOURCES + HEADERS),
+                cc,
+                version,
+                " ".join(FLAGS),
+                _cpu_flags(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     return cache_dir() / f"cpu_gemv-{key}.so"
 
 
@@ -61,18 +72,29 @@ def build() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None and one line saying why not."""
     cc = compiler()
     if cc is None:
-        return None, "no C compiler found (set CC, or install gcc): native CPU kernels off, using torch's"
+        return (
+            None,
+            "no C compiler found (set CC, or install gcc): native CPU kernels off, using torch's",
+        )
     path = library_path(cc)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent first uses (server and tests) never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if res.returncode != 0:
             os.unlink(tmp)
             first = (res.stderr.strip().splitlines() or ["no output"])[0]
-            return None, f"building the native CPU kernels with {cc} failed ({first}): using torch's"
+            return (
+                None,
+                f"building the native CPU kernels with {cc} failed ({first}): using torch's",
+            )
         os.replace(tmp, path)
     try:
         return ctypes.CDLL(str(path)), ""

@@ -5,6 +5,7 @@ or turned off (`--native-kernels off`, which the loader applies with `use_native
 then use torch. The wrappers take torch tensors on the CPU and
 pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep running.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +36,22 @@ class NativeKernels:
         lib.gemv.restype = _INT
         lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
         lib.gemv_work_bytes.restype = _SIZE
-        lib.moe_swiglu.argtypes = [_INT, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT, _P, _P, _INT]
+        lib.moe_swiglu.argtypes = [
+            _INT,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _INT,
+            _P,
+            _P,
+            _INT,
+        ]
         lib.moe_swiglu.restype = _INT
         lib.moe_work_bytes.argtypes = [_I64, _I64]
         lib.moe_work_bytes.restype = _SIZE
@@ -43,11 +59,41 @@ class NativeKernels:
         lib.rmsnorm.restype = None
         lib.rope.argtypes = [_P, _INT, _I64, _I64, _I64, _I64, _P, _P]
         lib.rope.restype = None
-        lib.qk_norm_rope.argtypes = [_P, _P, _INT, _I64, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P]
+        lib.qk_norm_rope.argtypes = [
+            _P,
+            _P,
+            _INT,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _INT,
+            ctypes.c_float,
+            ctypes.c_float,
+            _I64,
+            _P,
+            _P,
+        ]
         lib.qk_norm_rope.restype = None
         lib.add_rmsnorm.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P, _P]
         lib.add_rmsnorm.restype = None
-        lib.router_topk.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _INT, _P, _P, _P, _P, _INT]
+        lib.router_topk.argtypes = [
+            _P,
+            _INT,
+            _I64,
+            _I64,
+            _P,
+            _INT,
+            _I64,
+            _INT,
+            _P,
+            _P,
+            _P,
+            _P,
+            _INT,
+        ]
         lib.router_topk.restype = _INT
         lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
         lib.gemv_q4.restype = _INT
@@ -55,24 +101,71 @@ class NativeKernels:
         lib.gemv_q4_work_bytes.restype = _SIZE
         lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
         lib.kv_append.restype = None
-        lib.decode_attention.argtypes = ([_P, _P, _P, _INT, _I64, _I64, _I64, _P, _P, _INT, ctypes.c_float, ctypes.c_float, _I64, _P, _P,
-                                          _P, _P, _I64, _I64, ctypes.c_float, _P, _P])
+        lib.decode_attention.argtypes = [
+            _P,
+            _P,
+            _P,
+            _INT,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _INT,
+            ctypes.c_float,
+            ctypes.c_float,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            ctypes.c_float,
+            _P,
+            _P,
+        ]
         lib.decode_attention.restype = None
         # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
         lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
         lib.decode_layer.restype = _INT
         lib.decode_layer_work_bytes.argtypes = [_P, _I64, _I64]
         lib.decode_layer_work_bytes.restype = _SIZE
-        lib.router_sigmoid.argtypes = [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _I64, _INT, ctypes.c_float, _P, _P, _P, _P, _P, _P, _INT]
+        lib.router_sigmoid.argtypes = [
+            _P,
+            _INT,
+            _I64,
+            _I64,
+            _P,
+            _INT,
+            _I64,
+            _I64,
+            _I64,
+            _INT,
+            ctypes.c_float,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _INT,
+        ]
         lib.router_sigmoid.restype = _INT
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
-        self._local = threading.local()  # one scratch buffer per calling thread (compute, CPU-expert workers)
-        self._scratch_bytes: dict[tuple, int] = {}  # each kernel's scratch size per shape, asked of the library once
+        self._local = (
+            threading.local()
+        )  # one scratch buffer per calling thread (compute, CPU-expert workers)
+        self._scratch_bytes: dict[
+            tuple, int
+        ] = {}  # each kernel's scratch size per shape, asked of the library once
 
     def describe(self) -> str:
-        return (f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
-                f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}")
+        return (
+            f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
+            f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}"
+        )
 
     def _scratch(self, size_fn: str, *shape: int) -> int:
         """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
@@ -90,22 +183,43 @@ class NativeKernels:
             buf = self._local.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
         return buf.data_ptr()
 
-    def gemv(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def gemv(
+        self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [m, cols] (m <= 16) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
         int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU."""
         m, cols = x.shape
         rows = w.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
-        rc = self.lib.gemv(w.data_ptr(), scale.data_ptr() if scale is not None else None, W_CODES[w.dtype], rows, cols,
-                           x.data_ptr(), X_CODES[x.dtype], m, y.data_ptr(), self._work(self._scratch("gemv_work_bytes", rows, cols, m)),
-                           torch.get_num_threads())
+        rc = self.lib.gemv(
+            w.data_ptr(),
+            scale.data_ptr() if scale is not None else None,
+            W_CODES[w.dtype],
+            rows,
+            cols,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            m,
+            y.data_ptr(),
+            self._work(self._scratch("gemv_work_bytes", rows, cols, m)),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
         return y
 
-    def moe_swiglu(self, x: torch.Tensor, weight_dtype: torch.dtype, hidden: int, intermediate: int,
-                   gate_up: Sequence[int], down: Sequence[int], weights: Sequence[float],
-                   gate_up_scale: Sequence[int] | None = None, down_scale: Sequence[int] | None = None) -> torch.Tensor:
+    def moe_swiglu(
+        self,
+        x: torch.Tensor,
+        weight_dtype: torch.dtype,
+        hidden: int,
+        intermediate: int,
+        gate_up: Sequence[int],
+        down: Sequence[int],
+        weights: Sequence[float],
+        gate_up_scale: Sequence[int] | None = None,
+        down_scale: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """One token x [1, H] through the SwiGLU experts whose weight addresses are given (gate_up
         [2I, H], down [H, I]; int8 with fp16 row-scale addresses), scaled by `weights` and summed in
         the order given. Returns [1, H] in x's dtype."""
@@ -113,30 +227,64 @@ class NativeKernels:
         out = torch.empty((1, hidden), dtype=x.dtype)
         ptrs = _P * m
         work = self._scratch("moe_work_bytes", hidden, intermediate)
-        rc = self.lib.moe_swiglu(W_CODES[weight_dtype], hidden, intermediate, m, ptrs(*gate_up),
-                                 None if gate_up_scale is None else ptrs(*gate_up_scale), ptrs(*down),
-                                 None if down_scale is None else ptrs(*down_scale), (ctypes.c_float * m)(*weights),
-                                 x.data_ptr(), X_CODES[x.dtype], out.data_ptr(), self._work(work), torch.get_num_threads())
+        rc = self.lib.moe_swiglu(
+            W_CODES[weight_dtype],
+            hidden,
+            intermediate,
+            m,
+            ptrs(*gate_up),
+            None if gate_up_scale is None else ptrs(*gate_up_scale),
+            ptrs(*down),
+            None if down_scale is None else ptrs(*down_scale),
+            (ctypes.c_float * m)(*weights),
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            out.data_ptr(),
+            self._work(work),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise ValueError(f"native moe_swiglu takes 1 to 64 experts, got {m}")
         return out
 
-    def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
+    def gemv_q4(
+        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> torch.Tensor | None:
         """x [m, cols] bf16 (m <= 16) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
         nibble first; fp16 scale and zero [rows, cols/64]: w = s * (q - z)) -> [m, rows] bf16, or None where
         the kernel does not apply (no VNNI, another dtype, cols not a multiple of 64): then dequantize."""
         m, cols = x.shape
         rows = packed.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
-        rc = self.lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), rows, cols, x.data_ptr(), X_CODES[x.dtype], m,
-                              y.data_ptr(), self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m)), torch.get_num_threads())
+        rc = self.lib.gemv_q4(
+            packed.data_ptr(),
+            scale.data_ptr(),
+            zero.data_ptr(),
+            rows,
+            cols,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            m,
+            y.data_ptr(),
+            self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m)),
+            torch.get_num_threads(),
+        )
         return y if rc == 0 else None
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
         out = torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.rmsnorm(x.data_ptr(), X_CODES[x.dtype], x.numel() // n, n, weight.data_ptr(), W_CODES[weight.dtype], eps, out.data_ptr())
+        self.lib.rmsnorm(
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            x.numel() // n,
+            n,
+            weight.data_ptr(),
+            W_CODES[weight.dtype],
+            eps,
+            out.data_ptr(),
+        )
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,27 +293,74 @@ class NativeKernels:
         rounding as its elementwise ops do. Returns x."""
         heads, d = x.shape[-2], x.shape[-1]
         rot = cos.shape[-1]
-        self.lib.rope(x.data_ptr(), X_CODES[x.dtype], x.numel() // (heads * d), heads, d, rot, cos.data_ptr(), sin.data_ptr())
+        self.lib.rope(
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            x.numel() // (heads * d),
+            heads,
+            d,
+            rot,
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
         return x
 
-    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     q_eps: float, k_eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        q_eps: float,
+        k_eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
         """rmsnorm of every head of q [..., rows, hq, d] and k [..., rows, hk, d] (weights [d]), then rope,
         in place: the same arithmetic as rmsnorm() and rope() one after the other, in one call."""
         hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
-        self.lib.qk_norm_rope(q.data_ptr(), k.data_ptr(), X_CODES[q.dtype], q.numel() // (hq * d), hq, hk, d, q_weight.data_ptr(),
-                              k_weight.data_ptr(), W_CODES[q_weight.dtype], q_eps, k_eps, cos.shape[-1], cos.data_ptr(), sin.data_ptr())
+        self.lib.qk_norm_rope(
+            q.data_ptr(),
+            k.data_ptr(),
+            X_CODES[q.dtype],
+            q.numel() // (hq * d),
+            hq,
+            hk,
+            d,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            W_CODES[q_weight.dtype],
+            q_eps,
+            k_eps,
+            cos.shape[-1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
 
-    def add_rmsnorm(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rmsnorm(
+        self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, rmsnorm(x + a)) for x, a [..., n] of one dtype (contiguous), in one call: the same
         arithmetic as torch's add followed by rmsnorm()."""
         total, normed = torch.empty_like(x), torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.add_rmsnorm(x.data_ptr(), a.data_ptr(), X_CODES[x.dtype], x.numel() // n, n, weight.data_ptr(), W_CODES[weight.dtype],
-                             eps, total.data_ptr(), normed.data_ptr())
+        self.lib.add_rmsnorm(
+            x.data_ptr(),
+            a.data_ptr(),
+            X_CODES[x.dtype],
+            x.numel() // n,
+            n,
+            weight.data_ptr(),
+            W_CODES[weight.dtype],
+            eps,
+            total.data_ptr(),
+            normed.data_ptr(),
+        )
         return total, normed
 
-    def router_topk(self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def router_topk(
+        self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A softmax top-k router for one row x [1, H] with weight w [E, H] (both f32 or both bf16,
         contiguous): (logits [1, E], top-k weights [1, k], ids [1, k]), as transformers' TopKRouter
         returns them, or None where the kernel does not apply."""
@@ -173,12 +368,34 @@ class NativeKernels:
         logits = torch.empty((1, E), dtype=x.dtype)
         weights = torch.empty((1, k), dtype=x.dtype)
         ids = torch.empty((1, k), dtype=torch.int64)
-        rc = self.lib.router_topk(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, int(norm),
-                                  logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), self._work(self._scratch("gemv_work_bytes", E, H, 1)), torch.get_num_threads())
+        rc = self.lib.router_topk(
+            w.data_ptr(),
+            W_CODES[w.dtype],
+            E,
+            H,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            k,
+            int(norm),
+            logits.data_ptr(),
+            weights.data_ptr(),
+            ids.data_ptr(),
+            self._work(self._scratch("gemv_work_bytes", E, H, 1)),
+            torch.get_num_threads(),
+        )
         return (logits, weights, ids) if rc == 0 else None
 
-    def router_sigmoid(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int, topk_group: int,
-                       norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def router_sigmoid(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        k: int,
+        n_group: int,
+        topk_group: int,
+        norm: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A DeepSeek-V3-style router for one row x [1, H] (f32 or bf16) with weight w [E, H] (f32 or bf16) and an f32
         correction bias [E] or None (decode_layer.c `router_sigmoid`): (logits [1, E], weights [1, k], ids [1, k]),
         logits and weights in f32 as transformers' Glm4Moe/DeepseekV3 TopkRouter returns them, or None where the
@@ -186,23 +403,70 @@ class NativeKernels:
         E, H = w.shape
         logits, weights = torch.empty((1, E)), torch.empty((1, k))
         ids, xf = torch.empty((1, k), dtype=torch.int64), torch.empty(H)
-        rc = self.lib.router_sigmoid(w.data_ptr(), W_CODES[w.dtype], E, H, x.data_ptr(), X_CODES[x.dtype], k, n_group, topk_group,
-                                     int(norm), scale, None if bias is None else bias.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-                                     ids.data_ptr(), xf.data_ptr(), self._work(self._scratch("gemv_work_bytes", E, H, 1)),
-                                     torch.get_num_threads())
+        rc = self.lib.router_sigmoid(
+            w.data_ptr(),
+            W_CODES[w.dtype],
+            E,
+            H,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            k,
+            n_group,
+            topk_group,
+            int(norm),
+            scale,
+            None if bias is None else bias.data_ptr(),
+            logits.data_ptr(),
+            weights.data_ptr(),
+            ids.data_ptr(),
+            xf.data_ptr(),
+            self._work(self._scratch("gemv_work_bytes", E, H, 1)),
+            torch.get_num_threads(),
+        )
         return (logits, weights, ids) if rc == 0 else None
 
-    def kv_append(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+    def kv_append(
+        self,
+        key_buffer: torch.Tensor,
+        value_buffer: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        at: int,
+    ) -> None:
         """Write k and v [1, heads, n, d] (d contiguous) at positions at..at+n-1 of the contiguous
         buffers [1, heads, capacity, d] of their dtype, in one call."""
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
-        self.lib.kv_append(key_buffer.data_ptr(), value_buffer.data_ptr(), k.data_ptr(), v.data_ptr(), heads, n, d,
-                           key_buffer.shape[2], at, ks[1], ks[2], vs[1], vs[2], k.element_size())
+        self.lib.kv_append(
+            key_buffer.data_ptr(),
+            value_buffer.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            heads,
+            n,
+            d,
+            key_buffer.shape[2],
+            at,
+            ks[1],
+            ks[2],
+            vs[1],
+            vs[2],
+            k.element_size(),
+        )
 
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-                         cos: torch.Tensor | None, sin: torch.Tensor | None, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
-                         at: int, scale: float) -> torch.Tensor:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        key_buffer: torch.Tensor,
+        value_buffer: torch.Tensor,
+        at: int,
+        scale: float,
+    ) -> torch.Tensor:
         """One new row's attention for one sequence (cpu_gemv.c `decode_attention`): q [hq, d], k and v
         [hk, d] (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k
         weight, q eps, k eps) or None, cos/sin [rot] or None, the KV buffers [1, hk, capacity, d] of the
@@ -211,12 +475,30 @@ class NativeKernels:
         hk = k.shape[0]
         out = torch.empty((1, hq * d), dtype=q.dtype)
         qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
-        self.lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), X_CODES[q.dtype], hq, hk, d,
-                                  None if qw is None else qw.data_ptr(), None if kw is None else kw.data_ptr(),
-                                  W_CODES[qw.dtype] if qw is not None else 0, q_eps, k_eps, 0 if cos is None else cos.shape[-1],
-                                  None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                                  key_buffer.data_ptr(), value_buffer.data_ptr(), key_buffer.shape[2], at, scale, out.data_ptr(),
-                                  self._work(4 * (hq // hk) * (at + 1 + 2 * d)))
+        self.lib.decode_attention(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            X_CODES[q.dtype],
+            hq,
+            hk,
+            d,
+            None if qw is None else qw.data_ptr(),
+            None if kw is None else kw.data_ptr(),
+            W_CODES[qw.dtype] if qw is not None else 0,
+            q_eps,
+            k_eps,
+            0 if cos is None else cos.shape[-1],
+            None if cos is None else cos.data_ptr(),
+            None if sin is None else sin.data_ptr(),
+            key_buffer.data_ptr(),
+            value_buffer.data_ptr(),
+            key_buffer.shape[2],
+            at,
+            scale,
+            out.data_ptr(),
+            self._work(4 * (hq // hk) * (at + 1 + 2 * d)),
+        )
         return out
 
 
@@ -238,7 +520,9 @@ def use_native_kernels(mode: str) -> str:
         if mode == "on":
             from engine.errors import ConfigError
 
-            raise ConfigError(f"--native-kernels on, but {why}; install gcc, or use --native-kernels auto")
+            raise ConfigError(
+                f"--native-kernels on, but {why}; install gcc, or use --native-kernels auto"
+            )
         return f"off: {why}"
     return f"on: {kernels.describe()}"
 
@@ -263,7 +547,14 @@ def _load() -> tuple[NativeKernels | None, str]:
 def usable(x: torch.Tensor) -> NativeKernels | None:
     """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous,
     in a step whose rows take them (engine/native/row_kernels.py)."""
-    if not native_rows_allowed() or x.device.type != "cpu" or x.dtype not in X_CODES or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
+    if (
+        not native_rows_allowed()
+        or x.device.type != "cpu"
+        or x.dtype not in X_CODES
+        or x.dim() != 2
+        or not 1 <= x.shape[0] <= MAX_ROWS
+        or not x.is_contiguous()
+    ):
         return None
     return native()
 

@@ -13,6 +13,7 @@
 Everything else (prompts and evaluation forwards, whatever their length: engine/native/row_kernels.py;
 batches over 16 rows, other dtypes, other devices) runs as before.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,7 +48,9 @@ class NativeRMSNorm:
         self.eps = eps
         self.original: Callable[[torch.Tensor], torch.Tensor] = type(module).forward.__get__(module)
         self.verified: bool | None = None  # None: not yet checked
-        self._accepted: tuple[torch.Size, torch.dtype] | None = None  # the last input shape and dtype found to run natively
+        self._accepted: tuple[torch.Size, torch.dtype] | None = (
+            None  # the last input shape and dtype found to run natively
+        )
 
     def kernels_for(self, x: torch.Tensor) -> NativeKernels | None:
         """The kernels where this norm runs x natively (few contiguous CPU rows in its weight's dtype, and
@@ -58,11 +61,23 @@ class NativeRMSNorm:
         # verdict of the first call's check against the module).
         if not native_rows_allowed():
             return None
-        if self._accepted == (x.shape, x.dtype) and x.is_contiguous() and self.verified is not False:
+        if (
+            self._accepted == (x.shape, x.dtype)
+            and x.is_contiguous()
+            and self.verified is not False
+        ):
             return native()
         w = self.module.weight
-        if (self.verified is False or x.dtype != w.dtype or x.numel() > MAX_ROWS * x.shape[-1] or w.shape != x.shape[-1:]
-                or x.dtype not in X_CODES or x.device.type != "cpu" or w.device.type != "cpu" or not x.is_contiguous()):
+        if (
+            self.verified is False
+            or x.dtype != w.dtype
+            or x.numel() > MAX_ROWS * x.shape[-1]
+            or w.shape != x.shape[-1:]
+            or x.dtype not in X_CODES
+            or x.device.type != "cpu"
+            or w.device.type != "cpu"
+            or not x.is_contiguous()
+        ):
             return None
         self._accepted = (x.shape, x.dtype)
         return native()
@@ -74,15 +89,19 @@ class NativeRMSNorm:
         y = kernels.rmsnorm(x, self.module.weight, self.eps)
         if self.verified is None:
             ref = self.original(x)
-            tol = 1e-5 if x.dtype == torch.float32 else 2 ** -7  # f32 rounding; one bf16 ulp
-            self.verified = ref.dtype == y.dtype and bool(torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol))
+            tol = 1e-5 if x.dtype == torch.float32 else 2**-7  # f32 rounding; one bf16 ulp
+            self.verified = ref.dtype == y.dtype and bool(
+                torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol)
+            )
             return ref
         return y
 
 
 def _rmsnorm_eps(module: nn.Module) -> float | None:
     """The epsilon of a llama-style RMSNorm module (by name and attributes), else None."""
-    if not type(module).__name__.endswith("RMSNorm") or not isinstance(getattr(module, "weight", None), torch.Tensor):
+    if not type(module).__name__.endswith("RMSNorm") or not isinstance(
+        getattr(module, "weight", None), torch.Tensor
+    ):
         return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return float(eps) if isinstance(eps, float) else None
@@ -101,7 +120,10 @@ def accelerate(model: nn.Module) -> int:
         if type(module) is nn.Linear and w.dtype == torch.bfloat16:
             module.__class__ = NativeLinear
             changed += 1
-        elif (eps := _rmsnorm_eps(module)) is not None and w.dtype in (torch.float32, torch.bfloat16):
+        elif (eps := _rmsnorm_eps(module)) is not None and w.dtype in (
+            torch.float32,
+            torch.bfloat16,
+        ):
             module.forward = NativeRMSNorm(module, eps)
             changed += 1
     return changed

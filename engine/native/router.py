@@ -12,6 +12,7 @@ CPU. Its sums run in another order than torch's, so each router's first native r
 against its own forward (`same_routing`: logits and weights within rounding, the same experts except
 where two tie to rounding); a router that does not match keeps its forward.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,25 +31,45 @@ class NativeTopKRouter:
         self.verified: bool | None = None  # None: not checked yet
         self._accepted: torch.dtype | None = None  # the input dtype last found to run natively
         # Read once: module attribute lookups cost microseconds, and a missing one raises inside getattr.
-        self.weight: torch.Tensor = router.weight  # the Parameter itself: its data pointer is read at each call
+        self.weight: torch.Tensor = (
+            router.weight
+        )  # the Parameter itself: its data pointer is read at each call
         self.top_k: int = router.top_k
         self.norm = bool(getattr(router, "norm_topk_prob", True))
 
     @staticmethod
     def supports(router: nn.Module) -> bool:
         w = getattr(router, "weight", None)
-        return (type(router).__name__ in ROUTER_CLASSES and isinstance(w, torch.Tensor) and w.dim() == 2
-                and getattr(router, "bias", None) is None and isinstance(getattr(router, "top_k", None), int)
-                and native() is not None)
+        return (
+            type(router).__name__ in ROUTER_CLASSES
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and getattr(router, "bias", None) is None
+            and isinstance(getattr(router, "top_k", None), int)
+            and native() is not None
+        )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """x [1, H] -> (logits, weights, ids) as the router's forward returns them, or None (use it)."""
         w = self.weight
         # Every layer of every decode step comes here with the same kind of row: after the first
         # accepted one, only what can change from a call to the next is checked.
-        if self._accepted is not x.dtype or x.shape[0] != 1 or not x.is_contiguous() or self.verified is False:
-            if (self.verified is False or x.shape[0] != 1 or x.dtype != w.dtype or x.dtype not in X_CODES
-                    or x.device.type != "cpu" or not x.is_contiguous() or not w.is_contiguous() or native() is None):
+        if (
+            self._accepted is not x.dtype
+            or x.shape[0] != 1
+            or not x.is_contiguous()
+            or self.verified is False
+        ):
+            if (
+                self.verified is False
+                or x.shape[0] != 1
+                or x.dtype != w.dtype
+                or x.dtype not in X_CODES
+                or x.device.type != "cpu"
+                or not x.is_contiguous()
+                or not w.is_contiguous()
+                or native() is None
+            ):
                 return None
             self._accepted = x.dtype
         kernels = native()
@@ -57,12 +78,15 @@ class NativeTopKRouter:
         if got is None or self.verified:
             return got
         ref = self.router.forward(x)
-        self.verified = same_routing(got, ref, 1e-5 if x.dtype == torch.float32 else 2 ** -7)
+        self.verified = same_routing(got, ref, 1e-5 if x.dtype == torch.float32 else 2**-7)
         return ref
 
 
-def same_routing(got: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 tol: float) -> bool:
+def same_routing(
+    got: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tol: float,
+) -> bool:
     """Whether (logits, weights, ids) `got` is the router's own result `ref` up to rounding: the same
     dtypes, logits and top-k weights within `tol`, and the same experts wherever the reference's logits
     tell them apart by more than `tol`. Why the last clause: where two experts' logits tie to rounding
@@ -76,9 +100,13 @@ def same_routing(got: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ref: tupl
     # sum: a logit near zero among large ones (a random checkpoint's deep layers) differed by 1.5e-5 in
     # f32. So the logits' tolerance is relative to the largest of them.
     atol = tol * max(1.0, float(logits.abs().max()))
-    if not (torch.allclose(got[0].float(), logits, rtol=tol, atol=atol)
-            and torch.allclose(got[1].float(), ref[1].float(), rtol=tol, atol=tol)):
+    if not (
+        torch.allclose(got[0].float(), logits, rtol=tol, atol=atol)
+        and torch.allclose(got[1].float(), ref[1].float(), rtol=tol, atol=tol)
+    ):
         return False
     if torch.equal(got[2], ref[2]):
         return True
-    return bool(torch.allclose(logits.gather(1, got[2]), logits.gather(1, ref[2]), rtol=tol, atol=atol))
+    return bool(
+        torch.allclose(logits.gather(1, got[2]), logits.gather(1, ref[2]), rtol=tol, atol=atol)
+    )

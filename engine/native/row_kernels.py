@@ -15,6 +15,7 @@ outside a runner step (checks, benchmarks of one kernel), is the native kernels 
 A context variable, not a module flag: the scheduler thread sets it for its own forward, and the
 transfer threads it starts never read it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -9,6 +9,7 @@ The engine computes the experts of a layer one after another and releases each s
 its expert ran, so flattening each layer's set of experts into consecutive single accesses
 is the same constraint the executor works under.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -5,6 +5,7 @@ and hide the cache dynamics that the policies act on. Feeding one token per step
 the fast tier evolve exactly as it does while generating, so the perplexity measured
 here is the perplexity a user of that policy actually gets.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,12 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(ppl=self.ppl, substitution_rate=self.substitution_rate,
-                 mean_substituted_mass=self.mean_substituted_mass, fetches_per_token=self.fetches_per_token)
+        d.update(
+            ppl=self.ppl,
+            substitution_rate=self.substitution_rate,
+            mean_substituted_mass=self.mean_substituted_mass,
+            fetches_per_token=self.fetches_per_token,
+        )
         return d
 
 
@@ -67,7 +72,9 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def score_window(runner: ModelRunner, chunk: list[int], on_token: Callable[[], object] = lambda: None) -> float:
+def score_window(
+    runner: ModelRunner, chunk: list[int], on_token: Callable[[], object] = lambda: None
+) -> float:
     """Summed NLL of chunk[1:], feeding one token per step through a fresh KV cache, with the
     same runner forward (packed attention, MoE path) that generation uses."""
     cache = new_kv_cache(runner.lm.config)
@@ -80,13 +87,21 @@ def score_window(runner: ModelRunner, chunk: list[int], on_token: Callable[[], o
 
 
 @torch.inference_mode()
-def teacher_forced_eval(om: OffloadedModel, ids: list[int], window: int = 256, label: str = "", progress: bool = True) -> EvalResult:
+def teacher_forced_eval(
+    om: OffloadedModel, ids: list[int], window: int = 256, label: str = "", progress: bool = True
+) -> EvalResult:
     om.stats.reset()
     runner = ModelRunner(om)
     nll_sum, n = 0.0, 0
     t0 = time.perf_counter()
     chunks = windows(ids, window)
-    bar = tqdm(total=sum(len(c) - 1 for c in chunks), desc=f"eval {label}".strip(), unit="tok", disable=not progress, leave=False)
+    bar = tqdm(
+        total=sum(len(c) - 1 for c in chunks),
+        desc=f"eval {label}".strip(),
+        unit="tok",
+        disable=not progress,
+        leave=False,
+    )
     for chunk in chunks:
         nll_sum += score_window(runner, chunk, bar.update)
         n += len(chunk) - 1

@@ -15,6 +15,7 @@ Derivation (decode is memory-bound for one row and becomes compute-bound with ma
   dense part per layer: t(rows) = dense_overhead + dense_bytes / (mem_bw · mem_eff) + rows · 2·dense_params / (flops · flop_eff)
 with the LM head and embeddings spread over the layers (read once per step).
 """
+
 from __future__ import annotations
 
 import math
@@ -59,24 +60,47 @@ def _qwen3_30b_dense() -> float:
 
 SHAPES: dict[str, ModelShape] = {
     "embedded": ModelShape(
-        "embedded", layers=4, experts=128, top_k=8, hidden=256, moe_intermediate=32, shared_experts=1,
+        "embedded",
+        layers=4,
+        experts=128,
+        top_k=8,
+        hidden=256,
+        moe_intermediate=32,
+        shared_experts=1,
         # attention q, k, v, o + router + the shared expert (n_shared_experts 8 x moe_intermediate 32 = 256 wide)
-        dense_params_per_layer=256 * 256 + 2 * 256 * 128 + 256 * 256 + 256 * 128 + 3 * 256 * 256, head_params=8192 * 256,
+        dense_params_per_layer=256 * 256 + 2 * 256 * 128 + 256 * 256 + 256 * 128 + 3 * 256 * 256,
+        head_params=8192 * 256,
         source="models/embedded/target/config.json (glm4_moe, 4 heads x 64, 2 KV heads, shared expert 256 wide, "
-               "tied embeddings)"),
+        "tied embeddings)",
+    ),
     "qwen3-30b-a3b": ModelShape(
-        "qwen3-30b-a3b", layers=48, experts=128, top_k=8, hidden=2048, moe_intermediate=768,
-        dense_params_per_layer=_qwen3_30b_dense(), head_params=151_936 * 2048,
+        "qwen3-30b-a3b",
+        layers=48,
+        experts=128,
+        top_k=8,
+        hidden=2048,
+        moe_intermediate=768,
+        dense_params_per_layer=_qwen3_30b_dense(),
+        head_params=151_936 * 2048,
         source="Qwen/Qwen3-30B-A3B config.json on Hugging Face (48 layers, 128 experts, top-8, hidden 2048, "
-               "moe_intermediate_size 768, 32/4 heads x 128, vocab 151936); 3.3B activated per the model card"),
+        "moe_intermediate_size 768, 32/4 heads x 128, vocab 151936); 3.3B activated per the model card",
+    ),
     "qwen3-next-80b-a3b": ModelShape(
-        "qwen3-next-80b-a3b", layers=48, experts=512, top_k=10, hidden=2048, moe_intermediate=512, shared_experts=1,
+        "qwen3-next-80b-a3b",
+        layers=48,
+        experts=512,
+        top_k=10,
+        hidden=2048,
+        moe_intermediate=512,
+        shared_experts=1,
         # Attention per layer derived from the model card's 3B activated parameters: 3.0B - routed
         # (48 x 10 x 3.15M = 1.51B) - shared (48 x 3.15M = 0.15B) - embeddings + head (2 x 0.31B)
         # = 0.72B over 48 layers (3 of 4 are Gated DeltaNet, 1 of 4 gated attention), plus the shared expert.
-        dense_params_per_layer=0.72e9 / 48 + 3 * 2048 * 512 + 2048 * 512, head_params=151_936 * 2048,
+        dense_params_per_layer=0.72e9 / 48 + 3 * 2048 * 512 + 2048 * 512,
+        head_params=151_936 * 2048,
         source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json on Hugging Face (48 layers, 512 experts, top-10, "
-               "hidden 2048, moe_intermediate_size 512, shared_expert_intermediate_size 512); 3B activated per the model card"),
+        "hidden 2048, moe_intermediate_size 512, shared_expert_intermediate_size 512); 3B activated per the model card",
+    ),
 }
 
 
@@ -91,11 +115,19 @@ class Costs:
     link_latency_s: float
     transfer_workers: int
     fast: tuple[float, float]  # g(rows) = g0 + g1·rows, one expert on the fast device
-    cpu: tuple[float, float]  # h(rows) = h0 + h1·rows, one expert on a CPU worker (compute; + read, see below)
+    cpu: tuple[
+        float, float
+    ]  # h(rows) = h0 + h1·rows, one expert on a CPU worker (compute; + read, see below)
     cpu_workers: int
-    dense: tuple[float, float]  # d = d0 + d1·requests + extra·(rows - requests): the dense part of one layer and step
-    cpu_reads_over_link: bool = False  # CPU workers read the expert through the link (a disk box), else h includes the read
-    per_load_s: float = 0.0  # compute-thread time per demand load beyond the expert's compute (measured here only)
+    dense: tuple[
+        float, float
+    ]  # d = d0 + d1·requests + extra·(rows - requests): the dense part of one layer and step
+    cpu_reads_over_link: bool = (
+        False  # CPU workers read the expert through the link (a disk box), else h includes the read
+    )
+    per_load_s: float = (
+        0.0  # compute-thread time per demand load beyond the expert's compute (measured here only)
+    )
     draft_token_s: float = 0.0  # one proposed token of the draft model (speculative decoding)
     # Dense time per extra row of a request's verification window (its rows share the request's
     # attention call, sampling, scheduling); None: the same as a request's (d1), as for GEMMs on a GPU.
@@ -106,7 +138,9 @@ class Costs:
     # The CPU workers compute on the fast device's own cores (a CPU-only box, a phone): a CPU-run
     # expert's compute then holds the compute thread up; only its read overlaps.
     cpu_is_fast_device: bool = False
-    utility_step_s: float = 0.0  # the utility estimator's update + top-ups per step, on the compute thread (Python)
+    utility_step_s: float = (
+        0.0  # the utility estimator's update + top-ups per step, on the compute thread (Python)
+    )
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def copy_seconds(self) -> float:
@@ -140,8 +174,12 @@ def _interp(points: tuple[tuple[float, float], ...], x: float) -> float:
 
 def _points(node: Any, where: str) -> tuple[tuple[float, float], ...]:
     """A measured table {value: [[rows, us], ...], source: "..."} as (rows, seconds) pairs."""
-    if not isinstance(node, dict) or not str(node.get("source", "")).strip() or not isinstance(node.get("value"), list):
-        raise ProfileError(f"{where}: write a table as {{value: [[rows, us], ...], source: \"...\"}}")
+    if (
+        not isinstance(node, dict)
+        or not str(node.get("source", "")).strip()
+        or not isinstance(node.get("value"), list)
+    ):
+        raise ProfileError(f'{where}: write a table as {{value: [[rows, us], ...], source: "..."}}')
     pts = tuple(sorted((float(r), float(us) * 1e-6) for r, us in node["value"]))
     if not pts:
         raise ProfileError(f"{where}: empty table")
@@ -151,7 +189,7 @@ def _points(node: Any, where: str) -> tuple[tuple[float, float], ...]:
 def _num(node: Any, where: str) -> float:
     """A profile number: {value, source}; the source must say where the number comes from."""
     if not isinstance(node, dict) or "value" not in node:
-        raise ProfileError(f"{where}: write numbers as {{value: X, source: \"...\"}}")
+        raise ProfileError(f'{where}: write numbers as {{value: X, source: "..."}}')
     if not str(node.get("source", "")).strip():
         raise ProfileError(f"{where}: the number {node['value']} has no source")
     return float(node["value"])
@@ -163,7 +201,9 @@ def profile_path(name_or_path: str | Path) -> Path:
         return p
     cand = PROFILE_DIR / f"{name_or_path}.yaml"
     if not cand.is_file():
-        raise ProfileError(f"no hardware profile {name_or_path!r}; choose one of: {', '.join(list_profiles())} or give a .yaml path")
+        raise ProfileError(
+            f"no hardware profile {name_or_path!r}; choose one of: {', '.join(list_profiles())} or give a .yaml path"
+        )
     return cand
 
 
@@ -193,30 +233,45 @@ def check_sources(node: Any, where: str) -> int:
     if isinstance(node, list):
         return sum(check_sources(v, f"{where}[{i}]") for i, v in enumerate(node))
     if isinstance(node, (int, float)) and not isinstance(node, bool):
-        raise ProfileError(f"{where}: bare number {node}; write {{value: {node}, source: \"...\"}}")
+        raise ProfileError(f'{where}: bare number {node}; write {{value: {node}, source: "..."}}')
     return 0
 
 
 def _device_expert(dev: dict, where: str, params: int, nbytes: float) -> tuple[float, float]:
-    bw = _num(dev["mem_gb_s"], f"{where}.mem_gb_s") * 1e9 * _num(dev["mem_efficiency"], f"{where}.mem_efficiency")
-    flops = _num(dev["tflops"], f"{where}.tflops") * 1e12 * _num(dev["flop_efficiency"], f"{where}.flop_efficiency")
+    bw = (
+        _num(dev["mem_gb_s"], f"{where}.mem_gb_s")
+        * 1e9
+        * _num(dev["mem_efficiency"], f"{where}.mem_efficiency")
+    )
+    flops = (
+        _num(dev["tflops"], f"{where}.tflops")
+        * 1e12
+        * _num(dev["flop_efficiency"], f"{where}.flop_efficiency")
+    )
     over = _num(dev["expert_overhead_us"], f"{where}.expert_overhead_us") * 1e-6
     return over + nbytes / bw, 2.0 * params / flops
 
 
-def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int | None = None) -> Costs:
+def resolve_costs(
+    profile: dict[str, Any], shape: ModelShape, expert_bytes: int | None = None
+) -> Costs:
     """The profile's costs for `shape`: measured ones when the profile has them for this shape,
     else derived from its datasheet figures. `expert_bytes` overrides the per-expert size on
     the link (e.g. a trace's recorded quantized size)."""
     name = profile["name"]
     link = profile["link"]
-    bpp = _num(profile.get("expert_bytes_per_param", {"value": 2, "source": "bf16"}), f"{name}.expert_bytes_per_param")
+    bpp = _num(
+        profile.get("expert_bytes_per_param", {"value": 2, "source": "bf16"}),
+        f"{name}.expert_bytes_per_param",
+    )
     nbytes = int(expert_bytes or math.ceil(shape.expert_params * bpp))
     measured = (profile.get("measured") or {}).get(shape.name)
     if measured is not None:
         m = lambda key: _num(measured[key], f"{name}.measured.{shape.name}.{key}")  # noqa: E731
         costs = Costs(
-            profile=name, shape=shape.name, expert_bytes=nbytes,
+            profile=name,
+            shape=shape.name,
+            expert_bytes=nbytes,
             link_mb_per_s=_num(link["mb_per_s"], f"{name}.link.mb_per_s"),
             link_latency_s=_num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
             transfer_workers=int(_num(link["workers"], f"{name}.link.workers")),
@@ -227,33 +282,64 @@ def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int 
             cpu_reads_over_link=bool(measured.get("cpu_reads_over_link", False)),
             per_load_s=m("per_load_us") * 1e-6 if "per_load_us" in measured else 0.0,
             draft_token_s=m("draft_token_us") * 1e-6 if "draft_token_us" in measured else 0.0,
-            dense_extra_row=m("dense_extra_row_us") * 1e-6 if "dense_extra_row_us" in measured else None,
-            dense_points=_points(measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows") if "dense_us_by_rows" in measured else None,
+            dense_extra_row=m("dense_extra_row_us") * 1e-6
+            if "dense_extra_row_us" in measured
+            else None,
+            dense_points=_points(
+                measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows"
+            )
+            if "dense_us_by_rows" in measured
+            else None,
             cpu_is_fast_device=bool(measured.get("cpu_is_fast_device", False)),
             utility_step_s=m("utility_step_us") * 1e-6 if "utility_step_us" in measured else 0.0,
             notes=("measured",),
         )
         return costs
     if "fast" not in profile or "cpu" not in profile:
-        raise ProfileError(f"{name}: no measured costs for shape {shape.name!r} and no fast/cpu datasheet figures to derive them")
+        raise ProfileError(
+            f"{name}: no measured costs for shape {shape.name!r} and no fast/cpu datasheet figures to derive them"
+        )
     fast, cpu = profile["fast"], profile["cpu"]
     g = _device_expert(fast, f"{name}.fast", shape.expert_params, nbytes)
     # The CPU computes from host memory in the checkpoint's precision (bf16) unless it says otherwise.
-    cpu_bpp = _num(cpu["bytes_per_param"], f"{name}.cpu.bytes_per_param") if "bytes_per_param" in cpu else bpp
+    cpu_bpp = (
+        _num(cpu["bytes_per_param"], f"{name}.cpu.bytes_per_param")
+        if "bytes_per_param" in cpu
+        else bpp
+    )
     h = _device_expert(cpu, f"{name}.cpu", shape.expert_params, shape.expert_params * cpu_bpp)
-    bw = _num(fast["mem_gb_s"], f"{name}.fast.mem_gb_s") * 1e9 * _num(fast["mem_efficiency"], f"{name}.fast.mem_efficiency")
-    flops = _num(fast["tflops"], f"{name}.fast.tflops") * 1e12 * _num(fast["flop_efficiency"], f"{name}.fast.flop_efficiency")
-    dense_bpp = _num(profile.get("dense_bytes_per_param", {"value": 2, "source": "bf16"}), f"{name}.dense_bytes_per_param")
+    bw = (
+        _num(fast["mem_gb_s"], f"{name}.fast.mem_gb_s")
+        * 1e9
+        * _num(fast["mem_efficiency"], f"{name}.fast.mem_efficiency")
+    )
+    flops = (
+        _num(fast["tflops"], f"{name}.fast.tflops")
+        * 1e12
+        * _num(fast["flop_efficiency"], f"{name}.fast.flop_efficiency")
+    )
+    dense_bpp = _num(
+        profile.get("dense_bytes_per_param", {"value": 2, "source": "bf16"}),
+        f"{name}.dense_bytes_per_param",
+    )
     params = shape.dense_params_per_layer + shape.head_params / shape.layers
-    d0 = _num(fast["dense_overhead_us"], f"{name}.fast.dense_overhead_us") * 1e-6 + params * dense_bpp / bw
+    d0 = (
+        _num(fast["dense_overhead_us"], f"{name}.fast.dense_overhead_us") * 1e-6
+        + params * dense_bpp / bw
+    )
     d1 = 2.0 * params / flops
     draft = profile.get("draft_token_us")
     return Costs(
-        profile=name, shape=shape.name, expert_bytes=nbytes,
+        profile=name,
+        shape=shape.name,
+        expert_bytes=nbytes,
         link_mb_per_s=_num(link["mb_per_s"], f"{name}.link.mb_per_s"),
         link_latency_s=_num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
         transfer_workers=int(_num(link["workers"], f"{name}.link.workers")),
-        fast=g, cpu=h, cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")), dense=(d0, d1),
+        fast=g,
+        cpu=h,
+        cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")),
+        dense=(d0, d1),
         cpu_reads_over_link=bool(cpu.get("reads_over_link", False)),
         cpu_is_fast_device=bool(cpu.get("is_fast_device", False)),
         draft_token_s=_num(draft, f"{name}.draft_token_us") * 1e-6 if draft else 0.0,
@@ -261,7 +347,9 @@ def resolve_costs(profile: dict[str, Any], shape: ModelShape, expert_bytes: int 
     )
 
 
-def costs_for(profile: str | Path, shape: str | ModelShape, expert_bytes: int | None = None) -> Costs:
+def costs_for(
+    profile: str | Path, shape: str | ModelShape, expert_bytes: int | None = None
+) -> Costs:
     s = SHAPES[shape] if isinstance(shape, str) else shape
     return resolve_costs(load_profile(profile), s, expert_bytes)
 

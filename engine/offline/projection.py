@@ -27,6 +27,7 @@ mass is spread, how it drifts with the text) and rescales the rest. What it assu
 
 Every number from a projected trace is labelled *projected* (and *simulated*).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,7 +51,9 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
         w = weights[:, src_layers, :kk].astype(np.float64)
     else:
         if logits is None:
-            raise ValueError(f"projecting top-{k} onto top-{kk} needs router logits: record the trace with `moe-offload trace --logits`")
+            raise ValueError(
+                f"projecting top-{k} onto top-{kk} needs router logits: record the trace with `moe-offload trace --logits`"
+            )
         lg = logits[:, src_layers, :].astype(np.float32)  # [N, L', E]
         bias = trace["meta"].get("score_bias")
         if bias is None:  # softmax router: rank the logits, gates = softmax over the chosen
@@ -59,7 +62,9 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
             w = np.exp(tl - tl.max(-1, keepdims=True))
         else:  # DeepSeek-V3-style: rank sigmoid + bias, gates = the chosen sigmoid scores renormalised
             s = 1.0 / (1.0 + np.exp(-lg))
-            top = np.argsort(-(s + np.asarray(bias, np.float32)[src_layers][None]), axis=-1, kind="stable")[..., :kk]
+            top = np.argsort(
+                -(s + np.asarray(bias, np.float32)[src_layers][None]), axis=-1, kind="stable"
+            )[..., :kk]
             top = top.astype(np.int64)
             w = np.take_along_axis(s, top, -1)
     w = w / w.sum(-1, keepdims=True)
@@ -67,7 +72,18 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
     child = rng.integers(0, m, size=top.shape) if m > 1 else 0
     out_ids = (top * m + child).astype(np.int16 if sh.experts < 32768 else np.int32)
     meta = dict(trace["meta"])
-    meta.update(num_experts=sh.experts, top_k=kk, moe_layers=list(range(sh.layers)), projected=sh.name,
-                projected_from={"layers": L, "experts": E, "top_k": k}, projection_seed=seed)
+    meta.update(
+        num_experts=sh.experts,
+        top_k=kk,
+        moe_layers=list(range(sh.layers)),
+        projected=sh.name,
+        projected_from={"layers": L, "experts": E, "top_k": k},
+        projection_seed=seed,
+    )
     meta.pop("expert_nbytes", None)  # the shape's expert size comes from the hardware profile
-    return {"tokens": trace.get("tokens"), "ids": out_ids, "weights": w.astype(np.float32), "meta": meta}
+    return {
+        "tokens": trace.get("tokens"),
+        "ids": out_ids,
+        "weights": w.astype(np.float32),
+        "meta": meta,
+    }

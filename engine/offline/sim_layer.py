@@ -1,6 +1,7 @@
 """One MoE layer of one simulated step: the dense part, the miss policy's plan over the step's rows,
 demand loads (joining prefetches in flight), the CPU split, the compute timeline with its stall,
 then admissions, expired predictions and the next layer's top-up."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -44,7 +45,9 @@ class LayerReplay(PrefetchReplay):
         self.cache.eviction.on_layer(li)
         return now
 
-    def _plan(self, li: int, rows: list[int], now: float) -> tuple[ExpertPlan, dict[int, int], list[int]]:
+    def _plan(
+        self, li: int, rows: list[int], now: float
+    ) -> tuple[ExpertPlan, dict[int, int], list[int]]:
         """The miss policy's plan over the rows, each needed expert's row count, and the resident
         experts it uses (ascending): pinned for the layer and touched, as the executor does."""
         cache, base, pol = self.cache, li * self.E, self.pol
@@ -55,8 +58,12 @@ class LayerReplay(PrefetchReplay):
 
         ids, weights = self.ids, self.weights
         lg = self.logits  # not None where the policy needs it (checked when built)
-        logits = [lg[t, li].tolist() for t in rows] if lg is not None and pol.miss.needs_logits else None
-        plan = pol.miss.plan(li, [ids[t][li] for t in rows], [weights[t][li] for t in rows], is_res, logits)
+        logits = (
+            [lg[t, li].tolist() for t in rows] if lg is not None and pol.miss.needs_logits else None
+        )
+        plan = pol.miss.plan(
+            li, [ids[t][li] for t in rows], [weights[t][li] for t in rows], is_res, logits
+        )
         if len(rows) == 1:
             rows_of = dict.fromkeys(plan.experts[0], 1)
             rows_of.pop(DROPPED, None)
@@ -64,14 +71,18 @@ class LayerReplay(PrefetchReplay):
             rows_of = Counter(e for row in plan.experts for e in row if e != DROPPED)
         if plan.fetch:
             fetch = set(plan.fetch)
-            ready = sorted(e for e in rows_of if e not in fetch)  # touched in id order, as the executor does
+            ready = sorted(
+                e for e in rows_of if e not in fetch
+            )  # touched in id order, as the executor does
         else:
             ready = sorted(rows_of)
         cache.pin_only([base + e for e in rows_of])
         self.r.prefetch_used += cache.touch_all([base + e for e in ready])
         return plan, rows_of, ready
 
-    def _demand(self, li: int, fetch: Sequence[int], on_cpu: list[int], now: float, batched: bool) -> tuple[list[int], list[tuple[float, int]]]:
+    def _demand(
+        self, li: int, fetch: Sequence[int], on_cpu: list[int], now: float, batched: bool
+    ) -> tuple[list[int], list[tuple[float, int]]]:
         """The misses that do not run on the CPU: a prefetch (or admission) in flight is joined, as
         transfers.submit does; a queued one starts now; the rest reserve a slot (if every slot is
         pinned the load still runs: a spill). Returns (loads to start now, (landing, expert) joined)."""
@@ -102,8 +113,15 @@ class LayerReplay(PrefetchReplay):
                 r.demand_loads += 1
         return new_loads, joined
 
-    def _compute(self, ready: list[int], rows_of: dict[int, int], landing: list[tuple[float, int]], on_cpu: list[int],
-                 cpu_end: float, now: float) -> float:
+    def _compute(
+        self,
+        ready: list[int],
+        rows_of: dict[int, int],
+        landing: list[tuple[float, int]],
+        on_cpu: list[int],
+        cpu_end: float,
+        now: float,
+    ) -> float:
         """The compute thread's timeline: the resident experts, then each loaded expert as it lands
         (the executor's order), then the CPU results. Charges compute and stall; returns the end."""
         c, r, g = self.costs, self.r, self._g_of
@@ -117,7 +135,9 @@ class LayerReplay(PrefetchReplay):
                 end = t
             # A CPU-run expert on a box whose CPU is the fast device: its read overlapped, its
             # compute holds the compute thread (same cores); a copied expert runs on the device.
-            run = (c.h(rows_of[~e]) if e < 0 else g(rows_of[e])) + c.per_load_s  # every read from the slow tier costs per_load_s
+            run = (
+                c.h(rows_of[~e]) if e < 0 else g(rows_of[e])
+            ) + c.per_load_s  # every read from the slow tier costs per_load_s
             end += run
             busy += run
         if on_cpu:  # the compute thread collects the CPU results last
@@ -167,7 +187,9 @@ class LayerReplay(PrefetchReplay):
         if self.s.predictor is not None and li + 1 < self.L:
             self._predict(rows, li)
 
-    def _cpu_split(self, li: int, fetch: Sequence[int], ready: list[int], rows_of: dict[int, int], now: float) -> list[int]:
+    def _cpu_split(
+        self, li: int, fetch: Sequence[int], ready: list[int], rows_of: dict[int, int], now: float
+    ) -> list[int]:
         """The engine's split (engine/experts/cpu_split.py split_misses), with τ from
         policies.balancer.choose_tau on the profile's costs instead of the engine's online meter."""
         c, base = self.costs, li * self.E
@@ -176,14 +198,27 @@ class LayerReplay(PrefetchReplay):
 
         def cut(ranked: list[int], tau_min: int) -> int:
             cpu_h = c.cpu if not c.cpu_reads_over_link else (c.cpu[0] + c.copy_seconds(), c.cpu[1])
-            costs = LayerCosts(sum(c.g(rows_of[e]) for e in ready), c.copy_seconds(), c.fast, cpu_h, c.transfer_workers, c.cpu_workers)
-            capacity = self.cache.n_slots - len(self.cache.pins)  # slots less this layer's pins (the store also leaves out loads in flight)
+            costs = LayerCosts(
+                sum(c.g(rows_of[e]) for e in ready),
+                c.copy_seconds(),
+                c.fast,
+                cpu_h,
+                c.transfer_workers,
+                c.cpu_workers,
+            )
+            capacity = self.cache.n_slots - len(
+                self.cache.pins
+            )  # slots less this layer's pins (the store also leaves out loads in flight)
             return choose_tau([rows_of[e] for e in ranked], costs, capacity, tau_min)
 
-        ranked, tau = split_misses(fetch, lambda e: base + e in self.cache.ready, level, rows_of, self.s.cpu_experts, cut)
+        ranked, tau = split_misses(
+            fetch, lambda e: base + e in self.cache.ready, level, rows_of, self.s.cpu_experts, cut
+        )
         return ranked[tau:]
 
-    def _schedule(self, base: int, loads: list[int], cpu: list[int], rows_of: dict[int, int], now: float) -> tuple[list[tuple[float, int]], float]:
+    def _schedule(
+        self, base: int, loads: list[int], cpu: list[int], rows_of: dict[int, int], now: float
+    ) -> tuple[list[tuple[float, int]], float]:
         """Start this layer's demand transfers (transfer workers) and CPU-run experts (CPU workers)
         in time order: whichever pool has a worker free first takes its next job, so both share
         the serial pipe as the engine's threads do. A CPU worker reads its expert (over the link
@@ -221,7 +256,9 @@ class LayerReplay(PrefetchReplay):
                 link.pipe_free_at = start + link.bw_s
                 start = link.pipe_free_at + link.latency_s
             if c.cpu_is_fast_device:
-                free[w] = start  # the worker is free once read; the compute joins the compute thread's queue
+                free[w] = (
+                    start  # the worker is free once read; the compute joins the compute thread's queue
+                )
                 landing.append((start, ~e))  # ~e: a CPU-run expert (see _layer)
                 continue
             free[w] = start + c.h(rows_of[e])

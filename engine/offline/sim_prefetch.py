@@ -1,5 +1,6 @@
 """The simulator's background transfers: the queue of prefetches on the link, the utility
 prefetcher's top-up, cancellation of stale prefetches, and the next-layer predictor hook."""
+
 from __future__ import annotations
 
 from typing import cast
@@ -38,7 +39,9 @@ class PrefetchReplay(ReplayState):
                 continue
             victim = None
             if not cache.free:
-                victim = cast("int | None", cache.eviction.victim(cache.evictable(self.clock, False)))  # keys are ints
+                victim = cast(
+                    "int | None", cache.eviction.victim(cache.evictable(self.clock, False))
+                )  # keys are ints
                 if victim is None:
                     return False
                 if not worth_displacing(est, cache.eviction, key, int(victim)):
@@ -72,7 +75,9 @@ class PrefetchReplay(ReplayState):
         budget = self.s.predictor_budget or self.k
         ranked: dict[int, None] = {}
         lists = [pred.predict(t, layer) for t in rows]
-        for i in range(max(map(len, lists), default=0)):  # interleave ranks across rows: rank 0 of every row first
+        for i in range(
+            max(map(len, lists), default=0)
+        ):  # interleave ranks across rows: rank 0 of every row first
             for lst in lists:
                 if i < len(lst):
                     ranked.setdefault(int(lst[i]))

@@ -1,6 +1,7 @@
 """What the router-trace simulator (engine/offline/simulator.py) takes and gives: its settings, the
 acceptance model of speculative windows, the next-layer predictor hook, its result, and traces
 read from disk."""
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,9 @@ class SimSettings:
     warm: bool = True  # the engine's warm start: fill the fast tier round-robin across layers
     seed: int = 0
     predictor: Any = None  # a Predictor, or None
-    predictor_budget: int | None = None  # prefetches per layer and step from the predictor (default: top-k)
+    predictor_budget: int | None = (
+        None  # prefetches per layer and step from the predictor (default: top-k)
+    )
 
 
 @dataclass
@@ -115,7 +118,11 @@ class SimResult:
         work (token-layers, wall time) stays counted."""
         for f in fields(self):
             if f.name not in ("token_layers", "replay_s"):
-                setattr(self, f.name, getattr(self, f.name) - (getattr(after, f.name) - getattr(before, f.name)))
+                setattr(
+                    self,
+                    f.name,
+                    getattr(self, f.name) - (getattr(after, f.name) - getattr(before, f.name)),
+                )
 
     @property
     def seconds(self) -> float:
@@ -128,16 +135,26 @@ class SimResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         calls = max(self.calls, 1)
-        d.update(simulated=True, tokens_per_s=self.tokens / self.seconds if self.seconds else float("inf"),
-                 hit_share=self.calls_hit / calls, fetched_per_token=self.calls_fetched / max(self.tokens, 1),
-                 substituted_per_token=self.calls_substituted / max(self.tokens, 1),
-                 mean_substituted_mass=self.substituted_mass / max(self.token_layers, 1),
-                 stall_share=self.stall_s / self.seconds if self.seconds else 0.0,
-                 loads_per_token=self.demand_loads / max(self.tokens, 1),
-                 tokens_per_verification=self.verified_tokens / self.verifications if self.verifications else 1.0,
-                 prefetch_precision=self.prefetch_used / (self.prefetch_used + self.prefetch_wasted) if self.prefetch_used + self.prefetch_wasted else float("nan"),
-                 prefetch_recall=self.prefetch_used / (self.prefetch_used + self.demand_loads) if self.prefetch_used + self.demand_loads else float("nan"),
-                 token_layers_per_s=self.token_layers / self.replay_s if self.replay_s else float("nan"))
+        d.update(
+            simulated=True,
+            tokens_per_s=self.tokens / self.seconds if self.seconds else float("inf"),
+            hit_share=self.calls_hit / calls,
+            fetched_per_token=self.calls_fetched / max(self.tokens, 1),
+            substituted_per_token=self.calls_substituted / max(self.tokens, 1),
+            mean_substituted_mass=self.substituted_mass / max(self.token_layers, 1),
+            stall_share=self.stall_s / self.seconds if self.seconds else 0.0,
+            loads_per_token=self.demand_loads / max(self.tokens, 1),
+            tokens_per_verification=self.verified_tokens / self.verifications
+            if self.verifications
+            else 1.0,
+            prefetch_precision=self.prefetch_used / (self.prefetch_used + self.prefetch_wasted)
+            if self.prefetch_used + self.prefetch_wasted
+            else float("nan"),
+            prefetch_recall=self.prefetch_used / (self.prefetch_used + self.demand_loads)
+            if self.prefetch_used + self.demand_loads
+            else float("nan"),
+            token_layers_per_s=self.token_layers / self.replay_s if self.replay_s else float("nan"),
+        )
         return d
 
 
@@ -152,10 +169,25 @@ def trace_from_arrays(arrays: dict) -> dict:
     return {**arrays, "meta": json.loads(str(arrays["meta"]))}
 
 
-def manual_costs(link_mb_per_s: float, latency_us: float, expert_bytes: int, layer_compute_s: float,
-                 expert_compute_s: float, workers: int = 2) -> Costs:
+def manual_costs(
+    link_mb_per_s: float,
+    latency_us: float,
+    expert_bytes: int,
+    layer_compute_s: float,
+    expert_compute_s: float,
+    workers: int = 2,
+) -> Costs:
     """Costs from a few flat numbers (no profile): dense and per-expert time independent of rows."""
-    return Costs(profile=f"manual ({link_mb_per_s:g} MB/s + {latency_us:g} us)", shape="trace", expert_bytes=expert_bytes,
-                 link_mb_per_s=link_mb_per_s, link_latency_s=latency_us * 1e-6, transfer_workers=workers,
-                 fast=(expert_compute_s, 0.0), cpu=(expert_compute_s, 0.0), cpu_workers=2,
-                 dense=(layer_compute_s, 0.0), notes=("manual",))
+    return Costs(
+        profile=f"manual ({link_mb_per_s:g} MB/s + {latency_us:g} us)",
+        shape="trace",
+        expert_bytes=expert_bytes,
+        link_mb_per_s=link_mb_per_s,
+        link_latency_s=latency_us * 1e-6,
+        transfer_workers=workers,
+        fast=(expert_compute_s, 0.0),
+        cpu=(expert_compute_s, 0.0),
+        cpu_workers=2,
+        dense=(layer_compute_s, 0.0),
+        notes=("manual",),
+    )

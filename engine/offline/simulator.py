@@ -28,6 +28,7 @@ Limitations, by construction:
   replayed with the routing of the true next tokens (the draft's guesses are not in the trace);
 - the engine's balancer learns its costs online and explores; here it is given the profile's.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,8 +53,20 @@ from engine.offline.sim_state import SimLink
 from policies.adaptive_k import AdaptiveK
 from policies.registry import PolicyBundle
 
-__all__ = ["MEASURED_ACCEPTANCE", "Acceptance", "OraclePredictor", "Predictor", "SimLink", "SimResult", "SimSettings",
-           "Simulator", "load_trace", "manual_costs", "simulate", "trace_from_arrays"]
+__all__ = [
+    "MEASURED_ACCEPTANCE",
+    "Acceptance",
+    "OraclePredictor",
+    "Predictor",
+    "SimLink",
+    "SimResult",
+    "SimSettings",
+    "Simulator",
+    "load_trace",
+    "manual_costs",
+    "simulate",
+    "trace_from_arrays",
+]
 
 
 class Simulator(LayerReplay):
@@ -87,7 +100,11 @@ class Simulator(LayerReplay):
                 waiting = [i for i in range(S) if pos[i] < ends[i]]
                 if waiting:
                     untimed.append(self._prefill(waiting, pos, ends))
-            live = [i for i in range(S) if pos[i] < ends[i] and (not s.request_tokens or cell[i] < s.request_tokens)]
+            live = [
+                i
+                for i in range(S)
+                if pos[i] < ends[i] and (not s.request_tokens or cell[i] < s.request_tokens)
+            ]
             if not live:
                 if not s.request_tokens or all(pos[i] >= ends[i] for i in range(S)):
                     break
@@ -120,7 +137,9 @@ class Simulator(LayerReplay):
                 cell[i] += kept + 1
                 r.tokens += kept + 1
             if deepest:
-                draft = deepest * self.costs.draft_token_s  # one batched draft forward per proposed position
+                draft = (
+                    deepest * self.costs.draft_token_s
+                )  # one batched draft forward per proposed position
                 self.clock += draft
                 r.draft_s += draft
             step_t0 = self.clock
@@ -130,7 +149,9 @@ class Simulator(LayerReplay):
             r.steps += 1
             if s.speculative and deepest:
                 # As engine/speculative/proposals.py: one proposed token against the target's (verification) step.
-                self.k_policy.observe_costs(self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None)
+                self.k_policy.observe_costs(
+                    self.costs.draft_token_s / max(self.clock - step_t0, 1e-12), None
+                )
             if self.utility is not None:
                 self._observe(windows)
                 # The estimator's update and the top-ups run on the compute thread between steps.
@@ -145,7 +166,9 @@ class Simulator(LayerReplay):
     def _snapshot(self) -> SimResult:
         return replace(self.r, evictions=self.cache.evictions, prefetch_wasted=self.cache.wasted)
 
-    def _prefill(self, streams: list[int], pos: list[int], ends: list[int]) -> tuple[SimResult, SimResult]:
+    def _prefill(
+        self, streams: list[int], pos: list[int], ends: list[int]
+    ) -> tuple[SimResult, SimResult]:
         """One prefill step: the next `prompt_tokens` trace tokens of each stream in one batch
         (as the engine prefills a request). Returns the result before and after it."""
         before = self._snapshot()
@@ -181,6 +204,15 @@ class Simulator(LayerReplay):
                     break
 
 
-def simulate(trace: dict, policies: PolicyBundle, cache_fraction: float, costs: Costs, warm: bool = True, **settings: Any) -> SimResult:
+def simulate(
+    trace: dict,
+    policies: PolicyBundle,
+    cache_fraction: float,
+    costs: Costs,
+    warm: bool = True,
+    **settings: Any,
+) -> SimResult:
     """Replay `trace` under `policies` on `costs` (see SimSettings for the other settings)."""
-    return Simulator(trace, policies, costs, SimSettings(cache_fraction=cache_fraction, warm=warm, **settings)).run()
+    return Simulator(
+        trace, policies, costs, SimSettings(cache_fraction=cache_fraction, warm=warm, **settings)
+    ).run()

@@ -12,6 +12,7 @@ Format (one .npz file, numpy's zip of arrays; load with `numpy.load(path)`):
 Traces are recorded with the exact policy (fetch-all), one batched forward per window of
 `window` tokens, so routing is the model's own, independent of cache state.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,25 @@ from engine.worker.loader import OffloadedModel
 
 
 @torch.inference_mode()
-def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: bool = False, hidden: bool = False) -> dict[str, np.ndarray]:
+def record_trace(
+    om: OffloadedModel,
+    ids: list[int],
+    window: int = 256,
+    logits: bool = False,
+    hidden: bool = False,
+) -> dict[str, np.ndarray]:
     index = {layer: i for i, layer in enumerate(om.moe_layers)}
     per_layer: dict[int, list[tuple]] = {i: [] for i in range(len(index))}
 
     def listen(ev: RoutingEvent) -> None:
-        per_layer[index[ev.layer]].append((ev.ids.cpu(), ev.weights.float().cpu(),
-                                           ev.logits.half().cpu() if logits else None, ev.x.half().cpu() if hidden else None))
+        per_layer[index[ev.layer]].append(
+            (
+                ev.ids.cpu(),
+                ev.weights.float().cpu(),
+                ev.logits.half().cpu() if logits else None,
+                ev.x.half().cpu() if hidden else None,
+            )
+        )
 
     unsubscribe = om.bus.subscribe(listen)
     try:
@@ -44,22 +57,36 @@ def record_trace(om: OffloadedModel, ids: list[int], window: int = 256, logits: 
         unsubscribe()
 
     def stack(j: int) -> np.ndarray:
-        return torch.stack([torch.cat([rec[j] for rec in per_layer[i]]) for i in range(len(index))], dim=1).numpy()
+        return torch.stack(
+            [torch.cat([rec[j] for rec in per_layer[i]]) for i in range(len(index))], dim=1
+        ).numpy()
 
     from engine.prefetch.training import moe_blocks
 
     blocks = moe_blocks(om.model)
     biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in om.moe_layers]
-    extra = {"score_bias": [b.cpu().tolist() for b in biases if b is not None]} if all(b is not None for b in biases) else {}
+    extra = (
+        {"score_bias": [b.cpu().tolist() for b in biases if b is not None]}
+        if all(b is not None for b in biases)
+        else {}
+    )
     out: dict[str, np.ndarray] = {
         "tokens": np.asarray(ids, dtype=np.int32),
         "ids": stack(0).astype(np.int16),
         "weights": stack(1).astype(np.float32),
-        "meta": np.asarray(json.dumps({
-            "model": portable_path(om.model_dir), "moe_layers": om.moe_layers, "num_experts": om.num_experts,
-            "top_k": om.top_k, "window": window,
-            "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0), **extra,
-        })),
+        "meta": np.asarray(
+            json.dumps(
+                {
+                    "model": portable_path(om.model_dir),
+                    "moe_layers": om.moe_layers,
+                    "num_experts": om.num_experts,
+                    "top_k": om.top_k,
+                    "window": window,
+                    "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0),
+                    **extra,
+                }
+            )
+        ),
     }
     if logits:
         out["logits"] = stack(2)

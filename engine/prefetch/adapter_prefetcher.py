@@ -13,6 +13,7 @@ adapter and start their transfers, so they load while layer l computes.
   started) prefetches that it did not pick are cancelled; predicted experts that landed but go
   unused expire and count as wasted (engine/experts/expert_store.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,17 @@ MIN_CONFIDENCE = 0.5  # prefetch only what is more likely right than wrong: a wr
 
 
 class AdapterPrefetcher:
-    def __init__(self, adapter: RouterAdapter, blocks: dict[int, OffloadedMoeBlock], store: ExpertStore, transfers: TransferEngine,
-                 moe_layers: list[int], top_k: int, meter: CostMeter, stats: EngineStats) -> None:
+    def __init__(
+        self,
+        adapter: RouterAdapter,
+        blocks: dict[int, OffloadedMoeBlock],
+        store: ExpertStore,
+        transfers: TransferEngine,
+        moe_layers: list[int],
+        top_k: int,
+        meter: CostMeter,
+        stats: EngineStats,
+    ) -> None:
         self.adapter, self.blocks, self.store, self.transfers = adapter, blocks, store, transfers
         self.moe_layers, self.top_k, self.meter, self.stats = moe_layers, top_k, meter, stats
         self._anchor = {layer: i for i, layer in enumerate(moe_layers[:-1])}
@@ -49,7 +59,9 @@ class AdapterPrefetcher:
         # Confidence is calibrated, not the adapter's raw softmax: the measured share of the
         # predictions at each rank (1st .. top_k-th per row) that the next layer really picked.
         self.precision_at_rank = [0.5] * top_k
-        self._predicted: dict[int, torch.Tensor] = {}  # layer -> [T, top_k] predicted ids, best first
+        self._predicted: dict[
+            int, torch.Tensor
+        ] = {}  # layer -> [T, top_k] predicted ids, best first
         # Per next layer: the adapter folded with that layer's router into one linear map (W, b),
         # or None where the router's logits are not a linear map (then router + adapter each call).
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
@@ -65,9 +77,15 @@ class AdapterPrefetcher:
         now = time.perf_counter()
         if self._last is not None and self._next.get(self._last[0]) == ev.layer:
             gap = now - self._last[1]
-            self.gap_seconds = gap if self.gap_seconds is None else self.gap_seconds + GAP_RATE * (gap - self.gap_seconds)
+            self.gap_seconds = (
+                gap
+                if self.gap_seconds is None
+                else self.gap_seconds + GAP_RATE * (gap - self.gap_seconds)
+            )
         self._last = (ev.layer, now)
-        picked = [set(row) for row in ev.ids.tolist()]  # per row: the experts this layer really picked
+        picked = [
+            set(row) for row in ev.ids.tolist()
+        ]  # per row: the experts this layer really picked
         self._calibrate(ev.layer, picked)
         self._cancel_unpicked(ev.layer, set().union(*picked))
         nxt = self._next.get(ev.layer)
@@ -83,16 +101,24 @@ class AdapterPrefetcher:
         x = ev.x.float()
         if nxt not in self._folded:
             # On the router's device (the adapter is on the model's device too, engine/worker/loader.py).
-            lin = block.adapter.router_linear(block, ev.x) if self.adapter.fate_base else (None, None)
-            self._folded[nxt] = None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
+            lin = (
+                block.adapter.router_linear(block, ev.x) if self.adapter.fate_base else (None, None)
+            )
+            self._folded[nxt] = (
+                None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
+            )
         fold = self._folded[nxt]
         if fold is not None:
             pred = torch.nn.functional.linear(x, *fold)
         else:
-            pred = self.adapter(x, self._anchor[ev.layer], block.adapter.router_logits(block, ev.x).float())
+            pred = self.adapter(
+                x, self._anchor[ev.layer], block.adapter.router_logits(block, ev.x).float()
+            )
         ids = block.adapter.selection_scores(block, pred).topk(self.top_k, dim=-1).indices  # [T, k]
         self._predicted[nxt] = ids
-        best: dict[int, float] = {}  # a window needs the union of its rows: an expert's best row counts
+        best: dict[
+            int, float
+        ] = {}  # a window needs the union of its rows: an expert's best row counts
         for row in ids.tolist():
             for rank, e in enumerate(row):
                 best[e] = max(best.get(e, 0.0), self.precision_at_rank[rank])
@@ -103,9 +129,15 @@ class AdapterPrefetcher:
             copy = 0.0 if self.settled else self.meter.copy_seconds
         return schedule_prefetches(
             [PrefetchCandidate(e, c) for e, c in best.items()],
-            lambda e: self.store.state(nxt * E + e) is not None, lambda e: self.transfers.in_flight(nxt, e),
-            copy_seconds=copy or 0.0, workers=self.transfers.workers, queued=self.transfers.pending(),
-            time_to_next=self.gap_seconds or 0.0, budget=self.budget, min_confidence=MIN_CONFIDENCE)
+            lambda e: self.store.state(nxt * E + e) is not None,
+            lambda e: self.transfers.in_flight(nxt, e),
+            copy_seconds=copy or 0.0,
+            workers=self.transfers.workers,
+            queued=self.transfers.pending(),
+            time_to_next=self.gap_seconds or 0.0,
+            budget=self.budget,
+            min_confidence=MIN_CONFIDENCE,
+        )
 
     def _calibrate(self, layer: int, picked: list[set[int]]) -> None:
         """Layer `layer` has routed (`picked`: each row's experts): score what was predicted for
@@ -118,7 +150,9 @@ class AdapterPrefetcher:
             for r, e in enumerate(row):
                 hits[r] += e in truth
         for r, h in enumerate(hits):
-            self.precision_at_rank[r] += PRECISION_RATE * (h / len(picked) - self.precision_at_rank[r])
+            self.precision_at_rank[r] += PRECISION_RATE * (
+                h / len(picked) - self.precision_at_rank[r]
+            )
 
     def _cancel_unpicked(self, layer: int, picked: set[int]) -> None:
         """Layer `layer` has routed: its queued prefetches that it did not pick are wrong now."""

@@ -7,6 +7,7 @@ layer but the last) one example: input x_l (layer l's router input), base = rout
 Loss: cross entropy of the adapter's softmax against the teacher's softmax (KL up to a constant):
 the router's whole distribution, so the ranking below the top-k is learned too.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,9 @@ class AdapterData:
     base: torch.Tensor  # [N, A, E] next router applied to x (FATE guess)
     teacher: torch.Tensor  # [N, A, E] next layer's native router logits
     true_ids: torch.Tensor  # [N, A, k] the experts the next layer really picked
-    score_bias: torch.Tensor | None = None  # [A, E] next layer's selection bias (sigmoid routers), else None
+    score_bias: torch.Tensor | None = (
+        None  # [A, E] next layer's selection bias (sigmoid routers), else None
+    )
 
     @property
     def anchors(self) -> int:
@@ -37,8 +40,12 @@ class AdapterData:
     def split(self, frac: float) -> tuple[AdapterData, AdapterData]:
         """First `frac` of the tokens / the rest (contiguous: no leakage between neighbours)."""
         n = int(self.x.shape[0] * frac)
-        a = AdapterData(self.x[:n], self.base[:n], self.teacher[:n], self.true_ids[:n], self.score_bias)
-        b = AdapterData(self.x[n:], self.base[n:], self.teacher[n:], self.true_ids[n:], self.score_bias)
+        a = AdapterData(
+            self.x[:n], self.base[:n], self.teacher[:n], self.true_ids[:n], self.score_bias
+        )
+        b = AdapterData(
+            self.x[n:], self.base[n:], self.teacher[n:], self.true_ids[n:], self.score_bias
+        )
         return a, b
 
     def ranked(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
@@ -52,7 +59,9 @@ def moe_blocks(model: torch.nn.Module) -> dict[int, OffloadedMoeBlock]:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     blocks = moe_blocks(model)
-    return router_fingerprint([w for layer in sorted(blocks) for w in _router_weights(blocks[layer])])
+    return router_fingerprint(
+        [w for layer in sorted(blocks) for w in _router_weights(blocks[layer])]
+    )
 
 
 def _router_weights(block: OffloadedMoeBlock) -> list[torch.Tensor]:
@@ -67,21 +76,44 @@ def next_router_logits(block: OffloadedMoeBlock, x: torch.Tensor) -> torch.Tenso
 
 
 @torch.inference_mode()
-def data_from_trace(trace: dict[str, np.ndarray], model: torch.nn.Module, moe_layers: list[int]) -> AdapterData:
+def data_from_trace(
+    trace: dict[str, np.ndarray], model: torch.nn.Module, moe_layers: list[int]
+) -> AdapterData:
     if "hidden" not in trace or "logits" not in trace:
-        raise ValueError("the trace has no hidden states or logits; record it with `moe-offload trace --hidden --logits`")
+        raise ValueError(
+            "the trace has no hidden states or logits; record it with `moe-offload trace --hidden --logits`"
+        )
     blocks = moe_blocks(model)
     hidden = torch.from_numpy(trace["hidden"].astype(np.float32))  # [N, L, D]
     logits = torch.from_numpy(trace["logits"].astype(np.float32))  # [N, L, E]
     ids = torch.from_numpy(trace["ids"].astype(np.int64))  # [N, L, k]
     dev = next(model.parameters()).device
-    base = torch.stack([
-        torch.cat([next_router_logits(blocks[moe_layers[a + 1]], chunk.to(dev)).cpu() for chunk in hidden[:, a].split(4096)])
-        for a in range(len(moe_layers) - 1)], dim=1)
+    base = torch.stack(
+        [
+            torch.cat(
+                [
+                    next_router_logits(blocks[moe_layers[a + 1]], chunk.to(dev)).cpu()
+                    for chunk in hidden[:, a].split(4096)
+                ]
+            )
+            for a in range(len(moe_layers) - 1)
+        ],
+        dim=1,
+    )
     # Sigmoid routers with a correction bias rank sigmoid(logits) + bias: read it off each next layer once.
     biases = [blocks[layer].adapter.selection_bias(blocks[layer]) for layer in moe_layers[1:]]
-    score_bias = None if any(b is None for b in biases) else torch.stack([b.cpu() for b in biases if b is not None])
-    return AdapterData(hidden[:, :-1].contiguous(), base, logits[:, 1:].contiguous(), ids[:, 1:].contiguous(), score_bias)
+    score_bias = (
+        None
+        if any(b is None for b in biases)
+        else torch.stack([b.cpu() for b in biases if b is not None])
+    )
+    return AdapterData(
+        hidden[:, :-1].contiguous(),
+        base,
+        logits[:, 1:].contiguous(),
+        ids[:, 1:].contiguous(),
+        score_bias,
+    )
 
 
 def recall_at_k(pred: torch.Tensor, true_ids: torch.Tensor, k: int | None = None) -> float:
@@ -103,16 +135,31 @@ def predict(adapter: torch.nn.Module, data: AdapterData, anchor: int) -> torch.T
 
 def evaluate(adapter: torch.nn.Module, data: AdapterData) -> list[float]:
     """Recall@k per anchor layer."""
-    return [recall_at_k(data.ranked(predict(adapter, data, a), a), data.true_ids[:, a]) for a in range(data.anchors)]
+    return [
+        recall_at_k(data.ranked(predict(adapter, data, a), a), data.true_ids[:, a])
+        for a in range(data.anchors)
+    ]
 
 
 def evaluate_base(data: AdapterData) -> list[float]:
     """Recall@k per anchor layer of the FATE-like guess (the next router on this layer's input)."""
-    return [recall_at_k(data.ranked(data.base[:, a], a), data.true_ids[:, a]) for a in range(data.anchors)]
+    return [
+        recall_at_k(data.ranked(data.base[:, a], a), data.true_ids[:, a])
+        for a in range(data.anchors)
+    ]
 
 
-def train_adapter(data: AdapterData, rank: int = 64, steps: int = 1500, batch: int = 1024, lr: float = 3e-3,
-                  bias: bool = True, fate_base: bool = True, seed: int = 0, valid: AdapterData | None = None) -> RouterAdapter:
+def train_adapter(
+    data: AdapterData,
+    rank: int = 64,
+    steps: int = 1500,
+    batch: int = 1024,
+    lr: float = 3e-3,
+    bias: bool = True,
+    fate_base: bool = True,
+    seed: int = 0,
+    valid: AdapterData | None = None,
+) -> RouterAdapter:
     torch.manual_seed(seed)
     N, A, D = data.x.shape
     adapter = RouterAdapter(D, data.teacher.shape[-1], rank, A, bias, fate_base)
@@ -123,8 +170,16 @@ def train_adapter(data: AdapterData, rank: int = 64, steps: int = 1500, batch: i
 Predictor = torch.nn.Module  # called as module(x [T, D], anchors [T], base [T, E]) -> logits [T, E]
 
 
-def fit_predictor(module: Predictor, data: AdapterData, steps: int = 1500, batch: int = 1024, lr: float = 3e-3, seed: int = 0,
-                  valid: AdapterData | None = None, desc: str = "training predictor") -> Predictor:
+def fit_predictor(
+    module: Predictor,
+    data: AdapterData,
+    steps: int = 1500,
+    batch: int = 1024,
+    lr: float = 3e-3,
+    seed: int = 0,
+    valid: AdapterData | None = None,
+    desc: str = "training predictor",
+) -> Predictor:
     """Fit any next-layer logit predictor with the adapter's recipe: batches of random (token,
     anchor) examples, cross entropy against the teacher's softmax, AdamW with cosine decay to
     10 % (stable last steps on a small dataset). bench/prefetch_bound.py fits richer predictors

@@ -11,6 +11,7 @@ far, the min_tokens EOS ban, temperature, top-k, top-p). Greedy requests take th
 argmax; sampled requests draw from the draft's distribution q, which goes into the window so
 that verification can use the exact rejection rule.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -38,7 +39,9 @@ class DraftProposer(ProposerBase):
         self.new_cache = lean.new_cache if lean is not None else lambda: new_kv_cache(draft.config)
         self.crop = LeanKVCache.crop if lean is not None else truncate_cache  # (cache, length)
         self.eos_ids = sorted(draft.eos_token_ids)
-        self.caches: dict[str, Any] = {}  # a LeanKVCache each, or a DynamicCache where the draft runs through the runner
+        self.caches: dict[
+            str, Any
+        ] = {}  # a LeanKVCache each, or a DynamicCache where the draft runs through the runner
         self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
         self.generators: dict[str, torch.Generator | None] = {}
 
@@ -62,7 +65,9 @@ class DraftProposer(ProposerBase):
                 self.fed[rid] = []
                 self.generators[rid] = _draft_generator(w, self.draft.device)
             # Only the last window's proposals can disagree with the confirmed tokens: compare the tail.
-            keep = _common_prefix(self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1))
+            keep = _common_prefix(
+                self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1)
+            )
             self.crop(self.caches[rid], keep)  # drop the rejected tail of the last window
             windows.append(full[keep:])
             starts.append(keep)
@@ -84,8 +89,12 @@ class DraftProposer(ProposerBase):
                 break
             # Feed the tokens just proposed, one row per still-speculating request.
             rids = [active[j][1].request_id for j in live]
-            logits = self.forward([[drafts[j][-1]] for j in live], [len(self.fed[r]) for r in rids],
-                                         [self.caches[r] for r in rids], [[0]] * len(live))
+            logits = self.forward(
+                [[drafts[j][-1]] for j in live],
+                [len(self.fed[r]) for r in rids],
+                [self.caches[r] for r in rids],
+                [[0]] * len(live),
+            )
             for r, j in zip(rids, live):
                 self.fed[r] = self.fed[r] + [drafts[j][-1]]
         work = list(plan.work)
@@ -93,10 +102,20 @@ class DraftProposer(ProposerBase):
             work[i] = with_drafts(w, drafts[j], torch.stack(probs[j]) if probs[j] else None)
         return StepPlan(work, plan.free_ids)
 
-    def _choose(self, logits: torch.Tensor, w: SeqWork, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _choose(
+        self, logits: torch.Tensor, w: SeqWork, proposed: list[int]
+    ) -> tuple[int, torch.Tensor | None]:
         """The draft's proposal from its [V] logits; its distribution q when sampling."""
         req = w.req
-        logits = process_logits(logits, req.params, w.output_ids, proposed, req.presence_penalty, req.frequency_penalty, self.eos_ids)
+        logits = process_logits(
+            logits,
+            req.params,
+            w.output_ids,
+            proposed,
+            req.presence_penalty,
+            req.frequency_penalty,
+            self.eos_ids,
+        )
         if req.params.greedy:
             return int(torch.argmax(logits)), None
         q = target_probs(logits, req.params)  # [V]
@@ -106,7 +125,9 @@ class DraftProposer(ProposerBase):
 def _draft_generator(w: SeqWork, device: torch.device) -> torch.Generator | None:
     g = make_generator(w.req.params, device)
     if g is not None and w.req.params.seed is not None:
-        g.manual_seed((w.req.params.seed * 1_000_003 + 17) % 2**63)  # its own stream, still reproducible
+        g.manual_seed(
+            (w.req.params.seed * 1_000_003 + 17) % 2**63
+        )  # its own stream, still reproducible
     return g
 
 

@@ -1,4 +1,5 @@
 """Build the proposer and the sensor that a SpecConfig names, for a loaded target model."""
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,25 @@ from policies.adaptive_k import AdaptiveK
 def check_draft(model_dir: str | Path, draft_dir: str | Path) -> None:
     """Refuse, in one line, a draft that cannot propose for this target: another vocabulary
     (embedding size) or another tokenizer. Cheap: reads config and tokenizer files only."""
+
     def vocab_size(d: str | Path) -> int:
         cfg = json.loads((Path(d) / "config.json").read_text())
         return int(cfg.get("text_config", cfg).get("vocab_size") or 0)
 
     if vocab_size(model_dir) != vocab_size(draft_dir):
-        raise ConfigError(f"{draft_dir}: the draft's vocabulary ({vocab_size(draft_dir)} tokens) differs from the target's "
-                          f"({vocab_size(model_dir)}); a draft must share the target's tokenizer")
+        raise ConfigError(
+            f"{draft_dir}: the draft's vocabulary ({vocab_size(draft_dir)} tokens) differs from the target's "
+            f"({vocab_size(model_dir)}); a draft must share the target's tokenizer"
+        )
     t, d = Path(model_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
-    if t.exists() and d.exists() and json.loads(t.read_text()).get("model") != json.loads(d.read_text()).get("model"):
-        raise ConfigError(f"{draft_dir}: the draft's tokenizer differs from the target's; a draft must share the target's tokenizer")
+    if (
+        t.exists()
+        and d.exists()
+        and json.loads(t.read_text()).get("model") != json.loads(d.read_text()).get("model")
+    ):
+        raise ConfigError(
+            f"{draft_dir}: the draft's tokenizer differs from the target's; a draft must share the target's tokenizer"
+        )
 
 
 def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -32,8 +42,10 @@ def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
     from engine.worker.packed_batch import NO_ROLLBACK_MODEL_TYPES
 
     if om.config.model_type in NO_ROLLBACK_MODEL_TYPES:
-        raise ConfigError(f"speculative decoding is not supported for {om.config.model_type} (its linear-attention state "
-                          "cannot be rolled back after a rejected proposal); use --speculative off")
+        raise ConfigError(
+            f"speculative decoding is not supported for {om.config.model_type} (its linear-attention state "
+            "cannot be rolled back after a rejected proposal); use --speculative off"
+        )
     from engine.speculative.sensor import sensor_for
 
     k = AdaptiveK(spec.num_speculative_tokens, spec.adaptive)

@@ -15,6 +15,7 @@ transformers (`LeanDenseModel.supports` says which). Not bit-identical to transf
 (fused projections), which a draft need not be: verification keeps the target's
 tokens whatever the draft proposes; tests check the logits agree to float rounding.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,7 +34,9 @@ class LeanKVCache:
     """One request's keys and values for every layer, [layers, h_kv, capacity, d] each, grown
     by doubling; `length` positions are valid."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.length = 0
         self.k = torch.empty(layers, kv_heads, 64, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
@@ -59,15 +62,20 @@ class LeanDenseModel:
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
         cfg = model.config
-        return (cfg.model_type in LEAN_MODEL_TYPES and getattr(cfg, "sliding_window", None) is None
-                and not getattr(cfg, "use_sliding_window", False))
+        return (
+            cfg.model_type in LEAN_MODEL_TYPES
+            and getattr(cfg, "sliding_window", None) is None
+            and not getattr(cfg, "use_sliding_window", False)
+        )
 
     def __init__(self, model: PreTrainedModel) -> None:
         assert self.supports(model), f"no lean forward for {model.config.model_type}"
         cfg, inner = model.config, model.model
         self.device, self.dtype = inner.embed_tokens.weight.device, inner.embed_tokens.weight.dtype
         self.embed = inner.embed_tokens.weight
-        self.rotary = inner.rotary_emb  # transformers' own: every rope scaling variant, same cos/sin
+        self.rotary = (
+            inner.rotary_emb
+        )  # transformers' own: every rope scaling variant, same cos/sin
         self.norm_w, self.eps = inner.norm.weight, cfg.rms_norm_eps
         self.lm_head = model.lm_head.weight
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -82,40 +90,63 @@ class LeanDenseModel:
 
         def cat(*lins: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             bias = [lin.bias for lin in lins]
-            return torch.cat([lin.weight for lin in lins]), (torch.cat(bias) if all(b is not None for b in bias) else None)
+            return torch.cat([lin.weight for lin in lins]), (
+                torch.cat(bias) if all(b is not None for b in bias) else None
+            )
 
         qkv_w, qkv_b = cat(att.q_proj, att.k_proj, att.v_proj)
         gu_w, gu_b = cat(mlp.gate_proj, mlp.up_proj)
         return {
-            "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-            "qkv_w": qkv_w, "qkv_b": qkv_b, "o_w": att.o_proj.weight, "o_b": att.o_proj.bias,
-            "q_norm": getattr(att, "q_norm", None) and att.q_norm.weight, "k_norm": getattr(att, "k_norm", None) and att.k_norm.weight,
-            "gu_w": gu_w, "gu_b": gu_b, "down_w": mlp.down_proj.weight, "down_b": mlp.down_proj.bias,
+            "in_norm": layer.input_layernorm.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+            "qkv_w": qkv_w,
+            "qkv_b": qkv_b,
+            "o_w": att.o_proj.weight,
+            "o_b": att.o_proj.bias,
+            "q_norm": getattr(att, "q_norm", None) and att.q_norm.weight,
+            "k_norm": getattr(att, "k_norm", None) and att.k_norm.weight,
+            "gu_w": gu_w,
+            "gu_b": gu_b,
+            "down_w": mlp.down_proj.weight,
+            "down_b": mlp.down_proj.bias,
         }
 
     def new_cache(self) -> LeanKVCache:
         return LeanKVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, windows: list[list[int]], starts: list[int], caches: list[LeanKVCache],
-                keep: list[list[int]]) -> list[torch.Tensor]:
+    def forward(
+        self,
+        windows: list[list[int]],
+        starts: list[int],
+        caches: list[LeanKVCache],
+        keep: list[list[int]],
+    ) -> list[torch.Tensor]:
         """The contract of ModelRunner.forward: every window in one pass; keep[r]: rows of
         window r whose logits are returned ([len(keep[r]), V]). Each cache holds exactly the
         positions before its window's start (the caller crops a rejected tail, as for the runner)."""
         lengths = [len(w) for w in windows]
         ids = torch.tensor([t for w in windows for t in w], device=self.device)
-        pos = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lengths)])
+        pos = torch.cat(
+            [torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lengths)]
+        )
         x = F.embedding(ids, self.embed)  # [N, H]
         cos, sin = self.rotary(x[None], pos[None])  # [1, N, d]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]: broadcast over heads
         for c, s, n in zip(caches, starts, lengths):
-            assert c.length == s, f"a window starting at {s} needs {s} cached positions, the cache has {c.length}"
+            assert c.length == s, (
+                f"a window starting at {s} needs {s} cached positions, the cache has {c.length}"
+            )
             c.reserve(n)
         nq, nk, d = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
         for li, w in enumerate(self.layers):
             h = _rms_norm(x, w["in_norm"], self.eps)
             q, k, v = F.linear(h, w["qkv_w"], w["qkv_b"]).split((nq, nk, nk), dim=-1)
-            q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
+            q, k, v = (
+                q.view(-1, self.heads, d),
+                k.view(-1, self.kv_heads, d),
+                v.view(-1, self.kv_heads, d),
+            )
             if w["q_norm"] is not None:
                 q = _rms_norm(q, w["q_norm"], self.eps)
                 k = _rms_norm(k, w["k_norm"], self.eps)
@@ -127,12 +158,23 @@ class LeanDenseModel:
             x = x + F.linear(self.act(g) * u, w["down_w"], w["down_b"])
         for c, n in zip(caches, lengths):
             c.length += n
-        rows = torch.tensor([s + i for (s, _), kk in zip(spans_of(lengths), keep) for i in kk], dtype=torch.long, device=self.device)
+        rows = torch.tensor(
+            [s + i for (s, _), kk in zip(spans_of(lengths), keep) for i in kk],
+            dtype=torch.long,
+            device=self.device,
+        )
         logits = F.linear(_rms_norm(x[rows], self.norm_w, self.eps), self.lm_head)
         return list(torch.split(logits, [len(kk) for kk in keep]))
 
-    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                caches: list[LeanKVCache], lengths: list[int]) -> torch.Tensor:
+    def _attend(
+        self,
+        li: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[LeanKVCache],
+        lengths: list[int],
+    ) -> torch.Tensor:
         """Write each request's new keys/values after its cached ones and attend causally."""
         outs, row = [], 0
         for c, n in zip(caches, lengths):
@@ -142,8 +184,13 @@ class LeanDenseModel:
             keys, vals = c.k[li, :, : L0 + n], c.v[li, :, : L0 + n]  # [h_kv, L, d]
             qr = q[row : row + n].transpose(0, 1)  # [h, n, d]
             mask = None if n == 1 else causal_mask(n, L0 + n, q.device)  # [1, 1, n, L]
-            o = F.scaled_dot_product_attention(qr[None], keys[None], vals[None], attn_mask=mask,
-                                               enable_gqa=self.heads != self.kv_heads)[0]  # [h, n, d]
+            o = F.scaled_dot_product_attention(
+                qr[None],
+                keys[None],
+                vals[None],
+                attn_mask=mask,
+                enable_gqa=self.heads != self.kv_heads,
+            )[0]  # [h, n, d]
             outs.append(o.transpose(0, 1).reshape(n, -1))
             row += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

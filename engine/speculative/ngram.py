@@ -4,6 +4,7 @@ If the last n tokens (n = ngram_max .. 1) occurred earlier in the prompt or the 
 tokens that followed that earlier occurrence are proposed. Repetitive text (code, quoting the
 prompt, lists) is where this pays; elsewhere adaptive k turns it off.
 """
+
 from __future__ import annotations
 
 from engine.core.scheduler import StepPlan

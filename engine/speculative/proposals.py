@@ -1,4 +1,5 @@
 """Shared pieces of the proposers: which windows speculate, and how proposals enter a plan."""
+
 from __future__ import annotations
 
 import time
@@ -68,7 +69,9 @@ class ProposerBase:
         if deepest and out.seconds > 0:
             # Proposing runs `deepest` sequential draft steps for the whole batch: one of them is
             # the cost of one more proposed token.
-            self.k.observe_proposal_time(_decode_batch(plan), self._propose_s / deepest, out.seconds)
+            self.k.observe_proposal_time(
+                _decode_batch(plan), self._propose_s / deepest, out.seconds
+            )
         for w in plan.work:
             res: SeqResult | None = out.results.get(w.request_id)
             if w.num_draft == 0 or res is None or res.error is not None:

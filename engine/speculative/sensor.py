@@ -1,5 +1,6 @@
 """The speculative sensor lives in engine/worker/sensor.py: the loader attaches it for the utility
 estimator too, and worker/ must not import speculative/. Re-exported here for existing imports."""
+
 from __future__ import annotations
 
 from engine.worker.sensor import SpecSensor, sensor_for

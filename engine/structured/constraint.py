@@ -13,6 +13,7 @@ tokens are allowed, so the sequence ends as "stop" through the ordinary EOS path
 The implementation uses llguidance (Rust, CPU wheels on PyPI): it compiles JSON schemas lazily
 and computes a mask in microseconds per token, and it supports rollback natively.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -54,7 +55,9 @@ class GrammarCompiler:
     """Holds the tokenizer's llguidance view (about 1 s to build for a real vocabulary), so build
     one per engine and call `make` per request."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, eos_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int | None = None, eos_ids: list[int] | None = None
+    ) -> None:
         import llguidance.hf
 
         self.vocab_size = int(vocab_size or len(tokenizer))
@@ -65,7 +68,9 @@ class GrammarCompiler:
         import llguidance
 
         # Ignored: llguidance takes a boolean schema too; its stub says str | dict only.
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            spec.schema_value(), overrides=_JSON_OPTIONS
+        )  # type: ignore[arg-type]
         matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} constraint: {matcher.get_error()}")
@@ -77,7 +82,9 @@ def check_spec(spec: ConstraintSpec) -> str | None:
     import llguidance
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_value(), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]  # a bool schema: as make()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            spec.schema_value(), overrides=_JSON_OPTIONS
+        )  # type: ignore[arg-type]  # a bool schema: as make()
     except (ValueError, TypeError) as e:
         return str(e)
     return llguidance.LLMatcher.validate_grammar(grammar) or None
@@ -113,6 +120,11 @@ class LLGuidanceConstraint(TokenConstraint):
         return bool(self.matcher.is_stopped())
 
 
-def make_constraint(spec: ConstraintSpec, tokenizer: Any, vocab_size: int | None = None, eos_ids: list[int] | None = None) -> TokenConstraint:
+def make_constraint(
+    spec: ConstraintSpec,
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    eos_ids: list[int] | None = None,
+) -> TokenConstraint:
     """One-off convenience; engines should keep a GrammarCompiler and call `make`."""
     return GrammarCompiler(tokenizer, vocab_size, eos_ids).make(spec)

@@ -3,6 +3,7 @@
 It crosses the process boundary on GenerateRequest, so it holds strings, never compiled
 grammars (those are built in the engine, where the tokenizer lives).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ class ConstraintSpec:
             raise ValueError(f"a {self.kind} constraint needs a schema")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool, kind: Kind = "json_schema") -> ConstraintSpec:
+    def json_schema(
+        cls, schema: dict[str, Any] | bool, kind: Kind = "json_schema"
+    ) -> ConstraintSpec:
         return cls(kind, json.dumps(schema, sort_keys=True))
 
     def schema_value(self) -> dict[str, Any] | bool:

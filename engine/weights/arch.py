@@ -13,6 +13,7 @@ would otherwise hide from us, because we read the safetensors files ourselves:
 The on-disk names of real checkpoints come from their published model.safetensors.index.json
 files; tests/test_architectures.py builds tiny checkpoints with those names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,13 +31,26 @@ _W13_2 = ("w1", "w3", "w2")  # Mixtral-style names: w1 = gate, w3 = up, w2 = dow
 class ArchSpec:
     model_type: str
     disk_block: str = "mlp"  # name of the sparse block under model.layers.{l} in checkpoint files
-    gate_up_down: tuple[str, ...] = _SWIGLU  # per-expert projection names on disk ("" = no per-expert layout)
-    fused: tuple[str, ...] = ("experts.gate_up_proj", "experts.down_proj")  # fused tensors under the block, kernel order
+    gate_up_down: tuple[str, ...] = (
+        _SWIGLU  # per-expert projection names on disk ("" = no per-expert layout)
+    )
+    fused: tuple[str, ...] = (
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    )  # fused tensors under the block, kernel order
     kernel: str = "swiglu"  # swiglu | gpt_oss | llama4
-    renames: tuple[tuple[str, str], ...] = ()  # (in-memory fragment, on-disk fragment) for dense weights
-    prefixes: tuple[tuple[str, str], ...] = ()  # (in-memory prefix, on-disk prefix): wrappers tried before the plain name
-    text_config: bool = False  # config.json describes a multimodal wrapper; we run config.text_config
-    by_structure: bool = False  # not in the table: run because its blocks match the structure, checked at load
+    renames: tuple[
+        tuple[str, str], ...
+    ] = ()  # (in-memory fragment, on-disk fragment) for dense weights
+    prefixes: tuple[
+        tuple[str, str], ...
+    ] = ()  # (in-memory prefix, on-disk prefix): wrappers tried before the plain name
+    text_config: bool = (
+        False  # config.json describes a multimodal wrapper; we run config.text_config
+    )
+    by_structure: bool = (
+        False  # not in the table: run because its blocks match the structure, checked at load
+    )
 
 
 # Qwen3.5 and 3.6 checkpoints are multimodal (model_type qwen3_5_moe) and keep the text model under
@@ -56,16 +70,33 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3_5_moe": ArchSpec("qwen3_5_moe", prefixes=_QWEN35_PREFIX, text_config=True),
     "deepseek_v3": ArchSpec("deepseek_v3"),
     "glm4_moe": ArchSpec("glm4_moe"),
-    "ernie4_5_moe": ArchSpec("ernie4_5_moe", renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)),
+    "ernie4_5_moe": ArchSpec(
+        "ernie4_5_moe", renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)
+    ),
     "minimax_m2": ArchSpec("minimax_m2", "block_sparse_moe", _W13_2),
-    "phimoe": ArchSpec("phimoe", "block_sparse_moe", _W13_2, renames=((".block_sparse_moe.router.", ".block_sparse_moe.gate."),)),
+    "phimoe": ArchSpec(
+        "phimoe",
+        "block_sparse_moe",
+        _W13_2,
+        renames=((".block_sparse_moe.router.", ".block_sparse_moe.gate."),),
+    ),
     "granitemoe": ArchSpec(
-        "granitemoe", "block_sparse_moe", (), ("input_linear.weight", "output_linear.weight"),
+        "granitemoe",
+        "block_sparse_moe",
+        (),
+        ("input_linear.weight", "output_linear.weight"),
         renames=((".router.weight", ".router.layer.weight"),),
     ),
     "gpt_oss": ArchSpec(
-        "gpt_oss", gate_up_down=(), kernel="gpt_oss",
-        fused=("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias"),
+        "gpt_oss",
+        gate_up_down=(),
+        kernel="gpt_oss",
+        fused=(
+            "experts.gate_up_proj",
+            "experts.gate_up_proj_bias",
+            "experts.down_proj",
+            "experts.down_proj_bias",
+        ),
     ),
     "llama4_text": ArchSpec("llama4_text", prefixes=_LLAMA4_PREFIX, **_LLAMA4),
     "llama4": ArchSpec("llama4", prefixes=_LLAMA4_PREFIX, text_config=True, **_LLAMA4),
@@ -77,7 +108,9 @@ def arch_for(model_type: str, config_path: str = "config.json") -> ArchSpec:
     transformers' own names on disk, SwiGLU experts. Such a model runs when its sparse blocks match
     the structure (engine/weights/moe_hook.py), each checked at load against its own forward."""
     if not model_type or model_type == "None":
-        raise CheckpointError(f"{config_path}: no model_type; a Hugging Face config.json names its architecture")
+        raise CheckpointError(
+            f"{config_path}: no model_type; a Hugging Face config.json names its architecture"
+        )
     return ARCHS.get(model_type) or ArchSpec(model_type, by_structure=True)
 
 
@@ -101,7 +134,7 @@ def disk_names(spec: ArchSpec, memory_name: str) -> list[str]:
     for mem, disk in spec.renames:
         names = [n.replace(mem, disk) for n in names if mem in n] + names
     for mem, disk in spec.prefixes:
-        names = [disk + n[len(mem):] for n in names if n.startswith(mem)] + names
+        names = [disk + n[len(mem) :] for n in names if n.startswith(mem)] + names
     return list(dict.fromkeys(names))
 
 
@@ -110,4 +143,5 @@ def unsupported(model_type: str, config_path: str) -> CheckpointError:
     return CheckpointError(
         f"{config_path}: unsupported architecture model_type={model_type!r}: no sparse MoE block matches the structure "
         f"(an `experts` module with fused 3-D weights beside a router whose weight is [num_experts, hidden]); "
-        f"known by name: {', '.join(sorted(ARCHS))}")
+        f"known by name: {', '.join(sorted(ARCHS))}"
+    )

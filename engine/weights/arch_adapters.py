@@ -1,6 +1,7 @@
 """Per-architecture adapters, only where a sparse block deviates from the generic one
 (engine/weights/moe_hook.py). Each says what differs and mirrors the transformers block's
 own forward, so routing and the dense parts stay exactly as trained."""
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,9 @@ from engine.weights.moe_hook import BlockAdapter
 class MiniMaxM2Adapter(BlockAdapter):
     """The router takes the block's score-correction bias (a block buffer) as an argument."""
 
-    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, block: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return getattr(block, self.router)(x, block.e_score_correction_bias)
 
 
@@ -39,15 +42,21 @@ class Llama4Adapter(BlockAdapter):
         super().__init__(native, model_type)
         k = getattr(getattr(native, self.router), "top_k", 1)
         if k != 1:
-            raise CheckpointError(f"model_type={model_type!r}: Llama 4 with num_experts_per_tok={k} is not supported (only 1, as released)")
+            raise CheckpointError(
+                f"model_type={model_type!r}: Llama 4 with num_experts_per_tok={k} is not supported (only 1, as released)"
+            )
 
-    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, block: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router = getattr(block, self.router)
         scores, logits = router(x)  # [T, E] sigmoid of the top-k logits, 0 elsewhere; [T, E]
         ids = torch.topk(logits, router.top_k, dim=1).indices  # the router's own choice
         return logits, scores.gather(1, ids), ids
 
-    def expert_inputs(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_inputs(
+        self, x: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return x * weights, torch.ones_like(weights)
 
     def output(self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> tuple:

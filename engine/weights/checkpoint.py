@@ -5,6 +5,7 @@ disk tier needs each tensor's absolute byte range to issue uncached reads, and
 because a truncated file must be caught at load time with a clear message
 instead of failing later inside a background transfer.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,18 @@ class TensorLocation:
     def slice_first_dim(self, index: int) -> TensorLocation:
         """The location of `tensor[index]`, which is contiguous because storage is row-major."""
         if not self.shape or not 0 <= index < self.shape[0]:
-            raise CheckpointError(f"{self.path}: tensor {self.name} has no row {index} (shape {self.shape})")
+            raise CheckpointError(
+                f"{self.path}: tensor {self.name} has no row {index} (shape {self.shape})"
+            )
         row = self.nbytes // self.shape[0]
-        return TensorLocation(f"{self.name}[{index}]", self.path, self.offset + index * row, row, self.dtype, self.shape[1:])
+        return TensorLocation(
+            f"{self.name}[{index}]",
+            self.path,
+            self.offset + index * row,
+            row,
+            self.dtype,
+            self.shape[1:],
+        )
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
@@ -62,10 +72,14 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file ({size} bytes, no header)"
+                )
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > _MAX_HEADER or 8 + header_len > size:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, file has {size})")
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, file has {size})"
+                )
             header = json.loads(f.read(header_len))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
@@ -84,7 +98,9 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             begin, end = (int(x) for x in info["data_offsets"])
             shape = tuple(int(s) for s in info["shape"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}") from None
+            raise CheckpointError(
+                f"{path}: corrupt safetensors entry for tensor {name!r}"
+            ) from None
         if data_start + end > size:
             raise CheckpointError(
                 f"{path}: truncated safetensors file: tensor {name} ends at byte {data_start + end} but the file has {size} bytes"
@@ -105,7 +121,9 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
         try:
             weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index_file}: corrupt index (expected a JSON object with 'weight_map')") from None
+            raise CheckpointError(
+                f"{index_file}: corrupt index (expected a JSON object with 'weight_map')"
+            ) from None
         files = sorted({model_dir / f for f in weight_map.values()})
         for f in files:
             if not f.exists():
@@ -113,7 +131,9 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(f"{model_dir}: no *.safetensors weights found (expected model.safetensors or an index)")
+            raise CheckpointError(
+                f"{model_dir}: no *.safetensors weights found (expected model.safetensors or an index)"
+            )
     out: dict[str, TensorLocation] = {}
     for f in files:
         out.update(read_header(f))

@@ -11,6 +11,7 @@ Two on-disk layouts occur, and both are read by offset without conversion:
 - per-expert tensors (`experts.{e}.gate_proj.weight`, ...), what save_pretrained writes for
   most families.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,24 +73,40 @@ class ExpertLocator:
         self._segments: dict[tuple[int, int], list[TensorLocation]] = {}
         for layer in moe_layers:
             blocks = block_prefixes(spec, layer)
-            fused = next((b for b in blocks if all(f"{b}.{n}" in tensors for n in spec.fused)), None)
-            per_expert = next((b for b in blocks if spec.gate_up_down and f"{b}.experts.0.{spec.gate_up_down[0]}.weight" in tensors), blocks[0])
+            fused = next(
+                (b for b in blocks if all(f"{b}.{n}" in tensors for n in spec.fused)), None
+            )
+            per_expert = next(
+                (
+                    b
+                    for b in blocks
+                    if spec.gate_up_down
+                    and f"{b}.experts.0.{spec.gate_up_down[0]}.weight" in tensors
+                ),
+                blocks[0],
+            )
             for e in range(num_experts):
                 if fused is not None:
                     segs = [tensors[f"{fused}.{n}"].slice_first_dim(e) for n in spec.fused]
                     want = [s for _, s in views]
                 else:
                     if not spec.gate_up_down:
-                        raise CheckpointError(f"checkpoint is missing expert tensor {blocks[0]}.{spec.fused[0]} (layer {layer})")
+                        raise CheckpointError(
+                            f"checkpoint is missing expert tensor {blocks[0]}.{spec.fused[0]} (layer {layer})"
+                        )
                     names = [f"{per_expert}.experts.{e}.{p}.weight" for p in spec.gate_up_down]
                     missing = [n for n in names if n not in tensors]
                     if missing:
-                        raise CheckpointError(f"checkpoint is missing expert tensor {missing[0]} (layer {layer}, expert {e})")
+                        raise CheckpointError(
+                            f"checkpoint is missing expert tensor {missing[0]} (layer {layer}, expert {e})"
+                        )
                     segs = [tensors[n] for n in names]
                     want = [(I, H), (I, H), (H, I)]
                 for seg, w in zip(segs, want):
                     if tuple(seg.shape) != tuple(w):
-                        raise CheckpointError(f"{seg.path}: tensor {seg.name} has shape {tuple(seg.shape)}, expected {tuple(w)}")
+                        raise CheckpointError(
+                            f"{seg.path}: tensor {seg.name} has shape {tuple(seg.shape)}, expected {tuple(w)}"
+                        )
                 self._segments[(layer, e)] = segs
 
     def segments(self, layer: int, expert: int) -> list[TensorLocation]:

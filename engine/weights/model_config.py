@@ -1,5 +1,6 @@
 """What a model directory's config.json says, and the device and dtype the engine runs it in: read before any
 weights (engine/worker/loader.py builds the model; engine/memory plans from the same reading)."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ def read_config(model_dir: Path) -> PretrainedConfig:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory not found")
     if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path}: missing (a Hugging Face model directory needs config.json)")
+        raise CheckpointError(
+            f"{cfg_path}: missing (a Hugging Face model directory needs config.json)"
+        )
     try:
         model_type = json.loads(cfg_path.read_text()).get("model_type")
     except json.JSONDecodeError as e:
@@ -31,13 +34,17 @@ def read_config(model_dir: Path) -> PretrainedConfig:
     config.output_router_logits = False
     return config
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
+        raise ConfigError(
+            f"device {name!r} requested but no CUDA GPU is available; use --device cpu"
+        )
     return dev
+
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     if name == "auto":
@@ -45,12 +52,21 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
         # keep it: float32 on a CPU doubled a bf16 checkpoint in memory. --dtype float32 is the exact reference.
         return checkpoint_dtype(config)
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            name
+        ]
     except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
+        raise ConfigError(
+            f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16"
+        ) from None
+
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     """The dtype config.json states (float32 where it states none, as transformers' default)."""
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    d = d if isinstance(d, torch.dtype) else getattr(torch, str(d or "float32").removeprefix("torch."), None)
+    d = (
+        d
+        if isinstance(d, torch.dtype)
+        else getattr(torch, str(d or "float32").removeprefix("torch."), None)
+    )
     return d if d in (torch.float32, torch.bfloat16, torch.float16) else torch.float32

@@ -10,6 +10,7 @@ as `router(x) -> (logits, top-k weights, top-k ids)` and adds `shared_expert(x)`
 `sigmoid(shared_expert_gate(x))` when there is one) or `shared_experts(x)`. Architectures that
 deviate get a small subclass in engine/weights/arch_adapters.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _fused_experts(module: nn.Module) -> bool:
     gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+    return (
+        isinstance(gu, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gu.dim() == 3
+        and down.dim() == 3
+    )
 
 
 def router_name(block: nn.Module) -> str | None:
@@ -66,8 +72,14 @@ def _router_weight(child: nn.Module, E: int) -> torch.Tensor | None:
     """The child's [E, hidden] weight: its own, or that of its one linear layer (HunYuan's gate.wg)."""
     w = getattr(child, "weight", None)
     if not isinstance(w, torch.Tensor):
-        inner = [m for m in child.children() if isinstance(getattr(m, "weight", None), torch.Tensor)]
-        w = inner[0].weight if len(inner) == 1 and not any(True for _ in child.parameters(recurse=False)) else None
+        inner = [
+            m for m in child.children() if isinstance(getattr(m, "weight", None), torch.Tensor)
+        ]
+        w = (
+            inner[0].weight
+            if len(inner) == 1 and not any(True for _ in child.parameters(recurse=False))
+            else None
+        )
     return w if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == E else None
 
 
@@ -100,13 +112,21 @@ class BlockAdapter:
         assert router is not None, "not a sparse MoE block"
         self.router: str = router
         self._logits_are_linear: bool | None = None  # router_logits' shortcut, checked on first use
-        self._logits_dtype = torch.float32  # the dtype the router computes its logits in, when linear
-        self._native_router: NativeTopKRouter | Literal[False] | None = None  # decided on the first one-token step
+        self._logits_dtype = (
+            torch.float32
+        )  # the dtype the router computes its logits in, when linear
+        self._native_router: NativeTopKRouter | Literal[False] | None = (
+            None  # decided on the first one-token step
+        )
         # Routers that return their top-k in descending order (torch.topk's default, and the native router
         # standing in for them): the block need not sort them again.
         self.sorted_topk = type(getattr(native, self.router)).__name__ in ROUTER_CLASSES
-        unknown = [n for n, c in native.named_children()
-                   if n not in ("experts", self.router, *self.known_children()) and any(True for _ in c.parameters())]
+        unknown = [
+            n
+            for n, c in native.named_children()
+            if n not in ("experts", self.router, *self.known_children())
+            and any(True for _ in c.parameters())
+        ]
         if unknown:
             raise CheckpointError(
                 f"model_type={model_type!r}: sparse block {type(native).__name__} has a part this engine does not "
@@ -128,15 +148,21 @@ class BlockAdapter:
             if name != "experts":
                 block.add_module(name, child)
         for name, buf in native.named_buffers(recurse=False):
-            block.register_buffer(name, buf, persistent=name not in native._non_persistent_buffers_set)
+            block.register_buffer(
+                name, buf, persistent=name not in native._non_persistent_buffers_set
+            )
 
-    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, block: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> router logits [T, E], top-k weights [T, k], top-k ids [T, k]."""
         # The router's forward straight from the module table: no hooks are registered on it, and
         # this runs once per layer in every decode step.
         router = block._modules[self.router]
         assert router is not None  # the block's router child (router_name found it)
-        if x.shape[0] == 1:  # a one-token step: the native router where it applies (engine/native/router.py)
+        if (
+            x.shape[0] == 1
+        ):  # a one-token step: the native router where it applies (engine/native/router.py)
             if self._native_router is None:
                 self.decide_native_router(block)
             if self._native_router:
@@ -152,7 +178,9 @@ class BlockAdapter:
         if self._native_router is None:
             router = block._modules[self.router]
             assert router is not None
-            self._native_router = NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+            self._native_router = (
+                NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+            )
         return self._native_router
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -171,23 +199,33 @@ class BlockAdapter:
             if w is not None and w.dim() == 2 and w.shape[1] == x.shape[-1]:
                 for dtype in (w.dtype, torch.float32):
                     out = self._linear(x, w, b, dtype)
-                    if ref.shape == out.shape and bool(torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5)):
+                    if ref.shape == out.shape and bool(
+                        torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-5)
+                    ):
                         self._logits_are_linear, self._logits_dtype = True, dtype
                         break
             return ref
         return self._linear(x, w, b, self._logits_dtype)  # type: ignore[arg-type]
 
     @staticmethod
-    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+    def _linear(
+        x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return torch.nn.functional.linear(
+            x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+        )
 
     def _weight_and_bias(self, block: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The router's `weight` and `bias` tensors, each None where it has none."""
         router = getattr(block, self.router)
         w, b = getattr(router, "weight", None), getattr(router, "bias", None)
-        return (w if isinstance(w, torch.Tensor) else None), (b if isinstance(b, torch.Tensor) else None)
+        return (w if isinstance(w, torch.Tensor) else None), (
+            b if isinstance(b, torch.Tensor) else None
+        )
 
-    def router_linear(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def router_linear(
+        self, block: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight [E, H], bias or None) when this router's logits are its linear map of x (checked
         with `x`, a sample input, the first time), else None."""
         if self._logits_are_linear is None:
@@ -210,7 +248,9 @@ class BlockAdapter:
         bias = getattr(block, "e_score_correction_bias", None) if bias is None else bias
         return None if bias is None else bias.float()
 
-    def expert_inputs(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_inputs(
+        self, x: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What the executor runs: the experts' input rows and the weights scaling their outputs."""
         return x, weights
 
@@ -228,14 +268,18 @@ class BlockAdapter:
         gate = modules.get("shared_expert_gate")
         return F.sigmoid(gate(x)) * out if gate is not None else out
 
-    def output(self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | tuple:
+    def output(
+        self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | tuple:
         return out
 
 
 def fused_expert_tensors(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse block's fused `experts.gate_up_proj` and `experts.down_proj` (3-D each)."""
     experts = block.experts
-    assert isinstance(experts, nn.Module)  # a sparse block's `experts` child (router_name checked it)
+    assert isinstance(
+        experts, nn.Module
+    )  # a sparse block's `experts` child (router_name checked it)
     gate_up, down = experts.gate_up_proj, experts.down_proj
     assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
     return gate_up, down
@@ -251,11 +295,15 @@ def expert_geometry(block: nn.Module, transposed: bool) -> tuple[int, int, int, 
     router = getattr(block, router_name(block) or "")
     top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None)
     if top_k is None:
-        raise CheckpointError(f"{type(block).__name__}: cannot tell how many experts its router picks (no top_k)")
+        raise CheckpointError(
+            f"{type(block).__name__}: cannot tell how many experts its router picks (no top_k)"
+        )
     return int(E), int(H), int(two_i) // 2, int(top_k)
 
 
-def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: str, seed: int = 0) -> None:
+def verify_block(
+    native: nn.Module, adapter: BlockAdapter, kernel, model_type: str, seed: int = 0
+) -> None:
     """Check once, for an architecture run by structure alone, that the generic hook computes what
     the block's own forward does: a random-weight float32 copy of the block, three random rows,
     through both. Raise CheckpointError, one line, naming what differs.
@@ -267,7 +315,10 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in test.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if name.startswith(adapter.router or "-") else 0.05))
+            p.copy_(
+                torch.randn(p.shape, generator=g)
+                * (0.5 if name.startswith(adapter.router or "-") else 0.05)
+            )
         for _, b in test.named_buffers():
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
@@ -290,8 +341,12 @@ def verify_block(native: nn.Module, adapter: BlockAdapter, kernel, model_type: s
         ref2 = ref.reshape(out.shape).float()
     if not torch.allclose(out, ref2, rtol=1e-4, atol=1e-5):
         only_routed = dense is not None and torch.allclose(routed, ref2, rtol=1e-4, atol=1e-5)
-        what = ("its output equals the routed experts alone: it does not add its shared part as the hook does" if only_routed else
-                "the routed experts (router weights, expert kernel) or the shared part combine differently")
+        what = (
+            "its output equals the routed experts alone: it does not add its shared part as the hook does"
+            if only_routed
+            else "the routed experts (router weights, expert kernel) or the shared part combine differently"
+        )
         raise CheckpointError(
             f"model_type={model_type!r}: sparse block {type(native).__name__} does not compute what the generic MoE hook does "
-            f"(max |difference| {float((out - ref2).abs().max()):.2e} on a random row; {what}); it needs an adapter in engine/weights/arch_adapters.py")
+            f"(max |difference| {float((out - ref2).abs().max()):.2e} on a random row; {what}); it needs an adapter in engine/weights/arch_adapters.py"
+        )

@@ -14,6 +14,7 @@ decline for what only it knows (its first-call checks not run yet, the cache pas
 attention's range). Every forward's path and every decline's reason is counted in EngineStats, so
 `generate --json` and /metrics say which path each step took.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,12 +26,20 @@ MAX_FUSED_ROWS = 16  # rows of one fused step (engine/native/decode_layer.c)
 
 # Why a step did not take the fused path: a fixed vocabulary (they are metric labels).
 TOO_MANY_ROWS = "more than 16 rows"  # a long prefill chunk, or many requests at once
-PROMPT_START = "a prompt's first rows"  # a request with nothing cached yet: its prompt goes layer by layer
+PROMPT_START = (
+    "a prompt's first rows"  # a request with nothing cached yet: its prompt goes layer by layer
+)
 EXPERTS_CAN_MISS = "experts can miss"  # a partial fast tier, or the tier still filling
-EXPERTS_PLANNED = "experts planned per layer"  # CPU-run experts or the utility estimator plan each layer
-LIVE_LISTENER = "live routing listener"  # a predictor that must see each layer before its experts run
+EXPERTS_PLANNED = (
+    "experts planned per layer"  # CPU-run experts or the utility estimator plan each layer
+)
+LIVE_LISTENER = (
+    "live routing listener"  # a predictor that must see each layer before its experts run
+)
 TIMED_BLOCK = "a timed MoE block"  # a benchmark times each block's calls (OffloadedMoeBlock.timers)
-CHECKS_PENDING = "first-call checks pending"  # the native norms and routers have not been checked yet
+CHECKS_PENDING = (
+    "first-call checks pending"  # the native norms and routers have not been checked yet
+)
 OUT_OF_RANGE = "past the native attention range"
 LAYER_UNSUPPORTED = "a layer it cannot run"  # for good: the plan's log line says which and why
 NOT_PLANNED = "not in the plan"  # --forward lean, or the native attention off
@@ -86,14 +95,17 @@ class ExecutionPlan:
 
     def with_choice(self, what: str, chosen: str, why: str) -> ExecutionPlan:
         """The plan with one more line (speculation, resolved by the front end)."""
-        return ExecutionPlan(self.forward, self.native_attention, self.choices + (Choice(what, chosen, why),))
+        return ExecutionPlan(
+            self.forward, self.native_attention, self.choices + (Choice(what, chosen, why),)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {c.what: {"chosen": c.chosen, "why": c.why} for c in self.choices}
 
 
-def resolve_plan(cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, complete: bool,
-                 router: str) -> ExecutionPlan:
+def resolve_plan(
+    cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, complete: bool, router: str
+) -> ExecutionPlan:
     """The plan for EngineConfig `cfg`. lean_ok: None where the lean forward supports the model, else why
     not; kernels: the native kernels' line ("on: ..." or "off: why"); on_cpu: the compute device is the CPU;
     complete: every routed expert fits the fast tier; router: the router line. Raises ConfigError, in one
@@ -102,7 +114,9 @@ def resolve_plan(cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, c
     if cfg.forward in ("fused", "lean") and lean_ok is not None:
         raise ConfigError(f"--forward {cfg.forward}: {lean_ok}; use --forward auto or transformers")
     if cfg.decode_attention == "native" and not (native and on_cpu):
-        raise ConfigError("--decode-attention native needs the native CPU kernels on a CPU; use auto or sdpa")
+        raise ConfigError(
+            "--decode-attention native needs the native CPU kernels on a CPU; use auto or sdpa"
+        )
     if cfg.forward == "fused" and not (native and on_cpu):
         raise ConfigError("--forward fused needs the native CPU kernels on a CPU; use auto or lean")
     native_attention = native and on_cpu and cfg.decode_attention != "sdpa"
@@ -113,20 +127,48 @@ def resolve_plan(cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, c
     elif cfg.forward == "lean":
         forward, why = "lean", "--forward lean"
     elif not native_attention:
-        forward, why = "lean", "fused step declined: " + ("the native attention off (--decode-attention sdpa)"
-                                                           if native and on_cpu else "needs the native CPU kernels on a CPU")
+        forward, why = (
+            "lean",
+            "fused step declined: "
+            + (
+                "the native attention off (--decode-attention sdpa)"
+                if native and on_cpu
+                else "needs the native CPU kernels on a CPU"
+            ),
+        )
     else:
-        forward, why = "fused", ("one native call a layer for steps of up to 16 rows after cached positions (decode rows"
-                                 " of a batch, verification windows) whose experts are all resident; the others layer by layer")
+        forward, why = (
+            "fused",
+            (
+                "one native call a layer for steps of up to 16 rows after cached positions (decode rows"
+                " of a batch, verification windows) whose experts are all resident; the others layer by layer"
+            ),
+        )
     if forward == "fused" and not complete:
         why += " (the fast tier holds fewer than all routed experts: most steps can miss, and go layer by layer)"
-    attention = ("native" if native_attention else "sdpa", "one call a decode row up to 1024 cached positions"
-                 if native_attention else ("--decode-attention sdpa" if cfg.decode_attention == "sdpa" else kernels))
+    attention = (
+        "native" if native_attention else "sdpa",
+        "one call a decode row up to 1024 cached positions"
+        if native_attention
+        else ("--decode-attention sdpa" if cfg.decode_attention == "sdpa" else kernels),
+    )
     if forward == "transformers":
         attention = ("transformers", "the model's own attention")
-    experts = (("resident lane", "every routed expert resident: no planning per layer") if complete and cfg.cpu_experts == "off"
-               else ("cpu split", f"--cpu-experts {cfg.cpu_experts}: misses may run on CPU workers") if cfg.cpu_experts != "off"
-               else ("streaming", f"a fast tier of part of the experts ({cfg.offload} slow tier, --policy {cfg.policy})"))
-    choices = (Choice("forward", forward, why), Choice("attention", *attention), Choice("experts", *experts),
-               Choice("router", *router.split(": ", 1)), Choice("native kernels", *kernels.split(": ", 1)))
+    experts = (
+        ("resident lane", "every routed expert resident: no planning per layer")
+        if complete and cfg.cpu_experts == "off"
+        else ("cpu split", f"--cpu-experts {cfg.cpu_experts}: misses may run on CPU workers")
+        if cfg.cpu_experts != "off"
+        else (
+            "streaming",
+            f"a fast tier of part of the experts ({cfg.offload} slow tier, --policy {cfg.policy})",
+        )
+    )
+    choices = (
+        Choice("forward", forward, why),
+        Choice("attention", *attention),
+        Choice("experts", *experts),
+        Choice("router", *router.split(": ", 1)),
+        Choice("native kernels", *kernels.split(": ", 1)),
+    )
     return ExecutionPlan(forward, native_attention and forward != "transformers", choices)

@@ -31,6 +31,7 @@ ulps in the test; the tiny checkpoints and the embedded model came out bit-ident
 router is checked once against its module's forward on a random row when the step is built.
 `--forward lean` turns it off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -56,17 +57,63 @@ MAX_ROWS = 16
 class LayerSpec(ctypes.Structure):
     """decode_layer.c's `layer_spec_t`: the same fields in the same order."""
 
-    _fields_ = ([(n, _I64) for n in ("xtype", "proj_wtype", "norm_wtype", "expert_wtype", "H", "hq", "hk", "d", "rot", "E",
-                                     "topk", "I", "norm_topk")]
-                + [(n, _F) for n in ("q_eps", "k_eps", "post_eps", "next_eps", "scale", "pad_")]
-                + [(n, _P) for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "post_norm", "next_norm",
-                                     "router", "gate_up", "gate_up_scale", "down", "down_scale", "sh_gate", "sh_up", "sh_down",
-                                     "sh_gate_w")]
-                + [(n, _I64) for n in ("sh_I", "router_kind", "router_wtype", "n_group", "topk_group")]
-                + [("score_bias", _P)] + [(n, _F) for n in ("routed_scale", "pad2_")]
-                + [(n, _P) for n in ("route_x", "route_logits", "route_weights", "route_ids")])
+    _fields_ = (
+        [
+            (n, _I64)
+            for n in (
+                "xtype",
+                "proj_wtype",
+                "norm_wtype",
+                "expert_wtype",
+                "H",
+                "hq",
+                "hk",
+                "d",
+                "rot",
+                "E",
+                "topk",
+                "I",
+                "norm_topk",
+            )
+        ]
+        + [(n, _F) for n in ("q_eps", "k_eps", "post_eps", "next_eps", "scale", "pad_")]
+        + [
+            (n, _P)
+            for n in (
+                "wq",
+                "wk",
+                "wv",
+                "wo",
+                "bq",
+                "bk",
+                "bv",
+                "bo",
+                "q_norm",
+                "k_norm",
+                "post_norm",
+                "next_norm",
+                "router",
+                "gate_up",
+                "gate_up_scale",
+                "down",
+                "down_scale",
+                "sh_gate",
+                "sh_up",
+                "sh_down",
+                "sh_gate_w",
+            )
+        ]
+        + [(n, _I64) for n in ("sh_I", "router_kind", "router_wtype", "n_group", "topk_group")]
+        + [("score_bias", _P)]
+        + [(n, _F) for n in ("routed_scale", "pad2_")]
+        + [(n, _P) for n in ("route_x", "route_logits", "route_weights", "route_ids")]
+    )
+
+
 ROUTER_SOFTMAX, ROUTER_SIGMOID, ROUTER_NONE = 0, 1, 2  # decode_layer.c's router kinds
-SIGMOID_ROUTERS = frozenset({"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"})  # router_sigmoid's arithmetic, checked on first build
+SIGMOID_ROUTERS = frozenset(
+    {"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"}
+)  # router_sigmoid's arithmetic, checked on first build
 
 
 class NotYet(Exception):
@@ -82,23 +129,35 @@ class FusedDecode:
 
     def __init__(self, kernels: NativeKernels, layers: list, final_norm: nn.Module) -> None:
         self.kernels, self.layers, self.final_norm = kernels, layers, final_norm
-        self.state = "pending"  # "pending": try to build at the next step; "ready"; "off": never (see why)
+        self.state = (
+            "pending"  # "pending": try to build at the next step; "ready"; "off": never (see why)
+        )
         self.why = ""
         self._specs: list[LayerSpec] = []
-        self._keep: list[object] = []  # the pointer tables the specs point into: alive as long as they are
+        self._keep: list[
+            object
+        ] = []  # the pointer tables the specs point into: alive as long as they are
         # The MoE blocks (dense layers have none), whose stores and listeners each step checks.
-        self._blocks: list[OffloadedMoeBlock] = [layer.mlp for layer in layers if isinstance(layer.mlp, OffloadedMoeBlock)]
+        self._blocks: list[OffloadedMoeBlock] = [
+            layer.mlp for layer in layers if isinstance(layer.mlp, OffloadedMoeBlock)
+        ]
         if not self._blocks:
             self.state, self.why = "off", "no routed experts"
-        self._hit_calls: list[tuple[OffloadedMoeBlock, int]] = []  # each MoE block and the experts its router picks
+        self._hit_calls: list[
+            tuple[OffloadedMoeBlock, int]
+        ] = []  # each MoE block and the experts its router picks
         # Each MoE layer's routing as the native call writes it: (block, x [1, H], logits [1, E] f32,
         # weights [1, k] f32, ids [1, k] int64), published on the routing bus after the step (deferred listeners).
-        self._routes: list[tuple[OffloadedMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._routes: list[
+            tuple[OffloadedMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []
         self._rot = -1
         self._positions = 0  # cached positions the scratch buffer has room for
         self._dtype: torch.dtype | None = None
         self._work: torch.Tensor | None = None
-        self._kv_like: torch.Tensor | None = None  # [1, hk, MAX_ROWS, d] rows for a cache layer's first append or growth
+        self._kv_like: torch.Tensor | None = (
+            None  # [1, hk, MAX_ROWS, d] rows for a cache layer's first append or growth
+        )
         self._row_kv: tuple = ()
 
     def shape_flags(self) -> tuple[bool, bool, bool, bool]:
@@ -113,8 +172,16 @@ class FusedDecode:
             wrapped = wrapped or bool(block.timers)  # a benchmark's timer must see the block run
         return resident, planned, live, wrapped
 
-    def step(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[DynamicCache],
-             rows: tuple[int, ...], max_positions: int) -> str | None:
+    def step(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[DynamicCache],
+        rows: tuple[int, ...],
+        max_positions: int,
+    ) -> str | None:
         """Run every layer on x (the embedded rows [R, H], R = sum(rows) <= MAX_ROWS: rows[i] of request i, whose
         cache is caches[i], in that order) and h (their input norm), in place: x ends as the residual stream and
         h as the final norm's output. A request's rows are consecutive positions after its cached ones (a decode
@@ -125,32 +192,58 @@ class FusedDecode:
             return dispatch.LAYER_UNSUPPORTED
         if self.state != "ready" and not self._build(x[:1], cos, max_positions):
             return dispatch.LAYER_UNSUPPORTED if self.state == "off" else dispatch.CHECKS_PENDING
-        if x.dtype is not self._dtype or cos.shape[-1] != self._rot or not (cos.is_contiguous() and sin.is_contiguous()):
+        if (
+            x.dtype is not self._dtype
+            or cos.shape[-1] != self._rot
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
             return dispatch.NOT_PLANNED
-        n_specs, limit = len(self._specs), min(max_positions, self._positions)  # the scratch holds scores for _positions
+        n_specs, limit = (
+            len(self._specs),
+            min(max_positions, self._positions),
+        )  # the scratch holds scores for _positions
         for c, n in zip(caches, rows):
             layers: list[Any] = c.layers  # InPlaceLayer, checked here
-            if len(layers) < n_specs or not all(type(layer) is InPlaceLayer for layer in layers[:n_specs]):
+            if len(layers) < n_specs or not all(
+                type(layer) is InPlaceLayer for layer in layers[:n_specs]
+            ):
                 return dispatch.NOT_PLANNED
             if layers[0].get_seq_length() + n > limit:
                 return dispatch.OUT_OF_RANGE
         lib, nt, R = self.kernels.lib, torch.get_num_threads(), x.shape[0]
         assert self._work is not None and self._kv_like is not None  # built
-        xp, hp, cp, sp, work = x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._work.data_ptr()
+        xp, hp, cp, sp, work = (
+            x.data_ptr(),
+            h.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self._work.data_ptr(),
+        )
         kptrs, vptrs, caps, ats = self._row_kv
-        like = [self._kv_like.narrow(2, 0, n) for n in rows]  # [1, hk, n, d]: what each request's rows append
+        like = [
+            self._kv_like.narrow(2, 0, n) for n in rows
+        ]  # [1, hk, n, d]: what each request's rows append
         for i, spec in enumerate(self._specs):
             r, ends = 0, []
             for c, n, kv in zip(caches, rows, like):
                 layer: Any = c.layers[i]
                 kb, vb, at = layer.reserve(kv, kv)
-                if kb.dtype is not kv.dtype:  # a request's cache holds its model's dtype: a bug, not an input
+                if (
+                    kb.dtype is not kv.dtype
+                ):  # a request's cache holds its model's dtype: a bug, not an input
                     raise RuntimeError(f"KV cache in {kb.dtype} for a {kv.dtype} decode step")
                 for j in range(n):
-                    kptrs[r], vptrs[r], caps[r], ats[r] = kb.data_ptr(), vb.data_ptr(), kb.shape[2], at + j
+                    kptrs[r], vptrs[r], caps[r], ats[r] = (
+                        kb.data_ptr(),
+                        vb.data_ptr(),
+                        kb.shape[2],
+                        at + j,
+                    )
                     r += 1
                 ends.append((layer, at + n))
-            rc = lib.decode_layer(ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, caps, ats, work, nt)
+            rc = lib.decode_layer(
+                ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, caps, ats, work, nt
+            )
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
             for layer, end in ends:
@@ -166,8 +259,15 @@ class FusedDecode:
         rewritten by the next step). As the layer-by-layer path publishes it, the top-k best first by
         weight; the logits and weights in float32."""
         for block, x, logits, weights, ids in self._routes:
-            x, logits, w, i = x[:R].clone(), logits[:R].clone(), weights[:R].clone(), ids[:R].clone()
-            if not block.adapter.sorted_topk:  # a sigmoid router's ids come in the order of its biased scores
+            x, logits, w, i = (
+                x[:R].clone(),
+                logits[:R].clone(),
+                weights[:R].clone(),
+                ids[:R].clone(),
+            )
+            if (
+                not block.adapter.sorted_topk
+            ):  # a sigmoid router's ids come in the order of its biased scores
                 order = torch.argsort(w, dim=1, descending=True, stable=True)
                 w, i = w.gather(1, order), i.gather(1, order)
             block.bus.publish(block.layer, x, logits, i, w)
@@ -184,12 +284,20 @@ class FusedDecode:
             self.state, self.why = "off", str(e)
             return False
         self._rot, self._dtype, self._positions = cos.shape[-1], x.dtype, max_positions
-        nbytes = max(self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), max_positions, MAX_ROWS) for s in self._specs)
+        nbytes = max(
+            self.kernels.lib.decode_layer_work_bytes(ctypes.byref(s), max_positions, MAX_ROWS)
+            for s in self._specs
+        )
         self._work = torch.empty(nbytes, dtype=torch.uint8)
         att = self.layers[0].att
         self._kv_like = torch.zeros((1, self._specs[0].hk, MAX_ROWS, att.head_dim), dtype=x.dtype)
         # Each row's KV buffers, their capacities and its position, filled per layer per step.
-        self._row_kv = ((_P * MAX_ROWS)(), (_P * MAX_ROWS)(), (_I64 * MAX_ROWS)(), (_I64 * MAX_ROWS)())
+        self._row_kv = (
+            (_P * MAX_ROWS)(),
+            (_P * MAX_ROWS)(),
+            (_I64 * MAX_ROWS)(),
+            (_I64 * MAX_ROWS)(),
+        )
         self.state = "ready"
         return True
 
@@ -202,15 +310,26 @@ class FusedDecode:
         if isinstance(layer.mlp, OffloadedMoeBlock):
             fields.update(self._moe_fields(layer.mlp, x))
         else:  # a dense layer (GLM-4-MoE's and DeepSeek-V3's first ones): its SwiGLU MLP alone
-            fields.update(_swiglu_fields(layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP"), router_kind=ROUTER_NONE)
+            fields.update(
+                _swiglu_fields(layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP"),
+                router_kind=ROUTER_NONE,
+            )
         return LayerSpec(**fields)
 
-    def _attention_fields(self, layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Tensor) -> dict:
+    def _attention_fields(
+        self, layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Tensor
+    ) -> dict:
         """The LayerSpec fields of the attention half, the norms and the dtypes."""
         dtype, att = x.dtype, layer.att
         norms = [_norm(m, dtype) for m in (layer.in_norm, layer.post_norm, next_norm)]
-        qk = [_norm(m, dtype) for m in (layer.q_norm, layer.k_norm)] if layer.q_norm is not None else [None, None]
-        projections = [_weights(p, dtype) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+        qk = (
+            [_norm(m, dtype) for m in (layer.q_norm, layer.k_norm)]
+            if layer.q_norm is not None
+            else [None, None]
+        )
+        projections = [
+            _weights(p, dtype) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+        ]
         d = att.head_dim
         hq, hk = layer.q_proj.weight.shape[0] // d, layer.k_proj.weight.shape[0] // d
         if hq % hk or hq // hk > 64 or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
@@ -218,13 +337,37 @@ class FusedDecode:
         norm_dtypes = {n.module.weight.dtype for n in norms + [q for q in qk if q is not None]}
         if len(norm_dtypes) != 1:
             raise Unsupported("norm weights of several dtypes")
-        p = [t.data_ptr() if t is not None else None for t in (w for pair in projections for w in pair)]
+        p = [
+            t.data_ptr() if t is not None else None
+            for t in (w for pair in projections for w in pair)
+        ]
         return dict(
-            xtype=X_CODES[dtype], proj_wtype=W_CODES[dtype], norm_wtype=W_CODES[norm_dtypes.pop()], H=x.shape[-1], hq=hq, hk=hk,
-            d=d, rot=cos.shape[-1], q_eps=qk[0].eps if qk[0] else 0.0, k_eps=qk[1].eps if qk[1] else 0.0, post_eps=norms[1].eps,
-            next_eps=norms[2].eps, scale=float(att.scaling), wq=p[0], bq=p[1], wk=p[2], bk=p[3], wv=p[4], bv=p[5], wo=p[6], bo=p[7],
-            q_norm=qk[0].module.weight.data_ptr() if qk[0] else None, k_norm=qk[1].module.weight.data_ptr() if qk[1] else None,
-            post_norm=norms[1].module.weight.data_ptr(), next_norm=norms[2].module.weight.data_ptr())
+            xtype=X_CODES[dtype],
+            proj_wtype=W_CODES[dtype],
+            norm_wtype=W_CODES[norm_dtypes.pop()],
+            H=x.shape[-1],
+            hq=hq,
+            hk=hk,
+            d=d,
+            rot=cos.shape[-1],
+            q_eps=qk[0].eps if qk[0] else 0.0,
+            k_eps=qk[1].eps if qk[1] else 0.0,
+            post_eps=norms[1].eps,
+            next_eps=norms[2].eps,
+            scale=float(att.scaling),
+            wq=p[0],
+            bq=p[1],
+            wk=p[2],
+            bk=p[3],
+            wv=p[4],
+            bv=p[5],
+            wo=p[6],
+            bo=p[7],
+            q_norm=qk[0].module.weight.data_ptr() if qk[0] else None,
+            k_norm=qk[1].module.weight.data_ptr() if qk[1] else None,
+            post_norm=norms[1].module.weight.data_ptr(),
+            next_norm=norms[2].module.weight.data_ptr(),
+        )
 
     def _moe_fields(self, block: OffloadedMoeBlock, x: torch.Tensor) -> dict:
         """The LayerSpec fields of a MoE block: its router, the pointer tables of its experts, its shared expert."""
@@ -238,19 +381,35 @@ class FusedDecode:
         fields = self._router_fields(block, x)
         E = executor.num_experts
         slots = executor.expert_pointers(block.layer)
-        tables = [(_P * E)(*(s[j] for s in slots)) for j in range(4)]  # gate_up, its scales, down, its scales
+        tables = [
+            (_P * E)(*(s[j] for s in slots)) for j in range(4)
+        ]  # gate_up, its scales, down, its scales
         self._keep.append(tables)  # read below, valid for good: step() found the store complete
         self._hit_calls.append((block, fields["topk"]))
         k = fields["topk"]
-        route = (block, torch.zeros((MAX_ROWS, x.shape[-1]), dtype=dtype), torch.zeros((MAX_ROWS, E)),
-                 torch.zeros((MAX_ROWS, k)), torch.zeros((MAX_ROWS, k), dtype=torch.int64))
+        route = (
+            block,
+            torch.zeros((MAX_ROWS, x.shape[-1]), dtype=dtype),
+            torch.zeros((MAX_ROWS, E)),
+            torch.zeros((MAX_ROWS, k)),
+            torch.zeros((MAX_ROWS, k), dtype=torch.int64),
+        )
         self._routes.append(route)  # alive as long as the specs that point into them
-        fields.update(route_x=route[1].data_ptr(), route_logits=route[2].data_ptr(), route_weights=route[3].data_ptr(),
-                      route_ids=route[4].data_ptr())
-        fields.update(E=E, I=moe.intermediate, expert_wtype=W_CODES[moe.weight_dtype],
-                      gate_up=ctypes.addressof(tables[0]), down=ctypes.addressof(tables[2]),
-                      gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
-                      down_scale=ctypes.addressof(tables[3]) if moe.quantized else None)
+        fields.update(
+            route_x=route[1].data_ptr(),
+            route_logits=route[2].data_ptr(),
+            route_weights=route[3].data_ptr(),
+            route_ids=route[4].data_ptr(),
+        )
+        fields.update(
+            E=E,
+            I=moe.intermediate,
+            expert_wtype=W_CODES[moe.weight_dtype],
+            gate_up=ctypes.addressof(tables[0]),
+            down=ctypes.addressof(tables[2]),
+            gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
+            down_scale=ctypes.addressof(tables[3]) if moe.quantized else None,
+        )
         shared = _shared_expert(block)
         if shared is not None:
             fields.update(_swiglu_fields(shared, dtype, f"{where}'s shared expert"))
@@ -269,33 +428,66 @@ class FusedDecode:
         where = f"layer {block.layer}"
         native = block.adapter.decide_native_router(block)
         if isinstance(native, NativeTopKRouter):
-            if native.verified is None:  # not routed a one-token step yet: its check, on a random row
+            if (
+                native.verified is None
+            ):  # not routed a one-token step yet: its check, on a random row
                 native(_probe(native.weight.shape[1], x.dtype, block.layer))
             if native.verified is None:
                 raise NotYet
             if not native.verified or native.top_k > MAX_TOPK:
                 raise Unsupported(f"{where}: the router does not run natively")
-            return dict(router_kind=ROUTER_SOFTMAX, router=native.weight.data_ptr(), topk=native.top_k, norm_topk=int(native.norm))
+            return dict(
+                router_kind=ROUTER_SOFTMAX,
+                router=native.weight.data_ptr(),
+                topk=native.top_k,
+                norm_topk=int(native.norm),
+            )
         router: Any = getattr(block, str(block.adapter.router))
         if type(router).__name__ not in SIGMOID_ROUTERS:
             raise Unsupported(f"{where}: a {type(router).__name__}, which does not run natively")
         w = router.weight
         bias = getattr(router, "e_score_correction_bias", None)
-        bias = bias.detach().float().contiguous() if bias is not None else None  # f32, as the router adds it
-        k, groups, keep, norm, scale = (router.top_k, router.num_group, router.topk_group, bool(router.norm_topk_prob),
-                                        float(router.routed_scaling_factor))
-        if w.dtype not in W_CODES or w.dtype == torch.int8 or not w.is_contiguous() or w.device.type != "cpu" or k > MAX_TOPK:
+        bias = (
+            bias.detach().float().contiguous() if bias is not None else None
+        )  # f32, as the router adds it
+        k, groups, keep, norm, scale = (
+            router.top_k,
+            router.num_group,
+            router.topk_group,
+            bool(router.norm_topk_prob),
+            float(router.routed_scaling_factor),
+        )
+        if (
+            w.dtype not in W_CODES
+            or w.dtype == torch.int8
+            or not w.is_contiguous()
+            or w.device.type != "cpu"
+            or k > MAX_TOPK
+        ):
             raise Unsupported(f"{where}: a router weight the native kernel does not read")
         probe = _probe(w.shape[1], x.dtype, block.layer)
         got = self.kernels.router_sigmoid(probe, w, bias, k, groups, keep, norm, scale)
         if got is None or not same_routing(_by_id(got), _by_id(router.forward(probe)), 1e-5):
-            raise Unsupported(f"{where}: the native sigmoid router does not match {type(router).__name__}")
+            raise Unsupported(
+                f"{where}: the native sigmoid router does not match {type(router).__name__}"
+            )
         self._keep.append(bias)
-        return dict(router_kind=ROUTER_SIGMOID, router=w.data_ptr(), router_wtype=W_CODES[w.dtype], topk=k, norm_topk=int(norm),
-                    n_group=groups, topk_group=keep, score_bias=None if bias is None else bias.data_ptr(), routed_scale=scale)
+        return dict(
+            router_kind=ROUTER_SIGMOID,
+            router=w.data_ptr(),
+            router_wtype=W_CODES[w.dtype],
+            topk=k,
+            norm_topk=int(norm),
+            n_group=groups,
+            topk_group=keep,
+            score_bias=None if bias is None else bias.data_ptr(),
+            routed_scale=scale,
+        )
 
 
-def _by_id(routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _by_id(
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, weights, ids) with the top-k in ascending expert order: DeepSeek-V3-style routers take
     topk(sorted=False), whose order is unspecified, so two results compare as sets."""
     logits, weights, ids = routing
@@ -314,13 +506,18 @@ def _swiglu_fields(mlp: Any, dtype: torch.dtype, what: str) -> dict:
     """The LayerSpec sh_* fields of a SwiGLU MLP (gate_proj, up_proj, down_proj without biases, SiLU), run as
     its forward runs it; raises Unsupported for another form."""
     act = getattr(mlp, "act_fn", None)
-    if (type(act).__name__ not in ("SiLUActivation", "SiLU")
-            or not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))):
+    if type(act).__name__ not in ("SiLUActivation", "SiLU") or not all(
+        isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+    ):
         raise Unsupported(f"{what} is not a plain SwiGLU MLP")
-    (gate, gb), (up, ub), (down, db) = (_weights(getattr(mlp, n), dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    (gate, gb), (up, ub), (down, db) = (
+        _weights(getattr(mlp, n), dtype) for n in ("gate_proj", "up_proj", "down_proj")
+    )
     if gb is not None or ub is not None or db is not None:
         raise Unsupported(f"{what} has biases")
-    return dict(sh_gate=gate.data_ptr(), sh_up=up.data_ptr(), sh_down=down.data_ptr(), sh_I=gate.shape[0])
+    return dict(
+        sh_gate=gate.data_ptr(), sh_up=up.data_ptr(), sh_down=down.data_ptr(), sh_I=gate.shape[0]
+    )
 
 
 def _probe(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -343,7 +540,11 @@ def _norm(module: Any, dtype: torch.dtype) -> NativeRMSNorm:
     if fn.verified is False:
         raise Unsupported(f"{type(module).__name__} does not run natively")
     w = fn.module.weight
-    if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or w.device.type != "cpu":
+    if (
+        w.dtype not in (torch.float32, torch.bfloat16)
+        or not w.is_contiguous()
+        or w.device.type != "cpu"
+    ):
         raise Unsupported(f"{type(module).__name__}: a weight the native norm does not read")
     return fn
 
@@ -353,6 +554,11 @@ def _weights(proj: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor 
     if type(proj) not in (nn.Linear, NativeLinear):
         raise Unsupported(f"a projection of type {type(proj).__name__}")
     w, b = proj.weight, proj.bias
-    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" or (b is not None and (b.dtype != dtype or not b.is_contiguous())):
+    if (
+        w.dtype != dtype
+        or not w.is_contiguous()
+        or w.device.type != "cpu"
+        or (b is not None and (b.dtype != dtype or not b.is_contiguous()))
+    ):
         raise Unsupported("a projection weight the native gemv does not read")
     return w, b

@@ -18,6 +18,7 @@ as the new prefix on the next append). The values are the same numbers; attentio
 through a strided view, bit-identical to reading a contiguous copy (tests/test_kv_cache.py).
 The cost: up to twice the memory of the positions held, as any doubling buffer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,19 +37,30 @@ class InPlaceLayer(DynamicLayer):
     _value_buffer: torch.Tensor | None = None
     _kernels: NativeKernels | None = None  # where appends run natively: CPU buffers of one sequence
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         kb, vb, length = self.reserve(key_states, value_states)
         n = key_states.shape[-2]
         kernels = self._kernels
-        if (kernels is not None and key_states.dtype == value_states.dtype == kb.dtype and key_states.stride(3) == 1
-                and value_states.stride(3) == 1 and key_states.shape == value_states.shape):
-            kernels.kv_append(kb, vb, key_states, value_states, length)  # both writes in one native call
+        if (
+            kernels is not None
+            and key_states.dtype == value_states.dtype == kb.dtype
+            and key_states.stride(3) == 1
+            and value_states.stride(3) == 1
+            and key_states.shape == value_states.shape
+        ):
+            kernels.kv_append(
+                kb, vb, key_states, value_states, length
+            )  # both writes in one native call
         else:
             kb.narrow(2, length, n).copy_(key_states)
             vb.narrow(2, length, n).copy_(value_states)
         return self.advance(length + n)
 
-    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def reserve(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(key buffer, value buffer, length L) with room for these [1, heads, n, d] rows at L..L+n-1,
         which the caller writes before advance(L + n). Buffers are made or grown here, holding the
         L positions so far."""
@@ -57,9 +69,19 @@ class InPlaceLayer(DynamicLayer):
         kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
         assert keys is not None and values is not None  # lazy_initialization set them
         n = key_states.shape[-2]
-        length = keys.shape[-2] if keys.dim() == 4 else 0  # lazy_initialization's prefix is a 1-d empty tensor
-        if (kb is None or vb is None or not length or length + n > kb.shape[2] or keys.data_ptr() != kb.data_ptr()
-                or values.data_ptr() != vb.data_ptr() or keys.stride() != kb.stride() or values.stride() != vb.stride()):
+        length = (
+            keys.shape[-2] if keys.dim() == 4 else 0
+        )  # lazy_initialization's prefix is a 1-d empty tensor
+        if (
+            kb is None
+            or vb is None
+            or not length
+            or length + n > kb.shape[2]
+            or keys.data_ptr() != kb.data_ptr()
+            or values.data_ptr() != vb.data_ptr()
+            or keys.stride() != kb.stride()
+            or values.stride() != vb.stride()
+        ):
             # First append, full, or the prefix is not (or no longer) a view of the buffers: new ones.
             kb, vb = _grown(keys, key_states, length), _grown(values, value_states, length)
             self._key_buffer, self._value_buffer = kb, vb

@@ -17,6 +17,7 @@ residual" and whose attention is "q/k/v projections, optional per-head q/k norm,
 update, attention function, o projection" in transformers 5 (`LEAN_MODEL_TYPES`), without a
 sliding window. Everything else keeps transformers' forward; so does `--forward transformers`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -58,7 +59,9 @@ class LeanForward:
         cfg = model.config
         if cfg.model_type not in LEAN_MODEL_TYPES or cfg._attn_implementation != PACKED_ATTENTION:
             return False
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        if getattr(cfg, "sliding_window", None) is not None and getattr(
+            cfg, "use_sliding_window", True
+        ):
             return False
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
@@ -66,19 +69,30 @@ class LeanForward:
             return False
         need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
         projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-        return all(all(hasattr(layer, n) for n in need) and all(hasattr(layer.self_attn, p) for p in projections)
-                   for layer in layers)
+        return all(
+            all(hasattr(layer, n) for n in need)
+            and all(hasattr(layer.self_attn, p) for p in projections)
+            for layer in layers
+        )
 
-    def __init__(self, model: PreTrainedModel, fused: bool = True, native_attention: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, fused: bool = True, native_attention: bool = True
+    ) -> None:
         """fused: decode steps may take the fused native step; native_attention: a decode row's attention in
         one native call (the fused step needs it). Both as the plan resolved them (engine/worker/dispatch.py)."""
         assert self.supports(model), f"no lean forward for {model.config.model_type}"
         self.model = model
         self.inner = model.model
-        self.layers = [_LeanLayer(layer) for layer in self.inner.layers[: model.config.num_hidden_layers]]
+        self.layers = [
+            _LeanLayer(layer) for layer in self.inner.layers[: model.config.num_hidden_layers]
+        ]
         # The architecture's own rotary function (glm4_moe rotates only part of each head).
-        self.rotate: Callable = sys.modules[type(self.layers[0].att).__module__].apply_rotary_pos_emb
-        self.kernels = native() if self.inner.embed_tokens.weight.device.type == "cpu" else None  # rotary in C
+        self.rotate: Callable = sys.modules[
+            type(self.layers[0].att).__module__
+        ].apply_rotary_pos_emb
+        self.kernels = (
+            native() if self.inner.embed_tokens.weight.device.type == "cpu" else None
+        )  # rotary in C
         # cos/sin of positions 0..P-1, computed once by the model's own rotary module and sliced per step.
         # Only for the default rope type, whose frequencies never change (dynamic scalings recompute them).
         self._table_ok = getattr(self.inner.rotary_emb, "rope_type", None) == "default"
@@ -86,16 +100,30 @@ class LeanForward:
         self._native_attention = self.kernels is not None and native_attention
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         # A one-request decode step's layers, one native call each (engine/worker/fused_decode.py), where it applies.
-        self._fused = (FusedDecode(self.kernels, self.layers, self.inner.norm)
-                       if self.kernels is not None and self._native_attention and fused else None)
-        self.last_path: tuple[str, str] = ("lean", "")  # the last call's path, and why it was not the fused one
+        self._fused = (
+            FusedDecode(self.kernels, self.layers, self.inner.norm)
+            if self.kernels is not None and self._native_attention and fused
+            else None
+        )
+        self.last_path: tuple[str, str] = (
+            "lean",
+            "",
+        )  # the last call's path, and why it was not the fused one
 
     @torch.inference_mode()
-    def __call__(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
-                 keep: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    def __call__(
+        self,
+        windows: list[list[int]],
+        starts: list[int],
+        caches: list[DynamicCache],
+        keep: list[list[int]],
+        device: torch.device,
+    ) -> list[torch.Tensor]:
         batch = PackedBatch(caches, [len(w) for w in windows])
         cache = PackedCache(batch)
-        decode = all(n == 1 for n in batch.lengths)  # plain decodes: attention without the packed bookkeeping
+        decode = all(
+            n == 1 for n in batch.lengths
+        )  # plain decodes: attention without the packed bookkeeping
         ids = torch.tensor([t for w in windows for t in w], device=device)  # [N]
         inner = self.inner
         # Hidden states stay rows [N, H] (transformers' [1, N, H] less the batch dimension: every sublayer
@@ -107,29 +135,53 @@ class LeanForward:
         fused = declined is None
         self.last_path = ("fused", "") if declined is None else ("lean", declined)
         for i, layer in enumerate(self.layers if not fused else ()):
-            x, h = self._add_norm(x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm)
+            x, h = self._add_norm(
+                x, self._attention(layer, h, cos_sin, cache, batch, decode), layer.post_norm
+            )
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else inner.norm
             x, h = self._add_norm(x, self._mlp(layer.mlp, h), nxt)
         # h: the final norm's output
-        if len(keep) == 1 and keep[0] and keep[0] == list(range(keep[0][0], keep[0][0] + len(keep[0]))):
-            k0 = keep[0][0]  # one request, consecutive rows (a decode, a prompt's last row): a slice
+        if (
+            len(keep) == 1
+            and keep[0]
+            and keep[0] == list(range(keep[0][0], keep[0][0] + len(keep[0])))
+        ):
+            k0 = keep[0][
+                0
+            ]  # one request, consecutive rows (a decode, a prompt's last row): a slice
             return [self.model.lm_head.forward(h[k0 : k0 + len(keep[0])])]
-        rows = torch.tensor([s + i for (s, _), k in zip(batch.spans, keep) for i in k], dtype=torch.long, device=device)
+        rows = torch.tensor(
+            [s + i for (s, _), k in zip(batch.spans, keep) for i in k],
+            dtype=torch.long,
+            device=device,
+        )
         logits = self.model.lm_head.forward(h[rows])  # [R, V]
         return list(torch.split(logits, [len(k) for k in keep]))
 
-    def _try_fused(self, x: torch.Tensor, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch,
-                   caches: list[DynamicCache]) -> str | None:
+    def _try_fused(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: PackedBatch,
+        caches: list[DynamicCache],
+    ) -> str | None:
         """Run the step's layers through the fused step where the dispatcher and the step allow; returns None
         where it ran, else why not (engine/worker/dispatch.py's reasons)."""
         if self._fused is None:
             return dispatch.NOT_PLANNED
         rows = tuple(batch.lengths)
-        if sum(rows) > dispatch.MAX_FUSED_ROWS:  # before the flags: a long prefill chunk need not gather them
+        if (
+            sum(rows) > dispatch.MAX_FUSED_ROWS
+        ):  # before the flags: a long prefill chunk need not gather them
             return dispatch.TOO_MANY_ROWS
         fresh = any(c.get_seq_length() == 0 for c in caches)
         why = dispatch.fused_decline(dispatch.StepShape(rows, fresh, *self._fused.shape_flags()))
-        return why if why is not None else self._fused.step(x, h, *cos_sin, caches, rows, NATIVE_ATTENTION_MAX_POSITIONS)
+        return (
+            why
+            if why is not None
+            else self._fused.step(x, h, *cos_sin, caches, rows, NATIVE_ATTENTION_MAX_POSITIONS)
+        )
 
     @staticmethod
     def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -140,7 +192,9 @@ class LeanForward:
             return mlp.forward(h[None])[0]
         return mlp.forward_rows(h)
 
-    def _rotary(self, x: torch.Tensor, batch: PackedBatch, starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(
+        self, x: torch.Tensor, batch: PackedBatch, starts: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [1, N, rot] of every packed row's position, as the model's rotary module returns
         them: each position's angles are one product and one cos/sin apart, so a row of a table made
         once equals the module's result for that position alone (tests/test_lean_forward.py)."""
@@ -157,16 +211,32 @@ class LeanForward:
         pos = positions(batch, starts, device)[0]
         return cos[:, pos], sin[:, pos]
 
-    def _attention(self, layer: _LeanLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                   cache: PackedCache, batch: PackedBatch, decode: bool) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: _LeanLayer,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: PackedCache,
+        batch: PackedBatch,
+        decode: bool,
+    ) -> torch.Tensor:
         """The attention module's forward (see the module docstring) with its inputs already known."""
         att = layer.att
-        q, k, v = layer.q_proj.forward(h), layer.k_proj.forward(h), layer.v_proj.forward(h)  # [N, heads * d]
+        q, k, v = (
+            layer.q_proj.forward(h),
+            layer.k_proj.forward(h),
+            layer.v_proj.forward(h),
+        )  # [N, heads * d]
         if decode and self._native_attention:
             out = self._native_decode_attention(layer, q, k, v, cos_sin, batch)
             if out is not None:
                 return layer.o_proj.forward(out)
-        shape = (1, h.shape[0], -1, att.head_dim)  # [1, N, heads, d], as transformers' attention views them
+        shape = (
+            1,
+            h.shape[0],
+            -1,
+            att.head_dim,
+        )  # [1, N, heads, d], as transformers' attention views them
         q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
         if layer.q_norm is not None and self._fused_qk(layer, q, k, *cos_sin):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -178,10 +248,14 @@ class LeanForward:
             out = self._decode_attention(att, q, k, v, batch)
         else:
             k, v = cache.update(k, v, att.layer_idx)
-            out, _ = packed_attention(att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling)
+            out, _ = packed_attention(
+                att, q, k, v, None, packed_batch=batch, dropout=0.0, scaling=att.scaling
+            )
         return layer.o_proj.forward(out.reshape(h.shape[0], -1).contiguous())
 
-    def _add_norm(self, x: torch.Tensor, a: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self, x: torch.Tensor, a: torch.Tensor, norm: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
         would itself run the native kernel (a verified NativeRMSNorm, few rows); the same arithmetic."""
         fn = norm.forward
@@ -192,7 +266,14 @@ class LeanForward:
         assert isinstance(fn, NativeRMSNorm)  # _verified_native found it one
         return kernels.add_rmsnorm(x, a, fn.module.weight, fn.eps)
 
-    def _fused_qk(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def _fused_qk(
+        self,
+        layer: _LeanLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> bool:
         """q/k norms and rotary in one native call, in place, where each norm would itself have run
         the native kernel (a verified NativeRMSNorm, few rows) and the rotary kernel applies: the
         same arithmetic as the two steps apart. Returns whether it ran."""
@@ -203,22 +284,44 @@ class LeanForward:
         kernels.qk_norm_rope(q, k, qn.module.weight, kn.module.weight, qn.eps, kn.eps, cos, sin)
         return True
 
-    def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def _rope_ok(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> bool:
         """Whether the native rotary kernel takes these tensors (CPU, contiguous, one float dtype, even rot <= d)."""
-        return (self.kernels is not None and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in X_CODES
-                and q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-                and q.device.type == "cpu" and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= min(q.shape[-1], 1024))
+        return (
+            self.kernels is not None
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and q.dtype in X_CODES
+            and q.is_contiguous()
+            and k.is_contiguous()
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and q.device.type == "cpu"
+            and cos.shape[-1] % 2 == 0
+            and cos.shape[-1] <= min(q.shape[-1], 1024)
+        )
 
-    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k [1, N, heads, d] -> rotated [1, heads, N, d]: the native kernel in place where it takes
         them (same rounding as torch's elementwise ops), else the architecture's own function."""
         kernels = self.kernels
         if kernels is not None and self._rope_ok(q, k, cos, sin):
-            return kernels.rope(q, cos, sin).transpose(1, 2), kernels.rope(k, cos, sin).transpose(1, 2)
+            return kernels.rope(q, cos, sin).transpose(1, 2), kernels.rope(k, cos, sin).transpose(
+                1, 2
+            )
         return self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
-    def _native_decode_attention(self, layer: _LeanLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 cos_sin: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor | None:
+    def _native_decode_attention(
+        self,
+        layer: _LeanLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: PackedBatch,
+    ) -> torch.Tensor | None:
         """One new row per request, from its projections [N, heads * d] to o_proj's input [N, hq * d], one
         native call a request (cpu_gemv.c `decode_attention`: q/k norms, rotary, KV append, attention),
         or None where it does not apply (then the torch path runs): the CPU kernels, a float dtype, the
@@ -232,55 +335,116 @@ class LeanForward:
         cos, sin = cos_sin  # [1, N, rot]
         d, n = att.head_dim, q.shape[0]
         hq, hk = q.shape[1] // d, k.shape[1] // d
-        if (kernels is None or q.dtype not in X_CODES or not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype)
-                or q.device.type != "cpu" or d > 1024 or hq % hk or hq // hk > 64 or cos.shape[-1] % 2
-                or cos.shape[-1] > d or not (cos.is_contiguous() and sin.is_contiguous())
-                or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
+        if (
+            kernels is None
+            or q.dtype not in X_CODES
+            or not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype)
+            or q.device.type != "cpu"
+            or d > 1024
+            or hq % hk
+            or hq // hk > 64
+            or cos.shape[-1] % 2
+            or cos.shape[-1] > d
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        ):
             return None
         norms = layer.native_qk_norms
         if norms is None and layer.q_norm is not None:
             qn, kn = layer.q_norm.forward, layer.k_norm.forward
-            if _verified_native(qn, q[:1].view(hq, d)) is None or _verified_native(kn, k[:1].view(hk, d)) is None:
+            if (
+                _verified_native(qn, q[:1].view(hq, d)) is None
+                or _verified_native(kn, k[:1].view(hk, d)) is None
+            ):
                 return None
-            norms = layer.native_qk_norms = (qn.module.weight, kn.module.weight, qn.eps, kn.eps)  # verified: for good
+            norms = layer.native_qk_norms = (
+                qn.module.weight,
+                kn.module.weight,
+                qn.eps,
+                kn.eps,
+            )  # verified: for good
         layers = [c.layers[att.layer_idx] for c in batch.caches]
-        if not all(type(c) is InPlaceLayer and c.get_seq_length() < NATIVE_ATTENTION_MAX_POSITIONS for c in layers):
+        if not all(
+            type(c) is InPlaceLayer and c.get_seq_length() < NATIVE_ATTENTION_MAX_POSITIONS
+            for c in layers
+        ):
             return None
         if n == 1:  # one request: views, no per-row selects
-            return _attend_row(kernels, layers[0], q.view(hq, d), k.view(hk, d), v.view(hk, d), norms,
-                               cos.view(-1), sin.view(-1), att.scaling)
-        outs = [_attend_row(kernels, c, q[r].view(hq, d), k[r].view(hk, d), v[r].view(hk, d), norms, cos[0, r], sin[0, r],
-                            att.scaling) for r, c in enumerate(layers)]
+            return _attend_row(
+                kernels,
+                layers[0],
+                q.view(hq, d),
+                k.view(hk, d),
+                v.view(hk, d),
+                norms,
+                cos.view(-1),
+                sin.view(-1),
+                att.scaling,
+            )
+        outs = [
+            _attend_row(
+                kernels,
+                c,
+                q[r].view(hq, d),
+                k[r].view(hk, d),
+                v[r].view(hk, d),
+                norms,
+                cos[0, r],
+                sin[0, r],
+                att.scaling,
+            )
+            for r, c in enumerate(layers)
+        ]
         return torch.cat(outs)
 
     @staticmethod
-    def _decode_attention(att: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          batch: PackedBatch) -> torch.Tensor:
+    def _decode_attention(
+        att: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch
+    ) -> torch.Tensor:
         """One new row per request: what transformers' SDPA attention does for a single-token query
         without a mask (integrations/sdpa_attention.py: GQA inside SDPA, not causal), per request.
         q [1, h, B, d], k and v [1, h_kv, B, d]; returns [1, B, h, d]."""
         gqa = att.num_key_value_groups > 1
         if len(batch.caches) == 1:  # one request: no per-request slices
             keys, values = batch.caches[0].update(k, v, att.layer_idx)
-            o = F.scaled_dot_product_attention(q, keys, values, dropout_p=0.0, scale=att.scaling, is_causal=False, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, dropout_p=0.0, scale=att.scaling, is_causal=False, enable_gqa=gqa
+            )
             return o.transpose(1, 2).contiguous()
         outs = []
         for r, c in enumerate(batch.caches):
             keys, values = c.update(k[:, :, r : r + 1], v[:, :, r : r + 1], att.layer_idx)
-            o = F.scaled_dot_product_attention(q[:, :, r : r + 1], keys, values, dropout_p=0.0, scale=att.scaling,
-                                               is_causal=False, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                q[:, :, r : r + 1],
+                keys,
+                values,
+                dropout_p=0.0,
+                scale=att.scaling,
+                is_causal=False,
+                enable_gqa=gqa,
+            )
             outs.append(o.transpose(1, 2))
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
 
 
-def _attend_row(kernels: NativeKernels, cache: InPlaceLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                norms: tuple[torch.Tensor, torch.Tensor, float, float] | None, cos: torch.Tensor, sin: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def _attend_row(
+    kernels: NativeKernels,
+    cache: InPlaceLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One request's new row (q [hq, d], k and v [hk, d]) through the native decode attention, its key
     and value appended to `cache`; returns [1, hq * d]."""
     hk, d = k.shape
     kb, vb, length = cache.reserve(k.view(1, hk, 1, d), v.view(1, hk, 1, d))
-    if kb.dtype != q.dtype:  # a request's cache holds its model's dtype: this would be a bug, not an input
+    if (
+        kb.dtype != q.dtype
+    ):  # a request's cache holds its model's dtype: this would be a bug, not an input
         raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
     out = kernels.decode_attention(q, k, v, norms, cos, sin, kb, vb, length, scale)
     cache.advance(length + 1)

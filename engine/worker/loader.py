@@ -5,6 +5,7 @@ allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fu
 expert parameters) -> materialize the rest on the compute device and fill it from the
 safetensors files by name -> build slow tier, fast tier and transfer engine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,7 +67,9 @@ class LoadedModel:
 
     model: PreTrainedModel
     config: PretrainedConfig
-    tokenizer: Any | None  # a transformers tokenizer (used by duck typing), None where the checkpoint has none
+    tokenizer: (
+        Any | None
+    )  # a transformers tokenizer (used by duck typing), None where the checkpoint has none
     generation_config: GenerationConfig | None
     model_dir: Path
     device: torch.device
@@ -104,11 +107,17 @@ class OffloadedModel(LoadedModel):
     moe_layers: list[int]
     num_experts: int
     top_k: int
-    sensor: Any = None  # the speculative sensor (engine/worker/sensor.py), shared by speculation and utility
+    sensor: Any = (
+        None  # the speculative sensor (engine/worker/sensor.py), shared by speculation and utility
+    )
     utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
     cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
-    adapter_prefetcher: Any = None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
-    prefetchers: tuple[str, ...] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
+    adapter_prefetcher: Any = (
+        None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
+    )
+    prefetchers: tuple[
+        str, ...
+    ] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
     plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
     memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
 
@@ -129,16 +138,16 @@ class OffloadedModel(LoadedModel):
             self.cpu_experts.close()
 
 
-
-
-
-
-
-
 def _tokenizer_and_generation_config(model_dir: Path) -> tuple[Any | None, GenerationConfig | None]:
-    has_tok = (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists()
+    has_tok = (model_dir / "tokenizer_config.json").exists() or (
+        model_dir / "tokenizer.json"
+    ).exists()
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tok else None
-    gen_cfg = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").exists() else None
+    gen_cfg = (
+        GenerationConfig.from_pretrained(model_dir)
+        if (model_dir / "generation_config.json").exists()
+        else None
+    )
     return tokenizer, gen_cfg
 
 
@@ -148,20 +157,32 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = False) -> None
     model_dir = Path(model_dir)
     read_config(model_dir)
     index_checkpoint(model_dir)
-    if need_tokenizer and not ((model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()):
-        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); the server needs one")
+    if need_tokenizer and not (
+        (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
+    ):
+        raise CheckpointError(
+            f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); the server needs one"
+        )
 
 
-def load_dense_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_dense_model(
+    model_dir: str | Path, device: str = "auto", dtype: str = "auto"
+) -> LoadedModel:
     """A small dense model (a speculative-decoding draft) kept whole on the compute device."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     if config.model_type not in DENSE_ARCHS:
-        raise CheckpointError(f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})")
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: model_type={config.model_type!r} is not a dense architecture ({', '.join(DENSE_ARCHS)})"
+        )
     index_checkpoint(model_dir)  # same one-line errors for missing or truncated weights
     dev = resolve_device(device)
     # Ignored: transformers types the decorated PreTrainedModel.to without its bound self.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev)).to(dev).eval()  # type: ignore[arg-type]
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev))
+        .to(dev)
+        .eval()
+    )  # type: ignore[arg-type]
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
@@ -171,7 +192,9 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     spec = arch_for(config.model_type)
-    config = text_config(spec, config)  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
+    config = text_config(
+        spec, config
+    )  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = resolve_device(cfg.device)
@@ -186,21 +209,37 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     if not moe_layers:
         if spec.by_structure:
             raise unsupported(spec.model_type, str(model_dir / "config.json"))
-        raise CheckpointError(f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration")
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration"
+        )
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(spec.kernel, native0.experts, H, I)
-    if spec.by_structure:  # not in the table: each kind of block is checked once against its own forward
+    if (
+        spec.by_structure
+    ):  # not in the table: each kind of block is checked once against its own forward
         for block in {type(s.block): s.block for s in sites}.values():
             verify_block(block, adapter_for(spec.model_type, block), kernel, spec.model_type)
     fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
 
     stats = EngineStats(num_layers=len(layers))
     # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
-    _fp, mplan = plan_for_model(model, [s.block.get_submodule("experts") for s in sites], config, dtype, fmt.slot_bytes,
-                                locator.nbytes_on_disk(moe_layers[0], 0), E, I, top_k, tensors, cfg, device)
+    _fp, mplan = plan_for_model(
+        model,
+        [s.block.get_submodule("experts") for s in sites],
+        config,
+        dtype,
+        fmt.slot_bytes,
+        locator.nbytes_on_disk(moe_layers[0], 0),
+        E,
+        I,
+        top_k,
+        tensors,
+        cfg,
+        device,
+    )
     print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
@@ -211,31 +250,77 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
-    ram = tier if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E else None
+    ram = (
+        tier
+        if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+        else None
+    )
     policies.eviction.bind(moe_layers, E)
-    store = ExpertStore(n_slots, fmt.slot_numel, fmt.slot_dtype, device, policies.eviction, stats, protect_ticks=protect_ticks(len(moe_layers)),
-                        slots=ram.buffer if ram is not None else None)
+    store = ExpertStore(
+        n_slots,
+        fmt.slot_numel,
+        fmt.slot_dtype,
+        device,
+        policies.eviction,
+        stats,
+        protect_ticks=protect_ticks(len(moe_layers)),
+        slots=ram.buffer if ram is not None else None,
+    )
     if ram is not None:
         store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
-    kinds = _prefetch_kinds(cfg, model_dir, partial=n_slots < len(moe_layers) * E, moe_layers=len(moe_layers),
-                            pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda")
+    kinds = _prefetch_kinds(
+        cfg,
+        model_dir,
+        partial=n_slots < len(moe_layers) * E,
+        moe_layers=len(moe_layers),
+        pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda",
+    )
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
     transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
     act_fn = getattr(native0.experts, "act_fn", None)
-    executor = MoeExecutor(store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt)
+    executor = MoeExecutor(
+        store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt
+    )
     executor.settle_background = cfg.settle_background
     bus = RoutingBus()
     for s in sites:
-        setattr(s.parent, s.attr, OffloadedMoeBlock(s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)))
+        setattr(
+            s.parent,
+            s.attr,
+            OffloadedMoeBlock(
+                s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)
+            ),
+        )
 
     _materialize(model, config, spec, tensors, device, model_dir)
     if device.type == "cpu":
-        accelerate(model)  # few-row steps' norms (and bf16 linears) through the native kernels (engine/native/layers.py)
+        accelerate(
+            model
+        )  # few-row steps' norms (and bf16 linears) through the native kernels (engine/native/layers.py)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    om = OffloadedModel(model, config, tokenizer, gen_cfg, model_dir, device, packed, cfg, store, transfers, executor, stats, bus, moe_layers, E, top_k)
+    om = OffloadedModel(
+        model,
+        config,
+        tokenizer,
+        gen_cfg,
+        model_dir,
+        device,
+        packed,
+        cfg,
+        store,
+        transfers,
+        executor,
+        stats,
+        bus,
+        moe_layers,
+        E,
+        top_k,
+    )
     om.memory_plan = mplan
-    stats.memory_probe = memory_probe(mplan, om.model, store, tier)  # planned and used bytes per pool, for /metrics
+    stats.memory_probe = memory_probe(
+        mplan, om.model, store, tier
+    )  # planned and used bytes per pool, for /metrics
     _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
     om.plan = _plan(om, cfg, kernels, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
@@ -248,15 +333,22 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
     from engine.worker.lean_forward import LeanForward
 
     if not om.packed:
-        lean_ok: str | None = f"{om.config.model_type} runs one forward per request (no packed attention)"
+        lean_ok: str | None = (
+            f"{om.config.model_type} runs one forward per request (no packed attention)"
+        )
     elif not LeanForward.supports(om.model):
         lean_ok = f"{om.config.model_type} is not among the lean forward's architectures"
     else:
         lean_ok = None
     on_cpu = om.device.type == "cpu"
-    router = ("native: softmax top-k routers in C once their first call matches the module's (others: the module's own)"
-              if on_cpu and kernels.startswith("on") else "module: the model's own router")
-    plan = resolve_plan(cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router)
+    router = (
+        "native: softmax top-k routers in C once their first call matches the module's (others: the module's own)"
+        if on_cpu and kernels.startswith("on")
+        else "module: the model's own router"
+    )
+    plan = resolve_plan(
+        cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router
+    )
     running = ",".join(om.prefetchers) or "none"
     if cfg.prefetch != "auto":
         why = f"--prefetch {cfg.prefetch}"
@@ -265,12 +357,20 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
     elif complete:
         why = "auto: every routed expert is resident, nothing to prefetch"
     else:
-        why = ("auto: on a CPU with an exact policy the adapter measured slower than none (docs/benchmarks/policies.md);"
-               " or no adapter file") if on_cpu else "auto: no SpecPrefetch adapter file beside the model"
+        why = (
+            (
+                "auto: on a CPU with an exact policy the adapter measured slower than none (docs/benchmarks/policies.md);"
+                " or no adapter file"
+            )
+            if on_cpu
+            else "auto: no SpecPrefetch adapter file beside the model"
+        )
     return plan.with_choice("prefetch", running, why)
 
 
-def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool) -> set[str]:
+def _prefetch_kinds(
+    cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool
+) -> set[str]:
     """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it has something to do and pays
     for itself: the fast tier misses experts (partial), the model has a layer l+1 to predict, an adapter file is
     there, and either the miss policy substitutes (an expert that landed in time is not substituted: quality-first's
@@ -279,7 +379,11 @@ def _prefetch_kinds(cfg: EngineConfig, model_dir: Path, partial: bool, moe_layer
     disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
     if cfg.prefetch != "auto":
         return cfg.prefetch_kinds
-    return {"adapter"} if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file() else set()
+    return (
+        {"adapter"}
+        if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file()
+        else set()
+    )
 
 
 def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
@@ -289,17 +393,28 @@ def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
     return Path(cfg.prefetcher) if cfg.prefetcher else model_dir / FILE_NAME
 
 
-def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], eviction: EvictionPolicy, tier: SlowTier,
-                 fmt: ExpertFormat, meter: CostMeter | None) -> None:
+def _attach_spac(
+    om: OffloadedModel,
+    cfg: EngineConfig,
+    kinds: set[str],
+    eviction: EvictionPolicy,
+    tier: SlowTier,
+    fmt: ExpertFormat,
+    meter: CostMeter | None,
+) -> None:
     """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
     speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
     ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: `_prefetch_kinds`)."""
-    wants_utility = "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    wants_utility = (
+        "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    )
     if wants_utility:
         estimator = SpeculativeUtilityEstimator(om.num_experts)
         if isinstance(eviction, UtilityEviction):
             eviction.estimator = estimator
-        prefetcher = UtilityPrefetcher(estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds)
+        prefetcher = UtilityPrefetcher(
+            estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds
+        )
         prefetcher.attach(om.bus)
         sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
         om.utility = prefetcher
@@ -311,41 +426,71 @@ def _attach_spac(om: OffloadedModel, cfg: EngineConfig, kinds: set[str], evictio
         try:
             om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
             if cfg.prefetch == "auto":
-                log.info("prefetch auto: SpecPrefetch's adapter is on (a partial fast tier; --prefetch none turns it off)")
+                log.info(
+                    "prefetch auto: SpecPrefetch's adapter is on (a partial fast tier; --prefetch none turns it off)"
+                )
         except ConfigError as err:
             if cfg.prefetch != "auto":
                 raise
-            log.warning("prefetch auto: no SpecPrefetch adapter (%s)", err)  # asked for nothing: serve without
+            log.warning(
+                "prefetch auto: no SpecPrefetch adapter (%s)", err
+            )  # asked for nothing: serve without
             kinds = kinds - {"adapter"}
     om.prefetchers = tuple(sorted(kinds))
     if cfg.cpu_experts != "off":
         assert meter is not None
         om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
-        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = om.cpu_experts, cfg.cpu_experts, meter
+        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = (
+            om.cpu_experts,
+            cfg.cpu_experts,
+            meter,
+        )
 
 
-def _adapter_prefetcher(om: OffloadedModel, cfg: EngineConfig, meter: CostMeter) -> AdapterPrefetcher:
+def _adapter_prefetcher(
+    om: OffloadedModel, cfg: EngineConfig, meter: CostMeter
+) -> AdapterPrefetcher:
     """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
     from engine.prefetch.adapter import load_adapter
     from engine.prefetch.training import model_fingerprint, moe_blocks
 
     if len(om.moe_layers) < 2:
-        raise ConfigError(f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)")
+        raise ConfigError(
+            f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)"
+        )
     adapter = load_adapter(_adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
     adapter.to(om.device)
-    prefetcher = AdapterPrefetcher(adapter, moe_blocks(om.model), om.store, om.transfers, om.moe_layers, om.top_k, meter, om.stats)
+    prefetcher = AdapterPrefetcher(
+        adapter,
+        moe_blocks(om.model),
+        om.store,
+        om.transfers,
+        om.moe_layers,
+        om.top_k,
+        meter,
+        om.stats,
+    )
     prefetcher.settled = cfg.settle_background
     prefetcher.attach(om.bus)
     return prefetcher
 
 
-def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors, device: torch.device, model_dir: Path) -> None:
+def _materialize(
+    model: PreTrainedModel,
+    config: PretrainedConfig,
+    spec,
+    tensors,
+    device: torch.device,
+    model_dir: Path,
+) -> None:
     """Allocate the non-expert weights on `device` and fill them from the checkpoint."""
     model.to_empty(device=device)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, param in tqdm(state.items(), desc="loading dense weights", unit="tensor", leave=False):
+        for name, param in tqdm(
+            state.items(), desc="loading dense weights", unit="tensor", leave=False
+        ):
             candidates = disk_names(spec, name)
             key = next((n for n in candidates if n in tensors), candidates[0])
             loc = tensors.get(key)
@@ -354,8 +499,12 @@ def _materialize(model: PreTrainedModel, config: PretrainedConfig, spec, tensors
                     continue  # shares storage with the input embedding
                 raise CheckpointError(f"{model_dir}: checkpoint is missing tensor {key}")
             if tuple(loc.shape) != tuple(param.shape):
-                raise CheckpointError(f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}")
-            param.copy_(read_dense(tensors, loc, config))  # FP8 checkpoints: dequantized with their scales
+                raise CheckpointError(
+                    f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}"
+                )
+            param.copy_(
+                read_dense(tensors, loc, config)
+            )  # FP8 checkpoints: dequantized with their scales
         # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
         for parent in [model.model]:
             rotary = getattr(parent, "rotary_emb", None)
@@ -372,7 +521,9 @@ def _warm(om: OffloadedModel) -> None:
     """Fill the fast tier round-robin across layers so the first tokens do not all miss."""
     per_layer = math.ceil(om.store.n_slots / len(om.moe_layers))
     pending = []
-    order = [(layer, e) for e in range(min(per_layer, om.num_experts)) for layer in om.moe_layers][: om.store.n_slots]
+    order = [(layer, e) for e in range(min(per_layer, om.num_experts)) for layer in om.moe_layers][
+        : om.store.n_slots
+    ]
     for layer, e in order:
         t = om.transfers.submit(layer, e, "prefetch")
         if t is not None:
@@ -381,5 +532,7 @@ def _warm(om: OffloadedModel) -> None:
         t.done.wait()
         if t.error is not None:
             raise t.error
-    om.store.mark_complete(len(om.moe_layers) * om.num_experts)  # a fast tier as big as the model, now full
+    om.store.mark_complete(
+        len(om.moe_layers) * om.num_experts
+    )  # a fast tier as big as the model, now full
     om.stats.reset()  # warm-up transfers are not part of any run

@@ -18,6 +18,7 @@ kwargs=...)` and then the attention function named by `config._attn_implementati
 creation is skipped for implementations without a registered mask function, which is what
 we want: the packed layout has no single mask.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,10 +36,24 @@ PACKED_ATTENTION = "moe_offload_packed"
 # hybrid linear attention (qwen3_next, qwen3_5_moe) keeps recurrent state the packed cache
 # does not carry, gpt-oss adds attention sinks that SDPA does not take, and deepseek_v3's MLA
 # fails in packed mode (a head-count mismatch, not investigated yet).
-PACKED_MODEL_TYPES = frozenset({
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "llama4_text", "phimoe", "ernie4_5_moe", "granitemoe",
-    "qwen3", "qwen2", "llama", "mistral",  # dense drafts
-})
+PACKED_MODEL_TYPES = frozenset(
+    {
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "glm4_moe",
+        "minimax_m2",
+        "llama4_text",
+        "phimoe",
+        "ernie4_5_moe",
+        "granitemoe",
+        "qwen3",
+        "qwen2",
+        "llama",
+        "mistral",  # dense drafts
+    }
+)
 # Caches with recurrent (linear-attention) state cannot be cropped back after a rejected
 # speculative window.
 NO_ROLLBACK_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -77,11 +92,19 @@ class PackedCache:
     def __init__(self, batch: PackedBatch) -> None:
         self.batch = batch
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [1, h_kv, N, d]
         b = self.batch
         b.kv[layer_idx] = [
-            c.update(key_states[:, :, s:e], value_states[:, :, s:e], layer_idx) for c, (s, e) in zip(b.caches, b.spans)
+            c.update(key_states[:, :, s:e], value_states[:, :, s:e], layer_idx)
+            for c, (s, e) in zip(b.caches, b.spans)
         ]
         return key_states, value_states  # the packed attention reads b.kv, not these
 
@@ -92,13 +115,22 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device)[None, :] <= q)[None, None]
 
 
-def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, packed_batch: PackedBatch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    packed_batch: PackedBatch | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """query: [1, h, N, d]. Returns [1, N, h, d] like transformers' attention functions."""
     if packed_batch is None:
         # A plain forward (trace, reference checks): full sequences or single-token decodes,
         # for which SDPA's own causal flag is exact.
-        assert query.shape[2] in (1, key.shape[2]), "windows with a past need the packed path (explicit mask)"
+        assert query.shape[2] in (1, key.shape[2]), (
+            "windows with a past need the packed path (explicit mask)"
+        )
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outs = []
     for (s, e), (k, v) in zip(packed_batch.spans, packed_batch.kv[module.layer_idx]):
@@ -118,7 +150,9 @@ def use_packed_attention(model: PreTrainedModel) -> bool:
     architecture supports it; returns whether it does."""
     if model.config.model_type not in PACKED_MODEL_TYPES:
         return False
-    cfgs: list[PretrainedConfig] = [model.config] + [getattr(model.config, n) for n in ("text_config",) if hasattr(model.config, n)]
+    cfgs: list[PretrainedConfig] = [model.config] + [
+        getattr(model.config, n) for n in ("text_config",) if hasattr(model.config, n)
+    ]
     for cfg in cfgs:
         cfg._attn_implementation = PACKED_ATTENTION
     return True
@@ -126,32 +160,56 @@ def use_packed_attention(model: PreTrainedModel) -> bool:
 
 def positions(batch: PackedBatch, starts: list[int], device: torch.device) -> torch.Tensor:
     """Position ids [1, N]: each request's window continues its own sequence."""
-    return torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(starts, batch.lengths)])[None]
+    return torch.cat(
+        [torch.arange(p, p + n, device=device) for p, n in zip(starts, batch.lengths)]
+    )[None]
 
 
 @torch.inference_mode()
-def one_by_one_forward(model: PreTrainedModel, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
-                       keep: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def one_by_one_forward(
+    model: PreTrainedModel,
+    windows: list[list[int]],
+    starts: list[int],
+    caches: list[DynamicCache],
+    keep: list[list[int]],
+    device: torch.device,
+) -> list[torch.Tensor]:
     """The fallback for architectures without packed attention: one native forward per window
     (correct, but each MoE layer then sees one request's rows at a time)."""
     out = []
     for w, start, cache, k in zip(windows, starts, caches, keep):
         pos = torch.arange(start, start + len(w), device=device)[None]
-        logits = model(input_ids=torch.tensor([w], device=device), position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=torch.tensor(k, dtype=torch.long, device=device)).logits[0]
+        logits = model(
+            input_ids=torch.tensor([w], device=device),
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(k, dtype=torch.long, device=device),
+        ).logits[0]
         out.append(logits)
     return out
 
 
 @torch.inference_mode()
-def packed_forward(model: PreTrainedModel, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
-                   keep: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def packed_forward(
+    model: PreTrainedModel,
+    windows: list[list[int]],
+    starts: list[int],
+    caches: list[DynamicCache],
+    keep: list[list[int]],
+    device: torch.device,
+) -> list[torch.Tensor]:
     """Run every window in one forward. keep[r]: window rows of request r whose logits are
     wanted. Returns per request logits [len(keep[r]), V]."""
     batch = PackedBatch(caches, [len(w) for w in windows])
     ids = torch.tensor([[t for w in windows for t in w]], device=device)  # [1, N]
     rows = [s + i for (s, _), k in zip(batch.spans, keep) for i in k]
-    logits = model(input_ids=ids, position_ids=positions(batch, starts, device), cache=PackedCache(batch),
-                   use_cache=True, logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),  # long even when empty
-                   packed_batch=batch).logits[0]  # [R, V]
+    logits = model(
+        input_ids=ids,
+        position_ids=positions(batch, starts, device),
+        cache=PackedCache(batch),
+        use_cache=True,
+        logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),  # long even when empty
+        packed_batch=batch,
+    ).logits[0]  # [R, V]
     return list(torch.split(logits, [len(k) for k in keep]))

@@ -22,6 +22,7 @@ Only caches made entirely of plain full-attention layers are cached: hybrid mode
 layers are not, and `supports` says so.  The draft model of speculative decoding keeps its own
 cache and recomputes the prompt (it is small and fully resident).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,7 +44,9 @@ def block_keys(ids: list[int], n_blocks: int, block: int = BLOCK_TOKENS) -> list
     keys, prev = [], b""
     for i in range(n_blocks):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(torch.tensor(ids[i * block:(i + 1) * block], dtype=torch.int64).numpy().tobytes())
+        h.update(
+            torch.tensor(ids[i * block : (i + 1) * block], dtype=torch.int64).numpy().tobytes()
+        )
         prev = h.digest()
         keys.append(prev)
     return keys
@@ -51,7 +54,9 @@ def block_keys(ids: list[int], n_blocks: int, block: int = BLOCK_TOKENS) -> list
 
 @dataclass
 class _Block:
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, h_kv, BLOCK_TOKENS, d]
+    kv: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # per layer: keys, values [1, h_kv, BLOCK_TOKENS, d]
     nbytes: int
     holders: set[str] = field(default_factory=set)  # running requests that matched or stored it
 
@@ -62,14 +67,18 @@ class PrefixCache:
         self.blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self.bytes = 0
         self.held: dict[str, list[bytes]] = {}  # request -> keys it holds
-        self.stored_upto: dict[str, int] = {}  # request -> prompt blocks already offered to the store
+        self.stored_upto: dict[
+            str, int
+        ] = {}  # request -> prompt blocks already offered to the store
         self.hit_tokens = 0  # prompt tokens served from the cache, all requests
         self.query_tokens = 0  # prompt tokens of the requests that asked
 
     @staticmethod
     def supports(cache: DynamicCache) -> bool:
         """Only plain full-attention layers (per-position keys and values, nothing recurrent)."""
-        return bool(cache.layers) and all(type(layer) in (DynamicLayer, InPlaceLayer) for layer in cache.layers)
+        return bool(cache.layers) and all(
+            type(layer) in (DynamicLayer, InPlaceLayer) for layer in cache.layers
+        )
 
     # -- scheduler side (no tensors touched) --------------------------------------------
     def match(self, request_id: str, ids: list[int]) -> int:
@@ -116,7 +125,10 @@ class PrefixCache:
             key = keys[i]
             if key not in self.blocks:
                 lo, hi = i * self.block, (i + 1) * self.block
-                kv = [(layer.keys[:, :, lo:hi].clone(), layer.values[:, :, lo:hi].clone()) for layer in cache.layers]  # type: ignore[union-attr,index]
+                kv = [
+                    (layer.keys[:, :, lo:hi].clone(), layer.values[:, :, lo:hi].clone())
+                    for layer in cache.layers
+                ]  # type: ignore[union-attr,index]
                 nbytes = sum(t.numel() * t.element_size() for pair in kv for t in pair)
                 if not self._make_room(nbytes):
                     break  # everything left is held: store nothing more for this request
@@ -148,4 +160,6 @@ class PrefixCache:
 
     def _publish(self) -> None:
         if self.stats is not None:
-            self.stats.set_prefix_cache(self.hit_tokens, self.query_tokens, self.bytes, len(self.blocks))
+            self.stats.set_prefix_cache(
+                self.hit_tokens, self.query_tokens, self.bytes, len(self.blocks)
+            )

@@ -11,6 +11,7 @@ the step and run again. Any other failure of the forward is bisected the same wa
 request it belongs to stands alone, and a failure while sampling (or in the grammar) ends
 only its request (engine/core/faults.py); a device (CUDA) fault is re-raised: the engine restarts.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,7 +41,9 @@ from engine.worker.sampling import make_generator, process_logits
 from engine.worker.verify import verify_window
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
-DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
+DEVICE_FAULTS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "AcceleratorError", None),) if t is not None
+)
 
 
 class ModelRunner:
@@ -56,16 +59,34 @@ class ModelRunner:
         # The same packed forward without transformers' wrappers, where the plan has it (engine/worker/dispatch.py;
         # engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
         plan = getattr(lm, "plan", None)
-        lean = lm.packed and LeanForward.supports(lm.model) and (plan is None or plan.forward != "transformers")
-        self._lean = (LeanForward(lm.model, fused=plan is None or plan.forward == "fused",
-                                  native_attention=plan is None or plan.native_attention) if lean else None)
+        lean = (
+            lm.packed
+            and LeanForward.supports(lm.model)
+            and (plan is None or plan.forward != "transformers")
+        )
+        self._lean = (
+            LeanForward(
+                lm.model,
+                fused=plan is None or plan.forward == "fused",
+                native_attention=plan is None or plan.native_attention,
+            )
+            if lean
+            else None
+        )
         self._stats = getattr(lm, "stats", None)
         self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, windows: list[list[int]], starts: list[int], caches: list[DynamicCache],
-                keep: list[list[int]], request_ids: tuple[str, ...] = (), kind: str = "forward") -> list[torch.Tensor]:
+    def forward(
+        self,
+        windows: list[list[int]],
+        starts: list[int],
+        caches: list[DynamicCache],
+        keep: list[list[int]],
+        request_ids: tuple[str, ...] = (),
+        kind: str = "forward",
+    ) -> list[torch.Tensor]:
         """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V]). kind: the
         step's kind for the path counters (prefill, decode, verify; "forward" for eval and checks)."""
         bus = getattr(self.lm, "bus", None)
@@ -106,39 +127,69 @@ class ModelRunner:
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
                 if w.req.constraint is not None:
                     try:
-                        self.constraints[w.request_id] = self._grammar_compiler().make(w.req.constraint)
+                        self.constraints[w.request_id] = self._grammar_compiler().make(
+                            w.req.constraint
+                        )
                     except Exception as e:  # noqa: BLE001 - a grammar that does not compile fails its request
-                        out.results[w.request_id] = SeqResult(error=request_fault("the grammar", w.request_id, e))
+                        out.results[w.request_id] = SeqResult(
+                            error=request_fault("the grammar", w.request_id, e)
+                        )
         work = [w for w in work if w.request_id not in out.results]
         for w, lg in self._forward_contained(work, out):
             try:
-                if w.is_prefill and self.prefix is not None:  # before _finish: its rollback never reaches the prompt
-                    self.prefix.store(w.request_id, w.req.prompt_ids, self.caches[w.request_id], w.start_pos + len(w.input_ids))
+                if (
+                    w.is_prefill and self.prefix is not None
+                ):  # before _finish: its rollback never reaches the prompt
+                    self.prefix.store(
+                        w.request_id,
+                        w.req.prompt_ids,
+                        self.caches[w.request_id],
+                        w.start_pos + len(w.input_ids),
+                    )
                 out.results[w.request_id] = self._finish(w, lg)
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
-                out.results[w.request_id] = SeqResult(error=request_fault("sampling", w.request_id, e))
+                out.results[w.request_id] = SeqResult(
+                    error=request_fault("sampling", w.request_id, e)
+                )
                 self.drop(w.request_id)
         return out
 
-    def _forward_contained(self, work: list[SeqWork], out: StepOutput) -> list[tuple[SeqWork, torch.Tensor]]:
+    def _forward_contained(
+        self, work: list[SeqWork], out: StepOutput
+    ) -> list[tuple[SeqWork, torch.Tensor]]:
         """Forward `work`; a request whose rows fail is failed in `out`, the others get logits.
         A lost expert names its rows; any other error is bisected: caches go back to the step's
         start and each half runs alone, until the failing request stands alone."""
-        kind = "prefill" if any(w.is_prefill for w in work) else "verify" if any(w.num_draft for w in work) else "decode"
+        kind = (
+            "prefill"
+            if any(w.is_prefill for w in work)
+            else "verify"
+            if any(w.num_draft for w in work)
+            else "decode"
+        )
         while work:
             try:
-                logits = self.forward([w.input_ids for w in work], [w.start_pos for w in work],
-                                      [self.caches[w.request_id] for w in work], [self._rows(w) for w in work],
-                                      tuple(w.request_id for w in work), kind)
+                logits = self.forward(
+                    [w.input_ids for w in work],
+                    [w.start_pos for w in work],
+                    [self.caches[w.request_id] for w in work],
+                    [self._rows(w) for w in work],
+                    tuple(w.request_id for w in work),
+                    kind,
+                )
                 return list(zip(work, logits))
             except ExpertLoadError as e:
                 # Fail the requests that needed the lost expert; roll the rest back and rerun.
                 bad = self._requests_of_rows(work, e.rows) if self.lm.packed else set()
                 if self.lm.config.model_type in NO_ROLLBACK_MODEL_TYPES or not bad:
-                    bad = {w.request_id for w in work}  # cannot tell or cannot roll back: fail the step
+                    bad = {
+                        w.request_id for w in work
+                    }  # cannot tell or cannot roll back: fail the step
                 for w in work:
                     if w.request_id in bad:
-                        out.results[w.request_id] = SeqResult(error=request_fault("expert load", w.request_id, e))
+                        out.results[w.request_id] = SeqResult(
+                            error=request_fault("expert load", w.request_id, e)
+                        )
                         self.drop(w.request_id)
                     else:
                         truncate_cache(self.caches[w.request_id], w.start_pos)
@@ -150,9 +201,13 @@ class ModelRunner:
                     for w in work:
                         truncate_cache(self.caches[w.request_id], w.start_pos)
                     half = len(work) // 2
-                    return self._forward_contained(work[:half], out) + self._forward_contained(work[half:], out)
+                    return self._forward_contained(work[:half], out) + self._forward_contained(
+                        work[half:], out
+                    )
                 for w in work:
-                    out.results[w.request_id] = SeqResult(error=request_fault("the forward pass", w.request_id, e))
+                    out.results[w.request_id] = SeqResult(
+                        error=request_fault("the forward pass", w.request_id, e)
+                    )
                     self.drop(w.request_id)
                 return []
         return []
@@ -166,7 +221,9 @@ class ModelRunner:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammar is None:
-            self._grammar = GrammarCompiler(self.lm.tokenizer, self.lm.config.get_text_config().vocab_size, self.eos_ids)
+            self._grammar = GrammarCompiler(
+                self.lm.tokenizer, self.lm.config.get_text_config().vocab_size, self.eos_ids
+            )
         return self._grammar
 
     # -- per request ----------------------------------------------------------------------
@@ -189,7 +246,10 @@ class ModelRunner:
         res = SeqResult()
         if w.is_prefill and w.req.prompt_logprobs is not None:
             lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i+1
-            res.prompt_logprobs = [None] + [_token_logprob(lp[i], t, w.req.prompt_logprobs) for i, t in enumerate(w.input_ids[1:])]
+            res.prompt_logprobs = [None] + [
+                _token_logprob(lp[i], t, w.req.prompt_logprobs)
+                for i, t in enumerate(w.input_ids[1:])
+            ]
             logits = logits[-1:]
         if not w.samples:
             return res
@@ -200,18 +260,22 @@ class ModelRunner:
 
         def process(row: torch.Tensor, accepted: list[int]) -> torch.Tensor:
             if grammar is not None:  # the grammar state must follow the tokens accepted so far
-                for t in accepted[advanced[0]:]:
+                for t in accepted[advanced[0] :]:
                     grammar.advance(t)
                 advanced[0] = len(accepted)
             return self._process(row, w, accepted, grammar)
 
-        tokens = verify_window(logits, drafts, w.req.params, self.generators[w.request_id], process, probs)
+        tokens = verify_window(
+            logits, drafts, w.req.params, self.generators[w.request_id], process, probs
+        )
         if grammar is not None:
-            for t in tokens[advanced[0]:]:
+            for t in tokens[advanced[0] :]:
                 grammar.advance(t)
         accepted = len(tokens) - 1
         res.sampled = tokens
-        res.num_kept = len(w.input_ids) - w.num_draft + accepted  # the rejected tail leaves the cache
+        res.num_kept = (
+            len(w.input_ids) - w.num_draft + accepted
+        )  # the rejected tail leaves the cache
         if res.num_kept < len(w.input_ids):
             truncate_cache(self.caches[w.request_id], w.start_pos + res.num_kept)
         if w.req.logprobs is not None:
@@ -220,22 +284,44 @@ class ModelRunner:
             res.logprobs = [_token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
         return res
 
-    def _process(self, logits: torch.Tensor, w: SeqWork, accepted: list[int], grammar: TokenConstraint | None = None) -> torch.Tensor:
+    def _process(
+        self,
+        logits: torch.Tensor,
+        w: SeqWork,
+        accepted: list[int],
+        grammar: TokenConstraint | None = None,
+    ) -> torch.Tensor:
         """Penalties, the min_tokens EOS ban and the grammar's mask, applied before sampling. logits: [V]."""
         req = w.req
-        banned = process_logits(logits, req.params, w.output_ids, accepted, req.presence_penalty, req.frequency_penalty, self.eos_ids)
+        banned = process_logits(
+            logits,
+            req.params,
+            w.output_ids,
+            accepted,
+            req.presence_penalty,
+            req.frequency_penalty,
+            self.eos_ids,
+        )
         if grammar is not None:
             allowed = grammar.allowed().to(logits.device)  # [V] bool
             masked = banned.masked_fill(~allowed, float("-inf"))
             # The grammar outranks min_tokens: if only EOS may follow, let it.
-            banned = masked if bool(torch.isfinite(masked).any()) else logits.masked_fill(~allowed, float("-inf"))
+            banned = (
+                masked
+                if bool(torch.isfinite(masked).any())
+                else logits.masked_fill(~allowed, float("-inf"))
+            )
         return banned
 
 
 def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
     """A prefix cache sized by --prefix-cache-bytes, for models whose cache it can hold."""
     budget = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0)
-    if not budget or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES or not PrefixCache.supports(new_kv_cache(lm.config)):
+    if (
+        not budget
+        or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES
+        or not PrefixCache.supports(new_kv_cache(lm.config))
+    ):
         return None
     return PrefixCache(budget, getattr(lm, "stats", None))
 

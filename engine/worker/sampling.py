@@ -1,4 +1,5 @@
 """Next-token selection: greedy, or temperature / top-k / top-p sampling with a seed."""
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generated: int, params: SamplingParams) -> torch.Tensor:
+def ban_eos_before_min_tokens(
+    logits: torch.Tensor, eos_ids: list[int], generated: int, params: SamplingParams
+) -> torch.Tensor:
     """min_tokens: make EOS impossible until enough tokens exist (so it is never emitted as text)."""
     if eos_ids and not params.ignore_eos and generated < params.min_tokens:
         logits = logits.clone()
@@ -81,19 +84,32 @@ def ban_eos_before_min_tokens(logits: torch.Tensor, eos_ids: list[int], generate
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
     """OpenAI presence/frequency penalties over the tokens generated so far. logits: [V]."""
     if not (math.isfinite(presence) and math.isfinite(frequency)):
-        raise ValueError(f"presence and frequency penalties must be finite, got {presence} and {frequency}")
+        raise ValueError(
+            f"presence and frequency penalties must be finite, got {presence} and {frequency}"
+        )
     if (presence or frequency) and output_ids:
         logits = logits.float().clone()
-        counts = torch.bincount(torch.tensor(list(output_ids), device=logits.device), minlength=logits.shape[-1]).to(logits.dtype)  # [V]
+        counts = torch.bincount(
+            torch.tensor(list(output_ids), device=logits.device), minlength=logits.shape[-1]
+        ).to(logits.dtype)  # [V]
         logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     return logits
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int], extra: Sequence[int],
-                   presence: float, frequency: float, eos_ids: list[int]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_ids: Sequence[int],
+    extra: Sequence[int],
+    presence: float,
+    frequency: float,
+    eos_ids: list[int],
+) -> torch.Tensor:
     """What every token choice (the target's, a draft's) applies before sampling: penalties over
     the tokens so far (`output_ids` then `extra`, e.g. tokens accepted earlier in a window) and
     the min_tokens EOS ban. The token history is only built when a penalty needs it."""

