@@ -172,9 +172,9 @@ def test_trace_then_simulate_cli(ckpt, tmp_path) -> None:
     data = tmp_path / "d.txt"
     data.write_text(TEXT)
     trace = tmp_path / "t.npz"
-    run = lambda *a: subprocess.run(
+    run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "server.cli", *a], capture_output=True, text=True, timeout=250
-    )  # noqa: E731
+    )
     p = run("trace", "--model", str(ckpt), "--data", str(data), "--out", str(trace), "--logits")
     assert p.returncode == 0, p.stderr[-2000:]
     p = run(

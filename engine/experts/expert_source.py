@@ -108,8 +108,8 @@ def _native(
         and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
     ):
         fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype)
-        names = lambda b, e: (
-            [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]  # noqa: E731
+        names = lambda b, e: (  # noqa: E731
+            [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]
             + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
         )
         probe = f"experts.0.{spec.gate_up_down[0]}.weight_scale_inv"
