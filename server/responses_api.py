@@ -419,15 +419,19 @@ def router(st: ServerState, store: ResponseStore) -> APIRouter:
             if result.reasoning:
                 output.append(
                     ReasoningItem(
-                        id=_rid("rs"), status=status, content=[ReasoningText(text=result.reasoning)]
+                        id=_rid("rs"),
+                        status=status,  # type: ignore[arg-type]
+                        content=[ReasoningText(text=result.reasoning)],
                     ).model_dump()
-                )  # type: ignore[arg-type]
+                )
             if text or not result.calls:
                 output.append(
                     MessageItem(
-                        id=_rid("msg"), status=status, content=[OutputText(text=text)]
+                        id=_rid("msg"),
+                        status=status,  # type: ignore[arg-type]
+                        content=[OutputText(text=text)],
                     ).model_dump()
-                )  # type: ignore[arg-type]
+                )
             output += [
                 FunctionCallItem(
                     id=_rid("fc"),

@@ -69,8 +69,9 @@ class GrammarCompiler:
 
         # Ignored: llguidance takes a boolean schema too; its stub says str | dict only.
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            spec.schema_value(), overrides=_JSON_OPTIONS
-        )  # type: ignore[arg-type]
+            spec.schema_value(),  # type: ignore[arg-type]
+            overrides=_JSON_OPTIONS,
+        )
         matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} constraint: {matcher.get_error()}")
@@ -83,8 +84,9 @@ def check_spec(spec: ConstraintSpec) -> str | None:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            spec.schema_value(), overrides=_JSON_OPTIONS
-        )  # type: ignore[arg-type]  # a bool schema: as make()
+            spec.schema_value(),  # type: ignore[arg-type]  # a bool schema: as make()
+            overrides=_JSON_OPTIONS,
+        )
     except (ValueError, TypeError) as e:
         return str(e)
     return llguidance.LLMatcher.validate_grammar(grammar) or None

@@ -180,9 +180,9 @@ def load_dense_model(
     # Ignored: transformers types the decorated PreTrainedModel.to without its bound self.
     model = (
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev))
-        .to(dev)
+        .to(dev)  # type: ignore[arg-type]
         .eval()
-    )  # type: ignore[arg-type]
+    )
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)

@@ -126,9 +126,9 @@ class PrefixCache:
             if key not in self.blocks:
                 lo, hi = i * self.block, (i + 1) * self.block
                 kv = [
-                    (layer.keys[:, :, lo:hi].clone(), layer.values[:, :, lo:hi].clone())
+                    (layer.keys[:, :, lo:hi].clone(), layer.values[:, :, lo:hi].clone())  # type: ignore[union-attr,index]
                     for layer in cache.layers
-                ]  # type: ignore[union-attr,index]
+                ]
                 nbytes = sum(t.numel() * t.element_size() for pair in kv for t in pair)
                 if not self._make_room(nbytes):
                     break  # everything left is held: store nothing more for this request
