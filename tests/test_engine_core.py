@@ -7,6 +7,7 @@ import errno
 import random
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.scheduler import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "embedded" / "target"
 
 SETTINGS = [("ram", 1.0), ("disk", 0.25)]
 
@@ -328,5 +331,38 @@ def test_a_prompt_longer_than_the_prefill_budget_runs_in_chunks(tiny_ckpt, arch:
         ]
         assert chunked.error is None, chunked.error
         assert chunked.token_ids == whole
+    finally:
+        om.close()
+
+
+def test_output_independent_of_when_other_prompts_join() -> None:
+    """The embedded model in bf16, seeded sampling: a request's tokens are the same alone and when
+    another request's prompt joins one of its decode steps (prompt rows and decode rows take
+    different kernels; a step holding both must not compute the decode rows the prompt's way)."""
+    om = load_model(EMBEDDED, EngineConfig())
+    try:
+        prompt = om.tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+        other = om.tokenizer.encode(
+            "<|im_start|>user\nWrite a long story about a cat.<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+        def params() -> SamplingParams:
+            return SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+
+        alone = generate(om, prompt, params()).token_ids
+        for delay in range(1, 9):
+            core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=512))
+            first = request(prompt, params())
+            tokens: list[int] = []
+            core.add(first)
+            for n in range(100):
+                if n == delay:
+                    core.add(request(other, params()))
+                for o in core.step():
+                    if o.request_id == first.request_id:
+                        tokens += o.token_ids
+                if not core.has_work():
+                    break
+            assert tokens == alone, f"a prompt joining at step {delay} changed the output"
     finally:
         om.close()

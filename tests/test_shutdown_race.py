@@ -24,7 +24,9 @@ import pytest
 from server_fixtures import serve
 
 pytestmark = pytest.mark.timeout(900)
-N, TOKENS = 4, 480  # seconds of decoding, so the drain is really exercised
+# n choices run one after another (--max-running 1), so the drain lasts N x TOKENS one-row decode steps:
+# long enough to be observed, however fast a step gets.
+N, TOKENS = 8, 480
 LONG = {
     "model": "tiny",
     "prompt": "Hello",
@@ -42,7 +44,17 @@ def _gone_or_zombie_reaped(pid: int | None) -> bool:
 
 def _drain_cycle(model: Path, log: Path) -> None:
     with serve(
-        ["--model", str(model), "--served-model-name", "tiny", "--drain-timeout", "60"], log
+        [
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--drain-timeout",
+            "60",
+            "--max-running",
+            "1",
+        ],
+        log,
     ) as srv:
         engine_pid = srv.engine_pid()
         result: dict[str, object] = {}

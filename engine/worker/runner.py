@@ -135,7 +135,7 @@ class ModelRunner:
                             error=request_fault("the grammar", w.request_id, e)
                         )
         work = [w for w in work if w.request_id not in out.results]
-        for w, lg in self._forward_contained(work, out):
+        for w, lg in self._forward_by_kind(work, out):
             try:
                 if (
                     w.is_prefill and self.prefix is not None
@@ -154,19 +154,28 @@ class ModelRunner:
                 self.drop(w.request_id)
         return out
 
-    def _forward_contained(
+    def _forward_by_kind(
         self, work: list[SeqWork], out: StepOutput
     ) -> list[tuple[SeqWork, torch.Tensor]]:
-        """Forward `work`; a request whose rows fail is failed in `out`, the others get logits.
-        A lost expert names its rows; any other error is bisected: caches go back to the step's
-        start and each half runs alone, until the failing request stands alone."""
-        kind = (
-            "prefill"
-            if any(w.is_prefill for w in work)
-            else "verify"
-            if any(w.num_draft for w in work)
-            else "decode"
-        )
+        """Prompt rows and decode/verification rows take different kernels (engine/native/row_kernels.py),
+        so a step that holds both runs them as two forwards: a request's decode rows are then computed
+        the same way whether or not a new prompt joined its step, and its output never depends on
+        when other requests arrive."""
+        prompts = [w for w in work if w.is_prefill]
+        rest = [w for w in work if not w.is_prefill]
+        few = "verify" if any(w.num_draft for w in rest) else "decode"
+        return [
+            *(self._forward_contained(prompts, out, "prefill") if prompts else []),
+            *(self._forward_contained(rest, out, few) if rest else []),
+        ]
+
+    def _forward_contained(
+        self, work: list[SeqWork], out: StepOutput, kind: str
+    ) -> list[tuple[SeqWork, torch.Tensor]]:
+        """Forward `work` (rows of one kind: prefill, decode or verify); a request whose rows fail
+        is failed in `out`, the others get logits. A lost expert names its rows; any other error is
+        bisected: caches go back to the step's start and each half runs alone, until the failing
+        request stands alone."""
         while work:
             try:
                 logits = self.forward(
@@ -201,9 +210,9 @@ class ModelRunner:
                     for w in work:
                         truncate_cache(self.caches[w.request_id], w.start_pos)
                     half = len(work) // 2
-                    return self._forward_contained(work[:half], out) + self._forward_contained(
-                        work[half:], out
-                    )
+                    return self._forward_contained(
+                        work[:half], out, kind
+                    ) + self._forward_contained(work[half:], out, kind)
                 for w in work:
                     out.results[w.request_id] = SeqResult(
                         error=request_fault("the forward pass", w.request_id, e)
