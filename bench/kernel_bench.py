@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from bench.report import interleaved, machine_line, write_report
 from engine.experts.quant import _int4
-from engine.native.kernels import native
+from engine.native.loaded import native
 
 GB = 1e9
 

@@ -254,7 +254,7 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     calls made there, per decoder layer ("python in layers"), from the run without the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.native.kernels import native
+    from engine.native.loaded import native
     from engine.worker.fused_decode import FusedDecode
 
     kernels = native()

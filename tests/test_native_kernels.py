@@ -15,8 +15,9 @@ from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.experts.native_moe import NativeMoe
 from engine.native import build as native_build
-from engine.native.kernels import MAX_ROWS, native
+from engine.native.kernels import MAX_ROWS
 from engine.native.layers import NativeLinear, NativeRMSNorm, accelerate
+from engine.native.loaded import native
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 
@@ -308,7 +309,7 @@ def test_without_a_compiler_the_build_says_why(monkeypatch, tmp_path) -> None:
 
 def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
     """--native-kernels off: torch's kernels everywhere, said in the plan; auto brings them back."""
-    from engine.native.kernels import native
+    from engine.native.loaded import native
 
     om = load_model(
         tiny_ckpt("qwen3_moe"),

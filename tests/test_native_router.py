@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import load_reference
 
-from engine.native.kernels import native
+from engine.native.loaded import native
 from engine.native.router import NativeTopKRouter
 
 

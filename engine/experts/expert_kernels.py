@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.native.kernels import bf16_gemv
+from engine.native.loaded import bf16_gemv
 from engine.native.row_kernels import native_rows_allowed
 
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)

@@ -16,7 +16,8 @@ import torch
 
 from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.quant import ExpertFormat, GroupQuantFormat, PlainFormat
-from engine.native.kernels import NativeKernels, native
+from engine.native.kernels import NativeKernels
+from engine.native.loaded import native
 
 SlotPointers = tuple[int, int, int, int]  # gate_up, gate_up scales, down, down scales (0: none)
 

@@ -36,7 +36,7 @@ from typing import cast
 import torch
 
 from engine.experts.expert_kernels import ExpertKernel, SwiGLUKernel
-from engine.native.kernels import usable
+from engine.native.loaded import usable
 
 QUANT_KINDS = ("none", "int8", "int4")
 _ALIGN = 16

@@ -1,157 +1,32 @@
-"""Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c).
+"""Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c, decode_layer.c).
 
-`native()` is the process's one instance, or None where the kernels are unavailable (no compiler)
-or turned off (`--native-kernels off`, which the loader applies with `use_native_kernels`); callers
-then use torch. The wrappers take torch tensors on the CPU and
-pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep running.
+`NativeKernels` wraps one loaded library; the process's one instance, and whether the kernels
+run at all, are engine/native/loaded.py's (`native()`). The wrappers take torch tensors on the
+CPU and pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep
+running.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from engine.native.build import build
-from engine.native.row_kernels import native_rows_allowed
-
-log = logging.getLogger(__name__)
+from engine.native.signatures import declare
 
 W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
 MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
 
-_P, _I64, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_size_t
+_P = ctypes.c_void_p
 
 
 class NativeKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        lib.capabilities.restype = _INT
-        lib.gemv.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
-        lib.gemv.restype = _INT
-        lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
-        lib.gemv_work_bytes.restype = _SIZE
-        lib.moe_swiglu.argtypes = [
-            _INT,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _INT,
-            _P,
-            _P,
-            _INT,
-        ]
-        lib.moe_swiglu.restype = _INT
-        lib.moe_work_bytes.argtypes = [_I64, _I64]
-        lib.moe_work_bytes.restype = _SIZE
-        lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]
-        lib.rmsnorm.restype = None
-        lib.rope.argtypes = [_P, _INT, _I64, _I64, _I64, _I64, _P, _P]
-        lib.rope.restype = None
-        lib.qk_norm_rope.argtypes = [
-            _P,
-            _P,
-            _INT,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _INT,
-            ctypes.c_float,
-            ctypes.c_float,
-            _I64,
-            _P,
-            _P,
-        ]
-        lib.qk_norm_rope.restype = None
-        lib.add_rmsnorm.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P, _P]
-        lib.add_rmsnorm.restype = None
-        lib.router_topk.argtypes = [
-            _P,
-            _INT,
-            _I64,
-            _I64,
-            _P,
-            _INT,
-            _I64,
-            _INT,
-            _P,
-            _P,
-            _P,
-            _P,
-            _INT,
-        ]
-        lib.router_topk.restype = _INT
-        lib.gemv_q4.argtypes = [_P, _P, _P, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
-        lib.gemv_q4.restype = _INT
-        lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
-        lib.gemv_q4_work_bytes.restype = _SIZE
-        lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
-        lib.kv_append.restype = None
-        lib.decode_attention.argtypes = [
-            _P,
-            _P,
-            _P,
-            _INT,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _INT,
-            ctypes.c_float,
-            ctypes.c_float,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            ctypes.c_float,
-            _P,
-            _P,
-        ]
-        lib.decode_attention.restype = None
-        # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
-        lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
-        lib.decode_layer.restype = _INT
-        lib.decode_layer_work_bytes.argtypes = [_P, _I64, _I64]
-        lib.decode_layer_work_bytes.restype = _SIZE
-        lib.router_sigmoid.argtypes = [
-            _P,
-            _INT,
-            _I64,
-            _I64,
-            _P,
-            _INT,
-            _I64,
-            _I64,
-            _I64,
-            _INT,
-            ctypes.c_float,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _INT,
-        ]
-        lib.router_sigmoid.restype = _INT
+        declare(lib)
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self._local = (
@@ -500,69 +375,3 @@ class NativeKernels:
             self._work(4 * (hq // hk) * (at + 1 + 2 * d)),
         )
         return out
-
-
-class _Choice:
-    """EngineConfig.native_kernels as the last model loaded in this process set it: the library is one per
-    process, and so is the choice (a process serves one model)."""
-
-    enabled = True
-
-
-def use_native_kernels(mode: str) -> str:
-    """Apply --native-kernels (auto, on, off) to this process; returns what runs and why, for the engine's
-    plan. `on` without the kernels (no compiler) fails with one line."""
-    _Choice.enabled = mode != "off"
-    if mode == "off":
-        return "off: --native-kernels off (torch's kernels)"
-    kernels, why = _load()
-    if kernels is None:
-        if mode == "on":
-            from engine.errors import ConfigError
-
-            raise ConfigError(
-                f"--native-kernels on, but {why}; install gcc, or use --native-kernels auto"
-            )
-        return f"off: {why}"
-    return f"on: {kernels.describe()}"
-
-
-def native() -> NativeKernels | None:
-    """The process's native kernels (built on first call), or None where unavailable or turned off."""
-    return _load()[0] if _Choice.enabled else None
-
-
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[NativeKernels | None, str]:
-    """The kernels, built once, or None and why, said once, where unavailable."""
-    lib, why = build()
-    if lib is None:
-        log.warning(why)
-        return None, why
-    kernels = NativeKernels(lib)
-    log.info(kernels.describe())
-    return kernels, ""
-
-
-def usable(x: torch.Tensor) -> NativeKernels | None:
-    """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous,
-    in a step whose rows take them (engine/native/row_kernels.py)."""
-    if (
-        not native_rows_allowed()
-        or x.device.type != "cpu"
-        or x.dtype not in X_CODES
-        or x.dim() != 2
-        or not 1 <= x.shape[0] <= MAX_ROWS
-        or not x.is_contiguous()
-    ):
-        return None
-    return native()
-
-
-def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x [m, in] times a bf16 weight w [out, in] through the native kernel where it applies (both bf16,
-    x on the CPU with few contiguous rows, w contiguous), else None: the caller keeps torch's path."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not w.is_contiguous():
-        return None
-    kernels = usable(x)
-    return kernels.gemv(x, w) if kernels is not None else None

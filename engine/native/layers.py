@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels, bf16_gemv, native
+from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
+from engine.native.loaded import bf16_gemv, native
 from engine.native.row_kernels import native_rows_allowed
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.native.kernels import X_CODES, native
+from engine.native.kernels import X_CODES
+from engine.native.loaded import native
 
 ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter"})
 

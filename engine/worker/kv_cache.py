@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from engine.native.kernels import NativeKernels, native
+from engine.native.kernels import NativeKernels
+from engine.native.loaded import native
 
 MIN_CAPACITY = 256  # positions a buffer starts with: a short chat never grows it
 

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.native.kernels import X_CODES, NativeKernels, native
+from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.layers import NativeRMSNorm
+from engine.native.loaded import native
 from engine.worker import dispatch
 from engine.worker.fused_decode import FusedDecode
 from engine.worker.kv_cache import InPlaceLayer

@@ -41,8 +41,8 @@ from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
 from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.native.kernels import use_native_kernels
 from engine.native.layers import accelerate
+from engine.native.loaded import use_native_kernels
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
