@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.loader import OffloadedModel
+from engine.worker.loaded_model import OffloadedModel
 from engine.worker.runner import ModelRunner
 
 

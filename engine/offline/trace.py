@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from engine.experts.routing_bus import RoutingEvent
 from engine.paths import portable_path
-from engine.worker.loader import OffloadedModel
+from engine.worker.loaded_model import OffloadedModel
 
 
 @torch.inference_mode()

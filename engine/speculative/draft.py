@@ -22,7 +22,7 @@ from engine.core.scheduler import SeqWork, StepPlan
 from engine.speculative.lean_dense import LeanDenseModel, LeanKVCache
 from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.loader import LoadedModel
+from engine.worker.loaded_model import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
 from engine.worker.sampling import make_generator, process_logits, target_probs
 

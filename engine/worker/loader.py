@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +24,20 @@ from transformers import (
 )
 
 from engine.config import EngineConfig
-from engine.core.contracts import Runner
-from engine.errors import CheckpointError, ConfigError
+from engine.errors import CheckpointError
 from engine.experts.cost_meter import CostMeter
-from engine.experts.cpu_experts import CpuExperts
 from engine.experts.expert_kernels import make_kernel
 from engine.experts.expert_source import expert_source, read_dense
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.moe_executor import MoeExecutor
-from engine.experts.quant import ExpertFormat
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
-from engine.experts.utility_prefetch import UtilityPrefetcher
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.native.layers import accelerate
 from engine.native.loaded import use_native_kernels
-from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
@@ -52,90 +46,13 @@ from engine.weights.expert_layout import ExpertShape
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
 from engine.worker.dispatch import ExecutionPlan, resolve_plan
+from engine.worker.loaded_model import LoadedModel, OffloadedModel
 from engine.worker.packed_batch import use_packed_attention
-from engine.worker.sensor import sensor_for
-from policies.base import EvictionPolicy
+from engine.worker.spac_setup import attach_spac, prefetch_kinds
 from policies.miss import SubstitutingPolicy
-from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, protect_ticks
+from policies.utility import protect_ticks
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    """What generation needs from any model: the module, its config, tokenizer and device."""
-
-    model: PreTrainedModel
-    config: PretrainedConfig
-    tokenizer: (
-        Any | None
-    )  # a transformers tokenizer (used by duck typing), None where the checkpoint has none
-    generation_config: GenerationConfig | None
-    model_dir: Path
-    device: torch.device
-    packed: bool  # requests of a step share one packed forward (else one forward per request)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.generation_config, self.config):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-        return ids
-
-    def close(self) -> None:
-        pass
-
-    def make_runner(self) -> Runner:
-        """The runner that executes engine steps on this model (EngineCore.for_model asks for it)."""
-        from engine.worker.runner import ModelRunner  # runner.py imports this module
-
-        return ModelRunner(self)
-
-
-@dataclass
-class OffloadedModel(LoadedModel):
-    """A MoE model whose routed experts live in the tiered expert store."""
-
-    engine_config: EngineConfig
-    store: ExpertStore
-    transfers: TransferEngine
-    executor: MoeExecutor
-    stats: EngineStats
-    bus: RoutingBus
-    moe_layers: list[int]
-    num_experts: int
-    top_k: int
-    sensor: Any = (
-        None  # the speculative sensor (engine/worker/sensor.py), shared by speculation and utility
-    )
-    utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
-    cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
-    adapter_prefetcher: Any = (
-        None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
-    )
-    prefetchers: tuple[
-        str, ...
-    ] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
-    plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
-    memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
-
-    def parameter_count(self) -> int:
-        """Dense parameters on the device plus every routed expert's (counted as weights, whatever
-        format the tiers store them in)."""
-        dense = sum(p.numel() for p in self.model.parameters())
-        return dense + len(self.moe_layers) * self.num_experts * self.executor.fmt.kernel.numel
-
-    @property
-    def step_observers(self) -> tuple[Any, ...]:
-        """What every engine core of this model runs after each step (the sensor, if any)."""
-        return (self.sensor,) if self.sensor is not None else ()
-
-    def close(self) -> None:
-        self.transfers.close()
-        if self.cpu_experts is not None:
-            self.cpu_experts.close()
 
 
 def _tokenizer_and_generation_config(model_dir: Path) -> tuple[Any | None, GenerationConfig | None]:
@@ -268,7 +185,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     )
     if ram is not None:
         store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
-    kinds = _prefetch_kinds(
+    kinds = prefetch_kinds(
         cfg,
         model_dir,
         partial=n_slots < len(moe_layers) * E,
@@ -321,7 +238,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
     stats.memory_probe = memory_probe(
         mplan, om.model, store, tier
     )  # planned and used bytes per pool, for /metrics
-    _attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
+    attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
     om.plan = _plan(om, cfg, kernels, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
         _warm(om)
@@ -366,113 +283,6 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
             else "auto: no SpecPrefetch adapter file beside the model"
         )
     return plan.with_choice("prefetch", running, why)
-
-
-def _prefetch_kinds(
-    cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool
-) -> set[str]:
-    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it has something to do and pays
-    for itself: the fast tier misses experts (partial), the model has a layer l+1 to predict, an adapter file is
-    there, and either the miss policy substitutes (an expert that landed in time is not substituted: quality-first's
-    ΔPPL on the embedded model falls about threefold) or the experts compute on a GPU (where the adapter's matmul
-    and the copies do not take the decode's CPU cores). On a CPU with an exact policy it measured 0.89-0.96x on
-    disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
-    if cfg.prefetch != "auto":
-        return cfg.prefetch_kinds
-    return (
-        {"adapter"}
-        if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file()
-        else set()
-    )
-
-
-def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
-    """The SpecPrefetch adapter file: --prefetcher, or prefetcher.safetensors beside the model."""
-    from engine.prefetch.adapter import FILE_NAME
-
-    return Path(cfg.prefetcher) if cfg.prefetcher else model_dir / FILE_NAME
-
-
-def _attach_spac(
-    om: OffloadedModel,
-    cfg: EngineConfig,
-    kinds: set[str],
-    eviction: EvictionPolicy,
-    tier: SlowTier,
-    fmt: ExpertFormat,
-    meter: CostMeter | None,
-) -> None:
-    """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
-    speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
-    ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: `_prefetch_kinds`)."""
-    wants_utility = (
-        "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
-    )
-    if wants_utility:
-        estimator = SpeculativeUtilityEstimator(om.num_experts)
-        if isinstance(eviction, UtilityEviction):
-            eviction.estimator = estimator
-        prefetcher = UtilityPrefetcher(
-            estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds
-        )
-        prefetcher.attach(om.bus)
-        sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
-        om.utility = prefetcher
-        om.executor.utility = estimator
-        if "utility" in kinds:
-            om.executor.after_layer = prefetcher.after_layer
-    if "adapter" in kinds:
-        assert meter is not None
-        try:
-            om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
-            if cfg.prefetch == "auto":
-                log.info(
-                    "prefetch auto: SpecPrefetch's adapter is on (a partial fast tier; --prefetch none turns it off)"
-                )
-        except ConfigError as err:
-            if cfg.prefetch != "auto":
-                raise
-            log.warning(
-                "prefetch auto: no SpecPrefetch adapter (%s)", err
-            )  # asked for nothing: serve without
-            kinds = kinds - {"adapter"}
-    om.prefetchers = tuple(sorted(kinds))
-    if cfg.cpu_experts != "off":
-        assert meter is not None
-        om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
-        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = (
-            om.cpu_experts,
-            cfg.cpu_experts,
-            meter,
-        )
-
-
-def _adapter_prefetcher(
-    om: OffloadedModel, cfg: EngineConfig, meter: CostMeter
-) -> AdapterPrefetcher:
-    """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
-    from engine.prefetch.adapter import load_adapter
-    from engine.prefetch.training import model_fingerprint, moe_blocks
-
-    if len(om.moe_layers) < 2:
-        raise ConfigError(
-            f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)"
-        )
-    adapter = load_adapter(_adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
-    adapter.to(om.device)
-    prefetcher = AdapterPrefetcher(
-        adapter,
-        moe_blocks(om.model),
-        om.store,
-        om.transfers,
-        om.moe_layers,
-        om.top_k,
-        meter,
-        om.stats,
-    )
-    prefetcher.settled = cfg.settle_background
-    prefetcher.attach(om.bus)
-    return prefetcher
 
 
 def _materialize(

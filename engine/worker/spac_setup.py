@@ -1,0 +1,130 @@
+"""The prefetchers and MoE-SpAc parts a load attaches to an OffloadedModel, as the settings ask:
+`prefetch_kinds` resolves --prefetch, `attach_spac` builds the utility estimator, the prefetchers and
+the CPU expert workers (engine/worker/loader.py calls both)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.experts.cost_meter import CostMeter
+from engine.experts.cpu_experts import CpuExperts
+from engine.experts.quant import ExpertFormat
+from engine.experts.slow_tier import SlowTier
+from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
+from engine.worker.loaded_model import OffloadedModel
+from engine.worker.sensor import sensor_for
+from policies.base import EvictionPolicy
+from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
+
+log = logging.getLogger(__name__)
+
+
+def prefetch_kinds(
+    cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool
+) -> set[str]:
+    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it has something to do and pays
+    for itself: the fast tier misses experts (partial), the model has a layer l+1 to predict, an adapter file is
+    there, and either the miss policy substitutes (an expert that landed in time is not substituted: quality-first's
+    ΔPPL on the embedded model falls about threefold) or the experts compute on a GPU (where the adapter's matmul
+    and the copies do not take the decode's CPU cores). On a CPU with an exact policy it measured 0.89-0.96x on
+    disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
+    if cfg.prefetch != "auto":
+        return cfg.prefetch_kinds
+    return (
+        {"adapter"}
+        if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file()
+        else set()
+    )
+
+
+def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
+    """The SpecPrefetch adapter file: --prefetcher, or prefetcher.safetensors beside the model."""
+    from engine.prefetch.adapter import FILE_NAME
+
+    return Path(cfg.prefetcher) if cfg.prefetcher else model_dir / FILE_NAME
+
+
+def attach_spac(
+    om: OffloadedModel,
+    cfg: EngineConfig,
+    kinds: set[str],
+    eviction: EvictionPolicy,
+    tier: SlowTier,
+    fmt: ExpertFormat,
+    meter: CostMeter | None,
+) -> None:
+    """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
+    speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
+    ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: `prefetch_kinds`)."""
+    wants_utility = (
+        "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
+    )
+    if wants_utility:
+        estimator = SpeculativeUtilityEstimator(om.num_experts)
+        if isinstance(eviction, UtilityEviction):
+            eviction.estimator = estimator
+        prefetcher = UtilityPrefetcher(
+            estimator, om.store, om.transfers, om.moe_layers, om.stats, prefetch="utility" in kinds
+        )
+        prefetcher.attach(om.bus)
+        sensor_for(om).include_plain = True  # plain decode steps feed the estimator too
+        om.utility = prefetcher
+        om.executor.utility = estimator
+        if "utility" in kinds:
+            om.executor.after_layer = prefetcher.after_layer
+    if "adapter" in kinds:
+        assert meter is not None
+        try:
+            om.adapter_prefetcher = _adapter_prefetcher(om, cfg, meter)
+            if cfg.prefetch == "auto":
+                log.info(
+                    "prefetch auto: SpecPrefetch's adapter is on (a partial fast tier; --prefetch none turns it off)"
+                )
+        except ConfigError as err:
+            if cfg.prefetch != "auto":
+                raise
+            log.warning(
+                "prefetch auto: no SpecPrefetch adapter (%s)", err
+            )  # asked for nothing: serve without
+            kinds = kinds - {"adapter"}
+    om.prefetchers = tuple(sorted(kinds))
+    if cfg.cpu_experts != "off":
+        assert meter is not None
+        om.cpu_experts = CpuExperts(tier, fmt, cfg.cpu_workers, meter, om.stats)
+        om.executor.cpu, om.executor.cpu_mode, om.executor.meter = (
+            om.cpu_experts,
+            cfg.cpu_experts,
+            meter,
+        )
+
+
+def _adapter_prefetcher(
+    om: OffloadedModel, cfg: EngineConfig, meter: CostMeter
+) -> AdapterPrefetcher:
+    """SpecPrefetch: the adapter file (given, or beside the model), checked against this model."""
+    from engine.prefetch.adapter import load_adapter
+    from engine.prefetch.training import model_fingerprint, moe_blocks
+
+    if len(om.moe_layers) < 2:
+        raise ConfigError(
+            f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)"
+        )
+    adapter = load_adapter(_adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
+    adapter.to(om.device)
+    prefetcher = AdapterPrefetcher(
+        adapter,
+        moe_blocks(om.model),
+        om.store,
+        om.transfers,
+        om.moe_layers,
+        om.top_k,
+        meter,
+        om.stats,
+    )
+    prefetcher.settled = cfg.settle_background
+    prefetcher.attach(om.bus)
+    return prefetcher
