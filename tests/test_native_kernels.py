@@ -264,8 +264,7 @@ def test_fused_moe_int8(nk) -> None:
 
 
 def test_native_linear_matches_f_linear(nk) -> None:
-    lin = torch.nn.Linear(96, 40).bfloat16()
-    lin.__class__ = NativeLinear
+    lin = NativeLinear.replacing(torch.nn.Linear(96, 40).bfloat16())
     x = torch.randn(1, 3, 96).bfloat16()
     ref = F.linear(x, lin.weight, lin.bias)
     torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2**-6, atol=2e-2)
@@ -352,16 +351,43 @@ def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) ->
         norm.weight.copy_(torch.rand(96) + 0.5)
     ref = Qwen3MoeRMSNorm(96, eps=1e-6).to(dtype)
     ref.load_state_dict(norm.state_dict())
-    assert accelerate(norm) == 1 and isinstance(norm.forward, NativeRMSNorm)
+    parent = torch.nn.Sequential(norm)  # replaced in its parent, over the same weight
+    assert accelerate(parent) == 1 and isinstance(parent[0], NativeRMSNorm)
+    assert parent[0].weight is norm.weight and list(parent.state_dict()) == ["0.weight"]
+    norm = parent[0]
     for _ in range(
         3
     ):  # the first call checks against the module's own forward, later ones run natively
         x = torch.randn(1, 2, 96).to(dtype)
         tol = 1e-6 if dtype == torch.float32 else 2**-7
         torch.testing.assert_close(norm(x).float(), ref(x).float(), rtol=tol, atol=tol)
-    assert norm.forward.verified is True
+    assert norm.verified is True
     big = torch.randn(3, MAX_ROWS, 96).to(dtype)  # over the row limit: the module's own arithmetic
     assert torch.equal(norm(big), ref(big))
+
+
+def test_accelerate_replaces_modules_in_their_parents(nk) -> None:
+    """The native layers replace modules in their parents, over the same Parameters: no class swaps and
+    no instance forwards; a module under two parents gets one counterpart, and a second call none."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    shared = torch.nn.Linear(8, 8).bfloat16()
+    model = torch.nn.ModuleDict(
+        {
+            "a": torch.nn.Sequential(shared, Qwen3MoeRMSNorm(8)),
+            "b": torch.nn.Sequential(shared),
+            "f32": torch.nn.Linear(8, 8),  # f32 linears keep torch's kernel
+        }
+    )
+    keys = list(model.state_dict())
+    assert accelerate(model) == 2
+    new = model["a"][0]
+    assert isinstance(new, NativeLinear) and model["b"][0] is new and new.weight is shared.weight
+    assert type(shared) is torch.nn.Linear and isinstance(model["a"][1], NativeRMSNorm)
+    assert type(model["f32"]) is torch.nn.Linear
+    assert list(model.state_dict()) == keys
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert accelerate(model) == 0
 
 
 def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
@@ -374,10 +400,12 @@ def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
         norm.weight.copy_(torch.rand(64))
     ref = Gemma3RMSNorm(64, eps=1e-6)
     ref.load_state_dict(norm.state_dict())
-    accelerate(norm)
+    parent = torch.nn.Sequential(norm)
+    accelerate(parent)
+    norm = parent[0]
     x = torch.randn(1, 64)
     assert torch.equal(norm(x), ref(x))
-    assert norm.forward.verified is False
+    assert norm.verified is False
     assert torch.equal(norm(x), ref(x))
 
 

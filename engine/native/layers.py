@@ -16,7 +16,7 @@ batches over 16 rows, other dtypes, other devices) runs as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import torch
@@ -29,6 +29,19 @@ from engine.native.row_kernels import native_rows_allowed
 
 
 class NativeLinear(nn.Linear):
+    """An `nn.Linear` whose few-row bf16 CPU inputs run through the native gemv; torch's `F.linear`
+    otherwise. It stays an `nn.Linear`: isinstance checks and state dicts are unchanged."""
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear) -> NativeLinear:
+        """A NativeLinear over `linear`'s own weight and bias Parameters (tied weights stay tied)."""
+        new = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta"
+        )
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dim() >= 2 and x.numel() <= MAX_ROWS * x.shape[-1]:
@@ -40,18 +53,32 @@ class NativeLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-class NativeRMSNorm:
-    """A norm module's forward, replaced on the instance: the native kernel for few-row CPU inputs
-    once its first such call has matched the module's own forward, the module's forward otherwise."""
+class NativeRMSNorm(nn.Module):
+    """Stands in for a norm module in its parent: the native kernel for few-row CPU inputs once its
+    first such call has matched the replaced module's own forward, that forward otherwise."""
+
+    weight: torch.Tensor
 
     def __init__(self, module: nn.Module, eps: float) -> None:
-        self.module: Any = module  # the norm module it stands in for (its weight, its own forward)
+        super().__init__()
+        assert isinstance(module.weight, nn.Parameter)  # as native_counterpart checked
+        # The replaced module's Parameter itself: the same storage, under the same state-dict key.
+        self.weight = module.weight
         self.eps = eps
-        self.original: Callable[[torch.Tensor], torch.Tensor] = type(module).forward.__get__(module)
+        # The replaced module's own forward (bound to it), for the first call's check and for what the
+        # kernel does not take. A bound method, not a submodule: the module tree keeps one copy of
+        # the weight, and the replaced module runs exactly as it did.
+        self.original = MethodType(type(module).forward, module)
         self.verified: bool | None = None  # None: not yet checked
         self._accepted: tuple[torch.Size, torch.dtype] | None = (
             None  # the last input shape and dtype found to run natively
         )
+        self.train(module.training)
+
+    @property
+    def module(self) -> Any:
+        """The norm module this one replaced (its weight and its own forward)."""
+        return self.original.__self__
 
     def kernels_for(self, x: torch.Tensor) -> NativeKernels | None:
         """The kernels where this norm runs x natively (few contiguous CPU rows in its weight's dtype, and
@@ -68,7 +95,7 @@ class NativeRMSNorm:
             and self.verified is not False
         ):
             return native()
-        w = self.module.weight
+        w = self.weight
         if (
             self.verified is False
             or x.dtype != w.dtype
@@ -83,11 +110,11 @@ class NativeRMSNorm:
         self._accepted = (x.shape, x.dtype)
         return native()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.kernels_for(x)
         if kernels is None:
             return self.original(x)
-        y = kernels.rmsnorm(x, self.module.weight, self.eps)
+        y = kernels.rmsnorm(x, self.weight, self.eps)
         if self.verified is None:
             ref = self.original(x)
             tol = 1e-5 if x.dtype == torch.float32 else 2**-7  # f32 rounding; one bf16 ulp
@@ -96,6 +123,14 @@ class NativeRMSNorm:
             )
             return ref
         return y
+
+
+def verified_kernels(norm: object, x: torch.Tensor) -> NativeKernels | None:
+    """The kernels where `norm` is a NativeRMSNorm already checked against the module it replaced that
+    would run x natively: then fusing it with a neighbouring step keeps its arithmetic."""
+    if isinstance(norm, NativeRMSNorm) and norm.verified:
+        return norm.kernels_for(x)
+    return None
 
 
 def _rmsnorm_eps(module: nn.Module) -> float | None:
@@ -108,23 +143,40 @@ def _rmsnorm_eps(module: nn.Module) -> float | None:
     return float(eps) if isinstance(eps, float) else None
 
 
+def native_counterpart(module: nn.Module) -> nn.Module | None:
+    """The native module that stands in for `module` (a bf16 CPU `nn.Linear`, an f32 or bf16 CPU
+    llama-style RMSNorm), built over its own Parameters; None where it keeps its own forward."""
+    w = getattr(module, "weight", None)
+    if (
+        not isinstance(w, torch.Tensor)
+        or w.device.type != "cpu"
+        or isinstance(module, NativeRMSNorm)
+    ):
+        return None
+    if type(module) is nn.Linear and w.dtype == torch.bfloat16:
+        return NativeLinear.replacing(module)
+    eps = _rmsnorm_eps(module)
+    if (
+        eps is not None
+        and isinstance(w, nn.Parameter)
+        and w.dtype in (torch.float32, torch.bfloat16)
+    ):
+        return NativeRMSNorm(module, eps)
+    return None
+
+
 def accelerate(model: nn.Module) -> int:
-    """Route `model`'s CPU norms (and, in bf16, its plain linears) through the native kernels;
-    returns how many modules changed."""
+    """Replace `model`'s CPU norms (and, in bf16, its plain linears) in their parents with their native
+    counterparts; returns how many modules were replaced. A module that sits under several parents is
+    replaced by one counterpart everywhere."""
     if native() is None:
         return 0
-    changed = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or w.device.type != "cpu":
-            continue
-        if type(module) is nn.Linear and w.dtype == torch.bfloat16:
-            module.__class__ = NativeLinear
-            changed += 1
-        elif (eps := _rmsnorm_eps(module)) is not None and w.dtype in (
-            torch.float32,
-            torch.bfloat16,
-        ):
-            module.forward = NativeRMSNorm(module, eps)
-            changed += 1
-    return changed
+    replaced: dict[int, nn.Module | None] = {}  # id of a child -> its counterpart (None: kept)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) not in replaced:
+                replaced[id(child)] = native_counterpart(child)
+            new = replaced[id(child)]
+            if new is not None:
+                parent.register_module(name, new)
+    return sum(new is not None for new in replaced.values())

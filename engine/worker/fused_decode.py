@@ -529,7 +529,7 @@ def _probe(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def _norm(module: Any, dtype: torch.dtype) -> NativeRMSNorm:
     """The module's native norm, checked against the module (on a random row, where no step has yet); NotYet
     where that check cannot run natively yet."""
-    fn = module.forward
+    fn = module
     if not isinstance(fn, NativeRMSNorm) or fn.verified is False:
         raise Unsupported(f"{type(module).__name__} does not run natively")
     if fn.verified is None:

@@ -30,7 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels
-from engine.native.layers import NativeRMSNorm
+from engine.native.layers import NativeRMSNorm, verified_kernels
 from engine.native.loaded import native
 from engine.worker import dispatch
 from engine.worker.fused_decode import FusedDecode
@@ -259,13 +259,12 @@ class LeanForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, norm(x + a)): the residual add and the next norm, in one native call where the norm
         would itself run the native kernel (a verified NativeRMSNorm, few rows); the same arithmetic."""
-        fn = norm.forward
-        kernels = _verified_native(fn, x)
+        kernels = verified_kernels(norm, x)
         if kernels is None or a.dtype != x.dtype or a.shape != x.shape or not a.is_contiguous():
             x = x + a
-            return x, fn(x)
-        assert isinstance(fn, NativeRMSNorm)  # _verified_native found it one
-        return kernels.add_rmsnorm(x, a, fn.module.weight, fn.eps)
+            return x, norm.forward(x)
+        assert isinstance(norm, NativeRMSNorm)  # verified_kernels found it one
+        return kernels.add_rmsnorm(x, a, norm.weight, norm.eps)
 
     def _fused_qk(
         self,
@@ -278,11 +277,11 @@ class LeanForward:
         """q/k norms and rotary in one native call, in place, where each norm would itself have run
         the native kernel (a verified NativeRMSNorm, few rows) and the rotary kernel applies: the
         same arithmetic as the two steps apart. Returns whether it ran."""
-        qn, kn = layer.q_norm.forward, layer.k_norm.forward
-        kernels = _verified_native(qn, q)
-        if kernels is None or _verified_native(kn, k) is None or not self._rope_ok(q, k, cos, sin):
+        qn, kn = layer.q_norm, layer.k_norm
+        kernels = verified_kernels(qn, q)
+        if kernels is None or verified_kernels(kn, k) is None or not self._rope_ok(q, k, cos, sin):
             return False
-        kernels.qk_norm_rope(q, k, qn.module.weight, kn.module.weight, qn.eps, kn.eps, cos, sin)
+        kernels.qk_norm_rope(q, k, qn.weight, kn.weight, qn.eps, kn.eps, cos, sin)
         return True
 
     def _rope_ok(
@@ -352,15 +351,15 @@ class LeanForward:
             return None
         norms = layer.native_qk_norms
         if norms is None and layer.q_norm is not None:
-            qn, kn = layer.q_norm.forward, layer.k_norm.forward
+            qn, kn = layer.q_norm, layer.k_norm
             if (
-                _verified_native(qn, q[:1].view(hq, d)) is None
-                or _verified_native(kn, k[:1].view(hk, d)) is None
+                verified_kernels(qn, q[:1].view(hq, d)) is None
+                or verified_kernels(kn, k[:1].view(hk, d)) is None
             ):
                 return None
             norms = layer.native_qk_norms = (
-                qn.module.weight,
-                kn.module.weight,
+                qn.weight,
+                kn.weight,
                 qn.eps,
                 kn.eps,
             )  # verified: for good
@@ -452,19 +451,13 @@ def _attend_row(
     return out
 
 
-def _verified_native(norm_forward: Callable, x: torch.Tensor) -> NativeKernels | None:
-    """The kernels where a norm's forward is a NativeRMSNorm already checked against its module that would
-    run x natively: then fusing it with a neighbouring step keeps its arithmetic."""
-    if isinstance(norm_forward, NativeRMSNorm) and norm_forward.verified:
-        return norm_forward.kernels_for(x)
-    return None
-
-
 class _LeanLayer:
     """One decoder layer's sublayers, looked up once (nn.Module attribute access is a dict walk).
-    Each is called through its `forward` attribute at run time, so a replaced forward (the native
-    norms) is honoured. The sublayers are the architecture's own modules, typed `Any`: their attributes
-    (head_dim, scaling, layer_idx, ...) are the architecture's, which `LeanForward.supports` checked."""
+    The lean forward calls each through its `forward`, without the module `__call__` around it. The
+    native norms and linears replaced the architecture's at load (engine/native/layers.py
+    `accelerate`), before a forward looks them up. The sublayers are the architecture's own modules
+    or their native counterparts, typed `Any`: their attributes (head_dim, scaling, layer_idx, ...)
+    are the architecture's, which `LeanForward.supports` checked."""
 
     def __init__(self, layer: Any) -> None:
         att = layer.self_attn
