@@ -10,7 +10,8 @@ MoE block) in the same order, with the packed attention of engine/worker/packed_
 logits are the packed forward's bit for bit (tests/test_lean_forward.py); it only drops the
 layers of Python in between. Where neighbouring steps would each run a native kernel anyway, one
 native call does both with the same arithmetic (the per-head q/k norms and the rotary embedding;
-a residual add and the next norm), and a plain decode step attends without the packed bookkeeping.
+a residual add and the next norm), and a plain decode step attends without the packed
+bookkeeping (engine/worker/decode_attention.py).
 
 Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
 residual" and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
@@ -25,16 +26,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.native.kernels import X_CODES, NativeKernels
+from engine.native.kernels import X_CODES
 from engine.native.layers import NativeRMSNorm, verified_kernels
 from engine.native.loaded import native
 from engine.worker import dispatch
+from engine.worker.decode_attention import native_decode_attention, sdpa_decode_attention
 from engine.worker.fused_decode import FusedDecode
-from engine.worker.kv_cache import InPlaceLayer
+from engine.worker.lean_layer import LeanLayer
 from engine.worker.packed_batch import (
     PACKED_ATTENTION,
     PackedBatch,
@@ -85,7 +86,7 @@ class LeanForward:
         self.model = model
         self.inner = model.model
         self.layers = [
-            _LeanLayer(layer) for layer in self.inner.layers[: model.config.num_hidden_layers]
+            LeanLayer(layer) for layer in self.inner.layers[: model.config.num_hidden_layers]
         ]
         # The architecture's own rotary function (glm4_moe rotates only part of each head).
         self.rotate: Callable = sys.modules[
@@ -97,7 +98,7 @@ class LeanForward:
         # cos/sin of positions 0..P-1, computed once by the model's own rotary module and sliced per step.
         # Only for the default rope type, whose frequencies never change (dynamic scalings recompute them).
         self._table_ok = getattr(self.inner.rotary_emb, "rope_type", None) == "default"
-        # A decode row's attention in one native call (see _native_decode_attention); else torch's SDPA.
+        # A decode row's attention in one native call (engine/worker/decode_attention.py); else torch's SDPA.
         self._native_attention = self.kernels is not None and native_attention
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         # A one-request decode step's layers, one native call each (engine/worker/fused_decode.py), where it applies.
@@ -214,7 +215,7 @@ class LeanForward:
 
     def _attention(
         self,
-        layer: _LeanLayer,
+        layer: LeanLayer,
         h: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: PackedCache,
@@ -229,7 +230,9 @@ class LeanForward:
             layer.v_proj.forward(h),
         )  # [N, heads * d]
         if decode and self._native_attention:
-            out = self._native_decode_attention(layer, q, k, v, cos_sin, batch)
+            out = native_decode_attention(
+                self.kernels, layer, q, k, v, cos_sin, batch, NATIVE_ATTENTION_MAX_POSITIONS
+            )
             if out is not None:
                 return layer.o_proj.forward(out)
         shape = (
@@ -246,7 +249,7 @@ class LeanForward:
                 q, k = layer.q_norm.forward(q), layer.k_norm.forward(k)
             q, k = self._rotate(q, k, *cos_sin)
         if decode:
-            out = self._decode_attention(att, q, k, v, batch)
+            out = sdpa_decode_attention(att, q, k, v, batch)
         else:
             k, v = cache.update(k, v, att.layer_idx)
             out, _ = packed_attention(
@@ -268,7 +271,7 @@ class LeanForward:
 
     def _fused_qk(
         self,
-        layer: _LeanLayer,
+        layer: LeanLayer,
         q: torch.Tensor,
         k: torch.Tensor,
         cos: torch.Tensor,
@@ -312,166 +315,3 @@ class LeanForward:
                 1, 2
             )
         return self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-
-    def _native_decode_attention(
-        self,
-        layer: _LeanLayer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        batch: PackedBatch,
-    ) -> torch.Tensor | None:
-        """One new row per request, from its projections [N, heads * d] to o_proj's input [N, hq * d], one
-        native call a request (cpu_gemv.c `decode_attention`: q/k norms, rotary, KV append, attention),
-        or None where it does not apply (then the torch path runs): the CPU kernels, a float dtype, the
-        in-place KV cache, the rotary table's rows, per-head norms that are verified native ones.
-
-        Why: between the projections and o_proj a decode layer made about a dozen torch calls (views,
-        transposes, the cache's bookkeeping, SDPA, a copy back) and their Python, more than the
-        arithmetic on a small model. The same arithmetic but the attention's sums, whose order differs
-        from SDPA's: logits agree to float rounding, not bit for bit (tests/test_lean_forward.py)."""
-        kernels, att = self.kernels, layer.att
-        cos, sin = cos_sin  # [1, N, rot]
-        d, n = att.head_dim, q.shape[0]
-        hq, hk = q.shape[1] // d, k.shape[1] // d
-        if (
-            kernels is None
-            or q.dtype not in X_CODES
-            or not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype)
-            or q.device.type != "cpu"
-            or d > 1024
-            or hq % hk
-            or hq // hk > 64
-            or cos.shape[-1] % 2
-            or cos.shape[-1] > d
-            or not (cos.is_contiguous() and sin.is_contiguous())
-            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
-        ):
-            return None
-        norms = layer.native_qk_norms
-        if norms is None and layer.q_norm is not None:
-            qn, kn = layer.q_norm, layer.k_norm
-            if (
-                verified_kernels(qn, q[:1].view(hq, d)) is None
-                or verified_kernels(kn, k[:1].view(hk, d)) is None
-            ):
-                return None
-            norms = layer.native_qk_norms = (
-                qn.weight,
-                kn.weight,
-                qn.eps,
-                kn.eps,
-            )  # verified: for good
-        layers = [c.layers[att.layer_idx] for c in batch.caches]
-        if not all(
-            type(c) is InPlaceLayer and c.get_seq_length() < NATIVE_ATTENTION_MAX_POSITIONS
-            for c in layers
-        ):
-            return None
-        if n == 1:  # one request: views, no per-row selects
-            return _attend_row(
-                kernels,
-                layers[0],
-                q.view(hq, d),
-                k.view(hk, d),
-                v.view(hk, d),
-                norms,
-                cos.view(-1),
-                sin.view(-1),
-                att.scaling,
-            )
-        outs = [
-            _attend_row(
-                kernels,
-                c,
-                q[r].view(hq, d),
-                k[r].view(hk, d),
-                v[r].view(hk, d),
-                norms,
-                cos[0, r],
-                sin[0, r],
-                att.scaling,
-            )
-            for r, c in enumerate(layers)
-        ]
-        return torch.cat(outs)
-
-    @staticmethod
-    def _decode_attention(
-        att: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch
-    ) -> torch.Tensor:
-        """One new row per request: what transformers' SDPA attention does for a single-token query
-        without a mask (integrations/sdpa_attention.py: GQA inside SDPA, not causal), per request.
-        q [1, h, B, d], k and v [1, h_kv, B, d]; returns [1, B, h, d]."""
-        gqa = att.num_key_value_groups > 1
-        if len(batch.caches) == 1:  # one request: no per-request slices
-            keys, values = batch.caches[0].update(k, v, att.layer_idx)
-            o = F.scaled_dot_product_attention(
-                q, keys, values, dropout_p=0.0, scale=att.scaling, is_causal=False, enable_gqa=gqa
-            )
-            return o.transpose(1, 2).contiguous()
-        outs = []
-        for r, c in enumerate(batch.caches):
-            keys, values = c.update(k[:, :, r : r + 1], v[:, :, r : r + 1], att.layer_idx)
-            o = F.scaled_dot_product_attention(
-                q[:, :, r : r + 1],
-                keys,
-                values,
-                dropout_p=0.0,
-                scale=att.scaling,
-                is_causal=False,
-                enable_gqa=gqa,
-            )
-            outs.append(o.transpose(1, 2))
-        return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
-
-
-def _attend_row(
-    kernels: NativeKernels,
-    cache: InPlaceLayer,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One request's new row (q [hq, d], k and v [hk, d]) through the native decode attention, its key
-    and value appended to `cache`; returns [1, hq * d]."""
-    hk, d = k.shape
-    kb, vb, length = cache.reserve(k.view(1, hk, 1, d), v.view(1, hk, 1, d))
-    if (
-        kb.dtype != q.dtype
-    ):  # a request's cache holds its model's dtype: this would be a bug, not an input
-        raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
-    out = kernels.decode_attention(q, k, v, norms, cos, sin, kb, vb, length, scale)
-    cache.advance(length + 1)
-    return out
-
-
-class _LeanLayer:
-    """One decoder layer's sublayers, looked up once (nn.Module attribute access is a dict walk).
-    The lean forward calls each through its `forward`, without the module `__call__` around it. The
-    native norms and linears replaced the architecture's at load (engine/native/layers.py
-    `accelerate`), before a forward looks them up. The sublayers are the architecture's own modules
-    or their native counterparts, typed `Any`: their attributes (head_dim, scaling, layer_idx, ...)
-    are the architecture's, which `LeanForward.supports` checked."""
-
-    def __init__(self, layer: Any) -> None:
-        att = layer.self_attn
-        self.att: Any = att
-        self.in_norm: Any = layer.input_layernorm
-        self.post_norm: Any = layer.post_attention_layernorm
-        self.mlp: Any = layer.mlp
-        self.q_proj: Any = att.q_proj
-        self.k_proj: Any = att.k_proj
-        self.v_proj: Any = att.v_proj
-        self.o_proj: Any = att.o_proj
-        # Per-head q/k norms: qwen3_moe always, glm4_moe when use_qk_norm, qwen2_moe never.
-        qk_norm = getattr(att, "use_qk_norm", hasattr(att, "q_norm"))
-        self.q_norm: Any = att.q_norm if qk_norm else None
-        self.k_norm: Any = att.k_norm if qk_norm else None
-        # (q weight, k weight, q eps, k eps) for the native decode attention, once both norms are verified native ones.
-        self.native_qk_norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
