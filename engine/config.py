@@ -241,8 +241,8 @@ class EngineConfig(YamlSection):
 
     @property
     def prefetch_kinds(self) -> set[str]:
-        """The prefetchers --prefetch names (empty for none; for auto, the loader decides: engine/worker/loader.py
-        `_prefetch_kinds`)."""
+        """The prefetchers --prefetch names (empty for none; for auto, the loader decides: engine/worker/spac_setup.py
+        `prefetch_kinds`)."""
         return (
             set()
             if self.prefetch in ("none", "auto")

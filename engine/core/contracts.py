@@ -1,7 +1,7 @@
 """The contracts between the engine core and the packages above it (engine/worker/, engine/speculative/).
 
 The core drives a step with plain data (engine/core/scheduler.py) and sees the tensor side only
-through these Protocols, so it imports neither package (the layering contracts in pyproject.toml
+through these Protocols, so it imports neither package (the layering contracts in .importlinter
 enforce it):
 
 - `ModelForward`: one pass of a model over every request's window. Implemented by
@@ -10,7 +10,7 @@ enforce it):
   packed_forward / one_by_one_forward (engine/worker/packed_batch.py) and LeanForward
   (engine/worker/lean_forward.py).
 - `Runner`: executes a StepPlan (ModelRunner).
-- `RunnableModel`: a loaded model that makes its own Runner (LoadedModel, engine/worker/loader.py),
+- `RunnableModel`: a loaded model that makes its own Runner (LoadedModel, engine/worker/loaded_model.py),
   which is how EngineCore.for_model builds a core without importing the worker.
 """
 

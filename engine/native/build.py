@@ -6,7 +6,7 @@ feature flags (`$MOE_OFFLOAD_CACHE/native`, else `$XDG_CACHE_HOME/moe-offload/na
 `~/.cache/moe-offload/native`). A build takes
 about two seconds. Where no C compiler is found (`$CC`, else `gcc` or `cc`), or the build fails,
 the engine says why once and keeps torch's kernels; `--native-kernels off` turns the native
-kernels off (engine/native/kernels.py `use_native_kernels`).
+kernels off (engine/native/loaded.py `use_native_kernels`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Builds a transformers model whose routed experts live in the tiered expert store.
 
 Steps: read config.json -> build the transformers model on the meta device (nothing is
-allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fused
-expert parameters) -> materialize the rest on the compute device and fill it from the
-safetensors files by name -> build slow tier, fast tier and transfer engine.
+allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert
+parameters) -> plan memory, build slow tier, fast tier and transfer engine -> materialize the
+rest on the compute device and fill it from the safetensors files by name -> on the CPU, replace
+the norms and bf16 linears with their native counterparts (engine/native/layers.py) -> attach
+MoE-SpAc's parts (engine/worker/spac_setup.py) -> resolve the dispatcher's plan -> warm start.
+What a load returns: engine/worker/loaded_model.py.
 """
 
 from __future__ import annotations
