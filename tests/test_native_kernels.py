@@ -389,6 +389,15 @@ def test_accelerate_replaces_modules_in_their_parents(nk) -> None:
     assert not any("forward" in vars(m) for m in model.modules())
     assert accelerate(model) == 0
 
+    class BiasedRMSNorm(torch.nn.Module):  # more than a weight: it keeps its own module
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.bias = torch.nn.Parameter(torch.zeros(8))
+            self.eps = 1e-6
+
+    assert accelerate(torch.nn.Sequential(BiasedRMSNorm())) == 0
+
 
 def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
     from transformers.models.gemma3.modeling_gemma3 import (

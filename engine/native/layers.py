@@ -61,7 +61,8 @@ class NativeRMSNorm(nn.Module):
 
     def __init__(self, module: nn.Module, eps: float) -> None:
         super().__init__()
-        assert isinstance(module.weight, nn.Parameter)  # as native_counterpart checked
+        # native_counterpart checked that the weight Parameter is all the module holds.
+        assert isinstance(module.weight, nn.Parameter)
         # The replaced module's Parameter itself: the same storage, under the same state-dict key.
         self.weight = module.weight
         self.eps = eps
@@ -156,11 +157,10 @@ def native_counterpart(module: nn.Module) -> nn.Module | None:
     if type(module) is nn.Linear and w.dtype == torch.bfloat16:
         return NativeLinear.replacing(module)
     eps = _rmsnorm_eps(module)
-    if (
-        eps is not None
-        and isinstance(w, nn.Parameter)
-        and w.dtype in (torch.float32, torch.bfloat16)
-    ):
+    # The weight must be all the norm holds: the replacement keeps only it in the module tree.
+    params = [n for n, _ in module.named_parameters()]
+    only_weight = params == ["weight"] and next(module.buffers(), None) is None
+    if eps is not None and only_weight and w.dtype in (torch.float32, torch.bfloat16):
         return NativeRMSNorm(module, eps)
     return None
 
