@@ -104,6 +104,11 @@ class EngineConfig(YamlSection):
         "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off",
         flag="--settle-background",
     )
+    resident_lane: bool = setting(
+        True,
+        "the resident lane: a step whose every routed expert is resident for good skips the executor's per-layer plan (leases, scheduling, hit and miss bookkeeping). On by default; --no-resident-lane sends every step through the plan, as with a partial fast tier (the same tokens and counters, slower: a diagnostic)",
+        flag="--no-resident-lane",
+    )
     device: str = setting(
         "auto", "compute device: auto (default), cpu, cuda, cuda:N", metavar="DEV"
     )

@@ -190,7 +190,7 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
 def test_exception_during_expert_compute_releases_leases(tiny_ckpt, caplog) -> None:
     om = load_model(tiny_ckpt("olmoe"), EngineConfig(cache_fraction=0.5))
     try:
-        real = om.executor._expert
+        real = om.executor.expert
         calls = {"n": 0}
 
         def boom(key: int, x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ def test_exception_during_expert_compute_releases_leases(tiny_ckpt, caplog) -> N
                 raise RuntimeError("injected compute failure")
             return real(key, x)
 
-        om.executor._expert = boom  # type: ignore[method-assign]
+        om.executor.expert = boom  # type: ignore[method-assign]
         c = generate(om, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         # The request is told the type and an error id; the log has the message and traceback.
         assert (

@@ -289,7 +289,7 @@ def test_bf16_engine_decodes_like_transformers(nk, tiny_ckpt, arch: str) -> None
     for fraction in (1.0, 0.5):
         om = load_model(path, EngineConfig(cache_fraction=fraction, dtype="bfloat16"))
         try:
-            assert isinstance(om.executor._native, NativeMoe)
+            assert isinstance(om.executor.native_moe, NativeMoe)
             assert any(isinstance(mod, NativeLinear) for mod in om.model.modules())
             assert (
                 generate(om, ids, SamplingParams(max_tokens=16, min_tokens=16)).token_ids
@@ -315,7 +315,7 @@ def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
         EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="off"),
     )
     try:
-        assert native() is None and om.executor._native is None
+        assert native() is None and om.executor.native_moe is None
         assert not any(isinstance(mod, NativeLinear) for mod in om.model.modules())
         assert om.plan.forward == "lean" and om.plan.to_dict()["native kernels"]["chosen"] == "off"
     finally:

@@ -21,9 +21,20 @@ from engine.worker.sampling import SamplingParams
 from policies.registry import POLICY_NAMES, SUBSTITUTES, make_miss_policy
 
 
-def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
+def _decode(path, monkeypatch, lane: bool, native_kernels: str) -> tuple[list[int], dict, int, int]:
     """Greedy tokens of a prompt + 8 tokens (7 decode steps after the prefill), the stats, and how
-    many layer runs took the lane."""
+    many layer runs took the lane and the MoE layers, with the lane on or off (--no-resident-lane)."""
+    om = load_model(
+        path,
+        EngineConfig(
+            forward="lean",
+            cache_fraction=1.0,
+            offload="ram",
+            device="cpu",
+            native_kernels=native_kernels,
+            resident_lane=lane,
+        ),
+    )
     taken = [0]
     real = MoeExecutor._resident_lane
 
@@ -31,66 +42,62 @@ def _decode(om, monkeypatch, lane: bool) -> tuple[list[int], dict, int]:
         taken[0] += 1
         return real(self, *a)
 
-    monkeypatch.setattr(MoeExecutor, "_resident_lane", counting)
-    if not lane:
-        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self: False)
-    om.stats.reset()
-    out = generate(om, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-    stats = om.stats.snapshot()
-    monkeypatch.undo()
-    return list(out.token_ids), stats, taken[0]
+    monkeypatch.setattr(MoeExecutor, "_resident_lane", counting)  # counts calls; changes nothing
+    try:
+        assert om.store.complete and om.executor.capabilities().resident_lane == lane
+        assert om.plan.to_dict()["experts"]["chosen"] == ("resident lane" if lane else "planned")
+        assert (om.executor.native_moe is not None) == (native_kernels == "auto")
+        out = generate(om, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        return list(out.token_ids), om.stats.snapshot(), taken[0], len(om.moe_layers)
+    finally:
+        monkeypatch.undo()
+        om.close()
 
 
-@pytest.mark.parametrize("native_kernels", [True, False])
+@pytest.mark.parametrize("native_kernels", ["auto", "off"])
 def test_the_lane_matches_the_full_path_at_cache_one(
-    tiny_ckpt, monkeypatch, native_kernels: bool
+    tiny_ckpt, monkeypatch, native_kernels: str
 ) -> None:
     """With the native kernels (one call for the layer's experts) and without (torch's loop, as on a GPU)."""
-    om = load_model(
-        tiny_ckpt("qwen3_moe"),
-        EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"),
-    )
-    try:
-        assert om.store.complete
-        if not native_kernels:
-            om.executor._native = None
-        tokens_lane, stats_lane, taken = _decode(om, monkeypatch, lane=True)
-        tokens_full, stats_full, taken_full = _decode(om, monkeypatch, lane=False)
-        assert (
-            taken == 7 * len(om.moe_layers) and taken_full == 0
-        )  # every decode step's layers; not the prefill
-        assert tokens_lane == tokens_full
-        for key in ("hits", "misses", "calls_hit", "calls_fetched", "substitutions"):
-            assert stats_lane[key] == stats_full[key], key
-        assert stats_lane["hits"] > 0 and stats_lane["misses"] == 0
-    finally:
-        om.close()
+    path = tiny_ckpt("qwen3_moe")
+    tokens_lane, stats_lane, taken, moe_layers = _decode(path, monkeypatch, True, native_kernels)
+    tokens_full, stats_full, taken_full, _ = _decode(path, monkeypatch, False, native_kernels)
+    assert (
+        taken == 7 * moe_layers and taken_full == 0
+    )  # every decode step's layers; not the prefill
+    assert tokens_lane == tokens_full
+    for key in ("hits", "misses", "calls_hit", "calls_fetched", "substitutions"):
+        assert stats_lane[key] == stats_full[key], key
+    assert stats_lane["hits"] > 0 and stats_lane["misses"] == 0
 
 
-def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt, monkeypatch) -> None:
-    om = load_model(
-        tiny_ckpt("qwen3_moe"),
-        EngineConfig(forward="lean", cache_fraction=1.0, offload="ram", device="cpu"),
-    )
-    try:
-        ids = [5, 6, 7, 8, 9]
+def test_the_lane_logits_are_the_full_paths_bit_for_bit(tiny_ckpt) -> None:
+    ids = [5, 6, 7, 8, 9]
 
-        def step_logits() -> torch.Tensor:  # one row a step through the runner, as decoding runs
-            runner, cache = ModelRunner(om), new_kv_cache(om.config)
-            return torch.cat(
-                [runner.forward([[t]], [i], [cache], [[0]])[0] for i, t in enumerate(ids)]
-            )
+    def step_logits(om) -> torch.Tensor:  # one row a step through the runner, as decoding runs
+        runner, cache = ModelRunner(om), new_kv_cache(om.config)
+        return torch.cat([runner.forward([[t]], [i], [cache], [[0]])[0] for i, t in enumerate(ids)])
 
-        step_logits()  # first calls: the native router and norms check themselves against their modules (and return those)
-        lane = step_logits()
-        monkeypatch.setattr(MoeExecutor, "_lane_open", lambda self: False)
-        full = step_logits()
-        assert torch.equal(lane, full)
-        assert torch.allclose(
-            lane, prompt_logits(om, ids), atol=1e-5, rtol=1e-5
-        )  # and the packed prefill agrees
-    finally:
-        om.close()
+    logits = {}
+    for lane in (True, False):
+        om = load_model(
+            tiny_ckpt("qwen3_moe"),
+            EngineConfig(
+                forward="lean", cache_fraction=1.0, offload="ram", device="cpu", resident_lane=lane
+            ),
+        )
+        try:
+            step_logits(
+                om
+            )  # first calls: the native router and norms check themselves against their modules
+            logits[lane] = step_logits(om)
+            if lane:
+                assert torch.allclose(
+                    logits[lane], prompt_logits(om, ids), atol=1e-5, rtol=1e-5
+                )  # and the packed prefill agrees
+        finally:
+            om.close()
+    assert torch.equal(logits[True], logits[False])
 
 
 @pytest.mark.parametrize(

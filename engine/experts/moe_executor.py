@@ -23,7 +23,7 @@ import torch
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.cpu_split import CpuSplit
-from engine.experts.executor_api import ExecutorCapabilities, PrivateAliases
+from engine.experts.executor_api import ExecutorCapabilities
 from engine.experts.expert_compute import ExpertCompute
 from engine.experts.expert_store import ExpertStore
 from engine.experts.expert_streaming import ExpertLoadError, ExpertStreamer
@@ -38,7 +38,7 @@ from policies.utility import SpeculativeUtilityEstimator
 __all__ = ["ExecutorCapabilities", "ExpertLoadError", "MoeExecutor"]
 
 
-class MoeExecutor(PrivateAliases):
+class MoeExecutor:
     def __init__(
         self,
         store: ExpertStore,
@@ -62,7 +62,7 @@ class MoeExecutor(PrivateAliases):
         self.compute = ExpertCompute(store, shape, num_experts, act_fn, fmt)
         self.fmt = self.compute.fmt
         self.streamer = ExpertStreamer(
-            self.compute, store, transfers, stats, lambda key, x: self._expert(key, x)
+            self.compute, store, transfers, stats, lambda key, x: self.expert(key, x)
         )
         self.cpu_split = CpuSplit(store, transfers, stats)
         # MoE-SpAc (set by the loader when enabled): CPU-run experts, the balancer's cost meter and
@@ -75,10 +75,12 @@ class MoeExecutor(PrivateAliases):
         self.after_layer: Callable[[int], None] | None = None
         # Deterministic residency (eval): background loads land before each plan, never mid-way.
         self.settle_background = False
+        # EngineConfig.resident_lane: False sends every step through the per-layer plan (a diagnostic).
+        self.resident_lane = True
 
     # -- what other packages may read -------------------------------------------------------
     def capabilities(self) -> ExecutorCapabilities:
-        lane = self._lane_open()  # through the alias tests patch
+        lane = self.lane_open()
         return ExecutorCapabilities(
             self.store.complete,
             lane,
@@ -94,11 +96,16 @@ class MoeExecutor(PrivateAliases):
         attached (CPU experts, the balancer's meter, the utility estimator, a per-layer hook). The
         lane also needs store.complete, which the caller checks."""
         return (
-            self.cpu is None
+            self.resident_lane
+            and self.cpu is None
             and self.meter is None
             and self.utility is None
             and self.after_layer is None
         )
+
+    def expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        """One resident expert's output for rows x (the compute strategy's; streaming and the lane call it)."""
+        return self.compute.expert(key, x)
 
     @property
     def native_moe(self) -> NativeMoe | None:
@@ -122,7 +129,7 @@ class MoeExecutor(PrivateAliases):
     ) -> torch.Tensor:
         """x: [T, H]; ids, weights: [T, k] from the native router, and scores [T, E], what it ranks to
         pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
-        if ids.shape[0] == 1 and self.store.complete and self._lane_open():
+        if ids.shape[0] == 1 and self.store.complete and self.lane_open():
             return self._resident_lane(layer, x, ids, weights)
         E = self.num_experts
         ids_list = ids.tolist()
@@ -220,7 +227,7 @@ class MoeExecutor(PrivateAliases):
             {e: j for j, e in enumerate(row)},
             weights,
             weights.tolist()[0],
-            self._expert,
+            self.expert,
         )
 
     def _account(self, plan: ExpertPlan) -> None:

@@ -202,6 +202,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt
     )
     executor.settle_background = cfg.settle_background
+    executor.resident_lane = cfg.resident_lane
     bus = RoutingBus()
     for s in sites:
         setattr(
