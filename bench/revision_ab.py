@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from bench.peers import SHAPES, checkpoint
 
 CHILD = """
-import json, sys, time, torch
+import inspect, json, sys, time, torch
 from engine.config import EngineConfig
 from engine.core.completion import complete, generate, request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -56,9 +56,11 @@ def batch(n, streams=8):  # aggregate decode tok/s of 8 requests decoding togeth
 def window(rows, n):  # verified rows per second: a window of `rows` after the prompt, rolled back, n times
     runner, cache = ModelRunner(om), new_kv_cache(om.config)
     runner.forward([prompt], [0], [cache], [[len(prompt) - 1]])
+    # A verification step's kind, where the revision's forward takes one (its kernels and path counter).
+    kind = {"kind": "verify"} if "kind" in inspect.signature(runner.forward).parameters else {}
     win, t0 = list(range(30, 30 + rows)), time.perf_counter()
     for _ in range(n):
-        runner.forward([win], [len(prompt)], [cache], [list(range(rows))])
+        runner.forward([win], [len(prompt)], [cache], [list(range(rows))], **kind)
         truncate_cache(cache, len(prompt))
     return rows * n / (time.perf_counter() - t0)
 
