@@ -17,12 +17,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.native.loaded import native
+from engine.speculative.draft import DraftProposer
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import DENSE_LEAN_MODEL_TYPES, LeanForward
 from engine.worker.loader import load_dense_model
 from engine.worker.packed_batch import packed_forward
 from engine.worker.runner import ModelRunner, truncate_cache
 from models import EMBEDDED_DRAFT
+from policies.adaptive_k import AdaptiveK
 
 ARCH_OPTIONS = {
     "qwen3": {"head_dim": 16},  # q/k norms
@@ -111,6 +113,12 @@ def test_lean_forward_matches_transformers(
 @pytest.mark.parametrize("native_attention", [True, False])
 def test_lean_forward_matches_transformers_on_the_embedded_draft(native_attention: bool) -> None:
     compare(EMBEDDED_DRAFT, 8192, native_attention)
+
+
+def test_the_draft_proposer_runs_the_lean_forward() -> None:
+    lm = load_dense_model(EMBEDDED_DRAFT, device="cpu", dtype="float32")
+    proposer = DraftProposer(lm, AdaptiveK(k_max=2), None)
+    assert proposer.runner._lean is not None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
