@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from engine.config import EngineConfig
 from engine.native.kernels import NativeKernels
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.lean_forward import LEAN_MODEL_TYPES, LeanForward
+from engine.worker.lean_forward import MOE_LEAN_MODEL_TYPES, LeanForward
 from engine.worker.loader import load_model
 from engine.worker.packed_batch import packed_forward
 
@@ -35,7 +35,7 @@ def _steps(vocab: int) -> list[tuple[list[list[int]], list[list[int]]]]:
     return steps
 
 
-@pytest.mark.parametrize("arch", sorted(LEAN_MODEL_TYPES))
+@pytest.mark.parametrize("arch", sorted(MOE_LEAN_MODEL_TYPES))  # dense: tests/test_lean_draft.py
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lean_forward_equals_packed_forward(tiny_ckpt, arch: str, dtype: str) -> None:
     om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))

@@ -5,8 +5,8 @@ through these Protocols, so it imports neither package (the layering contracts i
 enforce it):
 
 - `ModelForward`: one pass of a model over every request's window. Implemented by
-  ModelRunner.forward (engine/worker/runner.py), the draft's LeanDenseModel.forward
-  (engine/speculative/lean_dense.py), and, with their model and device bound,
+  ModelRunner.forward (engine/worker/runner.py; the draft's too, engine/speculative/draft.py),
+  and, with their model and device bound,
   packed_forward / one_by_one_forward (engine/worker/packed_batch.py) and LeanForward
   (engine/worker/lean_forward.py).
 - `Runner`: executes a StepPlan (ModelRunner).

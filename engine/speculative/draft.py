@@ -14,12 +14,10 @@ that verification can use the exact rejection rule.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from transformers import DynamicCache
 
 from engine.core.scheduler import SeqWork, StepPlan
-from engine.speculative.lean_dense import LeanDenseModel, LeanKVCache
 from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loaded_model import LoadedModel
@@ -31,17 +29,12 @@ class DraftProposer(ProposerBase):
     def __init__(self, draft: LoadedModel, k, stats) -> None:
         super().__init__(k, stats)
         self.draft = draft
-        # The lean forward where the draft's architecture allows it (engine/speculative/lean_dense.py):
-        # a draft step must cost little next to a target step, and transformers' module calls
-        # are most of a small draft's time. Same contract as ModelRunner.forward.
-        lean = LeanDenseModel(draft.model) if LeanDenseModel.supports(draft.model) else None
-        self.forward = lean.forward if lean is not None else ModelRunner(draft).forward
-        self.new_cache = lean.new_cache if lean is not None else lambda: new_kv_cache(draft.config)
-        self.crop = LeanKVCache.crop if lean is not None else truncate_cache  # (cache, length)
+        # The target's runner and KV cache: its lean forward where the draft's architecture allows it
+        # (engine/worker/lean_forward.py), since a draft step must cost little next to a target step
+        # and transformers' module calls are most of a small draft's time; transformers' otherwise.
+        self.runner = ModelRunner(draft)
         self.eos_ids = sorted(draft.eos_token_ids)
-        self.caches: dict[
-            str, Any
-        ] = {}  # a LeanKVCache each, or a DynamicCache where the draft runs through the runner
+        self.caches: dict[str, DynamicCache] = {}  # in place (engine/worker/kv_cache.py)
         self.fed: dict[str, list[int]] = {}  # tokens in the draft's KV cache, per request
         self.generators: dict[str, torch.Generator | None] = {}
 
@@ -61,14 +54,14 @@ class DraftProposer(ProposerBase):
         for _, w, _ in active:
             rid, full = w.request_id, history(w)
             if rid not in self.caches:
-                self.caches[rid] = self.new_cache()
+                self.caches[rid] = new_kv_cache(self.draft.config)
                 self.fed[rid] = []
                 self.generators[rid] = _draft_generator(w, self.draft.device)
             # Only the last window's proposals can disagree with the confirmed tokens: compare the tail.
             keep = _common_prefix(
                 self.fed[rid], full, max(0, len(self.fed[rid]) - self.k.k_max - 1)
             )
-            self.crop(self.caches[rid], keep)  # drop the rejected tail of the last window
+            truncate_cache(self.caches[rid], keep)  # drop the rejected tail of the last window
             windows.append(full[keep:])
             starts.append(keep)
             caches.append(self.caches[rid])
@@ -76,7 +69,9 @@ class DraftProposer(ProposerBase):
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))
-        logits = self.forward(windows, starts, caches, [[len(win) - 1] for win in windows])
+        logits = self.runner.forward(
+            windows, starts, caches, [[len(win) - 1] for win in windows], kind=_kind(starts)
+        )
         for _step in range(max(k for _, _, k in active)):
             for j, lg in zip(live, logits):
                 _, w, _ = active[j]
@@ -89,11 +84,12 @@ class DraftProposer(ProposerBase):
                 break
             # Feed the tokens just proposed, one row per still-speculating request.
             rids = [active[j][1].request_id for j in live]
-            logits = self.forward(
+            logits = self.runner.forward(
                 [[drafts[j][-1]] for j in live],
                 [len(self.fed[r]) for r in rids],
                 [self.caches[r] for r in rids],
                 [[0]] * len(live),
+                kind="decode",
             )
             for r, j in zip(rids, live):
                 self.fed[r] = self.fed[r] + [drafts[j][-1]]
@@ -120,6 +116,14 @@ class DraftProposer(ProposerBase):
             return int(torch.argmax(logits)), None
         q = target_probs(logits, req.params)  # [V]
         return int(torch.multinomial(q, 1, generator=self.generators[w.request_id])), q
+
+
+def _kind(starts: list[int]) -> str:
+    """The runner's kind for a catch-up step, which picks its kernels (engine/native/row_kernels.py):
+    a window from position 0 is a prompt and takes torch's kernels, as the target's prompt rows do;
+    the few tokens confirmed since the last proposal take the few-row ones, as the target's
+    verification rows do."""
+    return "prefill" if 0 in starts else "verify"
 
 
 def _draft_generator(w: SeqWork, device: torch.device) -> torch.Generator | None:

@@ -16,7 +16,8 @@ before its experts run (a predictor starting transfers); deferred listeners (sta
 speculative sensor) get the step's routing after the call, from buffers it writes. The model's every layer
 must be a llama-style MoE layer (a softmax top-k router, or a DeepSeek-V3-style sigmoid router with
 correction bias and groups as GLM-4-MoE's; routed SwiGLU experts; at most a SwiGLU shared expert,
-gated as Qwen2-MoE's or not) or a dense SwiGLU layer; engine/worker/fused_layer_spec.py builds each
+gated as Qwen2-MoE's or not) or a dense SwiGLU layer (a dense draft's every one, which has no experts
+to wait for); engine/worker/fused_layer_spec.py builds each
 layer's spec and says why a layer cannot run. Norms and routers must have passed their first-call
 check against the modules they replace (engine/native/layers.py, router.py); the step runs those
 checks itself on a random row where no step has yet.
@@ -74,8 +75,6 @@ class FusedDecode:
         self._blocks: list[OffloadedMoeBlock] = [
             layer.mlp for layer in layers if isinstance(layer.mlp, OffloadedMoeBlock)
         ]
-        if not self._blocks:
-            self.state, self.why = "off", "no routed experts"
         self._hit_calls: list[
             tuple[OffloadedMoeBlock, int]
         ] = []  # each MoE block and the experts its router picks
@@ -183,7 +182,7 @@ class FusedDecode:
                 layer.advance(end)
         for block, calls in self._hit_calls:
             block.executor.stats.record_all_hits(block.layer, calls * R)
-        if self._blocks[0].bus.active:
+        if self._blocks and self._blocks[0].bus.active:
             self._publish_routing(R)
         return None
 

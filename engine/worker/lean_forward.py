@@ -1,4 +1,4 @@
-"""transformers' packed forward for llama-style MoE targets, op for op, without its wrappers.
+"""transformers' packed forward for llama-style targets and drafts, op for op, without its wrappers.
 
 Why: on a small model, or whenever the experts are resident and fast, a decode step's time is
 the Python around the arithmetic: each `model(...)` call goes through output dataclasses,
@@ -14,7 +14,8 @@ a residual add and the next norm), and a plain decode step attends without the p
 bookkeeping (engine/worker/decode_attention.py).
 
 Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
-residual" and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
+residual" (the MLP an offloaded MoE block or a dense one: the MoE targets' dense layers, the dense
+drafts' every layer, engine/speculative/draft.py) and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
 update, attention function, o projection" in transformers 5 (`LEAN_MODEL_TYPES`), without a
 sliding window. Everything else keeps transformers' forward; so does `--forward transformers`.
 """
@@ -45,8 +46,13 @@ from engine.worker.packed_batch import (
 )
 
 # Checked against each architecture's modeling code (decoder layer and attention forward) in
-# transformers 5; a new architecture joins only with a parity test in tests/test_lean_forward.py.
-LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})
+# transformers 5; a new architecture joins only with a parity test in tests/test_lean_forward.py
+# (MoE) or tests/test_lean_draft.py (dense).
+MOE_LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})  # targets
+# Drafts (engine/speculative/draft.py): qwen3's q/k norms, qwen2's q/k/v biases; mistral only
+# without a sliding window (`supports`).
+DENSE_LEAN_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
+LEAN_MODEL_TYPES = MOE_LEAN_MODEL_TYPES | DENSE_LEAN_MODEL_TYPES
 # Up to this many cached positions a decode row attends in one native call; beyond, SDPA's blocked
 # kernel outruns the native loop (one row of K and V at a time) by more than the calls it saves:
 # measured 117 against 93 us (+ about 20 us of calls around SDPA) at 1000 positions, 4 heads of 64.

@@ -103,6 +103,10 @@ def load_dense_model(
         .to(dev)  # type: ignore[arg-type]
         .eval()
     )
+    if dev.type == "cpu":
+        # Native norms (and bf16 linears) for few-row steps, as the target's (engine/native/layers.py):
+        # what the lean forward fuses, and what its fused decode step needs (engine/worker/fused_decode.py).
+        accelerate(model)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
