@@ -88,3 +88,49 @@ def test_plan_help_explains_every_flag() -> None:
     plan = sub.choices["plan"]
     for action in plan._actions:
         assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_projecting_the_replayed_head_equals_projecting_the_whole_trace() -> None:
+    """`plan` projects only the tokens it replays: routing, gates and the simulated tok/s must be
+    those of the whole trace projected (here onto 4x the experts, top-10 from logits: random children)."""
+    import dataclasses
+
+    import numpy as np
+
+    from engine.config import EngineConfig
+    from engine.offline.hardware import ModelShape
+    from engine.offline.projection import project_trace
+    from engine.offline.simulator import manual_costs, simulate
+    from server.cli_plan import SIM_TOKENS, _head
+
+    rng = np.random.default_rng(1)
+    N, L, E, k = SIM_TOKENS + 200, 2, 16, 4
+    logits = rng.normal(size=(N, L, E)).astype(np.float16)
+    ids = np.argsort(-logits.astype(np.float32), -1)[..., :k].astype(np.int16)
+    trace = {
+        "tokens": np.arange(N, dtype=np.int32),
+        "ids": ids,
+        "weights": np.full((N, L, k), 1.0 / k, np.float32),
+        "logits": logits,
+        "meta": {"num_experts": E},
+    }
+    shape = ModelShape("x4", layers=6, experts=4 * E, top_k=6, hidden=64, moe_intermediate=32)
+    whole = project_trace(trace, shape)
+    head = project_trace(_head(trace, SIM_TOKENS), shape)
+    assert head["ids"].shape[0] == SIM_TOKENS
+    assert np.array_equal(whole["ids"][:SIM_TOKENS], head["ids"])
+    assert np.array_equal(whole["weights"][:SIM_TOKENS], head["weights"])
+    costs = manual_costs(500.0, 100.0, 1 << 20, 1e-4, 1e-4)
+    for preset in ("fetch-all", "speed-first"):
+        pol = (
+            EngineConfig(policy=preset)
+            if preset == "fetch-all"
+            else EngineConfig(policy=preset, substitute="drop")
+        )
+        a, b = (  # the simulated counts and clock, not the replay's own wall time
+            dataclasses.replace(
+                simulate(t, pol.policies(), 0.25, costs, max_tokens=SIM_TOKENS), replay_s=0.0
+            ).to_dict()
+            for t in (whole, head)
+        )
+        assert str(a) == str(b) and a["tokens"] == SIM_TOKENS and 0 < a["hit_share"] < 1, preset
