@@ -46,7 +46,7 @@ class EngineConfig(YamlSection):
     )
     kv_tokens: int | None = setting(
         None,
-        "KV-cache tokens the memory plan reserves, summed over sequences (default: 4 sequences x min(context, 8192))",
+        "KV-cache tokens the memory plan reserves, summed over sequences (default: --max-model-len x --max-running; where open, min(context, 8192) tokens x 4 sequences)",
         metavar="N",
     )
     link: str | None = setting(

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.core.engine_process import run_engine
 from engine.core.faults import describe, log, new_error_id
 from engine.core.messages import EngineDead, EngineReady
+from engine.memory.planner import KvRequest
 from engine.speculative.config import SpecConfig
 
 
@@ -34,6 +35,8 @@ class EngineArgs:
     # Resolved: off, ngram, or draft with its directory.
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(speculative="off"))
     spec_why: str = ""  # why that mode (SpecConfig.choose), for the plan's log line
+    # --max-model-len / --max-running as given (None where open): what the KV reservation covers.
+    kv_request: KvRequest = field(default_factory=KvRequest)
 
 
 def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
@@ -61,7 +64,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         from engine.speculative.factory import make_speculation
         from engine.worker.loader import load_model
 
-        om = load_model(args.model_dir, args.engine_config)
+        om = load_model(args.model_dir, args.engine_config, args.kv_request)
         proposer, observers = make_speculation(args.spec, om)
         core = EngineCore.for_model(
             om,

@@ -24,6 +24,16 @@ class YamlSection:
 
     @classmethod
     def from_yaml(cls: type[T], path: str | Path) -> T:
+        return cls(**cls.yaml_section(path))
+
+    @classmethod
+    def keys_in_yaml(cls, path: str | Path) -> frozenset[str]:
+        """The settings the file's section gives (every other one keeps its default)."""
+        return frozenset(cls.yaml_section(path))
+
+    @classmethod
+    def yaml_section(cls, path: str | Path) -> dict[str, Any]:
+        """The file's SECTION mapping, checked: a ConfigError names a bad file or unknown key."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as e:
@@ -39,7 +49,7 @@ class YamlSection:
             raise ConfigError(
                 f"{path}: unknown {cls.SECTION} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        return cls(**section)
+        return section
 
 
 # -- command-line flags generated from the settings dataclasses (one source of truth) -----------

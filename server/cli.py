@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
@@ -23,6 +24,9 @@ from server.cli_eval import add_eval_parsers
 from server.cli_plan import add_plan_parser
 from server.cli_prefetch import add_prefetch_parser
 from server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from engine.memory.planner import KvRequest
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core.engine_core import CoreLimits, EngineCore
     from engine.core.messages import GenerateRequest
     from engine.launch import max_model_len_of
+    from engine.memory.planner import KvRequest
     from engine.worker.loader import load_model
 
     opts = GenerateOptions(**overrides_from_args(args, GenerateOptions))
@@ -72,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ecfg = engine_config_from_args(args)
     spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
-    om = load_model(model_dir, ecfg)
+    om = load_model(model_dir, ecfg, KvRequest(opts.max_model_len, max_running=1))
     plan = om.plan.with_choice("speculation", spec.speculative, spec_why)
     print("engine plan:\n  " + "\n  ".join(plan.lines()), file=sys.stderr, flush=True)
     try:
@@ -159,6 +164,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_request(args: argparse.Namespace, scfg: ServerConfig) -> KvRequest:
+    """--max-model-len and --max-running where a flag or the --config file gives them (None where
+    open: the memory plan then reserves KV for its stated defaults, not for 64 full contexts)."""
+    from engine.memory.planner import KvRequest
+
+    in_file: set[str] = set()
+    if args.config:
+        in_file = set(ServerConfig.keys_in_yaml(args.config))
+    given = set(overrides_from_args(args, ServerConfig)) | in_file
+    return KvRequest(
+        scfg.max_model_len if "max_model_len" in given else None,
+        scfg.max_running if "max_running" in given else None,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
@@ -179,9 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_model_dir(model_dir, need_tokenizer=True)
     from engine.memory.measure import plan_checkpoint
 
-    plan_checkpoint(
-        model_dir, engine_config
-    )  # a combination that cannot fit fails here, before anything listens
+    kv = _kv_request(args, scfg)
+    # A combination that cannot fit fails here, before anything listens.
+    plan_checkpoint(model_dir, engine_config, kv)
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EngineArgs(
@@ -192,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_token_budget=scfg.prefill_token_budget,
         spec=spec,
         spec_why=spec_why,
+        kv_request=kv,
     )
     settings = ServeSettings(
         engine,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.budget import fmt_bytes
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
 
@@ -50,6 +51,16 @@ def _shape(fp: Footprint, model_type: str):
     )
 
 
+def _head(trace: dict, n: int) -> dict:
+    """The trace's first `n` tokens: all one stream of `n` tokens replays. Projecting only them
+    gives the same routing (it is per token; the child draws come in token order) at a fraction
+    of the cost of projecting every traced token onto 48 layers."""
+    return {
+        k: v[:n] if k in ("tokens", "ids", "weights", "logits") and v is not None else v
+        for k, v in trace.items()
+    }
+
+
 def project(
     fp: Footprint,
     model_type: str,
@@ -66,8 +77,7 @@ def project(
 
     shape = _shape(fp, model_type)
     try:
-        trace = load_trace(trace_path)
-        trace = project_trace(trace, shape)
+        trace = project_trace(_head(load_trace(trace_path), SIM_TOKENS), shape)
         costs = costs_for(hardware, shape, expert_bytes=fp.expert_disk_bytes)
     except (OSError, ValueError, KeyError) as e:  # ProfileError is a ValueError
         return [], f"no projection: {e}"
@@ -99,10 +109,14 @@ def project(
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine.memory.measure import plan_checkpoint
+    from engine.memory.planner import KvRequest
 
     t0 = time.perf_counter()
     cfg = EngineConfig().with_overrides(**overrides_from_args(args, EngineConfig))
-    probe, plan = plan_checkpoint(args.model, cfg)
+    for flag in ("max_model_len", "max_running"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    probe, plan = plan_checkpoint(args.model, cfg, KvRequest(args.max_model_len, args.max_running))
     fp = probe.footprint
     print(
         f"{args.model}: {probe.model_type}, {fp.moe_layers} MoE layers x {fp.experts_per_layer} experts (top-{fp.top_k}), "
@@ -121,6 +135,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     flags = f"--offload {plan.offload}" + (
         "" if plan.n_slots == plan.total_experts else f" --cache-fraction {share:.3f}"
     )
+    for flag in ("max_model_len", "max_running", "kv_tokens"):  # serve reserves the same KV
+        if getattr(args, flag) is not None:
+            flags += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
     if rows and share < 1.0:
         best = max(rows, key=lambda r: r[1])
         exact = rows[0][1]
@@ -156,7 +173,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--device-memory",
         metavar="BYTES|FRACTION",
-        help="GPU memory to plan for: bytes (24GiB) or a fraction of the free memory (0.9, 90%%). Default: this machine's",
+        help="GPU memory to plan for, with a CUDA --device: bytes (24GiB) or a fraction of the free memory (0.9, 90%%). Default: this machine's free memory",
     )
     p.add_argument(
         "--host-memory",
@@ -167,7 +184,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--hardware",
         default=DEFAULT_PROFILE,
         metavar="PROFILE",
-        help=f"hardware profile for the projection: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})",
+        help=f"hardware profile whose link and compute costs the projection uses: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})",
     )
     p.add_argument(
         "--link",
@@ -178,7 +195,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--trace",
         default=str(DEFAULT_TRACE),
         metavar="NPZ",
-        help="router trace (`moe-offload trace`) projected onto the checkpoint's shape (default: the embedded model's test-set trace)",
+        help=f"router trace (`moe-offload trace`) projected onto the checkpoint's shape; its first {SIM_TOKENS} tokens are replayed per preset (default: the embedded model's test-set trace)",
     )
     for flag, kw in (
         (
@@ -218,7 +235,25 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             {
                 "type": float,
                 "metavar": "F",
-                "help": "fast-tier share as serve --cache-fraction (default: the plan's choice)",
+                "help": "share of all routed experts in the fast tier, in (0, 1], as serve --cache-fraction (default: the plan's choice)",
+            },
+        ),
+        (
+            "--max-model-len",
+            {
+                "type": int,
+                "metavar": "N",
+                "help": "context length as serve --max-model-len: the KV reservation covers N tokens per sequence "
+                "(default: min(the model's context, 8192))",
+            },
+        ),
+        (
+            "--max-running",
+            {
+                "type": int,
+                "metavar": "N",
+                "help": "sequences decoded together as serve --max-running: the KV reservation covers N of them "
+                "(default: 4, not serve's scheduling default of 64)",
             },
         ),
         (
@@ -226,7 +261,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             {
                 "type": int,
                 "metavar": "N",
-                "help": "KV-cache tokens to reserve (default: 4 sequences x min(context, 8192))",
+                "help": "KV-cache tokens to reserve in all, instead of --max-model-len x --max-running",
             },
         ),
     ):

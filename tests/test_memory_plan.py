@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from engine.errors import ConfigError
 from engine.experts.slow_tier import DiskTier, RamTier
 from engine.memory.footprint import Footprint
 from engine.memory.machine import HostMemory, cgroup_headroom, host_memory
-from engine.memory.planner import plan_memory
+from engine.memory.planner import KvRequest, plan_memory
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models.tiny import load_reference
@@ -157,6 +158,54 @@ def test_a_combination_that_cannot_fit_fails_with_one_line() -> None:
         )
     with pytest.raises(ConfigError, match="dense part"):
         plan_memory(fp, EngineConfig(), "cpu", _host(50 * MiB))
+
+
+def test_kv_reservation_is_per_token_x_max_model_len_x_max_running() -> None:
+    fp = _fp()  # 4096 B of KV per token, context 2048
+    host = _host(400 * MiB)  # every expert does not fit: the fast tier gets what is left
+
+    def plan(req: KvRequest, **cfg: object):
+        p = plan_memory(fp, EngineConfig(**cfg), "cpu", host, kv_request=req)  # type: ignore[arg-type]
+        kv = next(x for x in p.pools if x.name == "kv_cache")
+        fixed = ("dense", "kv_cache", "scratch", "headroom")
+        left = 400 * MiB - sum(x.nbytes for x in p.pools if x.name in fixed)
+        # The fast tier is what the KV line (and the other fixed rows) leave.
+        assert p.offload == "disk" and p.n_slots == left // fp.slot_bytes
+        return p, kv
+
+    # Open: the stated default, min(context, 8192) tokens x 4 sequences.
+    p0, kv0 = plan(KvRequest())
+    assert kv0.nbytes == 4096 * 2048 * 4
+    assert (
+        "x 2048 tokens (--max-model-len open: min(context 2048, 8192)) x 4 sequences (--max-running open"
+        in kv0.why
+    )
+    # Given: exactly KV per token x --max-model-len x --max-running, and the fast tier takes the rest.
+    p1, kv1 = plan(KvRequest(max_model_len=512, max_running=2))
+    assert kv1.nbytes == 4096 * 512 * 2
+    assert (
+        "4.0 KiB/token x 512 tokens (--max-model-len 512) x 2 sequences (--max-running)" in kv1.why
+    )
+    assert p1.n_slots - p0.n_slots == (kv0.nbytes - kv1.nbytes) // fp.slot_bytes > 0
+    p2, kv2 = plan(KvRequest(max_model_len=1024, max_running=12))
+    assert kv2.nbytes == 4096 * 1024 * 12 and p2.n_slots < p0.n_slots
+    assert "kv_cache" in p2.table() and "x 12 sequences (--max-running)" in p2.table()
+    # --max-model-len beyond the model's context is capped at it, and says so.
+    _, kv3 = plan(KvRequest(max_model_len=100_000, max_running=1))
+    assert kv3.nbytes == 4096 * 2048 and "capped at the context 2048" in kv3.why
+    # --kv-tokens, a total, still wins.
+    _, kv4 = plan(KvRequest(max_model_len=1024, max_running=6), kv_tokens=300)
+    assert kv4.nbytes == 4096 * 300 and "(--kv-tokens)" in kv4.why
+    # A reservation that cannot fit names the flags that shrink it.
+    with pytest.raises(ConfigError, match="short by.*--max-model-len / --max-running"):
+        plan_memory(fp, EngineConfig(), "cpu", host, kv_request=KvRequest(2048, 64))
+
+
+def test_sliding_layers_reserve_at_most_the_window_per_sequence() -> None:
+    fp = dataclasses.replace(_fp(), sliding_kv_bytes_per_token=1000, sliding_window=128)
+    p = plan_memory(fp, EngineConfig(), "cpu", _host(8 * GiB), kv_request=KvRequest(1024, 3))
+    kv = next(x for x in p.pools if x.name == "kv_cache")
+    assert kv.nbytes == 3 * (1024 * 4096 + 128 * 1000) and "128-token window" in kv.why
 
 
 def test_gpu_plan_sizes_the_fast_tier_to_device_memory() -> None:

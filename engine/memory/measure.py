@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from engine.config import EngineConfig
 from engine.memory.footprint import Footprint, footprint
 from engine.memory.machine import device_memory, host_memory
-from engine.memory.planner import MemoryPlan, plan_memory
+from engine.memory.planner import KvRequest, MemoryPlan, plan_memory
 from engine.weights.checkpoint import TensorLocation
 
 
@@ -35,6 +35,7 @@ def plan_for_model(
     tensors: dict[str, TensorLocation],
     cfg: EngineConfig,
     device: torch.device,
+    kv_request: KvRequest = KvRequest(),
 ) -> tuple[Footprint, MemoryPlan]:
     fp = footprint(
         model, experts, config, dtype, slot_bytes, expert_disk_bytes, E, top_k, I, tensors
@@ -50,6 +51,7 @@ def plan_for_model(
         host_memory(),
         device_free=free[0] if free else None,
         runtime_bytes=rss_bytes(),
+        kv_request=kv_request,
     )
 
 
@@ -127,7 +129,9 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     return Probe(fp, str(config.model_type), fmt.name, device, sidecar)
 
 
-def plan_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> tuple[Probe, MemoryPlan]:
+def plan_checkpoint(
+    model_dir: str | Path, cfg: EngineConfig, kv_request: KvRequest = KvRequest()
+) -> tuple[Probe, MemoryPlan]:
     """The plan `serve` would make for this checkpoint on this machine (ConfigError if it cannot fit)."""
     probe = probe_checkpoint(model_dir, cfg)
     dev = str(probe.device) if probe.device.type == "cuda" else "cpu"
@@ -144,6 +148,7 @@ def plan_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> tuple[Probe, Me
         device_free=free[0] if free else None,
         sidecar_bytes=probe.sidecar_bytes,
         sidecar_disk_free=disk_free(quant_dir) if probe.sidecar_bytes else None,
+        kv_request=kv_request,
     )
 
 

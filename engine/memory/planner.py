@@ -19,11 +19,20 @@ from engine.errors import ConfigError
 from engine.memory.footprint import Footprint, MiB
 from engine.memory.machine import HostMemory
 
-DEFAULT_KV_SEQUENCES = 4  # sequences the default KV reservation covers ...
-DEFAULT_KV_CONTEXT = (
-    8192  # ... of at most this many tokens each (or the model's context, if shorter)
-)
+# Where --max-running / --max-model-len are open, the KV reservation covers this many sequences
+# of this many tokens each (or of the model's context, if shorter):
+DEFAULT_KV_SEQUENCES, DEFAULT_KV_CONTEXT = 4, 8192
 HEADROOM_SHARE, HOST_HEADROOM_MIN, DEVICE_HEADROOM_MIN = 0.05, 64 * MiB, 256 * MiB
+
+
+@dataclass(frozen=True)
+class KvRequest:
+    """What the KV reservation must cover: `max_model_len` tokens for each of `max_running`
+    sequences decoded together (serve's --max-model-len and --max-running). None where the flag
+    was left open: the reservation then uses the smaller stated defaults above."""
+
+    max_model_len: int | None = None
+    max_running: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class MemoryPlan:
         rows += [(p.name, p.where, str(p.nbytes), fmt_bytes(p.nbytes), p.why) for p in self.pools]
         w = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [
-            "memory plan (--device-memory / --host-memory / --cache-fraction / --offload change it):"
+            "memory plan (--device-memory / --host-memory / --max-model-len / --max-running / --cache-fraction / --offload change it):"
         ]
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)) + "  " + r[4] for r in rows]
         budget = f"host budget {fmt_bytes(self.host_budget)} ({self.host_source}), planned {fmt_bytes(self.total('host', budgeted=True))} of it"
@@ -75,6 +84,38 @@ class MemoryPlan:
             budget += f"; device budget {fmt_bytes(self.device_budget)}, planned {fmt_bytes(self.total('device'))}"
         lines.append("  " + budget)
         return "\n".join(lines)
+
+
+def kv_reservation(fp: Footprint, cfg: EngineConfig, req: KvRequest) -> tuple[int, str]:
+    """(bytes, why) of the KV cache to reserve: KV per token x context length x sequences, where
+    the context length is --max-model-len (at most the model's) and the sequences --max-running,
+    each replaced by its stated default when open; --kv-tokens (a total over sequences) wins.
+    Sliding-window layers hold at most the window per sequence."""
+    per_token = f"{fmt_bytes(fp.kv_bytes_per_token)}/token"
+    if fp.sliding_kv_bytes_per_token:
+        per_token += f" (+ {fmt_bytes(fp.sliding_kv_bytes_per_token)}/token up to the {fp.sliding_window}-token window)"
+    if cfg.kv_tokens is not None:
+        tokens = cfg.kv_tokens
+        seqs = DEFAULT_KV_SEQUENCES if req.max_running is None else req.max_running
+        nbytes = (
+            tokens * fp.kv_bytes_per_token
+            + min(tokens, seqs * (fp.sliding_window or tokens)) * fp.sliding_kv_bytes_per_token
+        )
+        return nbytes, f"KV {per_token} x {tokens} tokens (--kv-tokens)"
+    if req.max_model_len is not None:
+        length = min(req.max_model_len, fp.context)
+        len_why = f"--max-model-len {req.max_model_len}" + (
+            f", capped at the context {fp.context}" if req.max_model_len > fp.context else ""
+        )
+    else:
+        length = min(fp.context, DEFAULT_KV_CONTEXT)
+        len_why = f"--max-model-len open: min(context {fp.context}, {DEFAULT_KV_CONTEXT})"
+    if req.max_running is not None:
+        seqs, seq_why = req.max_running, "--max-running"
+    else:
+        seqs, seq_why = DEFAULT_KV_SEQUENCES, "--max-running open: default"
+    why = f"KV {per_token} x {length} tokens ({len_why}) x {seqs} sequences ({seq_why})"
+    return fp.kv_bytes(length, seqs), why
 
 
 def _headroom(budget: int, floor: int) -> int:
@@ -97,11 +138,13 @@ def plan_memory(
     sidecar_bytes: int = 0,
     sidecar_disk_free: int | None = None,
     runtime_bytes: int = 0,
+    kv_request: KvRequest = KvRequest(),
 ) -> MemoryPlan:
     """The plan for `fp` on this machine. `device_free`: free bytes of the CUDA device (None on CPU);
     `sidecar_bytes`: a quantized-expert file still to be written, checked against `sidecar_disk_free`;
     `runtime_bytes`: what the process holds before loading (Python, torch), already outside the
-    measured budget, listed so the plan's host total is comparable with the process's RSS."""
+    measured budget, listed so the plan's host total is comparable with the process's RSS;
+    `kv_request`: the context length and sequences the KV reservation covers."""
     on_gpu = device.startswith("cuda")
     host_budget = resolve_budget(cfg.host_memory, "--host-memory", host.available)
     host_source = (
@@ -115,21 +158,7 @@ def plan_memory(
     dense_where = "device" if on_gpu else "host"
     total, slot = fp.total_experts, fp.slot_bytes
 
-    kv_tokens = (
-        cfg.kv_tokens
-        if cfg.kv_tokens is not None
-        else DEFAULT_KV_SEQUENCES * min(fp.context, DEFAULT_KV_CONTEXT)
-    )
-    kv_why = (
-        f"--kv-tokens {kv_tokens}"
-        if cfg.kv_tokens is not None
-        else f"{kv_tokens} tokens: {DEFAULT_KV_SEQUENCES} sequences x min(context {fp.context}, {DEFAULT_KV_CONTEXT}); --kv-tokens to change"
-    )
-    kv = (
-        kv_tokens * fp.kv_bytes_per_token
-        + min(kv_tokens, DEFAULT_KV_SEQUENCES * (fp.sliding_window or kv_tokens))
-        * fp.sliding_kv_bytes_per_token
-    )
+    kv, kv_why = kv_reservation(fp, cfg, kv_request)
     scratch = fp.scratch_bytes()
     budget_fixed = dev_budget if on_gpu else host_budget
     assert budget_fixed is not None
@@ -162,9 +191,9 @@ def plan_memory(
             "the dense part, KV reservation, scratch and headroom",
             fixed_bytes,
             budget_fixed,
-            "raise --device-memory / --host-memory or lower --kv-tokens"
+            "raise --device-memory / --host-memory or lower --max-model-len / --max-running / --kv-tokens"
             if on_gpu
-            else "raise --host-memory or lower --kv-tokens",
+            else "raise --host-memory or lower --max-model-len / --max-running / --kv-tokens",
         )
     explicit = cfg.cache_bytes is not None or cfg.cache_fraction is not None
     offload = cfg.offload

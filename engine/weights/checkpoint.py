@@ -89,6 +89,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
 
     data_start = 8 + header_len
+    path = Path(path)  # one object shared by the file's tensors (a shard holds thousands)
     out: dict[str, TensorLocation] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -105,7 +106,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise CheckpointError(
                 f"{path}: truncated safetensors file: tensor {name} ends at byte {data_start + end} but the file has {size} bytes"
             )
-        out[name] = TensorLocation(name, Path(path), data_start + begin, end - begin, dtype, shape)
+        out[name] = TensorLocation(name, path, data_start + begin, end - begin, dtype, shape)
     return out
 
 
@@ -124,7 +125,7 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
             raise CheckpointError(
                 f"{index_file}: corrupt index (expected a JSON object with 'weight_map')"
             ) from None
-        files = sorted({model_dir / f for f in weight_map.values()})
+        files = sorted(model_dir / f for f in set(weight_map.values()))
         for f in files:
             if not f.exists():
                 raise CheckpointError(f"{f}: missing shard listed in {index_file.name}")

@@ -39,6 +39,7 @@ from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
+from engine.memory.planner import KvRequest
 from engine.native.layers import accelerate
 from engine.native.loaded import use_native_kernels
 from engine.stats import EngineStats
@@ -112,7 +113,11 @@ def load_dense_model(
     return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
 
 
-def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> OffloadedModel:
+def load_model(
+    model_dir: str | Path, cfg: EngineConfig = EngineConfig(), kv_request: KvRequest = KvRequest()
+) -> OffloadedModel:
+    """Load `model_dir` offloaded as `cfg` says, to the memory plan; `kv_request`: the context
+    length and sequences its KV reservation covers (the stated defaults where open)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     spec = arch_for(config.model_type)
@@ -163,6 +168,7 @@ def load_model(model_dir: str | Path, cfg: EngineConfig = EngineConfig()) -> Off
         tensors,
         cfg,
         device,
+        kv_request,
     )
     print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
