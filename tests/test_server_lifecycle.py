@@ -31,8 +31,9 @@ def _events(r: httpx.Response) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
-    # Behind the emulated hdd link (8 ms per expert load) the long request takes seconds, so it still holds the
-    # only slot when the second request arrives; on the RAM tier a loaded CI machine could finish it first.
+    # Behind an emulated link of 30 ms per expert load (the hdd link's is 8 ms, where the long request took
+    # 7 s, and a starved client on a loaded machine once outwaited it) the long request still holds the only
+    # slot when the second request arrives; hanging up frees the slot at once.
     args = [
         "--model",
         str(tiny_ckpt()),
@@ -51,7 +52,7 @@ def test_api_key_and_queue_full(tiny_ckpt, tmp_path: Path) -> None:
         "--offload",
         "disk",
         "--link",
-        "hdd",
+        "20:30000",
     ]
     with serve(args, tmp_path / "log") as srv:
         assert httpx.get(srv.base_url + "/health").status_code == 200  # public
