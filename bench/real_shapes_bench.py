@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import platform
 import shlex
 import statistics
@@ -104,7 +105,7 @@ def ensure_target(src: Path, target: str) -> Path:
     if not exe.exists():
         print(f"building {target} in {src} ...", flush=True)
         subprocess.run(
-            ["cmake", "--build", "build", "--target", target, "-j"],
+            ["cmake", "--build", "build", "--target", target, "-j", str(os.cpu_count() or 1)],
             cwd=src,
             check=True,
             capture_output=True,
@@ -287,8 +288,6 @@ def machine_words() -> str:
     mem = next(
         int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")
     )
-    import os
-
     return (
         f"{model} ({platform.machine()}, {os.cpu_count()} logical CPUs, {', '.join(isa)}), "
         f"{mem / 2**30:.1f} GiB RAM, shared with other jobs"
@@ -527,7 +526,12 @@ def main(argv: list[str] | None = None) -> None:
             else ""
         ),
         "",
-        f"Run as: `{cmd}`",
+        f"Run as: `{cmd}`. llama.cpp from {src.parent.parent.name}'s vendored tree (GGML_NATIVE build), run as "
+        f"`llama-bench -m GGUF -p 0 -n {args.tokens} -t T -r 1 -o json -lm mmap,none` (decode) and "
+        f"`llama-bench -m GGUF -p {args.prefill_tokens} -n 0 -t T -r 1 -o json -lm mmap,none` (prefill); GGUF files "
+        "made with `convert_hf_to_gguf.py CKPT --outtype bf16` (unknown BPE pre-tokenizer mapped to gpt-2, as in "
+        "bench/peers.py) and `llama-quantize BF16.gguf OUT.gguf Q8_0|Q4_0`. Engine cells: `load_model(CKPT, "
+        "EngineConfig(...))` in a spawned process, the fields in the JSON beside this page.",
     ]
     write_report(
         args.out,
@@ -538,6 +542,19 @@ def main(argv: list[str] | None = None) -> None:
             "decode": decode_rows,
             "prefill": prefill_rows,
             "full_depth_plan": share,
+            "engine_fields": {
+                **{
+                    p.name: {"cache_fraction": 1.0, "offload": "ram", "prefix_cache_bytes": 0}
+                    | p.engine
+                    for p in PAIRS
+                },
+                "disk": {
+                    "cache_fraction": share["share"],
+                    "offload": "disk",
+                    "dtype": "bfloat16",
+                    "prefix_cache_bytes": 0,
+                },
+            },
             "engine_cells": details,
             "layers": args.layers,
             "tiny": args.tiny,
