@@ -71,19 +71,42 @@ TINY_WIDTH: dict[str, Any] = dict(
 
 @dataclass(frozen=True)
 class Pair:
-    """One equal-bits comparison: an engine configuration and the GGUF type it is measured against."""
+    """One engine cell: its name and EngineConfig fields (beside cache 1.0 and the RAM tier)."""
 
     name: str
-    engine: dict[str, Any]  # EngineConfig fields
-    gguf: str  # bf16 | q8_0 | q4_0
+    engine: dict[str, Any]
 
 
 PAIRS = (
-    Pair("bf16", {"dtype": "bfloat16"}, "bf16"),
-    Pair("int8", {"dtype": "bfloat16", "expert_quant": "int8"}, "q8_0"),
-    Pair("int4", {"dtype": "bfloat16", "expert_quant": "int4"}, "q4_0"),
+    Pair("bf16", {"dtype": "bfloat16"}),
+    Pair("int8", {"dtype": "bfloat16", "expert_quant": "int8"}),
+    Pair("int4", {"dtype": "bfloat16", "expert_quant": "int4"}),
 )
-QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+# llama-quantize outputs: "-mix" is its default tensor mix (dense tensors quantized too, output Q6_K at
+# Q4_0); the plain kinds quantize the routed experts only and keep the dense tensors bf16, as the engine does.
+DENSE_BF16 = (
+    "--output-tensor-type",
+    "bf16",
+    "--token-embedding-type",
+    "bf16",
+    "--tensor-type",
+    "attn=bf16",
+)
+QUANT_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "q8_0": ("Q8_0", DENSE_BF16),
+    "q4_0": ("Q4_0", DENSE_BF16),
+    "q8_0-mix": ("Q8_0", ()),
+    "q4_0-mix": ("Q4_0", ()),
+}
+LLAMA_KINDS = ("bf16", *QUANT_TYPES)
+# (engine pair, GGUF kind, label) of the decode table
+DECODE_PAIRS = (
+    ("bf16", "bf16", "bf16 / bf16"),
+    ("int8", "q8_0", "int8 / Q8_0 (experts; dense bf16 in both)"),
+    ("int4", "q4_0", "int4 / Q4_0 (experts; dense bf16 in both)"),
+    ("int8", "q8_0-mix", "int8 / Q8_0 llama-quantize default mix"),
+    ("int4", "q4_0-mix", "int4 / Q4_0 llama-quantize default mix"),
+)
 
 
 # -- checkpoint and GGUF files ------------------------------------------------------------------
@@ -115,19 +138,19 @@ def ensure_target(src: Path, target: str) -> Path:
 
 
 def gguf_files(src: Path, ckpt: Path) -> dict[str, Path]:
-    """bf16 from llama.cpp's converter, Q8_0 and Q4_0 from it with llama-quantize."""
+    """bf16 from llama.cpp's converter, Q8_0 and Q4_0 from it with llama-quantize (QUANT_TYPES)."""
     from bench.peers import convert
 
     bf16 = convert(src, ckpt, "bf16")
     out = {"bf16": bf16}
     quantize = ensure_target(src, "llama-quantize")
-    for kind, qtype in QUANT_TYPES.items():
+    for kind, (qtype, extra) in QUANT_TYPES.items():
         path = ckpt.parent / f"{ckpt.name}-{kind}.gguf"
         if not path.exists():
             print(f"llama-quantize {bf16.name} -> {path.name} ...", flush=True)
             tmp = path.with_suffix(".part")
             subprocess.run(
-                [str(quantize), str(bf16), str(tmp), qtype],
+                [str(quantize), *extra, str(bf16), str(tmp), qtype],
                 check=True,
                 capture_output=True,
                 timeout=3600,
@@ -413,12 +436,18 @@ def main(argv: list[str] | None = None) -> None:
         if rnd:
             res.setdefault(key, []).append(value)
 
-    steps = [*(("engine", p) for p in PAIRS), *(("llama", p) for p in PAIRS), ("disk", PAIRS[0])]
+    steps = [
+        *(("engine", p.name) for p in PAIRS),
+        *(("llama", k) for k in LLAMA_KINDS),
+        ("disk", "bf16"),
+    ]
+    pairs = {p.name: p for p in PAIRS}
     for rnd in tqdm(range(args.rounds + 1), desc="rounds (first is warm-up)"):
         bar = tqdm(steps, desc=f"round {rnd}", leave=False)
-        for kind, pair in bar:
-            bar.set_postfix_str(f"{kind} {pair.name}")
+        for kind, name in bar:
+            bar.set_postfix_str(f"{kind} {name}")
             if kind == "engine":
+                pair = pairs[name]
                 r = eng(pair)
                 for t, v in r["decode"].items():
                     keep(rnd, f"engine {pair.name} decode|{t}", v)
@@ -429,10 +458,10 @@ def main(argv: list[str] | None = None) -> None:
                 for t in threads:
                     keep(
                         rnd,
-                        f"llama {pair.gguf} decode|{t}",
-                        llama_bench_tps(src, ggufs[pair.gguf], args.tokens, t),
+                        f"llama {name} decode|{t}",
+                        llama_bench_tps(src, ggufs[name], args.tokens, t),
                     )
-                    if pair.gguf == "bf16":
+                    if name == "bf16":
                         keep(
                             rnd,
                             f"llama bf16 prefill|{t}",
@@ -447,9 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     decode_rows = ratio_rows(
         res,
         [
-            (f"{a} / {b}, {t} thread(s)", f"engine {a} decode|{t}", f"llama {b} decode|{t}")
+            (f"{label}, {t} thread(s)", f"engine {a} decode|{t}", f"llama {b} decode|{t}")
             for t in threads
-            for a, b in (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"))
+            for a, b, label in DECODE_PAIRS
         ],
     )
     prefill_rows = ratio_rows(
@@ -487,10 +516,12 @@ def main(argv: list[str] | None = None) -> None:
             "the one figure that depends on the cache, is pessimistic.",
             "",
             f"GGUF files: bf16 from llama.cpp's convert_hf_to_gguf.py ({ggufs['bf16'].stat().st_size / 1e9:.2f} GB), "
-            f"Q8_0 ({ggufs['q8_0'].stat().st_size / 1e9:.2f} GB) and Q4_0 ({ggufs['q4_0'].stat().st_size / 1e9:.2f} GB) from it "
-            "with llama-quantize's default tensor mix (dense tensors quantized too; the engine quantizes the routed experts "
-            "only and keeps the dense parts bf16, so llama.cpp reads fewer bytes per token at Q8_0/Q4_0). Engine int8: "
-            "whole-row scales; int4: groups of 64 (llama.cpp's Q8_0 and Q4_0: blocks of 32).",
+            "Q8_0 and Q4_0 from it with llama-quantize, twice: the routed experts quantized and every dense tensor kept "
+            "bf16 (`--output-tensor-type bf16 --token-embedding-type bf16 --tensor-type attn=bf16`), which is what the "
+            "engine's `--expert-quant` does, so equal bits; and llama-quantize's default mix (dense tensors quantized "
+            "too, output Q6_K at Q4_0: fewer bytes a token than the engine reads). Sizes: "
+            + ", ".join(f"{k} {ggufs[k].stat().st_size / 1e9:.2f} GB" for k in QUANT_TYPES)
+            + ". Engine int8: whole-row scales; int4: groups of 64 (llama.cpp's Q8_0 and Q4_0: blocks of 32).",
             "",
             f"Rounds: {args.rounds} measured after a warm-up round, every cell once per round, each engine cell and each "
             f"llama-bench run in a process of its own; ratios are per round, then the median. Decode: {args.tokens} greedy "
@@ -530,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
         f"`llama-bench -m GGUF -p 0 -n {args.tokens} -t T -r 1 -o json -lm mmap,none` (decode) and "
         f"`llama-bench -m GGUF -p {args.prefill_tokens} -n 0 -t T -r 1 -o json -lm mmap,none` (prefill); GGUF files "
         "made with `convert_hf_to_gguf.py CKPT --outtype bf16` (unknown BPE pre-tokenizer mapped to gpt-2, as in "
-        "bench/peers.py) and `llama-quantize BF16.gguf OUT.gguf Q8_0|Q4_0`. Engine cells: `load_model(CKPT, "
+        "bench/peers.py) and `llama-quantize [the dense-bf16 flags above] BF16.gguf OUT.gguf Q8_0|Q4_0`. Engine cells: `load_model(CKPT, "
         "EngineConfig(...))` in a spawned process, the fields in the JSON beside this page.",
     ]
     write_report(
