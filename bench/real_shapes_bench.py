@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         + (
             f" In the last round it read {read['bytes'] / 1e9:.2f} GB ({read['misses']} expert loads) in "
-            f"{read['seconds']:.1f} s of prefill, the loads running at {read['bytes'] / read['transfer_s'] / 1e9:.2f} GB/s."
+            f"{read['seconds']:.1f} s of prefill, at {read['bytes'] / read['transfer_s'] / 1e9:.2f} GB/s per transfer thread "
+            "(the bytes over the threads' summed busy time)."
             if read and read["transfer_s"]
             else ""
         ),
