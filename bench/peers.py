@@ -202,18 +202,19 @@ def convert(src: Path, ckpt: Path, outtype: str) -> Path:
     return out
 
 
-def llama_bench_tps(src: Path, gguf: Path, tokens: int, threads: int) -> float:
+def llama_bench_tps(src: Path, gguf: Path, tokens: int, threads: int, prompt: int = 0) -> float:
     """Decode tok/s of llama-bench (-p 0: no prompt, -n N generated tokens, one repetition), the faster
     of its two loading modes: mmap of the GGUF, and a plain read into memory (`-lm none`, what the
     engine's RAM tier does). Why both: on this machine the same mmapped f32 GGUF decoded at 25 tok/s
     one day and 14 the next (its page-cache pages, not llama.cpp's code), while read into memory it
-    ran at 27. Builds without `-lm` run mmap alone."""
+    ran at 27. Builds without `-lm` run mmap alone. With `prompt` > 0 and `tokens` 0: prompt processing
+    tok/s instead (-p PROMPT -n 0)."""
     cmd = [
         str(src / "build/bin/llama-bench"),
         "-m",
         str(gguf),
         "-p",
-        "0",
+        str(prompt),
         "-n",
         str(tokens),
         "-t",
