@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -165,7 +166,15 @@ def find_llama_cpp(work: Path, explicit: Path | None) -> tuple[Path | None, str]
             timeout=600,
         )
         subprocess.run(
-            ["cmake", "--build", "build", "--target", "llama-bench", "-j"],
+            [
+                "cmake",
+                "--build",
+                "build",
+                "--target",
+                "llama-bench",
+                "-j",
+                str(os.cpu_count() or 1),
+            ],
             cwd=src,
             check=True,
             capture_output=True,
