@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for tiny_models
 
+from server_fixtures import RunningServer, serve  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 # One intra-op thread for the in-process engines: the test models are tiny (per-op overhead, not
@@ -31,3 +33,30 @@ def tiny_ckpt(tmp_path_factory):
         return made[key]
 
     return get
+
+
+# Servers shared by every test file that asks for the same flags: one per xdist worker, started the
+# first time a file there needs it (each start costs two processes' imports and a model load).
+# So a test on one asserts on what its own requests changed (metric deltas), never on the state
+# of a fresh server.
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
+    """`moe-offload serve` on the tiny checkpoint, served as "tiny", default settings."""
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny"],
+        tmp_path_factory.mktemp("tiny-server") / "server.log",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
+    """The same with a 64-token context: every generated request is short, so hundreds of fuzzed
+    ones run in seconds."""
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--max-model-len", "64"],
+        tmp_path_factory.mktemp("fuzz-server") / "server.log",
+    ) as s:
+        yield s

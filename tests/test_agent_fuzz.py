@@ -11,7 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
@@ -191,12 +191,8 @@ messages_body = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("agent-fuzz") / "server.log",
-    ) as s:
-        yield s
+def srv(fuzz_server: RunningServer) -> RunningServer:
+    return fuzz_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(900)
 MODEL = "tiny"
@@ -228,13 +228,8 @@ raw_body = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    # max_model_len 64 keeps every generated request short, so hundreds of them run in seconds.
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("fuzz") / "server.log",
-    ) as s:
-        yield s
+def srv(fuzz_server: RunningServer) -> RunningServer:
+    return fuzz_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")

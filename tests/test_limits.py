@@ -7,12 +7,11 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "tiny"
@@ -21,12 +20,8 @@ MB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
-        tmp_path_factory.mktemp("limits") / "server.log",
-    ) as s:
-        yield s
+def srv(tiny_server: RunningServer) -> RunningServer:
+    return tiny_server  # shared (tests/conftest.py): started once per worker
 
 
 def _addr(srv: RunningServer) -> tuple[str, int]:

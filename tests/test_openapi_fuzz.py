@@ -10,14 +10,13 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
@@ -29,13 +28,8 @@ LEAKS = re.compile(
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    # A short context keeps every generated request short, so hundreds run in seconds.
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("st") / "server.log",
-    ) as s:
-        yield s
+def srv(fuzz_server: RunningServer) -> RunningServer:
+    return fuzz_server  # shared (tests/conftest.py): started once per worker
 
 
 def run_schemathesis(

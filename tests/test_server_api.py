@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,12 +17,8 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
-        tmp_path_factory.mktemp("srv") / "server.log",
-    ) as s:
-        yield s
+def srv(tiny_server: RunningServer) -> RunningServer:
+    return tiny_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")
