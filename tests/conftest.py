@@ -4,6 +4,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -60,3 +61,10 @@ def fuzz_server(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
         tmp_path_factory.mktemp("fuzz-server") / "server.log",
     ) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(fuzz_server: RunningServer) -> Iterator[httpx.Client]:
+    """An HTTP client to the fuzz server (paths from its root: /v1/..., /tokenize)."""
+    with httpx.Client(base_url=fuzz_server.base_url, timeout=60) as c:
+        yield c
