@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,9 @@ from tiny_models import make_tiny_checkpoint  # noqa: E402
 # thread, so two OpenMP threads on a 2-core machine oversubscribe it; measured here, an embedded
 # speculation test took 40 s, 92 s and 537 s in three runs with 2 threads (other load varied), 11 s with 1.
 torch.set_num_threads(1)
+# The same for the processes the tests start (the CLI, bench scripts; the servers set it
+# themselves): beside the other xdist worker, a second OpenMP thread only spins at barriers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
