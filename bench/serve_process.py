@@ -1,5 +1,5 @@
 """Start the real `moe-offload serve` as a subprocess on a free loopback port: for the tests
-(tests/server_fixtures.py) and bench/fuzz_release.py."""
+(tests/server_fixtures.py), bench/fuzz_release.py and bench/prefix_cache_bench.py."""
 
 from __future__ import annotations
 
