@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,49 +20,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "tests" / "schemathesis.toml"
-LEAKS = re.compile(
-    r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b"
-)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _engine_pid(server_pid: int) -> int | None:
-    for kid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
-            return int(kid)
-    return None
-
-
-def _exchanges(har: Path) -> list[tuple[str, int, str, str]]:
-    out = []
-    for e in json.loads(har.read_text())["log"]["entries"]:
-        c = e["response"].get("content", {})
-        out.append(
-            (
-                httpx.URL(e["request"]["url"]).path,
-                e["response"]["status"],
-                c.get("mimeType", ""),
-                c.get("text", "") or "",
-            )
-        )
-    return out
-
-
-def _leaks(ex: list[tuple[str, int, str, str]]) -> int:
-    n = 0
-    for path, status, ctype, body in ex:
-        if status >= 400 or path == "/health":
-            n += bool(LEAKS.search(body))
-        elif ctype.startswith("text/event-stream"):
-            n += any(LEAKS.search(ln) for ln in body.splitlines() if '"error"' in ln)
-    return n
+from bench.api_fuzz import leaks_in, responses_of, run_schemathesis
+from bench.serve_process import REPO, RunningServer, serve
 
 
 def main() -> int:
@@ -95,123 +49,59 @@ def main() -> int:
         help="context length, short so that every request is quick (default 64)",
     )
     args = ap.parse_args()
-    port = _port()
-    base = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="fuzz-release-"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--log-level",
-        "warning",
-        "--model",
-        args.model,
-        "--max-model-len",
-        str(args.max_model_len),
-    ]
-    with open(tmp / "server.log", "wb") as log:
-        srv = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
-        )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if srv.poll() is not None or time.monotonic() > deadline:
-                print((tmp / "server.log").read_text()[-3000:], file=sys.stderr)
-                return 1
-            time.sleep(0.3)
-        pid0 = _engine_pid(srv.pid)
-        statuses: Counter[int] = Counter()
-        leaks = rounds = failed_runs = 0
-        t0 = time.monotonic()
-        while sum(statuses.values()) < args.requests:
-            rounds += 1
-            har = tmp / f"round{rounds}.har"
-            run = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "schemathesis.cli",
-                    "--config-file",
-                    str(CONFIG),
-                    "--no-color",
-                    "run",
-                    base + "/openapi.json",
-                    "--checks",
-                    "all",
-                    "--max-examples",
-                    str(args.examples),
-                    "--seed",
-                    str(rounds),
-                    "--workers",
-                    "1",
-                    "--generation-database",
-                    "none",
-                    "--report",
-                    "har",
-                    "--report-har-path",
-                    str(har),
-                ],
-                cwd=tmp,
-                capture_output=True,
-                text=True,
-                check=False,
-            )  # its cache stays out of the repo
-            failed_runs += run.returncode != 0
-            if run.returncode != 0:
-                print(run.stdout[-4000:], file=sys.stderr)
-            ex = _exchanges(har)
-            statuses.update(s for _, s, _, _ in ex)
-            leaks += _leaks(ex)
-        health = httpx.get(base + "/health", timeout=10).json()
-        pid1 = _engine_pid(srv.pid)
-        server_errors = sum(n for s, n in statuses.items() if s >= 500)
-        tracebacks = (tmp / "server.log").read_text(errors="replace").count("Traceback")
-        result = {
-            "requests": sum(statuses.values()),
-            "rounds": rounds,
-            "seconds": round(time.monotonic() - t0, 1),
-            "statuses": dict(sorted(statuses.items())),
-            "5xx": server_errors,
-            "leaks": leaks,
-            "schemathesis_failed_rounds": failed_runs,
-            "engine_pid_before": pid0,
-            "engine_pid_after": pid1,
-            "health": health,
-            "server_log_tracebacks": tracebacks,
-        }
-        print(json.dumps(result))
-        return (
-            0
-            if server_errors == leaks == failed_runs == 0
-            and pid0 == pid1
-            and health == {"status": "ready"}
-            else 1
-        )
-    finally:
-        if srv.poll() is None:
-            os.killpg(srv.pid, signal.SIGTERM)
-            try:
-                srv.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(srv.pid, signal.SIGKILL)
+        with serve(
+            ["--model", args.model, "--max-model-len", str(args.max_model_len)],
+            tmp / "server.log",
+            ready_timeout=300,
+        ) as srv:
+            return _fuzz(srv, tmp, args.requests, args.examples)
+    except RuntimeError as e:  # the server exited or never became ready: its log is in e
+        print(e, file=sys.stderr)
+        return 1
+
+
+def _fuzz(srv: RunningServer, tmp: Path, requests: int, examples: int) -> int:
+    """Schemathesis rounds (seeds 1, 2, ...) until `requests` went out; prints the JSON line."""
+    pid0 = srv.engine_pid()
+    statuses: Counter[int] = Counter()
+    leaks = rounds = failed_runs = 0
+    t0 = time.monotonic()
+    while sum(statuses.values()) < requests:
+        rounds += 1
+        har = tmp / f"round{rounds}.har"
+        run = run_schemathesis(srv.base_url, examples, har, seed=rounds)
+        failed_runs += run.returncode != 0
+        if run.returncode != 0:
+            print(run.stdout[-4000:], file=sys.stderr)
+        ex = responses_of(har)
+        statuses.update(s for _, s, _, _ in ex)
+        leaks += len(leaks_in(ex))
+    health = httpx.get(srv.base_url + "/health", timeout=10).json()
+    pid1 = srv.engine_pid()
+    server_errors = sum(n for s, n in statuses.items() if s >= 500)
+    result = {
+        "requests": sum(statuses.values()),
+        "rounds": rounds,
+        "seconds": round(time.monotonic() - t0, 1),
+        "statuses": dict(sorted(statuses.items())),
+        "5xx": server_errors,
+        "leaks": leaks,
+        "schemathesis_failed_rounds": failed_runs,
+        "engine_pid_before": pid0,
+        "engine_pid_after": pid1,
+        "health": health,
+        "server_log_tracebacks": srv.log_path.read_text(errors="replace").count("Traceback"),
+    }
+    print(json.dumps(result))
+    return (
+        0
+        if server_errors == leaks == failed_runs == 0
+        and pid0 == pid1
+        and health == {"status": "ready"}
+        else 1
+    )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,11 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return run
 
 
-def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str, float]:
-    """H2D GB/s pinned and pageable, and how far a side-stream copy overlaps a default-stream matmul loop."""
+def copy_figures(
+    device: torch.device, mib: int = 64, reps: int = 5, matmul_dim: int = 2048
+) -> dict[str, float]:
+    """H2D GB/s pinned and pageable of `mib` MiB copies, and how far a side-stream copy overlaps a
+    default-stream loop of 20 square matmuls of side `matmul_dim`."""
     timed = _timer(device)
     n = mib * 2**20
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -83,7 +86,7 @@ def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str
         "pinned_gb_s": n / best(lambda: dst.copy_(pinned, non_blocking=True)) / 1e9,
         "pageable_gb_s": n / best(lambda: dst.copy_(pageable)) / 1e9,
     }
-    a = torch.randn(2048, 2048, device=device)
+    a = torch.randn(matmul_dim, matmul_dim, device=device)
     side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def matmuls() -> None:
@@ -117,7 +120,7 @@ def copy_figures(device: torch.device, mib: int = 64, reps: int = 5) -> dict[str
         if side is not None
         else float("nan")
     )
-    out.update(copy_s=t_copy, matmul_s=t_mm, both_s=t_both, overlap=overlap)
+    out.update(copy_s=t_copy, matmul_s=t_mm, both_s=t_both, overlap=overlap, matmul_dim=matmul_dim)
     return out
 
 
@@ -189,11 +192,20 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=2, help="measured rounds after a warm-up round (default 2)"
     )
+    ap.add_argument(
+        "--copy-mib", type=int, default=64, help="size of the H2D copies timed, MiB (default 64)"
+    )
+    ap.add_argument(
+        "--matmul-dim",
+        type=int,
+        default=2048,
+        help="side of the square matmuls the copy overlaps (default 2048; smaller for a CPU smoke test)",
+    )
     args = ap.parse_args()
     device, name = gpu_device(args, "gpu_check")
     print(f"device: {name}", flush=True)
 
-    copies = copy_figures(device)
+    copies = copy_figures(device, mib=args.copy_mib, matmul_dim=args.matmul_dim)
     print(
         f"H2D pinned {copies['pinned_gb_s']:.1f} GB/s, pageable {copies['pageable_gb_s']:.1f} GB/s, overlap {copies['overlap']:.2f}",
         flush=True,
@@ -258,7 +270,7 @@ def main() -> None:
         "",
         "| measure | value |",
         "|---|---|",
-        f"| H2D, pinned, 64 MiB copies (the link's peak) | {copies['pinned_gb_s']:.2f} GB/s |",
+        f"| H2D, pinned, {args.copy_mib} MiB copies (the link's peak) | {copies['pinned_gb_s']:.2f} GB/s |",
         f"| H2D, pageable | {copies['pageable_gb_s']:.2f} GB/s |",
         f"| copy alone / 20 matmuls alone / both (copy on a side stream) | {copies['copy_s'] * 1e3:.2f} / {copies['matmul_s'] * 1e3:.2f} / {copies['both_s'] * 1e3:.2f} ms |",
         f"| overlap (1.0: the shorter one fully hidden) | {copies['overlap']:.2f} |",

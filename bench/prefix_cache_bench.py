@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,11 +28,8 @@ from typing import Any
 import httpx
 import openai
 
+from bench.serve_process import serve
 from models import EMBEDDED_DIR, EMBEDDED_TARGET
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from server_fixtures import serve  # noqa: E402 (the tests' server launcher: needs tests/ on sys.path)
 
 TOOLS = [
     {

@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for tiny_models
 
+from server_fixtures import RunningServer, serve  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 # One intra-op thread for the in-process engines: the test models are tiny (per-op overhead, not
@@ -15,6 +19,9 @@ from tiny_models import make_tiny_checkpoint  # noqa: E402
 # thread, so two OpenMP threads on a 2-core machine oversubscribe it; measured here, an embedded
 # speculation test took 40 s, 92 s and 537 s in three runs with 2 threads (other load varied), 11 s with 1.
 torch.set_num_threads(1)
+# The same for the processes the tests start (the CLI, bench scripts; the servers set it
+# themselves): beside the other xdist worker, a second OpenMP thread only spins at barriers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +38,37 @@ def tiny_ckpt(tmp_path_factory):
         return made[key]
 
     return get
+
+
+# Servers shared by every test file that asks for the same flags: one per xdist worker, started the
+# first time a file there needs it (each start costs two processes' imports and a model load).
+# So a test on one asserts on what its own requests changed (metric deltas), never on the state
+# of a fresh server.
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
+    """`moe-offload serve` on the tiny checkpoint, served as "tiny", default settings."""
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny"],
+        tmp_path_factory.mktemp("tiny-server") / "server.log",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
+    """The same with a 64-token context: every generated request is short, so hundreds of fuzzed
+    ones run in seconds."""
+    with serve(
+        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--max-model-len", "64"],
+        tmp_path_factory.mktemp("fuzz-server") / "server.log",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(fuzz_server: RunningServer) -> Iterator[httpx.Client]:
+    """An HTTP client to the fuzz server (paths from its root: /v1/..., /tokenize)."""
+    with httpx.Client(base_url=fuzz_server.base_url, timeout=60) as c:
+        yield c

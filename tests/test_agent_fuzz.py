@@ -4,32 +4,19 @@ a 5xx, errors in each API's own shape, and streams that end with their final eve
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzz_common import fuzz_settings, json_values, post_json
+from hypothesis import given
 from hypothesis import strategies as st
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12),
-)
-anything = st.recursive(
-    scalars,
-    lambda c: st.one_of(
-        st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=3)
-    ),
-    max_leaves=8,
-)
+anything = json_values(text_size=12, collection_size=3, max_leaves=8)
 texts = st.one_of(st.text(max_size=30), anything)
 schema = st.one_of(
     st.just(
@@ -190,45 +177,18 @@ messages_body = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("agent-fuzz") / "server.log",
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hc(srv: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
-        yield c
-
-
-def _post(hc: httpx.Client, path: str, body: Any) -> httpx.Response:
-    return hc.post(
-        path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
-    )
-
-
 def _events(r: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
 
 
-FUZZ = settings(
-    max_examples=80,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
+FUZZ = fuzz_settings(80)
 
 
 @FUZZ
 @given(body=responses_body)
-def test_fuzz_responses(srv: RunningServer, hc: httpx.Client, body: dict) -> None:
-    r = _post(hc, "/v1/responses", body)
-    assert r.status_code < 500, (r.status_code, r.text[:400], srv.log()[-1500:])
+def test_fuzz_responses(fuzz_server: RunningServer, fuzz_client: httpx.Client, body: dict) -> None:
+    r = post_json(fuzz_client, "/v1/responses", body)
+    assert r.status_code < 500, (r.status_code, r.text[:400], fuzz_server.log()[-1500:])
     if r.status_code >= 400:
         assert set(r.json()) == {"error"} and isinstance(r.json()["error"]["message"], str)
     elif r.headers["content-type"].startswith("text/event-stream"):
@@ -243,13 +203,15 @@ def test_fuzz_responses(srv: RunningServer, hc: httpx.Client, body: dict) -> Non
 
 @FUZZ
 @given(body=messages_body)
-def test_fuzz_messages_and_count_tokens(srv: RunningServer, hc: httpx.Client, body: dict) -> None:
+def test_fuzz_messages_and_count_tokens(
+    fuzz_server: RunningServer, fuzz_client: httpx.Client, body: dict
+) -> None:
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        r = _post(hc, path, body)
+        r = post_json(fuzz_client, path, body)
         assert r.status_code < 500 or r.status_code == 529, (
             r.status_code,
             r.text[:400],
-            srv.log()[-1500:],
+            fuzz_server.log()[-1500:],
         )
         if r.status_code >= 400:
             j = r.json()
@@ -280,7 +242,7 @@ def test_fuzz_messages_and_count_tokens(srv: RunningServer, hc: httpx.Client, bo
         anything,
     )
 )
-def test_fuzz_tokenize(srv: RunningServer, hc: httpx.Client, body: Any) -> None:
+def test_fuzz_tokenize(fuzz_server: RunningServer, fuzz_client: httpx.Client, body: Any) -> None:
     for path in ("/tokenize", "/detokenize"):
-        r = _post(hc, path, body)
+        r = post_json(fuzz_client, path, body)
         assert r.status_code in (200, 400), (r.status_code, r.text[:300])

@@ -5,32 +5,18 @@ server is alive after each request."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzz_common import fuzz_settings, json_values, post_json
+from hypothesis import given
 from hypothesis import strategies as st
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 pytestmark = pytest.mark.timeout(900)
 MODEL = "tiny"
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=20),
-)
-anything = st.recursive(
-    scalars,
-    lambda c: st.one_of(
-        st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)
-    ),
-    max_leaves=12,
-)
+anything = json_values(text_size=20, collection_size=4, max_leaves=12)
 small_int = st.one_of(st.integers(-3, 6), anything)
 texts = st.one_of(st.text(max_size=40), anything)
 part = st.one_of(
@@ -227,22 +213,6 @@ raw_body = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    # max_model_len 64 keeps every generated request short, so hundreds of them run in seconds.
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("fuzz") / "server.log",
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hc(srv: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.v1, timeout=60) as c:
-        yield c
-
-
 SENT: dict[str, int] = {"n": 0, "ok": 0}
 
 
@@ -264,61 +234,55 @@ def _check(srv: RunningServer, r: httpx.Response) -> None:
         assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
 
 
-def _post(hc: httpx.Client, path: str, body: Any) -> httpx.Response:
-    return hc.post(
-        path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
-    )
-
-
-FUZZ = settings(
-    max_examples=130,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
+FUZZ = fuzz_settings(130)
 
 
 @FUZZ
 @given(body=chat_body)
-def test_fuzz_chat(srv: RunningServer, hc: httpx.Client, body: dict) -> None:
-    _check(srv, _post(hc, "/chat/completions", body))
+def test_fuzz_chat(fuzz_server: RunningServer, fuzz_client: httpx.Client, body: dict) -> None:
+    _check(fuzz_server, post_json(fuzz_client, "/v1/chat/completions", body))
 
 
 @FUZZ
 @given(body=completion_body)
-def test_fuzz_completions(srv: RunningServer, hc: httpx.Client, body: dict) -> None:
-    _check(srv, _post(hc, "/completions", body))
+def test_fuzz_completions(
+    fuzz_server: RunningServer, fuzz_client: httpx.Client, body: dict
+) -> None:
+    _check(fuzz_server, post_json(fuzz_client, "/v1/completions", body))
 
 
 @FUZZ
 @given(body=st.one_of(valid_chat, valid_completion))
-def test_fuzz_well_formed(srv: RunningServer, hc: httpx.Client, body: dict) -> None:
-    _check(srv, _post(hc, "/chat/completions" if "messages" in body else "/completions", body))
+def test_fuzz_well_formed(
+    fuzz_server: RunningServer, fuzz_client: httpx.Client, body: dict
+) -> None:
+    _check(
+        fuzz_server,
+        post_json(
+            fuzz_client, "/v1/chat/completions" if "messages" in body else "/v1/completions", body
+        ),
+    )
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
+@fuzz_settings(60)
 @given(
     body=raw_body,
-    path=st.sampled_from(["/chat/completions", "/completions", "/models", "/nope"]),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/nope"]),
     ctype=st.sampled_from(["application/json", "text/plain", ""]),
 )
 def test_fuzz_raw_bytes(
-    srv: RunningServer, hc: httpx.Client, body: bytes, path: str, ctype: str
+    fuzz_server: RunningServer, fuzz_client: httpx.Client, body: bytes, path: str, ctype: str
 ) -> None:
-    _check(srv, hc.post(path, content=body, headers={"content-type": ctype} if ctype else {}))
+    _check(
+        fuzz_server,
+        fuzz_client.post(path, content=body, headers={"content-type": ctype} if ctype else {}),
+    )
 
 
-def test_fuzz_count_and_alive(srv: RunningServer) -> None:
+def test_fuzz_count_and_alive(fuzz_server: RunningServer) -> None:
     """Runs last in this module: at least 300 generated requests went out, and none broke it."""
     assert SENT["n"] >= 300, SENT
     assert SENT["ok"] >= 60, SENT  # the generators also reach the engine, not only the validator
     print("fuzz requests:", SENT)
-    assert httpx.get(srv.base_url + "/health", timeout=10).json() == {"status": "ready"}
-    assert "Traceback" not in srv.log()
+    assert httpx.get(fuzz_server.base_url + "/health", timeout=10).json() == {"status": "ready"}
+    assert "Traceback" not in fuzz_server.log()

@@ -25,6 +25,11 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
             "4",
             "--rounds",
             "1",
+            # Small copies and matmuls: the same code, without a minute of CPU matmuls.
+            "--copy-mib",
+            "8",
+            "--matmul-dim",
+            "256",
             "--out",
             str(out),
         ],
@@ -35,6 +40,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     text = out.read_text()
     assert "## Transfers" in text and "| engine cache 0.25 (disk) |" in text
+    assert "| H2D, pinned, 8 MiB copies" in text
     # Exact in f32 (the contract): every greedy token shared with transformers.
     assert "| float32 | 4 of 4 |" in text, text
     assert "## CUDA graphs for the dense part" in text

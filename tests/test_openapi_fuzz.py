@@ -7,104 +7,28 @@ in the documented ranges, while an ordinary request runs beside them."""
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
+
+from bench.api_fuzz import leaks_in, responses_of, run_schemathesis
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
-CONFIG = Path(__file__).with_name("schemathesis.toml")
-# What must never reach a client: tracebacks, source files, paths, module names.
-LEAKS = re.compile(
-    r"Traceback|File \"|\.py\b|site-packages|/(work|home|usr|tmp|opt|root)/|\b(engine|server|torch|transformers|policies)\.[a-z_]+\.|\bline \d+, in\b"
-)
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    # A short context keeps every generated request short, so hundreds run in seconds.
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL, "--max-model-len", "64"],
-        tmp_path_factory.mktemp("st") / "server.log",
-    ) as s:
-        yield s
-
-
-def run_schemathesis(
-    base_url: str, examples: int, har: Path, seed: int = 1
-) -> subprocess.CompletedProcess[str]:
-    """The Schemathesis CLI over the server's own document: all checks, seeded, bounded."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "schemathesis.cli",
-        "--config-file",
-        str(CONFIG),
-        "--no-color",
-        "run",
-        base_url + "/openapi.json",
-        "--checks",
-        "all",
-        "--max-examples",
-        str(examples),
-        "--seed",
-        str(seed),
-        "--workers",
-        "1",
-        "--generation-database",
-        "none",
-        "--report",
-        "har",
-        "--report-har-path",
-        str(har),
-    ]
-    # cwd: Schemathesis keeps a cache directory where it runs; not in the repository.
-    return subprocess.run(
-        cmd, cwd=har.parent, capture_output=True, text=True, timeout=1800, check=False
-    )
-
-
-def responses_of(har: Path) -> list[tuple[str, int, str, str]]:
-    """(path, status, content type, body) of every exchange in a HAR report."""
-    out = []
-    for e in json.loads(har.read_text())["log"]["entries"]:
-        content = e["response"].get("content", {})
-        out.append(
-            (
-                httpx.URL(e["request"]["url"]).path,
-                e["response"]["status"],
-                content.get("mimeType", ""),
-                content.get("text", "") or "",
-            )
-        )
-    return out
-
-
-def leaks_in(exchanges: list[tuple[str, int, str, str]]) -> list[tuple[str, int, str]]:
-    """Error bodies, /health bodies and streamed error events that reveal internals."""
-    bad = []
-    for path, status, ctype, body in exchanges:
-        if status >= 400 or path == "/health":
-            texts = [body]
-        elif ctype.startswith("text/event-stream"):
-            texts = [ln for ln in body.splitlines() if '"error"' in ln]
-        else:
-            continue
-        bad += [(path, status, t[:300]) for t in texts if LEAKS.search(t)]
-    return bad
+def srv(fuzz_server: RunningServer) -> RunningServer:
+    return fuzz_server  # shared (tests/conftest.py): started once per worker
 
 
 def _fuzz(srv: RunningServer, tmp_path: Path, examples: int) -> None:
     pid = srv.engine_pid()
-    done = run_schemathesis(srv.base_url, examples, tmp_path / "har.json")
+    done = run_schemathesis(srv.base_url, examples, tmp_path / "har.json", timeout=1800)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     exchanges = responses_of(tmp_path / "har.json")
     statuses = sorted({s for _, s, _, _ in exchanges})

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,12 +17,8 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
-        tmp_path_factory.mktemp("srv") / "server.log",
-    ) as s:
-        yield s
+def srv(tiny_server: RunningServer) -> RunningServer:
+    return tiny_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +325,8 @@ def test_metrics_match_requests_served(srv: RunningServer, client: openai.OpenAI
 
 
 def test_50_disconnects_then_fresh_request(srv: RunningServer, client: openai.OpenAI) -> None:
+    aborted = ("moe_offload_requests_finished_total", (("finish_reason", "abort"),))
+    aborted_before = srv.metrics().get(aborted, 0)  # the server is shared: count this test's own
     body = {
         "model": MODEL,
         "prompt": "Disconnect me",
@@ -353,11 +350,10 @@ def test_50_disconnects_then_fresh_request(srv: RunningServer, client: openai.Op
     t0 = time.monotonic()
     r = client.completions.create(model=MODEL, prompt="fresh", max_tokens=4, **GREEDY)
     assert r.choices[0].finish_reason == "length" and time.monotonic() - t0 < 10
-    aborted = ("moe_offload_requests_finished_total", (("finish_reason", "abort"),))
     deadline = time.monotonic() + 30  # the engine counts an abort when it processes it: wait for it
     while (
-        _running(srv) != 0 or srv.metrics().get(aborted, 0) < 50
+        _running(srv) != 0 or srv.metrics().get(aborted, 0) - aborted_before < 50
     ) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _running(srv) == 0
-    assert srv.metrics().get(aborted, 0) >= 50
+    assert srv.metrics().get(aborted, 0) - aborted_before >= 50

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import pickle
 import random
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
 import torch
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 from tiny_models import make_tokenizer
 
 from engine.structured import ConstraintSpec, GrammarCompiler
@@ -107,12 +106,8 @@ def test_spec_is_plain_data() -> None:
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
-        tmp_path_factory.mktemp("so") / "server.log",
-    ) as s:
-        yield s
+def srv(tiny_server: RunningServer) -> RunningServer:
+    return tiny_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ not; the auto-mode parser; and the 400s for requests that cannot be honoured."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_fixtures import RunningServer, serve
+from server_fixtures import RunningServer
 
 from server.protocol import ChatCompletionRequest
 from server.tools import ToolMode, ToolStream, parse_calls, tool_mode
@@ -49,12 +48,8 @@ PARAMS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory) -> Iterator[RunningServer]:
-    with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", MODEL],
-        tmp_path_factory.mktemp("tools") / "server.log",
-    ) as s:
-        yield s
+def srv(tiny_server: RunningServer) -> RunningServer:
+    return tiny_server  # shared (tests/conftest.py): started once per worker
 
 
 @pytest.fixture(scope="module")
