@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -282,3 +283,49 @@ def test_policy_counters_reach_prometheus(tiny_ckpt, tmp_path: Path) -> None:
     assert 0 < value("expert_substituted_gate_mass_total") < value("expert_substitutions_total")
     assert value("expert_calls_fetched_total") > 0 and value("expert_calls_hit_total") > 0
     assert ("moe_offload_expert_admissions_total", ()) in m
+
+
+@pytest.mark.timeout(180)
+def test_50_disconnects_then_fresh_request(tiny_ckpt, tmp_path: Path) -> None:
+    """50 streams hang up at their first event; the server notices every one (50 aborts), frees
+    their slots and answers a fresh request at once. Behind the emulated hdd link (8 ms an expert
+    load) 400 tokens take seconds, so no stream can finish before its hang-up is seen, however fast
+    the machine (on the RAM tier a fast one finished some first)."""
+    args = ["--model", str(tiny_ckpt()), "--served-model-name", "tiny"]
+    args += ["--cache-fraction", "0.25", "--offload", "disk", "--link", "hdd"]
+    with serve(args, tmp_path / "log") as srv:
+        body = {
+            "model": "tiny",
+            "prompt": "Disconnect me",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+
+        async def drop(ac: httpx.AsyncClient) -> None:
+            async with ac.stream("POST", srv.v1 + "/completions", json=body) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_lines():
+                    break  # first event seen: hang up mid-stream
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as ac:
+                await asyncio.gather(*(drop(ac) for _ in range(50)))
+
+        asyncio.run(main())
+        client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0)
+        t0 = time.monotonic()
+        r = client.completions.create(model="tiny", prompt="fresh", max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop") and time.monotonic() - t0 < 10
+        aborted = ("moe_offload_requests_finished_total", (("finish_reason", "abort"),))
+        live = ("moe_offload_requests_running", ()), ("moe_offload_requests_waiting", ())
+        deadline = time.monotonic() + 30  # the engine counts an abort when it processes it
+        while True:
+            m = srv.metrics()
+            if sum(m[k] for k in live) == 0 and m.get(aborted, 0) >= 50:
+                break
+            assert time.monotonic() < deadline, (m.get(aborted), [m[k] for k in live])
+            time.sleep(0.1)
+        assert m.get(aborted, 0) == 50

@@ -24,9 +24,10 @@ import pytest
 from server_fixtures import serve
 
 pytestmark = pytest.mark.timeout(900)
-# n choices run one after another (--max-running 1), so the drain lasts N x TOKENS one-row decode steps:
-# long enough to be observed, however fast a step gets.
-N, TOKENS = 8, 480
+# Behind the emulated hdd link (8 ms an expert load, at a quarter of the experts resident) the in-flight
+# request takes seconds of sleeping on loads (480 tokens: about 7 s), so the drain lasts long enough to be
+# observed whatever the machine's speed or load; two choices run one after another (--max-running 1).
+N, TOKENS = 2, 480
 LONG = {
     "model": "tiny",
     "prompt": "Hello",
@@ -53,6 +54,12 @@ def _drain_cycle(model: Path, log: Path) -> None:
             "60",
             "--max-running",
             "1",
+            "--cache-fraction",
+            "0.25",
+            "--offload",
+            "disk",
+            "--link",
+            "hdd",
         ],
         log,
     ) as srv:
