@@ -27,6 +27,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -343,6 +344,37 @@ def write_checkpoint(
     tok = make_tokenizer(512)
     tok.save_pretrained(out)
     return out
+
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)  # the builder's tiny tokenizer: ids below 512
+
+# Per-model widths cut to a few dozen, the tests' and `real_shapes_bench --tiny`'s: a pipeline check at a
+# tiny depth and width, never a benchmark.
+TINY_WIDTHS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(_TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "qwen3-next-80b-a3b": dict(
+        _TINY,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "gpt-oss-20b": dict(_TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+}
 
 
 def main() -> None:

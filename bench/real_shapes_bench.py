@@ -52,21 +52,6 @@ from typing import Any
 MODEL = "qwen3-30b-a3b"
 PROMPT_VOCAB = 512  # the builder's tokenizer (models/tiny.py make_tokenizer(512)): ids below it
 DECODE_PROMPT = 16
-# The per-layer width cut to a few dozen (the test builder's), for --tiny: a pipeline check, not a benchmark.
-TINY_WIDTH: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    bos_token_id=None,
-    eos_token_id=0,
-    pad_token_id=0,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
 
 
 @dataclass(frozen=True)
@@ -112,12 +97,12 @@ DECODE_PAIRS = (
 # -- checkpoint and GGUF files ------------------------------------------------------------------
 def build_checkpoint(work: Path, layers: int, tiny: bool) -> Path:
     """The random checkpoint, written once (a marker file says the write finished)."""
-    from bench.real_shapes import write_checkpoint
+    from bench.real_shapes import TINY_WIDTHS, write_checkpoint
 
     path = work / f"{MODEL}-{layers}l{'-tiny' if tiny else ''}"
     if not (path / ".complete").exists():
         print(f"writing the random {MODEL} checkpoint ({layers} layers) to {path} ...", flush=True)
-        write_checkpoint(path, MODEL, layers, **(TINY_WIDTH if tiny else {}))
+        write_checkpoint(path, MODEL, layers, **(TINY_WIDTHS[MODEL] if tiny else {}))
         (path / ".complete").write_text("")
     return path
 

@@ -9,40 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.real_shapes import RELEASED, config_for, entries, write_checkpoint
+from bench.real_shapes import RELEASED, TINY_WIDTHS, config_for, entries, write_checkpoint
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.weights.checkpoint import index_checkpoint
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    bos_token_id=None,
-    eos_token_id=0,
-    pad_token_id=0,
-)  # the builder's tiny tokenizer: ids below 512
-WIDTH = {
-    "qwen3-30b-a3b": dict(TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-    "qwen3-next-80b-a3b": dict(
-        TINY,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        shared_expert_intermediate_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    ),
-    "gpt-oss-20b": dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
-}
 
 
 def test_released_sizes_are_the_real_ones() -> None:
@@ -61,7 +34,7 @@ def test_tiny_builds_match_transformers(tmp_path, model: str) -> None:
         layers=4 if "next" in model else 2,
         shard_bytes=200_000,
         progress=False,
-        **WIDTH[model],
+        **TINY_WIDTHS[model],
     )
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # several shards, as released
@@ -90,7 +63,7 @@ def test_tiny_gpt_oss_has_mxfp4_experts_as_released(tmp_path, capsys) -> None:
     from server.cli import main
 
     path = write_checkpoint(
-        tmp_path / "oss", "gpt-oss-20b", layers=2, progress=False, **WIDTH["gpt-oss-20b"]
+        tmp_path / "oss", "gpt-oss-20b", layers=2, progress=False, **TINY_WIDTHS["gpt-oss-20b"]
     )
     tensors = index_checkpoint(path)
     blocks, scales = (
@@ -122,9 +95,9 @@ def test_sparse_build_writes_headers_only(tmp_path) -> None:
         layers=2,
         progress=False,
         sparse=True,
-        **WIDTH["qwen3-30b-a3b"],
+        **TINY_WIDTHS["qwen3-30b-a3b"],
     )
     tensors = index_checkpoint(path)  # sizes check out against the headers
     assert sum(t.nbytes for t in tensors.values()) == sum(
-        e.nbytes for e in entries(config_for("qwen3-30b-a3b", 2, **WIDTH["qwen3-30b-a3b"]))
+        e.nbytes for e in entries(config_for("qwen3-30b-a3b", 2, **TINY_WIDTHS["qwen3-30b-a3b"]))
     )
