@@ -165,27 +165,29 @@ def find_llama_cpp(work: Path, explicit: Path | None) -> tuple[Path | None, str]
             capture_output=True,
             timeout=600,
         )
-        subprocess.run(
-            [
-                "cmake",
-                "--build",
-                "build",
-                "--target",
-                "llama-bench",
-                "-j",
-                str(os.cpu_count() or 1),
-            ],
-            cwd=src,
-            check=True,
-            capture_output=True,
-            timeout=3600,
-        )
+        build_target(src, "llama-bench")
         return src, ""
     except (subprocess.SubprocessError, OSError, IndexError) as e:
         return (
             None,
             f"llama.cpp skipped: could not download or build it ({type(e).__name__}); pass --llama-cpp DIR to use a built tree",
         )
+
+
+def build_target(src: Path, target: str) -> Path:
+    """build/bin/TARGET of the llama.cpp tree `src` (its build directory configured), built if missing,
+    one compiler per CPU."""
+    exe = src / "build/bin" / target
+    if not exe.exists():
+        print(f"building {target} in {src} ...", flush=True)
+        subprocess.run(
+            ["cmake", "--build", "build", "--target", target, "-j", str(os.cpu_count() or 1)],
+            cwd=src,
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
+    return exe
 
 
 def convert(src: Path, ckpt: Path, outtype: str) -> Path:

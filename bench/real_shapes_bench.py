@@ -107,28 +107,13 @@ def build_checkpoint(work: Path, layers: int, tiny: bool) -> Path:
     return path
 
 
-def ensure_target(src: Path, target: str) -> Path:
-    """build/bin/TARGET of the llama.cpp tree `src`, built if missing (llama-bench's build configured it)."""
-    exe = src / "build/bin" / target
-    if not exe.exists():
-        print(f"building {target} in {src} ...", flush=True)
-        subprocess.run(
-            ["cmake", "--build", "build", "--target", target, "-j", str(os.cpu_count() or 1)],
-            cwd=src,
-            check=True,
-            capture_output=True,
-            timeout=3600,
-        )
-    return exe
-
-
 def gguf_files(src: Path, ckpt: Path) -> dict[str, Path]:
     """bf16 from llama.cpp's converter, Q8_0 and Q4_0 from it with llama-quantize (QUANT_TYPES)."""
-    from bench.peers import convert
+    from bench.peers import build_target, convert
 
     bf16 = convert(src, ckpt, "bf16")
     out = {"bf16": bf16}
-    quantize = ensure_target(src, "llama-quantize")
+    quantize = build_target(src, "llama-quantize")
     for kind, (qtype, extra) in QUANT_TYPES.items():
         path = ckpt.parent / f"{ckpt.name}-{kind}.gguf"
         if not path.exists():
