@@ -146,8 +146,13 @@ class EngineConfig(YamlSection):
     )
     native_kernels: str = setting(
         "auto",
-        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a compiler is found), on (fail at start without one) or off (torch's kernels). One choice per process",
+        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where their fastest build beats torch's kernels in a micro-benchmark at this model's shapes, measured once per CPU and cached), on (the fastest build even where torch measures faster; fail at start without a compiler) or off (torch's kernels). One choice per process",
         choices=("auto", "on", "off"),
+    )
+    native_build: str = setting(
+        "auto",
+        "which build of the native kernels runs: auto (default: the fastest this CPU runs, measured), or one by name: avx512-bf16, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
+        choices=("auto", "avx512-bf16", "avx512", "avx2", "portable"),
     )
     decode_attention: str = setting(
         "auto",
@@ -214,6 +219,7 @@ class EngineConfig(YamlSection):
         for name, allowed in (
             ("forward", FORWARDS),
             ("native_kernels", ("auto", "on", "off")),
+            ("native_build", ("auto", "avx512-bf16", "avx512", "avx2", "portable")),
             ("decode_attention", ("auto", "native", "sdpa")),
         ):
             if getattr(self, name) not in allowed:

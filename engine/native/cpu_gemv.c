@@ -2,29 +2,34 @@
  * or int8 (one fp16 scale per row), and a fused SwiGLU MoE step for one token.
  *
  * Why: a decode step multiplies one (or a few) activation rows by every weight once, so it should
- * run at the speed the weights stream from memory. torch's single-row paths on this project's
- * machine (1 thread) stream f32 at 9-12 GB/s but bf16 at 5-9 GB/s and weight-only int8 at about
- * 5 GB/s: widening each narrow weight to f32 costs more instructions than its bytes save. Here:
- *  - in a bf16 model (bf16 activations), bf16 weights use AVX-512 BF16 dot products (vdpbf16ps: 32
- *    products per instruction, f32 sums), which are exact products of the two bf16 operands;
- *  - in a bf16 model, int8 weights use AVX-512 VNNI (vpdpbusd: 64 byte products per instruction)
- *    with the activation quantized to int8 in blocks of 64, one f32 scale per block, as llama.cpp's
- *    Q8_0 dot product does with blocks of 32: an approximation of the activation (about 0.4 %
- *    relative error per dot product on random data) on top of the weights' own quantization;
- *  - with an f32 activation (an f32 model), or without those instruction sets, each weight is
- *    widened to f32 in registers and multiplied in f32: exact products, any AVX-512 CPU;
- *  - without AVX-512, plain C that the compiler vectorises for the machine it is built on.
+ * run at the speed the weights stream from memory. torch's single-row paths stream f32 at 9-12
+ * GB/s but bf16 at 5-9 GB/s and weight-only int8 at about 5 GB/s on this project's machines (1
+ * thread): widening each narrow weight to f32 costs more instructions than its bytes save.
+ *
+ * One source, several builds (engine/native/build.py compiles each variant with its own -march and
+ * engine/native/variants.py picks the fastest one the CPU runs, by measuring). The dot products
+ * live in three headers, each defining only what its instruction set speeds up, the first
+ * definition winning:
+ *  - simd_avx512.h: 16 f32 lanes; the AVX-512 BF16 dot (vdpbf16ps: exact products of two bf16
+ *    operands, f32 sums) and the VNNI int8 dot (vpdpbusd) where the variant has them;
+ *  - simd_avx2.h: 8 f32 lanes with FMA; bf16 weights split into even and odd elements in
+ *    registers; int8 and int4 weights through vpmaddubsw;
+ *  - simd_portable.h: plain C in eight independent lanes, which any compiler vectorises.
+ * In a bf16 model (bf16 activations) int8 and int4 weights multiply the activation quantized to
+ * int8 in blocks of 64, one f32 scale per block, as llama.cpp's Q8_0 dot product does with blocks
+ * of 32 (about 0.4 % relative error per dot product on random data, on top of the weights' own
+ * quantization); every variant computes those integer sums exactly. With an f32 activation (an f32
+ * model) each weight is widened to f32 and multiplied in f32: exact products.
  * The fused MoE call runs all of a token's resident experts in one call: on small models the Python
  * and dispatch of five torch calls per expert cost more than the arithmetic.
  *
- * Built once per machine by engine/native/build.py (gcc -O3 -march=native -fopenmp) and called
- * through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning a
- * contiguous range of output rows, so a result does not depend on the thread count.
+ * Called through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning
+ * a contiguous range of output rows, so a result does not depend on the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__F16C__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -41,27 +46,10 @@
 #endif
 
 #define QBLOCK 64 /* activation quantization block of the int8 path */
+#define Q4_GROUP 64 /* int4 weight group (below) */
 enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
-
-#if defined(__AVX512BF16__)
-#define HAVE_BF16_DOT 1
-#else
-#define HAVE_BF16_DOT 0
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_I8_DOT 1
-#else
-#define HAVE_I8_DOT 0
-#endif
-
-/* What this build can do, for engine/native/kernels.py to report. */
-int capabilities(void) {
-    int avx512 = 0;
-#ifdef __AVX512F__
-    avx512 = 1;
-#endif
-    return avx512 | (HAVE_BF16_DOT << 1) | (HAVE_I8_DOT << 2);
-}
+/* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
+enum { BF16_FORM_NONE = 0, BF16_FORM_BF16 = 1, BF16_FORM_PAIRS = 2 };
 
 #if defined(__F16C__)
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* one instruction where F16C exists */
@@ -88,31 +76,38 @@ static inline float f16_to_f32(uint16_t h) {
 
 static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
 
-/* One activation row in the forms the dot products read: f32 always; bf16 for the BF16 dot;
- * |q|, the sign mask and the block scales of its int8 quantization for the VNNI dot. */
+/* One activation row in the forms the dot products read: f32 always; for bf16 weights, a bf16 copy (b) or the
+ * f32 values in even/odd order per 16 (p), as the variant's dot reads them; for the int8 dot, the int8
+ * quantization: signed codes (q8), their magnitudes (qa), the sign mask (neg) and the block scales (qs). */
 typedef struct {
     int mode; /* which dot product reads it: DOT_WIDEN, DOT_BF16 or DOT_I8 */
     float *f;
+    float *p;
     uint16_t *b;
+    int8_t *q8;
     uint8_t *qa;
     uint64_t *neg;
     float *qs;
 } act_t;
 
+static size_t up64_(size_t n) { return (n + 63) / 64 * 64; }
+
 static size_t act_bytes(int64_t n) {
-    int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
-    size_t bytes = (size_t)n * 6 + (size_t)blocks * (QBLOCK + 8 + 4) + 8;
-    return (bytes + 63) / 64 * 64; /* so that the next one starts aligned too */
+    size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
+    return up64_(un * 4) * 2 + up64_(un * 2) + up64_(blocks * QBLOCK) * 2 + up64_(blocks * 8) + up64_(blocks * 4);
 }
 
 static act_t act_at(char *mem, int64_t n) {
-    int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
+    size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
     act_t a;
+    a.mode = DOT_WIDEN;
     a.f = (float *)mem;
-    a.b = (uint16_t *)(mem + n * 4);
-    a.qa = (uint8_t *)(mem + n * 6);
-    a.neg = (uint64_t *)(mem + n * 6 + blocks * QBLOCK + (8 - (n * 6) % 8) % 8);
-    a.qs = (float *)(a.neg + blocks);
+    a.p = (float *)(mem += up64_(un * 4));
+    a.b = (uint16_t *)(mem += up64_(un * 4));
+    a.q8 = (int8_t *)(mem += up64_(un * 2));
+    a.qa = (uint8_t *)(mem += up64_(blocks * QBLOCK));
+    a.neg = (uint64_t *)(mem += up64_(blocks * QBLOCK));
+    a.qs = (float *)(mem + up64_(blocks * 8));
     return a;
 }
 
@@ -125,18 +120,66 @@ static inline float block_scale(const float *x, int n, float *inv) {
     return s;
 }
 
-/* Chooses the dot product for weights of `wtype` and fills the activation's narrow form for it. The
- * narrow products run only where the activation is bf16: it then already carries 8 significant bits,
- * so the bf16 dot is exact and the int8 one loses about what bf16 rounding already did. An f32
- * activation (an f32 model) keeps exact products: each weight is widened to f32. */
+static inline float load1(const void *w, int wtype, int64_t i) {
+    if (wtype == W_F32) return ((const float *)w)[i];
+    if (wtype == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    return (float)((const int8_t *)w)[i];
+}
+
+/* ---- one weight row dotted with one activation row ---------------------------------------------
+ * One row at a time, as one sequential stream, with independent accumulators. Why not four rows at
+ * once (what this file did first, so that each activation load served four rows): on an AMD EPYC
+ * with AVX-512 BF16 the four interleaved row streams ran at 13 (bf16), 9 (int8) and 18 (f32) GB/s on
+ * [1024, 1024] weights against 23, 20 and 22 GB/s for one sequential stream, with the memory read at
+ * 31 GB/s (bench/kernel_bench.py); a speculative window's rows reuse the row from L1 either way
+ * (rows_range). */
+#if defined(__AVX512F__)
+#include "simd_avx512.h"
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd_avx2.h"
+#endif
+#include "simd_portable.h"
+
+/* What this build can do, for engine/native/kernels.py to report: bit 0 AVX-512, bit 1 the AVX-512 BF16 dot,
+ * bit 2 the VNNI int8 dot, bit 3 AVX2 with FMA. */
+int capabilities(void) {
+    int caps = 0;
+#ifdef __AVX512F__
+    caps |= 1;
+#endif
+#if defined(__AVX512BF16__)
+    caps |= 2;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    caps |= 4;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    caps |= 8;
+#endif
+    return caps;
+}
+
+/* Chooses the dot product for weights of `wtype` and fills the activation's narrow form for it. The bf16 dot
+ * of AVX-512 BF16 reads a bf16 activation and runs only where the activation is bf16 (it then carries 8
+ * significant bits already, so the products are exact); the even/odd form of AVX2 holds f32 values and serves
+ * any activation. The int8 dot runs only where the activation is bf16: its quantization loses about what bf16
+ * rounding already did. An f32 activation (an f32 model) keeps exact products: each weight is widened to f32. */
 static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
     a->mode = DOT_WIDEN;
-    if (xtype != X_BF16) return;
-    if (wtype == W_BF16 && HAVE_BF16_DOT) {
+    if (wtype == W_BF16 && BF16_FORM == BF16_FORM_BF16 && xtype == X_BF16) {
         a->mode = DOT_BF16;
         for (int64_t i = 0; i < n; i++) a->b[i] = f32_to_bf16(a->f[i]);
     }
-    if (wtype == W_I8 && HAVE_I8_DOT && n % QBLOCK == 0) {
+    if (wtype == W_BF16 && BF16_FORM == BF16_FORM_PAIRS) {
+        a->mode = DOT_BF16;
+        for (int64_t i = 0; i + 16 <= n; i += 16)
+            for (int t = 0; t < 8; t++) {
+                a->p[i + t] = a->f[i + 2 * t];
+                a->p[i + 8 + t] = a->f[i + 2 * t + 1];
+            }
+    }
+    if (wtype == W_I8 && xtype == X_BF16 && n % QBLOCK == 0) {
         a->mode = DOT_I8;
         for (int64_t b = 0; b < n / QBLOCK; b++) {
             const float *x = a->f + b * QBLOCK;
@@ -144,6 +187,7 @@ static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
             uint64_t neg = 0;
             for (int j = 0; j < QBLOCK; j++) {
                 int q = (int)lrintf(x[j] * inv);
+                a->q8[b * QBLOCK + j] = (int8_t)q;
                 a->qa[b * QBLOCK + j] = (uint8_t)(q < 0 ? -q : q);
                 if (q < 0) neg |= (uint64_t)1 << j;
             }
@@ -153,96 +197,10 @@ static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
     }
 }
 
-/* ---- one weight row dotted with one activation row ---------------------------------------------
- * One row at a time, as one sequential stream, with four independent accumulators. Why not four rows
- * at once (what this file did first, so that each activation load served four rows): on this
- * project's current machine (an AMD EPYC with AVX-512 BF16) the four interleaved row streams ran at
- * 13 (bf16), 9 (int8) and 18 (f32) GB/s on [1024, 1024] weights against 23, 20 and 22 GB/s for one
- * sequential stream, with the memory read at 31 GB/s (bench/kernel_bench.py); a speculative window's
- * rows reuse the row from L1 either way (rows_range). Each sum is f32 in 4 x 16 lanes, then their sum. */
-
-static inline float load1(const void *w, int wtype, int64_t i) {
-    if (wtype == W_F32) return ((const float *)w)[i];
-    if (wtype == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
-    return (float)((const int8_t *)w)[i];
-}
-
-#ifdef __AVX512F__
-static inline __m512 load16(const void *w, int wtype, int64_t i) {
-    if (wtype == W_F32) return _mm512_loadu_ps((const float *)w + i);
-    if (wtype == W_BF16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-}
-
-static inline float sum4(const __m512 acc[4]) {
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-}
-#endif
-
-/* Widening path: each weight becomes f32 and multiplies the f32 activation. */
-static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
-    int64_t i = 0;
-    float s = 0.0f;
-#ifdef __AVX512F__
-    __m512 acc[4];
-    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
-    for (; i + 64 <= n; i += 64)
-        for (int q = 0; q < 4; q++) acc[q] = _mm512_fmadd_ps(load16(w, wtype, i + 16 * q), _mm512_loadu_ps(x + i + 16 * q), acc[q]);
-    for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(load16(w, wtype, i), _mm512_loadu_ps(x + i), acc[0]);
-    s = sum4(acc);
-#endif
-    for (; i < n; i++) s += load1(w, wtype, i) * x[i];
-    return s;
-}
-
-#if HAVE_BF16_DOT
-/* bf16 weights and activation, f32 sums; any tail of n that is not a multiple of 32 widens. */
-static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
-    __m512 acc[4];
-    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 128 <= n; i += 128)
-        for (int q = 0; q < 4; q++)
-            acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_loadu_si512(w + i + 32 * q), (__m512bh)_mm512_loadu_si512(a.b + i + 32 * q));
-    for (; i + 32 <= n; i += 32)
-        acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(a.b + i));
-    float s = sum4(acc);
-    for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(a.b[i]);
-    return s;
-}
-#endif
-
-#if HAVE_I8_DOT
-/* int8 weights against the int8-quantized activation (n a multiple of QBLOCK): vpdpbusd multiplies
- * unsigned by signed bytes, so the activation's sign moves onto the weight (w -> -w where x < 0;
- * weights are in [-127, 127], so negation cannot overflow). Block sums are exact in int32, then
- * scaled by the block's activation scale into one of four f32 accumulators. */
-static float dot_i8(const int8_t *w, int64_t n, act_t a) {
-    __m512 acc[4];
-    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t i = 0, b = 0; i < n; i += QBLOCK, b++) {
-        __m512i wv = _mm512_loadu_si512(w + i);
-        wv = _mm512_mask_sub_epi8(wv, a.neg[b], zero, wv);
-        __m512 block = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(a.qa + i), wv));
-        acc[b & 3] = _mm512_fmadd_ps(block, _mm512_set1_ps(a.qs[b]), acc[b & 3]);
-    }
-    return sum4(acc);
-}
-#endif
-
 /* Row w ([n] in `wtype`) dotted with activation a, by the dot product act_prepare chose. */
 static float dot1(const void *w, int wtype, int64_t n, act_t a) {
-#if HAVE_BF16_DOT
     if (a.mode == DOT_BF16) return dot_bf16((const uint16_t *)w, n, a);
-#endif
-#if HAVE_I8_DOT
     if (a.mode == DOT_I8) return dot_i8((const int8_t *)w, n, a);
-#endif
     return dot_widen(w, wtype, n, a.f);
 }
 
@@ -315,6 +273,18 @@ int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t 
     return 0;
 }
 
+
+/* One row X through `count` weight matrices Ws[i] ([rows, cols] in `wtype`, no scales) one after another, Y
+ * overwritten each time: the weight-streaming speed of gemv without a call's overhead per matrix, for the
+ * measurement that picks a build (engine/native/autotune.py); a fused decode step pays no such overhead either. */
+int gemv_sweep(const void *const *Ws, int64_t count, int wtype, int64_t rows, int64_t cols, const void *X, int xtype,
+               void *Y, void *work, int nthreads) {
+    for (int64_t i = 0; i < count; i++) {
+        int rc = gemv(Ws[i], 0, wtype, rows, cols, X, xtype, 1, Y, work, nthreads);
+        if (rc) return rc;
+    }
+    return 0;
+}
 
 /* Bytes of `work` that moe_swiglu_rows needs for up to R rows. */
 size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R) {
@@ -450,14 +420,11 @@ void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, i
  *   sum_i w_i x_i ~= s * xs * (sum_i q_i xq_i - z * sum_i xq_i)
  * with the second sum computed once per block of the activation. bf16 activations only (as the int8
  * path), and rows whose length is a multiple of 64; gemv_q4 returns -1 otherwise. */
-#define Q4_GROUP 64
-
 size_t gemv_q4_work_bytes(int64_t rows, int64_t cols, int64_t m) {
     int64_t blocks = cols / Q4_GROUP;
     return (size_t)m * ((size_t)cols * 4 + (size_t)cols + (size_t)blocks * 8) + (size_t)m * rows * 4 + 256;
 }
 
-#if HAVE_I8_DOT
 static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t *xsum) {
     for (int64_t b = 0; b < n / Q4_GROUP; b++) {
         const float *xb = x + b * Q4_GROUP;
@@ -474,30 +441,11 @@ static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t
     }
 }
 
-static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n,
-                    const int8_t *xq, const float *xs, const int32_t *xsum) {
-    const __m512i zero_v = _mm512_setzero_si512();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
-    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        __m512i d = _mm512_dpbusd_epi32(zero_v, q, _mm512_loadu_si512(xq + b * Q4_GROUP));
-        float s = f16_to_f32(scale[b]) * xs[b];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s), acc);
-        corr += s * f16_to_f32(zero[b]) * (float)xsum[b];
-    }
-    return _mm512_reduce_add_ps(acc) - corr;
-}
-#endif
 
 /* Y[m][rows] = X[m][cols] W^T for int4 W (packed [rows, cols/2], scale and zero [rows, cols/64] fp16),
  * X and Y bf16, m <= 16. Returns 0, or -1 where this kernel does not apply (the caller dequantizes). */
 int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t rows, int64_t cols,
             const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
-#if HAVE_I8_DOT
     if (m < 1 || m > MAX_ROWS || xtype != X_BF16 || cols % Q4_GROUP) return -1;
     int64_t blocks = cols / Q4_GROUP;
     char *mem = (char *)work;
@@ -527,10 +475,6 @@ int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, 
         for (int64_t j = 0; j < m; j++) store_rows(yf + j * rows, X_BF16, r0, r1, (uint16_t *)Y + j * rows);
     }
     return 0;
-#else
-    (void)packed; (void)scale; (void)zero; (void)rows; (void)cols; (void)X; (void)xtype; (void)m; (void)Y; (void)work; (void)nthreads;
-    return -1;
-#endif
 }
 
 /* ---- rotary position embedding ----------------------------------------------------------------
@@ -653,51 +597,6 @@ void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t hea
         }
 }
 
-/* q . row for one cached key row (f32 or bf16; wtype codes), q in f32: sixteen lanes of partial sums
- * (or eight without AVX-512), then their sum. A strict left-to-right sum would be one long chain of
- * dependent adds, the compiler may not reorder it, and it cost most of a decode layer's attention. */
-static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {
-    int64_t i = 0;
-    float s = 0.0f;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i)));
-    s = _mm512_reduce_add_ps(acc);
-#else
-    float part[8] = {0};
-    for (; i + 8 <= d; i += 8)
-        for (int l = 0; l < 8; l++) part[l] += q[i + l] * load1(row, wtype, i + l);
-    for (int l = 0; l < 8; l++) s += part[l];
-#endif
-    for (; i < d; i++) s += q[i] * load1(row, wtype, i);
-    return s;
-}
-
-/* exp(x) of each score for the softmax, in place. With AVX-512 sixteen at a time (Cephes' expf:
- * n = round(x / ln 2), a degree-6 polynomial of the remainder, times 2^n; within about 2 ulp of
- * expf over the range the softmax feeds it, x <= 0): one scalar expf per cached position and head
- * took most of a long context's attention time. */
-static void exp_inplace(float *x, int64_t n) {
-    int64_t j = 0;
-#ifdef __AVX512F__
-    for (; j + 16 <= n; j += 16) {
-        __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(-87.3f)); /* below: 0 after rounding anyway */
-        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-        _mm512_storeu_ps(x + j, _mm512_scalef_ps(p, k));
-    }
-#endif
-    for (; j < n; j++) x[j] = expf(x[j]);
-}
-
 /* ---- a decode row's attention, after its q/k/v projections --------------------------------------
  * What engine/worker/lean_forward.py does between the projections and o_proj for one new row of one
  * sequence, in one call: the per-head q/k RMSNorms (qw, kw; NULL: none, as in Qwen2-MoE), the rotary
@@ -740,14 +639,7 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
         for (int64_t j = 0; j < len; j++) {
             const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
             for (int64_t a = 0; a < group; a++) {
-                float p = scores[a * len + j], *ac = acc + a * d;
-                int64_t i = 0;
-#ifdef __AVX512F__
-                __m512 pv = _mm512_set1_ps(p);
-                for (; i + 16 <= d; i += 16)
-                    _mm512_storeu_ps(ac + i, _mm512_add_ps(_mm512_loadu_ps(ac + i), _mm512_mul_ps(pv, load16(vr, wt, i))));
-#endif
-                for (; i < d; i++) ac[i] += p * load1(vr, wt, i);
+                axpy_row(acc + a * d, scores[a * len + j], vr, wt, d);
             }
         }
         for (int64_t a = 0; a < group; a++)

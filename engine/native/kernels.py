@@ -24,11 +24,13 @@ _P = ctypes.c_void_p
 
 
 class NativeKernels:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, variant: str = "portable") -> None:
         self.lib = lib
+        self.variant = variant  # which build (engine/native/variants.py)
         declare(lib)
         caps = lib.capabilities()
-        self.avx512, self.bf16_dot, self.int8_dot = bool(caps & 1), bool(caps & 2), bool(caps & 4)
+        self.avx512, self.bf16_dot, self.vnni = bool(caps & 1), bool(caps & 2), bool(caps & 4)
+        self.avx2 = bool(caps & 8)
         self._local = (
             threading.local()
         )  # one scratch buffer per calling thread (compute, CPU-expert workers)
@@ -37,10 +39,14 @@ class NativeKernels:
         ] = {}  # each kernel's scratch size per shape, asked of the library once
 
     def describe(self) -> str:
-        return (
-            f"native CPU kernels: AVX-512 {'yes' if self.avx512 else 'no'}, bf16 dot products "
-            f"{'yes' if self.bf16_dot else 'no'}, int8 (VNNI) dot products {'yes' if self.int8_dot else 'no'}"
+        isa = (
+            "AVX-512" + (" with BF16 and VNNI dot products" if self.bf16_dot else "")
+            if self.avx512
+            else "AVX2 + FMA"
+            if self.avx2
+            else "plain C, vectorised by the compiler"
         )
+        return f"native CPU kernels, build {self.variant} ({isa})"
 
     def _scratch(self, size_fn: str, *shape: int) -> int:
         """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
@@ -82,6 +88,26 @@ class NativeKernels:
         if rc != 0:
             raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
         return y
+
+    def gemv_sweep(self, x: torch.Tensor, ws: Sequence[torch.Tensor]) -> None:
+        """x [1, cols] through every weight in `ws` ([rows, cols], one shape and dtype, contiguous) in one
+        call, results discarded: how fast gemv streams weights, with no per-call overhead."""
+        rows, cols = ws[0].shape
+        y = torch.empty((1, rows), dtype=x.dtype)
+        rc = self.lib.gemv_sweep(
+            (_P * len(ws))(*(w.data_ptr() for w in ws)),
+            len(ws),
+            W_CODES[ws[0].dtype],
+            rows,
+            cols,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            y.data_ptr(),
+            self._work(self._scratch("gemv_work_bytes", rows, cols, 1)),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError("native gemv_sweep: bad shape")
 
     def moe_swiglu(
         self,
@@ -127,7 +153,7 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """x [m, cols] bf16 (m <= 16) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
         nibble first; fp16 scale and zero [rows, cols/64]: w = s * (q - z)) -> [m, rows] bf16, or None where
-        the kernel does not apply (no VNNI, another dtype, cols not a multiple of 64): then dequantize."""
+        the kernel does not apply (another dtype, cols not a multiple of 64): then dequantize."""
         m, cols = x.shape
         rows = packed.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)

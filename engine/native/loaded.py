@@ -1,9 +1,10 @@
-"""The process's native kernels: built on first use, turned off by `--native-kernels off`.
+"""The process's native kernels: which build runs (measured), or none.
 
 `native()` is the process's one `NativeKernels` (engine/native/kernels.py), or None where the
-kernels are unavailable (no compiler) or turned off (the loader applies `--native-kernels` with
-`use_native_kernels`); callers then use torch. `usable` and `bf16_gemv` say where an activation
-can take them.
+kernels are unavailable (no compiler), turned off (`--native-kernels off`), or measured slower than
+torch's here (engine/native/autotune.py); callers then use torch. The loader applies the engine's
+choice with `use_native_kernels` once per load. `usable` and `bf16_gemv` say where an activation can
+take them.
 """
 
 from __future__ import annotations
@@ -13,53 +14,97 @@ import logging
 
 import torch
 
-from engine.native.build import build
+from engine import env
+from engine.errors import ConfigError
+from engine.native.autotune import DecodeShapes, measured
+from engine.native.build import build, compiler, library_path
 from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
 from engine.native.row_kernels import native_rows_allowed
+from engine.native.variants import by_name, runnable
 
 log = logging.getLogger(__name__)
 
 
 class _Choice:
-    """EngineConfig.native_kernels as the last model loaded in this process set it: the library is one per
-    process, and so is the choice (a process serves one model)."""
+    """EngineConfig.native_kernels and native_build as the last model loaded in this process set them: the
+    library is one per process, and so is the choice (a process serves one model)."""
 
-    enabled = True
+    kernels: NativeKernels | None = None
+    enabled = False
+    resolved = False
 
 
-def use_native_kernels(mode: str) -> str:
-    """Apply --native-kernels (auto, on, off) to this process; returns what runs and why, for the engine's
-    plan. `on` without the kernels (no compiler) fails with one line."""
-    _Choice.enabled = mode != "off"
+def use_native_kernels(
+    mode: str, shapes: DecodeShapes | None = None, build_name: str = "auto"
+) -> str:
+    """Apply --native-kernels (auto, on, off) and --native-build to this process; returns what runs and why,
+    for the engine's plan. `shapes`: the model's decode shapes, for the measurement (None: no measurement,
+    the widest build this CPU runs). `on` without the kernels (no compiler) fails with one line, and so
+    does a build named that this CPU cannot run."""
+    _Choice.resolved = True
+    _Choice.enabled, _Choice.kernels = False, None
     if mode == "off":
         return "off: --native-kernels off (torch's kernels)"
-    kernels, why = _load()
-    if kernels is None:
-        if mode == "on":
-            from engine.errors import ConfigError
-
+    builds, why = _builds(build_name)
+    if not builds:
+        if mode == "on" or build_name != "auto":
             raise ConfigError(
-                f"--native-kernels on, but {why}; install gcc, or use --native-kernels auto"
+                f"--native-kernels {mode} --native-build {build_name}: {why}; install gcc, or use --native-kernels off"
             )
         return f"off: {why}"
-    return f"on: {kernels.describe()}"
+    if shapes is None:
+        name = next(iter(builds))
+        _Choice.enabled, _Choice.kernels = True, builds[name]
+        return f"on: {builds[name].describe()}"
+    ids = {name: library_path(compiler() or "cc", by_name(name)).name for name in builds}
+    m = measured(shapes, builds, ids, env.cache_root() / "native" / "autotune.json")
+    native_best = max(builds, key=lambda n: m.gbps[n])
+    if mode == "auto" and m.chosen == "torch":
+        return f"off: torch's kernels measured fastest here; {m.line()}"
+    name = m.chosen if m.chosen in builds else native_best
+    _Choice.enabled, _Choice.kernels = True, builds[name]
+    forced = " (--native-kernels on)" if m.chosen == "torch" else ""
+    return f"on: {builds[name].describe()}{forced}; {m.line()}"
 
 
-def native() -> NativeKernels | None:
-    """The process's native kernels (built on first call), or None where unavailable or turned off."""
-    return _load()[0] if _Choice.enabled else None
+def _builds(build_name: str) -> tuple[dict[str, NativeKernels], str]:
+    """The builds this CPU runs, widest first (or the one named), loaded; or none and why."""
+    if build_name != "auto":
+        variant = by_name(build_name)
+        if variant not in runnable():
+            raise ConfigError(
+                f"--native-build {build_name}: this CPU lacks {', '.join(variant.needs)}; use --native-build auto"
+            )
+        names = [build_name]
+    else:
+        names = [v.name for v in runnable()]
+    out: dict[str, NativeKernels] = {}
+    why = "no build of the native kernels runs on this CPU"
+    for name in names:
+        k, reason = load_build(name)
+        if k is not None:
+            out[name] = k
+        else:
+            why = reason
+    return out, why
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[NativeKernels | None, str]:
-    """The kernels, built once, or None and why, said once, where unavailable."""
-    lib, why = build()
+@functools.cache
+def load_build(name: str) -> tuple[NativeKernels | None, str]:
+    """Build `name` once per process; the kernels or None and why (said once)."""
+    lib, why = build(by_name(name))
     if lib is None:
         log.warning(why)
         return None, why
-    kernels = NativeKernels(lib)
-    log.info(kernels.describe())
-    return kernels, ""
+    return NativeKernels(lib, name), ""
+
+
+def native() -> NativeKernels | None:
+    """The process's native kernels, or None where unavailable, turned off or measured slower. Before any
+    load chose (a test of one kernel, a benchmark), the widest build this CPU runs."""
+    if not _Choice.resolved:
+        use_native_kernels("auto")
+    return _Choice.kernels if _Choice.enabled else None
 
 
 def usable(x: torch.Tensor) -> NativeKernels | None:

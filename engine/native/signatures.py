@@ -17,6 +17,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.capabilities.restype = _INT
     lib.gemv.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
     lib.gemv.restype = _INT
+    lib.gemv_sweep.argtypes = [_P, _I64, _INT, _I64, _I64, _P, _INT, _P, _P, _INT]
+    lib.gemv_sweep.restype = _INT
     lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
     lib.gemv_work_bytes.restype = _SIZE
     lib.moe_swiglu.argtypes = [

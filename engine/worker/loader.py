@@ -40,6 +40,7 @@ from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.memory.planner import KvRequest
+from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
 from engine.native.loaded import use_native_kernels
 from engine.stats import EngineStats
@@ -127,7 +128,6 @@ def load_model(
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = resolve_device(cfg.device)
-    kernels = use_native_kernels(cfg.native_kernels if device.type == "cpu" else "off")
     dtype = resolve_dtype(cfg.dtype, config, device)
 
     with torch.device("meta"):
@@ -144,6 +144,11 @@ def load_model(
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
+    kernels = use_native_kernels(
+        cfg.native_kernels if device.type == "cpu" else "off",
+        decode_shapes(config, dtype, H, I),
+        cfg.native_build,
+    )
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(spec.kernel, native0.experts, H, I)
     if (
@@ -360,3 +365,15 @@ def _warm(om: OffloadedModel) -> None:
         len(om.moe_layers) * om.num_experts
     )  # a fast tier as big as the model, now full
     om.stats.reset()  # warm-up transfers are not part of any run
+
+
+def decode_shapes(config: Any, dtype: torch.dtype, H: int, I: int) -> DecodeShapes | None:
+    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection),
+    for the native kernels' measurement (engine/native/autotune.py); None for a dtype they do not read."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or H // heads
+    return DecodeShapes(
+        str(dtype).removeprefix("torch."), ((2 * I, H), (H, I), (heads * head_dim, H))
+    )

@@ -1,0 +1,157 @@
+"""Which native build runs, and whether the native kernels run at all: measured on this CPU.
+
+A capability list says what a CPU can execute, not what is fast on it: on an AMD EPYC with AVX2
+only, the native kernels of the time (fast paths for AVX-512 only) decoded at half of torch's speed,
+and the plan still chose them. So at load the engine times, for this model's decode shapes and
+dtype, a single-row matrix-vector product through each build its CPU runs
+(engine/native/variants.py) and through torch's F.linear, interleaved, best of a few rounds, over
+weights larger than the caches (a decode step streams its weights from memory). The fastest wins;
+the native kernels run only where their best build beats torch. The result is cached per CPU
+(model name and flags), torch version, thread count, source, shapes and dtype, in
+`<cache>/native/autotune.json`, so a later start reads it instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.native.variants import cpu_flags, cpu_model
+
+if TYPE_CHECKING:
+    from engine.native.kernels import NativeKernels
+
+log = logging.getLogger(__name__)
+TORCH = "torch"
+STREAM_BYTES = 48 << 20  # weights cycled per shape: past the last-level cache of common CPUs
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class DecodeShapes:
+    """What a decode step multiplies: the matrices [rows, cols] of one layer (experts' gate_up and down,
+    attention's q projection) in the activation dtype."""
+
+    dtype: str  # "float32" or "bfloat16"
+    mats: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    gbps: dict[
+        str, float
+    ]  # candidate (a build's name or "torch") -> weight bytes streamed per second / 1e9
+    chosen: str  # the fastest candidate
+    cached: bool = False
+
+    def line(self) -> str:
+        figures = ", ".join(
+            f"{name} {g:.1f}" for name, g in sorted(self.gbps.items(), key=lambda kv: -kv[1])
+        )
+        return f"measured GB/s at this model's decode shapes: {figures}" + (
+            " (cached)" if self.cached else ""
+        )
+
+
+def _time(fn: Callable[[], object]) -> float:
+    fn()  # warm: first touch of scratch, the library's first call
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measurement:
+    """Time every build in `builds` and torch on `shapes`; returns GB/s per candidate and the fastest.
+    A build streams the weights in one native call (gemv_sweep: a fused decode step pays no call per
+    matrix either); torch runs F.linear per matrix from Python, as its layer-by-layer path does. Ties
+    within 3 % go to the native build listed first (the widest), then to torch."""
+    dtype = getattr(torch, shapes.dtype)
+    weights: list[list[torch.Tensor]] = []
+    xs: list[torch.Tensor] = []
+    nbytes = 0
+    for rows, cols in shapes.mats:
+        one = rows * cols * torch.finfo(dtype).bits // 8
+        copies = max(2, -(-STREAM_BYTES // one))
+        # Weights' values do not change the speed (no denormals): one buffer, viewed as `copies` matrices.
+        buf = torch.full((copies * rows * cols,), 0.01, dtype=dtype)
+        weights.append(
+            [buf[i * rows * cols : (i + 1) * rows * cols].view(rows, cols) for i in range(copies)]
+        )
+        xs.append(torch.full((1, cols), 0.5, dtype=dtype))
+        nbytes += one * copies
+
+    def native_sweep(k: NativeKernels) -> Callable[[], object]:
+        def sweep() -> None:
+            for ws, x in zip(weights, xs, strict=True):
+                k.gemv_sweep(x, ws)
+
+        return sweep
+
+    def torch_sweep() -> None:
+        for ws, x in zip(weights, xs, strict=True):
+            for w in ws:
+                F.linear(x, w)
+
+    candidates: dict[str, Callable[[], object]] = {n: native_sweep(k) for n, k in builds.items()}
+    candidates[TORCH] = torch_sweep
+    per: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(ROUNDS):  # interleaved rounds: a burst of load elsewhere hits every candidate
+        for name, fn in candidates.items():
+            per[name].append(nbytes / _time(fn) / 1e9)
+    gbps = {name: max(v) for name, v in per.items()}
+    best = max(gbps.values())
+    chosen = next(name for name in candidates if gbps[name] >= 0.97 * best)
+    return Measurement(gbps, chosen)
+
+
+def _key(shapes: DecodeShapes, builds: Mapping[str, str]) -> str:
+    """The cache key: what makes a measurement valid on another start."""
+    parts = [
+        cpu_model(),
+        " ".join(sorted(cpu_flags())),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        json.dumps(asdict(shapes)),
+        json.dumps(dict(sorted(builds.items()))),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def measured(
+    shapes: DecodeShapes, builds: Mapping[str, NativeKernels], ids: Mapping[str, str], cache: Path
+) -> Measurement:
+    """The measurement for `shapes`, from `cache` (a JSON file) when it holds one for this CPU and these
+    builds (`ids`: each build's library file name, which carries its source hash), else measured now and
+    stored."""
+    key = _key(shapes, ids)
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    hit = known.get(key)
+    if isinstance(hit, dict) and set(hit.get("gbps", {})) == {*builds, TORCH}:
+        return Measurement(dict(hit["gbps"]), str(hit["chosen"]), cached=True)
+    m = measure(shapes, builds)
+    known[key] = {"gbps": m.gbps, "chosen": m.chosen}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(
+            tmp, cache
+        )  # whole-file replace: a concurrent start reads the old or the new file
+    except OSError as e:
+        log.warning("could not cache the kernel measurement in %s: %s", cache, e)
+    return m

@@ -1,0 +1,136 @@
+/* AVX-512 dot products for engine/native/cpu_gemv.c: 16 f32 lanes (the x86-64-v4 variant), plus the
+ * AVX-512 BF16 dot (vdpbf16ps) and VNNI int8 dot (vpdpbusd) where the variant is built with them.
+ * Each function is defined here only for what AVX-512 speeds up; simd_avx2.h and simd_portable.h
+ * define the rest (the first definition wins: see the SIMD_HAVE_* guards). Included by cpu_gemv.c
+ * after act_t and the dtype helpers. */
+#include <immintrin.h>
+
+static inline __m512 load16(const void *w, int wtype, int64_t i) {
+    if (wtype == W_F32) return _mm512_loadu_ps((const float *)w + i);
+    if (wtype == W_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+
+static inline float sum4(const __m512 acc[4]) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* Widening path: each weight becomes f32 and multiplies the f32 activation. */
+#define SIMD_HAVE_DOT_WIDEN 1
+static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
+    int64_t i = 0;
+    __m512 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    for (; i + 64 <= n; i += 64)
+        for (int q = 0; q < 4; q++) acc[q] = _mm512_fmadd_ps(load16(w, wtype, i + 16 * q), _mm512_loadu_ps(x + i + 16 * q), acc[q]);
+    for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(load16(w, wtype, i), _mm512_loadu_ps(x + i), acc[0]);
+    float s = sum4(acc);
+    for (; i < n; i++) s += load1(w, wtype, i) * x[i];
+    return s;
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 weights and a bf16 activation (act_t.b), f32 sums; a tail of n that is not a multiple of 32 widens. */
+#define SIMD_HAVE_DOT_BF16 1
+#define BF16_FORM BF16_FORM_BF16
+static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
+    __m512 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128)
+        for (int q = 0; q < 4; q++)
+            acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_loadu_si512(w + i + 32 * q), (__m512bh)_mm512_loadu_si512(a.b + i + 32 * q));
+    for (; i + 32 <= n; i += 32)
+        acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(a.b + i));
+    float s = sum4(acc);
+    for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(a.b[i]);
+    return s;
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* int8 weights against the int8-quantized activation (n a multiple of QBLOCK): vpdpbusd multiplies
+ * unsigned by signed bytes, so the activation's sign moves onto the weight (w -> -w where x < 0;
+ * weights are in [-127, 127], so negation cannot overflow). Block sums are exact in int32, then
+ * scaled by the block's activation scale into one of four f32 accumulators. */
+#define SIMD_HAVE_DOT_I8 1
+static float dot_i8(const int8_t *w, int64_t n, act_t a) {
+    __m512 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t i = 0, b = 0; i < n; i += QBLOCK, b++) {
+        __m512i wv = _mm512_loadu_si512(w + i);
+        wv = _mm512_mask_sub_epi8(wv, a.neg[b], zero, wv);
+        __m512 block = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(a.qa + i), wv));
+        acc[b & 3] = _mm512_fmadd_ps(block, _mm512_set1_ps(a.qs[b]), acc[b & 3]);
+    }
+    return sum4(acc);
+}
+
+/* One int4 row (groups of 64, cpu_gemv.c's format) against the quantized activation: one vpdpbusd per group. */
+#define SIMD_HAVE_Q4_ROW 1
+static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n, const int8_t *xq,
+                    const float *xs, const int32_t *xsum) {
+    const __m512i zero_v = _mm512_setzero_si512();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        __m512i d = _mm512_dpbusd_epi32(zero_v, q, _mm512_loadu_si512(xq + b * Q4_GROUP));
+        float s = f16_to_f32(scale[b]) * xs[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s), acc);
+        corr += s * f16_to_f32(zero[b]) * (float)xsum[b];
+    }
+    return _mm512_reduce_add_ps(acc) - corr;
+}
+#endif
+
+/* q . row for one cached key row (f32 or bf16), q in f32: sixteen lanes of partial sums, then their sum. */
+#define SIMD_HAVE_DOT_ROW 1
+static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {
+    int64_t i = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i)));
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < d; i++) s += q[i] * load1(row, wtype, i);
+    return s;
+}
+
+/* acc[i] += p * row[i] for one cached value row. */
+#define SIMD_HAVE_AXPY_ROW 1
+static inline void axpy_row(float *acc, float p, const void *row, int wtype, int64_t d) {
+    int64_t i = 0;
+    __m512 pv = _mm512_set1_ps(p);
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_mul_ps(pv, load16(row, wtype, i))));
+    for (; i < d; i++) acc[i] += p * load1(row, wtype, i);
+}
+
+/* exp(x) of each score for the softmax, in place, sixteen at a time (Cephes' expf: n = round(x / ln 2), a
+ * degree-6 polynomial of the remainder, times 2^n; within about 2 ulp of expf over the range the softmax feeds
+ * it, x <= 0): one scalar expf per cached position and head took most of a long context's attention time. */
+#define SIMD_HAVE_EXP 1
+static void exp_inplace(float *x, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(-87.3f)); /* below: 0 after rounding anyway */
+        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        _mm512_storeu_ps(x + j, _mm512_scalef_ps(p, k));
+    }
+    for (; j < n; j++) x[j] = expf(x[j]);
+}

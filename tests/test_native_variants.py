@@ -1,0 +1,155 @@
+"""The native kernels' builds (engine/native/variants.py) and the measurement that picks one
+(engine/native/autotune.py): every build compiles on any x86-64 machine; every build this CPU runs
+computes attention as SDPA does (the matrix kernels: tests/test_native_kernels.py, once per build);
+the dispatcher picks the fastest candidate it measures, never a build that loses to torch under auto,
+and caches what it measured."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ConfigError
+from engine.native import autotune, loaded
+from engine.native import build as native_build
+from engine.native.autotune import DecodeShapes, Measurement, measure, measured
+from engine.native.loaded import load_build, native, use_native_kernels
+from engine.native.variants import VARIANTS, buildable, by_name, runnable
+
+needs_cc = pytest.mark.skipif(native_build.compiler() is None, reason="needs a C compiler")
+SHAPES = DecodeShapes("float32", ((128, 64), (64, 64)))
+
+
+@needs_cc
+@pytest.mark.parametrize("name", [v.name for v in buildable()])
+def test_every_build_compiles_here(name: str) -> None:
+    """Each variant's flags are explicit (no -march=native), so this machine builds all of them, including
+    those its CPU cannot run; the library loads and exports the kernels."""
+    lib, why = native_build.build(by_name(name))
+    assert lib is not None, why
+    for symbol in (
+        "gemv",
+        "gemv_sweep",
+        "gemv_q4",
+        "moe_swiglu_rows",
+        "decode_attention",
+        "decode_layer",
+    ):
+        assert isinstance(getattr(lib, symbol), ctypes._CFuncPtr)
+
+
+def test_the_portable_build_runs_everywhere_and_widest_comes_first() -> None:
+    assert runnable(frozenset())[-1].name == "portable"
+    assert [v.name for v in runnable(frozenset())] == ["portable"]
+    avx2_only = frozenset({"avx2", "fma", "f16c", "bmi2", "movbe", "sse4_2"})
+    if any(v.x86_only for v in buildable()):
+        assert [v.name for v in runnable(avx2_only)] == ["avx2", "portable"]
+        everything = frozenset(f for v in VARIANTS for f in v.needs)
+        assert [v.name for v in runnable(everything)] == [v.name for v in VARIANTS]
+
+
+@needs_cc
+@pytest.mark.parametrize("name", [v.name for v in runnable()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_build_attends_as_sdpa(name: str, dtype: torch.dtype) -> None:
+    """One decode row's attention over a cache of 40 positions (grouped-query, no norms or rotary) against
+    SDPA: f32 within 1e-5, bf16 within one of its ulps."""
+    nk, why = load_build(name)
+    assert nk is not None, why
+    g = torch.Generator().manual_seed(7)
+    hq, hk, d, at, cap = 8, 2, 64, 40, 64
+    keys = torch.randn(1, hk, cap, d, generator=g).to(dtype)
+    values = torch.randn(1, hk, cap, d, generator=g).to(dtype)
+    q = torch.randn(hq, d, generator=g).to(dtype)
+    k, v = torch.randn(hk, d, generator=g).to(dtype), torch.randn(hk, d, generator=g).to(dtype)
+    scale = 1 / math.sqrt(d)
+    kb, vb = keys.clone(), values.clone()
+    got = nk.decode_attention(q.clone(), k.clone(), v.clone(), None, None, None, kb, vb, at, scale)
+    kb_ref, vb_ref = keys.clone(), values.clone()
+    kb_ref[0, :, at], vb_ref[0, :, at] = k, v
+    assert torch.equal(kb, kb_ref) and torch.equal(
+        vb, vb_ref
+    )  # the new key and value appended in place
+    ref = F.scaled_dot_product_attention(
+        q.float().view(1, hq, 1, d),
+        kb_ref[:, :, : at + 1].float(),
+        vb_ref[:, :, : at + 1].float(),
+        scale=scale,
+        enable_gqa=True,
+    ).reshape(1, hq * d)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+class _Slowed:
+    """A build whose sweep takes `delay` seconds longer: a stand-in for a build slow on this CPU."""
+
+    def __init__(self, kernels: object, delay: float) -> None:
+        self.kernels, self.delay = kernels, delay
+
+    def gemv_sweep(self, x: torch.Tensor, ws: list[torch.Tensor]) -> None:
+        time.sleep(self.delay)
+        self.kernels.gemv_sweep(x, ws)  # type: ignore[attr-defined]
+
+
+@needs_cc
+def test_the_measurement_picks_the_fast_build_and_declines_slow_ones() -> None:
+    fast, _ = load_build("portable")
+    assert fast is not None
+    m = measure(SHAPES, {"slow": _Slowed(fast, 0.2), "portable": fast})  # type: ignore[dict-item]
+    assert m.chosen == "portable" and m.gbps["slow"] < m.gbps["portable"], m
+    # Every build slowed past torch's F.linear: torch wins, so auto leaves the native kernels off.
+    m = measure(SHAPES, {"slow": _Slowed(fast, 0.5)})  # type: ignore[dict-item]
+    assert m.chosen == "torch" and set(m.gbps) == {"slow", "torch"}, m
+    assert "torch" in m.line() and "slow" in m.line()
+
+
+@needs_cc
+def test_the_measurement_is_cached_per_machine_and_build(tmp_path) -> None:
+    fast, _ = load_build("portable")
+    assert fast is not None
+    cache = tmp_path / "autotune.json"
+    first = measured(SHAPES, {"portable": fast}, {"portable": "lib-a.so"}, cache)
+    again = measured(SHAPES, {"portable": fast}, {"portable": "lib-a.so"}, cache)
+    assert not first.cached and again.cached and again.chosen == first.chosen
+    assert again.gbps == pytest.approx(first.gbps)
+    # Another library (its source changed) is measured anew.
+    assert not measured(SHAPES, {"portable": fast}, {"portable": "lib-b.so"}, cache).cached
+
+
+@pytest.fixture
+def restore_choice():
+    saved = (loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved)
+    yield
+    loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved = saved
+
+
+@needs_cc
+def test_auto_declines_native_kernels_that_measure_slower(monkeypatch, restore_choice) -> None:
+    """Where torch measures fastest, auto turns the native kernels off and says so with the figures;
+    on keeps the fastest build all the same; off needs no measurement."""
+    slow = Measurement({v.name: 1.0 for v in runnable()} | {"torch": 9.0}, "torch")
+    monkeypatch.setattr(loaded, "measured", lambda *a: slow)
+    line = use_native_kernels("auto", SHAPES)
+    assert line.startswith("off: torch's kernels measured fastest") and "torch 9.0" in line
+    assert native() is None
+    line = use_native_kernels("on", SHAPES)
+    assert line.startswith("on:") and "(--native-kernels on)" in line and native() is not None
+    monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("off measures nothing"))
+    assert use_native_kernels("off", SHAPES).startswith("off: --native-kernels off")
+    assert native() is None
+
+
+@needs_cc
+def test_a_named_build_runs_or_fails_in_one_line(restore_choice) -> None:
+    assert "build portable" in use_native_kernels("on", None, "portable")
+    assert native() is not None and native().variant == "portable"  # type: ignore[union-attr]
+    missing = [v for v in buildable() if v not in runnable()]
+    if missing:  # a build this CPU lacks the instructions for: refused before it could fault
+        with pytest.raises(ConfigError, match="this CPU lacks"):
+            use_native_kernels("auto", None, missing[0].name)
