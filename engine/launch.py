@@ -77,8 +77,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         log.error("model load failed [error id %s]", eid, exc_info=e)
         out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
-    plan = om.plan.with_choice(
-        "speculation",
+    plan = om.plan.with_speculation(
         args.spec.speculative,
         args.spec_why or f"--speculative {args.spec.speculative}",
     )

@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
     om = load_model(model_dir, ecfg, KvRequest(opts.max_model_len, max_running=1))
-    plan = om.plan.with_choice("speculation", spec.speculative, spec_why)
+    plan = om.plan.with_speculation(spec.speculative, spec_why)
     print("engine plan:\n  " + "\n  ".join(plan.lines()), file=sys.stderr, flush=True)
     try:
         if om.tokenizer is None:

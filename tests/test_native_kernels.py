@@ -379,15 +379,16 @@ def test_accelerate_replaces_modules_in_their_parents(nk) -> None:
         {
             "a": torch.nn.Sequential(shared, Qwen3MoeRMSNorm(8)),
             "b": torch.nn.Sequential(shared),
-            "f32": torch.nn.Linear(8, 8),  # f32 linears keep torch's kernel
+            "f32": torch.nn.Linear(8, 8),  # f32 linears too (one row computes alike in any window)
+            "f16": torch.nn.Linear(8, 8).half(),  # a dtype the kernels do not read keeps torch's
         }
     )
     keys = list(model.state_dict())
-    assert accelerate(model) == 2
+    assert accelerate(model) == 3
     new = model["a"][0]
     assert isinstance(new, NativeLinear) and model["b"][0] is new and new.weight is shared.weight
     assert type(shared) is torch.nn.Linear and isinstance(model["a"][1], NativeRMSNorm)
-    assert type(model["f32"]) is torch.nn.Linear
+    assert isinstance(model["f32"], NativeLinear) and type(model["f16"]) is torch.nn.Linear
     assert list(model.state_dict()) == keys
     assert not any("forward" in vars(m) for m in model.modules())
     assert accelerate(model) == 0

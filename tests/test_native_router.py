@@ -10,6 +10,7 @@ from tiny_models import load_reference
 
 from engine.native.loaded import native
 from engine.native.router import NativeTopKRouter
+from engine.native.row_kernels import few_row_kernels
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe"])
@@ -31,15 +32,23 @@ def test_native_router_matches_the_routers_forward(
             x = torch.randn(1, router.weight.shape[1], generator=g).to(dtype)
             got = fast(x)
             ref = router.forward(x)
-            if i == 0:  # the first call checks itself and returns the router's own result
-                assert fast.verified is True and all(torch.equal(a, b) for a, b in zip(got, ref))
-                continue
+            if i == 0:  # the first call checks itself, then returns its own (native) result
+                assert fast.verified is True and got is not None
             assert got is not None
             assert torch.equal(got[2], ref[2]), "different experts"
             for a, b in zip(got[:2], ref[:2]):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
-        assert fast(torch.randn(2, router.weight.shape[1]).to(dtype)) is None  # one row only
+        # Several rows: each as it routes alone (a verification window), in a step whose rows take the
+        # native kernels; prompt rows keep the router's forward.
+        rows = torch.randn(3, router.weight.shape[1], generator=g).to(dtype)
+        many = fast(rows)
+        assert many is not None
+        for r in range(3):
+            one = fast(rows[r : r + 1])
+            assert one is not None and all(torch.equal(a[r : r + 1], b) for a, b in zip(many, one))
+        with few_row_kernels(False):
+            assert fast(rows) is None
 
 
 def test_mixtral_router_keeps_its_forward(tiny_ckpt) -> None:

@@ -75,8 +75,14 @@ class ExpertCompute:
         """One expert over its rows x [n, H] -> [n, H], unscaled (dequantizing its slot first if quantized)."""
         slot = self.store.slot_index(key)
         if self.native is not None and self.native.accepts(x):
-            return self.native.run(x, [self.pointers[slot]], [1.0])
+            return self.native.rows(x, self.pointers[slot])
         return self.fmt.forward(self.views[slot], x)
+
+    def native_rows(self, x: torch.Tensor) -> bool:
+        """Whether rows x run through the native kernels, each row as it would alone (decode and
+        verification rows on the CPU): then the grouped GEMM, whose result for a row depends on the
+        rows beside it, must not run them."""
+        return self.native is not None and self.native.accepts(x)
 
     def resident(
         self,
@@ -92,7 +98,7 @@ class ExpertCompute:
         scaled by its weight (row slot slot_of[e] of weights [1, k] / its float w_list): one native call
         on the CPU, else a loop of `expert` calls."""
         E = self.num_experts
-        if self.native is not None and ready and self.native.accepts(x):
+        if self.native is not None and ready and x.shape[0] == 1 and self.native.accepts(x):
             return self.native.run(
                 x,
                 [self.pointers[self.store.slot_index(layer * E + e)] for e in ready],

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.native.loaded import bf16_gemv
+from engine.native.loaded import few_row_gemv
 from engine.native.row_kernels import native_rows_allowed
 
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
@@ -50,12 +50,12 @@ def _fast_act(
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear, except for a few bf16 rows on the CPU: there the native kernel (engine/native/)
-    streams the weight with AVX-512 BF16 dot products, about 1.3-1.5x torch's single-row bf16
-    paths on this machine (docs/benchmarks/kernels.md), and torch.mv where it is unavailable
-    (8.7 GB/s against F.linear's 6.3 for one row). fp32 keeps F.linear, which already streams
-    about as fast as memory allows and is what transformers computes."""
-    y = bf16_gemv(x, w)
+    """F.linear, except for a few f32 or bf16 rows on the CPU: there the native kernel (engine/native/),
+    whose result for a row does not depend on how many rows share the call (so a verification window
+    computes as single decode rows do), and bf16 streams faster than torch's single-row paths
+    (docs/benchmarks/kernels.md); torch.mv for one bf16 row where the native kernels are off (8.7 GB/s
+    against F.linear's 6.3)."""
+    y = few_row_gemv(x, w)
     if y is not None:
         return y
     if (
@@ -73,6 +73,7 @@ class SwiGLUKernel(ExpertKernel):
         self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         H, I = hidden, intermediate
+        self.hidden, self.intermediate = H, I
         self.views = (("gate_up", (2 * I, H)), ("down", (H, I)))
         self.act_fn = _fast_act(act_fn)
 

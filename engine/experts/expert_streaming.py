@@ -99,7 +99,7 @@ class ExpertStreamer:
         if DROPPED in groups:
             contrib[groups.pop(DROPPED)] = 0.0
         w_flat = weights.reshape(-1)
-        if len(ready) >= 2 and self.compute.grouped_ok:
+        if len(ready) >= 2 and self.compute.grouped_ok and not self.compute.native_rows(x):
             # Every resident expert of the step in one batched GEMM per projection: the per-expert
             # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
             t0 = time.perf_counter()

@@ -16,8 +16,9 @@ import torch
 
 from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.quant import ExpertFormat, GroupQuantFormat, PlainFormat
-from engine.native.kernels import NativeKernels
+from engine.native.kernels import MAX_ROWS, NativeKernels
 from engine.native.loaded import native
+from engine.native.row_kernels import native_rows_allowed
 
 SlotPointers = tuple[int, int, int, int]  # gate_up, gate_up scales, down, down scales (0: none)
 
@@ -56,11 +57,15 @@ class NativeMoe:
         )
 
     def accepts(self, x: torch.Tensor) -> bool:
-        # Float slots must be in x's dtype (the reference computes in it); int8 slots take either.
+        """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels
+        (decode and verification rows: engine/native/row_kernels.py), however many (`rows` takes 16 at a
+        time). Float slots must be in x's
+        dtype (the reference computes in it); int8 slots take either."""
         return (
             x.device.type == "cpu"
-            and x.shape[0] == 1
+            and x.shape[0] >= 1
             and x.is_contiguous()
+            and native_rows_allowed()
             and (
                 x.dtype == self.weight_dtype
                 or (self.quantized and x.dtype in (torch.float32, torch.bfloat16))
@@ -74,6 +79,17 @@ class NativeMoe:
             return q_gu.data_ptr(), s_gu.data_ptr(), q_d.data_ptr(), s_d.data_ptr()
         gate_up, down = views
         return gate_up.data_ptr(), 0, down.data_ptr(), 0
+
+    def rows(self, x: torch.Tensor, slot: SlotPointers) -> torch.Tensor:
+        """Rows x [n, H] (accepted) through the one expert at `slot`, unscaled -> [n, H]; 16 rows a call
+        (each row computes as it would alone, so the split changes nothing)."""
+        parts = [
+            self.kernels.expert_rows(
+                x[i : i + MAX_ROWS], self.weight_dtype, self.hidden, self.intermediate, slot
+            )
+            for i in range(0, x.shape[0], MAX_ROWS)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TORCH = "torch"
 STREAM_BYTES = 48 << 20  # weights cycled per shape: past the last-level cache of common CPUs
-ROUNDS = 3
+ROUNDS = 5
 
 
 @dataclass(frozen=True)

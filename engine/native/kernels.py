@@ -148,6 +148,44 @@ class NativeKernels:
             raise ValueError(f"native moe_swiglu takes 1 to 64 experts, got {m}")
         return out
 
+    def expert_rows(
+        self,
+        x: torch.Tensor,
+        weight_dtype: torch.dtype,
+        hidden: int,
+        intermediate: int,
+        slot: tuple[int, int, int, int],
+    ) -> torch.Tensor:
+        """Rows x [n, H] (n <= 16) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down, its
+        scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives that
+        row alone with weight 1: a window's rows compute as single decode rows do."""
+        n = x.shape[0]
+        out = torch.empty((n, hidden), dtype=x.dtype)
+        ids = (ctypes.c_int64 * n)()  # every row to expert 0 of a one-expert table
+        ones = (ctypes.c_float * n)(*([1.0] * n))
+        quantized = weight_dtype == torch.int8
+        rc = self.lib.moe_swiglu_rows(
+            W_CODES[weight_dtype],
+            hidden,
+            intermediate,
+            n,
+            1,
+            ids,
+            ones,
+            (_P * 1)(slot[0]),
+            (_P * 1)(slot[1]) if quantized else None,
+            (_P * 1)(slot[2]),
+            (_P * 1)(slot[3]) if quantized else None,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            out.data_ptr(),
+            self._work(self._scratch("moe_rows_work_bytes", hidden, intermediate, n)),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"native expert_rows takes 1 to {MAX_ROWS} rows, got {n}")
+        return out
+
     def gemv_q4(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     ) -> torch.Tensor | None:

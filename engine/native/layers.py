@@ -1,9 +1,12 @@
 """Dense layers of a model on the CPU through the native kernels, for steps with few rows.
 
-- `NativeLinear` (bf16 models): attention projections, shared experts, lm_head. torch's bf16
+- `NativeLinear` (f32 and bf16 models): attention projections, shared experts, lm_head. torch's bf16
   `F.linear` for one row streams 5-6 GB/s on this project's machine against 8-9 for the native
-  kernel's AVX-512 BF16 dot products (docs/benchmarks/kernels.md). The layer stays an
-  `nn.Linear` (isinstance checks and state dicts are unchanged); only its forward picks the kernel.
+  kernel's AVX-512 BF16 dot products (docs/benchmarks/kernels.md). And torch's result for a row
+  depends on how many rows share the call (its one-row and many-row kernels sum in other orders),
+  where the native kernel's does not: a verification window's rows then compute as single decode
+  rows do, so speculative decoding stays exact. The layer stays an `nn.Linear` (isinstance checks
+  and state dicts are unchanged); only its forward picks the kernel.
 - RMSNorm (any dtype): transformers' llama-style norm is eight torch calls (casts, pow, mean,
   rsqrt, two products), 30-50 us a norm at one row, four norms a layer; the native one is one call.
   Architectures write their norms differently (Gemma's 1 + w, zero-centred weights, f32 weights
@@ -24,12 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
-from engine.native.loaded import bf16_gemv, native
+from engine.native.loaded import few_row_gemv, native
 from engine.native.row_kernels import native_rows_allowed
 
 
 class NativeLinear(nn.Linear):
-    """An `nn.Linear` whose few-row bf16 CPU inputs run through the native gemv; torch's `F.linear`
+    """An `nn.Linear` whose few-row f32 or bf16 CPU inputs run through the native gemv; torch's `F.linear`
     otherwise. It stays an `nn.Linear`: isinstance checks and state dicts are unchanged."""
 
     @classmethod
@@ -45,7 +48,7 @@ class NativeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dim() >= 2 and x.numel() <= MAX_ROWS * x.shape[-1]:
-            y = bf16_gemv(x.reshape(-1, x.shape[-1]), w)
+            y = few_row_gemv(x.reshape(-1, x.shape[-1]), w)
             if y is not None:
                 if self.bias is not None:
                     y = y + self.bias
@@ -122,7 +125,8 @@ class NativeRMSNorm(nn.Module):
             self.verified = ref.dtype == y.dtype and bool(
                 torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol)
             )
-            return ref
+            # The native result once it passed: every call, the first too, computes one way.
+            return y if self.verified else ref
         return y
 
 
@@ -145,8 +149,8 @@ def _rmsnorm_eps(module: nn.Module) -> float | None:
 
 
 def native_counterpart(module: nn.Module) -> nn.Module | None:
-    """The native module that stands in for `module` (a bf16 CPU `nn.Linear`, an f32 or bf16 CPU
-    llama-style RMSNorm), built over its own Parameters; None where it keeps its own forward."""
+    """The native module that stands in for `module` (an f32 or bf16 CPU `nn.Linear` or llama-style
+    RMSNorm), built over its own Parameters; None where it keeps its own forward."""
     w = getattr(module, "weight", None)
     if (
         not isinstance(w, torch.Tensor)
@@ -154,7 +158,7 @@ def native_counterpart(module: nn.Module) -> nn.Module | None:
         or isinstance(module, NativeRMSNorm)
     ):
         return None
-    if type(module) is nn.Linear and w.dtype == torch.bfloat16:
+    if type(module) is nn.Linear and w.dtype in (torch.float32, torch.bfloat16):
         return NativeLinear.replacing(module)
     eps = _rmsnorm_eps(module)
     # The weight must be all the norm holds: the replacement keeps only it in the module tree.
@@ -166,7 +170,7 @@ def native_counterpart(module: nn.Module) -> nn.Module | None:
 
 
 def accelerate(model: nn.Module) -> int:
-    """Replace `model`'s CPU norms (and, in bf16, its plain linears) in their parents with their native
+    """Replace `model`'s CPU norms and plain linears in their parents with their native
     counterparts; returns how many modules were replaced. A module that sits under several parents is
     replaced by one counterpart everywhere."""
     if native() is None:

@@ -3,7 +3,7 @@
 `native()` is the process's one `NativeKernels` (engine/native/kernels.py), or None where the
 kernels are unavailable (no compiler), turned off (`--native-kernels off`), or measured slower than
 torch's here (engine/native/autotune.py); callers then use torch. The loader applies the engine's
-choice with `use_native_kernels` once per load. `usable` and `bf16_gemv` say where an activation can
+choice with `use_native_kernels` once per load. `usable` and `few_row_gemv` say where an activation can
 take them.
 """
 
@@ -122,10 +122,12 @@ def usable(x: torch.Tensor) -> NativeKernels | None:
     return native()
 
 
-def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x [m, in] times a bf16 weight w [out, in] through the native kernel where it applies (both bf16,
-    x on the CPU with few contiguous rows, w contiguous), else None: the caller keeps torch's path."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not w.is_contiguous():
+def few_row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [m, in] times a weight w [out, in] of x's dtype (f32 or bf16) through the native kernel where it
+    applies (x on the CPU with few contiguous rows in a step whose rows take the native kernels, w
+    contiguous), else None: the caller keeps torch's path. Each row's result is the one a single row gets,
+    whatever m: a verification window's rows compute as plain decode rows do."""
+    if x.dtype != w.dtype or not w.is_contiguous():
         return None
     kernels = usable(x)
     return kernels.gemv(x, w) if kernels is not None else None

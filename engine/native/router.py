@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.native.kernels import X_CODES
 from engine.native.loaded import native
+from engine.native.row_kernels import native_rows_allowed
 
 ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter"})
 
@@ -51,19 +52,26 @@ class NativeTopKRouter:
         )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """x [1, H] -> (logits, weights, ids) as the router's forward returns them, or None (use it)."""
+        """x [n, H] -> (logits, weights, ids) as the router's forward returns them, or None (use it). Several
+        rows (a verification window, a batch's decode rows) run one native call each, and only in a step
+        whose rows take the native kernels (engine/native/row_kernels.py): each row then routes as it
+        would alone, where torch's result for a row depends on the rows beside it."""
+        if x.shape[0] == 1:
+            return self._one(x)
+        if not native_rows_allowed() or not x.is_contiguous():
+            return None
+        rows = [self._one(x[r : r + 1]) for r in range(x.shape[0])]
+        if any(r is None for r in rows):
+            return None
+        return tuple(torch.cat(parts) for parts in zip(*rows))  # type: ignore[return-value]
+
+    def _one(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         w = self.weight
         # Every layer of every decode step comes here with the same kind of row: after the first
         # accepted one, only what can change from a call to the next is checked.
-        if (
-            self._accepted is not x.dtype
-            or x.shape[0] != 1
-            or not x.is_contiguous()
-            or self.verified is False
-        ):
+        if self._accepted is not x.dtype or not x.is_contiguous() or self.verified is False:
             if (
                 self.verified is False
-                or x.shape[0] != 1
                 or x.dtype != w.dtype
                 or x.dtype not in X_CODES
                 or x.device.type != "cpu"
@@ -80,7 +88,8 @@ class NativeTopKRouter:
             return got
         ref = self.router.forward(x)
         self.verified = same_routing(got, ref, 1e-5 if x.dtype == torch.float32 else 2**-7)
-        return ref
+        # The native result once it passed: every call, the first too, routes one way.
+        return got if self.verified else ref
 
 
 def same_routing(

@@ -38,6 +38,27 @@ def declare(lib: ctypes.CDLL) -> None:
         _INT,
     ]
     lib.moe_swiglu.restype = _INT
+    lib.moe_swiglu_rows.argtypes = [
+        _INT,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _INT,
+        _P,
+        _P,
+        _INT,
+    ]
+    lib.moe_swiglu_rows.restype = _INT
+    lib.moe_rows_work_bytes.argtypes = [_I64, _I64, _I64]
+    lib.moe_rows_work_bytes.restype = _SIZE
     lib.moe_work_bytes.argtypes = [_I64, _I64]
     lib.moe_work_bytes.restype = _SIZE
     lib.rmsnorm.argtypes = [_P, _INT, _I64, _I64, _P, _INT, ctypes.c_float, _P]

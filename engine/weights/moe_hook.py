@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
+from engine.native.kernels import MAX_ROWS
 from engine.native.router import ROUTER_CLASSES, NativeTopKRouter
 
 # Dense parts of a sparse block that the generic adapter knows how to combine.
@@ -160,9 +161,9 @@ class BlockAdapter:
         # this runs once per layer in every decode step.
         router = block._modules[self.router]
         assert router is not None  # the block's router child (router_name found it)
-        if (
-            x.shape[0] == 1
-        ):  # a one-token step: the native router where it applies (engine/native/router.py)
+        # The native router where it applies (engine/native/router.py): a one-token step, or the few
+        # rows of a decode or verification step, each row routed as it would be alone.
+        if x.shape[0] <= MAX_ROWS:
             if self._native_router is None:
                 self.decide_native_router(block)
             if self._native_router:

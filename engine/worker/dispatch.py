@@ -99,6 +99,19 @@ class ExecutionPlan:
             self.forward, self.native_attention, self.choices + (Choice(what, chosen, why),)
         )
 
+    def with_speculation(self, mode: str, why: str) -> ExecutionPlan:
+        """The plan with its speculation line. Where the native kernels are off, greedy speculation is not
+        bit-exact, and the line says so: torch's matmuls compute a row differently with more rows beside
+        it (f32 on the CPU: a window of 2-3 rows against one; a GPU's kernels likewise), so a verification
+        window's rows can round unlike plain decode rows. The native kernels compute each row alike."""
+        native = self.to_dict().get("native kernels", {}).get("chosen") == "on"
+        if mode != "off" and not native:
+            why += (
+                "; not bit-exact here: with torch's kernels a verification window's rows can round unlike"
+                " single decode rows, so greedy tokens may differ from plain decoding"
+            )
+        return self.with_choice("speculation", mode, why)
+
     def to_dict(self) -> dict[str, Any]:
         return {c.what: {"chosen": c.chosen, "why": c.why} for c in self.choices}
 
