@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
 
 import pytest
 import torch
@@ -87,24 +86,25 @@ def test_each_build_attends_as_sdpa(name: str, dtype: torch.dtype) -> None:
 
 
 class _Slowed:
-    """A build whose sweep takes `delay` seconds longer: a stand-in for a build slow on this CPU."""
+    """A build that does its sweep `times` times over: a stand-in for a build slow on this CPU (it burns
+    CPU time, which is what the measurement counts; a sleep would not)."""
 
-    def __init__(self, kernels: object, delay: float) -> None:
-        self.kernels, self.delay = kernels, delay
+    def __init__(self, kernels: object, times: int) -> None:
+        self.kernels, self.times = kernels, times
 
     def gemv_sweep(self, x: torch.Tensor, ws: list[torch.Tensor]) -> None:
-        time.sleep(self.delay)
-        self.kernels.gemv_sweep(x, ws)  # type: ignore[attr-defined]
+        for _ in range(self.times):
+            self.kernels.gemv_sweep(x, ws)  # type: ignore[attr-defined]
 
 
 @needs_cc
 def test_the_measurement_picks_the_fast_build_and_declines_slow_ones() -> None:
     fast, _ = load_build("portable")
     assert fast is not None
-    m = measure(SHAPES, {"slow": _Slowed(fast, 0.2), "portable": fast})  # type: ignore[dict-item]
+    m = measure(SHAPES, {"slow": _Slowed(fast, 4), "portable": fast})  # type: ignore[dict-item]
     assert m.chosen == "portable" and m.gbps["slow"] < m.gbps["portable"], m
     # Every build slowed past torch's F.linear: torch wins, so auto leaves the native kernels off.
-    m = measure(SHAPES, {"slow": _Slowed(fast, 0.5)})  # type: ignore[dict-item]
+    m = measure(SHAPES, {"slow": _Slowed(fast, 40)})  # type: ignore[dict-item]
     assert m.chosen == "torch" and set(m.gbps) == {"slow", "torch"}, m
     assert "torch" in m.line() and "slow" in m.line()
 

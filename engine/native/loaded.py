@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -80,8 +81,9 @@ def _builds(build_name: str) -> tuple[dict[str, NativeKernels], str]:
         names = [v.name for v in runnable()]
     out: dict[str, NativeKernels] = {}
     why = "no build of the native kernels runs on this CPU"
-    for name in names:
-        k, reason = load_build(name)
+    with ThreadPoolExecutor(len(names)) as pool:  # first use: the compilers run side by side
+        loaded = list(pool.map(load_build, names))
+    for name, (k, reason) in zip(names, loaded, strict=True):
         if k is not None:
             out[name] = k
         else:
