@@ -7,10 +7,10 @@ import pytest
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from server.errors import ApiError
-from server.messages_api import MessagesRequest, chat_messages, to_chat
+from server.messages_request import MessagesRequest, chat_messages, to_chat
 from server.response_store import ResponseStore
-from server.responses_api import InputItem, ResponsesRequest, input_messages
-from server.responses_api import to_chat as responses_to_chat
+from server.responses_request import InputItem, ResponsesRequest, input_messages
+from server.responses_request import to_chat as responses_to_chat
 
 
 def test_function_call_items_join_the_assistant_turn() -> None:
@@ -43,7 +43,7 @@ def test_function_call_items_join_the_assistant_turn() -> None:
 
 
 def test_instructions_are_not_part_of_the_stored_conversation() -> None:
-    chat, conv = responses_to_chat(ResponsesRequest(instructions="be brief", input="hi"), [])
+    chat, conv, _ = responses_to_chat(ResponsesRequest(instructions="be brief", input="hi"), [])
     assert [m.role for m in chat.messages] == ["system", "user"] and [m.role for m in conv] == [
         "user"
     ]
