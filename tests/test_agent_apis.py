@@ -163,6 +163,21 @@ def test_responses_stream_event_order_and_assembled_text(oai: openai.OpenAI) -> 
     assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
 
 
+def test_responses_stream_helper_returns_the_final_response_at_the_limit(
+    oai: openai.OpenAI,
+) -> None:
+    """max_output_tokens reached: the SDK helper still returns the final response (the stream
+    ends with response.completed, whose status is incomplete)."""
+    with oai.responses.stream(
+        model=MODEL, input=USER, max_output_tokens=2, temperature=0, store=False
+    ) as s:
+        text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        final = s.get_final_response()
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 2 and final.output_text == text
+    assert [o.status for o in final.output] == ["incomplete"]
+
+
 def test_responses_forced_function_call_then_tool_result_round_trip(oai: openai.OpenAI) -> None:
     r = oai.responses.create(
         model=MODEL,
