@@ -218,7 +218,7 @@ def test_claude_code_completes_a_turn(srv: RunningServer, workdir, tmp_path) -> 
     posts = _claude_checks(rec, rows, rc, srv.log())
     assert "Read" not in [t["name"] for t in posts[0].body["tools"]]  # so no call is forced
     blocks = [b for r in rows if r["type"] == "assistant" for b in r["message"]["content"]]
-    assert blocks and all(b["type"] == "text" for b in blocks), rows
+    assert all(b["type"] == "text" for b in blocks), rows  # may be empty: a sampled EOS
     assert not any(m["role"] == "tool" for p in posts for m in p.body["messages"])
 
 
@@ -275,7 +275,7 @@ def test_codex_completes_a_turn(srv: RunningServer, workdir, tmp_path) -> None:
     assert "exec_command" not in [t.get("name") for t in posts[0].body["tools"]]
     done = [r for r in rows if r["type"] == "turn.completed"][0]
     # Sampled (Codex sends no temperature): the random model may end early, never past the limit.
-    assert 0 < done["usage"]["output_tokens"] <= CODEX_TOKENS, done
+    assert done["usage"]["output_tokens"] <= CODEX_TOKENS, done
 
 
 def test_codex_runs_a_forced_tool_and_sends_the_result(srv, workdir, tmp_path) -> None:
