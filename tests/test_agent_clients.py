@@ -94,7 +94,7 @@ def srv(long_ckpt, workdir, tmp_path_factory) -> Iterator[RunningServer]:
     ]
     args += ["--force-tool-call", "Read=" + json.dumps(read_args(d))]
     args += ["--force-tool-call", "exec_command=" + json.dumps(SHELL_ARGS)]
-    with serve(args, tmp_path_factory.mktemp("agents") / "server.log") as s:
+    with serve(args, tmp_path_factory.mktemp("agents") / "server.log", ready_timeout=240) as s:
         yield s
 
 
