@@ -22,12 +22,7 @@ from server.protocol import ChatCompletionRequest, new_id
 from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole
 from server.routes import _chat_constraint, _check_messages, collect
 from server.state import Choices, ServerState
-from server.tools import (
-    ToolMode,
-    ToolStream,
-    parse_calls,
-    tool_mode,
-)
+from server.tools import ToolMode, ToolStream, forced_body, parse_calls, tool_mode
 
 PING_S = 10.0  # a stream that has produced nothing for this long gets a keep-alive (Anthropic ping)
 
@@ -96,7 +91,10 @@ async def start_chat(
     _check_messages(st, body)
     st.check_accepting(1)
     mode = tool_mode(body)
-    constraint = await _chat_constraint(st, body, mode)
+    # The prompt shows the tools as sent; a forced call only changes what the output may be.
+    if (forced := forced_body(body, st.settings.forced_tools)) is not None:
+        mode = tool_mode(forced)
+    constraint = await _chat_constraint(st, forced or body, mode)
     prompt, reasoning, inside = await reasoning_prompt(st, body, thinking)
     rid = new_id(id_prefix)
     choices = st.submit(

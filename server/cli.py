@@ -227,6 +227,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scfg.engine_restart_window,
         responses_store_bytes=scfg.responses_store_bytes,
         responses_store_ttl=scfg.responses_store_ttl,
+        default_max_tokens=scfg.default_max_tokens,
+        forced_tools=scfg.forced(),
     )
     logging.basicConfig(
         level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import ConfigError
 from engine.settings_file import YamlSection, setting
@@ -84,6 +86,18 @@ class ServerConfig(YamlSection):
     responses_store_ttl: float = setting(
         3600.0, "seconds a stored /v1/responses response is kept (default 3600)", metavar="S"
     )
+    default_max_tokens: int | None = setting(
+        None,
+        "output tokens of a request that sets no limit (chat max_tokens, Responses max_output_tokens; Codex sends none) (default: the rest of the context)",
+        metavar="N",
+    )
+    # For trying agent clients end to end with a model that would not call a tool by itself.
+    force_tool_call: tuple[str, ...] = setting(
+        (),
+        "testing agents: a request that offers the tool NAME and holds no tool result yet gets one grammar-forced call of it; =JSON pins its arguments (repeatable: the first one a request offers; default: off)",
+        metavar="NAME[=JSON]",
+        repeat=True,
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -105,4 +119,27 @@ class ServerConfig(YamlSection):
             raise ConfigError("engine_restarts must be >= 0 and engine_restart_window > 0")
         if self.responses_store_bytes < 0 or self.responses_store_ttl <= 0:
             raise ConfigError("responses_store_bytes must be >= 0 and responses_store_ttl > 0")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "force_tool_call", tuple(self.force_tool_call))
+        self.forced()  # a ConfigError names a bad one now
+
+    def forced(self) -> tuple[tuple[str, dict[str, Any] | None], ...]:
+        """--force-tool-call as (tool name, pinned arguments or None) pairs."""
+        return tuple(forced_tool(s) for s in self.force_tool_call)
+
+
+def forced_tool(spec: str) -> tuple[str, dict[str, Any] | None]:
+    name, eq, args = spec.partition("=")
+    if not name:
+        raise ConfigError("force_tool_call needs a tool name: NAME or NAME=JSON")
+    if not eq:
+        return name, None
+    try:
+        pinned = json.loads(args)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"force_tool_call: the arguments after = are not JSON ({e})") from None
+    if not isinstance(pinned, dict):
+        raise ConfigError("force_tool_call: the arguments after = must be a JSON object")
+    return name, pinned

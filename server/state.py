@@ -40,6 +40,8 @@ class ServeSettings:
         64 * 1024 * 1024
     )  # stored /v1/responses (store=true), oldest evicted first
     responses_store_ttl: float = 3600.0  # seconds a stored response is kept
+    default_max_tokens: int | None = None  # output limit of a request that sets none
+    forced_tools: tuple[tuple[str, dict[str, Any] | None], ...] = ()  # --force-tool-call
 
 
 class ServerState:
@@ -214,7 +216,9 @@ class ServerState:
                     param="messages",
                     code="context_length_exceeded",
                 )
-            limit = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
+            room = self.max_model_len - len(ids)
+            default = self.settings.default_max_tokens
+            limit = max_tokens if max_tokens is not None else min(room, default or room)
             # max_tokens 0 (echo, prompt logprobs only) still runs one engine step, whose token is dropped.
             engine_limit = max(limit, 1)
             if len(ids) + limit > self.max_model_len:

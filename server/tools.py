@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.structured.spec import ConstraintSpec
 from server.errors import ApiError
-from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from server.protocol import ChatCompletionRequest, FunctionName, NamedToolChoice, Tool
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
@@ -61,6 +61,30 @@ def tool_mode(body: ChatCompletionRequest) -> ToolMode:
             )
         return ToolMode("named", choice.function.name)
     return ToolMode(choice or "auto")
+
+
+def forced_body(
+    body: ChatCompletionRequest, forced: tuple[tuple[str, dict[str, Any] | None], ...]
+) -> ChatCompletionRequest | None:
+    """--force-tool-call: the request as if it named the first forced tool it offers, when it
+    holds no tool result yet (so a conversation gets one forced call, then answers).  Pinned
+    arguments replace that tool's schema with one admitting only them.  None: not forced."""
+    if not body.tools or any(m.role == "tool" for m in body.messages):
+        return None
+    offered = {t.function.name for t in body.tools}
+    name, pinned = next(((n, a) for n, a in forced if n in offered), (None, None))
+    if name is None:
+        return None
+    tools = [
+        t.model_copy(
+            update={"function": t.function.model_copy(update={"parameters": {"const": pinned}})}
+        )
+        if t.function.name == name and pinned is not None
+        else t
+        for t in body.tools
+    ]
+    choice = NamedToolChoice(type="function", function=FunctionName(name=name))
+    return body.model_copy(update={"tools": tools, "tool_choice": choice})
 
 
 def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> ConstraintSpec | None:

@@ -138,7 +138,9 @@ def test_responses_stream_event_order_and_assembled_text(oai: openai.OpenAI) -> 
         events = list(s)
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    end = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    # Every finish ends with response.completed, its status saying whether the limit cut it:
+    # the event the SDK's get_final_response() waits for.
+    end = "response.completed"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     head = [
         "response.created",
@@ -153,11 +155,27 @@ def test_responses_stream_event_order_and_assembled_text(oai: openai.OpenAI) -> 
         end,
     ]
     assert kinds == head + ["response.output_text.delta"] * len(deltas) + tail
+    assert events[-1].response.status == whole.status
     assert "".join(deltas) == whole.output_text == events[-1].response.output_text
     done = next(e for e in events if e.type == "response.output_text.done")
     assert done.text == whole.output_text
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
     assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
+
+
+def test_responses_stream_helper_returns_the_final_response_at_the_limit(
+    oai: openai.OpenAI,
+) -> None:
+    """max_output_tokens reached: the SDK helper still returns the final response (the stream
+    ends with response.completed, whose status is incomplete)."""
+    with oai.responses.stream(
+        model=MODEL, input=USER, max_output_tokens=2, temperature=0, store=False
+    ) as s:
+        text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        final = s.get_final_response()
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 2 and final.output_text == text
+    assert [o.status for o in final.output] == ["incomplete"]
 
 
 def test_responses_forced_function_call_then_tool_result_round_trip(oai: openai.OpenAI) -> None:
@@ -281,7 +299,6 @@ def test_responses_error_objects(srv: RunningServer, oai: openai.OpenAI) -> None
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="other", input="x")
     bad = [
-        ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {
                 "model": MODEL,
@@ -453,10 +470,10 @@ def test_messages_error_shapes(srv: RunningServer, ant: anthropic.Anthropic) -> 
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
                 "max_tokens": 5,
-                "tools": [{"type": "web_search_20250305", "name": "w", "input_schema": {}}],
+                "tools": [{"name": "w", "description": "a client tool needs its schema"}],
             },
             400,
-            "server tools",
+            "input_schema",
         ),
         (
             {

@@ -14,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from server_fixtures import RunningServer, serve
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
@@ -93,3 +95,18 @@ def test_one_failing_stream_among_eight(srv: RunningServer, poisoned) -> None:
     log = srv.log_path.read_text(errors="replace")
     at = log.index(eid)  # the traceback is in the server log, under the id the client got
     assert "ERROR" in log[max(0, at - 200) : at] and "Traceback" in log[at : at + 4000]
+
+
+def test_responses_stream_helper_raises_the_engine_failure(srv: RunningServer, poisoned) -> None:
+    """A Responses stream that fails after it began ends with `error` and response.failed: the
+    openai SDK's stream helper raises openai.APIError with the failure's message (not "Didn't
+    receive a response.completed event")."""
+    tok = AutoTokenizer.from_pretrained(poisoned[0])
+    # A character whose UTF-8 bytes hold the poisoned (byte-level) token.
+    bad = next(chr(c) for c in range(128, 4096) if poisoned[1] in tok(chr(c))["input_ids"])
+    oai = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(openai.APIError, match="sampling failed for this request"):
+        with oai.responses.stream(
+            model=MODEL, input="hi " + bad, max_output_tokens=8, store=False
+        ) as s:
+            s.get_final_response()
