@@ -1,6 +1,6 @@
 """`python -m bench` (bench/__main__.py, bench/registry.py): every script of bench/ is a registered
 benchmark, each one's --help runs through it, and docs/benchmarks/README.md indexes every page with
-the registered command that made it."""
+the registered command that made it, whose flags that benchmark's parser accepts."""
 
 from __future__ import annotations
 
@@ -90,3 +90,35 @@ def test_every_page_names_the_command_that_made_it() -> None:
         if page.name != "README.md":
             text = page.read_text()
             assert re.search(r"python -m bench[ .]\w|bash bench/\w", text), page.name
+
+
+class _Parsed(Exception):
+    """Raised once a benchmark's parser accepted the command line: nothing runs."""
+
+
+def _index_commands() -> list[str]:
+    cmds = []
+    for row in _index_rows().values():
+        cmds += re.findall(r"`(python -m bench [^`]+)`", row)
+    return sorted(set(cmds))
+
+
+@pytest.mark.parametrize("command", _index_commands())
+def test_every_indexed_command_parses(command: str, monkeypatch) -> None:
+    """The flags each page's command gives are flags its benchmark takes (parsed, not run)."""
+    import argparse
+    import shlex
+
+    name, *args = shlex.split(command)[3:]
+    if next(b for b in BENCHMARKS if b.name == name).is_script:
+        assert args == [], command  # a shell benchmark takes no flags
+        return
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, *a, **kw):
+        parse(self, *a, **kw)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(_Parsed):
+        cli([name, *args])
