@@ -13,7 +13,6 @@ Results go to stdout and, with --out, to a markdown file.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from bench.report import add_common_flags, machine_line, write_report
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.worker.loader import load_model
@@ -68,8 +68,9 @@ def main() -> None:
         default="sdcard",
         help="emulated slow link for the last configuration (default sdcard: 80 MB/s, 1 ms)",
     )
-    ap.add_argument("--out", type=Path, help="write a markdown report here")
+    add_common_flags(ap)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
@@ -135,18 +136,12 @@ def main() -> None:
         lines.append(
             f"| {name} | {m:.1f} | {vs_hf:.2f}× | {vs_ceiling:.2f}× | {st} | {hr} | {mb} |"
         )
-    table = "\n".join(lines)
     header = (
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"{platform.python_version()}. Checkpoint: random qwen3_moe, 4 layers, hidden 256, 64 experts, top-8, "
+        f"{machine_line(args.threads)} Checkpoint: random qwen3_moe, 4 layers, hidden 256, 64 experts, top-8, "
         f"moe_intermediate 128, fp32 ({expert_mb:.2f} MB per expert). Prompt 32 tokens, {args.tokens} decode tokens, "
         f"{args.rounds} interleaved rounds."
     )
-    print(header)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"{header}\n\n{table}\n")
+    write_report(args.out, header, lines, {"tok_s": tps, "stall": stall, "per_token": per_tok})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 from bench.cuda_graphs import attention_graph_figures
 from bench.engine_bench import hf_decode
 from bench.peers import checkpoint
-from bench.report import write_report
+from bench.report import add_common_flags, write_report
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.worker.loader import load_model
@@ -164,9 +164,7 @@ def add_gpu_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--dtype", default="bfloat16", help="compute dtype of every system (default bfloat16)"
     )
-    ap.add_argument(
-        "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
-    )
+    add_common_flags(ap, threads=False)
 
 
 def gpu_device(args: argparse.Namespace, prog: str) -> tuple[torch.device, str]:

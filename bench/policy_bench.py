@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from bench.report import write_report
+from bench.report import add_common_flags, machine_line, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -153,9 +152,10 @@ def main() -> None:
         metavar="A,B,...",
         help="engine --prefetch settings to compare, each a row group (default auto: SpecPrefetch's adapter where the model ships one; e.g. auto,none)",
     )
-    ap.add_argument("--out", type=Path, help="write markdown tables here")
+    add_common_flags(ap, "write markdown tables here (the numbers as JSON beside it)")
     ap.add_argument("--out-json", type=Path, help="write raw numbers here")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     model_dir = resolve_model_dir(args.model)
     prefetch = [p.strip() for p in args.prefetch.split(",") if p.strip()]
@@ -186,7 +186,7 @@ def main() -> None:
         om.close()
 
     header = (
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}. Model: {portable_path(model_dir)}. "
+        f"{machine_line(args.threads)} Model: {portable_path(model_dir)}. "
         f"Cache fraction {args.cache_fraction}. Teacher-forced: {len(chunks)} windows x {args.window} tokens of {args.data}; "
         f"generate: {len(prompts)} prompts of {PROMPT_TOKENS} tokens, {args.tokens} greedy tokens. The link `{args.link}` is emulated. "
         f"Prefetch: {', '.join(prefetch)}."

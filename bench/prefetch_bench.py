@@ -21,7 +21,6 @@ after a warm-up round; ratios are taken within a round.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 from collections import Counter, deque
 from pathlib import Path
@@ -29,7 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import add_run_flags, cut_prompts, interleaved, summarize, write_report
+from bench.report import (
+    add_run_flags,
+    cut_prompts,
+    interleaved,
+    machine_line,
+    summarize,
+    write_report,
+)
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
@@ -205,7 +211,7 @@ def main() -> None:
     recall_lines, recall = recall_table(args)
     speed_lines, speed = speed_table(args)
     header = (
-        f"Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, no GPU. Model: "
+        f"{machine_line(args.threads, 'no GPU')} Model: "
         f"{portable_path(EMBEDDED_TARGET)} with its {FILE_NAME}. Held-out text: {portable_path(args.data)}. Part 2: one stream, "
         f"{args.prompt_tokens}-token prompt, {args.tokens} greedy tokens, medians of {args.rounds} interleaved rounds after a "
         f"warm-up round; link `{args.link}` emulated."

@@ -19,14 +19,13 @@ Train on one text, report on another (held out), as `moe-offload train-prefetche
 from __future__ import annotations
 
 import argparse
-import platform
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from bench.report import write_report
+from bench.report import add_common_flags, machine_line, write_report
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
 from engine.paths import portable_path
@@ -112,10 +111,7 @@ def main() -> None:
     ap.add_argument(
         "--mlp-width", type=int, default=512, help="hidden width of the per-layer MLP (default 512)"
     )
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument(
-        "--out", type=Path, help="write the markdown report here (and its .json beside it)"
-    )
+    add_common_flags(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -160,7 +156,7 @@ def main() -> None:
             + f" | **{np.mean(rec):.1%}** | {n:,} | {n / params:.2%} |"
         )
     header = (
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}. Model: "
+        f"{machine_line(args.threads)} Model: "
         f"{portable_path(Path(model_dir))} ({params:,} parameters). Fitted on {N:,} tokens of {args.train_data}, recall on "
         f"{held.x.shape[0]:,} tokens of {args.test_data}; {args.steps} steps of 1024 examples each."
     )

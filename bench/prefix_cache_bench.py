@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import openai
 
+from bench.report import cpu_model
 from bench.serve_process import serve
 from models import EMBEDDED_DIR, EMBEDDED_TARGET
 
@@ -240,16 +241,6 @@ the time to the end of the stream. At cache 0.25 behind the hdd link (150 MB/s, 
 prompt means loading most of the routed experts of every layer; with the cache, a turn prefills only its ~35 new
 tokens (its new user message and the previous reply, plus the last partial block), so it touches far fewer experts.
 """
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -63,16 +63,31 @@ def summarize(
     return {"ratio": ratio, **{k: statistics.median(r[k] for r in runs) for k in keys}}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_line(threads: int, device: str = "") -> str:
-    """The first words of every report: what ran it."""
+    """The first words of every report: what ran it (CPU model, cores, threads, versions, date)."""
+    import datetime
+    import os
     import platform
 
     import torch
 
     return (
-        f"Machine: {platform.machine()}, {threads} torch thread(s), torch {torch.__version__}"
-        + (f", {device}" if device else "")
-        + "."
+        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} logical CPUs), "
+        f"{threads} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{datetime.date.today().isoformat()}" + (f", {device}" if device else "") + "."
     )
 
 
@@ -94,6 +109,22 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def add_common_flags(ap: argparse.ArgumentParser, out_help: str = "", threads: bool = True) -> None:
+    """The flags every benchmark shares: --out (the Markdown report; JSON beside it) and --threads."""
+    if threads:
+        ap.add_argument(
+            "--threads",
+            type=positive_int,
+            default=1,
+            help="torch threads (default 1: steadier on a shared machine)",
+        )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help=out_help or "write a markdown report here (and the numbers as JSON beside it)",
+    )
 
 
 def add_run_flags(
@@ -126,12 +157,4 @@ def add_run_flags(
     ap.add_argument(
         "--link", default=link, help=f"the emulated link of the slow-link setting (default {link})"
     )
-    ap.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads (default 1: steadier on a shared machine)",
-    )
-    ap.add_argument(
-        "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
-    )
+    add_common_flags(ap)

@@ -28,7 +28,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from bench.policy_bench import PROMPT_TOKENS
-from bench.report import write_report
+from bench.report import add_common_flags, write_report
 from bench.spac_bench import CONFIGS as SPAC_CONFIGS
 from engine.config import EngineConfig
 from engine.offline.hardware import SHAPES, costs_for, list_profiles
@@ -460,10 +460,10 @@ def main() -> None:
         action="store_true",
         help="only the validation against measured tables",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        help="write the tables here (.md; the numbers as JSON beside it; analysis from a line starting 'Command:' on is kept)",
+    add_common_flags(
+        ap,
+        "write the tables here (.md; the numbers as JSON beside it; analysis from a line starting 'Command:' on is kept)",
+        threads=False,
     )
     ap.add_argument(
         "--from-json",

@@ -23,7 +23,7 @@ Builds docker/Dockerfile.cpu from the repository root and tests the image.
   --drain-timeout S  the server's --drain-timeout (default 30, the server's own default); Docker's
                      --stop-timeout is 15 s more
   --keep             leave the container running after the checks instead of stopping it
-  --dry-run          print the docker build/run/stop commands this would run, and exit (the README's
+  --dry-run          print the docker build/run/stop commands this would run, and exit (docs/operations.md's
                      "Run in Docker" commands are checked against these by tests/test_docker_files.py)
   -h, --help         this text
 

@@ -1,4 +1,4 @@
-"""docker/: the Dockerfiles pass hadolint, the compose stack is wired consistently, and the README's Docker
+"""docker/: the Dockerfiles pass hadolint, the compose stack is wired consistently, and docs/operations.md's Docker
 commands are the ones docker/test-image.sh runs.  (Building and running the image is docker/test-image.sh's
 job: a release check, since it needs a Docker daemon and takes minutes.)"""
 
@@ -105,7 +105,7 @@ def test_gpu_variant_reserves_a_gpu() -> None:
 
 
 def readme_docker_commands() -> list[list[str]]:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "operations.md").read_text()  # the section moved there from README.md
     section = readme.split("## Run in Docker", 1)[1].split("\n## ", 1)[0]
     cmds = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
@@ -117,8 +117,8 @@ def readme_docker_commands() -> list[list[str]]:
 
 
 def test_readme_docker_commands_are_the_ones_the_image_test_runs() -> None:
-    """Every CPU `docker build/run/stop` in the README's "Run in Docker" is run by docker/test-image.sh with
-    at least the README's flags (the script may add its own: a port, build arguments), so the documented
+    """Every CPU `docker build/run/stop` in docs/operations.md's "Run in Docker" is run by docker/test-image.sh with
+    at least the documented flags (the script may add its own: a port, build arguments), so the documented
     commands are the tested ones."""
     dry = subprocess.run(
         ["bash", str(DOCKER / "test-image.sh"), "--dry-run"],
@@ -141,5 +141,5 @@ def test_readme_docker_commands_are_the_ones_the_image_test_runs() -> None:
         script = next(s for s in script_cmds if s[1] == cmd[1])
         missing = [a for a in cmd if a not in script]
         assert not missing, (
-            f"README: {shlex.join(cmd)}\ntest-image.sh: {shlex.join(script)}\nnot run: {missing}"
+            f"docs/operations.md: {shlex.join(cmd)}\ntest-image.sh: {shlex.join(script)}\nnot run: {missing}"
         )

@@ -10,8 +10,10 @@ enforce it):
   packed_forward / one_by_one_forward (engine/worker/packed_batch.py) and LeanForward
   (engine/worker/lean_forward.py).
 - `Runner`: executes a StepPlan (ModelRunner).
-- `RunnableModel`: a loaded model that makes its own Runner (LoadedModel, engine/worker/loaded_model.py),
-  which is how EngineCore.for_model builds a core without importing the worker.
+- `RunnableModel`: a loaded model that makes its Runner (LoadedModel, engine/worker/loaded_model.py),
+  which is how EngineCore.for_model builds a core without importing the worker. The loaded model
+  is data: the loader (engine/worker/loader.py) names the runner class it is run by, so neither
+  the data nor the core imports the runner (tests/test_import_cycles.py: no import circle).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """What a load returns: the model with its tokenizer and device, and, for a MoE model, the expert
-store, transfers and executor its routed experts run through (engine/worker/loader.py builds them)."""
+store, transfers and executor its routed experts run through (engine/worker/loader.py builds them).
+
+Plain data: this module imports nothing of engine/worker/. The runner that executes its steps is
+named by the loader (`runner_factory`), so the data does not import the runner that reads it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ class LoadedModel:
     model_dir: Path
     device: torch.device
     packed: bool  # requests of a step share one packed forward (else one forward per request)
+    # What runs its steps: engine/worker/runner.py ModelRunner, as the loader composes it.
+    runner_factory: Callable[[LoadedModel], Runner] = field(kw_only=True)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -47,9 +53,7 @@ class LoadedModel:
 
     def make_runner(self) -> Runner:
         """The runner that executes engine steps on this model (EngineCore.for_model asks for it)."""
-        from engine.worker.runner import ModelRunner  # runner.py imports this (through the loader)
-
-        return ModelRunner(self)
+        return self.runner_factory(self)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_si
 from engine.worker.dispatch import ExecutionPlan, resolve_plan
 from engine.worker.loaded_model import LoadedModel, OffloadedModel
 from engine.worker.packed_batch import use_packed_attention
+from engine.worker.runner import ModelRunner
 from engine.worker.spac_setup import attach_spac, prefetch_kinds
 from policies.miss import SubstitutingPolicy
 from policies.utility import protect_ticks
@@ -111,7 +112,9 @@ def load_dense_model(
         accelerate(model)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    return LoadedModel(model, model.config, tokenizer, gen_cfg, model_dir, dev, packed)
+    return LoadedModel(
+        model, model.config, tokenizer, gen_cfg, model_dir, dev, packed, runner_factory=ModelRunner
+    )
 
 
 def load_model(
@@ -252,6 +255,7 @@ def load_model(
         moe_layers,
         E,
         top_k,
+        runner_factory=ModelRunner,
     )
     om.memory_plan = mplan
     stats.memory_probe = memory_probe(

@@ -29,7 +29,7 @@ from engine.native.row_kernels import few_row_kernels
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
-from engine.worker.loader import LoadedModel
+from engine.worker.loaded_model import LoadedModel
 from engine.worker.packed_batch import (
     NO_ROLLBACK_MODEL_TYPES,
     one_by_one_forward,
