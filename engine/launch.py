@@ -23,6 +23,7 @@ from engine.core.faults import describe, log, new_error_id
 from engine.core.messages import EngineDead, EngineReady
 from engine.memory.planner import KvRequest
 from engine.speculative.config import SpecConfig
+from engine.weights.model_config import read_config
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class EngineArgs:
 
 
 def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
-    """The context length: --max-model-len if given, else the model's max_position_embeddings."""
+    """The context length: --max-model-len if given, else the model's max_position_embeddings. A missing
+    or unreadable config.json fails in one line (read_config's), before anything else reads it."""
+    read_config(Path(model_dir))
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     native = int(cfg.get("max_position_embeddings") or 2048)
