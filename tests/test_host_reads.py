@@ -68,6 +68,8 @@ def test_device_lane_decodes_with_one_host_read_per_step(gpu_path_model) -> None
     _force_device_lane(om)
     per_step, lines = _reads_per_step(om, prompt, 6)
     assert per_step == 1, lines
-    assert [line.split(":")[0] for line in lines] == ["engine/worker/sampling.py"], lines  # greedy_token
+    assert [line.split(":")[0] for line in lines] == ["engine/worker/sampling.py"], (
+        lines
+    )  # greedy_token
     assert generate(om, prompt, SamplingParams(max_tokens=8, ignore_eos=True)).tokens == ref_tokens
     torch.testing.assert_close(prompt_logits(om, prompt[:1]), ref_logits, rtol=1e-5, atol=1e-5)

@@ -46,7 +46,11 @@ class CpuExperts:
     def submit(self, layer: int, expert: int, x: torch.Tensor) -> Future[torch.Tensor]:
         """Compute expert `expert` of `layer` over rows x [n, H] on a CPU worker; the future's
         result is the unscaled expert output [n, H] on x's device and in x's dtype."""
-        x_host = x.to("cpu", torch.float32 if x.is_cuda else x.dtype)
+        # Plain experts read rows in their weights' dtype (fp32 for bf16 slots, on a CPU as on a GPU).
+        plain = isinstance(self.fmt, PlainFormat)
+        x_host = x.to(
+            "cpu", self.weight_dtype if plain else torch.float32 if x.is_cuda else x.dtype
+        )
         return self._pool.submit(self._run, layer, expert, x_host, x.device, x.dtype)
 
     def _run(

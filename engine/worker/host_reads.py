@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ class HostReads(TorchFunctionMode):
         self.by_kind.clear()
         self.by_line.clear()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # torch's protocol
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kind = _READS.get(func)
         if kind is None and func is torch.Tensor.to and _to_host(args, kwargs or {}):
             kind = "to(cpu)"
@@ -87,7 +88,7 @@ def _mask_index(args: tuple) -> bool:
 
 def _caller() -> str:
     """The innermost project frame above this module ("engine/x.py:12"), else the innermost frame."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     first = None
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
