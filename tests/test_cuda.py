@@ -147,3 +147,47 @@ def test_speculation_utility_prefetch_and_cpu_experts_are_exact_on_the_gpu() -> 
                 assert s["cpu_expert_calls"] > 0 and s["transfers"]["demand"] == 0, name
         finally:
             om.close()
+
+
+def test_resident_lane_reads_nothing_to_the_host_on_the_gpu(tiny_ckpt) -> None:
+    """At cache 1.0 on CUDA the executor takes the device lane: a decode step reads one value to the
+    host (the sampled token), none in an MoE layer, and the tokens are transformers'."""
+    from engine.worker.host_reads import HostReads
+
+    path = tiny_ckpt("qwen3_moe")
+    om = load_model(path, EngineConfig(cache_fraction=1.0, device="cuda", dtype="float32"))
+    try:
+        assert om.executor.device_lane is not None and om.executor.store.complete
+        ids = _prompt(om.config.vocab_size)
+        ref = load_reference(path).to("cuda")
+        with torch.no_grad():
+            ref_tokens = ref.generate(
+                torch.tensor([ids], device="cuda"),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+            )[0, len(ids) :].tolist()
+        assert generate(om, ids, SamplingParams(max_tokens=8, ignore_eos=True)).tokens == ref_tokens
+        with HostReads() as one:
+            generate(om, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        with HostReads() as reads:
+            generate(om, ids, SamplingParams(max_tokens=7, ignore_eos=True))
+        assert (reads.total - one.total) / 6 == 1, reads.by_line - one.by_line
+    finally:
+        om.close()
+
+
+def test_memory_plan_sizes_the_fast_tier_to_the_device_budget() -> None:
+    """--device-memory on a real GPU: the plan reads the free memory (torch.cuda.mem_get_info), the
+    fast tier takes what the budget leaves, and the memory probe reports the bytes torch holds."""
+    from models import EMBEDDED_TARGET
+
+    om = load_model(EMBEDDED_TARGET, EngineConfig(device="cuda", device_memory="0.5"))
+    try:
+        plan = om.memory_plan
+        assert plan.device.startswith("cuda") and plan.device_budget > 0
+        assert om.executor.store.slots.is_cuda
+        report = om.stats.memory_probe()
+        assert 0 < report["device_total"]["used"] <= plan.device_budget
+    finally:
+        om.close()
