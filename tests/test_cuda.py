@@ -70,18 +70,21 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
             om.close()
 
 
-def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt) -> None:
-    """The RAM tier is pinned (so a copy can be asynchronous), and loads are issued on the transfer
-    manager's own stream, so they overlap the default stream's compute."""
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt, offload) -> None:
+    """The RAM tier is pinned (so a copy can be asynchronous), the disk tier assembles each expert in
+    a pinned staging row, and loads are issued on the transfer manager's own stream, so they
+    overlap the default stream's compute (engine/experts/device_copy.py)."""
     om = load_model(
         tiny_ckpt("qwen3_moe"),
-        EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32"),
+        EngineConfig(cache_fraction=0.25, offload=offload, device="cuda", dtype="float32"),
     )
     try:
-        assert (
-            om.transfers._stream is not None and om.transfers._stream != torch.cuda.current_stream()
-        )
-        assert om.transfers.tier.buffer.is_pinned()
+        copier = om.transfers.copier
+        assert copier is not None and copier.stream != torch.cuda.current_stream()
+        assert copier.staging().is_pinned()
+        if offload == "ram":
+            assert om.transfers.tier.buffer.is_pinned()
         generate(om, _prompt(om.config.vocab_size), SamplingParams(max_tokens=8, ignore_eos=True))
         settle(om)
         snap = om.stats.snapshot()
