@@ -412,7 +412,7 @@ def main() -> None:
             else None,
         }
     )
-    q30 = cells.build_checkpoint(args.work, sizes.layers, sizes.widths)
+    q30 = cells.build_checkpoint(args.work, sizes.layers, sizes.widths, device.type)
     share = cells.expert_share(args.work, args.budget)
     run.doc["budget"] = share
     lap("checkpoints and budget")

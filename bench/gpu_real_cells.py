@@ -25,12 +25,13 @@ MODEL = "qwen3-30b-a3b"
 FULL_LAYERS = 48  # Qwen3-30B-A3B's depth
 
 
-def build_checkpoint(work: Path, layers: int, widths: dict[str, Any]) -> Path:
+def build_checkpoint(work: Path, layers: int, widths: dict[str, Any], device: str) -> Path:
     """The random-weight Qwen3-30B-A3B layer shape at `layers` decoder layers (toy widths where
-    `widths` cut them), built once under `work`; a `.complete` file marks a finished build."""
+    `widths` cut them), its random numbers drawn on `device`, built once under `work`; a
+    `.complete` file marks a finished build."""
     out = work / (f"q30-{layers}l" + ("-toy" if widths else ""))
     if not (out / ".complete").exists():
-        write_checkpoint(out, MODEL, layers, progress=False, **widths)
+        write_checkpoint(out, MODEL, layers, progress=False, device=device, **widths)
         (out / ".complete").write_text("written by bench/gpu_real.py\n")
     return out
 
