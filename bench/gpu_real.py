@@ -114,6 +114,18 @@ class System:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
 class Run:
     """The JSON being built, written after every group so a run cut short keeps what it measured."""
 
@@ -121,7 +133,7 @@ class Run:
         self.out = out
         self.doc: dict[str, Any] = {
             "device": device,
-            "torch": torch.__version__,
+            "versions": _versions(),
             "command": command,
             "weights": "random stand-ins (bench/real_shapes.py) for the Qwen3-30B-A3B shape; "
             "the embedded pair is this project's trained model",

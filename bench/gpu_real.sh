@@ -19,6 +19,11 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Wheels carried to a machine with no network (the device tool's .whl/ folder): installed beside, not over.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_real_site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_real_site" || { echo "gpu_real.sh: could not install the wheels in .whl/"; exit 1; }
+fi
 dry=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
 work=.cache/gpu_real
@@ -33,6 +38,7 @@ print(' '.join(n for n in need if u.find_spec(n) is None))")
 if [ -n "$missing" ]; then
   echo "gpu_real.sh: missing Python packages: $missing (pip install them, or carry them as wheels)"; exit 1
 fi
+"$PY" -c "import torch, transformers, accelerate; print('torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__)"
 LOG=$work/cuda_tests.log
 files=$(grep -l "mark.cuda" tests/test_*.py)
 echo "== CUDA-marked tests: $files"
