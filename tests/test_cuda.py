@@ -27,6 +27,15 @@ pytestmark = [
 ]
 
 
+@torch.no_grad()
+def _greedy(ref: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """transformers' n greedy tokens after `ids`, on the GPU."""
+    out = ref.generate(
+        torch.tensor([ids], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    return out[0, len(ids) :].tolist()
+
+
 def _prompt(vocab: int, n: int = 32, seed: int = 1234) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -41,12 +50,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
     ids = _prompt(ref.config.vocab_size)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids], device="cuda")).logits[0].float()
-        ref_tokens = ref.generate(
-            torch.tensor([ids], device="cuda"),
-            max_new_tokens=16,
-            min_new_tokens=16,
-            do_sample=False,
-        )[0, len(ids) :].tolist()
+        ref_tokens = _greedy(ref, ids, 16)
     for offload, fraction in (("ram", 1.0), ("ram", 0.25), ("disk", 0.25)):
         om = load_model(
             path,
@@ -162,14 +166,7 @@ def test_resident_lane_reads_nothing_to_the_host_on_the_gpu(tiny_ckpt) -> None:
     try:
         assert om.executor.device_lane is not None and om.executor.store.complete
         ids = _prompt(om.config.vocab_size)
-        ref = load_reference(path).to("cuda")
-        with torch.no_grad():
-            ref_tokens = ref.generate(
-                torch.tensor([ids], device="cuda"),
-                max_new_tokens=8,
-                min_new_tokens=8,
-                do_sample=False,
-            )[0, len(ids) :].tolist()
+        ref_tokens = _greedy(load_reference(path).to("cuda"), ids, 8)
         assert generate(om, ids, SamplingParams(max_tokens=8, ignore_eos=True)).tokens == ref_tokens
         with HostReads() as one:
             generate(om, ids, SamplingParams(max_tokens=1, ignore_eos=True))
