@@ -27,9 +27,12 @@ pessimistic stand-ins for a real Qwen3-30B-A3B.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,6 +117,17 @@ class System:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def _finite(x: Any) -> Any:
+    """`x` with NaN and infinities as null: strict JSON has no NaN."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -149,7 +163,7 @@ class Run:
 
     def write(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
+        self.out.write_text(json.dumps(_finite(self.doc), indent=2, default=str) + "\n")
 
     def group(self, group: str, systems: list[System], rounds: int) -> None:
         """Interleaved rounds over `systems`; one cell each with the medians of its figures."""
@@ -160,6 +174,9 @@ class Run:
             for s in systems:
                 s.close()
             spec_bench._SPECULATION.clear()  # proposers of the engines just closed
+            gc.collect()  # the next group gets the device memory back
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         for name, runs in res.items():
             s = by_name[name]
             self.rounds[name] = runs
@@ -446,15 +463,27 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (sizes.prompt_tokens,), generator=gen).tolist()
     setup = Setup(device, dry, sizes, q30, prompt, args.work)
-    cache_one(run, setup)
-    lap("cache 1.0")
-    at_budget(run, setup, share["share"])
-    lap("24 GiB")
-    embedded_at_share(run, setup, share["share"])
-    lap("embedded")
+    f = share["share"]
+    failed = []
+    for phase, measure in (
+        ("cache 1.0", lambda: cache_one(run, setup)),
+        ("24 GiB", lambda: at_budget(run, setup, f)),
+        ("embedded", lambda: embedded_at_share(run, setup, f)),
+    ):
+        try:
+            measure()
+        except Exception as e:  # one group's failure must not cost the others their minutes
+            traceback.print_exc()
+            failed.append(phase)
+            run.add(
+                {"name": f"{phase}: failed", "group": phase, "error": f"{type(e).__name__}: {e}"}
+            )
+        lap(phase)
     run.targets()
     print(json.dumps(run.doc["targets"], indent=2))
     print(f"wrote {out}")
+    if failed:
+        raise SystemExit(f"gpu_real: {', '.join(failed)} failed (their error cells are in {out})")
 
 
 if __name__ == "__main__":
