@@ -153,6 +153,23 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("gpu_profile.md",),
     ),
     Benchmark(
+        "gpu-real",
+        "gpu_real.sh",
+        "on one GPU, under 8 minutes: the CUDA tests, then every issue-40 target at the Qwen3-30B-A3B shape "
+        "(--dry-run: the same on a CPU at toy sizes)",
+    ),
+    Benchmark(
+        "gpu-real-driver",
+        "gpu_real",
+        "the driver of gpu-real: builds the checkpoints and measures the cells (gpu_real.sh runs it)",
+    ),
+    Benchmark(
+        "cpu-paths",
+        "cpu_paths",
+        "is the default the fastest path on this CPU? every --forward / --native-kernels / --native-build "
+        "choice against transformers",
+    ),
+    Benchmark(
         "gpu-check-all",
         "gpu_check.sh",
         "on a CUDA machine, under 5 minutes: the CUDA tests, gpu-check, spac over PCIe, gpu-profile",

@@ -63,6 +63,14 @@ def speculation_for(om, spec: SpecConfig) -> tuple:
     return _SPECULATION[key]
 
 
+def _checked(outputs: list) -> list:
+    """A step's outputs; a request that failed stops the cell (it would never produce a token)."""
+    for o in outputs:
+        if o.error:
+            raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+    return outputs
+
+
 def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
     proposer, observers = speculation_for(om, spec)
     core = EngineCore.for_model(
@@ -75,11 +83,11 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
     started: set[str] = set()
     while len(started) < len(prompts):
-        started |= {o.request_id for o in core.step() if o.token_ids}
+        started |= {o.request_id for o in _checked(core.step()) if o.token_ids}
     om.stats.reset()
     t0, produced = time.perf_counter(), 0
     while core.has_work():
-        produced += sum(len(o.token_ids) for o in core.step())
+        produced += sum(len(o.token_ids) for o in _checked(core.step()))
     wall = time.perf_counter() - t0
     s = om.stats.snapshot()
     per_layer = [

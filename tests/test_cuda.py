@@ -27,6 +27,15 @@ pytestmark = [
 ]
 
 
+@torch.no_grad()
+def _greedy(ref: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """transformers' n greedy tokens after `ids`, on the GPU."""
+    out = ref.generate(
+        torch.tensor([ids], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    return out[0, len(ids) :].tolist()
+
+
 def _prompt(vocab: int, n: int = 32, seed: int = 1234) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -41,12 +50,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
     ids = _prompt(ref.config.vocab_size)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids], device="cuda")).logits[0].float()
-        ref_tokens = ref.generate(
-            torch.tensor([ids], device="cuda"),
-            max_new_tokens=16,
-            min_new_tokens=16,
-            do_sample=False,
-        )[0, len(ids) :].tolist()
+        ref_tokens = _greedy(ref, ids, 16)
     for offload, fraction in (("ram", 1.0), ("ram", 0.25), ("disk", 0.25)):
         om = load_model(
             path,
@@ -70,18 +74,21 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
             om.close()
 
 
-def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt) -> None:
-    """The RAM tier is pinned (so a copy can be asynchronous), and loads are issued on the transfer
-    manager's own stream, so they overlap the default stream's compute."""
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt, offload) -> None:
+    """The RAM tier is pinned (so a copy can be asynchronous), the disk tier assembles each expert in
+    a pinned staging row, and loads are issued on the transfer manager's own stream, so they
+    overlap the default stream's compute (engine/experts/device_copy.py)."""
     om = load_model(
         tiny_ckpt("qwen3_moe"),
-        EngineConfig(cache_fraction=0.25, offload="ram", device="cuda", dtype="float32"),
+        EngineConfig(cache_fraction=0.25, offload=offload, device="cuda", dtype="float32"),
     )
     try:
-        assert (
-            om.transfers._stream is not None and om.transfers._stream != torch.cuda.current_stream()
-        )
-        assert om.transfers.tier.buffer.is_pinned()
+        copier = om.transfers.copier
+        assert copier is not None and copier.stream != torch.cuda.current_stream()
+        assert copier.staging().is_pinned()
+        if offload == "ram":
+            assert om.transfers.tier.buffer.is_pinned()
         generate(om, _prompt(om.config.vocab_size), SamplingParams(max_tokens=8, ignore_eos=True))
         settle(om)
         snap = om.stats.snapshot()
@@ -147,3 +154,40 @@ def test_speculation_utility_prefetch_and_cpu_experts_are_exact_on_the_gpu() -> 
                 assert s["cpu_expert_calls"] > 0 and s["transfers"]["demand"] == 0, name
         finally:
             om.close()
+
+
+def test_resident_lane_reads_nothing_to_the_host_on_the_gpu(tiny_ckpt) -> None:
+    """At cache 1.0 on CUDA the executor takes the device lane: a decode step reads one value to the
+    host (the sampled token), none in an MoE layer, and the tokens are transformers'."""
+    from engine.worker.host_reads import HostReads
+
+    path = tiny_ckpt("qwen3_moe")
+    om = load_model(path, EngineConfig(cache_fraction=1.0, device="cuda", dtype="float32"))
+    try:
+        assert om.executor.device_lane is not None and om.executor.store.complete
+        ids = _prompt(om.config.vocab_size)
+        ref_tokens = _greedy(load_reference(path).to("cuda"), ids, 8)
+        assert generate(om, ids, SamplingParams(max_tokens=8, ignore_eos=True)).tokens == ref_tokens
+        with HostReads() as one:
+            generate(om, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        with HostReads() as reads:
+            generate(om, ids, SamplingParams(max_tokens=7, ignore_eos=True))
+        assert (reads.total - one.total) / 6 == 1, reads.by_line - one.by_line
+    finally:
+        om.close()
+
+
+def test_memory_plan_sizes_the_fast_tier_to_the_device_budget() -> None:
+    """--device-memory on a real GPU: the plan reads the free memory (torch.cuda.mem_get_info), the
+    fast tier takes what the budget leaves, and the memory probe reports the bytes torch holds."""
+    from models import EMBEDDED_TARGET
+
+    om = load_model(EMBEDDED_TARGET, EngineConfig(device="cuda", device_memory="0.5"))
+    try:
+        plan = om.memory_plan
+        assert plan.device.startswith("cuda") and plan.device_budget > 0
+        assert om.executor.store.slots.is_cuda
+        report = om.stats.memory_probe()
+        assert 0 < report["device_total"]["used"] <= plan.device_budget
+    finally:
+        om.close()

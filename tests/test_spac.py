@@ -429,3 +429,21 @@ def test_cpu_run_quantized_experts_equal_the_copied_path(tiny_ckpt, tmp_path, qu
         finally:
             om.close()
     assert outs["all"] == outs["off"]
+
+
+def test_cpu_run_experts_take_bf16_rows_on_a_cpu(tiny_ckpt) -> None:
+    """A bf16 engine on a CPU with torch's kernels: CPU-run experts compute in the slots' bf16 from bf16 rows
+    (they once met fp32 weights with bf16 rows and failed every request: bench/gpu_real.sh --dry-run)."""
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(
+            cache_fraction=0.25, dtype="bfloat16", cpu_experts="all", native_kernels="off"
+        ),
+    )
+    try:
+        core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=256))
+        (out,) = complete(core, [request(list(range(3, 19)), SamplingParams(max_tokens=6))])
+        assert out.error is None and len(out.token_ids) == 6
+        assert om.stats.snapshot()["cpu_expert_calls"] > 0
+    finally:
+        om.close()

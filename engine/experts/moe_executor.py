@@ -23,6 +23,7 @@ import torch
 from engine.experts.cost_meter import CostMeter
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.cpu_split import CpuSplit
+from engine.experts.device_lane import DeviceLane
 from engine.experts.executor_api import ExecutorCapabilities
 from engine.experts.expert_compute import ExpertCompute
 from engine.experts.expert_store import ExpertStore
@@ -77,6 +78,12 @@ class MoeExecutor:
         self.settle_background = False
         # EngineConfig.resident_lane: False sends every step through the per-layer plan (a diagnostic).
         self.resident_lane = True
+        # On CUDA the resident lane keeps the router's choice on the device (no host read per layer).
+        self.device_lane: DeviceLane | None = (
+            DeviceLane(store, self.fmt.kernel, num_experts)  # type: ignore[arg-type]  # supports(): SwiGLU
+            if store.slots.is_cuda and DeviceLane.supports(self.fmt)
+            else None
+        )
 
     # -- what other packages may read -------------------------------------------------------
     def capabilities(self) -> ExecutorCapabilities:
@@ -217,7 +224,11 @@ class MoeExecutor:
 
         What run() does there, less what cannot matter: a miss policy decides only about misses
         (policies/base.py), so its plan is the router's choice; no slot can be evicted or is
-        prefetched, so nothing to pin, rank or expire. Left: the hit counters and the compute."""
+        prefetched, so nothing to pin, rank or expire. Left: the hit counters and the compute.
+        On CUDA (device_lane) nothing of the router's choice is read to the host."""
+        if self.device_lane is not None:
+            self.stats.record_all_hits(layer, ids.shape[1])
+            return self.device_lane.run(layer, x, ids, weights)
         row = ids.tolist()[0]  # no select op: [1, k] -> a list
         self.stats.record_all_hits(layer, len(row))
         return self.compute.resident(

@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.experts.cost_meter import CostMeter
+from engine.experts.device_copy import CudaOps, SlotCopier
 from engine.experts.expert_store import ExpertStore
 from engine.experts.slow_tier import SlowTier
 from engine.stats import EngineStats
@@ -40,7 +42,7 @@ class Transfer:
     started: bool = False
     cancelled: bool = False
     error: BaseException | None = None
-    cuda_event: torch.cuda.Event | None = None
+    cuda_event: Any = None  # torch.cuda.Event of the copy, on CUDA
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_end: float = 0.0
@@ -76,7 +78,13 @@ class TransferEngine:
         )  # one lock for residency + queue: no lock-order bugs
         self._closed = False
         self._landed = 0  # finished transfers, for waiters that need any slot to free up
-        self._stream = torch.cuda.Stream(device=store.slots.device) if store.slots.is_cuda else None
+        # On CUDA: one pinned copy per expert on a side stream (engine/experts/device_copy.py).
+        slots = store.slots
+        self.copier: SlotCopier | None = (
+            SlotCopier(CudaOps(), slots.device, slots.shape[1], slots.dtype)
+            if slots.is_cuda
+            else None
+        )
         self._threads = [
             threading.Thread(target=self._worker, name=f"expert-transfer-{i}", daemon=True)
             for i in range(workers)
@@ -147,8 +155,8 @@ class TransferEngine:
             self.stats.record_stall(time.perf_counter() - t0, t.layer)
         if t.error is not None:
             raise t.error
-        if t.cuda_event is not None:
-            torch.cuda.current_stream(self.store.slots.device).wait_event(t.cuda_event)
+        if t.cuda_event is not None and self.copier is not None:
+            self.copier.order(t.cuda_event)
 
     def wait_for_any_landing(self, timeout: float = 30.0, layer: int | None = None) -> bool:
         """Block until some in-flight transfer finishes (its slot becomes evictable again).
@@ -222,19 +230,12 @@ class TransferEngine:
             t.t_start = time.perf_counter()
             try:
                 dst = self.store.slots[t.slot]
-                host, t.nbytes = self.tier.fetch(
-                    t.layer, t.expert, into=None if self._stream is not None else dst
-                )
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        dst.copy_(host, non_blocking=True)
-                        t.cuda_event = torch.cuda.Event()
-                        t.cuda_event.record(self._stream)
-                    # A CPU-side wait, in this transfer thread only: it keeps `host` alive until
-                    # the copy has read it. The compute stream waits on the event on the GPU.
-                    t.cuda_event.synchronize()
-                elif host is not dst:  # else the tier assembled the expert in its slot already
-                    _host_copy(dst, host)
+                if self.copier is not None:  # the compute stream waits on the event, on the GPU
+                    t.nbytes, t.cuda_event = self.copier.land(self.tier, t.layer, t.expert, dst)
+                else:
+                    host, t.nbytes = self.tier.fetch(t.layer, t.expert, into=dst)
+                    if host is not dst:  # else the tier assembled the expert in its slot already
+                        _host_copy(dst, host)
             except BaseException as e:  # surfaced to the waiter, never swallowed
                 t.error = e
             t.t_end = time.perf_counter()

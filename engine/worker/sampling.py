@@ -45,9 +45,13 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """argmax of [V] logits, never a NaN one. Fast path: argmax already landed on a number."""
-    i = int(torch.argmax(logits))
-    v = float(logits[i])
+    """argmax of [V] logits, never a NaN one. Fast path: argmax already landed on a number.
+
+    The index and its logit come to the host in one read (as float64, exact for any vocabulary
+    index): on a GPU that is the decode step's one synchronization (tests/test_host_reads.py)."""
+    at = torch.argmax(logits)
+    i_f, v = torch.stack([at.double(), logits[at].double()]).tolist()
+    i = int(i_f)
     if not math.isnan(v) and v != float("-inf"):  # some token is possible
         return i
     return int(torch.argmax(sanitize_logits(logits)))
