@@ -354,6 +354,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
     )
+    ap.add_argument(
+        "--bigger-than-ram",
+        action="store_true",
+        help="instead: the bigger-than-memory cells under memory cgroups (bench/bigger_than_ram.py), appended to --out as a section",
+    )
+    ap.add_argument(
+        "--limits",
+        default="4,6",
+        metavar="GIB",
+        help="--bigger-than-ram: memory cgroup limits in GiB for the Qwen3-30B-A3B cells (default 4,6)",
+    )
+    ap.add_argument(
+        "--oss-limit",
+        type=float,
+        default=6.0,
+        metavar="GIB",
+        help="--bigger-than-ram: the cgroup limit of the full-depth gpt-oss-20b cell in GiB (default 6; 0 skips it)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="--bigger-than-ram: keep the checkpoints, GGUF files and quantized-expert cache (default: deleted at the end)",
+    )
     args = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
@@ -368,6 +391,14 @@ def main(argv: list[str] | None = None) -> None:
     src, why = find_llama_cpp(work, args.llama_cpp)
     if src is None:
         sys.exit(why)
+    if args.bigger_than_ram:
+        from bench.bigger_than_ram import run as bigger_than_ram
+
+        cmd = "python -m bench.real_shapes_bench " + shlex.join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        bigger_than_ram(args, src, work, cmd)
+        return
     ckpt = build_checkpoint(work, args.layers, args.tiny)
     ggufs = gguf_files(src, ckpt)
     share = full_depth_share(work, args.host_memory)
