@@ -316,10 +316,10 @@ def build_files(src: Path, work: Path, layers: int, todo: list[Cell]) -> dict[st
 
 
 def measure(
-    src: Path, work: Path, todo: list[Cell], tokens: int, rounds: int, layers: int
+    src: Path, work: Path, todo: list[Cell], tokens: int, rounds: int, layers: int, warmup: bool
 ) -> dict[str, Any]:
-    """Every cell once per round (a warm-up round first, discarded), engine and llama.cpp back to back
-    under the same cgroup; then the reference runs, dd, the plan's projections."""
+    """Every cell once per round (a warm-up round first, discarded, with `warmup`), engine and llama.cpp
+    back to back under the same cgroup; then the reference runs, dd, the plan's projections."""
     from tqdm.auto import tqdm
 
     from bench.cgroup import MemoryCgroup
@@ -338,7 +338,7 @@ def measure(
     }
     res: dict[str, Any] = {c.name: {"engine": [], "llama": []} for c in todo}
     try:
-        for rnd in tqdm(range(rounds + 1), desc="rounds (first is warm-up)"):
+        for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
                 cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs[(c.model, c.gguf)]
                 e = run_engine(
@@ -348,6 +348,9 @@ def measure(
                 if rnd:
                     res[c.name]["engine"].append(e)
                     res[c.name]["llama"].append(ll)
+                    (work / "progress.json").write_text(
+                        json.dumps(res)
+                    )  # survives an interrupted run
                 print(
                     f"round {rnd} {c.name}: engine {e['decode_tps']:.3f} tok/s, llama.cpp {ll['decode_tps']:.3f}",
                     flush=True,
@@ -500,7 +503,7 @@ def run(args: argparse.Namespace, src: Path, work: Path, command: str) -> None:
     limits = [float(x) for x in args.limits.split(",")]
     todo = cells(limits, args.oss_limit or None)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    m = measure(src, work, todo, args.tokens, args.rounds, args.layers)
+    m = measure(src, work, todo, args.tokens, args.rounds, args.layers, not args.no_warmup)
     rows = summarize(m, todo)
     lines = [
         SECTION,
@@ -509,7 +512,9 @@ def run(args: argparse.Namespace, src: Path, work: Path, command: str) -> None:
         f"Qwen3-30B-A3B's released per-layer shape at {args.layers} of 48 layers (bf16), gpt-oss-20b's at its full "
         "24 layers with its experts MXFP4 as released (dense bf16). Each cell runs the engine and then llama.cpp "
         "in the same memory cgroup (cgroup v1 `memory.limit_in_bytes`; page cache counts against it), each from a "
-        f"cold page cache for its files, {args.rounds} measured round(s) after a warm-up round; ratios per round, "
+        f"cold page cache for its files, {args.rounds} measured round(s)"
+        + ("" if args.no_warmup else " after a warm-up round")
+        + "; ratios per round, "
         "then the median. Engine: `load_model(CKPT, EngineConfig(offload='disk', dtype='bfloat16'[, "
         "expert_quant='int8']))`, no cache flag: its memory plan sizes the fast tier inside the cgroup (planned "
         f"for one sequence of {DECODE_MAX_MODEL_LEN} tokens); {args.tokens} tokens sampled at temperature 1 (seed 0) "

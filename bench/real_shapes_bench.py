@@ -373,6 +373,11 @@ def main(argv: list[str] | None = None) -> None:
         help="--bigger-than-ram: the cgroup limit of the full-depth gpt-oss-20b cell in GiB (default 6; 0 skips it)",
     )
     ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="--bigger-than-ram: no warm-up round before the measured ones (each cell starts from a cold page cache anyway)",
+    )
+    ap.add_argument(
         "--keep",
         action="store_true",
         help="--bigger-than-ram: keep the checkpoints, GGUF files and quantized-expert cache (default: deleted at the end)",
