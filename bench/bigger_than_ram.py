@@ -242,7 +242,7 @@ class Cell:
     model: str  # a key of MODELS
     limit_gib: float
     engine: str  # a key of ENGINE_FIELDS
-    gguf: str  # "bf16" (the converter's output) or a llama-quantize kind of real_shapes_bench.QUANT_TYPES
+    gguf: str  # "bf16" or "mxfp4" (the converter's output) or a llama-quantize kind (QUANT_TYPES)
 
     @property
     def name(self) -> str:
@@ -262,14 +262,19 @@ PLAN_FLAGS = {
 REFERENCE_HOST_MEMORY = "8GiB"  # the reference run: no cgroup, a larger fast tier than any cell's
 
 
-def cells(limits: list[float], oss_limit: float | None) -> list[Cell]:
+def cells(
+    limits: list[float], oss_limit: float | None, kinds: tuple[str, ...] = ("bf16", "int8", "mxfp4")
+) -> list[Cell]:
+    """The cells to run: Qwen3 bf16 and int8 pairs at each limit, gpt-oss MXFP4 at `oss_limit`, the
+    engine kinds limited to `kinds`."""
     out = [
         Cell("qwen3-30b-a3b", g, e, k)
         for g in limits
         for e, k in (("bf16", "bf16"), ("int8", "q8_0"))
+        if e in kinds
     ]
-    if oss_limit:
-        out.append(Cell("gpt-oss-20b", oss_limit, "mxfp4", "bf16"))
+    if oss_limit and "mxfp4" in kinds:
+        out.append(Cell("gpt-oss-20b", oss_limit, "mxfp4", "mxfp4"))
     return out
 
 
@@ -296,7 +301,7 @@ def build_files(src: Path, work: Path, layers: int, todo: list[Cell]) -> dict[st
             continue
         ckpt = ckpts[c.model]
         bf16 = convert(src, ckpt, "bf16")  # gpt-oss: MXFP4 experts repacked as such, dense bf16
-        if c.gguf == "bf16":
+        if c.gguf in ("bf16", "mxfp4"):  # mxfp4: the converter's output, experts as shipped
             ggufs[key] = bf16
             continue
         qtype, extra = QUANT_TYPES[c.gguf]
@@ -501,7 +506,7 @@ def run(args: argparse.Namespace, src: Path, work: Path, command: str) -> None:
     if why:
         sys.exit(f"--bigger-than-ram needs memory cgroups: {why}")
     limits = [float(x) for x in args.limits.split(",")]
-    todo = cells(limits, args.oss_limit or None)
+    todo = cells(limits, args.oss_limit or None, tuple(args.kinds.split(",")))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     m = measure(src, work, todo, args.tokens, args.rounds, args.layers, not args.no_warmup)
     rows = summarize(m, todo)
@@ -536,9 +541,9 @@ def run(args: argparse.Namespace, src: Path, work: Path, command: str) -> None:
             text = text[: text.index(SECTION)].rstrip() + "\n"
         out.write_text(text + ("\n" if text else "") + "\n".join(lines) + "\n")
         side = out.with_name(out.stem + "_bigger_than_ram.json")
-        side.write_text(
-            json.dumps({"command": command, "started": started, "rows": rows, **m}, indent=2)
-        )
+        kept = {k: v for k, v in m.items() if k not in ("ckpt_paths", "gguf_paths")}
+        dump = json.dumps({"command": command, "started": started, "rows": rows, **kept}, indent=2)
+        side.write_text(dump.replace(str(work), str(args.work)))  # no absolute paths
     print("\n".join(lines))
     if not args.keep:
         for p in [*m["ckpt_paths"], *m["gguf_paths"], work / "quant-cache"]:

@@ -373,6 +373,11 @@ def main(argv: list[str] | None = None) -> None:
         help="--bigger-than-ram: the cgroup limit of the full-depth gpt-oss-20b cell in GiB (default 6; 0 skips it)",
     )
     ap.add_argument(
+        "--kinds",
+        default="bf16,int8,mxfp4",
+        help="--bigger-than-ram: the engine expert kinds to run (default bf16,int8,mxfp4: Qwen3 bf16 / bf16 GGUF, Qwen3 int8 / Q8_0, gpt-oss MXFP4 / MXFP4)",
+    )
+    ap.add_argument(
         "--no-warmup",
         action="store_true",
         help="--bigger-than-ram: no warm-up round before the measured ones (each cell starts from a cold page cache anyway)",

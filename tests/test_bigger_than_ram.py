@@ -25,9 +25,10 @@ def test_cells_pair_equal_bits_per_limit() -> None:
         ("qwen3-30b-a3b", 4, "int8", "q8_0"),
         ("qwen3-30b-a3b", 6, "bf16", "bf16"),
         ("qwen3-30b-a3b", 6, "int8", "q8_0"),
-        ("gpt-oss-20b", 6, "mxfp4", "bf16"),
+        ("gpt-oss-20b", 6, "mxfp4", "mxfp4"),
     ]
     assert cells([4], None) == cells([4], 0) == got[:2]
+    assert cells([4, 6], 6, ("bf16", "mxfp4")) == [got[0], got[2], got[4]]
 
 
 def test_summary_is_per_round_ratio_then_median_and_flags_token_mismatch() -> None:
