@@ -278,7 +278,7 @@ def cells(
     return out
 
 
-def build_files(src: Path, work: Path, layers: int, todo: list[Cell]) -> dict[str, Any]:
+def build_files(src: Path | None, work: Path, layers: int, todo: list[Cell]) -> dict[str, Any]:
     """The checkpoints and GGUF files the cells need (each built once, under `work`)."""
     from bench.peers import build_target, convert
     from bench.real_shapes import write_checkpoint
@@ -295,7 +295,7 @@ def build_files(src: Path, work: Path, layers: int, todo: list[Cell]) -> dict[st
             (p / ".complete").write_text("")
         ckpts["gpt-oss-20b"] = p
     ggufs: dict[tuple[str, str], Path] = {}
-    for c in todo:
+    for c in todo if src is not None else []:
         key = (c.model, c.gguf)
         if key in ggufs:
             continue
@@ -321,7 +321,13 @@ def build_files(src: Path, work: Path, layers: int, todo: list[Cell]) -> dict[st
 
 
 def measure(
-    src: Path, work: Path, todo: list[Cell], tokens: int, rounds: int, layers: int, warmup: bool
+    src: Path | None,
+    work: Path,
+    todo: list[Cell],
+    tokens: int,
+    rounds: int,
+    layers: int,
+    warmup: bool,
 ) -> dict[str, Any]:
     """Every cell once per round (a warm-up round first, discarded, with `warmup`), engine and llama.cpp
     back to back under the same cgroup; then the reference runs, dd, the plan's projections."""
@@ -345,14 +351,19 @@ def measure(
     try:
         for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
-                cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs[(c.model, c.gguf)]
+                cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs.get((c.model, c.gguf))
                 e = run_engine(
                     spec(c), cg, [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt]
                 )
-                ll = run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
+                ll = (
+                    run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
+                    if src is not None and gguf is not None
+                    else {"decode_tps": float("nan")}
+                )
                 if rnd:
                     res[c.name]["engine"].append(e)
-                    res[c.name]["llama"].append(ll)
+                    if src is not None:
+                        res[c.name]["llama"].append(ll)
                     (work / "progress.json").write_text(
                         json.dumps(res)
                     )  # survives an interrupted run
@@ -414,7 +425,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
         r = m["cells"][c.name]
         eng, ll = r["engine"], r["llama"]
         ref = m["references"][f"{c.model} {c.engine}"]
-        per = [e["decode_tps"] / x["decode_tps"] for e, x in zip(eng, ll)]
+        per = [e["decode_tps"] / x["decode_tps"] for e, x in zip(eng, ll)]  # [] without llama.cpp
         e_tps = median(e["decode_tps"] for e in eng)
         bytes_tok = median(e["bytes_per_token"] for e in eng)
         min_tok = median(e["min_bytes_per_token"] for e in eng)
@@ -424,9 +435,9 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
             {
                 "cell": c.name,
                 "engine_tps": e_tps,
-                "llama_tps": median(x["decode_tps"] for x in ll),
+                "llama_tps": median(x["decode_tps"] for x in ll) if ll else None,
                 "per_round": per,
-                "ratio": median(per),
+                "ratio": median(per) if per else None,
                 "engine_bytes_per_token": bytes_tok,
                 "llama_bytes_per_token": next(
                     (x["bytes_per_token"] for x in ll if "bytes_per_token" in x), None
@@ -442,7 +453,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
                 "tokens_equal_reference": all(e["tokens"] == ref["tokens"] for e in eng),
                 "reference_n_slots": ref["n_slots"],
                 "engine_peak": max(e.get("cgroup_peak") or 0 for e in eng),
-                "llama_peak": max(x.get("cgroup_peak") or 0 for x in ll),
+                "llama_peak": max((x.get("cgroup_peak") or 0 for x in ll), default=0),
             }
         )
     return rows
@@ -459,6 +470,9 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["llama_tps"] is None:
+            lines.append(f"| {r['cell']} | {r['engine_tps']:.3f} | not run | | |")
+            continue
         per = ", ".join(f"{x:.2f}" for x in r["per_round"])
         lines.append(
             f"| {r['cell']} | {r['engine_tps']:.3f} | {r['llama_tps']:.3f} | {per} | **{r['ratio']:.2f}×** |"
@@ -495,7 +509,7 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
 SECTION = "## c. Bigger than memory, under memory cgroups"
 
 
-def run(args: argparse.Namespace, src: Path, work: Path, command: str) -> None:
+def run(args: argparse.Namespace, src: Path | None, work: Path, command: str) -> None:
     """The whole bigger-than-memory run: files, rounds, references, report (appended to --out as its
     own section, the numbers in OUT_bigger_than_ram.json), then the files deleted unless --keep."""
     import shutil

@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         help="--bigger-than-ram: the engine expert kinds to run (default bf16,int8,mxfp4: Qwen3 bf16 / bf16 GGUF, Qwen3 int8 / Q8_0, gpt-oss MXFP4 / MXFP4)",
     )
     ap.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="--bigger-than-ram: the engine cells alone (llama.cpp's columns say 'not run')",
+    )
+    ap.add_argument(
         "--no-warmup",
         action="store_true",
         help="--bigger-than-ram: no warm-up round before the measured ones (each cell starts from a cold page cache anyway)",
@@ -398,17 +403,20 @@ def main(argv: list[str] | None = None) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    src, why = find_llama_cpp(work, args.llama_cpp)
-    if src is None:
-        sys.exit(why)
     if args.bigger_than_ram:
         from bench.bigger_than_ram import run as bigger_than_ram
 
         cmd = "python -m bench.real_shapes_bench " + shlex.join(
             argv if argv is not None else sys.argv[1:]
         )
-        bigger_than_ram(args, src, work, cmd)
+        found, why = (None, "") if args.no_llama_cpp else find_llama_cpp(work, args.llama_cpp)
+        if found is None and not args.no_llama_cpp:
+            sys.exit(why)
+        bigger_than_ram(args, found, work, cmd)
         return
+    src, why = find_llama_cpp(work, args.llama_cpp)
+    if src is None:
+        sys.exit(why)
     ckpt = build_checkpoint(work, args.layers, args.tiny)
     ggufs = gguf_files(src, ckpt)
     share = full_depth_share(work, args.host_memory)
