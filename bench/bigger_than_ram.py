@@ -73,7 +73,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
         E = om.num_experts
         index = {layer: i for i, layer in enumerate(om.moe_layers)}
         store, reader = om.transfers.store, om.transfers.tier.reader
-        resident = [k for k in range(len(index) * E) if store.is_resident(k)]
+        resident: list[int] = []  # the fast tier as the decode starts (after the prompt's prefill)
         accesses: list[list[int]] = []
         first: dict[str, Any] = {}
 
@@ -82,6 +82,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
                 return  # the prompt's prefill
             if not first:  # before the first decode layer's experts run: the decode starts here
                 first.update(stats=om.stats.snapshot(), clock=reader.clock.snapshot())
+                resident.extend(k for k in range(len(index) * E) if store.is_resident(k))
             base = index[ev.layer] * E
             accesses.append([base + int(e) for e in ev.ids[0].tolist()])
 
@@ -551,9 +552,12 @@ def run(args: argparse.Namespace, src: Path | None, work: Path, command: str) ->
     out: Path | None = args.out
     if out is not None:
         text = out.read_text() if out.exists() else ""
-        if SECTION in text:
-            text = text[: text.index(SECTION)].rstrip() + "\n"
-        out.write_text(text + ("\n" if text else "") + "\n".join(lines) + "\n")
+        rest = ""
+        if SECTION in text:  # replace the section of an earlier run, keep the sections after it
+            head, tail = text.split(SECTION, 1)
+            nxt = tail.find("\n## ")
+            text, rest = head.rstrip() + "\n", tail[nxt:] if nxt >= 0 else ""
+        out.write_text(text + ("\n" if text else "") + "\n".join(lines) + "\n" + rest)
         side = out.with_name(out.stem + "_bigger_than_ram.json")
         kept = {k: v for k, v in m.items() if k not in ("ckpt_paths", "gguf_paths")}
         dump = json.dumps({"command": command, "started": started, "rows": rows, **kept}, indent=2)
