@@ -31,6 +31,10 @@ than a real Qwen3 does, so every figure that depends on the cache (the disk cell
 
     python -m bench.real_shapes_bench --tiny --work .cache/realbench-dry --rounds 1      # pipeline check, a minute
     python -m bench.real_shapes_bench --layers 8 --work .cache/realbench --out docs/benchmarks/real_shapes.md
+    python -m bench.real_shapes_bench --bigger-than-ram --layers 8 --work .cache/bigram --out docs/benchmarks/real_shapes.md
+
+--bigger-than-ram runs bench/bigger_than_ram.py instead: the engine's `--offload disk` against llama.cpp's mmap
+under memory cgroups (root or a delegated cgroup), appended to --out as its own section.
 """
 
 from __future__ import annotations
