@@ -31,6 +31,10 @@ than a real Qwen3 does, so every figure that depends on the cache (the disk cell
 
     python -m bench.real_shapes_bench --tiny --work .cache/realbench-dry --rounds 1      # pipeline check, a minute
     python -m bench.real_shapes_bench --layers 8 --work .cache/realbench --out docs/benchmarks/real_shapes.md
+    python -m bench.real_shapes_bench --bigger-than-ram --layers 8 --work .cache/bigram --out docs/benchmarks/real_shapes.md
+
+--bigger-than-ram runs bench/bigger_than_ram.py instead: the engine's `--offload disk` against llama.cpp's mmap
+under memory cgroups (root or a delegated cgroup), appended to --out as its own section.
 """
 
 from __future__ import annotations
@@ -354,6 +358,44 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
     )
+    ap.add_argument(
+        "--bigger-than-ram",
+        action="store_true",
+        help="instead: the bigger-than-memory cells under memory cgroups (bench/bigger_than_ram.py), appended to --out as a section",
+    )
+    ap.add_argument(
+        "--limits",
+        default="4,6",
+        metavar="GIB",
+        help="--bigger-than-ram: memory cgroup limits in GiB for the Qwen3-30B-A3B cells (default 4,6)",
+    )
+    ap.add_argument(
+        "--oss-limit",
+        type=float,
+        default=6.0,
+        metavar="GIB",
+        help="--bigger-than-ram: the cgroup limit of the full-depth gpt-oss-20b cell in GiB (default 6; 0 skips it)",
+    )
+    ap.add_argument(
+        "--kinds",
+        default="bf16,int8,mxfp4",
+        help="--bigger-than-ram: the engine expert kinds to run (default bf16,int8,mxfp4: Qwen3 bf16 / bf16 GGUF, Qwen3 int8 / Q8_0, gpt-oss MXFP4 / MXFP4)",
+    )
+    ap.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="--bigger-than-ram: the engine cells alone (llama.cpp's columns say 'not run')",
+    )
+    ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="--bigger-than-ram: no warm-up round before the measured ones (each cell starts from a cold page cache anyway)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="--bigger-than-ram: keep the checkpoints, GGUF files and quantized-expert cache (default: deleted at the end)",
+    )
     args = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
@@ -365,6 +407,17 @@ def main(argv: list[str] | None = None) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.bigger_than_ram:
+        from bench.bigger_than_ram import run as bigger_than_ram
+
+        cmd = "python -m bench.real_shapes_bench " + shlex.join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        found, why = (None, "") if args.no_llama_cpp else find_llama_cpp(work, args.llama_cpp)
+        if found is None and not args.no_llama_cpp:
+            sys.exit(why)
+        bigger_than_ram(args, found, work, cmd)
+        return
     src, why = find_llama_cpp(work, args.llama_cpp)
     if src is None:
         sys.exit(why)

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.budget import fmt_bytes
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
+
+if TYPE_CHECKING:
+    from engine.offline.hardware import Costs, ModelShape
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
@@ -28,13 +33,10 @@ def _shape(fp: Footprint, model_type: str):
     from engine.offline.hardware import SHAPES, ModelShape
 
     for s in SHAPES.values():
-        if (s.layers, s.experts, s.top_k, s.hidden) == (
-            fp.moe_layers,
-            fp.experts_per_layer,
-            fp.top_k,
-            fp.hidden,
-        ):
-            return s
+        if (s.experts, s.top_k, s.hidden) == (fp.experts_per_layer, fp.top_k, fp.hidden):
+            # The same layer shape at another depth (a checkpoint cut to fewer layers): the named
+            # shape's per-layer costs, its layer count replaced (see depth_scaled for the LM head).
+            return s if s.layers == fp.moe_layers else replace(s, layers=fp.moe_layers)
     itemsize = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}.get(str(fp.dtype), 2)
     head = fp.vocab * fp.hidden
     dense_params = max(0.0, fp.dense_bytes / itemsize - 2 * head) / max(1, fp.moe_layers)
@@ -48,6 +50,31 @@ def _shape(fp: Footprint, model_type: str):
         dense_params_per_layer=dense_params,
         head_params=head,
         source="derived from the checkpoint's config.json and safetensors headers",
+    )
+
+
+def depth_scaled(costs: Costs, shape: ModelShape) -> Costs:
+    """`costs` for `shape` when it is a named shape at another depth: a profile's measured dense cost
+    per layer spreads the LM head over the released depth (dense + head / released layers), so at
+    `shape.layers` layers it is scaled by (dense + head / layers) / (dense + head / released)."""
+    from engine.offline.hardware import SHAPES
+
+    named = SHAPES.get(shape.name)
+    if named is None or named.layers == shape.layers or not shape.dense_params_per_layer:
+        return costs
+    per = lambda layers: shape.dense_params_per_layer + shape.head_params / layers  # noqa: E731
+    f = per(shape.layers) / per(named.layers)
+    a, b = costs.dense
+    points = (
+        tuple((rows, us * f) for rows, us in costs.dense_points)
+        if costs.dense_points is not None
+        else None
+    )
+    return replace(
+        costs,
+        dense=(a * f, b * f),
+        dense_points=points,
+        notes=(*costs.notes, f"dense scaled x{f:.2f} to {shape.layers} of {named.layers} layers"),
     )
 
 
@@ -78,7 +105,7 @@ def project(
     shape = _shape(fp, model_type)
     try:
         trace = project_trace(_head(load_trace(trace_path), SIM_TOKENS), shape)
-        costs = costs_for(hardware, shape, expert_bytes=fp.expert_disk_bytes)
+        costs = depth_scaled(costs_for(hardware, shape, expert_bytes=fp.expert_disk_bytes), shape)
     except (OSError, ValueError, KeyError) as e:  # ProfileError is a ValueError
         return [], f"no projection: {e}"
     if link:

@@ -133,3 +133,21 @@ def test_deepseek_fp8_block(tiny_ckpt, tmp_path) -> None:
     save_file(quant, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(dense, str(fdir / "model.safetensors"), metadata={"format": "pt"})
     _compare(qdir, fdir, "fp8-block")
+
+
+def test_mxfp4_dequant_is_each_code_times_its_power_of_two() -> None:
+    """The table dequant equals e2m1 value x 2^(scale - 127) computed directly, for every code and
+    every finite scale (255 is NaN in the OCP MX spec), in bf16 and f32."""
+    from engine.experts.native_quant import _FP4, dequant_mxfp4
+
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(255, 1).view(255, 16, 16)  # every byte
+    scales = torch.arange(255, dtype=torch.uint8).view(255, 1).expand(255, 16).contiguous()
+    lo, hi = blocks & 15, blocks >> 4
+    codes = torch.stack((lo, hi), dim=-1).flatten(-2).long()  # [255, 16, 32], low nibble first
+    for dt in (torch.bfloat16, torch.float32):
+        want = (
+            torch.tensor(_FP4, dtype=torch.float64)[codes]
+            * torch.exp2(scales.double() - 127).unsqueeze(-1)
+        ).to(dt)
+        got = dequant_mxfp4(blocks, scales, dt)
+        assert got.dtype == dt and torch.equal(got, want.flatten(-2))

@@ -34,7 +34,28 @@ def test_reads_exact_bytes_at_unaligned_offsets(
     )
     with pytest.raises(CheckpointError, match="truncated"):
         r.read(f, len(data) - 5, 50)
+    clock = r.clock.snapshot()  # the five reads that delivered, not the truncated one
+    assert (clock["reads"], clock["bytes"]) == (5, 10 + 4096 + 2 + 7000 + 5)
     r.close()
+
+
+def test_read_clock_counts_overlapping_reads_once() -> None:
+    """Two reads in flight at once add their overlap to the busy time once, not twice."""
+    import time
+
+    from engine.experts.uncached_io import ReadClock
+
+    clock = ReadClock()
+    t0 = time.perf_counter()
+    clock.start()
+    clock.start()
+    time.sleep(0.02)
+    clock.stop(100)
+    clock.stop(200)
+    wall = time.perf_counter() - t0
+    snap = clock.snapshot()
+    assert (snap["bytes"], snap["reads"]) == (300, 2)
+    assert 0.02 <= snap["busy_seconds"] <= wall
 
 
 def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_ckpt) -> None:

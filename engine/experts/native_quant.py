@@ -54,11 +54,31 @@ class RawPartsFormat(ExpertFormat):
         return [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in self._parts]
 
 
+_TABLES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mxfp4_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[256, 2]: a byte's two e2m1 values (low nibble first); [256]: an e8m0 scale's 2^(s - 127)."""
+    key = (dtype, device)
+    if key not in _TABLES:
+        fp4 = torch.tensor(_FP4, dtype=torch.float32)
+        b = torch.arange(256)
+        pairs = torch.stack((fp4[b & 15], fp4[b >> 4]), dim=-1)
+        pow2 = torch.ldexp(torch.ones(256, dtype=torch.float64), b - 127)
+        _TABLES[key] = (pairs.to(dtype).to(device), pow2.to(dtype).to(device))
+    return _TABLES[key]
+
+
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [R, G, 16] uint8, scales [R, G] uint8 -> weights [R, G * 32]."""
-    lut = torch.tensor(_FP4, dtype=dtype, device=blocks.device)
-    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [R, G, 32]
-    return torch.ldexp(lut[codes], scales.to(torch.int32).unsqueeze(-1) - 127).flatten(-2)
+    """blocks [R, G, 16] uint8, scales [R, G] uint8 -> weights [R, G * 32], each code's e2m1 value
+    times 2^(scale - 127). Exact: an e2m1 value has 2 significant bits, so the product is a float
+    of `dtype` unless it leaves the exponent range. One table lookup per byte (both nibbles at once,
+    int32 indices) and one per scale: the gather-and-multiply that runs on every expert call."""
+    pairs, pow2 = _mxfp4_tables(dtype, blocks.device)
+    R, G, _ = blocks.shape
+    vals = pairs.index_select(0, blocks.reshape(-1).to(torch.int32)).view(R, G, 32)
+    scale = pow2.index_select(0, scales.reshape(-1).to(torch.int32)).view(R, G, 1)
+    return (vals * scale).view(R, G * 32)
 
 
 class Mxfp4GptOssFormat(RawPartsFormat):

@@ -11,11 +11,45 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 
 from engine.errors import CheckpointError
 
 _ALIGN = 4096
+
+
+class ReadClock:
+    """What the reads alone achieved: bytes read and the wall time with at least one read in
+    flight (reads overlap on several transfer threads, so per-read times would count twice).
+    bytes / busy_seconds is the disk's delivered bandwidth, comparable with `dd iflag=direct`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self.bytes = 0
+        self.reads = 0
+        self.busy_seconds = 0.0
+
+    def start(self) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+
+    def stop(self, nbytes: int) -> None:
+        """One read ended, having delivered `nbytes` (0 when it failed)."""
+        with self._lock:
+            self._inflight -= 1
+            self.bytes += nbytes
+            self.reads += nbytes > 0
+            if self._inflight == 0:
+                self.busy_seconds += time.perf_counter() - self._since
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {"bytes": self.bytes, "reads": self.reads, "busy_seconds": self.busy_seconds}
 
 
 class UncachedReader:
@@ -28,6 +62,7 @@ class UncachedReader:
         self._scratch = (
             threading.local()
         )  # per thread: one reusable aligned buffer (read(scratch=True))
+        self.clock = ReadClock()
 
     @property
     def modes(self) -> dict[str, str]:
@@ -54,6 +89,16 @@ class UncachedReader:
         valid only until the thread's next scratch read (callers that copy it at once: the disk
         tier). A fresh buffer per read costs an mmap and a munmap, and munmap interrupts every
         core running this process to flush its TLB."""
+        self.clock.start()
+        got = 0
+        try:
+            view = self._read(path, offset, nbytes, scratch)
+            got = nbytes
+            return view
+        finally:
+            self.clock.stop(got)
+
+    def _read(self, path: Path, offset: int, nbytes: int, scratch: bool) -> memoryview:
         fd, direct = self._fd(path)
         if direct:
             try:
