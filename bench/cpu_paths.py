@@ -117,6 +117,9 @@ def main() -> None:
         help="where the checkpoint is built (default .cache/peers)",
     )
     ap.add_argument("--out", type=Path, help="write the report (Markdown, and JSON beside it) here")
+    ap.add_argument(
+        "--cells", help="comma-separated cell names to run (default: every cell this CPU can run)"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one cell, in a child process
     ap.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -134,6 +137,8 @@ def main() -> None:
     ckpt = checkpoint(args.work, "mid")
     builds = [v.name for v in runnable()]
     cells = [c for c in CELLS if not c.startswith("--native-build") or c.split()[-1] in builds]
+    if args.cells:
+        cells = [c for c in cells if c in args.cells.split(",")]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in cells}
     t0 = time.time()
     for rnd in range(args.rounds):

@@ -168,6 +168,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "cpu_paths",
         "is the default the fastest path on this CPU? every --forward / --native-kernels / --native-build "
         "choice against transformers",
+        ("cpu_paths.md",),
     ),
     Benchmark(
         "gpu-check-all",

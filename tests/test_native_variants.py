@@ -103,10 +103,12 @@ def test_the_measurement_picks_the_fast_build_and_declines_slow_ones() -> None:
     assert fast is not None
     m = measure(SHAPES, {"slow": _Slowed(fast, 4), "portable": fast})  # type: ignore[dict-item]
     assert m.chosen == "portable" and m.gbps["slow"] < m.gbps["portable"], m
-    # Every build slowed past torch's F.linear: torch wins, so auto leaves the native kernels off.
-    m = measure(SHAPES, {"slow": _Slowed(fast, 40)})  # type: ignore[dict-item]
+    # Every build slowed far past torch's F.linear and its per-layer calls: torch wins, so auto leaves
+    # the native kernels off.
+    m = measure(SHAPES, {"slow": _Slowed(fast, 400)})  # type: ignore[dict-item]
     assert m.chosen == "torch" and set(m.gbps) == {"slow", "torch"}, m
-    assert "torch" in m.line() and "slow" in m.line()
+    assert "torch" in m.line() and "slow" in m.line() and "a decode layer" in m.line()
+    assert m.layer_ms is not None and m.layer_ms["torch"] < m.layer_ms["slow"]
 
 
 @needs_cc

@@ -46,25 +46,51 @@ TIE = 0.95  # within 5 %: the earlier candidate (the widest build, then any buil
 @dataclass(frozen=True)
 class DecodeShapes:
     """What a decode step multiplies: the matrices [rows, cols] of one layer (experts' gate_up and down,
-    attention's q projection) in the activation dtype."""
+    attention's q projection) in the activation dtype, and how many experts a token runs."""
 
     dtype: str  # "float32" or "bfloat16"
     mats: tuple[tuple[int, int], ...]
+    top_k: int = 1
+
+    def layer_bytes(self) -> int:
+        """The weight bytes one decode layer streams: top_k times the expert matrices (all but the last),
+        and four attention projections of the last one's size (q, k, v, o: an upper bound for GQA)."""
+        es = torch.finfo(getattr(torch, self.dtype)).bits // 8
+        *experts, attention = self.mats
+        return es * (self.top_k * sum(r * c for r, c in experts) + 4 * attention[0] * attention[1])
+
+    def torch_ops_per_layer(self) -> int:
+        """What torch's layer-by-layer path spends a decode layer besides streaming its matmuls, in units of
+        one small torch call. Calibrated, not counted: on the mid checkpoint (top-8, f32, an AMD EPYC with
+        AVX2, docs/benchmarks/cpu_paths.md) that path took 1.3 ms a layer beyond its matmuls' streaming
+        time, about 370 small calls' worth (module calls, norms, rotary, attention, router, and each
+        expert's activation, product, scale and sum)."""
+        return 50 + 40 * self.top_k
 
 
 @dataclass(frozen=True)
 class Measurement:
-    gbps: dict[
-        str, float
-    ]  # candidate (a build's name or "torch") -> weight bytes streamed per second / 1e9
+    # candidate (a build's name or "torch") -> weight bytes streamed per second / 1e9
+    gbps: dict[str, float]
     chosen: str  # the fastest candidate
     cached: bool = False
+    layer_ms: dict[str, float] | None = (
+        None  # candidate -> estimated ms a decode layer (see measure)
+    )
 
     def line(self) -> str:
         figures = ", ".join(
             f"{name} {g:.1f}" for name, g in sorted(self.gbps.items(), key=lambda kv: -kv[1])
         )
-        return f"measured GB/s at this model's decode shapes: {figures}" + (
+        per_layer = (
+            "; estimated ms a decode layer: "
+            + ", ".join(
+                f"{n} {t:.2f}" for n, t in sorted(self.layer_ms.items(), key=lambda kv: kv[1])
+            )
+            if self.layer_ms
+            else ""
+        )
+        return f"measured GB/s at this model's decode shapes: {figures}{per_layer}" + (
             " (cached)" if self.cached else ""
         )
 
@@ -126,12 +152,29 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
     finally:
         torch.set_num_threads(threads)
     gbps = {name: max(v) for name, v in per.items()}
-    best_native = max((gbps[n] for n in builds), default=0.0)
-    native_first = [n for n in builds if gbps[n] >= TIE * best_native]
-    # torch wins only by more than the tie: the native kernels' forward also saves the Python and
-    # dispatch of every other op of a layer (norms, router, residuals), which this does not time.
-    chosen = native_first[0] if native_first and best_native >= TIE * gbps[TORCH] else TORCH
-    return Measurement(gbps, chosen)
+    # A decode layer, per candidate: its weight bytes at the candidate's speed, plus, for torch's
+    # layer-by-layer path, the measured cost of one small torch call times the calls it makes besides
+    # the matmuls; the native path runs the layer in one call (the fused forward).
+    op_s = _small_op_seconds(shapes.mats[-1][1], dtype)
+    layer_ms = {n: shapes.layer_bytes() / (g * 1e9) * 1e3 for n, g in gbps.items()}
+    layer_ms[TORCH] += shapes.torch_ops_per_layer() * op_s * 1e3
+    best_native = min((layer_ms[n] for n in builds), default=float("inf"))
+    native_first = [n for n in builds if layer_ms[n] * TIE <= best_native]
+    chosen = native_first[0] if native_first and best_native * TIE <= layer_ms[TORCH] else TORCH
+    return Measurement(gbps, chosen, layer_ms=layer_ms)
+
+
+def _small_op_seconds(n: int, dtype: torch.dtype) -> float:
+    """Thread CPU seconds of one small torch call (an add of two [1, n] rows): what each of the
+    layer-by-layer path's non-matmul calls costs, dispatch and Python included."""
+    a = torch.ones(1, n, dtype=dtype)
+    calls = 400
+
+    def run() -> None:
+        for _ in range(calls):
+            torch.add(a, a)
+
+    return min(_time(run) for _ in range(3)) / calls
 
 
 def _key(shapes: DecodeShapes, builds: Mapping[str, str]) -> str:
@@ -159,9 +202,11 @@ def measured(
         known = {}
     hit = known.get(key)
     if isinstance(hit, dict) and set(hit.get("gbps", {})) == {*builds, TORCH}:
-        return Measurement(dict(hit["gbps"]), str(hit["chosen"]), cached=True)
+        return Measurement(
+            dict(hit["gbps"]), str(hit["chosen"]), cached=True, layer_ms=hit.get("layer_ms")
+        )
     m = measure(shapes, builds)
-    known[key] = {"gbps": m.gbps, "chosen": m.chosen}
+    known[key] = {"gbps": m.gbps, "chosen": m.chosen, "layer_ms": m.layer_ms}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".json")

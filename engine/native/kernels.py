@@ -1,42 +1,30 @@
 """Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c, decode_layer.c).
 
-`NativeKernels` wraps one loaded library; the process's one instance, and whether the kernels
-run at all, are engine/native/loaded.py's (`native()`). The wrappers take torch tensors on the
-CPU and pass their data pointers; ctypes releases the GIL for the call, so transfer threads keep
-running.
+`NativeKernels` wraps one loaded build (engine/native/variants.py) of the library: the matrix kernels
+here, the row-wise ones (norms, rotary, attention) in engine/native/row_ops.py. The process's one
+instance, and whether the kernels run at all, are engine/native/loaded.py's (`native()`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 
 import torch
 
-from engine.native.signatures import declare
+from engine.native.row_ops import MAX_ROWS, W_CODES, X_CODES, KernelLibrary
 
-W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
-X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
-MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
-
+__all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
 
 
-class NativeKernels:
+class NativeKernels(KernelLibrary):
     def __init__(self, lib: ctypes.CDLL, variant: str = "portable") -> None:
-        self.lib = lib
+        super().__init__(lib)
         self.variant = variant  # which build (engine/native/variants.py)
-        declare(lib)
         caps = lib.capabilities()
         self.avx512, self.bf16_dot, self.vnni = bool(caps & 1), bool(caps & 2), bool(caps & 4)
         self.avx2 = bool(caps & 8)
-        self._local = (
-            threading.local()
-        )  # one scratch buffer per calling thread (compute, CPU-expert workers)
-        self._scratch_bytes: dict[
-            tuple, int
-        ] = {}  # each kernel's scratch size per shape, asked of the library once
 
     def describe(self) -> str:
         isa = (
@@ -47,22 +35,6 @@ class NativeKernels:
             else "plain C, vectorised by the compiler"
         )
         return f"native CPU kernels, build {self.variant} ({isa})"
-
-    def _scratch(self, size_fn: str, *shape: int) -> int:
-        """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
-        shape, asked once per shape: a decode step calls the kernels many times a layer with the same
-        few shapes, and each question is a ctypes call."""
-        key = (size_fn, *shape)
-        nbytes = self._scratch_bytes.get(key)
-        if nbytes is None:
-            nbytes = self._scratch_bytes[key] = getattr(self.lib, size_fn)(*shape)
-        return nbytes
-
-    def _work(self, nbytes: int) -> int:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._local.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
-        return buf.data_ptr()
 
     def gemv(
         self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
@@ -210,93 +182,6 @@ class NativeKernels:
         )
         return y if rc == 0 else None
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
-        out = torch.empty_like(x)
-        n = x.shape[-1]
-        self.lib.rmsnorm(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            out.data_ptr(),
-        )
-        return out
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x [..., rows, heads, d] in place (contiguous, f32 or bf16) with cos and sin
-        [..., rows, rot] of x's dtype (rot <= d, even, at most 1024): transformers' rotate_half convention,
-        rounding as its elementwise ops do. Returns x."""
-        heads, d = x.shape[-2], x.shape[-1]
-        rot = cos.shape[-1]
-        self.lib.rope(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // (heads * d),
-            heads,
-            d,
-            rot,
-            cos.data_ptr(),
-            sin.data_ptr(),
-        )
-        return x
-
-    def qk_norm_rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        q_eps: float,
-        k_eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        """rmsnorm of every head of q [..., rows, hq, d] and k [..., rows, hk, d] (weights [d]), then rope,
-        in place: the same arithmetic as rmsnorm() and rope() one after the other, in one call."""
-        hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
-        self.lib.qk_norm_rope(
-            q.data_ptr(),
-            k.data_ptr(),
-            X_CODES[q.dtype],
-            q.numel() // (hq * d),
-            hq,
-            hk,
-            d,
-            q_weight.data_ptr(),
-            k_weight.data_ptr(),
-            W_CODES[q_weight.dtype],
-            q_eps,
-            k_eps,
-            cos.shape[-1],
-            cos.data_ptr(),
-            sin.data_ptr(),
-        )
-
-    def add_rmsnorm(
-        self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + a, rmsnorm(x + a)) for x, a [..., n] of one dtype (contiguous), in one call: the same
-        arithmetic as torch's add followed by rmsnorm()."""
-        total, normed = torch.empty_like(x), torch.empty_like(x)
-        n = x.shape[-1]
-        self.lib.add_rmsnorm(
-            x.data_ptr(),
-            a.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            total.data_ptr(),
-            normed.data_ptr(),
-        )
-        return total, normed
-
     def router_topk(
         self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -363,79 +248,3 @@ class NativeKernels:
             torch.get_num_threads(),
         )
         return (logits, weights, ids) if rc == 0 else None
-
-    def kv_append(
-        self,
-        key_buffer: torch.Tensor,
-        value_buffer: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        at: int,
-    ) -> None:
-        """Write k and v [1, heads, n, d] (d contiguous) at positions at..at+n-1 of the contiguous
-        buffers [1, heads, capacity, d] of their dtype, in one call."""
-        _, heads, n, d = k.shape
-        ks, vs = k.stride(), v.stride()
-        self.lib.kv_append(
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            heads,
-            n,
-            d,
-            key_buffer.shape[2],
-            at,
-            ks[1],
-            ks[2],
-            vs[1],
-            vs[2],
-            k.element_size(),
-        )
-
-    def decode_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        key_buffer: torch.Tensor,
-        value_buffer: torch.Tensor,
-        at: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """One new row's attention for one sequence (cpu_gemv.c `decode_attention`): q [hq, d], k and v
-        [hk, d] (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k
-        weight, q eps, k eps) or None, cos/sin [rot] or None, the KV buffers [1, hk, capacity, d] of the
-        same dtype, the new row's position `at`. Returns [1, hq * d]."""
-        hq, d = q.shape
-        hk = k.shape[0]
-        out = torch.empty((1, hq * d), dtype=q.dtype)
-        qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
-        self.lib.decode_attention(
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            X_CODES[q.dtype],
-            hq,
-            hk,
-            d,
-            None if qw is None else qw.data_ptr(),
-            None if kw is None else kw.data_ptr(),
-            W_CODES[qw.dtype] if qw is not None else 0,
-            q_eps,
-            k_eps,
-            0 if cos is None else cos.shape[-1],
-            None if cos is None else cos.data_ptr(),
-            None if sin is None else sin.data_ptr(),
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            key_buffer.shape[2],
-            at,
-            scale,
-            out.data_ptr(),
-            self._work(4 * (hq // hk) * (at + 1 + 2 * d)),
-        )
-        return out

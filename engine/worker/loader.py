@@ -149,7 +149,7 @@ def load_model(
     shape = ExpertShape(hidden=H, intermediate=I)
     kernels = use_native_kernels(
         cfg.native_kernels if device.type == "cpu" else "off",
-        decode_shapes(config, dtype, H, I),
+        decode_shapes(config, dtype, H, I, top_k),
         cfg.native_build,
     )
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
@@ -371,13 +371,15 @@ def _warm(om: OffloadedModel) -> None:
     om.stats.reset()  # warm-up transfers are not part of any run
 
 
-def decode_shapes(config: Any, dtype: torch.dtype, H: int, I: int) -> DecodeShapes | None:
-    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection),
-    for the native kernels' measurement (engine/native/autotune.py); None for a dtype they do not read."""
+def decode_shapes(
+    config: Any, dtype: torch.dtype, H: int, I: int, top_k: int
+) -> DecodeShapes | None:
+    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
+    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a dtype they do not read."""
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     heads = getattr(config, "num_attention_heads", 0) or 1
     head_dim = getattr(config, "head_dim", None) or H // heads
     return DecodeShapes(
-        str(dtype).removeprefix("torch."), ((2 * I, H), (H, I), (heads * head_dim, H))
+        str(dtype).removeprefix("torch."), ((2 * I, H), (H, I), (heads * head_dim, H)), top_k
     )
