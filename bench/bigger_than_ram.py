@@ -283,7 +283,7 @@ def build_files(src: Path | None, work: Path, layers: int, todo: list[Cell]) -> 
     """The checkpoints and GGUF files the cells need (each built once, under `work`)."""
     from bench.peers import build_target, convert
     from bench.real_shapes import write_checkpoint
-    from bench.real_shapes_bench import QUANT_TYPES, build_checkpoint
+    from bench.real_shapes_files import QUANT_TYPES, build_checkpoint
 
     ckpts: dict[str, Path] = {}
     if any(c.model == "qwen3-30b-a3b" for c in todo):

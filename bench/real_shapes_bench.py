@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODEL = "qwen3-30b-a3b"
+from bench.real_shapes_files import MODEL, QUANT_TYPES, build_checkpoint
+
 PROMPT_VOCAB = 512  # the builder's tokenizer (models/tiny.py make_tokenizer(512)): ids below it
 DECODE_PROMPT = 16
 
@@ -73,20 +74,6 @@ PAIRS = (
 )
 # llama-quantize outputs: "-mix" is its default tensor mix (dense tensors quantized too, output Q6_K at
 # Q4_0); the plain kinds quantize the routed experts only and keep the dense tensors bf16, as the engine does.
-DENSE_BF16 = (
-    "--output-tensor-type",
-    "bf16",
-    "--token-embedding-type",
-    "bf16",
-    "--tensor-type",
-    "attn=bf16",
-)
-QUANT_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "q8_0": ("Q8_0", DENSE_BF16),
-    "q4_0": ("Q4_0", DENSE_BF16),
-    "q8_0-mix": ("Q8_0", ()),
-    "q4_0-mix": ("Q4_0", ()),
-}
 LLAMA_KINDS = ("bf16", *QUANT_TYPES)
 # (engine pair, GGUF kind, label) of the decode table
 DECODE_PAIRS = (
@@ -99,18 +86,6 @@ DECODE_PAIRS = (
 
 
 # -- checkpoint and GGUF files ------------------------------------------------------------------
-def build_checkpoint(work: Path, layers: int, tiny: bool) -> Path:
-    """The random checkpoint, written once (a marker file says the write finished)."""
-    from bench.real_shapes import TINY_WIDTHS, write_checkpoint
-
-    path = work / f"{MODEL}-{layers}l{'-tiny' if tiny else ''}"
-    if not (path / ".complete").exists():
-        print(f"writing the random {MODEL} checkpoint ({layers} layers) to {path} ...", flush=True)
-        write_checkpoint(path, MODEL, layers, **(TINY_WIDTHS[MODEL] if tiny else {}))
-        (path / ".complete").write_text("")
-    return path
-
-
 def gguf_files(src: Path, ckpt: Path) -> dict[str, Path]:
     """bf16 from llama.cpp's converter, Q8_0 and Q4_0 from it with llama-quantize (QUANT_TYPES)."""
     from bench.peers import build_target, convert

@@ -50,6 +50,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("memory_plan.md",),
     ),
     Benchmark(
+        "bigger-than-ram",
+        "bigger_than_ram",
+        "the bigger-than-memory cells under memory cgroups (real-shapes --bigger-than-ram runs them)",
+    ),
+    Benchmark(
         "kernels",
         "kernel_bench",
         "effective weight bandwidth of each decode kernel against this machine's memory bandwidth",

@@ -25,6 +25,16 @@ from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 
 
+@pytest.fixture(scope="module")
+def engine_nk():
+    """The process's kernels (native()), for tests of the engine's use of them rather than of one build."""
+    kernels = native()
+    assert kernels is not None or native_build.compiler() is None, native_build.build()[1]
+    if kernels is None:
+        pytest.skip("no C compiler on this machine: the engine runs torch's kernels")
+    return kernels
+
+
 @pytest.fixture(scope="module", params=[v.name for v in runnable()])
 def nk(request):
     if native_build.compiler() is None:
@@ -108,7 +118,7 @@ def test_gemv_int4_groups(nk) -> None:
     )  # not a multiple of 64
 
 
-def test_int4_expert_format_runs_natively_in_bf16(nk) -> None:
+def test_int4_expert_format_runs_natively_in_bf16(engine_nk) -> None:
     from engine.experts.expert_kernels import SwiGLUKernel
     from engine.experts.quant import make_format
 
@@ -263,7 +273,7 @@ def test_fused_moe_int8(nk) -> None:
     assert ((got_b - ref_b).norm() / ref_b.norm()).item() < 0.03
 
 
-def test_native_linear_matches_f_linear(nk) -> None:
+def test_native_linear_matches_f_linear(engine_nk) -> None:
     lin = NativeLinear.replacing(torch.nn.Linear(96, 40).bfloat16())
     x = torch.randn(1, 3, 96).bfloat16()
     ref = F.linear(x, lin.weight, lin.bias)
@@ -275,7 +285,7 @@ def test_native_linear_matches_f_linear(nk) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
-def test_bf16_engine_decodes_like_transformers(nk, tiny_ckpt, arch: str) -> None:
+def test_bf16_engine_decodes_like_transformers(engine_nk, tiny_ckpt, arch: str) -> None:
     """The bf16 decode path (native dense layers and fused experts) gives transformers' bf16 greedy tokens."""
     path = tiny_ckpt(arch)
     ref = load_reference(path).to(torch.bfloat16)
@@ -346,7 +356,7 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) -> None:
+def test_native_rmsnorm_equals_the_module_it_replaces(engine_nk, dtype: torch.dtype) -> None:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
     norm = Qwen3MoeRMSNorm(96, eps=1e-6).to(dtype)
@@ -369,7 +379,7 @@ def test_native_rmsnorm_equals_the_module_it_replaces(nk, dtype: torch.dtype) ->
     assert torch.equal(norm(big), ref(big))
 
 
-def test_accelerate_replaces_modules_in_their_parents(nk) -> None:
+def test_accelerate_replaces_modules_in_their_parents(engine_nk) -> None:
     """The native layers replace modules in their parents, over the same Parameters: no class swaps and
     no instance forwards; a module under two parents gets one counterpart, and a second call none."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
@@ -403,7 +413,7 @@ def test_accelerate_replaces_modules_in_their_parents(nk) -> None:
     assert accelerate(torch.nn.Sequential(BiasedRMSNorm())) == 0
 
 
-def test_a_norm_that_computes_differently_keeps_its_own_forward(nk) -> None:
+def test_a_norm_that_computes_differently_keeps_its_own_forward(engine_nk) -> None:
     from transformers.models.gemma3.modeling_gemma3 import (
         Gemma3RMSNorm,  # y = x * rsqrt(...) * (1 + w)
     )
