@@ -21,8 +21,9 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Wheels carried to a machine with no network (the device tool's .whl/ folder): installed beside, not over.
 if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_real_site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_real_site" || { echo "gpu_real.sh: could not install the wheels in .whl/"; exit 1; }
+  site="$(mktemp -d)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$site" || { echo "gpu_real.sh: could not install the wheels in .whl/"; exit 1; }
 fi
 dry=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done

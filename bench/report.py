@@ -13,6 +13,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.native.variants import cpu_model
+
 ANALYSIS_STARTS = (
     "\nCommand:",
     "\nCommand (",
@@ -61,19 +63,6 @@ def summarize(
     runs = res[cell]
     ratio = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs, res[baseline]))
     return {"ratio": ratio, **{k: statistics.median(r[k] for r in runs) for k in keys}}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_line(threads: int, device: str = "") -> str:
