@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
-from engine.worker.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.cli_common import (
     add_engine_flags,
     add_spec_flags,
@@ -60,12 +60,6 @@ class GenerateOptions:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.core.messages import GenerateRequest
-    from engine.launch import max_model_len_of
-    from engine.memory.planner import KvRequest
-    from engine.worker.loader import load_model
-
     opts = GenerateOptions(**overrides_from_args(args, GenerateOptions))
     if not opts.prompt:
         raise MoeOffloadError("--prompt is required, e.g. --prompt 'Hello'")
@@ -75,6 +69,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**overrides_from_args(args, SamplingParams))
     model_dir = resolve_model_dir(args.model)
     ecfg = engine_config_from_args(args)
+    # After the checks above, which fail in a blink: these imports take seconds.
+    from engine.core.engine_core import CoreLimits, EngineCore
+    from engine.core.messages import GenerateRequest
+    from engine.launch import max_model_len_of
+    from engine.memory.planner import KvRequest
+    from engine.worker.loader import load_model
+
     spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
     om = load_model(model_dir, ecfg, KvRequest(opts.max_model_len, max_running=1))
@@ -180,6 +181,13 @@ def _kv_request(args: argparse.Namespace, scfg: ServerConfig) -> KvRequest:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    base = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
+    scfg = base.with_overrides(**overrides_from_args(args, ServerConfig))
+    # Every setting is validated here, before the engine starts and before anything listens (and
+    # before the imports below, which take seconds: a bad flag fails at once).
+    engine_config = engine_config_from_args(args)
+    model_dir = resolve_model_dir(args.model)
+
     import logging
     from pathlib import Path
 
@@ -191,11 +199,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.launch import run_server
     from server.state import ServeSettings
 
-    base = ServerConfig.from_yaml(args.config) if args.config else ServerConfig()
-    scfg = base.with_overrides(**overrides_from_args(args, ServerConfig))
-    # Every setting is validated here, before the engine starts and before anything listens.
-    engine_config = engine_config_from_args(args)
-    model_dir = resolve_model_dir(args.model)
     check_model_dir(model_dir, need_tokenizer=True)
     from engine.memory.measure import plan_checkpoint
 

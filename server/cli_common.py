@@ -4,9 +4,10 @@ engine settings they produce, and the default model. Imported by cli.py and cli_
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.errors import MoeOffloadError
+from engine.errors import CheckpointError, MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args
 from engine.speculative.config import SpecConfig
 
@@ -66,7 +67,11 @@ def torch_cuda_available() -> bool:
 
 
 def resolve_model_dir(arg: str | None) -> str:
+    """--model, or the embedded model where it is not given. A directory that does not exist fails
+    here, before the seconds of imports that reading a checkpoint needs."""
     if arg:
+        if not Path(arg).is_dir():
+            raise CheckpointError(f"{arg}: model directory not found")
         return arg
     from models import EMBEDDED_TARGET
 

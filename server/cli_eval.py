@@ -35,8 +35,6 @@ def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.offline.evaluation import teacher_forced_eval
-    from engine.worker.loader import load_model
     from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
 
     base = engine_config_from_args(args)
@@ -47,6 +45,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MoeOffloadError(
             f"{args.data}: data file not found; pass --data with a UTF-8 text file"
         )
+    # After the checks above: these imports take seconds.
+    from engine.offline.evaluation import teacher_forced_eval
+    from engine.worker.loader import load_model
+
     if args.policies:
         unknown = [p for p in args.policies.split(",") if p not in POLICY_SWEEP]
         if unknown:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from engine.budget import fmt_bytes
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.memory.footprint import Footprint
 from engine.settings_file import overrides_from_args
 
 if TYPE_CHECKING:
     from engine.offline.hardware import Costs, ModelShape
+    from engine.memory.footprint import Footprint
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
