@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.core.sampling_params import SamplingParams
 from engine.errors import MoeOffloadError
 from engine.settings_file import add_flags, overrides_from_args, setting
-from engine.core.sampling_params import SamplingParams
 from server.cli_common import (
     add_engine_flags,
     add_spec_flags,

@@ -16,8 +16,8 @@ from engine.errors import ConfigError
 from engine.settings_file import overrides_from_args
 
 if TYPE_CHECKING:
-    from engine.offline.hardware import Costs, ModelShape
     from engine.memory.footprint import Footprint
+    from engine.offline.hardware import Costs, ModelShape
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
