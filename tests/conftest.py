@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,18 @@ def tiny_ckpt(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def long_tiny_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a 65,536-token context (RoPE positions: any length runs): for agent
+    clients' long prompts, and for generations that cannot finish before a test kills the engine."""
+    dst = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(tiny_ckpt(), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = 65536
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 # Servers shared by every test file that asks for the same flags: one per xdist worker, started the

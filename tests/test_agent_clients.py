@@ -18,10 +18,8 @@ to a dead proxy (HTTPS_PROXY) while loopback is exempt (NO_PROXY)."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import uuid
@@ -29,13 +27,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_cli_install import BIN, install
 from recording_proxy import Recording, recording_proxy
-from server_fixtures import REPO, RunningServer, serve
+from server_fixtures import RunningServer, serve
 
 pytestmark = pytest.mark.timeout(300)
-CLIS = REPO / ".cache" / "agent-clis"
-BIN = CLIS / "node_modules" / ".bin"
-PINNED = (REPO / "tests" / "agent_clis.txt").read_text().split()
 MODEL, KEY = "tiny", "agent-key"
 RUN_TIMEOUT_S = 200
 CODEX_TOKENS = 48  # --default-max-tokens: Codex sets no output limit of its own
@@ -47,58 +43,10 @@ def read_args(d: Path) -> dict[str, str]:
 
 
 def _installed() -> None:
-    """The pinned CLIs in .cache/agent-clis, installed from the npm registry on first use (about 25 s), so
-    the README's test command works on a fresh machine; one installer at a time across test workers."""
-    stamp = CLIS / "installed.txt"
-
-    def ok() -> bool:
-        have = all((BIN / n).exists() for n in ("claude", "codex")) and stamp.exists()
-        return have and stamp.read_text().split() == PINNED
-
-    if ok():
-        return
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.fail(
-            "the agent-client tests need npm (Node.js) to install the CLIs: apt-get install npm",
-            pytrace=False,
-        )
-    CLIS.mkdir(parents=True, exist_ok=True)
-    with open(CLIS.parent / "agent-clis.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if ok():  # another worker installed them while this one waited
-            return
-        res = subprocess.run(
-            [
-                npm,
-                "install",
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                "--prefix",
-                str(CLIS),
-                *PINNED,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if res.returncode != 0:
-            pytest.fail(
-                f"npm install {' '.join(PINNED)} failed: {res.stderr.strip()[-2000:]}",
-                pytrace=False,
-            )
-        stamp.write_text("\n".join(PINNED) + "\n")
-
-
-@pytest.fixture(scope="module")
-def long_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("long") / "model"
-    shutil.copytree(tiny_ckpt(), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["max_position_embeddings"] = 65536  # RoPE positions: any length runs
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    """The pinned CLIs, installed on first use (about 25 s; tests/agent_cli_install.py)."""
+    problem = install()
+    if problem:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +59,12 @@ def workdir(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def srv(long_ckpt, workdir, tmp_path_factory) -> Iterator[RunningServer]:
+def srv(long_tiny_ckpt, workdir, tmp_path_factory) -> Iterator[RunningServer]:
     """The server, forcing one call of Read (Claude Code) or exec_command (Codex) per
     conversation, its arguments pinned to read hello.txt; the plain turns leave that tool out."""
     _installed()
     d, _ = workdir
-    args = ["--model", str(long_ckpt), "--served-model-name", MODEL, "--api-key", KEY]
+    args = ["--model", str(long_tiny_ckpt), "--served-model-name", MODEL, "--api-key", KEY]
     # 4 sequences: the memory plan reserves KV for that many contexts.
     args += [
         "--max-running",

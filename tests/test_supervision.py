@@ -52,9 +52,13 @@ def _wait_health(srv: RunningServer, want: str, timeout: float) -> dict:
 
 
 def _kill_engine_mid_stream(srv: RunningServer) -> int:
+    """SIGKILL the engine while it streams a generation that it cannot finish first: the tiny model
+    decodes hundreds of tokens a second, so 400 could all be done (and buffered in the front end)
+    before the first line reached the test on a loaded machine; 30,000 take it a minute at least."""
     pid = srv.engine_pid()
     assert pid is not None
-    with httpx.Client(timeout=60) as hc, hc.stream("POST", srv.v1 + "/completions", json=LONG) as r:
+    body = {**LONG, "max_tokens": 30_000}
+    with httpx.Client(timeout=60) as hc, hc.stream("POST", srv.v1 + "/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)  # streaming has begun
         os.kill(pid, signal.SIGKILL)
@@ -65,9 +69,11 @@ def _kill_engine_mid_stream(srv: RunningServer) -> int:
     return pid
 
 
-def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(tiny_ckpt, tmp_path: Path) -> None:
+def test_kill_9_restarts_engine_then_exit_1_when_budget_spent(
+    long_tiny_ckpt, tmp_path: Path
+) -> None:
     with serve(
-        ["--model", str(tiny_ckpt()), "--served-model-name", "tiny", "--engine-restarts", "1"],
+        ["--model", str(long_tiny_ckpt), "--served-model-name", "tiny", "--engine-restarts", "1"],
         tmp_path / "log",
     ) as srv:
         t0 = time.monotonic()
