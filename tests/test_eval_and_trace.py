@@ -99,6 +99,7 @@ def test_trace_matches_engine_routing(ckpt, token_ids, tmp_path) -> None:
             )
 
 
+@pytest.mark.slow  # the whole CLI end to end (CI: 10 minutes); its parts are tested in this file
 @pytest.mark.timeout(300)
 def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
     data = tmp_path / "d.txt"

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # the GPU script run through on the CPU, as test_gpu_real_dry_run.py (CI: 10 minutes)
 def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.md"
     res = subprocess.run(
@@ -60,6 +63,7 @@ def test_gpu_check_refuses_without_a_gpu_in_one_line() -> None:
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # the GPU script run through on the CPU, as test_gpu_real_dry_run.py (CI: 10 minutes)
 def test_gpu_profile_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_profile.md"
     res = subprocess.run(

@@ -202,6 +202,7 @@ def test_bad_prefetch_setting_is_one_line() -> None:
         EngineConfig(prefetch="oracle")
 
 
+@pytest.mark.slow  # the whole CLI end to end (CI: 10 minutes); its parts are tested in this file
 def test_train_prefetcher_cli(tiny_ckpt, tmp_path: Path) -> None:
     text = tmp_path / "data.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
