@@ -151,7 +151,9 @@ def main() -> None:
         pairs = [(x["tps"], y["tps"]) for x, y in zip(res[a], res[b]) if "tps" in x and "tps" in y]
         return statistics.median(x / y for x, y in pairs) if pairs else float("nan")
 
-    reference = next((r["tokens"] for r in res["--native-kernels off"] if "tokens" in r), None)
+    # Tokens are compared with torch's own path; without that cell in --cells, with none.
+    off = res.get("--native-kernels off", [])
+    reference = next((r["tokens"] for r in off if "tokens" in r), None)
     lines = [
         "| cell | build / forward it ran | decode tok/s per round | × transformers | × fastest engine choice | tokens = --native-kernels off |",
         "|---|---|---|---|---|---|",
