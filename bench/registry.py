@@ -61,6 +61,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("kernels.md",),
     ),
     Benchmark(
+        "streams-vs-llama",
+        "streams_vs_llama",
+        "1 and 8 concurrent streams at cache 1.0 beside llama-server -np 1 / -np 8 on the model's bf16 GGUF",
+        ("peers_streams.md",),
+    ),
+    Benchmark(
         "concurrency",
         "concurrency_bench",
         "aggregate decode throughput against the number of concurrent streams",

@@ -46,6 +46,7 @@
 #endif
 
 #define QBLOCK 64 /* activation quantization block of the int8 path */
+#define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */
 #define Q4_GROUP 64 /* int4 weight group (below) */
 enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
 /* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
@@ -133,6 +134,30 @@ static inline float load1(const void *w, int wtype, int64_t i) {
  * [1024, 1024] weights against 23, 20 and 22 GB/s for one sequential stream, with the memory read at
  * 31 GB/s (bench/kernel_bench.py); a speculative window's rows reuse the row from L1 either way
  * (rows_range). */
+/* The same dot products for several activation rows at once (dot_*_rows, next to each one-row dot in the headers):
+ * each weight chunk is loaded and converted once for a block of ROWS_BLOCK rows, and each row keeps the one-row
+ * dot's accumulators and order, so its result is bit for bit the one-row dot's. ROWS_BLOCK: the rows whose
+ * accumulators (four vectors a row) fit in the vector registers beside the weight chunk: 32 registers with
+ * AVX-512, 16 with AVX2 (plain C keeps two SSE registers a row). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ROWS_BLOCK 2
+#else
+#define ROWS_BLOCK 4
+#endif
+/* out[j] = blk's dot of weight row w with X[j], j < m: blocks of ROWS_BLOCK rows, then the rest in one block. */
+#define ROWS_IN_BLOCKS(blk, w, t, n, X, m, out)                                                   \
+    do {                                                                                          \
+        int64_t j_ = 0;                                                                           \
+        for (; j_ + ROWS_BLOCK <= (m); j_ += ROWS_BLOCK) blk(w, t, n, (X) + j_, (out) + j_, ROWS_BLOCK); \
+        if ((m) - j_ == 3) blk(w, t, n, (X) + j_, (out) + j_, 3);                                 \
+        else if ((m) - j_ == 2) blk(w, t, n, (X) + j_, (out) + j_, 2);                            \
+        else if ((m) - j_ == 1) blk(w, t, n, (X) + j_, (out) + j_, 1);                            \
+    } while (0)
+/* A rows form that calls the one-row dot per row (where a blocked one would share little). */
+#define ONE_ROW_AT_A_TIME(name, dot, wptr)                                                \
+    static void name(wptr w, int64_t n, const act_t *X, int64_t m, float *out) {          \
+        for (int64_t j = 0; j < m; j++) out[j] = dot(w, n, X[j]);                         \
+    }
 #if defined(__AVX512F__)
 #include "simd_avx512.h"
 #endif
@@ -204,19 +229,28 @@ static float dot1(const void *w, int wtype, int64_t n, act_t a) {
     return dot_widen(w, wtype, n, a.f);
 }
 
+/* dot1 of row w with each of X[0..m) (all prepared alike: one mode), into out[j]: bit for bit m dot1 calls, the
+ * weight row read and converted once per block of rows. */
+static void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+    if (X[0].mode == DOT_BF16) dot_bf16_rows((const uint16_t *)w, n, X, m, out);
+    else if (X[0].mode == DOT_I8) dot_i8_rows((const int8_t *)w, n, X, m, out);
+    else dot_widen_rows(w, wtype, n, X, m, out);
+}
+
 /* The rows [r0, r1) of Y[j] = W . X[j] for j in [0, m), times the int8 row scales if any, stored at
- * Y[j * ldy + r - y0]. Each weight row is read from memory once and reused from L1 for every
- * activation row, so a speculative window of m rows streams the weights once. */
+ * Y[j * ldy + r - y0]. Each weight row is read from memory once for all m activation rows (a decode
+ * batch or a speculative window streams the weights once), and dot_rows loads and converts each of its
+ * chunks once per block of rows. */
 static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t n, int64_t r0, int64_t r1,
                        const act_t *X, int64_t m, float *Y, int64_t ldy, int64_t y0) {
     size_t rb = (size_t)n * wsize(wtype);
+    float t[MAX_ROWS];
     for (int64_t r = r0; r < r1; r++) {
         const void *w = (const char *)W + (size_t)r * rb;
         float s = scale ? f16_to_f32(scale[r]) : 1.0f;
-        for (int64_t j = 0; j < m; j++) {
-            float t = dot1(w, wtype, n, X[j]);
-            Y[j * ldy + r - y0] = scale ? t * s : t;
-        }
+        if (m == 1) t[0] = dot1(w, wtype, n, X[0]);
+        else dot_rows(w, wtype, n, X, m, t);
+        for (int64_t j = 0; j < m; j++) Y[j * ldy + r - y0] = scale ? t[j] * s : t[j];
     }
 }
 
@@ -244,7 +278,6 @@ static void store_rows(const float *y, int xtype, int64_t r0, int64_t r1, void *
     for (int64_t r = r0; r < r1; r++) ((uint16_t *)out)[r] = f32_to_bf16(y[r]);
 }
 
-#define MAX_ROWS 16
 
 /* Bytes of `work` that gemv needs. */
 size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) { return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64; }
@@ -337,6 +370,8 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
     }
     for (int64_t r = 0; r < R; r++, mem += act_bytes(I)) ah[r] = act_at(mem, I);
     float *gu = (float *)mem, *acc = gu + R * 2 * I;
+    /* A team of one skips the barriers: libgomp's barrier costs a team of one microseconds each, three an expert
+     * (12 % of an 8-row decode step on the embedded model, one thread). */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int tid = TID(), nt = NT();
@@ -350,15 +385,19 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
             int64_t s0 = starts[g], m = starts[g + 1] - s0, e = routes[s0].id;
             for (int64_t j = 0; j < m; j++) sub[j] = ax[routes[s0 + j].row];
             rows_range(gate_up[e], gu_scale ? gu_scale[e] : 0, wtype, H, a0, a1, sub, m, gu, 2 * I, 0);
-            BARRIER(); /* a thread's slice of I needs gate and up rows that other threads computed */
+            if (nt > 1) { BARRIER(); } /* a thread's slice of I needs gate and up rows that other threads computed */
             for (int64_t j = 0; j < m; j++) {
                 const float *gj = gu + j * 2 * I;
                 for (int64_t i = i0; i < i1; i++)
                     ah[j].f[i] = as_x(as_x(silu(as_x(gj[i], xtype)), xtype) * as_x(gj[I + i], xtype), xtype);
             }
-            BARRIER(); /* the down projection reads all of h */
-            SINGLE()
-            for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
+            if (nt > 1) {
+                BARRIER(); /* the down projection reads all of h */
+                SINGLE()
+                for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
+            } else {
+                for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
+            }
             for (int64_t r = h0; r < h1; r += 4) {
                 int64_t nr = h1 - r < 4 ? h1 - r : 4;
                 rows_range(down[e], down_scale ? down_scale[e] : 0, wtype, I, r, r + nr, ah, m, t, 4, r);
@@ -371,7 +410,7 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
                     }
                 }
             }
-            BARRIER(); /* gu and h are reused by the next expert */
+            if (nt > 1) { BARRIER(); } /* gu and h are reused by the next expert */
         }
         for (int64_t r = 0; r < R; r++) store_rows(acc + r * H, xtype, h0, h1, (char *)out + r * H * xs);
     }

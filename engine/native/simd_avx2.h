@@ -58,6 +58,47 @@ static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
     for (; i < n; i++) s += load1(w, wtype, i) * x[i];
     return s;
 }
+
+/* dot_widen for R activation rows (R <= 4, a constant once inlined): each weight chunk is loaded and widened
+ * once for all R rows; row r keeps dot_widen's four accumulators, loops, final sum and tail, so out[r] is bit
+ * for bit what dot_widen gives row r alone. */
+static inline __attribute__((always_inline)) void widen_rows_blk(const void *w, int wtype, int64_t n, const act_t *X,
+                                                                 float *out, const int R) {
+    __m256 a[4][4];
+    const float *x[4];
+    for (int r = 0; r < R; r++) {
+        x[r] = X[r].f;
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 v[4];
+        for (int q = 0; q < 4; q++) v[q] = load8(w, wtype, i + 8 * q);
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) a[r][q] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(x[r] + i + 8 * q), a[r][q]);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = load8(w, wtype, i);
+        for (int r = 0; r < R; r++) a[r][0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[r] + i), a[r][0]);
+    }
+    for (int r = 0; r < R; r++) {
+        float s = sum4x8(a[r][0], a[r][1], a[r][2], a[r][3]);
+        for (int64_t t = i; t < n; t++) s += load1(w, wtype, t) * x[r][t];
+        out[r] = s;
+    }
+}
+
+static void dot_widen_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+#define WIDEN_ROWS(T) ROWS_IN_BLOCKS(widen_rows_blk, w, T, n, X, m, out)
+    if (wtype == W_F32) {
+        WIDEN_ROWS(W_F32);
+    } else if (wtype == W_BF16) {
+        WIDEN_ROWS(W_BF16);
+    } else {
+        WIDEN_ROWS(W_I8);
+    }
+#undef WIDEN_ROWS
+}
 #endif
 
 #ifndef SIMD_HAVE_DOT_BF16
@@ -85,6 +126,46 @@ static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
     for (; i < n; i++) s += bf16_to_f32(w[i]) * a.f[i];
     return s;
 }
+
+/* dot_bf16 for R activation rows (R <= 4, a constant once inlined): each 32-byte weight chunk is loaded and split
+ * once for all R rows; row r keeps dot_bf16's four accumulators, loops, final sum and tail, so out[r] is bit for
+ * bit what dot_bf16 gives row r alone. */
+static inline __attribute__((always_inline)) void bf16_rows_blk(const uint16_t *w, int unused, int64_t n, const act_t *X,
+                                                                float *out, const int R) {
+    (void)unused;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a[4][4];
+    const float *p[4];
+    for (int r = 0; r < R; r++) {
+        p[r] = X[r].p;
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i)), v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
+        __m256 v[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_castsi256_ps(_mm256_and_si256(v0, high)),
+                       _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) a[r][q] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(p[r] + i + 8 * q), a[r][q]);
+    }
+    for (; i + 16 <= n; i += 16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + i));
+        __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), hi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int r = 0; r < R; r++) {
+            a[r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(p[r] + i), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(p[r] + i + 8), a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = sum4x8(a[r][0], a[r][1], a[r][2], a[r][3]);
+        for (int64_t t = i; t < n; t++) s += bf16_to_f32(w[t]) * X[r].f[t];
+        out[r] = s;
+    }
+}
+
+static void dot_bf16_rows(const uint16_t *w, int64_t n, const act_t *X, int64_t m, float *out) {
+    ROWS_IN_BLOCKS(bf16_rows_blk, w, 0, n, X, m, out);
+}
 #endif
 
 /* The exact int32 sum of 32 products of unsigned bytes u (< 128 here) by signed bytes s, in 8 lanes. */
@@ -107,6 +188,7 @@ static float dot_i8(const int8_t *w, int64_t n, act_t a) {
     }
     return sum4x8(acc[0], acc[1], acc[2], acc[3]);
 }
+ONE_ROW_AT_A_TIME(dot_i8_rows, dot_i8, const int8_t *) /* the sign moves onto each row's weights: little to share */
 #endif
 
 #ifndef SIMD_HAVE_Q4_ROW

@@ -33,6 +33,47 @@ static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
     return s;
 }
 
+/* dot_widen for R activation rows (R <= 4, a constant once inlined): each weight chunk is loaded and widened
+ * once for all R rows; row r keeps dot_widen's four accumulators, loops, final sum and tail, so out[r] is bit
+ * for bit what dot_widen gives row r alone. */
+static inline __attribute__((always_inline)) void widen_rows_blk(const void *w, int wtype, int64_t n, const act_t *X,
+                                                                 float *out, const int R) {
+    __m512 acc[4][4];
+    const float *x[4];
+    for (int r = 0; r < R; r++) {
+        x[r] = X[r].f;
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 v[4];
+        for (int q = 0; q < 4; q++) v[q] = load16(w, wtype, i + 16 * q);
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(x[r] + i + 16 * q), acc[r][q]);
+    }
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = load16(w, wtype, i);
+        for (int r = 0; r < R; r++) acc[r][0] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x[r] + i), acc[r][0]);
+    }
+    for (int r = 0; r < R; r++) {
+        float s = sum4(acc[r]);
+        for (int64_t t = i; t < n; t++) s += load1(w, wtype, t) * x[r][t];
+        out[r] = s;
+    }
+}
+
+static void dot_widen_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+#define WIDEN_ROWS(T) ROWS_IN_BLOCKS(widen_rows_blk, w, T, n, X, m, out)
+    if (wtype == W_F32) {
+        WIDEN_ROWS(W_F32);
+    } else if (wtype == W_BF16) {
+        WIDEN_ROWS(W_BF16);
+    } else {
+        WIDEN_ROWS(W_I8);
+    }
+#undef WIDEN_ROWS
+}
+
 #if defined(__AVX512BF16__)
 /* bf16 weights and a bf16 activation (act_t.b), f32 sums; a tail of n that is not a multiple of 32 widens. */
 #define SIMD_HAVE_DOT_BF16 1
@@ -50,6 +91,7 @@ static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
     for (; i < n; i++) s += bf16_to_f32(w[i]) * bf16_to_f32(a.b[i]);
     return s;
 }
+ONE_ROW_AT_A_TIME(dot_bf16_rows, dot_bf16, const uint16_t *) /* no CPU here to check a blocked form on */
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -70,6 +112,7 @@ static float dot_i8(const int8_t *w, int64_t n, act_t a) {
     }
     return sum4(acc);
 }
+ONE_ROW_AT_A_TIME(dot_i8_rows, dot_i8, const int8_t *) /* the sign moves onto each row's weights: little to share */
 
 /* One int4 row (groups of 64, cpu_gemv.c's format) against the quantized activation: one vpdpbusd per group. */
 #define SIMD_HAVE_Q4_ROW 1

@@ -27,11 +27,46 @@ static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
     for (; i < n; i++) s += load1(w, wtype, i) * x[i];
     return s;
 }
+
+/* dot_widen for R activation rows (R <= 4, a constant once inlined): each weight is read and widened once for
+ * all R rows; row r keeps dot_widen's lanes, their sum in order and its tail, so out[r] is bit for bit what
+ * dot_widen gives row r alone. */
+static inline __attribute__((always_inline)) void widen_rows_blk(const void *w, int wtype, int64_t n, const act_t *X,
+                                                                 float *out, const int R) {
+    float part[4][LANES] = {{0}};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float v = load1(w, wtype, i + l);
+            for (int r = 0; r < R; r++) part[r][l] += v * X[r].f[i + l];
+        }
+    for (int r = 0; r < R; r++) {
+        float s = 0.0f;
+        for (int l = 0; l < LANES; l++) s += part[r][l];
+        for (int64_t t = i; t < n; t++) s += load1(w, wtype, t) * X[r].f[t];
+        out[r] = s;
+    }
+}
+
+static void dot_widen_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+#define WIDEN_ROWS(T) ROWS_IN_BLOCKS(widen_rows_blk, w, T, n, X, m, out)
+    if (wtype == W_F32) {
+        WIDEN_ROWS(W_F32);
+    } else if (wtype == W_BF16) {
+        WIDEN_ROWS(W_BF16);
+    } else {
+        WIDEN_ROWS(W_I8);
+    }
+#undef WIDEN_ROWS
+}
 #endif
 
 #ifndef SIMD_HAVE_DOT_BF16
 #define BF16_FORM BF16_FORM_NONE
 static float dot_bf16(const uint16_t *w, int64_t n, act_t a) { return dot_widen(w, W_BF16, n, a.f); }
+static void dot_bf16_rows(const uint16_t *w, int64_t n, const act_t *X, int64_t m, float *out) {
+    dot_widen_rows(w, W_BF16, n, X, m, out);
+}
 #endif
 
 #ifndef SIMD_HAVE_DOT_I8
@@ -45,6 +80,7 @@ static float dot_i8(const int8_t *w, int64_t n, act_t a) {
     }
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
+ONE_ROW_AT_A_TIME(dot_i8_rows, dot_i8, const int8_t *)
 #endif
 
 #ifndef SIMD_HAVE_Q4_ROW
