@@ -343,7 +343,7 @@ def build_files(src: Path | None, work: Path, layers: int, todo: list[Cell]) -> 
         path = ckpt.parent / f"{ckpt.name}-{c.gguf}.gguf"
         if not path.exists():
             print(f"llama-quantize {bf16.name} -> {path.name} ...", flush=True)
-            tmp = path.with_suffix(".part")
+            tmp = path.with_name(path.stem + ".part.gguf")  # llama-quantize keeps a .gguf name
             subprocess.run(
                 [str(build_target(src, "llama-quantize")), *extra, str(bf16), str(tmp), qtype],
                 check=True,
