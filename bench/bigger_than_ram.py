@@ -75,6 +75,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
         store, reader = om.transfers.store, om.transfers.tier.reader
         resident: list[int] = []  # the fast tier as the decode starts (after the prompt's prefill)
         accesses: list[list[int]] = []
+        routes: list[tuple[list[int], list[float]]] = []  # per decode layer: ids, gate weights
         first: dict[str, Any] = {}
 
         def listen(ev: Any) -> None:
@@ -85,6 +86,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
                 resident.extend(k for k in range(len(index) * E) if store.is_resident(k))
             base = index[ev.layer] * E
             accesses.append([base + int(e) for e in ev.ids[0].tolist()])
+            routes.append((ev.ids[0].tolist(), ev.weights[0].float().tolist()))
 
         unsubscribe = om.bus.subscribe(listen)
         try:
@@ -98,6 +100,8 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
         busy = clock["busy_seconds"] - first["clock"]["busy_seconds"]
         expert_bytes = om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0)
         seq = flatten(accesses)
+        if spec.get("trace"):
+            save_decode_trace(spec["trace"], routes, om)
         best = min_loads(seq, plan.n_slots, resident)
         return {
             "tokens": c.token_ids,
@@ -120,6 +124,36 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
         }
     finally:
         om.close()
+
+
+def save_decode_trace(path: str, routes: list[tuple[list[int], list[float]]], om: Any) -> None:
+    """The decode's routing as a router trace (engine/offline/trace.py's format), so `moe-offload
+    plan --trace` projects the accesses this run made instead of the embedded model's."""
+    import numpy as np
+
+    from engine.offline.trace import save_trace
+
+    L = len(om.moe_layers)
+    n = len(routes) // L
+    ids = np.asarray([r[0] for r in routes[: n * L]], dtype=np.int16).reshape(n, L, -1)
+    weights = np.asarray([r[1] for r in routes[: n * L]], dtype=np.float32).reshape(n, L, -1)
+    meta = {
+        "model": "bench decode",
+        "moe_layers": list(om.moe_layers),
+        "num_experts": om.num_experts,
+        "top_k": om.top_k,
+        "window": 1,
+        "expert_nbytes": om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0),
+    }
+    save_trace(
+        {
+            "tokens": np.zeros(n, dtype=np.int32),
+            "ids": ids,
+            "weights": weights,
+            "meta": np.asarray(json.dumps(meta)),
+        },
+        path,
+    )
 
 
 # -- the pieces the parent runs ------------------------------------------------------------------
@@ -309,7 +343,7 @@ def build_files(src: Path | None, work: Path, layers: int, todo: list[Cell]) -> 
         path = ckpt.parent / f"{ckpt.name}-{c.gguf}.gguf"
         if not path.exists():
             print(f"llama-quantize {bf16.name} -> {path.name} ...", flush=True)
-            tmp = path.with_suffix(".part")
+            tmp = path.with_name(path.stem + ".part.gguf")  # llama-quantize keeps a .gguf name
             subprocess.run(
                 [str(build_target(src, "llama-quantize")), *extra, str(bf16), str(tmp), qtype],
                 check=True,
@@ -340,6 +374,9 @@ def measure(
     ckpts, ggufs = files["ckpts"], files["ggufs"]
     quant_dir = str(work / "quant-cache")
 
+    def trace(c: Cell) -> Path:  # the cell's decode routing (the last round's)
+        return work / f"trace-{c.model}-{c.engine}-{c.limit_gib:g}.npz"
+
     def spec(c: Cell, **more: Any) -> dict[str, Any]:
         fields = dict(ENGINE_FIELDS[c.engine], quant_cache_dir=quant_dir, **more)
         return {"ckpt": str(ckpts[c.model]), "fields": fields, "tokens": tokens}
@@ -354,8 +391,12 @@ def measure(
             for c in todo:
                 cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs.get((c.model, c.gguf))
                 e = run_engine(
-                    spec(c), cg, [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt]
+                    dict(spec(c), trace=str(trace(c))),
+                    cg,
+                    [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt],
                 )
+                # The disk's O_DIRECT bandwidth right after the cell, so the share compares one moment.
+                e["dd_gb_s"] = dd_direct(shard(ckpt), -(-e["expert_bytes"] // 4096) * 4096, 1 << 30)
                 ll = (
                     run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
                     if src is not None and gguf is not None
@@ -385,14 +426,26 @@ def measure(
             )
             for c in todo
         }
+        # The same plan fed this cell's own decode routing (`--trace`): the projection's access
+        # pattern is then the measured one, and what remains is its cost model.
+        own = {}
+        for c in todo:
+            try:
+                own[c.name] = plan_projection(
+                    ckpts[c.model],
+                    groups[c.limit_gib],
+                    [*PLAN_FLAGS.get(c.engine, []), "--trace", str(trace(c))],
+                )
+            except RuntimeError as e:  # the page says so; the measured figures stand
+                own[c.name] = {"projected_tps": None, "n_slots": None, "text": str(e)}
     finally:
         for cg in groups.values():
             cg.close()
-    shard = max(ckpts[todo[0].model].glob("*.safetensors"), key=lambda p: p.stat().st_size)
     expert = res[todo[0].name]["engine"][-1]["expert_bytes"]
+    last = shard(ckpts[todo[0].model])
     dd = {
-        "1MiB": dd_direct(shard, 1 << 20),
-        "expert": dd_direct(shard, -(-expert // 4096) * 4096),
+        "1MiB": dd_direct(last, 1 << 20),
+        "expert": dd_direct(last, -(-expert // 4096) * 4096),
         "expert_bytes": expert,
     }
     sizes = {
@@ -404,11 +457,17 @@ def measure(
         "cells": res,
         "references": refs,
         "plans": plans,
+        "plans_own_trace": own,
         "dd": dd,
         "sizes": sizes,
         "ckpt_paths": [str(p) for p in ckpts.values()],
         "gguf_paths": [str(p) for p in ggufs.values()],
     }
+
+
+def shard(ckpt: Path) -> Path:
+    """The checkpoint's largest safetensors file (what dd reads)."""
+    return max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)
 
 
 def du(path: Path) -> int:
@@ -431,7 +490,10 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
         bytes_tok = median(e["bytes_per_token"] for e in eng)
         min_tok = median(e["min_bytes_per_token"] for e in eng)
         read = median(e["read_gb_s"] for e in eng)
+        # Each round's engine read rate over the dd run right after it (the disk is shared).
+        share = median(e["read_gb_s"] / e["dd_gb_s"] for e in eng)
         proj = m["plans"][c.name]["projected_tps"]
+        own = m["plans_own_trace"][c.name]["projected_tps"]
         rows.append(
             {
                 "cell": c.name,
@@ -446,9 +508,12 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
                 "min_bytes_per_token": min_tok,
                 "bytes_over_min": bytes_tok / min_tok if min_tok else None,
                 "read_gb_s": read,
-                "read_share_of_dd": read / m["dd"]["expert"],
+                "read_share_of_dd": share,
+                "dd_gb_s": median(e["dd_gb_s"] for e in eng),
                 "projected_tps": proj,
                 "projected_over_measured": proj / e_tps if proj else None,
+                "projected_own_trace_tps": own,
+                "own_trace_over_measured": own / e_tps if own else None,
                 "n_slots": eng[-1]["n_slots"],
                 "total_experts": eng[-1]["total_experts"],
                 "tokens_equal_reference": all(e["tokens"] == ref["tokens"] for e in eng),
@@ -481,8 +546,9 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| cell | fast tier (plan) | GB read / token: engine | Belady's MIN | engine / MIN | llama.cpp | "
-        "engine disk GB/s | of dd O_DIRECT | plan's projected tok/s | projected / measured | tokens = reference | peak engine / llama.cpp GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "engine disk GB/s | of dd O_DIRECT after it | plan's projected tok/s | projected / measured | "
+        "with the cell's own routing (--trace) | / measured | tokens = reference | peak engine / llama.cpp GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         over = "n/a" if r["bytes_over_min"] is None else f"{r['bytes_over_min']:.2f}×"
@@ -492,17 +558,25 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
             if r["projected_over_measured"] is None
             else f"{r['projected_over_measured']:.2f}×"
         )
+        own = (
+            "n/a"
+            if r["own_trace_over_measured"] is None
+            else f"{r['projected_own_trace_tps']:.3f} | {r['own_trace_over_measured']:.2f}×"
+        )
+        if r["own_trace_over_measured"] is None:
+            own = "n/a | n/a"
         lines.append(
             f"| {r['cell']} | {r['n_slots']} of {r['total_experts']} | {gb(r['engine_bytes_per_token'])} | "
             f"{gb(r['min_bytes_per_token'])} | {over} | {gb(r['llama_bytes_per_token'])} | {r['read_gb_s']:.2f} | "
-            f"{r['read_share_of_dd']:.0%} | {proj} | {pom} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
+            f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
             f"{r['engine_peak'] / 2**30:.2f} / {r['llama_peak'] / 2**30:.2f} |"
         )
     dd = m["dd"]
     lines += [
         "",
         f"Disk: `dd iflag=direct` on a checkpoint shard reads {dd['expert']:.2f} GB/s in blocks of one expert "
-        f"({dd['expert_bytes'] / 1e6:.2f} MB) and {dd['1MiB']:.2f} GB/s in blocks of 1 MiB (after the rounds).",
+        f"({dd['expert_bytes'] / 1e6:.2f} MB) and {dd['1MiB']:.2f} GB/s in blocks of 1 MiB after the rounds; "
+        "the table's share divides each round's engine read rate by a 1 GiB dd in expert-sized blocks run right after that engine cell.",
     ]
     return lines
 
@@ -564,7 +638,7 @@ def run(args: argparse.Namespace, src: Path | None, work: Path, command: str) ->
         side.write_text(dump.replace(str(work), str(args.work)))  # no absolute paths
     print("\n".join(lines))
     if not args.keep:
-        for p in [*m["ckpt_paths"], *m["gguf_paths"], work / "quant-cache"]:
+        for p in [*m["ckpt_paths"], *m["gguf_paths"], work / "quant-cache", *work.glob("trace-*")]:
             if Path(p).is_dir():
                 shutil.rmtree(p)
             elif Path(p).exists():
