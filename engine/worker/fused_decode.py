@@ -294,8 +294,8 @@ class FusedDecode:
             fields.update(swiglu_fields(shared, dtype, f"{where}'s shared expert"))
             gate = block._modules.get("shared_expert_gate")
             if gate is not None:
-                gate_w, gate_b = linear_weights(gate, dtype)
-                if gate_w.shape[0] != 1 or gate_b is not None:
+                gate_w, gate_b, gate_s = linear_weights(gate, dtype)
+                if gate_w.shape[0] != 1 or gate_b is not None or gate_s is not None:
                     raise Unsupported(f"{where}: a shared expert gate of another shape")
                 fields["sh_gate_w"] = gate_w.data_ptr()
         return fields
