@@ -59,6 +59,10 @@ typedef struct {
     /* int8 dense weights (--dense-quant int8): the fp16 row scales of wq, wk, wv, wo and the shared expert's
      * gate, up and down projections; a projection with a scale holds int8 codes (W_I8), NULL: proj_wtype. */
     const uint16_t *wq_s, *wk_s, *wv_s, *wo_s, *sh_gate_s, *sh_up_s, *sh_down_s;
+    /* int4 experts (expert_wtype W_Q4, moe_q4_rows): per expert, the fp16 zero points of gate_up and down (their
+     * scales in gate_up_scale and down_scale); NULL tables otherwise. */
+    const uint16_t *const *gate_up_zero;
+    const uint16_t *const *down_zero;
 } layer_spec_t;
 
 enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1, ROUTER_NONE = 2 };
@@ -130,7 +134,8 @@ size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions, int64_t
         mine += (up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64) * R;
         gw = max_sz(gw, max_sz(gemv_work_bytes(L->sh_I, L->H, rows), gemv_work_bytes(L->H, L->sh_I, rows)));
     }
-    return mine + up64(max_sz(max_sz(gw, moe_rows_work_bytes(L->H, L->I, rows)), attention)) + 64;
+    size_t experts = L->expert_wtype == W_Q4 ? moe_q4_work_bytes(L->H, L->I, rows) : moe_rows_work_bytes(L->H, L->I, rows);
+    return mine + up64(max_sz(max_sz(gw, experts), attention)) + 64;
 }
 
 /* y[r][n] += b[n] for each of R rows, rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
@@ -241,8 +246,12 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
         }
         /* Each row's experts in ascending id order (transformers' summation order), each with its routing weight;
          * each expert's weights read once for the rows that route to it. */
-        rc = moe_swiglu_rows((int)L->expert_wtype, H, L->I, R, k, ids, w, L->gate_up, L->gate_up_scale, L->down,
-                             L->down_scale, h, xt, y, scratch, nthreads);
+        if (L->expert_wtype == W_Q4)
+            rc = moe_q4_rows(H, L->I, R, k, ids, w, (const uint8_t *const *)L->gate_up, L->gate_up_scale, L->gate_up_zero,
+                             (const uint8_t *const *)L->down, L->down_scale, L->down_zero, h, xt, y, scratch, nthreads);
+        else
+            rc = moe_swiglu_rows((int)L->expert_wtype, H, L->I, R, k, ids, w, L->gate_up, L->gate_up_scale, L->down,
+                                 L->down_scale, h, xt, y, scratch, nthreads);
         if (rc) return rc;
     }
     /* A dense layer's MLP, or a MoE layer's shared expert. */

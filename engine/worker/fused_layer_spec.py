@@ -76,6 +76,7 @@ class LayerSpec(ctypes.Structure):
         + [(n, _F) for n in ("routed_scale", "pad2_")]
         + [(n, _P) for n in ("route_x", "route_logits", "route_weights", "route_ids")]
         + [(n, _P) for n in ("wq_s", "wk_s", "wv_s", "wo_s", "sh_gate_s", "sh_up_s", "sh_down_s")]
+        + [(n, _P) for n in ("gate_up_zero", "down_zero")]
     )
 
 
