@@ -126,7 +126,7 @@ class NativeKernels(KernelLibrary):
         weight_dtype: torch.dtype,
         hidden: int,
         intermediate: int,
-        slot: tuple[int, int, int, int],
+        slot: tuple[int, ...],
     ) -> torch.Tensor:
         """Rows x [n, H] (n <= 16) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down, its
         scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives that
