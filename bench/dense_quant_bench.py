@@ -41,10 +41,12 @@ def gguf(src: Path, ckpt: Path, kind: str) -> Path:
     """The bf16 GGUF from llama.cpp's converter, then `kind` from it with llama-quantize (QUANT_TYPES)."""
     from bench.peers import build_target, convert
 
-    bf16 = convert(src, ckpt, "bf16")
     qtype, extra = QUANT_TYPES[kind]
     path = ckpt.parent / f"{ckpt.name}-{kind}.gguf"
-    if not path.exists():
+    if (
+        not path.exists()
+    ):  # the bf16 file is only its source: it may be deleted once the kinds exist
+        bf16 = convert(src, ckpt, "bf16")
         print(f"llama-quantize {bf16.name} -> {path.name} ...", flush=True)
         tmp = path.with_suffix(".part")
         quantize = build_target(src, "llama-quantize")
