@@ -71,6 +71,8 @@ PAIRS = (
     Pair("bf16", {"dtype": "bfloat16"}),
     Pair("int8", {"dtype": "bfloat16", "expert_quant": "int8"}),
     Pair("int4", {"dtype": "bfloat16", "expert_quant": "int4"}),
+    # --dense-quant int8 on top: the dense tensors int8 too, the bytes of llama-quantize's Q8_0 mix
+    Pair("int8-dense", {"dtype": "bfloat16", "expert_quant": "int8", "dense_quant": "int8"}),
 )
 # llama-quantize outputs: "-mix" is its default tensor mix (dense tensors quantized too, output Q6_K at
 # Q4_0); the plain kinds quantize the routed experts only and keep the dense tensors bf16, as the engine does.
@@ -81,6 +83,7 @@ DECODE_PAIRS = (
     ("int8", "q8_0", "int8 / Q8_0 (experts; dense bf16 in both)"),
     ("int4", "q4_0", "int4 / Q4_0 (experts; dense bf16 in both)"),
     ("int8", "q8_0-mix", "int8 / Q8_0 llama-quantize default mix"),
+    ("int8-dense", "q8_0-mix", "int8, --dense-quant int8 / Q8_0 llama-quantize default mix"),
     ("int4", "q4_0-mix", "int4 / Q4_0 llama-quantize default mix"),
 )
 

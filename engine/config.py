@@ -138,6 +138,13 @@ class EngineConfig(YamlSection):
         "weights per quantization group, each with one fp16 scale (and zero point for int4); 0: whole rows, one scale per output channel, which with int8 and --dtype bfloat16 multiplies the int8 weights directly on CPU (the native VNNI kernel, else torch's weight-only int8 matmul) instead of dequantizing. Default: 0 for int8 (the same perplexity as groups of 64 on the embedded model, docs/benchmarks/peers.md), 64 for int4",
         metavar="N",
     )
+    # Dense weights (attention projections, dense and shared-expert MLPs, lm_head) quantized at load
+    # (engine/native/quant_linear.py): a file's bytes then match a stock GGUF Q8_0 mix.
+    dense_quant: str = setting(
+        "none",
+        "dense weights (attention projections, dense and shared-expert MLPs, lm_head): none (checkpoint weights in the compute dtype) or int8 (per output channel, one fp16 scale, round-to-nearest at load; multiplied as int8 by the native kernels)",
+        choices=("none", "int8"),
+    )
     # The paths a step may take (engine/worker/dispatch.py resolves them once at load and logs the plan).
     forward: str = setting(
         "auto",
@@ -193,6 +200,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(
                 f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}"
             )
+        if self.dense_quant not in ("none", "int8"):
+            raise ConfigError(f"dense_quant must be 'none' or 'int8', got {self.dense_quant!r}")
         if self.expert_quant_group not in (None, 0) and (
             self.expert_quant_group < 2 or self.expert_quant_group % 2
         ):

@@ -6,8 +6,9 @@ product, the scaling) plus the Python between them: 40-50 us an expert on small 
 than its arithmetic. engine/native/cpu_gemv.c's `moe_swiglu` runs them all, summed in the order
 given, from the slots' own memory (no copy, no per-expert tensor).
 
-Which slots it reads: float slots (f32 or bf16, the compute dtype) and whole-row int8 slots,
-SwiGLU only. Everything else (int4, gpt-oss, Llama 4, native MXFP4/FP8) keeps the torch path.
+Which slots it reads: float slots (f32 or bf16, the compute dtype), whole-row int8 slots and int4
+slots in groups of 64 with a bf16 compute dtype (`moe_q4_rows`: nibbles unpacked in registers, int8
+dot products), SwiGLU only. Everything else (gpt-oss, Llama 4, native MXFP4/FP8) keeps the torch path.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import torch
 
 from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.quant import ExpertFormat, GroupQuantFormat, PlainFormat
-from engine.native.kernels import MAX_ROWS, NativeKernels
+from engine.native.kernels import MAX_ROWS, W_CODES, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
 
-SlotPointers = tuple[int, int, int, int]  # gate_up, gate_up scales, down, down scales (0: none)
+# gate_up, gate_up scales, down, down scales (0: none); int4 slots add gate_up zeros and down zeros
+SlotPointers = tuple[int, ...]
+INT4 = torch.uint8  # NativeMoe.weight_dtype of int4 slots (two codes a byte)
+W_Q4 = 3  # cpu_gemv.h's code for them
 
 
 class NativeMoe:
@@ -34,7 +38,13 @@ class NativeMoe:
     ) -> None:
         self.kernels, self.fmt, self.weight_dtype = kernels, fmt, weight_dtype
         self.hidden, self.intermediate = hidden, intermediate
-        self.quantized = weight_dtype == torch.int8
+        self.quantized = weight_dtype in (torch.int8, INT4)  # slots carry row or group scales
+        self.int4 = weight_dtype == INT4
+
+    @property
+    def wtype(self) -> int:
+        """decode_layer.c's expert_wtype code of these slots."""
+        return W_Q4 if self.int4 else W_CODES[self.weight_dtype]
 
     @classmethod
     def for_format(cls, fmt: ExpertFormat, hidden: int, intermediate: int) -> NativeMoe | None:
@@ -49,6 +59,15 @@ class NativeMoe:
             and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
         ):
             weight_dtype = torch.int8
+        elif (
+            isinstance(fmt, GroupQuantFormat)
+            and fmt.bits == 4
+            and fmt.compute_dtype == torch.bfloat16
+            and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
+            and hidden % 64 == 0
+            and intermediate % 64 == 0
+        ):
+            weight_dtype = INT4
         else:
             return None
         kernels = native()
@@ -68,12 +87,18 @@ class NativeMoe:
             and native_rows_allowed()
             and (
                 x.dtype == self.weight_dtype
-                or (self.quantized and x.dtype in (torch.float32, torch.bfloat16))
+                or (self.int4 and x.dtype == torch.bfloat16)
+                or (not self.int4 and self.quantized and x.dtype in (torch.float32, torch.bfloat16))
             )
         )
 
     def pointers(self, views: list) -> SlotPointers:
         """Addresses of one slot's weights, from its views (engine/experts/quant.py); stable while the slot lives."""
+        if self.int4:
+            (p_gu, s_gu, z_gu), (p_d, s_d, z_d) = views
+            return tuple(
+                t.data_ptr() for t in (p_gu, s_gu, p_d, s_d, z_gu, z_d)
+            )  # gate_up, scales, down, scales, zeros
         if self.quantized:
             (q_gu, s_gu), (q_d, s_d) = views
             return q_gu.data_ptr(), s_gu.data_ptr(), q_d.data_ptr(), s_d.data_ptr()
@@ -83,6 +108,19 @@ class NativeMoe:
     def rows(self, x: torch.Tensor, slot: SlotPointers) -> torch.Tensor:
         """Rows x [n, H] (accepted) through the one expert at `slot`, unscaled -> [n, H]; 16 rows a call
         (each row computes as it would alone, so the split changes nothing)."""
+        if self.int4:
+            parts = [
+                self.kernels.moe_q4(
+                    x[i : i + MAX_ROWS],
+                    self.hidden,
+                    self.intermediate,
+                    [slot],
+                    [0] * min(MAX_ROWS, x.shape[0] - i),
+                    [1.0] * min(MAX_ROWS, x.shape[0] - i),
+                )
+                for i in range(0, x.shape[0], MAX_ROWS)
+            ]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         parts = [
             self.kernels.expert_rows(
                 x[i : i + MAX_ROWS], self.weight_dtype, self.hidden, self.intermediate, slot
@@ -93,6 +131,10 @@ class NativeMoe:
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""
+        if self.int4:
+            return self.kernels.moe_q4(
+                x, self.hidden, self.intermediate, slots, list(range(len(slots))), weights
+            )
         return self.kernels.moe_swiglu(
             x,
             self.weight_dtype,

@@ -516,6 +516,102 @@ int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, 
     return 0;
 }
 
+/* One int4 row set's activation, quantized as q4_row reads it: per row, the codes [n] (even/odd order per
+ * block), the block scales and the block sums of the codes [n / 64]. */
+typedef struct { int8_t *q; float *s; int32_t *sum; } q4act_t;
+
+static size_t q4act_bytes(int64_t n) { return up64_((size_t)n) + up64_((size_t)(n / Q4_GROUP) * 4) * 2; }
+
+static q4act_t q4act_at(char *mem, int64_t n) {
+    q4act_t a;
+    a.q = (int8_t *)mem;
+    a.s = (float *)(mem + up64_((size_t)n));
+    a.sum = (int32_t *)(mem + up64_((size_t)n) + up64_((size_t)(n / Q4_GROUP) * 4));
+    return a;
+}
+
+/* Bytes of `work` that moe_q4_rows needs. */
+size_t moe_q4_work_bytes(int64_t H, int64_t I, int64_t R) {
+    return (size_t)R * (q4act_bytes(H) + q4act_bytes(I) + (size_t)(2 * I + H + H + I) * 4) + 256;
+}
+
+/* moe_swiglu_rows for int4 experts (groups of 64, the format above; --expert-quant int4): R bf16 rows (R <= 16)
+ * through their k experts each, expert e's gate_up [2I, H] at gate_up[e] with scales gu_scale[e] and zeros
+ * gu_zero[e] ([2I, H/64] fp16), down [H, I] likewise. The same arithmetic as two gemv_q4 calls an expert with
+ * the SwiGLU between them rounded as torch rounds it in bf16 (gate and up, silu, the product, the expert's
+ * output), then each expert's output times its routing weight summed in ascending id, as moe_swiglu_rows does:
+ * one call for a layer's experts, each row's activation quantized once for all of them, each expert's weights
+ * read once for every row routed to it. Each row's result is the one it gets alone. H and I multiples of 64.
+ * Returns 0, or -1 for a shape or row count it does not take. */
+int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
+                const uint8_t *const *gate_up, const uint16_t *const *gu_scale, const uint16_t *const *gu_zero,
+                const uint8_t *const *down, const uint16_t *const *d_scale, const uint16_t *const *d_zero,
+                const void *x, int xtype, void *out, void *work, int nthreads) {
+    route_t routes[MAX_ROWS * 64];
+    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64 || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
+    int64_t n = R * k;
+    for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
+    qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
+    int64_t starts[MAX_ROWS * 64 + 1], groups = 0;
+    int first[MAX_ROWS * 64], seen[MAX_ROWS] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        if (i == 0 || routes[i].id != routes[i - 1].id) starts[groups++] = i;
+        first[i] = !seen[routes[i].row];
+        seen[routes[i].row] = 1;
+    }
+    starts[groups] = n;
+    char *mem = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+    q4act_t ax[MAX_ROWS], ah[MAX_ROWS];
+    for (int64_t r = 0; r < R; r++, mem += q4act_bytes(H)) ax[r] = q4act_at(mem, H);
+    for (int64_t r = 0; r < R; r++, mem += q4act_bytes(I)) ah[r] = q4act_at(mem, I);
+    float *gu = (float *)mem, *acc = gu + R * 2 * I, *xf = acc + R * H, *hf = xf + R * H;
+    for (int64_t r = 0; r < R; r++) {
+        load_act((const uint16_t *)x + r * H, X_BF16, H, xf + r * H);
+        q4_prepare(xf + r * H, H, ax[r].q, ax[r].s, ax[r].sum);
+    }
+    int64_t gb = H / Q4_GROUP, db = I / Q4_GROUP;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid = TID(), nt = NT();
+        int64_t a0, a1, i0, i1, h0, h1;
+        share(2 * I, tid, nt, &a0, &a1);
+        share(I, tid, nt, &i0, &i1);
+        share(H, tid, nt, &h0, &h1);
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t s0 = starts[g], m = starts[g + 1] - s0, e = routes[s0].id;
+            for (int64_t q = a0; q < a1; q++) {
+                const uint8_t *p = gate_up[e] + (size_t)q * (H / 2);
+                for (int64_t j = 0; j < m; j++) {
+                    q4act_t a = ax[routes[s0 + j].row];
+                    gu[j * 2 * I + q] = q4_row(p, gu_scale[e] + q * gb, gu_zero[e] + q * gb, H, a.q, a.s, a.sum);
+                }
+            }
+            BARRIER(); /* a thread's slice of I needs gate and up rows that other threads computed */
+            for (int64_t j = 0; j < m; j++) {
+                const float *gj = gu + j * 2 * I;
+                for (int64_t i = i0; i < i1; i++)
+                    hf[j * I + i] = as_x(as_x(silu(as_x(gj[i], X_BF16)), X_BF16) * as_x(gj[I + i], X_BF16), X_BF16);
+            }
+            BARRIER(); /* the down projection reads all of h */
+            SINGLE()
+            for (int64_t j = 0; j < m; j++) q4_prepare(hf + j * I, I, ah[j].q, ah[j].s, ah[j].sum);
+            for (int64_t q = h0; q < h1; q++) {
+                const uint8_t *p = down[e] + (size_t)q * (I / 2);
+                for (int64_t j = 0; j < m; j++) {
+                    const route_t *rt = &routes[s0 + j];
+                    float t = q4_row(p, d_scale[e] + q * db, d_zero[e] + q * db, I, ah[j].q, ah[j].s, ah[j].sum);
+                    float v = as_x(as_x(t, X_BF16) * rt->w, X_BF16);
+                    float *a = acc + rt->row * H;
+                    a[q] = first[s0 + j] ? v : as_x(a[q] + v, X_BF16);
+                }
+            }
+            BARRIER(); /* gu and h are reused by the next expert */
+        }
+        for (int64_t r = 0; r < R; r++) store_rows(acc + r * H, X_BF16, h0, h1, (uint16_t *)out + r * H);
+    }
+    return 0;
+}
+
 /* ---- rotary position embedding ----------------------------------------------------------------
  * In place, as transformers' apply_rotary_pos_emb with rotate_half computes it: x is [rows, heads, d]
  * and row r takes cos/sin row r ([rows, rot], x's dtype); the first `rot` dims of each head turn,

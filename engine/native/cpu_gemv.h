@@ -8,7 +8,7 @@
 #include <string.h>
 #include <math.h>
 
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4 = 3 }; /* W_Q4: int4 groups of 64 (moe_q4_rows), experts only */
 enum { X_F32 = 0, X_BF16 = 1 };
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -47,6 +47,11 @@ size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
 size_t moe_work_bytes(int64_t H, int64_t I);
+size_t moe_q4_work_bytes(int64_t H, int64_t I, int64_t R);
+int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
+                const uint8_t *const *gate_up, const uint16_t *const *gu_scale, const uint16_t *const *gu_zero,
+                const uint8_t *const *down, const uint16_t *const *d_scale, const uint16_t *const *d_zero,
+                const void *x, int xtype, void *out, void *work, int nthreads);
 size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R);
 int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                      const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,

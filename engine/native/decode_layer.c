@@ -56,6 +56,13 @@ typedef struct {
     void *route_x;
     float *route_logits, *route_weights;
     int64_t *route_ids;
+    /* int8 dense weights (--dense-quant int8): the fp16 row scales of wq, wk, wv, wo and the shared expert's
+     * gate, up and down projections; a projection with a scale holds int8 codes (W_I8), NULL: proj_wtype. */
+    const uint16_t *wq_s, *wk_s, *wv_s, *wo_s, *sh_gate_s, *sh_up_s, *sh_down_s;
+    /* int4 experts (expert_wtype W_Q4, moe_q4_rows): per expert, the fp16 zero points of gate_up and down (their
+     * scales in gate_up_scale and down_scale); NULL tables otherwise. */
+    const uint16_t *const *gate_up_zero;
+    const uint16_t *const *down_zero;
 } layer_spec_t;
 
 enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1, ROUTER_NONE = 2 };
@@ -127,7 +134,8 @@ size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions, int64_t
         mine += (up64((size_t)L->sh_I * xs) * 3 + up64((size_t)L->H * xs) + 64) * R;
         gw = max_sz(gw, max_sz(gemv_work_bytes(L->sh_I, L->H, rows), gemv_work_bytes(L->H, L->sh_I, rows)));
     }
-    return mine + up64(max_sz(max_sz(gw, moe_rows_work_bytes(L->H, L->I, rows)), attention)) + 64;
+    size_t experts = L->expert_wtype == W_Q4 ? moe_q4_work_bytes(L->H, L->I, rows) : moe_rows_work_bytes(L->H, L->I, rows);
+    return mine + up64(max_sz(max_sz(gw, experts), attention)) + 64;
 }
 
 /* y[r][n] += b[n] for each of R rows, rounded as torch's add rounds in the activation dtype (after y was rounded by gemv). */
@@ -137,10 +145,11 @@ static void add_bias(void *y, const void *b, int64_t R, int64_t n, int xtype) {
         for (int64_t i = 0; i < n; i++) x_set(y, xtype, r * n + i, x_get(y, xtype, r * n + i) + x_get(b, xtype, i));
 }
 
-/* gemv of R rows plus an optional bias; returns gemv's status. */
-static int project(const layer_spec_t *L, const void *w, const void *b, int64_t rows, int64_t cols, int64_t R, const void *x,
-                   void *y, void *work, int nthreads) {
-    int rc = gemv(w, 0, (int)L->proj_wtype, rows, cols, x, (int)L->xtype, R, y, work, nthreads);
+/* gemv of R rows plus an optional bias; returns gemv's status. With row scales `s` the weight is int8 (W_I8, as
+ * engine/native/quant_linear.py's QuantLinear runs it), else in proj_wtype. */
+static int project(const layer_spec_t *L, const void *w, const uint16_t *s, const void *b, int64_t rows, int64_t cols,
+                   int64_t R, const void *x, void *y, void *work, int nthreads) {
+    int rc = gemv(w, s, s ? W_I8 : (int)L->proj_wtype, rows, cols, x, (int)L->xtype, R, y, work, nthreads);
     add_bias(y, b, R, rows, (int)L->xtype);
     return rc;
 }
@@ -156,12 +165,12 @@ static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, vo
     int xt = (int)L->xtype;
     char *g = mem, *u = g + up64((size_t)(R * I) * xs), *a = u + up64((size_t)(R * I) * xs), *s = a + up64((size_t)(R * I) * xs);
     char *gate = s + up64((size_t)(R * H) * xs);
-    int rc = project(L, L->sh_gate, NULL, I, H, R, h, g, scratch, nthreads);
-    rc = rc ? rc : project(L, L->sh_up, NULL, I, H, R, h, u, scratch, nthreads);
+    int rc = project(L, L->sh_gate, L->sh_gate_s, NULL, I, H, R, h, g, scratch, nthreads);
+    rc = rc ? rc : project(L, L->sh_up, L->sh_up_s, NULL, I, H, R, h, u, scratch, nthreads);
     if (rc) return rc;
     for (int64_t i = 0; i < R * I; i++) x_set(a, xt, i, as_x(silu(x_get(g, xt, i)), xt) * x_get(u, xt, i));
-    rc = project(L, L->sh_down, NULL, H, I, R, a, s, scratch, nthreads);
-    if (!rc && L->sh_gate_w != NULL) rc = project(L, L->sh_gate_w, NULL, 1, H, R, h, gate, scratch, nthreads);
+    rc = project(L, L->sh_down, L->sh_down_s, NULL, H, I, R, a, s, scratch, nthreads);
+    if (!rc && L->sh_gate_w != NULL) rc = project(L, L->sh_gate_w, NULL, NULL, 1, H, R, h, gate, scratch, nthreads);
     if (rc) return rc;
     for (int64_t r = 0; r < R; r++) {
         float sg = L->sh_gate_w != NULL ? as_x(sigmoid(x_get(gate, xt, r)), xt) : 1.0f;
@@ -194,9 +203,9 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
     char *shared = (char *)xf + up64((size_t)H * 4);
     void *scratch = L->sh_gate == NULL ? shared
                     : shared + (up64((size_t)L->sh_I * xs) * 3 + up64((size_t)H * xs) + 64) * (size_t)R;
-    int rc = project(L, L->wq, L->bq, (int64_t)qd, H, R, h, q, scratch, nthreads);
-    rc = rc ? rc : project(L, L->wk, L->bk, (int64_t)kd, H, R, h, kk, scratch, nthreads);
-    rc = rc ? rc : project(L, L->wv, L->bv, (int64_t)kd, H, R, h, vv, scratch, nthreads);
+    int rc = project(L, L->wq, L->wq_s, L->bq, (int64_t)qd, H, R, h, q, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wk, L->wk_s, L->bk, (int64_t)kd, H, R, h, kk, scratch, nthreads);
+    rc = rc ? rc : project(L, L->wv, L->wv_s, L->bv, (int64_t)kd, H, R, h, vv, scratch, nthreads);
     if (rc) return rc;
     size_t rs = (size_t)L->rot * xs;
     for (int64_t r = 0; r < R; r++)
@@ -204,7 +213,7 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
                          (int)L->norm_wtype, L->q_eps, L->k_eps, L->rot, cos ? (const char *)cos + r * rs : NULL,
                          sin ? (const char *)sin + r * rs : NULL, kbufs[r], vbufs[r], caps[r], ats[r], L->scale,
                          att + r * qd * xs, (float *)scratch);
-    rc = project(L, L->wo, L->bo, H, (int64_t)qd, R, att, y, scratch, nthreads);
+    rc = project(L, L->wo, L->wo_s, L->bo, H, (int64_t)qd, R, att, y, scratch, nthreads);
     if (rc) return rc;
     add_rmsnorm(x, y, xt, R, H, L->post_norm, (int)L->norm_wtype, L->post_eps, x, h); /* elementwise: in place is safe */
     memset(y, 0, (size_t)(R * H) * xs);
@@ -237,8 +246,12 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
         }
         /* Each row's experts in ascending id order (transformers' summation order), each with its routing weight;
          * each expert's weights read once for the rows that route to it. */
-        rc = moe_swiglu_rows((int)L->expert_wtype, H, L->I, R, k, ids, w, L->gate_up, L->gate_up_scale, L->down,
-                             L->down_scale, h, xt, y, scratch, nthreads);
+        if (L->expert_wtype == W_Q4)
+            rc = moe_q4_rows(H, L->I, R, k, ids, w, (const uint8_t *const *)L->gate_up, L->gate_up_scale, L->gate_up_zero,
+                             (const uint8_t *const *)L->down, L->down_scale, L->down_zero, h, xt, y, scratch, nthreads);
+        else
+            rc = moe_swiglu_rows((int)L->expert_wtype, H, L->I, R, k, ids, w, L->gate_up, L->gate_up_scale, L->down,
+                                 L->down_scale, h, xt, y, scratch, nthreads);
         if (rc) return rc;
     }
     /* A dense layer's MLP, or a MoE layer's shared expert. */

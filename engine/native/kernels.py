@@ -126,7 +126,7 @@ class NativeKernels(KernelLibrary):
         weight_dtype: torch.dtype,
         hidden: int,
         intermediate: int,
-        slot: tuple[int, int, int, int],
+        slot: tuple[int, ...],
     ) -> torch.Tensor:
         """Rows x [n, H] (n <= 16) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down, its
         scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives that
@@ -181,6 +181,44 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         return y if rc == 0 else None
+
+    def moe_q4(
+        self,
+        x: torch.Tensor,
+        hidden: int,
+        intermediate: int,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        """Rows x [R, H] bf16 (R <= 16) through int4 SwiGLU experts (groups of 64): row r takes the k experts
+        slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
+        scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
+        R, n = x.shape[0], len(ids)
+        out = torch.empty((R, hidden), dtype=x.dtype)
+        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
+        rc = self.lib.moe_q4_rows(
+            hidden,
+            intermediate,
+            R,
+            n // R,
+            (ctypes.c_int64 * n)(*ids),
+            (ctypes.c_float * n)(*weights),
+            table[0],
+            table[1],
+            table[4],
+            table[2],
+            table[3],
+            table[5],
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            out.data_ptr(),
+            self._work(self._scratch("moe_q4_work_bytes", hidden, intermediate, R)),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"native moe_q4 takes 1 to {MAX_ROWS} bf16 rows and 64 experts a row")
+        return out
 
     def router_topk(
         self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool

@@ -105,6 +105,10 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.gemv_q4.restype = _INT
     lib.gemv_q4_work_bytes.argtypes = [_I64, _I64, _I64]
     lib.gemv_q4_work_bytes.restype = _SIZE
+    lib.moe_q4_rows.argtypes = [_I64] * 4 + [_P] * 8 + [_P, _INT, _P, _P, _INT]
+    lib.moe_q4_rows.restype = _INT
+    lib.moe_q4_work_bytes.argtypes = [_I64, _I64, _I64]
+    lib.moe_q4_work_bytes.restype = _SIZE
     lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
     lib.kv_append.restype = None
     lib.decode_attention.argtypes = [

@@ -135,6 +135,43 @@ static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t
 }
 #endif
 
+#if !defined(SIMD_HAVE_Q4_ROW) && defined(__AVX512BW__)
+#define SIMD_HAVE_Q4_ROW 1
+/* One int4 row (groups of 64) against the quantized activation, without VNNI: a group's 64 codes (low nibbles,
+ * the even elements, in the low half; high nibbles in the high half: the order q4_prepare stores the activation
+ * in) times its 64 activation bytes with vpmaddubsw (unsigned codes <= 15 times signed bytes: pairs sum to at most
+ * 3810, no saturation) and vpmaddwd, four accumulators; the group scales, zeros and activation sums are widened
+ * sixteen groups at a time, so no scalar work is left per group. */
+static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n, const int8_t *xq,
+                    const float *xs, const int32_t *xsum) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512i ones = _mm512_set1_epi16(1);
+    __m512 acc[4], corr = _mm512_setzero_ps();
+    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    float sb[16];
+    int64_t groups = n / Q4_GROUP;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        int64_t cnt = groups - g0 < 16 ? groups - g0 : 16;
+        __mmask16 mk = (__mmask16)(cnt == 16 ? 0xFFFFu : (1u << cnt) - 1u);
+        __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, scale + g0)),
+                                 _mm512_maskz_loadu_ps(mk, xs + g0));
+        __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, zero + g0));
+        corr = _mm512_fmadd_ps(_mm512_mul_ps(s, z), _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, xsum + g0)), corr);
+        _mm512_storeu_ps(sb, s);
+        for (int64_t j = 0; j < cnt; j++) {
+            int64_t b = g0 + j;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            __m512i d = _mm512_madd_epi16(_mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + b * Q4_GROUP)), ones);
+            acc[j & 3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sb[j]), acc[j & 3]);
+        }
+    }
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    return _mm512_reduce_add_ps(sum) - _mm512_reduce_add_ps(corr);
+}
+#endif
+
 /* q . row for one cached key row (f32 or bf16), q in f32: sixteen lanes of partial sums, then their sum. */
 #define SIMD_HAVE_DOT_ROW 1
 static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {

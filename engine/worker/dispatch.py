@@ -116,6 +116,21 @@ class ExecutionPlan:
         return {c.what: {"chosen": c.chosen, "why": c.why} for c in self.choices}
 
 
+def dense_weights(mode: str, native: bool) -> tuple[str, str]:
+    """The plan's line for --dense-quant: what the dense linears hold and which kernel multiplies them."""
+    if mode == "none":
+        return "none", "attention, dense MLPs and lm_head in the compute dtype (--dense-quant none)"
+    how = (
+        "the native int8 gemv for decode and verification rows, torch for prompt rows"
+        if native
+        else "torch (x q^T) * s: the native kernels are off"
+    )
+    return (
+        mode,
+        f"attention, dense and shared-expert MLPs and lm_head int8 per output channel; {how}",
+    )
+
+
 def resolve_plan(
     cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, complete: bool, router: str
 ) -> ExecutionPlan:
@@ -185,5 +200,6 @@ def resolve_plan(
         Choice("experts", *experts),
         Choice("router", *router.split(": ", 1)),
         Choice("native kernels", *kernels.split(": ", 1)),
+        Choice("dense weights", *dense_weights(cfg.dense_quant, native and on_cpu)),
     )
     return ExecutionPlan(forward, native_attention and forward != "transformers", choices)

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.native.kernels import W_CODES, X_CODES, NativeKernels
+from engine.native.kernels import X_CODES, NativeKernels
 from engine.weights.moe_hook import BlockAdapter
 from engine.worker import dispatch
 from engine.worker.fused_layer_spec import (
@@ -261,8 +261,8 @@ class FusedDecode:
         E = executor.num_experts
         slots = executor.expert_pointers(block.layer)
         tables = [
-            (ctypes.c_void_p * E)(*(s[j] for s in slots)) for j in range(4)
-        ]  # gate_up, its scales, down, its scales
+            (ctypes.c_void_p * E)(*(s[j] for s in slots)) for j in range(len(slots[0]))
+        ]  # gate_up, its scales, down, its scales (int4: and the zeros of each)
         self._keep.append(tables)  # read below, valid for good: step() found the store complete
         self._hit_calls.append((block, fields["topk"]))
         k = fields["topk"]
@@ -283,19 +283,21 @@ class FusedDecode:
         fields.update(
             E=E,
             I=moe.intermediate,
-            expert_wtype=W_CODES[moe.weight_dtype],
+            expert_wtype=moe.wtype,
             gate_up=ctypes.addressof(tables[0]),
             down=ctypes.addressof(tables[2]),
             gate_up_scale=ctypes.addressof(tables[1]) if moe.quantized else None,
             down_scale=ctypes.addressof(tables[3]) if moe.quantized else None,
+            gate_up_zero=ctypes.addressof(tables[4]) if moe.int4 else None,
+            down_zero=ctypes.addressof(tables[5]) if moe.int4 else None,
         )
         shared = shared_expert(block)
         if shared is not None:
             fields.update(swiglu_fields(shared, dtype, f"{where}'s shared expert"))
             gate = block._modules.get("shared_expert_gate")
             if gate is not None:
-                gate_w, gate_b = linear_weights(gate, dtype)
-                if gate_w.shape[0] != 1 or gate_b is not None:
+                gate_w, gate_b, gate_s = linear_weights(gate, dtype)
+                if gate_w.shape[0] != 1 or gate_b is not None or gate_s is not None:
                     raise Unsupported(f"{where}: a shared expert gate of another shape")
                 fields["sh_gate_w"] = gate_w.data_ptr()
         return fields

@@ -14,6 +14,7 @@ from torch import nn
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import W_CODES, X_CODES, NativeKernels
 from engine.native.layers import NativeLinear, NativeRMSNorm
+from engine.native.quant_linear import QuantLinear
 from engine.native.router import NativeTopKRouter, same_routing
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -74,6 +75,8 @@ class LayerSpec(ctypes.Structure):
         + [("score_bias", _P)]
         + [(n, _F) for n in ("routed_scale", "pad2_")]
         + [(n, _P) for n in ("route_x", "route_logits", "route_weights", "route_ids")]
+        + [(n, _P) for n in ("wq_s", "wk_s", "wv_s", "wo_s", "sh_gate_s", "sh_up_s", "sh_down_s")]
+        + [(n, _P) for n in ("gate_up_zero", "down_zero")]
     )
 
 
@@ -104,13 +107,13 @@ def attention_fields(layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Ten
         linear_weights(p, dtype) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
     ]
     d = att.head_dim
-    hq, hk = layer.q_proj.weight.shape[0] // d, layer.k_proj.weight.shape[0] // d
+    hq, hk = projections[0][0].shape[0] // d, projections[1][0].shape[0] // d
     if hq % hk or hq // hk > 64 or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
         raise Unsupported("an attention shape the native kernel does not take")
     norm_dtypes = {n.module.weight.dtype for n in norms + [q for q in qk if q is not None]}
     if len(norm_dtypes) != 1:
         raise Unsupported("norm weights of several dtypes")
-    p = [t.data_ptr() if t is not None else None for t in (w for pair in projections for w in pair)]
+    p = [t.data_ptr() if t is not None else None for t in (w for trio in projections for w in trio)]
     return dict(
         xtype=X_CODES[dtype],
         proj_wtype=W_CODES[dtype],
@@ -127,12 +130,16 @@ def attention_fields(layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Ten
         scale=float(att.scaling),
         wq=p[0],
         bq=p[1],
-        wk=p[2],
-        bk=p[3],
-        wv=p[4],
-        bv=p[5],
-        wo=p[6],
-        bo=p[7],
+        wq_s=p[2],
+        wk=p[3],
+        bk=p[4],
+        wk_s=p[5],
+        wv=p[6],
+        bv=p[7],
+        wv_s=p[8],
+        wo=p[9],
+        bo=p[10],
+        wo_s=p[11],
         q_norm=qk[0].module.weight.data_ptr() if qk[0] else None,
         k_norm=qk[1].module.weight.data_ptr() if qk[1] else None,
         post_norm=norms[1].module.weight.data_ptr(),
@@ -226,16 +233,23 @@ def swiglu_fields(mlp: Any, dtype: torch.dtype, what: str) -> dict:
     its forward runs it; raises Unsupported for another form."""
     act = getattr(mlp, "act_fn", None)
     if type(act).__name__ not in ("SiLUActivation", "SiLU") or not all(
-        isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+        isinstance(getattr(mlp, n, None), (nn.Linear, QuantLinear))
+        for n in ("gate_proj", "up_proj", "down_proj")
     ):
         raise Unsupported(f"{what} is not a plain SwiGLU MLP")
-    (gate, gb), (up, ub), (down, db) = (
+    (gate, gb, gs), (up, ub, us), (down, db, ds) = (
         linear_weights(getattr(mlp, n), dtype) for n in ("gate_proj", "up_proj", "down_proj")
     )
     if gb is not None or ub is not None or db is not None:
         raise Unsupported(f"{what} has biases")
     return dict(
-        sh_gate=gate.data_ptr(), sh_up=up.data_ptr(), sh_down=down.data_ptr(), sh_I=gate.shape[0]
+        sh_gate=gate.data_ptr(),
+        sh_up=up.data_ptr(),
+        sh_down=down.data_ptr(),
+        sh_I=gate.shape[0],
+        sh_gate_s=gs.data_ptr() if gs is not None else None,
+        sh_up_s=us.data_ptr() if us is not None else None,
+        sh_down_s=ds.data_ptr() if ds is not None else None,
     )
 
 
@@ -268,8 +282,20 @@ def norm(module: Any, dtype: torch.dtype) -> NativeRMSNorm:
     return fn
 
 
-def linear_weights(proj: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a plain linear projection in the activation dtype."""
+def linear_weights(
+    proj: Any, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias, row scales) of a plain linear projection in the activation dtype (scales None), or of an
+    int8 QuantLinear (its codes and fp16 scales; the bias in the activation dtype)."""
+    if isinstance(proj, QuantLinear):
+        b = proj.bias
+        if (
+            proj.qweight.device.type != "cpu"
+            or not proj.qweight.is_contiguous()
+            or (b is not None and (b.dtype != dtype or not b.is_contiguous()))
+        ):
+            raise Unsupported("an int8 projection the native gemv does not read")
+        return proj.qweight, b, proj.scale
     if type(proj) not in (nn.Linear, NativeLinear):
         raise Unsupported(f"a projection of type {type(proj).__name__}")
     w, b = proj.weight, proj.bias
@@ -280,4 +306,4 @@ def linear_weights(proj: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         or (b is not None and (b.dtype != dtype or not b.is_contiguous()))
     ):
         raise Unsupported("a projection weight the native gemv does not read")
-    return w, b
+    return w, b, None

@@ -43,6 +43,7 @@ from engine.memory.planner import KvRequest
 from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
 from engine.native.loaded import use_native_kernels
+from engine.native.quant_linear import quantize_dense
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
@@ -232,6 +233,8 @@ def load_model(
         )
 
     _materialize(model, config, spec, tensors, device, model_dir)
+    # --dense-quant: before accelerate, which then leaves the quantized linears alone
+    quantize_dense(model, cfg.dense_quant)
     if device.type == "cpu":
         accelerate(
             model

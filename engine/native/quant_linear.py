@@ -1,0 +1,98 @@
+"""Dense linears quantized at load (`--dense-quant int8`): attention projections, dense and shared-expert
+MLPs, lm_head.
+
+Format: symmetric round-to-nearest per output channel, q = round(w / s) in [-127, 127] with one fp16
+scale per row, s = max|w_r| / 127 (rounded to fp16 first, then used to quantize, so that s * q is what
+the weight stands for): what the native gemv's W_I8 weights take (engine/native/cpu_gemv.c), and the
+bytes of a GGUF Q8_0 file's dense tensors (1 byte a weight plus a 2-byte scale a row, against Q8_0's
+2 bytes per 32 weights).
+
+Compute: the rows of decode and verification steps (engine/native/row_kernels.py) run the native gemv,
+which computes each row alike whatever the row count (a verification window's rows as plain decode
+rows, so greedy speculation stays exact); prompt rows and everything the kernels do not take run
+torch: y = (x q^T) * s, with q widened to the activation dtype (exact: |q| <= 127) for that call only.
+The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.native.loaded import usable
+
+DENSE_QUANTS = ("none", "int8")
+# The nn.Linear names --dense-quant int8 quantizes: attention projections, SwiGLU MLPs (dense layers' and
+# shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
+# their weights: the router's kernels and the expert formats are their own (engine/experts/quant.py).
+QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [rows, cols], scale fp16 [rows]) of a weight [rows, cols]: symmetric, per row, round to nearest."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / 127.0).to(torch.float16)
+    s = scale.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round(wf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is int8 per output channel (`qweight` [out, in], fp16 `scale` [out]); the
+    bias, if any, stays in the compute dtype. Output dtype: the input's."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, s = quantize_rows(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", s)
+        self.bias = linear.bias
+        self.train(linear.training)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the int8 codes stand for, s * q, in `dtype` (for checks and comparisons)."""
+        return (self.qweight.float() * self.scale.float()[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        kernels = usable(rows) if x.dtype in (torch.float32, torch.bfloat16) else None
+        if kernels is not None:
+            y = kernels.gemv(rows, self.qweight, self.scale)
+        else:
+            y = F.linear(rows, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def quantize_dense(model: nn.Module, mode: str) -> int:
+    """Replace `model`'s dense linears (QUANTIZED_NAMES outside routed experts, and lm_head) with QuantLinear
+    per `mode` ("none": nothing); returns how many were replaced. A linear under several parents (tied)
+    becomes one QuantLinear everywhere. Run before engine/native/layers.py's `accelerate`."""
+    if mode == "none":
+        return 0
+    if mode not in DENSE_QUANTS:
+        raise ValueError(f"dense quant {mode!r}: use one of {', '.join(DENSE_QUANTS)}")
+    done: dict[int, QuantLinear] = {}
+    for pname, parent in list(model.named_modules()):
+        if ".experts" in f".{pname}":
+            continue  # routed experts: their own formats (`shared_experts` does not match)
+        for name, child in list(parent.named_children()):
+            wanted = name in QUANTIZED_NAMES or (name == "lm_head" and pname == "")
+            if type(child) is not nn.Linear or not wanted:
+                continue
+            if child.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                continue
+            if id(child) not in done:
+                done[id(child)] = QuantLinear(child)
+            parent.register_module(name, done[id(child)])
+    return len(done)
