@@ -61,6 +61,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("kernels.md",),
     ),
     Benchmark(
+        "dense-quant",
+        "dense_quant_bench",
+        "real-shape decode: int4 experts vs llama.cpp Q4_0, int8 experts + --dense-quant int8 vs stock Q8_0",
+    ),
+    Benchmark(
+        "int4-gemv-builds",
+        "int4_gemv_builds",
+        "int4 against int8 one-row gemv per native build at Qwen3-30B-A3B's expert shapes",
+    ),
+    Benchmark(
         "streams-vs-llama",
         "streams_vs_llama",
         "1 and 8 concurrent streams at cache 1.0 beside llama-server -np 1 / -np 8 on the model's bf16 GGUF",

@@ -11,6 +11,7 @@ def _engine(tps: float, tokens: list[int]) -> dict:
         "bytes_per_token": 130.0,
         "min_bytes_per_token": 100.0,
         "read_gb_s": 0.7,
+        "dd_gb_s": 1.0,  # the dd run right after this round's engine cell
         "n_slots": 5,
         "total_experts": 20,
         "tokens": tokens,
@@ -45,6 +46,7 @@ def test_summary_is_per_round_ratio_then_median_and_flags_token_mismatch() -> No
         },
         "references": {"qwen3-30b-a3b bf16": {"tokens": [1, 2], "n_slots": 9}},
         "plans": {c.name: {"projected_tps": 3.0}},
+        "plans_own_trace": {c.name: {"projected_tps": 2.0}},
         "dd": {"expert": 1.0, "1MiB": 0.5, "expert_bytes": 10},
     }
     (row,) = summarize(m, [c])
@@ -53,6 +55,7 @@ def test_summary_is_per_round_ratio_then_median_and_flags_token_mismatch() -> No
     assert row["bytes_over_min"] == 1.3 and row["read_share_of_dd"] == 0.7
     assert row["llama_bytes_per_token"] == 400.0
     assert row["projected_over_measured"] == 3.0 / 2.5
+    assert row["own_trace_over_measured"] == 2.0 / 2.5 and row["dd_gb_s"] == 1.0
     assert row["tokens_equal_reference"] is False  # the second round's tokens differ
     assert row["llama_peak"] == 2**31
     text = "\n".join(render([row], m))
