@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench.real_shapes_files import QUANT_TYPES, build_checkpoint
 
-# (engine cell, its EngineConfig fields, GGUF kind, label)
-CELLS = (
+# (engine cell, its EngineConfig fields, GGUF kind or None (engine alone), label)
+CELLS: tuple[tuple[str, dict[str, str], str | None, str], ...] = (
     ("int4", {"expert_quant": "int4"}, "q4_0", "int4 experts / Q4_0 experts (dense bf16 in both)"),
     (
         "int8+dense-int8",
@@ -34,6 +34,7 @@ CELLS = (
         "q8_0-mix",
         "int8 experts + --dense-quant int8 / stock Q8_0 (all tensors)",
     ),
+    ("int8", {"expert_quant": "int8"}, None, "int8 experts, dense bf16 (beside int4)"),
 )
 
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if src is None:
         sys.exit(why)
     ckpt = build_checkpoint(work, args.layers, False)
-    files = {kind: gguf(src, ckpt, kind) for _, _, kind, _ in CELLS}
+    files = {kind: gguf(src, ckpt, kind) for _, _, kind, _ in CELLS if kind is not None}
     if args.build_only:
         return
     quant_dir = str(work / "quant-cache")
@@ -136,25 +137,34 @@ def main(argv: list[str] | None = None) -> None:
                 prefill=False,
             )
             e = r["decode"][args.threads]
-            ll = llama_bench_tps(src, files[kind], args.tokens, args.threads)
-            print(
-                f"round {rnd}: engine {name} {e:.2f} tok/s, llama.cpp {kind} {ll:.2f} tok/s",
-                flush=True,
-            )
+            print(f"round {rnd}: engine {name} {e:.2f} tok/s", flush=True)
             if rnd:
                 res.setdefault(f"engine {name}", []).append(e)
-                res.setdefault(f"llama {kind}", []).append(ll)
+            if kind is not None:
+                ll = llama_bench_tps(src, files[kind], args.tokens, args.threads)
+                print(f"round {rnd}: llama.cpp {kind} {ll:.2f} tok/s", flush=True)
+                if rnd:
+                    res.setdefault(f"llama {kind}", []).append(ll)
     lines = [
         "| cell | engine tok/s | llama.cpp tok/s | engine / llama.cpp per round | median ratio |",
         "|---|---|---|---|---|",
     ]
     for name, _, kind, label in CELLS:
+        if kind is None:
+            continue
         per, med = paired(res[f"engine {name}"], res[f"llama {kind}"])
         lines.append(
             f"| {label} | {statistics.median(res[f'engine {name}']):.2f} | "
             f"{statistics.median(res[f'llama {kind}']):.2f} | {', '.join(f'{x:.2f}' for x in per)} | "
             f"**{med:.2f}×** |"
         )
+    per, med = paired(res["engine int4"], res["engine int8"])
+    lines += [
+        "",
+        f"Engine int4 experts / engine int8 experts (dense bf16 in both), per round: "
+        f"{', '.join(f'{x:.2f}' for x in per)}; median **{med:.2f}×** "
+        f"({statistics.median(res['engine int8']):.2f} tok/s for int8).",
+    ]
     cmd = "python -m bench.dense_quant_bench " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
