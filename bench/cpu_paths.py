@@ -37,6 +37,7 @@ CELLS: dict[str, dict[str, str]] = {
     "--forward lean": dict(forward="lean", native_kernels="on"),
     "--forward transformers": dict(forward="transformers"),
     "--native-build avx512-bf16": dict(native_kernels="on", native_build="avx512-bf16"),
+    "--native-build avx512-vnni": dict(native_kernels="on", native_build="avx512-vnni"),
     "--native-build avx512": dict(native_kernels="on", native_build="avx512"),
     "--native-build avx2": dict(native_kernels="on", native_build="avx2"),
     "--native-build portable": dict(native_kernels="on", native_build="portable"),

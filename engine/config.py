@@ -158,8 +158,8 @@ class EngineConfig(YamlSection):
     )
     native_build: str = setting(
         "auto",
-        "which build of the native kernels runs: auto (default: the fastest this CPU runs, measured), or one by name: avx512-bf16, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
-        choices=("auto", "avx512-bf16", "avx512", "avx2", "portable"),
+        "which build of the native kernels runs: auto (default: the fastest this CPU runs, measured), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
+        choices=("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable"),
     )
     decode_attention: str = setting(
         "auto",
@@ -228,7 +228,7 @@ class EngineConfig(YamlSection):
         for name, allowed in (
             ("forward", FORWARDS),
             ("native_kernels", ("auto", "on", "off")),
-            ("native_build", ("auto", "avx512-bf16", "avx512", "avx2", "portable")),
+            ("native_build", ("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable")),
             ("decode_attention", ("auto", "native", "sdpa")),
         ):
             if getattr(self, name) not in allowed:

@@ -33,6 +33,13 @@ VARIANTS: tuple[Variant, ...] = (
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
         ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"),
     ),
+    # AVX-512 with VNNI but no BF16 (Intel Cascade Lake, Ice Lake; AMD Zen 4 has both): int8 dot products in
+    # one instruction, for int8 and int4 weights.
+    Variant(
+        "avx512-vnni",
+        ("-march=x86-64-v4", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"),
+    ),
     Variant("avx512", ("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
     Variant("avx2", ("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi2", "movbe")),
     # The compiler's default target: SSE2 on x86-64, NEON (Advanced SIMD) on AArch64.
