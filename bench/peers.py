@@ -82,7 +82,9 @@ ENGINE_CELLS: dict[str, EngineConfig] = {
     ),
 }
 # Runs the converter with unknown BPE pre-tokenizers mapped to gpt-2 (see the docstring).
-CONVERT = """
+# llama.cpp's converter, run with `python -c CONVERT CONVERTER MODEL_DIR ARGS...`, with an unknown BPE
+# pre-tokenizer mapped to gpt-2 (CONVERT_SETUP; bench/streams_vs_llama.py adds to it before CONVERT_RUN).
+CONVERT_SETUP = """
 import importlib.util, pathlib, sys
 conv = sys.argv[1]
 sys.path.insert(0, str(pathlib.Path(conv).parent))
@@ -96,9 +98,12 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "gpt-2"
 base.TextModel.get_vocab_base_pre = pre
+"""
+CONVERT_RUN = """
 sys.argv = [conv] + sys.argv[2:]
 mod.main()
 """
+CONVERT = CONVERT_SETUP + CONVERT_RUN
 
 
 def checkpoint(work: Path, shape: str) -> Path:

@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench.peers import CONVERT_RUN, CONVERT_SETUP
 from bench.report import (
     add_common_flags,
     cut_prompts,
@@ -57,24 +58,15 @@ from server.cli_common import resolve_model_dir
 
 # llama.cpp's converter, with an unknown BPE pre-tokenizer mapped to gpt-2 and GLM's vocabulary writer
 # (which needs GLM's special tokens) replaced by the generic BPE one.
-CONVERT = """
-import importlib.util, pathlib, sys
-conv = sys.argv[1]
-sys.path.insert(0, str(pathlib.Path(conv).parent))
-spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", conv)
-mod = importlib.util.module_from_spec(spec); sys.modules["convert_hf_to_gguf"] = mod; spec.loader.exec_module(mod)
-from conversion import base, glm
-known = base.TextModel.get_vocab_base_pre
-def pre(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        return "gpt-2"
-base.TextModel.get_vocab_base_pre = pre
+# The embedded model's vocabulary through the generic BPE writer: GLM's own needs a [gMASK] token it lacks.
+CONVERT = (
+    CONVERT_SETUP
+    + """
+from conversion import glm
 glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
-sys.argv = [conv] + sys.argv[2:]
-mod.main()
 """
+    + CONVERT_RUN
+)
 
 
 def convert(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
