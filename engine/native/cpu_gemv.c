@@ -335,6 +335,24 @@ static int by_id_then_row(const void *a, const void *b) {
     return x->row < y->row ? -1 : x->row > y->row;
 }
 
+/* R rows' k routes (ids[r*k + j], weights w[r*k + j]) sorted by expert then row into `routes`, grouped: group g
+ * is routes[starts[g] .. starts[g+1]), one expert's; first[i] says whether route i is its row's first term.
+ * Returns the number of groups. R <= MAX_ROWS, k <= 64 (the callers check). */
+static int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes,
+                            int64_t *starts, int *first) {
+    int64_t n = R * k, groups = 0;
+    int seen[MAX_ROWS] = {0};
+    for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
+    qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
+    for (int64_t i = 0; i < n; i++) {
+        if (i == 0 || routes[i].id != routes[i - 1].id) starts[groups++] = i;
+        first[i] = !seen[routes[i].row];
+        seen[routes[i].row] = 1;
+    }
+    starts[groups] = n;
+    return groups;
+}
+
 /* R tokens (R <= 16) through their k SwiGLU experts each: out[r] = sum over ids[r] ascending of
  * w[r][j] * down_e(silu(gate_e x[r]) * up_e x[r]). Expert e's weights: gate_up[e] [2I, H], then down[e] [H, I]
  * (int8: with fp16 row scales). The experts run one after another in ascending id, each on every row that
@@ -348,18 +366,9 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
                      const uint16_t *const *down_scale, const void *x, int xtype, void *out, void *work, int nthreads) {
     route_t routes[MAX_ROWS * 64];
     if (R < 1 || R > MAX_ROWS || k < 1 || k > 64) return -1;
-    int64_t n = R * k;
-    for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
-    qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
-    /* Groups of routes to one expert, and for each route whether it is its row's first term. */
-    int64_t starts[MAX_ROWS * 64 + 1], groups = 0;
-    int first[MAX_ROWS * 64], seen[MAX_ROWS] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        if (i == 0 || routes[i].id != routes[i - 1].id) starts[groups++] = i;
-        first[i] = !seen[routes[i].row];
-        seen[routes[i].row] = 1;
-    }
-    starts[groups] = n;
+    int64_t starts[MAX_ROWS * 64 + 1];
+    int first[MAX_ROWS * 64];
+    int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
     char *mem = (char *)work;
     size_t xs = xtype == X_F32 ? 4 : 2;
     act_t ax[MAX_ROWS], ah[MAX_ROWS];
@@ -549,17 +558,9 @@ int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, 
                 const void *x, int xtype, void *out, void *work, int nthreads) {
     route_t routes[MAX_ROWS * 64];
     if (R < 1 || R > MAX_ROWS || k < 1 || k > 64 || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
-    int64_t n = R * k;
-    for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
-    qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
-    int64_t starts[MAX_ROWS * 64 + 1], groups = 0;
-    int first[MAX_ROWS * 64], seen[MAX_ROWS] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        if (i == 0 || routes[i].id != routes[i - 1].id) starts[groups++] = i;
-        first[i] = !seen[routes[i].row];
-        seen[routes[i].row] = 1;
-    }
-    starts[groups] = n;
+    int64_t starts[MAX_ROWS * 64 + 1];
+    int first[MAX_ROWS * 64];
+    int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
     char *mem = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
     q4act_t ax[MAX_ROWS], ah[MAX_ROWS];
     for (int64_t r = 0; r < R; r++, mem += q4act_bytes(H)) ax[r] = q4act_at(mem, H);
