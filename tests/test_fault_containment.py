@@ -197,14 +197,14 @@ def test_sampling_fault_fails_only_its_sequence(om, monkeypatch) -> None:
     bad_id, calls = reqs[3].request_id, {"n": 0}
     real = core.runner._finish
 
-    def flaky(w, logits):  # sampling and verification run in _finish
+    def flaky(w, logits, *greedy):  # sampling and verification run in _finish
         if w.request_id == bad_id:
             calls["n"] += 1
             if calls["n"] == 3:  # mid-generation: two tokens already went out
                 raise RuntimeError(
                     "probability tensor contains either `inf`, `nan` or element < 0 (injected)"
                 )
-        return real(w, logits)
+        return real(w, logits, *greedy)
 
     monkeypatch.setattr(core.runner, "_finish", flaky)
     outs = complete(core, reqs)
@@ -212,6 +212,30 @@ def test_sampling_fault_fails_only_its_sequence(om, monkeypatch) -> None:
     _check_one_failed(outs, alone, 3, "sampling")
     assert len(outs[3].token_ids) == 2
     assert not core.has_work() and core.runner.caches == {}  # every cache was freed
+
+
+def test_nan_logits_in_a_batched_greedy_step_fail_only_their_sequence(om, monkeypatch) -> None:
+    """Eight plain greedy streams take their tokens from one reduction (runner._plain_greedy_tokens);
+    a row whose logits are all NaN there fails its request alone, as a solo row would."""
+    core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
+    reqs, alone = _eight(om, core)
+    bad_id, calls = reqs[3].request_id, {"n": 0}
+    real = core.runner.forward
+
+    def nan_row(windows, starts, caches, keep, request_ids=(), kind="forward"):
+        out = real(windows, starts, caches, keep, request_ids, kind)
+        if kind == "decode" and bad_id in request_ids and len(request_ids) > 1:
+            calls["n"] += 1
+            if calls["n"] == 2:  # mid-generation, in a step shared with the other seven
+                i = request_ids.index(bad_id)
+                out[i] = torch.full_like(out[i], float("nan"))
+        return out
+
+    monkeypatch.setattr(core.runner, "forward", nan_row)
+    outs = complete(core, reqs)
+    assert calls["n"] >= 2
+    _check_one_failed(outs, alone, 3, "sampling")
+    assert not core.has_work() and core.runner.caches == {}
 
 
 def test_detokenization_fault_fails_only_its_sequence(om) -> None:

@@ -37,6 +37,10 @@ class InPlaceLayer(DynamicLayer):
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
     _kernels: NativeKernels | None = None  # where appends run natively: CPU buffers of one sequence
+    # The (keys, values) views advance() last made, and their length: while the layer still holds those
+    # very tensors (nothing cropped or replaced them), reserve() skips re-checking they view the buffers.
+    _views: tuple[torch.Tensor, torch.Tensor] | None = None
+    _length: int = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -65,9 +69,25 @@ class InPlaceLayer(DynamicLayer):
         """(key buffer, value buffer, length L) with room for these [1, heads, n, d] rows at L..L+n-1,
         which the caller writes before advance(L + n). Buffers are made or grown here, holding the
         L positions so far."""
+        kb, vb, keys, values, views = (
+            self._key_buffer,
+            self._value_buffer,
+            self.keys,
+            self.values,
+            self._views,
+        )
+        if (
+            views is not None
+            and keys is views[0]
+            and values is views[1]
+            and kb is not None
+            and vb is not None
+            and self._length + key_states.shape[-2] <= kb.shape[2]
+        ):
+            return kb, vb, self._length  # the views advance() made, with room: nothing to check
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
+            keys, values = self.keys, self.values
         assert keys is not None and values is not None  # lazy_initialization set them
         n = key_states.shape[-2]
         length = (
@@ -93,8 +113,9 @@ class InPlaceLayer(DynamicLayer):
         """The first `length` positions of the buffers are the cache now: (keys, values) views of them."""
         kb, vb = self._key_buffer, self._value_buffer
         assert kb is not None and vb is not None  # reserve() made them
-        self.keys, self.values = kb.narrow(2, 0, length), vb.narrow(2, 0, length)
-        return self.keys, self.values
+        keys, values = kb.narrow(2, 0, length), vb.narrow(2, 0, length)
+        self.keys, self.values, self._views, self._length = keys, values, (keys, values), length
+        return keys, values
 
 
 def _grown(prefix: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from engine.worker.packed_batch import (
     spans_of,
 )
 from engine.worker.prefix_cache import PrefixCache
-from engine.worker.sampling import make_generator, process_logits
+from engine.worker.sampling import greedy_tokens, make_generator, process_logits
 from engine.worker.verify import verify_window
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
@@ -135,7 +135,9 @@ class ModelRunner:
                             error=request_fault("the grammar", w.request_id, e)
                         )
         work = [w for w in work if w.request_id not in out.results]
-        for w, lg in self._forward_by_kind(work, out):
+        computed = self._forward_by_kind(work, out)
+        greedy = self._plain_greedy_tokens(computed)
+        for w, lg in computed:
             try:
                 if (
                     w.is_prefill and self.prefix is not None
@@ -146,7 +148,7 @@ class ModelRunner:
                         self.caches[w.request_id],
                         w.start_pos + len(w.input_ids),
                     )
-                out.results[w.request_id] = self._finish(w, lg)
+                out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
                 out.results[w.request_id] = SeqResult(
                     error=request_fault("sampling", w.request_id, e)
@@ -250,8 +252,44 @@ class ModelRunner:
         spans = spans_of([len(w.input_ids) for w in work])
         return {w.request_id for w, (s, e) in zip(work, spans) if any(s <= r < e for r in rows)}
 
-    def _finish(self, w: SeqWork, logits: torch.Tensor) -> SeqResult:
-        """logits: [len(_rows(w)), V]."""
+    def _plain_greedy(self, w: SeqWork, logits: torch.Tensor) -> bool:
+        """Whether _finish would take the row's argmax and nothing else: one greedy row to sample, no
+        proposals, grammar, logprobs or penalties, and no min_tokens EOS ban in force."""
+        req, params = w.req, w.req.params
+        return (
+            w.samples
+            and not w.num_draft
+            and logits.shape[0] == 1
+            and params.greedy
+            and req.logprobs is None
+            and not (req.presence_penalty or req.frequency_penalty)
+            and w.request_id not in self.constraints
+            and not (
+                self.eos_ids and not params.ignore_eos and len(w.output_ids) < params.min_tokens
+            )
+        )
+
+    def _plain_greedy_tokens(
+        self, computed: list[tuple[SeqWork, torch.Tensor]]
+    ) -> dict[str, int | ValueError]:
+        """The tokens of the step's plain greedy rows (see _plain_greedy), all from one argmax: per row the
+        token _finish would pick, or the error it would raise. A step of 8 decode streams otherwise pays
+        8 argmaxes and 8 host reads."""
+        plain = [(w, lg) for w, lg in computed if self._plain_greedy(w, lg)]
+        if len(plain) < 2:
+            return {}
+        tokens = greedy_tokens(torch.cat([lg for _, lg in plain]))
+        return {w.request_id: t for (w, _), t in zip(plain, tokens)}
+
+    def _finish(
+        self, w: SeqWork, logits: torch.Tensor, greedy: int | ValueError | None = None
+    ) -> SeqResult:
+        """logits: [len(_rows(w)), V]. greedy: the row's token when _plain_greedy_tokens took it (or the
+        error it met), which is all a plain greedy row needs."""
+        if isinstance(greedy, ValueError):
+            raise greedy
+        if greedy is not None:
+            return SeqResult(sampled=[greedy], num_kept=len(w.input_ids))
         res = SeqResult()
         if w.is_prefill and w.req.prompt_logprobs is not None:
             lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i+1
