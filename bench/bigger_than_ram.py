@@ -11,7 +11,8 @@ Each engine cell plans its own memory inside the cgroup (`--offload disk`, no ca
 greedily; it reports decode tok/s, the bytes its disk tier read a decode token, the disk's delivered
 bandwidth (bytes over the wall time with a read in flight), and Belady's MIN on the same accesses
 (engine/offline/belady.py: the fewest loads any policy could make with the same fast tier). llama.cpp
-runs `llama-bench -lm mmap` under the same cgroup; its bytes read a token come from the kernel's
+runs `llama-bench -lm mmap --repack 0` under the same cgroup (repacking would copy MXFP4 weights into
+anonymous memory, which a cgroup smaller than the model cannot hold); its bytes read a token come from the kernel's
 read_bytes of a run of N tokens less one of a single token.
 
 A child process of `python -m bench.bigger_than_ram --cell JSON` is one engine cell; it prints one
@@ -193,12 +194,18 @@ def run_engine(spec: dict[str, Any], cgroup: Any | None, cold: list[Path]) -> di
 def run_llama(
     src: Path, gguf: Path, tokens: int, cgroup: Any, measure_bytes: bool
 ) -> dict[str, Any]:
-    """llama-bench decode of `tokens` tokens, mmap only, inside `cgroup` from a cold page cache; with
+    """llama-bench decode of `tokens` tokens, mmap only (no repacking), inside `cgroup` from a cold page cache; with
     `measure_bytes`, also a one-token run, so read_bytes(N) - read_bytes(1) over N - 1 is a token's reads."""
+
+    exe = src / "build/bin/llama-bench"
+    # Builds with weight repacking (on by default) copy the types it repacks (MXFP4 here) into
+    # anonymous memory at load, so a model bigger than the cgroup is killed instead of read by mmap.
+    helps = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    repack = " --repack 0" if "--repack" in helps.stdout + helps.stderr else ""
 
     def bench(n: int) -> tuple[float, int]:
         cmd = (
-            f"'{src / 'build/bin/llama-bench'}' -m '{gguf}' -p 0 -n {n} -t 1 -r 1 -o json -lm mmap"
+            f"'{exe}' -m '{gguf}' -p 0 -n {n} -t 1 -r 1 -o json -lm mmap{repack}"
             " && grep ^read_bytes /proc/$$/io"  # the shell's counters include its reaped child's
         )
         reset_peak(cgroup)
@@ -612,7 +619,8 @@ def run(args: argparse.Namespace, src: Path | None, work: Path, command: str) ->
         "then the median. Engine: `load_model(CKPT, EngineConfig(offload='disk', dtype='bfloat16'[, "
         "expert_quant='int8']))`, no cache flag: its memory plan sizes the fast tier inside the cgroup (planned "
         f"for one sequence of {DECODE_MAX_MODEL_LEN} tokens); {args.tokens} tokens sampled at temperature 1 (seed 0) "
-        f"after a {PROMPT}-token prompt. llama.cpp: `llama-bench -m GGUF -p 0 -n {args.tokens} -t 1 -r 1 -lm mmap` "
+        f"after a {PROMPT}-token prompt. llama.cpp: `llama-bench -m GGUF -p 0 -n {args.tokens} -t 1 -r 1 -lm mmap --repack 0` "
+        "(no weight repacking: it would copy MXFP4 weights into anonymous memory, which the cgroup cannot hold) "
         "(it decodes random tokens). Equal bits: bf16 experts / bf16 GGUF; int8 experts (whole-row scales) / "
         "Q8_0 experts (blocks of 32), dense bf16 in both; MXFP4 / MXFP4 (the converter repacks gpt-oss's "
         "blocks and scales as they are).",
