@@ -239,6 +239,15 @@ def dd_direct(path: Path, block: int, nbytes: int = 2 << 30) -> float:
     return int(m.group(1)) / float(m.group(2)) / 1e9
 
 
+DD_BYTES = 1 << 30  # what each dd beside an engine cell reads
+
+
+def dd_block(expert_bytes: int | None) -> int:
+    """dd's block: one expert read, rounded up to 4 KiB (O_DIRECT's alignment); 1 MiB before the
+    first cell of a kind has said its expert size."""
+    return -(-expert_bytes // 4096) * 4096 if expert_bytes else 1 << 20
+
+
 def plan_projection(ckpt: Path, cgroup: Any, extra: list[str]) -> dict[str, Any]:
     """`moe-offload plan` run inside `cgroup` (so it plans for the cgroup's memory): the fast tier it
     chose and its projected fetch-all decode tok/s."""
@@ -377,6 +386,12 @@ def measure(
     def trace(c: Cell) -> Path:  # the cell's decode routing (the last round's)
         return work / f"trace-{c.model}-{c.engine}-{c.limit_gib:g}.npz"
 
+    def plan_flags(c: Cell) -> list[str]:  # the plan reads the sidecar the cells read
+        quant = (
+            ["--quant-cache-dir", quant_dir] if "expert_quant" in ENGINE_FIELDS[c.engine] else []
+        )
+        return [*PLAN_FLAGS.get(c.engine, []), *quant]
+
     def spec(c: Cell, **more: Any) -> dict[str, Any]:
         fields = dict(ENGINE_FIELDS[c.engine], quant_cache_dir=quant_dir, **more)
         return {"ckpt": str(ckpts[c.model]), "fields": fields, "tokens": tokens}
@@ -386,17 +401,26 @@ def measure(
         for g in {c.limit_gib for c in todo}
     }
     res: dict[str, Any] = {c.name: {"engine": [], "llama": []} for c in todo}
+    expert_sizes: dict[
+        str, int
+    ] = {}  # engine kind -> bytes of one expert read (known after its first cell)
     try:
         for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
                 cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs.get((c.model, c.gguf))
+                # The disk's O_DIRECT bandwidth right before and right after the cell (a shared disk's
+                # rate moves): the share divides by their mean, and both are reported.
+                block = dd_block(expert_sizes.get(c.engine))
+                before = dd_direct(shard(ckpt), block, DD_BYTES)
                 e = run_engine(
                     dict(spec(c), trace=str(trace(c))),
                     cg,
                     [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt],
                 )
-                # The disk's O_DIRECT bandwidth right after the cell, so the share compares one moment.
-                e["dd_gb_s"] = dd_direct(shard(ckpt), -(-e["expert_bytes"] // 4096) * 4096, 1 << 30)
+                expert_sizes[c.engine] = e["expert_bytes"]
+                after = dd_direct(shard(ckpt), dd_block(e["expert_bytes"]), DD_BYTES)
+                e["dd_before_gb_s"], e["dd_after_gb_s"] = before, after
+                e["dd_gb_s"] = (before + after) / 2
                 ll = (
                     run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
                     if src is not None and gguf is not None
@@ -421,9 +445,7 @@ def measure(
                     spec(c, host_memory=REFERENCE_HOST_MEMORY), None, [ckpts[c.model]]
                 )
         plans = {
-            c.name: plan_projection(
-                ckpts[c.model], groups[c.limit_gib], PLAN_FLAGS.get(c.engine, [])
-            )
+            c.name: plan_projection(ckpts[c.model], groups[c.limit_gib], plan_flags(c))
             for c in todo
         }
         # The same plan fed this cell's own decode routing (`--trace`): the projection's access
@@ -434,7 +456,7 @@ def measure(
                 own[c.name] = plan_projection(
                     ckpts[c.model],
                     groups[c.limit_gib],
-                    [*PLAN_FLAGS.get(c.engine, []), "--trace", str(trace(c))],
+                    [*plan_flags(c), "--trace", str(trace(c))],
                 )
             except RuntimeError as e:  # the page says so; the measured figures stand
                 own[c.name] = {"projected_tps": None, "n_slots": None, "text": str(e)}
@@ -492,6 +514,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
         read = median(e["read_gb_s"] for e in eng)
         # Each round's engine read rate over the dd run right after it (the disk is shared).
         share = median(e["read_gb_s"] / e["dd_gb_s"] for e in eng)
+        dd_around = [(e.get("dd_before_gb_s"), e.get("dd_after_gb_s")) for e in eng]
         proj = m["plans"][c.name]["projected_tps"]
         own = m["plans_own_trace"][c.name]["projected_tps"]
         rows.append(
@@ -510,6 +533,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
                 "read_gb_s": read,
                 "read_share_of_dd": share,
                 "dd_gb_s": median(e["dd_gb_s"] for e in eng),
+                "dd_before_after_gb_s": dd_around,
                 "projected_tps": proj,
                 "projected_over_measured": proj / e_tps if proj else None,
                 "projected_own_trace_tps": own,
@@ -546,7 +570,7 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| cell | fast tier (plan) | GB read / token: engine | Belady's MIN | engine / MIN | llama.cpp | "
-        "engine disk GB/s | of dd O_DIRECT after it | plan's projected tok/s | projected / measured | "
+        "engine disk GB/s | of dd O_DIRECT (mean of before / after it) | plan's projected tok/s | projected / measured | "
         "with the cell's own routing (--trace) | / measured | tokens = reference | peak engine / llama.cpp GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -568,7 +592,7 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {r['cell']} | {r['n_slots']} of {r['total_experts']} | {gb(r['engine_bytes_per_token'])} | "
             f"{gb(r['min_bytes_per_token'])} | {over} | {gb(r['llama_bytes_per_token'])} | {r['read_gb_s']:.2f} | "
-            f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
+            f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} ({dd_pairs(r)}) | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
             f"{r['engine_peak'] / 2**30:.2f} / {r['llama_peak'] / 2**30:.2f} |"
         )
     dd = m["dd"]
@@ -576,9 +600,18 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         "",
         f"Disk: `dd iflag=direct` on a checkpoint shard reads {dd['expert']:.2f} GB/s in blocks of one expert "
         f"({dd['expert_bytes'] / 1e6:.2f} MB) and {dd['1MiB']:.2f} GB/s in blocks of 1 MiB after the rounds; "
-        "the table's share divides each round's engine read rate by a 1 GiB dd in expert-sized blocks run right after that engine cell.",
+        "the table's share divides each round's engine read rate by the mean of two 1 GiB dd runs in expert-sized blocks, "
+        "one right before and one right after that engine cell (both in brackets, per round).",
     ]
     return lines
+
+
+def dd_pairs(row: dict[str, Any]) -> str:
+    """The dd rates around each round's engine cell: 'before / after' per round."""
+    return ", ".join(
+        "n/a" if b is None or a is None else f"{b:.2f} / {a:.2f}"
+        for b, a in row.get("dd_before_after_gb_s", [])
+    )
 
 
 SECTION = "## c. Bigger than memory, under memory cgroups"
