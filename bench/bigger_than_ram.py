@@ -9,7 +9,8 @@ Cells (bench/real_shapes_bench.py --bigger-than-ram runs them):
     engine MXFP4 experts (stored and read as shipped, dequantized on compute) / llama.cpp's MXFP4 GGUF.
 Each engine cell plans its own memory inside the cgroup (`--offload disk`, no cache flag) and decodes
 greedily; it reports decode tok/s, the bytes its disk tier read a decode token, the disk's delivered
-bandwidth (bytes over the wall time with a read in flight), and Belady's MIN on the same accesses
+bandwidth (bytes over the wall time with a read in flight, beside dd O_DIRECT runs right before and
+right after the cell: a shared disk's rate moves), and Belady's MIN on the same accesses
 (engine/offline/belady.py: the fewest loads any policy could make with the same fast tier). llama.cpp
 runs `llama-bench -lm mmap` under the same cgroup; its bytes read a token come from the kernel's
 read_bytes of a run of N tokens less one of a single token.
@@ -374,7 +375,8 @@ def measure(
     warmup: bool,
 ) -> dict[str, Any]:
     """Every cell once per round (a warm-up round first, discarded, with `warmup`), engine and llama.cpp
-    back to back under the same cgroup; then the reference runs, dd, the plan's projections."""
+    back to back under the same cgroup; the plan's projections right after each
+    cell's last round; then the reference runs and dd."""
     from tqdm.auto import tqdm
 
     from bench.cgroup import MemoryCgroup
@@ -401,9 +403,22 @@ def measure(
         for g in {c.limit_gib for c in todo}
     }
     res: dict[str, Any] = {c.name: {"engine": [], "llama": []} for c in todo}
-    expert_sizes: dict[
-        str, int
-    ] = {}  # engine kind -> bytes of one expert read (known after its first cell)
+    plans: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+
+    def projections(c: Cell, ckpt: Path, cg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`moe-offload plan`'s projection for the cell, and the same plan fed this cell's own decode
+        routing (`--trace`): the projection's access pattern is then the measured one, and what
+        remains is its cost model."""
+        plan = plan_projection(ckpt, cg, plan_flags(c))
+        try:
+            mine = plan_projection(ckpt, cg, [*plan_flags(c), "--trace", str(trace(c))])
+        except RuntimeError as e:  # the page says so; the measured figures stand
+            mine = {"projected_tps": None, "n_slots": None, "text": str(e)}
+        return plan, mine
+
+    # engine kind -> bytes of one expert read (known after its first cell)
+    expert_sizes: dict[str, int] = {}
     try:
         for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
@@ -421,6 +436,10 @@ def measure(
                 after = dd_direct(shard(ckpt), dd_block(e["expert_bytes"]), DD_BYTES)
                 e["dd_before_gb_s"], e["dd_after_gb_s"] = before, after
                 e["dd_gb_s"] = (before + after) / 2
+                if (
+                    rnd == rounds
+                ):  # the plan's projections right after the cell: the same moment's machine
+                    plans[c.name], own[c.name] = projections(c, ckpt, cg)
                 ll = (
                     run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
                     if src is not None and gguf is not None
@@ -444,22 +463,6 @@ def measure(
                 refs[key] = run_engine(
                     spec(c, host_memory=REFERENCE_HOST_MEMORY), None, [ckpts[c.model]]
                 )
-        plans = {
-            c.name: plan_projection(ckpts[c.model], groups[c.limit_gib], plan_flags(c))
-            for c in todo
-        }
-        # The same plan fed this cell's own decode routing (`--trace`): the projection's access
-        # pattern is then the measured one, and what remains is its cost model.
-        own = {}
-        for c in todo:
-            try:
-                own[c.name] = plan_projection(
-                    ckpts[c.model],
-                    groups[c.limit_gib],
-                    [*plan_flags(c), "--trace", str(trace(c))],
-                )
-            except RuntimeError as e:  # the page says so; the measured figures stand
-                own[c.name] = {"projected_tps": None, "n_slots": None, "text": str(e)}
     finally:
         for cg in groups.values():
             cg.close()
@@ -512,7 +515,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
         bytes_tok = median(e["bytes_per_token"] for e in eng)
         min_tok = median(e["min_bytes_per_token"] for e in eng)
         read = median(e["read_gb_s"] for e in eng)
-        # Each round's engine read rate over the dd run right after it (the disk is shared).
+        # Each round's engine read rate over the mean of the dd runs right before and after it.
         share = median(e["read_gb_s"] / e["dd_gb_s"] for e in eng)
         dd_around = [(e.get("dd_before_gb_s"), e.get("dd_after_gb_s")) for e in eng]
         proj = m["plans"][c.name]["projected_tps"]

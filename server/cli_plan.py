@@ -1,6 +1,8 @@
 """`moe-offload plan`: the placement `serve` would choose for a checkpoint on this machine (or on
 the budgets given), and the decode speed the router-trace simulator projects for it per policy
-preset, from config.json and the safetensors headers alone: no weight is read."""
+preset, from config.json and the safetensors headers: no weight is loaded. The projection's costs are
+this CPU's, measured (`--hardware measured`, engine/offline/machine_costs.py: the native kernels'
+speed and a short timing of expert reads from the disk), or a hardware profile's."""
 
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
     """The costs of `--hardware measured`: this CPU's kernels for the model's dtype and expert format
     (the dispatcher's measurement, cached per CPU) and the disk's O_DIRECT rate at expert-sized reads."""
     from engine.offline.hardware import ProfileError
-    from engine.offline.machine_costs import kernel_speeds, machine_costs, read_gb_s
+    from engine.offline.machine_costs import core_share, kernel_speeds, machine_costs, read_gb_s
 
     fp = probe.footprint
     if probe.device.type != "cpu":
@@ -124,6 +126,7 @@ def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
         probe.expert_reads[0].nbytes if probe.expert_reads else fp.expert_disk_bytes,
         cfg.transfer_workers,
         cfg.cpu_workers,
+        core_share(),
     )
 
 
@@ -235,7 +238,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             else f"{flags} --policy fetch-all"
         )
     print(f"recommended: moe-offload serve --model {args.model} {rec}")
-    print(f"(planned from headers in {time.perf_counter() - t0:.1f} s; no weights read)")
+    timed = (
+        "; experts read only to time the disk (--hardware measured)"
+        if args.hardware == "measured" and rows
+        else "; no weights read"
+    )
+    print(f"(planned from headers in {time.perf_counter() - t0:.1f} s{timed})")
     return 0
 
 
@@ -243,7 +251,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = sub.add_parser(
         "plan",
         help="show the memory placement serve would choose, and projected decode speed",
-        description="Read a checkpoint's config.json and safetensors headers (no weights), print the memory plan `serve` would "
+        description="Read a checkpoint's config.json and safetensors headers (no weights are loaded; --hardware measured reads some experts to time the disk), print the memory plan `serve` would "
         "choose on this machine or on the budgets given, the decode tok/s the router-trace simulator projects for each policy "
         "preset on a hardware profile (labelled projected), and a recommended configuration.",
     )

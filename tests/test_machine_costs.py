@@ -46,9 +46,9 @@ def footprint() -> Footprint:
     )
 
 
-def costs(dense_gb_s=10.0, expert_gb_s=10.0, disk_gb_s=1.0, overhead_s=0.0):
+def costs(dense_gb_s=10.0, expert_gb_s=10.0, disk_gb_s=1.0, overhead_s=0.0, share=1.0):
     speeds = KernelSpeeds("avx512", dense_gb_s, overhead_s, expert_gb_s, True)
-    return machine_costs(speeds, disk_gb_s, 16, DENSE, LAYERS, SLOT, SLOT, 2, 2)
+    return machine_costs(speeds, disk_gb_s, 16, DENSE, LAYERS, SLOT, SLOT, 2, 2, share)
 
 
 def projected(c, cache_fraction: float) -> float:
@@ -76,6 +76,14 @@ def test_a_slower_kernel_or_disk_projects_a_slower_decode() -> None:
     assert projected(costs(disk_gb_s=0.25), 0.25) < base  # disk 4x slower: misses cost more
     assert projected(costs(expert_gb_s=40.0, dense_gb_s=40.0), 0.25) > base
     assert projected(costs(), 0.25) == base  # the same figures, the same projection
+    assert projected(costs(share=0.5), 0.25) < base  # half a core: compute takes twice as long
+
+
+def test_a_shared_core_stretches_the_compute_not_the_disk() -> None:
+    c, half = costs(), costs(share=0.5)
+    assert half.d(1) == pytest.approx(2 * c.d(1)) and half.g(1) == pytest.approx(2 * c.g(1))
+    assert half.copy_seconds() == c.copy_seconds()
+    assert any("50% of a core" in n for n in half.notes)
 
 
 def test_with_every_expert_resident_the_disk_does_not_matter() -> None:

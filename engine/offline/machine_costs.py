@@ -13,6 +13,8 @@ and its experts in their stored format (bf16, or int8 with --expert-quant int8).
 - the link: expert transfers as a disk-tier worker makes them, measured now: the engine's own uncached
   reader (O_DIRECT) reading expert-sized ranges of the file the disk tier will read (the checkpoint, or
   the quantized sidecar where it exists) and the copy into a slot.
+The kernels' figures are thread CPU time; on a shared machine the compute thread gets part of a core, so
+the compute costs are divided by the share a busy thread got as the plan ran (core_share).
 Each figure goes in `Costs.notes`, so the plan line says what it used.
 """
 
@@ -76,6 +78,16 @@ def read_gb_s(reads: Sequence[ExpertRead], budget: int = DISK_SAMPLE_BYTES) -> t
     finally:
         reader.close()
     return nbytes / max(seconds, 1e-9) / 1e9, done
+
+
+def core_share(seconds: float = 0.3) -> float:
+    """The share of one core this thread gets now (thread CPU time over wall time of a busy loop
+    of `seconds`): below 1 where other work shares the cores. The kernels' speeds are CPU-time
+    figures (a loaded minute does not change them); a decode's wall time is them over this share."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - w0 < seconds:
+        pass
+    return min(1.0, max(1e-3, (time.thread_time() - c0) / (time.perf_counter() - w0)))
 
 
 def _thread_seconds(fn: Callable[[], object]) -> float:
@@ -212,12 +224,16 @@ def machine_costs(
     expert_disk_bytes: int,
     transfer_workers: int,
     cpu_workers: int,
+    share: float = 1.0,
 ) -> Costs:
     """The simulator's costs for a decode on this CPU: `dense_streamed_bytes` (the dense weights a decode
     token reads, head included) spread over `layers`, experts of `slot_bytes` computed at the expert
-    kernel's speed, each miss a read of `expert_disk_bytes` at `disk_gb_s`."""
-    dense_s = dense_streamed_bytes / layers / (speeds.dense_gb_s * 1e9) + speeds.dense_overhead_s
-    expert_s = slot_bytes / (speeds.expert_gb_s * 1e9)
+    kernel's speed, each miss a read of `expert_disk_bytes` at `disk_gb_s`; the compute thread's
+    work over `share`, the share of a core it gets (core_share)."""
+    dense_s = (
+        dense_streamed_bytes / layers / (speeds.dense_gb_s * 1e9) + speeds.dense_overhead_s
+    ) / share
+    expert_s = slot_bytes / (speeds.expert_gb_s * 1e9) / share
     return Costs(
         profile="measured",
         shape="",
@@ -240,6 +256,7 @@ def machine_costs(
             ),
             f"experts {speeds.expert_gb_s:.1f} GB/s (native moe_swiglu"
             + (", cached)" if speeds.expert_cached else ", measured now)"),
+            f"compute over {share:.0%} of a core (what a busy thread got as the plan ran)",
             f"disk {disk_gb_s:.2f} GB/s over {disk_reads} expert transfers (O_DIRECT read + copy into a slot), measured now",
         ),
     )
