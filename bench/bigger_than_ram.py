@@ -9,7 +9,8 @@ Cells (bench/real_shapes_bench.py --bigger-than-ram runs them):
     engine MXFP4 experts (stored and read as shipped, dequantized on compute) / llama.cpp's MXFP4 GGUF.
 Each engine cell plans its own memory inside the cgroup (`--offload disk`, no cache flag) and decodes
 greedily; it reports decode tok/s, the bytes its disk tier read a decode token, the disk's delivered
-bandwidth (bytes over the wall time with a read in flight), and Belady's MIN on the same accesses
+bandwidth (bytes over the wall time with a read in flight, beside dd O_DIRECT runs right before and
+right after the cell: a shared disk's rate moves), and Belady's MIN on the same accesses
 (engine/offline/belady.py: the fewest loads any policy could make with the same fast tier). llama.cpp
 runs `llama-bench -lm mmap --repack 0` under the same cgroup (repacking would copy MXFP4 weights into
 anonymous memory, which a cgroup smaller than the model cannot hold); its bytes read a token come from the kernel's
@@ -246,6 +247,15 @@ def dd_direct(path: Path, block: int, nbytes: int = 2 << 30) -> float:
     return int(m.group(1)) / float(m.group(2)) / 1e9
 
 
+DD_BYTES = 1 << 30  # what each dd beside an engine cell reads
+
+
+def dd_block(expert_bytes: int | None) -> int:
+    """dd's block: one expert read, rounded up to 4 KiB (O_DIRECT's alignment); 1 MiB before the
+    first cell of a kind has said its expert size."""
+    return -(-expert_bytes // 4096) * 4096 if expert_bytes else 1 << 20
+
+
 def plan_projection(ckpt: Path, cgroup: Any, extra: list[str]) -> dict[str, Any]:
     """`moe-offload plan` run inside `cgroup` (so it plans for the cgroup's memory): the fast tier it
     chose and its projected fetch-all decode tok/s."""
@@ -372,7 +382,8 @@ def measure(
     warmup: bool,
 ) -> dict[str, Any]:
     """Every cell once per round (a warm-up round first, discarded, with `warmup`), engine and llama.cpp
-    back to back under the same cgroup; then the reference runs, dd, the plan's projections."""
+    back to back under the same cgroup; the plan's projections right after each
+    cell's last round; then the reference runs and dd."""
     from tqdm.auto import tqdm
 
     from bench.cgroup import MemoryCgroup
@@ -384,6 +395,12 @@ def measure(
     def trace(c: Cell) -> Path:  # the cell's decode routing (the last round's)
         return work / f"trace-{c.model}-{c.engine}-{c.limit_gib:g}.npz"
 
+    def plan_flags(c: Cell) -> list[str]:  # the plan reads the sidecar the cells read
+        quant = (
+            ["--quant-cache-dir", quant_dir] if "expert_quant" in ENGINE_FIELDS[c.engine] else []
+        )
+        return [*PLAN_FLAGS.get(c.engine, []), *quant]
+
     def spec(c: Cell, **more: Any) -> dict[str, Any]:
         fields = dict(ENGINE_FIELDS[c.engine], quant_cache_dir=quant_dir, **more)
         return {"ckpt": str(ckpts[c.model]), "fields": fields, "tokens": tokens}
@@ -393,17 +410,43 @@ def measure(
         for g in {c.limit_gib for c in todo}
     }
     res: dict[str, Any] = {c.name: {"engine": [], "llama": []} for c in todo}
+    plans: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+
+    def projections(c: Cell, ckpt: Path, cg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`moe-offload plan`'s projection for the cell, and the same plan fed this cell's own decode
+        routing (`--trace`): the projection's access pattern is then the measured one, and what
+        remains is its cost model."""
+        plan = plan_projection(ckpt, cg, plan_flags(c))
+        try:
+            mine = plan_projection(ckpt, cg, [*plan_flags(c), "--trace", str(trace(c))])
+        except RuntimeError as e:  # the page says so; the measured figures stand
+            mine = {"projected_tps": None, "n_slots": None, "text": str(e)}
+        return plan, mine
+
+    # engine kind -> bytes of one expert read (known after its first cell)
+    expert_sizes: dict[str, int] = {}
     try:
         for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
                 cg, ckpt, gguf = groups[c.limit_gib], ckpts[c.model], ggufs.get((c.model, c.gguf))
+                # The disk's O_DIRECT bandwidth right before and right after the cell (a shared disk's
+                # rate moves): the share divides by their mean, and both are reported.
+                block = dd_block(expert_sizes.get(c.engine))
+                before = dd_direct(shard(ckpt), block, DD_BYTES)
                 e = run_engine(
                     dict(spec(c), trace=str(trace(c))),
                     cg,
                     [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt],
                 )
-                # The disk's O_DIRECT bandwidth right after the cell, so the share compares one moment.
-                e["dd_gb_s"] = dd_direct(shard(ckpt), -(-e["expert_bytes"] // 4096) * 4096, 1 << 30)
+                expert_sizes[c.engine] = e["expert_bytes"]
+                after = dd_direct(shard(ckpt), dd_block(e["expert_bytes"]), DD_BYTES)
+                e["dd_before_gb_s"], e["dd_after_gb_s"] = before, after
+                e["dd_gb_s"] = (before + after) / 2
+                if (
+                    rnd == rounds
+                ):  # the plan's projections right after the cell: the same moment's machine
+                    plans[c.name], own[c.name] = projections(c, ckpt, cg)
                 ll = (
                     run_llama(src, gguf, tokens, cg, measure_bytes=rnd == rounds)
                     if src is not None and gguf is not None
@@ -427,24 +470,6 @@ def measure(
                 refs[key] = run_engine(
                     spec(c, host_memory=REFERENCE_HOST_MEMORY), None, [ckpts[c.model]]
                 )
-        plans = {
-            c.name: plan_projection(
-                ckpts[c.model], groups[c.limit_gib], PLAN_FLAGS.get(c.engine, [])
-            )
-            for c in todo
-        }
-        # The same plan fed this cell's own decode routing (`--trace`): the projection's access
-        # pattern is then the measured one, and what remains is its cost model.
-        own = {}
-        for c in todo:
-            try:
-                own[c.name] = plan_projection(
-                    ckpts[c.model],
-                    groups[c.limit_gib],
-                    [*PLAN_FLAGS.get(c.engine, []), "--trace", str(trace(c))],
-                )
-            except RuntimeError as e:  # the page says so; the measured figures stand
-                own[c.name] = {"projected_tps": None, "n_slots": None, "text": str(e)}
     finally:
         for cg in groups.values():
             cg.close()
@@ -497,8 +522,9 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
         bytes_tok = median(e["bytes_per_token"] for e in eng)
         min_tok = median(e["min_bytes_per_token"] for e in eng)
         read = median(e["read_gb_s"] for e in eng)
-        # Each round's engine read rate over the dd run right after it (the disk is shared).
+        # Each round's engine read rate over the mean of the dd runs right before and after it.
         share = median(e["read_gb_s"] / e["dd_gb_s"] for e in eng)
+        dd_around = [(e.get("dd_before_gb_s"), e.get("dd_after_gb_s")) for e in eng]
         proj = m["plans"][c.name]["projected_tps"]
         own = m["plans_own_trace"][c.name]["projected_tps"]
         rows.append(
@@ -517,6 +543,7 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
                 "read_gb_s": read,
                 "read_share_of_dd": share,
                 "dd_gb_s": median(e["dd_gb_s"] for e in eng),
+                "dd_before_after_gb_s": dd_around,
                 "projected_tps": proj,
                 "projected_over_measured": proj / e_tps if proj else None,
                 "projected_own_trace_tps": own,
@@ -553,7 +580,7 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| cell | fast tier (plan) | GB read / token: engine | Belady's MIN | engine / MIN | llama.cpp | "
-        "engine disk GB/s | of dd O_DIRECT after it | plan's projected tok/s | projected / measured | "
+        "engine disk GB/s | of dd O_DIRECT (mean of before / after it) | plan's projected tok/s | projected / measured | "
         "with the cell's own routing (--trace) | / measured | tokens = reference | peak engine / llama.cpp GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -575,7 +602,7 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {r['cell']} | {r['n_slots']} of {r['total_experts']} | {gb(r['engine_bytes_per_token'])} | "
             f"{gb(r['min_bytes_per_token'])} | {over} | {gb(r['llama_bytes_per_token'])} | {r['read_gb_s']:.2f} | "
-            f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
+            f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} ({dd_pairs(r)}) | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
             f"{r['engine_peak'] / 2**30:.2f} / {r['llama_peak'] / 2**30:.2f} |"
         )
     dd = m["dd"]
@@ -583,9 +610,18 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         "",
         f"Disk: `dd iflag=direct` on a checkpoint shard reads {dd['expert']:.2f} GB/s in blocks of one expert "
         f"({dd['expert_bytes'] / 1e6:.2f} MB) and {dd['1MiB']:.2f} GB/s in blocks of 1 MiB after the rounds; "
-        "the table's share divides each round's engine read rate by a 1 GiB dd in expert-sized blocks run right after that engine cell.",
+        "the table's share divides each round's engine read rate by the mean of two 1 GiB dd runs in expert-sized blocks, "
+        "one right before and one right after that engine cell (both in brackets, per round).",
     ]
     return lines
+
+
+def dd_pairs(row: dict[str, Any]) -> str:
+    """The dd rates around each round's engine cell: 'before / after' per round."""
+    return ", ".join(
+        "n/a" if b is None or a is None else f"{b:.2f} / {a:.2f}"
+        for b, a in row.get("dd_before_after_gb_s", [])
+    )
 
 
 SECTION = "## c. Bigger than memory, under memory cgroups"

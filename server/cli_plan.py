@@ -1,6 +1,8 @@
 """`moe-offload plan`: the placement `serve` would choose for a checkpoint on this machine (or on
 the budgets given), and the decode speed the router-trace simulator projects for it per policy
-preset, from config.json and the safetensors headers alone: no weight is read."""
+preset, from config.json and the safetensors headers: no weight is loaded. The projection's costs are
+this CPU's, measured (`--hardware measured`, engine/offline/machine_costs.py: the native kernels'
+speed and a short timing of expert reads from the disk), or a hardware profile's."""
 
 from __future__ import annotations
 
@@ -16,14 +18,19 @@ from engine.errors import ConfigError
 from engine.settings_file import overrides_from_args
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.memory.footprint import Footprint
+    from engine.memory.measure import Probe
     from engine.offline.hardware import Costs, ModelShape
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "embedded_test_trace.npz"
 )
-DEFAULT_PROFILE = "this-machine-disk"
+DEFAULT_PROFILE = (
+    "measured"  # this CPU's kernels and disk, measured (engine/offline/machine_costs.py)
+)
 SIM_TOKENS = 128  # trace tokens replayed per preset: a stable mean in a few seconds even at 48 layers (every preset replays the same tokens)
 
 
@@ -88,6 +95,41 @@ def _head(trace: dict, n: int) -> dict:
     }
 
 
+def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
+    """The costs of `--hardware measured`: this CPU's kernels for the model's dtype and expert format
+    (the dispatcher's measurement, cached per CPU) and the disk's O_DIRECT rate at expert-sized reads."""
+    from engine.offline.hardware import ProfileError
+    from engine.offline.machine_costs import core_share, kernel_speeds, machine_costs, read_gb_s
+
+    fp = probe.footprint
+    if probe.device.type != "cpu":
+        raise ProfileError(
+            "--hardware measured times this CPU's kernels; for a CUDA device name a profile (h200-pcie5, rtx4090-pcie4, ...)"
+        )
+    speeds = kernel_speeds(
+        probe.config, fp.dtype, cfg.expert_quant, fp.hidden, probe.moe_intermediate, fp.top_k
+    )
+    if speeds is None:
+        raise ProfileError(
+            f"--hardware measured: no native kernel measurement for {str(fp.dtype).removeprefix('torch.')} "
+            f"with {probe.expert_format} experts here; name a profile (--hardware this-machine-disk)"
+        )
+    gb_s, reads = read_gb_s(probe.expert_reads)
+    return machine_costs(
+        speeds,
+        gb_s,
+        reads,
+        probe.dense_streamed_bytes,
+        fp.moe_layers,
+        fp.slot_bytes,
+        # what one disk-tier read moves: the quantized sidecar's row where it exists
+        probe.expert_reads[0].nbytes if probe.expert_reads else fp.expert_disk_bytes,
+        cfg.transfer_workers,
+        cfg.cpu_workers,
+        core_share(),
+    )
+
+
 def project(
     fp: Footprint,
     model_type: str,
@@ -95,8 +137,10 @@ def project(
     hardware: str,
     link: str | None,
     trace_path: Path,
+    measured: Callable[[], Costs] | None = None,
 ) -> tuple[list[tuple[str, float]], str]:
-    """[(preset, projected decode tok/s)] and a one-line description of the projection (or why there is none)."""
+    """[(preset, projected decode tok/s)] and a one-line description of the projection (or why there
+    is none). `measured`: the costs of `--hardware measured` (called only for it)."""
     from engine.experts.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
     from engine.offline.projection import project_trace
@@ -105,7 +149,14 @@ def project(
     shape = _shape(fp, model_type)
     try:
         trace = project_trace(_head(load_trace(trace_path), SIM_TOKENS), shape)
-        costs = depth_scaled(costs_for(hardware, shape, expert_bytes=fp.expert_disk_bytes), shape)
+        if hardware == "measured":
+            if measured is None:
+                raise ProfileError("--hardware measured needs the checkpoint's probe")
+            costs = replace(measured(), shape=shape.name)
+        else:
+            costs = depth_scaled(
+                costs_for(hardware, shape, expert_bytes=fp.expert_disk_bytes), shape
+            )
     except (OSError, ValueError, KeyError) as e:  # ProfileError is a ValueError
         return [], f"no projection: {e}"
     if link:
@@ -152,7 +203,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     share = plan.n_slots / plan.total_experts
-    rows, how = project(fp, probe.model_type, share, args.hardware, args.link, Path(args.trace))
+    rows, how = project(
+        fp,
+        probe.model_type,
+        share,
+        args.hardware,
+        args.link,
+        Path(args.trace),
+        lambda: measured_costs(probe, cfg),
+    )
     print(how)
     if rows:
         first = rows[0][1]
@@ -179,7 +238,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             else f"{flags} --policy fetch-all"
         )
     print(f"recommended: moe-offload serve --model {args.model} {rec}")
-    print(f"(planned from headers in {time.perf_counter() - t0:.1f} s; no weights read)")
+    timed = (
+        "; experts read only to time the disk (--hardware measured)"
+        if args.hardware == "measured" and rows
+        else "; no weights read"
+    )
+    print(f"(planned from headers in {time.perf_counter() - t0:.1f} s{timed})")
     return 0
 
 
@@ -187,7 +251,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = sub.add_parser(
         "plan",
         help="show the memory placement serve would choose, and projected decode speed",
-        description="Read a checkpoint's config.json and safetensors headers (no weights), print the memory plan `serve` would "
+        description="Read a checkpoint's config.json and safetensors headers (no weights are loaded; --hardware measured reads some experts to time the disk), print the memory plan `serve` would "
         "choose on this machine or on the budgets given, the decode tok/s the router-trace simulator projects for each policy "
         "preset on a hardware profile (labelled projected), and a recommended configuration.",
     )
@@ -211,7 +275,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--hardware",
         default=DEFAULT_PROFILE,
         metavar="PROFILE",
-        help=f"hardware profile whose link and compute costs the projection uses: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})",
+        help=f"link and compute costs the projection uses: measured (this CPU: the native kernels' measured speed for the model's dtype and --expert-quant, "
+        "and the disk's O_DIRECT rate at expert-sized reads, measured now), or a hardware profile: a name in configs/hardware/ (h200-pcie5, rtx4090-pcie4, "
+        f"rtx3090-pcie4, phone-ufs31, this-machine-disk, this-machine-disk-hdd) or a YAML path (default {DEFAULT_PROFILE})",
     )
     p.add_argument(
         "--link",
@@ -247,6 +313,14 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                 "default": "none",
                 "choices": ("none", "int8", "int4"),
                 "help": "routed experts quantized as serve --expert-quant would (default none)",
+            },
+        ),
+        (
+            "--quant-cache-dir",
+            {
+                "metavar": "DIR",
+                "help": "where serve --quant-cache-dir keeps quantized experts: with --expert-quant, --hardware measured "
+                "times the disk on that file once it exists (default: the engine's cache directory)",
             },
         ),
         (

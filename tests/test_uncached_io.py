@@ -103,3 +103,41 @@ def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_c
         )
     finally:
         om.close()
+
+
+def test_a_sidecar_expert_is_read_into_the_reused_buffer_with_the_same_bytes(
+    tiny_ckpt, tmp_path
+) -> None:
+    """A quantized sidecar stores an expert as one segment: it is read into the thread's reusable
+    buffer (scratch), as a checkpoint's expert is, and every fetch keeps the bytes a fresh read gives."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.worker.loader import load_model
+
+    om = load_model(
+        tiny_ckpt("qwen3_moe"),
+        EngineConfig(
+            cache_fraction=0.5,
+            offload="disk",
+            expert_quant="int8",
+            quant_cache_dir=str(tmp_path / "quant"),
+        ),
+    )
+    try:
+        tier = om.transfers.tier
+        scratch: list[bool] = []
+        read = tier.reader.read
+        tier.reader.read = lambda *a, **k: scratch.append(k.get("scratch", False)) or read(*a, **k)  # type: ignore[method-assign]
+        fetched = {
+            (layer, e): tier._fetch(layer, e, None)
+            for layer in om.moe_layers
+            for e in range(om.num_experts)
+        }
+        assert scratch and all(scratch)
+        tier.reader.read = read  # type: ignore[method-assign]
+        for (layer, e), got in fetched.items():
+            (seg,) = tier.locator.segments(layer, e)
+            assert torch.equal(got.view(torch.uint8), tier._read(seg).view(torch.uint8))
+    finally:
+        om.close()

@@ -205,8 +205,10 @@ class DiskTier(SlowTier):
 
 def _one_span(segs: list[TensorLocation], slack: float = 0.25) -> tuple[int, int] | None:
     """(start, end) of one byte range of one file covering every segment, when they are (nearly)
-    adjacent: at most `slack` of the range is bytes no segment needs. None otherwise."""
-    if len(segs) < 2 or len({s.path for s in segs}) != 1:
+    adjacent: at most `slack` of the range is bytes no segment needs. None otherwise. A single
+    segment (a quantized sidecar's expert) is its own span: it too is read into the thread's
+    reusable buffer, not a fresh one whose pages the kernel must zero and, on munmap, flush."""
+    if not segs or len({s.path for s in segs}) != 1:
         return None
     start, end = min(s.offset for s in segs), max(s.offset + s.nbytes for s in segs)
     return (start, end) if end - start <= (1 + slack) * sum(s.nbytes for s in segs) else None

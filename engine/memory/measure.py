@@ -61,6 +61,15 @@ def print_plan(plan: MemoryPlan) -> None:
 
 
 @dataclass(frozen=True)
+class ExpertRead:
+    """One expert as the disk tier reads it: a byte range of one file."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Probe:
     """A checkpoint described from its headers: what `plan` reports and serve checks."""
 
@@ -69,6 +78,13 @@ class Probe:
     expert_format: str  # e.g. "none" (float experts), "int8", "mxfp4"
     device: torch.device
     sidecar_bytes: int
+    config: Any = None  # the text config (for the kernels' decode shapes)
+    moe_intermediate: int = 0
+    # Dense bytes a decode token streams: the dense part less an untied embedding table (only gathered).
+    dense_streamed_bytes: int = 0
+    # Expert-sized byte ranges as the disk tier will read them (the quantized sidecar once it exists),
+    # spread over layers and experts: what `plan --hardware measured` times the disk on.
+    expert_reads: tuple[ExpertRead, ...] = ()
 
 
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
@@ -126,7 +142,41 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         I,
         tensors,
     )
-    return Probe(fp, str(config.model_type), fmt.name, device, sidecar)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed = 0 if tied else fp.vocab * fp.hidden * itemsize
+    if cfg.expert_quant != "none" and native is None:
+        from engine.experts.quant_cache import SidecarLocator, default_cache_dir, sidecar_path
+
+        path = sidecar_path(locator, fmt, layers, Path(cfg.quant_cache_dir or default_cache_dir()))
+        if path.exists():
+            locator = SidecarLocator(path, layers, E, fmt.slot_numel)
+    return Probe(
+        fp,
+        str(config.model_type),
+        fmt.name,
+        device,
+        sidecar,
+        config=config,
+        moe_intermediate=I,
+        dense_streamed_bytes=max(0, fp.dense_bytes - embed),
+        expert_reads=_expert_reads(locator, layers, E),
+    )
+
+
+def _expert_reads(locator: Any, layers: list[int], E: int, n: int = 128) -> tuple[ExpertRead, ...]:
+    """`n` experts' byte ranges (each expert's segments in its first segment's file, first to last
+    byte), layer by layer and spread over the experts, as the disk tier reads them."""
+    out = []
+    for i in range(min(n, len(layers) * E)):
+        layer, e = layers[i % len(layers)], (i // len(layers) * 37 + i) % E
+        segs = list(locator.segments(layer, e))
+        same = [s for s in segs if s.path == segs[0].path]
+        start = min(s.offset for s in same)
+        out.append(
+            ExpertRead(Path(segs[0].path), start, max(s.offset + s.nbytes for s in same) - start)
+        )
+    return tuple(out)
 
 
 def plan_checkpoint(
