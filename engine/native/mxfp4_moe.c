@@ -24,12 +24,12 @@
  * block of up to 4 rows, and each row keeps the one-row sequence of operations and accumulators, so
  * its result is bit for bit what it gets alone.
  *
- * AVX-512 builds take the vector path; the others (avx2, portable) the plain C one, with the same
- * lanes and order written as loops the compiler vectorises.
+ * AVX-512 builds take the 16-lane path, avx2 an 8-lane one (the table halved: magnitude by vpermps, sign
+ * by a shift), portable plain C loops the compiler vectorises.
  */
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -99,6 +99,45 @@ static inline __attribute__((always_inline)) void mx_dot_blk(const uint8_t *blk,
 #undef MX_STEP
     for (int r = 0; r < R; r++)
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: 8 lanes, and vpermps indexes 8 entries, so a code's magnitude (its low 3 bits) comes from the table of
+ * the 8 non-negative e2m1 values and its sign bit (bit 3) moves to the float's sign bit. Two accumulators a row:
+ * a group's first and second 8 lanes. */
+static inline __m256 mx_half(__m256i b, __m256 mag8, int shift_mag, int shift_sign) {
+    __m256i idx = shift_mag ? _mm256_srli_epi32(b, 4) : b;
+    __m256 m = _mm256_permutevar8x32_ps(mag8, idx);
+    __m256i sign = _mm256_and_si256(_mm256_slli_epi32(b, shift_sign), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_xor_ps(m, _mm256_castsi256_ps(sign));
+}
+
+static inline __attribute__((always_inline)) void mx_dot_blk(const uint8_t *blk, const uint8_t *sc, int64_t G,
+                                                             const float *pow2, const float *const *X, float *out,
+                                                             const int R) {
+    const __m256 mag8 = _mm256_loadu_ps(FP4);
+    __m256 acc[MX_ROWS_BLOCK][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + g * 16));
+        __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        __m256 lo0 = mx_half(b0, mag8, 0, 28), lo1 = mx_half(b1, mag8, 0, 28);
+        __m256 hi0 = mx_half(b0, mag8, 1, 24), hi1 = mx_half(b1, mag8, 1, 24);
+        __m256 s = _mm256_broadcast_ss(&pow2[sc[g]]);
+        for (int r = 0; r < R; r++) {
+            const float *xr = X[r] + g * MX_GROUP;
+            __m256 t0 = _mm256_mul_ps(lo0, _mm256_loadu_ps(xr));
+            __m256 t1 = _mm256_mul_ps(lo1, _mm256_loadu_ps(xr + 8));
+            t0 = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(xr + 16), t0);
+            t1 = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xr + 24), t1);
+            acc[r][0] = _mm256_fmadd_ps(t0, s, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(t1, s, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc[r][0], acc[r][1]));
+        out[r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    }
 }
 #else
 /* The same lanes in plain C: 4 accumulators of 16 lanes a row, group g into accumulator g % 4. */
