@@ -60,7 +60,9 @@ def _compare(quant_dir, float_dir, expect_format: str) -> None:
             om.close()
 
 
-def test_gpt_oss_mxfp4(tiny_ckpt, tmp_path) -> None:
+def mxfp4_checkpoints(tiny_ckpt, tmp_path):  # noqa: ANN001, ANN201
+    """A tiny gpt-oss checkpoint with random MXFP4 experts under the released names, and the same model with
+    those experts dequantized by transformers' own converter: (mxfp4 dir, float dir)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     # H = 96 and I = 32 keep [H, 2I] non-square, so a transposition mistake cannot pass.
@@ -91,6 +93,11 @@ def test_gpt_oss_mxfp4(tiny_ckpt, tmp_path) -> None:
     qdir, fdir = _copy_dir(src, tmp_path / "mxfp4"), _copy_dir(src, tmp_path / "dense")
     save_file(quant, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(dense, str(fdir / "model.safetensors"), metadata={"format": "pt"})
+    return qdir, fdir
+
+
+def test_gpt_oss_mxfp4(tiny_ckpt, tmp_path) -> None:
+    qdir, fdir = mxfp4_checkpoints(tiny_ckpt, tmp_path)
     _compare(qdir, fdir, "mxfp4")
 
 

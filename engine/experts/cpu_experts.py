@@ -27,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.experts.cost_meter import CostMeter
-from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.native_moe import NativeMoe
+from engine.experts.native_mxfp4 import native_experts
 from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.experts.slow_tier import SlowTier
 from engine.stats import EngineStats
@@ -41,11 +41,7 @@ class CpuExperts:
         self.tier, self.fmt, self.meter, self.stats = tier, fmt, meter, stats
         self.workers = workers
         kernel = fmt.kernel
-        self.native = (
-            NativeMoe.for_format(fmt, kernel.hidden, kernel.intermediate)
-            if isinstance(kernel, SwiGLUKernel)
-            else None
-        )
+        self.native: NativeMoe | None = native_experts(fmt, kernel.hidden, kernel.intermediate)
         # On a GPU box plain float experts compute in fp32 on the CPU (bf16 matmuls are slow there);
         # quantized slots keep their byte layout and dequantize in the format's own compute dtype.
         self.weight_dtype = (

@@ -16,6 +16,7 @@ import torch
 from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.expert_store import ExpertStore
 from engine.experts.native_moe import NativeMoe, SlotPointers
+from engine.experts.native_mxfp4 import native_experts
 from engine.experts.quant import ExpertFormat, PlainFormat
 from engine.weights.expert_layout import ExpertShape
 
@@ -52,7 +53,7 @@ class ExpertCompute:
         # from each slot's memory; None where the format or machine does not allow it.
         on_cpu = store.slots.device.type == "cpu"
         self.native: NativeMoe | None = (
-            NativeMoe.for_format(self.fmt, shape.hidden, shape.intermediate) if on_cpu else None
+            native_experts(self.fmt, shape.hidden, shape.intermediate) if on_cpu else None
         )
         self.pointers: list[SlotPointers] = (
             [self.native.pointers(v) for v in self.views] if self.native is not None else []

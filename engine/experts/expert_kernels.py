@@ -32,6 +32,8 @@ View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
 
 class ExpertKernel(ABC):
     views: tuple[View, ...]
+    hidden: int
+    intermediate: int
 
     @property
     def numel(self) -> int:
@@ -86,6 +88,7 @@ class SwiGLUKernel(ExpertKernel):
 class GptOssKernel(ExpertKernel):
     def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
         H, I = hidden, intermediate
+        self.hidden, self.intermediate = H, I
         self.views = (
             ("gate_up", (H, 2 * I)),
             ("gate_up_bias", (2 * I,)),
@@ -108,6 +111,7 @@ class Llama4Kernel(ExpertKernel):
         self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         H, I = hidden, intermediate
+        self.hidden, self.intermediate = H, I
         self.views = (("gate_up", (H, 2 * I)), ("down", (I, H)))
         self.act_fn = _fast_act(act_fn)
 

@@ -8,7 +8,8 @@ given, from the slots' own memory (no copy, no per-expert tensor).
 
 Which slots it reads: float slots (f32 or bf16, the compute dtype), whole-row int8 slots and int4
 slots in groups of 64 with a bf16 compute dtype (`moe_q4_rows`: nibbles unpacked in registers, int8
-dot products), SwiGLU only. Everything else (gpt-oss, Llama 4, native MXFP4/FP8) keeps the torch path.
+dot products), SwiGLU only. gpt-oss's MXFP4 slots take engine/experts/native_mxfp4.py's kernel; everything
+else (Llama 4, FP8 blocks, gpt-oss in floats) keeps the torch path.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class NativeMoe:
         return (
             cls(kernels, fmt, weight_dtype, hidden, intermediate) if kernels is not None else None
         )
+
+    def describe(self) -> str:
+        """The plan's name for this path."""
+        what = "int4" if self.int4 else "int8" if self.quantized else str(self.weight_dtype)[6:]
+        return f"native SwiGLU, one call a layer ({what} weights)"
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels

@@ -93,6 +93,7 @@ class Mxfp4GptOssFormat(RawPartsFormat):
         compute_dtype: torch.dtype,
     ) -> None:
         H, I = hidden, intermediate
+        self.bias_dtype = bias_dtype
         parts = [
             (bias_dtype, (2 * I,)),
             (bias_dtype, (H,)),

@@ -255,7 +255,7 @@ static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t 
 }
 
 /* This thread's share of [0, rows), in blocks of 4 rows (moe_swiglu works through its share of the down projection 4 rows at a time). */
-static void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
+void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
     int64_t blocks = (rows + 3) / 4, per = blocks / nt, extra = blocks % nt;
     int64_t b0 = tid * per + (tid < extra ? tid : extra), b1 = b0 + per + (tid < extra ? 1 : 0);
     *r0 = b0 * 4 < rows ? b0 * 4 : rows;
@@ -327,8 +327,6 @@ size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R) {
 /* Bytes of `work` that moe_swiglu needs. */
 size_t moe_work_bytes(int64_t H, int64_t I) { return moe_rows_work_bytes(H, I, 1); }
 
-typedef struct { int64_t id, row; float w; } route_t;
-
 static int by_id_then_row(const void *a, const void *b) {
     const route_t *x = (const route_t *)a, *y = (const route_t *)b;
     if (x->id != y->id) return x->id < y->id ? -1 : 1;
@@ -338,7 +336,7 @@ static int by_id_then_row(const void *a, const void *b) {
 /* R rows' k routes (ids[r*k + j], weights w[r*k + j]) sorted by expert then row into `routes`, grouped: group g
  * is routes[starts[g] .. starts[g+1]), one expert's; first[i] says whether route i is its row's first term.
  * Returns the number of groups. R <= MAX_ROWS, k <= 64 (the callers check). */
-static int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes,
+int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes,
                             int64_t *starts, int *first) {
     int64_t n = R * k, groups = 0;
     int seen[MAX_ROWS] = {0};

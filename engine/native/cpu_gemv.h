@@ -43,6 +43,13 @@ static inline void x_set(void *p, int xtype, int64_t i, float v) {
     else ((uint16_t *)p)[i] = f32_to_bf16(v);
 }
 
+/* One route of a token to an expert, with its routing weight; group_routes sorts a step's routes by expert then
+ * row (cpu_gemv.c), so each expert's weights are read once for all the rows routed to it. */
+typedef struct { int64_t id, row; float w; } route_t;
+int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes, int64_t *starts,
+                     int *first);
+/* This thread's share [r0, r1) of `rows` output rows, in blocks of 4 (cpu_gemv.c). */
+void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1);
 size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);

@@ -220,6 +220,48 @@ class NativeKernels(KernelLibrary):
             raise ValueError(f"native moe_q4 takes 1 to {MAX_ROWS} bf16 rows and 64 experts a row")
         return out
 
+    def moe_mxfp4(
+        self,
+        x: torch.Tensor,
+        hidden: int,
+        intermediate: int,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+        bias_dtype: torch.dtype,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
+        """Rows x [R, H] (R <= 16, f32 or bf16) through gpt-oss MXFP4 experts (mxfp4_moe.c's moe_mxfp4_rows):
+        row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
+        scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
+        index -> [R, H] in x's dtype."""
+        R, n = x.shape[0], len(ids)
+        out = torch.empty((R, hidden), dtype=x.dtype)
+        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
+        rc = self.lib.moe_mxfp4_rows(
+            hidden,
+            intermediate,
+            R,
+            n // R,
+            (ctypes.c_int64 * n)(*ids),
+            (ctypes.c_float * n)(*weights),
+            *table,
+            W_CODES[bias_dtype],
+            alpha,
+            limit,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            out.data_ptr(),
+            self._work(self._scratch("moe_mxfp4_work_bytes", hidden, intermediate, R)),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(
+                f"native moe_mxfp4 takes 1 to {MAX_ROWS} rows, 64 distinct experts a row, H and I multiples of 32"
+            )
+        return out
+
     def router_topk(
         self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

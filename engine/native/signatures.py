@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 
 _P, _I64, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_size_t
+_F = ctypes.c_float
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -109,6 +110,11 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.moe_q4_rows.restype = _INT
     lib.moe_q4_work_bytes.argtypes = [_I64, _I64, _I64]
     lib.moe_q4_work_bytes.restype = _SIZE
+    # mxfp4_moe.c: gpt-oss's MXFP4 experts
+    lib.moe_mxfp4_rows.argtypes = [_I64] * 4 + [_P] * 8 + [_INT, _F, _F, _P, _INT, _P, _P, _INT]
+    lib.moe_mxfp4_rows.restype = _INT
+    lib.moe_mxfp4_work_bytes.argtypes = [_I64, _I64, _I64]
+    lib.moe_mxfp4_work_bytes.restype = _SIZE
     lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
     lib.kv_append.restype = None
     lib.decode_attention.argtypes = [

@@ -42,7 +42,7 @@ from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.memory.planner import KvRequest
 from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
-from engine.native.loaded import use_native_kernels
+from engine.native.loaded import native, use_native_kernels
 from engine.native.quant_linear import quantize_dense
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
@@ -292,6 +292,7 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
     plan = resolve_plan(
         cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router
     )
+    plan = plan.with_choice("expert kernel", *_expert_kernel(om))
     running = ",".join(om.prefetchers) or "none"
     if cfg.prefetch != "auto":
         why = f"--prefetch {cfg.prefetch}"
@@ -309,6 +310,15 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
             else "auto: no SpecPrefetch adapter file beside the model"
         )
     return plan.with_choice("prefetch", running, why)
+
+
+def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
+    """The plan's line for what multiplies a decode row's routed experts (engine/experts/expert_compute.py)."""
+    fmt, moe = om.executor.fmt, om.executor.native_moe
+    if moe is not None:
+        return moe.describe(), f"{fmt.name} slots, decode and verification rows; prompt rows: torch"
+    why = "the native kernels are off" if native() is None else "no native kernel reads these slots"
+    return "torch", f"{fmt.name} slots through the format's torch path ({why})"
 
 
 def _materialize(
