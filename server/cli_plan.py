@@ -107,7 +107,13 @@ def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
             "--hardware measured times this CPU's kernels; for a CUDA device name a profile (h200-pcie5, rtx4090-pcie4, ...)"
         )
     speeds = kernel_speeds(
-        probe.config, fp.dtype, cfg.expert_quant, fp.hidden, probe.moe_intermediate, fp.top_k
+        probe.config,
+        fp.dtype,
+        cfg.expert_quant,
+        fp.hidden,
+        probe.moe_intermediate,
+        fp.top_k,
+        probe.expert_format,
     )
     if speeds is None:
         raise ProfileError(
@@ -179,8 +185,13 @@ def project(
     how = (
         f"PROJECTED (simulated): profile {costs.profile} ({', '.join(costs.notes)} costs), shape {shape.name}, link "
         f"{costs.link_mb_per_s:g} MB/s + {costs.link_latency_s * 1e6:g} us, {costs.expert_bytes} B/expert read, cache {cache_fraction:.0%}, "
-        f"{min(SIM_TOKENS, trace['ids'].shape[0])} tokens of the embedded model's routing projected onto this shape (random or untrained routers "
-        "reuse experts less; real models more)"
+        f"{min(SIM_TOKENS, trace['ids'].shape[0])} tokens of "
+        + (
+            "the embedded model's routing projected onto this shape (random or untrained routers "
+            "reuse experts less; real models more)"
+            if Path(trace_path) == Path(DEFAULT_TRACE)
+            else f"the routing in {Path(trace_path).name}, projected onto this shape"
+        )
     )
     return rows, how
 

@@ -127,3 +127,51 @@ def test_read_rate_counts_every_byte(tmp_path: Path) -> None:
     reads = [ExpertRead(f, i * 65536 + 17, 65536) for i in range(40)]
     _, n = read_gb_s(reads, budget=5 * 65536)
     assert n == 32  # at least DISK_READS_MIN, then stops at the budget
+
+
+def test_an_mxfp4_expert_is_read_as_its_tensors_and_timed_on_its_kernel(
+    tiny_ckpt, tmp_path
+) -> None:
+    """gpt-oss keeps a layer's experts in one tensor per part, so an expert is six byte ranges far
+    apart: the probe lists those ranges (not the bytes between them), and the plan's expert cost is
+    the MXFP4 kernel's, not moe_swiglu's."""
+    from engine.config import EngineConfig
+    from engine.memory.measure import probe_checkpoint
+    from engine.native.loaded import native
+    from engine.offline.machine_costs import kernel_speeds
+    from tests.test_native_quant import mxfp4_checkpoints
+
+    qdir, _ = mxfp4_checkpoints(tiny_ckpt, tmp_path)
+    probe = probe_checkpoint(qdir, EngineConfig(device="cpu"))
+    fp = probe.footprint
+    assert probe.expert_format == "mxfp4"
+    for r in probe.expert_reads:
+        assert len(r.parts) == 6 and r.nbytes == sum(n for _, n in r.parts) == fp.expert_disk_bytes
+        assert (
+            r.nbytes < fp.experts_bytes / fp.moe_layers / 2
+        )  # not a span over the layer's experts
+    gb_s, n = read_gb_s(probe.expert_reads, budget=0)
+    assert gb_s > 0 and n == min(32, len(probe.expert_reads))
+    if native() is None:
+        return  # no C compiler: the plan names a profile instead (test above)
+    speeds = kernel_speeds(
+        probe.config, fp.dtype, "none", fp.hidden, probe.moe_intermediate, fp.top_k, "mxfp4"
+    )
+    assert speeds is not None and speeds.expert_kernel == "moe_mxfp4" and speeds.expert_gb_s > 0
+
+
+def test_read_rate_reads_every_part(tmp_path: Path) -> None:
+    from engine.memory.measure import ExpertRead
+
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(range(256)) * 4096 * 12)
+    parts = ((4096, 8192), (1 << 20, 100), (2 << 20, 5000))
+    reads = [ExpertRead(f, 4096, sum(n for _, n in parts), parts)] * 3
+    _, n = read_gb_s(reads, budget=0)
+    assert n == 3
+    from engine.errors import CheckpointError
+
+    with pytest.raises(
+        CheckpointError, match="truncated"
+    ):  # a part past the end is read, not skipped
+        read_gb_s([ExpertRead(f, 0, 10, ((len(f.read_bytes()) + 4096, 10),))], budget=0)

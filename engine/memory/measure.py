@@ -62,11 +62,13 @@ def print_plan(plan: MemoryPlan) -> None:
 
 @dataclass(frozen=True)
 class ExpertRead:
-    """One expert as the disk tier reads it: a byte range of one file."""
+    """One expert as the disk tier reads it: a byte range of one file, or (`parts`, when its tensors do
+    not lie side by side: gpt-oss's per-layer expert tensors) one read per tensor."""
 
     path: Path
     offset: int
-    nbytes: int
+    nbytes: int  # every byte the transfer moves (the parts' sum where there are parts)
+    parts: tuple[tuple[int, int], ...] = ()  # (offset, nbytes) of each separate read, in `path`
 
 
 @dataclass(frozen=True)
@@ -167,15 +169,21 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
 def _expert_reads(locator: Any, layers: list[int], E: int, n: int = 128) -> tuple[ExpertRead, ...]:
     """`n` experts' byte ranges (each expert's segments in its first segment's file, first to last
     byte), layer by layer and spread over the experts, as the disk tier reads them."""
+    from engine.experts.slow_tier import _one_span
+
     out = []
     for i in range(min(n, len(layers) * E)):
         layer, e = layers[i % len(layers)], (i // len(layers) * 37 + i) % E
         segs = list(locator.segments(layer, e))
         same = [s for s in segs if s.path == segs[0].path]
-        start = min(s.offset for s in same)
-        out.append(
-            ExpertRead(Path(segs[0].path), start, max(s.offset + s.nbytes for s in same) - start)
-        )
+        span = _one_span(same)
+        if (
+            span is not None
+        ):  # one read, as the disk tier makes it (slow_tier.UncachedDiskTier._fetch)
+            out.append(ExpertRead(Path(segs[0].path), span[0], span[1] - span[0]))
+            continue
+        parts = tuple((s.offset, s.nbytes) for s in same)
+        out.append(ExpertRead(Path(segs[0].path), parts[0][0], sum(b for _, b in parts), parts))
     return tuple(out)
 
 

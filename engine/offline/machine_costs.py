@@ -51,6 +51,7 @@ class KernelSpeeds:
     dense_overhead_s: float  # per layer, beyond streaming (torch's small calls; 0 when native)
     expert_gb_s: float
     expert_cached: bool
+    expert_kernel: str = "moe_swiglu"  # the native expert kernel timed: moe_swiglu or moe_mxfp4
 
 
 def read_gb_s(reads: Sequence[ExpertRead], budget: int = DISK_SAMPLE_BYTES) -> tuple[float, int]:
@@ -71,8 +72,15 @@ def read_gb_s(reads: Sequence[ExpertRead], budget: int = DISK_SAMPLE_BYTES) -> t
             if done >= DISK_READS_MIN and nbytes >= budget:
                 break
             t0 = time.perf_counter()
-            raw = reader.read(r.path, r.offset, r.nbytes, scratch=True)
-            np.copyto(slot[: r.nbytes], np.frombuffer(raw, dtype=np.uint8))
+            if r.parts:  # one read per tensor into a fresh buffer, as the disk tier's _read
+                at = 0
+                for offset, n in r.parts:
+                    raw = reader.read(r.path, offset, n)
+                    np.copyto(slot[at : at + n], np.frombuffer(raw, dtype=np.uint8))
+                    at += n
+            else:
+                raw = reader.read(r.path, r.offset, r.nbytes, scratch=True)
+                np.copyto(slot[: r.nbytes], np.frombuffer(raw, dtype=np.uint8))
             seconds += time.perf_counter() - t0
             done, nbytes = done + 1, nbytes + r.nbytes
     finally:
@@ -145,6 +153,36 @@ def time_expert_kernel(
     return n * per / best / 1e9
 
 
+def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k: int) -> float:
+    """GB/s of slot bytes of the native MXFP4 expert kernel (mxfp4_moe.c, gpt-oss's experts as shipped)
+    running one decode token through `top_k` experts, as time_expert_kernel times moe_swiglu."""
+    from engine.experts.expert_kernels import GptOssKernel
+    from engine.experts.native_mxfp4 import NativeMxfp4Moe
+    from engine.experts.native_quant import Mxfp4GptOssFormat
+
+    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, dtype, dtype)
+    per = fmt.slot_numel  # bytes: the slot is uint8
+    n = max(top_k, math.ceil(STREAM_BYTES / per))
+    n = -(-n // top_k) * top_k
+    slots = torch.zeros((n, per), dtype=torch.uint8)  # zero codes, scales 2^-127 and biases: finite
+    moe = NativeMxfp4Moe(kernels, fmt, H, I)  # type: ignore[arg-type]
+    ptrs = [moe.pointers(fmt.views(slots[i])) for i in range(n)]
+    x = torch.full((1, H), 0.5, dtype=dtype)
+    weights = [1.0 / top_k] * top_k
+
+    def sweep() -> None:
+        for i in range(0, n, top_k):
+            moe.run(x, ptrs[i : i + top_k], weights)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = min(_thread_seconds(sweep) for _ in range(ROUNDS))
+    finally:
+        torch.set_num_threads(threads)
+    return n * per / best / 1e9
+
+
 def _cached(key: list[str], cache: Path, measure: Callable[[], float]) -> tuple[float, bool]:
     """measure() for `key`, from the JSON file `cache` when it holds one, else measured and stored."""
     k = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
@@ -168,7 +206,13 @@ def _cached(key: list[str], cache: Path, measure: Callable[[], float]) -> tuple[
 
 
 def kernel_speeds(
-    config: object, dtype: torch.dtype, expert_quant: str, H: int, I: int, top_k: int
+    config: object,
+    dtype: torch.dtype,
+    expert_quant: str,
+    H: int,
+    I: int,
+    top_k: int,
+    expert_format: str = "none",
 ) -> KernelSpeeds | None:
     """The dispatcher's measurement for this model's decode shapes (the engine's own call, so its cache
     answers when the engine has loaded this shape here) and the expert kernel's speed for its format;
@@ -180,7 +224,12 @@ def kernel_speeds(
     from engine.worker.loader import decode_shapes
 
     shapes = decode_shapes(config, dtype, H, I, top_k)
-    if shapes is None or expert_quant not in ("none", "int8"):
+    mxfp4 = expert_format == "mxfp4" and expert_quant == "none"  # gpt-oss's experts as shipped
+    if (
+        shapes is None
+        or expert_quant not in ("none", "int8")
+        or expert_format not in ("none", "mxfp4")
+    ):
         return None
     builds, _ = _builds("auto")
     if not builds:
@@ -197,7 +246,7 @@ def kernel_speeds(
     # streams the dense part faster: the best build's speed, as the loader picks it.
     build = chosen if chosen != TORCH else max(builds, key=lambda n: m.gbps[n])
     key = [
-        "moe_swiglu",
+        "moe_mxfp4" if mxfp4 else "moe_swiglu",
         cpu_model(),
         " ".join(sorted(cpu_flags())),
         torch.__version__,
@@ -209,9 +258,11 @@ def kernel_speeds(
     expert, cached = _cached(
         key,
         root / "expert_kernel.json",
-        lambda: time_expert_kernel(builds[build], dtype, expert_quant, H, I, top_k),
+        (lambda: time_mxfp4_kernel(builds[build], dtype, H, I, top_k))
+        if mxfp4
+        else (lambda: time_expert_kernel(builds[build], dtype, expert_quant, H, I, top_k)),
     )
-    return KernelSpeeds(chosen, gbps, overhead, expert, cached)
+    return KernelSpeeds(chosen, gbps, overhead, expert, cached, key[0])
 
 
 def machine_costs(
@@ -254,7 +305,7 @@ def machine_costs(
                 if speeds.dense_overhead_s >= 5e-6
                 else ""
             ),
-            f"experts {speeds.expert_gb_s:.1f} GB/s (native moe_swiglu"
+            f"experts {speeds.expert_gb_s:.1f} GB/s (native {speeds.expert_kernel}"
             + (", cached)" if speeds.expert_cached else ", measured now)"),
             f"compute over {share:.0%} of a core (what a busy thread got as the plan ran)",
             f"disk {disk_gb_s:.2f} GB/s over {disk_reads} expert transfers (O_DIRECT read + copy into a slot), measured now",
