@@ -141,3 +141,39 @@ def test_a_sidecar_expert_is_read_into_the_reused_buffer_with_the_same_bytes(
             assert torch.equal(got.view(torch.uint8), tier._read(seg).view(torch.uint8))
     finally:
         om.close()
+
+
+def test_an_mxfp4_expert_is_read_tensor_by_tensor_into_the_reused_buffer(
+    tiny_ckpt, tmp_path
+) -> None:
+    """gpt-oss keeps a layer's experts in one tensor per part, so an expert's six tensors lie far apart:
+    each is read into the thread's reusable buffer and copied to its place, the same bytes as reading
+    them one by one into fresh buffers, with or without a slot to read into."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.worker.loader import load_model
+    from tests.test_native_quant import mxfp4_checkpoints
+
+    qdir, _ = mxfp4_checkpoints(tiny_ckpt, tmp_path)
+    om = load_model(qdir, EngineConfig(cache_fraction=0.5, offload="disk"))
+    try:
+        tier = om.transfers.tier
+        scratch: list[bool] = []
+        read = tier.reader.read
+        tier.reader.read = lambda *a, **k: scratch.append(k.get("scratch", False)) or read(*a, **k)  # type: ignore[method-assign]
+        keys = [(layer, e) for layer in om.moe_layers for e in range(om.num_experts)]
+        fetched = {k: tier._fetch(*k, None) for k in keys}
+        slots = {}
+        for k in keys:
+            n = sum(s.nbytes for s in tier.locator.segments(*k))
+            slots[k] = torch.full((n,), 7, dtype=torch.uint8)
+            assert tier._fetch(*k, slots[k]) is slots[k]  # straight into the slot
+        assert len(scratch) == 2 * 6 * len(keys) and all(scratch)
+        tier.reader.read = read  # type: ignore[method-assign]
+        for k in keys:
+            want = torch.cat([tier._read(s).view(torch.uint8) for s in tier.locator.segments(*k)])
+            assert torch.equal(fetched[k].view(torch.uint8), want)
+            assert torch.equal(slots[k], want)
+    finally:
+        om.close()

@@ -193,7 +193,32 @@ class DiskTier(SlowTier):
                 ],
                 into,
             )
+        if len({s.dtype for s in segs}) == 1:
+            return self._read_apart(segs, into)
         return _pack([self._read(s) for s in segs], into)
+
+    def _read_apart(self, segs: list[TensorLocation], into: torch.Tensor | None) -> torch.Tensor:
+        """Tensors of one dtype far apart in their files (gpt-oss keeps a layer's experts in one tensor
+        per part): one read per tensor, each into the thread's reusable buffer and copied at once to its
+        place in the slot (`into` where it fits, else a new buffer), so no read pays for a fresh buffer."""
+        dtype, total = segs[0].dtype, sum(s.nbytes for s in segs)
+        fits = (
+            into is not None
+            and into.device.type == "cpu"
+            and into.dtype == dtype
+            and into.is_contiguous()
+            and into.numel() * into.element_size() == total
+        )
+        out = (
+            into if fits and into is not None else torch.empty(total, dtype=torch.uint8).view(dtype)
+        )
+        dst = out.view(-1).view(torch.uint8).numpy()
+        at = 0
+        for s in segs:
+            raw = self.reader.read(s.path, s.offset, s.nbytes, scratch=True)  # copied at once
+            dst[at : at + s.nbytes] = np.frombuffer(raw, dtype=np.uint8)
+            at += s.nbytes
+        return out
 
     def _read(self, seg: TensorLocation) -> torch.Tensor:
         raw = self.reader.read(seg.path, seg.offset, seg.nbytes)

@@ -72,10 +72,10 @@ def read_gb_s(reads: Sequence[ExpertRead], budget: int = DISK_SAMPLE_BYTES) -> t
             if done >= DISK_READS_MIN and nbytes >= budget:
                 break
             t0 = time.perf_counter()
-            if r.parts:  # one read per tensor into a fresh buffer, as the disk tier's _read
+            if r.parts:  # one read per tensor, as the disk tier's _read_apart
                 at = 0
                 for offset, n in r.parts:
-                    raw = reader.read(r.path, offset, n)
+                    raw = reader.read(r.path, offset, n, scratch=True)
                     np.copyto(slot[at : at + n], np.frombuffer(raw, dtype=np.uint8))
                     at += n
             else:
