@@ -71,6 +71,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "int4 against int8 one-row gemv per native build at Qwen3-30B-A3B's expert shapes",
     ),
     Benchmark(
+        "mxfp4-experts",
+        "mxfp4_experts",
+        "gpt-oss-20b's MXFP4 experts per native build against the torch path (dequantize, then matmul)",
+    ),
+    Benchmark(
         "streams-vs-llama",
         "streams_vs_llama",
         "1 and 8 concurrent streams at cache 1.0 beside llama-server -np 1 / -np 8 on the model's bf16 GGUF",
