@@ -105,6 +105,16 @@ def _thread_seconds(fn: Callable[[], object]) -> float:
     return max(time.thread_time() - t0, 1e-9)
 
 
+def _best_one_thread_seconds(sweep: Callable[[], object]) -> float:
+    """The best of ROUNDS thread-CPU timings of sweep() at one torch thread (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(_thread_seconds(sweep) for _ in range(ROUNDS))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def time_expert_kernel(
     kernels: object, dtype: torch.dtype, expert_quant: str, H: int, I: int, top_k: int
 ) -> float:
@@ -144,13 +154,7 @@ def time_expert_kernel(
                 None if scales is None else [scales[1][j].data_ptr() for j in range(i, i + top_k)],
             )
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = min(_thread_seconds(sweep) for _ in range(ROUNDS))
-    finally:
-        torch.set_num_threads(threads)
-    return n * per / best / 1e9
+    return n * per / _best_one_thread_seconds(sweep) / 1e9
 
 
 def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k: int) -> float:
@@ -174,13 +178,7 @@ def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k
         for i in range(0, n, top_k):
             moe.run(x, ptrs[i : i + top_k], weights)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = min(_thread_seconds(sweep) for _ in range(ROUNDS))
-    finally:
-        torch.set_num_threads(threads)
-    return n * per / best / 1e9
+    return n * per / _best_one_thread_seconds(sweep) / 1e9
 
 
 def _cached(key: list[str], cache: Path, measure: Callable[[], float]) -> tuple[float, bool]:
