@@ -37,7 +37,12 @@ from engine.worker.packed_batch import (
     spans_of,
 )
 from engine.worker.prefix_cache import PrefixCache
-from engine.worker.sampling import greedy_tokens, make_generator, process_logits
+from engine.worker.sampling import (
+    eos_ban_applies,
+    greedy_tokens,
+    make_generator,
+    process_logits,
+)
 from engine.worker.verify import verify_window
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
@@ -264,9 +269,7 @@ class ModelRunner:
             and req.logprobs is None
             and not (req.presence_penalty or req.frequency_penalty)
             and w.request_id not in self.constraints
-            and not (
-                self.eos_ids and not params.ignore_eos and len(w.output_ids) < params.min_tokens
-            )
+            and not eos_ban_applies(self.eos_ids, len(w.output_ids), params)
         )
 
     def _plain_greedy_tokens(

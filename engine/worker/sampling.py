@@ -98,11 +98,16 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
+def eos_ban_applies(eos_ids: list[int], generated: int, params: SamplingParams) -> bool:
+    """Whether min_tokens still bans EOS after `generated` tokens."""
+    return bool(eos_ids) and not params.ignore_eos and generated < params.min_tokens
+
+
 def ban_eos_before_min_tokens(
     logits: torch.Tensor, eos_ids: list[int], generated: int, params: SamplingParams
 ) -> torch.Tensor:
     """min_tokens: make EOS impossible until enough tokens exist (so it is never emitted as text)."""
-    if eos_ids and not params.ignore_eos and generated < params.min_tokens:
+    if eos_ban_applies(eos_ids, generated, params):
         logits = logits.clone()
         logits[eos_ids] = float("-inf")
     return logits
