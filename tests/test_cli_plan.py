@@ -78,9 +78,8 @@ def test_plan_follows_the_budgets_and_fails_with_one_line(tiny_ckpt, capsys) -> 
         == 0
     )
     out = capsys.readouterr().out
-    assert (
-        "8 of 16 experts (50%)" in out and "no projection" in out
-    )  # 8 experts: not a multiple of the trace's 128
+    # 8 experts a layer: the default trace's 128 merge 16 to one (engine/offline/projection.py)
+    assert "8 of 16 experts (50%)" in out and "PROJECTED (simulated)" in out
 
 
 def test_plan_help_explains_every_flag() -> None:

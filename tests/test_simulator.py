@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.offline.belady import flatten, min_loads
 from engine.offline.hardware import (
     SHAPES,
+    ModelShape,
     ProfileError,
     check_sources,
     costs_for,
@@ -390,6 +391,29 @@ def test_projection_has_the_target_shape_and_keeps_the_parents(shape: str) -> No
         src = np.argsort(-tr["logits"][:, layer % 4], axis=-1, kind="stable")[:, : sh.top_k]
         assert (parents[:, layer] == src).all()
     assert all(len(set(row)) == sh.top_k for row in pt["ids"][:, 7].tolist())
+
+
+def test_projection_onto_fewer_experts_merges_groups_by_summed_probability() -> None:
+    """gpt-oss-20b's 32 experts from a 64-expert trace: pairs merge, ranked by their summed softmax."""
+    tr = synthetic_trace(N=40, L=4, E=64, k=8)
+    shape = ModelShape("oss-like", layers=6, experts=32, top_k=4, hidden=64, moe_intermediate=32)
+    pt = project_trace(tr, shape)
+    assert pt["ids"].shape == (40, 6, 4) and pt["meta"]["num_experts"] == 32
+    probs = np.exp(tr["logits"]) / np.exp(tr["logits"]).sum(-1, keepdims=True)
+    pair = probs.reshape(40, 4, 32, 2).sum(-1)  # [N, traced layer, merged expert]
+    for layer in (0, 5):
+        want = np.argsort(-pair[:, layer % 4], axis=-1, kind="stable")[:, :4]
+        assert (pt["ids"][:, layer] == want).all()
+        chosen = np.take_along_axis(pair[:, layer % 4], want, -1)
+        assert np.allclose(
+            pt["weights"][:, layer], chosen / chosen.sum(-1, keepdims=True), atol=1e-5
+        )
+    del tr["logits"]
+    with pytest.raises(ValueError, match="merging 64 experts into 32 needs router logits"):
+        project_trace(tr, shape)
+    odd = ModelShape("odd", layers=2, experts=48, top_k=4, hidden=64, moe_intermediate=32)
+    with pytest.raises(ValueError, match="neither divides"):
+        project_trace(synthetic_trace(N=4, L=4, E=64, k=8), odd)
 
 
 def test_projection_to_a_wider_top_k_needs_logits() -> None:

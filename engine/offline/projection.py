@@ -15,6 +15,12 @@ mass is spread, how it drifts with the text) and rescales the rest. What it assu
    would for routing that is as close to uniform in the bigger model as in the embedded one.
    A real model with skewed, sticky routing (the seeds' Qwen3 models) reuses more: projected hit
    rates are a pessimistic estimate for such models.
+   With E' = E/g fewer experts (gpt-oss-20b: 32), each group of g consecutive experts merges into
+   one, its routing probability the sum of theirs (its logit their logsumexp; a sigmoid router's
+   merged score is its best member's), and the k' best merged experts are chosen (this needs the
+   trace's logits). Merging concentrates demand, so consecutive tokens share an expert about g
+   times more often: projected hit rates are optimistic for a model whose routing is as flat as
+   the embedded one's over fewer experts.
 3. **Top-k.** k' experts per token: the k' best as the traced router ranks them (k' = 10 needs a
    trace recorded with `--logits`): by logit, gate weights the softmax over those k' logits,
    renormalized (Qwen3's norm_topk_prob); for a sigmoid router with a balancing bias (the trace's
@@ -41,32 +47,32 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
     ids, weights, logits = trace["ids"], trace["weights"], trace.get("logits")
     N, L, k = ids.shape
     E = int(trace["meta"]["num_experts"])
-    if sh.experts % E:
-        raise ValueError(f"cannot project {E} experts onto {sh.experts}: not a multiple")
-    m = sh.experts // E
+    if sh.experts >= E and sh.experts % E == 0:
+        m, g = sh.experts // E, 1  # split each expert into m children
+    elif sh.experts < E and E % sh.experts == 0:
+        m, g = 1, E // sh.experts  # merge each group of g experts into one
+    else:
+        raise ValueError(f"cannot project {E} experts onto {sh.experts}: neither divides the other")
     kk = sh.top_k
     src_layers = np.arange(sh.layers) % L
-    if kk <= k and logits is None:
+    if kk <= k and logits is None and g == 1:
         top = ids[:, src_layers, :kk].astype(np.int64)
         w = weights[:, src_layers, :kk].astype(np.float64)
     else:
         if logits is None:
-            raise ValueError(
-                f"projecting top-{k} onto top-{kk} needs router logits: record the trace with `moe-offload trace --logits`"
+            why = (
+                f"merging {E} experts into {sh.experts}"
+                if g > 1
+                else f"projecting top-{k} onto top-{kk}"
             )
-        lg = logits[:, src_layers, :].astype(np.float32)  # [N, L', E]
-        bias = trace["meta"].get("score_bias")
-        if bias is None:  # softmax router: rank the logits, gates = softmax over the chosen
-            top = np.argsort(-lg, axis=-1, kind="stable")[..., :kk].astype(np.int64)
-            tl = np.take_along_axis(lg, top, -1)
-            w = np.exp(tl - tl.max(-1, keepdims=True))
-        else:  # DeepSeek-V3-style: rank sigmoid + bias, gates = the chosen sigmoid scores renormalised
-            s = 1.0 / (1.0 + np.exp(-lg))
-            top = np.argsort(
-                -(s + np.asarray(bias, np.float32)[src_layers][None]), axis=-1, kind="stable"
-            )[..., :kk]
-            top = top.astype(np.int64)
-            w = np.take_along_axis(s, top, -1)
+            raise ValueError(
+                f"{why} needs router logits: record the trace with `moe-offload trace --logits`"
+            )
+        score, gate = _scores(trace, logits[:, src_layers, :].astype(np.float32), src_layers)
+        if g > 1:
+            score, gate = _merge(score, gate, g, softmax=trace["meta"].get("score_bias") is None)
+        top = np.argsort(-score, axis=-1, kind="stable")[..., :kk].astype(np.int64)
+        w = np.take_along_axis(gate, top, -1).astype(np.float64)
     w = w / w.sum(-1, keepdims=True)
     rng = np.random.default_rng(seed)
     child = rng.integers(0, m, size=top.shape) if m > 1 else 0
@@ -87,3 +93,28 @@ def project_trace(trace: dict, shape: ModelShape | str, seed: int = 0) -> dict:
         "weights": w.astype(np.float32),
         "meta": meta,
     }
+
+
+def _scores(trace: dict, lg: np.ndarray, src_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per expert: the score the router ranks by and its gate before renormalising ([N, L', E] each).
+    Softmax router: the logit and the softmax numerator; sigmoid router with a balancing bias
+    (DeepSeek-V3 style): sigmoid + bias, and the sigmoid score."""
+    bias = trace["meta"].get("score_bias")
+    if bias is None:
+        return lg, np.exp(lg - lg.max(-1, keepdims=True))
+    s = 1.0 / (1.0 + np.exp(-lg))
+    return s + np.asarray(bias, np.float32)[src_layers][None], s
+
+
+def _merge(
+    score: np.ndarray, gate: np.ndarray, g: int, softmax: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of g consecutive experts as one: a softmax router's merged gate is the sum of the
+    group's (ranked by it), a sigmoid router's is its best-scoring member's."""
+    *lead, E = score.shape
+    sc, gt = score.reshape(*lead, E // g, g), gate.reshape(*lead, E // g, g)
+    if softmax:
+        merged = gt.sum(-1)
+        return merged, merged
+    best = sc.argmax(-1)[..., None]
+    return np.take_along_axis(sc, best, -1)[..., 0], np.take_along_axis(gt, best, -1)[..., 0]
