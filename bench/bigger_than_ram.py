@@ -52,7 +52,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.config import EngineConfig
     from engine.core.completion import generate
     from engine.memory.planner import KvRequest
-    from engine.offline.belady import flatten, min_loads
+    from engine.offline.belady import flatten, lru_loads, min_loads
     from engine.worker.loader import load_model
     from engine.worker.sampling import SamplingParams
 
@@ -121,6 +121,13 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
             "read_busy_share": busy / c.decode_seconds if c.decode_seconds else float("nan"),
             "min_loads_per_token": best / decode_tokens,
             "min_bytes_per_token": best * expert_bytes / decode_tokens,
+            # Two online references on the same accesses: plain LRU, and what any policy without
+            # foresight expects if routing were uniform and independent (each access resident with
+            # probability slots / experts): random weights route close to that.
+            "lru_loads_per_token": lru_loads(seq, plan.n_slots, resident) / decode_tokens,
+            "uniform_online_loads_per_token": len(seq)
+            * (1 - plan.n_slots / plan.total_experts)
+            / decode_tokens,
             "stall_s_per_token": (s["stall_seconds"] - first["stats"]["stall_seconds"])
             / decode_tokens,
         }
@@ -540,6 +547,8 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
                 ),
                 "min_bytes_per_token": min_tok,
                 "bytes_over_min": bytes_tok / min_tok if min_tok else None,
+                "lru_over_min": _loads_over_min(eng, "lru_loads_per_token"),
+                "uniform_online_over_min": _loads_over_min(eng, "uniform_online_loads_per_token"),
                 "read_gb_s": read,
                 "read_share_of_dd": share,
                 "dd_gb_s": median(e["dd_gb_s"] for e in eng),
@@ -559,11 +568,23 @@ def summarize(m: dict[str, Any], todo: list[Cell]) -> list[dict[str, Any]]:
     return rows
 
 
+def _loads_over_min(eng: list[dict[str, Any]], key: str) -> float | None:
+    """The median over rounds of an online reference's loads a token over MIN's (None: not recorded)."""
+    from statistics import median
+
+    if not all(key in e and e.get("min_loads_per_token") for e in eng):
+        return None
+    return median(e[key] / e["min_loads_per_token"] for e in eng)
+
+
 def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     """The markdown tables of the section."""
 
     def gb(x: float | None) -> str:
         return "n/a" if x is None else f"{x / 1e9:.3f}"
+
+    def times(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}×"
 
     lines = [
         "| cell | engine tok/s | llama.cpp mmap tok/s | engine / llama.cpp per round | median ratio |",
@@ -579,10 +600,11 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "| cell | fast tier (plan) | GB read / token: engine | Belady's MIN | engine / MIN | llama.cpp | "
+        "| cell | fast tier (plan) | GB read / token: engine | Belady's MIN | engine / MIN | LRU / MIN | "
+        "uniform-routing online / MIN | llama.cpp | "
         "engine disk GB/s | of dd O_DIRECT (mean of before / after it) | plan's projected tok/s | projected / measured | "
         "with the cell's own routing (--trace) | / measured | tokens = reference | peak engine / llama.cpp GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         over = "n/a" if r["bytes_over_min"] is None else f"{r['bytes_over_min']:.2f}×"
@@ -601,7 +623,8 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
             own = "n/a | n/a"
         lines.append(
             f"| {r['cell']} | {r['n_slots']} of {r['total_experts']} | {gb(r['engine_bytes_per_token'])} | "
-            f"{gb(r['min_bytes_per_token'])} | {over} | {gb(r['llama_bytes_per_token'])} | {r['read_gb_s']:.2f} | "
+            f"{gb(r['min_bytes_per_token'])} | {over} | {times(r.get('lru_over_min'))} | "
+            f"{times(r.get('uniform_online_over_min'))} | {gb(r['llama_bytes_per_token'])} | {r['read_gb_s']:.2f} | "
             f"{r['read_share_of_dd']:.0%} of {r['dd_gb_s']:.2f} ({dd_pairs(r)}) | {proj} | {pom} | {own} | {'yes' if r['tokens_equal_reference'] else '**no**'} | "
             f"{r['engine_peak'] / 2**30:.2f} / {r['llama_peak'] / 2**30:.2f} |"
         )

@@ -10,6 +10,9 @@ def _engine(tps: float, tokens: list[int]) -> dict:
         "decode_tps": tps,
         "bytes_per_token": 130.0,
         "min_bytes_per_token": 100.0,
+        "min_loads_per_token": 10.0,
+        "lru_loads_per_token": 16.0,
+        "uniform_online_loads_per_token": 15.0,
         "read_gb_s": 0.7,
         "dd_gb_s": 1.0,  # the dd run right after this round's engine cell
         "n_slots": 5,
@@ -54,9 +57,11 @@ def test_summary_is_per_round_ratio_then_median_and_flags_token_mismatch() -> No
     assert row["engine_tps"] == 2.5 and row["llama_tps"] == 2.0
     assert row["bytes_over_min"] == 1.3 and row["read_share_of_dd"] == 0.7
     assert row["llama_bytes_per_token"] == 400.0
+    assert row["lru_over_min"] == 1.6 and row["uniform_online_over_min"] == 1.5
     assert row["projected_over_measured"] == 3.0 / 2.5
     assert row["own_trace_over_measured"] == 2.0 / 2.5 and row["dd_gb_s"] == 1.0
     assert row["tokens_equal_reference"] is False  # the second round's tokens differ
     assert row["llama_peak"] == 2**31
     text = "\n".join(render([row], m))
     assert "**1.50×**" in text and "**no**" in text and "5 of 20" in text
+    assert "| 1.30× | 1.60× | 1.50× |" in text  # engine, LRU and uniform-online loads over MIN
