@@ -460,7 +460,7 @@ void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, i
 /* ---- int4 weights (groups of 64, fp16 scale and zero each: w = s * (q - z), q in [0, 15]) ---------
  * Two codes a byte, low nibble first, so a group's 32 bytes hold its even elements in the low
  * nibbles and its odd elements in the high ones. The activation is quantized to int8 in the same
- * blocks of 64 and stored per block as [its 32 even elements | its 32 odd elements], so one
+ * blocks of 64 and stored per block as [its 32 even elements | its 32 odd elements] (q4_slot), so one
  * vpdpbusd multiplies the unpacked [low nibbles | high nibbles] by it (codes are unsigned, the
  * activation signed, as the instruction wants). Per group and row:
  *   sum_i w_i x_i ~= s * xs * (sum_i q_i xq_i - z * sum_i xq_i)
@@ -471,16 +471,30 @@ size_t gemv_q4_work_bytes(int64_t rows, int64_t cols, int64_t m) {
     return (size_t)m * ((size_t)cols * 4 + (size_t)cols + (size_t)blocks * 8) + (size_t)m * rows * 4 + 256;
 }
 
+/* Where element j of group b goes in the quantized activation. Per group, its 32 even elements then its 32
+ * odd ones: the order of the unpacked nibbles. A build whose q4_row reads two groups a register
+ * (SIMD_Q4_PAIRED: 64 packed bytes give [even b | even b+1] and [odd b | odd b+1]) stores each full pair of
+ * groups as [even b | even b+1 | odd b | odd b+1]; a last, unpaired group keeps the per-group order. */
+static inline int64_t q4_slot(int64_t b, int j, int64_t groups) {
+    int64_t half = j / 2 + (j % 2 ? Q4_GROUP / 2 : 0);
+#if defined(SIMD_Q4_PAIRED)
+    if ((b | 1) < groups) return (b & ~(int64_t)1) * Q4_GROUP + (j % 2 ? Q4_GROUP : 0) + (b & 1) * (Q4_GROUP / 2) + j / 2;
+#else
+    (void)groups;
+#endif
+    return b * Q4_GROUP + half;
+}
+
 static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t *xsum) {
-    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
+    int64_t groups = n / Q4_GROUP;
+    for (int64_t b = 0; b < groups; b++) {
         const float *xb = x + b * Q4_GROUP;
         float inv, s = block_scale(xb, Q4_GROUP, &inv);
         int32_t sum = 0;
         for (int j = 0; j < Q4_GROUP; j++) {
             int q = (int)lrintf(xb[j] * inv);
             sum += q;
-            /* even elements first, then odd ones: the order of the unpacked nibbles */
-            xq[b * Q4_GROUP + (j % 2 ? Q4_GROUP / 2 + j / 2 : j / 2)] = (int8_t)q;
+            xq[q4_slot(b, j, groups)] = (int8_t)q;
         }
         xs[b] = s;
         xsum[b] = sum;

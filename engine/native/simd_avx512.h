@@ -113,42 +113,57 @@ static float dot_i8(const int8_t *w, int64_t n, act_t a) {
     return sum4(acc);
 }
 ONE_ROW_AT_A_TIME(dot_i8_rows, dot_i8, const int8_t *) /* the sign moves onto each row's weights: little to share */
-
-/* One int4 row (groups of 64, cpu_gemv.c's format) against the quantized activation: one vpdpbusd per group. */
-#define SIMD_HAVE_Q4_ROW 1
-static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n, const int8_t *xq,
-                    const float *xs, const int32_t *xsum) {
-    const __m512i zero_v = _mm512_setzero_si512();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
-    for (int64_t b = 0; b < n / Q4_GROUP; b++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        __m512i d = _mm512_dpbusd_epi32(zero_v, q, _mm512_loadu_si512(xq + b * Q4_GROUP));
-        float s = f16_to_f32(scale[b]) * xs[b];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s), acc);
-        corr += s * f16_to_f32(zero[b]) * (float)xsum[b];
-    }
-    return _mm512_reduce_add_ps(acc) - corr;
-}
 #endif
 
-#if !defined(SIMD_HAVE_Q4_ROW) && defined(__AVX512BW__)
+#if defined(__AVX512BW__)
 #define SIMD_HAVE_Q4_ROW 1
-/* One int4 row (groups of 64) against the quantized activation, without VNNI: a group's 64 codes (low nibbles,
- * the even elements, in the low half; high nibbles in the high half: the order q4_prepare stores the activation
- * in) times its 64 activation bytes with vpmaddubsw (unsigned codes <= 15 times signed bytes: pairs sum to at most
- * 3810, no saturation) and vpmaddwd, four accumulators; the group scales, zeros and activation sums are widened
- * sixteen groups at a time, so no scalar work is left per group. */
+/* A group's 64 codes times its 64 activation bytes as sixteen int32 lanes: one vpdpbusd with VNNI, else
+ * vpmaddubsw (unsigned codes <= 15 times signed bytes: pairs sum to at most 3810, no saturation) and vpmaddwd. */
+#if defined(__AVX512VNNI__)
+#define Q4_GROUP_DOT(q, x) _mm512_dpbusd_epi32(_mm512_setzero_si512(), (q), (x))
+#define Q4_PAIR_DOT(lo, xa, hi, xb) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), (lo), (xa)), (hi), (xb))
+#else
+#define Q4_GROUP_DOT(q, x) _mm512_madd_epi16(_mm512_maddubs_epi16((q), (x)), _mm512_set1_epi16(1))
+/* two products of at most 3810 each: their int16 sum cannot overflow either */
+#define Q4_PAIR_DOT(lo, xa, hi, xb) \
+    _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16((lo), (xa)), _mm512_maddubs_epi16((hi), (xb))), _mm512_set1_epi16(1))
+#endif
+/* Group b's 64 codes (low nibbles, the even elements, in the low half; high nibbles in the high half) against
+ * its 64 activation bytes, as f32 lanes: the last group of a row with an odd number of groups. */
+static inline __m512 q4_group(const uint8_t *packed, const int8_t *xq, int64_t b) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
+    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_cvtepi32_ps(Q4_GROUP_DOT(q, _mm512_loadu_si512(xq + b * Q4_GROUP)));
+}
+
+/* Groups b and b+1 from one 64-byte load: the low nibbles are [even b | even b+1], the high ones [odd b | odd
+ * b+1], which is how q4_slot lays out a pair of the activation's groups (SIMD_Q4_PAIRED), so two dot
+ * products and no lane shuffle give lanes 0-7 of group b and lanes 8-15 of group b+1. */
+#define SIMD_Q4_PAIRED 1
+static inline __m512 q4_pair(const uint8_t *packed, const int8_t *xq, int64_t b) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i v = _mm512_loadu_si512(packed + b * (Q4_GROUP / 2));
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const int8_t *x = xq + b * Q4_GROUP;
+    return _mm512_cvtepi32_ps(Q4_PAIR_DOT(lo, _mm512_loadu_si512(x), hi, _mm512_loadu_si512(x + Q4_GROUP)));
+}
+
+/* One int4 row (groups of 64, cpu_gemv.c's format) against the quantized activation: two groups a register,
+ * four pairs at a time into four f32 accumulators held in registers; the group scales, zeros and activation
+ * sums are widened sixteen groups at a time and each pair's two scales spread over its lanes with one
+ * permute, so no scalar work is left per group. (One group a register, with its accumulator array indexed by
+ * j & 3, streamed int4 at half int8's rate on an AVX-512 EPYC: bound by the unpacking's instructions.) */
 static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t n, const int8_t *xq,
                     const float *xs, const int32_t *xsum) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m512i ones = _mm512_set1_epi16(1);
-    __m512 acc[4], corr = _mm512_setzero_ps();
-    for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
-    float sb[16];
+    /* lanes 0-7 take the pair's first scale, lanes 8-15 its second: pair p of sixteen groups uses 2p, 2p+1 */
+#define PAIR_IDX(p) _mm512_set_epi32(2 * (p) + 1, 2 * (p) + 1, 2 * (p) + 1, 2 * (p) + 1, 2 * (p) + 1, 2 * (p) + 1, \
+                                     2 * (p) + 1, 2 * (p) + 1, 2 * (p), 2 * (p), 2 * (p), 2 * (p), 2 * (p), 2 * (p), 2 * (p), 2 * (p))
+    const __m512i idx[8] = {PAIR_IDX(0), PAIR_IDX(1), PAIR_IDX(2), PAIR_IDX(3),
+                            PAIR_IDX(4), PAIR_IDX(5), PAIR_IDX(6), PAIR_IDX(7)};
+#undef PAIR_IDX
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, corr = a0;
     int64_t groups = n / Q4_GROUP;
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         int64_t cnt = groups - g0 < 16 ? groups - g0 : 16;
@@ -157,19 +172,22 @@ static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t
                                  _mm512_maskz_loadu_ps(mk, xs + g0));
         __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, zero + g0));
         corr = _mm512_fmadd_ps(_mm512_mul_ps(s, z), _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, xsum + g0)), corr);
-        _mm512_storeu_ps(sb, s);
-        for (int64_t j = 0; j < cnt; j++) {
-            int64_t b = g0 + j;
-            __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (Q4_GROUP / 2)));
-            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            __m512i d = _mm512_madd_epi16(_mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + b * Q4_GROUP)), ones);
-            acc[j & 3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sb[j]), acc[j & 3]);
+        int64_t p = 0, pairs = cnt / 2;
+        for (; p + 4 <= pairs; p += 4) {
+            a0 = _mm512_fmadd_ps(q4_pair(packed, xq, g0 + 2 * p), _mm512_permutexvar_ps(idx[p], s), a0);
+            a1 = _mm512_fmadd_ps(q4_pair(packed, xq, g0 + 2 * p + 2), _mm512_permutexvar_ps(idx[p + 1], s), a1);
+            a2 = _mm512_fmadd_ps(q4_pair(packed, xq, g0 + 2 * p + 4), _mm512_permutexvar_ps(idx[p + 2], s), a2);
+            a3 = _mm512_fmadd_ps(q4_pair(packed, xq, g0 + 2 * p + 6), _mm512_permutexvar_ps(idx[p + 3], s), a3);
         }
+        for (; p < pairs; p++) a0 = _mm512_fmadd_ps(q4_pair(packed, xq, g0 + 2 * p), _mm512_permutexvar_ps(idx[p], s), a0);
+        if (cnt % 2) /* the row's last group, unpaired */
+            a1 = _mm512_fmadd_ps(q4_group(packed, xq, g0 + cnt - 1), _mm512_permutexvar_ps(_mm512_set1_epi32((int)cnt - 1), s), a1);
     }
-    __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    return _mm512_reduce_add_ps(sum) - _mm512_reduce_add_ps(corr);
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    return _mm512_reduce_add_ps(_mm512_sub_ps(sum, corr)); /* one horizontal sum a row: rows are short */
 }
+#undef Q4_GROUP_DOT
+#undef Q4_PAIR_DOT
 #endif
 
 /* q . row for one cached key row (f32 or bf16), q in f32: sixteen lanes of partial sums, then their sum. */
