@@ -160,6 +160,33 @@ def test_an_mxfp4_expert_is_read_as_its_tensors_and_timed_on_its_kernel(
     assert speeds is not None and speeds.expert_kernel == "moe_mxfp4" and speeds.expert_gb_s > 0
 
 
+def test_int8_experts_are_timed_on_the_int8_kernel(tiny_ckpt) -> None:
+    """With --expert-quant int8 the probe names the experts' format "int8": the plan still finds the
+    native kernel's measurement for it (it once answered "no native kernel measurement")."""
+    from engine.config import EngineConfig
+    from engine.memory.measure import probe_checkpoint
+    from engine.native.loaded import native
+    from engine.offline.machine_costs import kernel_speeds
+
+    probe = probe_checkpoint(
+        tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", expert_quant="int8")
+    )
+    fp = probe.footprint
+    assert probe.expert_format == "int8"
+    if native() is None:
+        return  # no C compiler: the plan names a profile instead (test above)
+    speeds = kernel_speeds(
+        probe.config, fp.dtype, "int8", fp.hidden, probe.moe_intermediate, fp.top_k, "int8"
+    )
+    assert speeds is not None and speeds.expert_kernel == "moe_swiglu" and speeds.expert_gb_s > 0
+    assert (
+        kernel_speeds(
+            probe.config, fp.dtype, "int8", fp.hidden, probe.moe_intermediate, fp.top_k, "int4"
+        )
+        is None
+    )
+
+
 def test_read_rate_reads_every_part(tmp_path: Path) -> None:
     from engine.memory.measure import ExpertRead
 

@@ -226,7 +226,8 @@ def kernel_speeds(
     if (
         shapes is None
         or expert_quant not in ("none", "int8")
-        or expert_format not in ("none", "mxfp4")
+        # the probe names the format the experts run in: "int8" where --expert-quant int8 made it
+        or expert_format not in ("none", "mxfp4", expert_quant)
     ):
         return None
     builds, _ = _builds("auto")
