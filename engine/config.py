@@ -121,6 +121,11 @@ class EngineConfig(YamlSection):
     warm_start: bool = setting(
         True, "start with an empty fast tier instead of filling it at load time", flag="--no-warm"
     )
+    huge_pages: bool = setting(
+        True,
+        "back the dense weights and the experts' host slots with transparent huge pages (2 MiB) where Linux offers them (madvise), so a decode step's weight stream misses the TLB less; --no-huge-pages keeps 4 KiB pages (same tokens, a diagnostic)",
+        flag="--no-huge-pages",
+    )
     direct_io: bool = setting(
         True,
         "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only",

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 
 from engine.experts.residency import INF, LANDED, EvictableView, Residency
+from engine.huge_pages import huge_empty
 from engine.stats import EngineStats
 from policies.base import EvictionPolicy
 
@@ -88,6 +89,7 @@ class ExpertStore:
         stats: EngineStats,
         protect_ticks: int = 16,
         slots: torch.Tensor | None = None,
+        huge_pages: bool = False,
     ) -> None:
         # protect_ticks: how many MoE layer runs a prefetched expert is protected for.
         self.res = Residency(
@@ -102,6 +104,8 @@ class ExpertStore:
         self.slots = (
             slots
             if slots is not None
+            else huge_empty((n_slots, numel), dtype)
+            if huge_pages and device.type == "cpu"
             else torch.empty((n_slots, numel), dtype=dtype, device=device)
         )
         self.eviction = eviction

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from engine.experts.link import EmulatedLink
 from engine.experts.uncached_io import UncachedReader
+from engine.huge_pages import huge_empty
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import SegmentLocator
 
@@ -78,6 +79,7 @@ class RamTier(SlowTier):
         link: EmulatedLink | None = None,
         chunk_bytes: int = PIN_CHUNK_BYTES,
         pin_limit: int | None = None,
+        huge_pages: bool = False,
     ) -> None:
         super().__init__(locator, link)
         n, E = len(layers), locator.num_experts
@@ -87,7 +89,11 @@ class RamTier(SlowTier):
         self.pageable_bytes = 0  # bytes of a tier meant to be pinned that are pageable
         self.pin_error: str | None = None
         if not pin:
-            self._chunks = [torch.empty((rows, numel), dtype=dtype)]
+            self._chunks = [
+                huge_empty((rows, numel), dtype)
+                if huge_pages
+                else torch.empty((rows, numel), dtype=dtype)
+            ]
         else:
             per = max(1, chunk_bytes // row_bytes)
             budget = _pin_limit() if pin_limit is None else pin_limit

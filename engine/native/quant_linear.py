@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.huge_pages import huge_empty
 from engine.native.loaded import usable
 
 DENSE_QUANTS = ("none", "int8")
@@ -46,10 +47,12 @@ class QuantLinear(nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, huge_pages: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, s = quantize_rows(linear.weight)
+        if huge_pages and q.device.type == "cpu":  # the decode streams it: engine/huge_pages.py
+            q = huge_empty(tuple(q.shape), q.dtype).copy_(q)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", s)
         self.bias = linear.bias
@@ -74,9 +77,9 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-def quantize_dense(model: nn.Module, mode: str) -> int:
+def quantize_dense(model: nn.Module, mode: str, huge_pages: bool = False) -> int:
     """Replace `model`'s dense linears (QUANTIZED_NAMES outside routed experts, and lm_head) with QuantLinear
-    per `mode` ("none": nothing); returns how many were replaced. A linear under several parents (tied)
+    per `mode` ("none": nothing), their codes in huge pages where `huge_pages`; returns how many were replaced. A linear under several parents (tied)
     becomes one QuantLinear everywhere. Run before engine/native/layers.py's `accelerate`."""
     if mode == "none":
         return 0
@@ -93,6 +96,6 @@ def quantize_dense(model: nn.Module, mode: str) -> int:
             if child.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 continue
             if id(child) not in done:
-                done[id(child)] = QuantLinear(child)
+                done[id(child)] = QuantLinear(child, huge_pages)
             parent.register_module(name, done[id(child)])
     return len(done)

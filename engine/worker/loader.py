@@ -38,6 +38,7 @@ from engine.experts.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
+from engine.huge_pages import rehome_untouched
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.memory.planner import KvRequest
 from engine.native.autotune import DecodeShapes
@@ -183,7 +184,14 @@ def load_model(
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
     tier: SlowTier
     if mplan.offload == "ram":
-        tier = RamTier(locator, moe_layers, fmt.slot_dtype, pin=device.type == "cuda", link=link)
+        tier = RamTier(
+            locator,
+            moe_layers,
+            fmt.slot_dtype,
+            pin=device.type == "cuda",
+            link=link,
+            huge_pages=cfg.huge_pages,
+        )
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
     n_slots = mplan.n_slots
@@ -204,6 +212,7 @@ def load_model(
         stats,
         protect_ticks=protect_ticks(len(moe_layers)),
         slots=ram.buffer if ram is not None else None,
+        huge_pages=cfg.huge_pages,
     )
     if ram is not None:
         store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
@@ -232,9 +241,9 @@ def load_model(
             ),
         )
 
-    _materialize(model, config, spec, tensors, device, model_dir)
+    _materialize(model, config, spec, tensors, device, model_dir, cfg.huge_pages)
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
-    quantize_dense(model, cfg.dense_quant)
+    quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
     if device.type == "cpu":
         accelerate(
             model
@@ -328,9 +337,14 @@ def _materialize(
     tensors,
     device: torch.device,
     model_dir: Path,
+    huge_pages: bool = False,
 ) -> None:
-    """Allocate the non-expert weights on `device` and fill them from the checkpoint."""
+    """Allocate the non-expert weights on `device` and fill them from the checkpoint (on the CPU, large
+    ones in huge pages where `huge_pages`: engine/huge_pages.py)."""
     model.to_empty(device=device)
+    if huge_pages and device.type == "cpu":
+        for p in model.parameters():
+            p.data = rehome_untouched(p.data)  # still unfilled: the copy below faults huge pages in
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
