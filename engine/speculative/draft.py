@@ -22,7 +22,7 @@ from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loaded_model import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
-from engine.worker.sampling import make_generator, process_logits, target_probs
+from engine.worker.sampling import draw, make_generator, process_logits, target_probs
 
 
 class DraftProposer(ProposerBase):
@@ -115,7 +115,7 @@ class DraftProposer(ProposerBase):
         if req.params.greedy:
             return int(torch.argmax(logits)), None
         q = target_probs(logits, req.params)  # [V]
-        return int(torch.multinomial(q, 1, generator=self.generators[w.request_id])), q
+        return draw(q, self.generators[w.request_id]), q
 
 
 def _kind(starts: list[int]) -> str:

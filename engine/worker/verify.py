@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.worker.sampling import SamplingParams, greedy_token, sample, target_probs
+from engine.worker.sampling import SamplingParams, draw, greedy_token, sample, target_probs
 
 
 def verify_window(
@@ -57,7 +57,7 @@ def verify_window(
             residual[d] = 0.0
         if not float(residual.sum()) > 0:  # p == q: any rejection left nothing; p itself is exact
             residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        out.append(draw(residual, generator))
         return out
     out.append(sample(process(logits[len(drafts)], out), params, generator))
     return out
