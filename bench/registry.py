@@ -66,6 +66,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "real-shape decode: int4 experts vs llama.cpp Q4_0, int8 experts + --dense-quant int8 vs stock Q8_0",
     ),
     Benchmark(
+        "huge-pages",
+        "huge_pages_ab",
+        "decode tok/s with the weights in transparent huge pages against 4 KiB pages, side by side",
+        ("engine.md",),
+    ),
+    Benchmark(
         "int4-gemv-builds",
         "int4_gemv_builds",
         "int4 against int8 one-row gemv per native build at Qwen3-30B-A3B's expert shapes",
