@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import torch
+from engine_helpers import chi2_pvalue
 
 from engine.worker.sampling import draw
-
-
-def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
-    """Pearson chi-square goodness of fit; p-value from the regularized upper gamma function."""
-    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(
-        torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0))
-    )
 
 
 def test_draws_follow_the_weights_and_skip_zeros() -> None:
@@ -24,7 +16,7 @@ def test_draws_follow_the_weights_and_skip_zeros() -> None:
     for _ in range(n):
         counts[draw(w, g)] += 1
     assert counts[0] == counts[2] == counts[5] == 0
-    assert _chi2_pvalue(counts, [n * float(x) / 7.0 for x in w]) > 0.01
+    assert chi2_pvalue(counts, [n * float(x) / 7.0 for x in w]) > 0.01
 
 
 def test_same_seed_same_draws_and_one_positive_weight() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import chi2_pvalue
 from tiny_models import ARCHS, make_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -24,15 +25,6 @@ from models import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from policies.adaptive_k import AdaptiveK
 
 # -- the acceptance rule ---------------------------------------------------------------------
-
-
-def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
-    """Pearson chi-square goodness of fit; p-value from the regularized upper gamma function."""
-    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(
-        torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0))
-    )
 
 
 def _emitted_first_tokens(rule, n: int = 20000) -> tuple[list[int], torch.Tensor]:
@@ -56,7 +48,7 @@ def _emitted_first_tokens(rule, n: int = 20000) -> tuple[list[int], torch.Tensor
 def test_rejection_sampling_emits_the_target_distribution() -> None:
     counts, p = _emitted_first_tokens(verify_window)
     n = sum(counts)
-    assert _chi2_pvalue(counts, [n * float(x) for x in p]) > 0.01
+    assert chi2_pvalue(counts, [n * float(x) for x in p]) > 0.01
 
 
 def test_the_distribution_test_rejects_a_wrong_rule() -> None:
@@ -67,7 +59,7 @@ def test_the_distribution_test_rejects_a_wrong_rule() -> None:
 
     counts, p = _emitted_first_tokens(always_accept, n=5000)
     n = sum(counts)
-    assert _chi2_pvalue(counts, [n * float(x) for x in p]) < 0.01
+    assert chi2_pvalue(counts, [n * float(x) for x in p]) < 0.01
 
 
 # -- pure pieces -----------------------------------------------------------------------------
