@@ -123,7 +123,7 @@ class EngineConfig(YamlSection):
     )
     huge_pages: bool = setting(
         True,
-        "back the dense weights and the experts' host slots with transparent huge pages (2 MiB) where Linux offers them (madvise), so a decode step's weight stream misses the TLB less; --no-huge-pages keeps 4 KiB pages (same tokens, a diagnostic)",
+        "keep the dense weights and the experts' host slots in 4 KiB pages. By default they are in transparent huge pages (2 MiB, madvise) where Linux offers them, so a decode step's weight stream misses the TLB less (docs/benchmarks/engine.md); the tokens are the same either way (a diagnostic)",
         flag="--no-huge-pages",
     )
     direct_io: bool = setting(
