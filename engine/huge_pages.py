@@ -2,8 +2,7 @@
 
 A decode step streams every dense weight and every routed expert it uses from memory once. With 4 KiB
 pages such a stream crosses a page, and misses the TLB, every 4 KiB; with 2 MiB pages 512 times less
-often. On an AMD EPYC Zen 4 (2 cores, 1 thread) the native bf16 gemv read a [151936, 2048] LM head at
-19-20 GB/s from 4 KiB pages and 22-24 GB/s from huge pages, interleaved in one run (docs/benchmarks/).
+often (measured: docs/benchmarks/engine.md, bench/huge_pages_ab.py).
 
 Most distributions set transparent huge pages to `madvise`: a region gets them only when asked, with
 madvise(MADV_HUGEPAGE), before its pages are first touched. So `huge_empty` allocates a little more than
@@ -18,6 +17,7 @@ import ctypes
 import ctypes.util
 import math
 import sys
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -28,7 +28,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private base class
+def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's madvise, or None where there is no such call to make."""
     if not sys.platform.startswith("linux"):
         return None

@@ -155,10 +155,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index of [V] non-negative weights (at least one positive; they need not sum to 1), each
     with probability weight / sum: the inverse of the cumulative sum (in float64) at one uniform draw
-    from `generator`. torch.multinomial draws from the same distribution, but one sample of a 152k
-    vocabulary took 3.3 ms there against 1.0 ms here (docs/benchmarks/engine.md): a sampled
-    decode token's share of a millisecond-scale step. A zero-weight index is never drawn: its cumulative
-    sum equals its predecessor's, and searchsorted(right) returns the first index whose sum exceeds u."""
+    from `generator`. torch.multinomial draws from the same distribution, but its per-call setup makes
+    one sample of a large vocabulary several times slower (docs/benchmarks/engine.md). A zero-weight
+    index is never drawn: its cumulative sum equals its predecessor's, and searchsorted(right) returns
+    the first index whose sum exceeds u."""
     c = weights.double().cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * c[-1]
     i = int(torch.searchsorted(c, u, right=True))  # the one host read
