@@ -9,6 +9,9 @@ median over rounds. The report names the CPU, the builds it runs, the build and 
 and the dispatcher's own measurement (engine/native/autotune.py).
 
 Random weights (a benchmark stand-in; weights cannot be downloaded). f32, cache 1.0, RAM tier.
+`--stored bf16` stores the checkpoint in bf16, as every released checkpoint is, and still computes in
+f32 (transformers widens it at load): the engine then keeps the experts' bf16 bytes and widens them in
+registers (EngineConfig.bf16_expert_slots), and a `--no-bf16-expert-slots` cell runs beside it.
 
     python -m bench.cpu_paths --out docs/benchmarks/cpu_paths.md
 """
@@ -30,9 +33,10 @@ import torch
 from bench.report import write_report
 
 # Each cell's EngineConfig fields beyond cache 1.0 in f32 (the flags it stands for are its name).
-CELLS: dict[str, dict[str, str]] = {
+CELLS: dict[str, dict[str, Any]] = {
     "transformers generate": {},
     "engine defaults": {},
+    "--no-bf16-expert-slots": dict(bf16_expert_slots=False),  # --stored bf16 only
     "--native-kernels off": dict(native_kernels="off"),
     "--forward lean": dict(forward="lean", native_kernels="on"),
     "--forward transformers": dict(forward="transformers"),
@@ -117,6 +121,12 @@ def main() -> None:
         default=Path(".cache/peers"),
         help="where the checkpoint is built (default .cache/peers)",
     )
+    ap.add_argument(
+        "--stored",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="the checkpoint's stored dtype; every cell computes in f32 (default f32; bf16: as released checkpoints are)",
+    )
     ap.add_argument("--out", type=Path, help="write the report (Markdown, and JSON beside it) here")
     ap.add_argument(
         "--cells", help="comma-separated cell names to run (default: every cell this CPU can run)"
@@ -135,9 +145,12 @@ def main() -> None:
     from bench.peers import SHAPES, checkpoint
     from engine.native.variants import cpu_flags, cpu_model, runnable
 
-    ckpt = checkpoint(args.work, "mid")
+    stored = torch.bfloat16 if args.stored == "bf16" else torch.float32
+    ckpt = checkpoint(args.work, "mid", stored)
     builds = [v.name for v in runnable()]
     cells = [c for c in CELLS if not c.startswith("--native-build") or c.split()[-1] in builds]
+    if args.stored == "f32":  # the same slots as the defaults'
+        cells.remove("--no-bf16-expert-slots")
     if args.cells:
         cells = [c for c in cells if c in args.cells.split(",")]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in cells}
@@ -210,7 +223,7 @@ def main() -> None:
         f"CPU: {cpu_model()} ({isa}; builds it runs: {', '.join(builds)}), {platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} thread(s). Checkpoint: random qwen3_moe 'mid' (hidden {s['hidden']}, {s['num_layers']} layers, "
         f"{s['num_experts']} experts, top-{s['num_experts_per_tok']}, moe_intermediate {s['moe_intermediate_size']}; random weights, "
-        f"a benchmark stand-in), f32, cache 1.0, RAM tier. {args.tokens} greedy decode tokens a generate, the best of {args.repeats} "
+        f"a benchmark stand-in), stored in {args.stored}, computed in f32, cache 1.0, RAM tier. {args.tokens} greedy decode tokens a generate, the best of {args.repeats} "
         f"after a warm-up, each cell in its own process; {args.rounds} rounds in alternating order ({time.time() - t0:.0f} s)."
     )
     write_report(args.out, header, lines, {"rounds": res, "fastest": fastest})

@@ -106,16 +106,22 @@ mod.main()
 CONVERT = CONVERT_SETUP + CONVERT_RUN
 
 
-def checkpoint(work: Path, shape: str) -> Path:
-    """The random checkpoint of `shape`, built once under `work`."""
+def checkpoint(work: Path, shape: str, dtype: torch.dtype = torch.float32) -> Path:
+    """The random checkpoint of `shape`, stored in `dtype` (f32, or bf16 as released checkpoints
+    are), built once under `work`."""
     from models.tiny import make_tiny_checkpoint
 
-    path = work / shape
+    path = work / (shape if dtype == torch.float32 else f"{shape}-{str(dtype)[6:]}")
     if not (path / "config.json").exists():
         print(f"building the random {shape} checkpoint in {path} ...", flush=True)
         # 512 tokens: a BPE with merges, which llama.cpp's tokenizer loader requires.
         make_tiny_checkpoint(
-            path, "qwen3_moe", tokenizer_vocab=512, max_shard_size="2GB", **SHAPES[shape]
+            path,
+            "qwen3_moe",
+            tokenizer_vocab=512,
+            max_shard_size="2GB",
+            dtype=dtype,
+            **SHAPES[shape],  # type: ignore[arg-type]
         )
     return path
 

@@ -126,6 +126,16 @@ class EngineConfig(YamlSection):
         "keep the dense weights and the experts' host slots in 4 KiB pages. By default they are in transparent huge pages (2 MiB, madvise) where Linux offers them, so a decode step's weight stream misses the TLB less (docs/benchmarks/engine.md); the tokens are the same either way (a diagnostic)",
         flag="--no-huge-pages",
     )
+    bf16_expert_slots: bool = setting(
+        True,
+        "with --dtype float32 and a checkpoint whose routed experts are bf16 (every released one), widen the experts to f32 at load, twice the bytes in every tier. By default their slots keep the checkpoint's bf16 and the kernels widen each weight as they read it: every bf16 value is exactly an f32 value, so the products are those of f32 weights (a diagnostic)",
+        flag="--no-bf16-expert-slots",
+    )
+    embedding_on_disk: bool = setting(
+        True,
+        "copy the input embedding table into RAM. By default, on the CPU, an untied table stored in the compute dtype stays in the checkpoint and each step reads its tokens' rows (one row a decode token, through the page cache, the last 16 MiB of rows kept): the memory plan gives the table's bytes to the fast tier (a diagnostic)",
+        flag="--embedding-in-ram",
+    )
     direct_io: bool = setting(
         True,
         "disk tier: skip O_DIRECT and read with pread + fadvise(DONTNEED) only",

@@ -21,7 +21,15 @@ from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
-GPU_PATH = dict(cache_fraction=1.0, dtype="float32", native_kernels="off", forward="lean")
+# A GPU keeps the input embedding in its memory: the CPU's table on disk (engine/weights/disk_embedding.py),
+# whose row reads need the token ids on the host, is not on that path.
+GPU_PATH = dict(
+    cache_fraction=1.0,
+    dtype="float32",
+    native_kernels="off",
+    forward="lean",
+    embedding_on_disk=False,
+)
 
 
 def _reads_per_step(om, prompt: list[int], steps: int) -> tuple[float, Counter[str]]:

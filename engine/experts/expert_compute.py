@@ -142,9 +142,9 @@ class ExpertCompute:
         offs = torch.tensor(
             list(accumulate(len(groups[e]) for e in experts)), dtype=torch.int32, device=x.device
         )  # [G]
-        pool = self.store.slots.index_select(
-            0, slots
-        )  # [G, 3*I*H]: [gate | up] rows, then down, per slot
+        pool = self.store.slots.index_select(0, slots).to(
+            x.dtype
+        )  # [G, 3*I*H]: [gate | up] rows, then down, per slot (bf16 slots of an f32 model widened)
         G = len(experts)
         gate_up = pool[:, : 2 * I * H].view(G, 2 * I, H).transpose(1, 2)  # [G, H, 2I]
         down = pool[:, 2 * I * H :].view(G, H, I).transpose(1, 2)  # [G, I, H]

@@ -22,6 +22,7 @@ from engine.experts.native_quant import (
 )
 from engine.experts.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.quant_cache import PackedShape, quantized_locator
+from engine.native.loaded import native
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
@@ -68,22 +69,60 @@ def expert_source(
     kernel: ExpertKernel,
     cfg: EngineConfig,
     dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[ExpertFormat, SegmentLocator]:
-    native = _native(spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype)
-    if native is not None:
+    shipped = _native(spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype)
+    if shipped is not None:
         if cfg.expert_quant != "none":
             raise ConfigError(
-                f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({native[0].name})"
+                f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({shipped[0].name})"
             )
-        return native
-    fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
+        return shipped
     locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
+    fmt = float_expert_format(kernel, cfg, dtype, locator, device)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
         return fmt, quantized_locator(
             locator, fmt, moe_layers, cfg.quant_cache_dir
         )  # sidecar, built once
     return fmt, locator
+
+
+def float_expert_format(
+    kernel: ExpertKernel,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    locator: ExpertLocator,
+    device: torch.device,
+) -> ExpertFormat:
+    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says."""
+    return make_format(
+        kernel,
+        cfg.expert_quant,
+        cfg.quant_group(),
+        dtype,
+        plain_slot_dtype(cfg, dtype, locator, device),
+    )
+
+
+def plain_slot_dtype(
+    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
+) -> torch.dtype | None:
+    """bf16 where unquantized experts compute in f32 on the CPU from a checkpoint that stores every one
+    of them in bf16 (cfg.bf16_expert_slots): the slots keep the checkpoint's bytes, half of f32's, and
+    lose nothing, since bf16 widens to f32 exactly. Only with the native kernels, which widen each
+    weight as they read it; torch's path would widen a whole expert per call (`moe-offload plan`
+    resolves them without this model's measurement, so on a CPU where torch measures faster the plan
+    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype."""
+    if (
+        not cfg.bf16_expert_slots
+        or cfg.expert_quant != "none"
+        or dtype != torch.float32
+        or device.type != "cpu"
+        or native() is None
+    ):
+        return None
+    return torch.bfloat16 if locator.dtypes() == {torch.bfloat16} else None
 
 
 def _native(

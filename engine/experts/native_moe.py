@@ -6,7 +6,8 @@ product, the scaling) plus the Python between them: 40-50 us an expert on small 
 than its arithmetic. engine/native/cpu_gemv.c's `moe_swiglu` runs them all, summed in the order
 given, from the slots' own memory (no copy, no per-expert tensor).
 
-Which slots it reads: float slots (f32 or bf16, the compute dtype), whole-row int8 slots and int4
+Which slots it reads: float slots (f32 or bf16: the compute dtype, or bf16 slots of an f32 model,
+widened as they are read), whole-row int8 slots and int4
 slots in groups of 64 with a bf16 compute dtype (`moe_q4_rows`: nibbles unpacked in registers, int8
 dot products), SwiGLU only. gpt-oss's MXFP4 slots take engine/experts/native_mxfp4.py's kernel; everything
 else (Llama 4, FP8 blocks, gpt-oss in floats) keeps the torch path.
@@ -41,6 +42,9 @@ class NativeMoe:
         self.hidden, self.intermediate = hidden, intermediate
         self.quantized = weight_dtype in (torch.int8, INT4)  # slots carry row or group scales
         self.int4 = weight_dtype == INT4
+        # The activation dtype float slots serve: the format's compute dtype (bf16 slots of an f32 model
+        # take f32 rows and widen each weight as they read it).
+        self.float_x = fmt.compute_dtype if isinstance(fmt, PlainFormat) else weight_dtype
 
     @property
     def wtype(self) -> int:
@@ -84,15 +88,15 @@ class NativeMoe:
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels
         (decode and verification rows: engine/native/row_kernels.py), however many (`rows` takes 16 at a
-        time). Float slots must be in x's
-        dtype (the reference computes in it); int8 slots take either."""
+        time). Float slots take rows in their format's compute dtype (the reference computes in it); int8
+        slots take either."""
         return (
             x.device.type == "cpu"
             and x.shape[0] >= 1
             and x.is_contiguous()
             and native_rows_allowed()
             and (
-                x.dtype == self.weight_dtype
+                (not self.quantized and x.dtype == self.float_x)
                 or (self.int4 and x.dtype == torch.bfloat16)
                 or (not self.int4 and self.quantized and x.dtype in (torch.float32, torch.bfloat16))
             )

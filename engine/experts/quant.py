@@ -5,7 +5,9 @@ one slot row, and turns a slot back into float weights right before the matmuls.
 what the slow tier stores and what a transfer copies, so a smaller encoding means fewer bytes
 on every link and more experts per byte of fast tier.
 
-- `PlainFormat`: the weights as floats in the compute dtype (the default, exact).
+- `PlainFormat`: the weights as floats in the compute dtype (the default, exact); with an f32
+  compute dtype and a bf16 checkpoint, the slots keep the checkpoint's bf16 (every bf16 value is
+  an f32 value, so widening at compute time is exact: the same products at half the bytes).
 - `GroupQuantFormat` (`--expert-quant int8|int4`; groups default to whole rows for int8, 64 for int4): group-wise quantization of every 2-D weight
   along its last dimension (the input dimension of `F.linear` weights), in groups of `group`
   values (gcd(cols, group) when a dimension is not a multiple of it; 0: whole rows).
@@ -65,15 +67,17 @@ class ExpertFormat(ABC):
 
 
 class PlainFormat(ExpertFormat):
-    """The checkpoint's weights converted to the compute dtype: `weights` is free (no copy)."""
+    """The checkpoint's weights as floats in `slot_dtype` (default: the compute dtype, and then
+    `weights` is free, no copy). A narrower slot dtype is only ever one that widens exactly to the
+    compute dtype (bf16 slots, f32 compute): `weights` widens them, the native kernels read them
+    as they are."""
 
-    def __init__(self, kernel: ExpertKernel, dtype: torch.dtype) -> None:
-        self.name, self.kernel, self.slot_dtype, self.slot_numel = (
-            "none",
-            kernel,
-            dtype,
-            kernel.numel,
-        )
+    def __init__(
+        self, kernel: ExpertKernel, dtype: torch.dtype, slot_dtype: torch.dtype | None = None
+    ) -> None:
+        self.name, self.kernel, self.slot_numel = "none", kernel, kernel.numel
+        self.compute_dtype = dtype
+        self.slot_dtype = slot_dtype or dtype
 
     def views(self, row: torch.Tensor) -> list:
         out, at = [], 0
@@ -84,7 +88,9 @@ class PlainFormat(ExpertFormat):
         return out
 
     def weights(self, views: list) -> list[torch.Tensor]:
-        return views
+        if self.slot_dtype == self.compute_dtype:
+            return views
+        return [v.to(self.compute_dtype) for v in views]
 
 
 def _aligned(n: int) -> int:
@@ -278,8 +284,14 @@ def _int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]:
 
 
 def make_format(
-    kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype
+    kernel: ExpertKernel,
+    kind: str,
+    group: int,
+    compute_dtype: torch.dtype,
+    plain_slot_dtype: torch.dtype | None = None,
 ) -> ExpertFormat:
+    """The format of `kind` ("none", "int8", "int4"); `plain_slot_dtype`: the slots' dtype of the
+    "none" format where it differs from the compute dtype (engine/experts/expert_source.py decides)."""
     if kind == "none":
-        return PlainFormat(kernel, compute_dtype)
+        return PlainFormat(kernel, compute_dtype, plain_slot_dtype)
     return GroupQuantFormat(kernel, kind, group, compute_dtype)

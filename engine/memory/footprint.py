@@ -19,7 +19,7 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class Footprint:
     dtype: torch.dtype  # compute dtype
-    dense_bytes: int  # parameters outside the routed experts, in the compute dtype
+    dense_bytes: int  # parameters outside the routed experts, in the compute dtype, held in memory
     slot_bytes: int  # one routed expert as the tiers store it
     expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)
     moe_layers: int
@@ -33,6 +33,9 @@ class Footprint:
     intermediate: int  # largest of the dense MLP and top-k routed intermediates
     vocab: int
     checkpoint_bytes: int  # every tensor on disk
+    # Dense parameters left in the checkpoint, outside dense_bytes: the input embedding's table less
+    # its row cache (engine/weights/disk_embedding.py), whose rows each step reads.
+    mapped_bytes: int = 0
 
     @property
     def total_experts(self) -> int:
@@ -93,13 +96,21 @@ def footprint(
     top_k: int,
     moe_intermediate: int,
     tensors: dict[str, TensorLocation],
+    mapped_bytes: int = 0,
 ) -> Footprint:
     """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
-    the blocks' expert modules, whose parameters the tiers hold instead."""
+    the blocks' expert modules, whose parameters the tiers hold instead; `mapped_bytes` of its dense
+    parameters stay in the checkpoint."""
     routed = {id(p) for m in experts for p in m.parameters()}
-    dense = sum(
-        p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in routed
-    ) * _itemsize(dtype)
+    dense = (
+        sum(
+            p.numel()
+            for p in {id(p): p for p in model.parameters()}.values()
+            if id(p) not in routed
+        )
+        * _itemsize(dtype)
+        - mapped_bytes
+    )
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(
@@ -118,6 +129,7 @@ def footprint(
         intermediate=max(dense_i, top_k * moe_intermediate),
         vocab=int(config.vocab_size),
         checkpoint_bytes=sum(t.nbytes for t in tensors.values()),
+        mapped_bytes=mapped_bytes,
     )
 
 

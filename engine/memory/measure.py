@@ -36,9 +36,20 @@ def plan_for_model(
     cfg: EngineConfig,
     device: torch.device,
     kv_request: KvRequest = KvRequest(),
+    mapped_bytes: int = 0,
 ) -> tuple[Footprint, MemoryPlan]:
     fp = footprint(
-        model, experts, config, dtype, slot_bytes, expert_disk_bytes, E, top_k, I, tensors
+        model,
+        experts,
+        config,
+        dtype,
+        slot_bytes,
+        expert_disk_bytes,
+        E,
+        top_k,
+        I,
+        tensors,
+        mapped_bytes,
     )
     dev = str(device) if device.type == "cuda" else "cpu"
     free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
@@ -92,10 +103,10 @@ class Probe:
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
     from engine.experts.expert_kernels import make_kernel
-    from engine.experts.expert_source import _native
-    from engine.experts.quant import make_format
+    from engine.experts.expert_source import _native, float_expert_format
     from engine.weights.arch import arch_for, text_config
     from engine.weights.checkpoint import index_checkpoint
+    from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
     from engine.weights.expert_layout import ExpertLocator, ExpertShape
     from engine.weights.model_config import read_config, resolve_device, resolve_dtype
     from engine.weights.moe_hook import expert_geometry, find_moe_sites
@@ -128,10 +139,13 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     if native is not None:
         fmt, locator = native
     else:
-        fmt = make_format(kernel, cfg.expert_quant, cfg.quant_group(), dtype)
         locator = ExpertLocator(spec, tensors, layers, E, shape, kernel.views)
+        fmt = float_expert_format(kernel, cfg, dtype, locator, device)
         if cfg.expert_quant != "none":
             sidecar = len(layers) * E * fmt.slot_bytes
+    embedding = disk_embedding_source(
+        model, config, spec, tensors, dtype, device, cfg.embedding_on_disk
+    )
     fp = footprint(
         model,
         experts,
@@ -143,6 +157,7 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         top_k,
         I,
         tensors,
+        embedding.nbytes - resident_bytes(embedding) if embedding else 0,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -161,7 +176,7 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         sidecar,
         config=config,
         moe_intermediate=I,
-        dense_streamed_bytes=max(0, fp.dense_bytes - embed),
+        dense_streamed_bytes=max(0, fp.dense_bytes + fp.mapped_bytes - embed),
         expert_reads=_expert_reads(locator, layers, E),
     )
 

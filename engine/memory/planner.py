@@ -168,7 +168,12 @@ def plan_memory(
             "dense",
             dense_where,
             fp.dense_bytes,
-            f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})",
+            f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"
+            + (
+                f"; {fmt_bytes(fp.mapped_bytes)} of the input embedding stay in the checkpoint, rows read per step"
+                if fp.mapped_bytes
+                else ""
+            ),
         ),
         Pool("kv_cache", dense_where, kv, kv_why),
         Pool(

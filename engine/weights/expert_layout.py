@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from engine.errors import CheckpointError
 from engine.weights.arch import ArchSpec, disk_names
 from engine.weights.checkpoint import TensorLocation
@@ -114,6 +116,10 @@ class ExpertLocator:
 
     def nbytes_on_disk(self, layer: int, expert: int) -> int:
         return sum(s.nbytes for s in self._segments[(layer, expert)])
+
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes the checkpoint stores these experts in."""
+        return {s.dtype for segs in self._segments.values() for s in segs}
 
 
 def block_prefixes(spec: ArchSpec, layer: int) -> list[str]:

@@ -86,7 +86,9 @@ class OffloadedModel(LoadedModel):
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
         format the tiers store them in)."""
-        dense = sum(p.numel() for p in self.model.parameters())
+        dense = sum(p.numel() for p in self.model.parameters()) + sum(
+            getattr(m, "stored_numel", 0) for m in self.model.modules()
+        )  # a table left in the checkpoint (engine/weights/disk_embedding.py) counts too
         return dense + len(self.moe_layers) * self.num_experts * self.executor.fmt.kernel.numel
 
     @property

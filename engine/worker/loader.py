@@ -48,7 +48,13 @@ from engine.native.quant_linear import quantize_dense
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
-from engine.weights.checkpoint import index_checkpoint
+from engine.weights.checkpoint import TensorLocation, index_checkpoint
+from engine.weights.disk_embedding import (
+    DiskEmbedding,
+    disk_embedding_source,
+    input_embedding_name,
+    resident_bytes,
+)
 from engine.weights.expert_layout import ExpertShape
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
@@ -161,9 +167,15 @@ def load_model(
     ):  # not in the table: each kind of block is checked once against its own forward
         for block in {type(s.block): s.block for s in sites}.values():
             verify_block(block, adapter_for(spec.model_type, block), kernel, spec.model_type)
-    fmt, locator = expert_source(spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype)
+    fmt, locator = expert_source(
+        spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype, device
+    )
 
     stats = EngineStats(num_layers=len(layers))
+    # The input embedding's rows stay in the checkpoint where they can (engine/weights/disk_embedding.py).
+    embedding = disk_embedding_source(
+        model, config, spec, tensors, dtype, device, cfg.embedding_on_disk
+    )
     # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
     _fp, mplan = plan_for_model(
         model,
@@ -179,6 +191,7 @@ def load_model(
         cfg,
         device,
         kv_request,
+        embedding.nbytes - resident_bytes(embedding) if embedding else 0,
     )
     print_plan(mplan)
     link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
@@ -241,7 +254,7 @@ def load_model(
             ),
         )
 
-    _materialize(model, config, spec, tensors, device, model_dir, cfg.huge_pages)
+    _materialize(model, config, spec, tensors, device, model_dir, cfg.huge_pages, embedding)
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
     quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
     if device.type == "cpu":
@@ -338,9 +351,12 @@ def _materialize(
     device: torch.device,
     model_dir: Path,
     huge_pages: bool = False,
+    embedding: TensorLocation | None = None,
 ) -> None:
     """Allocate the non-expert weights on `device` and fill them from the checkpoint (on the CPU, large
-    ones in huge pages where `huge_pages`: engine/huge_pages.py)."""
+    ones in huge pages where `huge_pages`: engine/huge_pages.py); `embedding`: where the input
+    embedding's rows are read from instead of a copy (a DiskEmbedding), or None."""
+    on_disk = input_embedding_name(model) if embedding is not None else None
     model.to_empty(device=device)
     if huge_pages and device.type == "cpu":
         for p in model.parameters():
@@ -362,6 +378,8 @@ def _materialize(
                 raise CheckpointError(
                     f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}"
                 )
+            if name == on_disk:
+                continue  # replaced below; its allocation was never touched
             param.copy_(
                 read_dense(tensors, loc, config)
             )  # FP8 checkpoints: dequantized with their scales
@@ -372,6 +390,9 @@ def _materialize(
                 parent.rotary_emb = type(rotary)(config=rotary.config).to(device)
     if tied:
         model.tie_weights()
+    if embedding is not None:
+        padding = getattr(model.get_input_embeddings(), "padding_idx", None)
+        model.set_input_embeddings(DiskEmbedding(embedding, padding))
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         assert not t.is_meta, f"{name} was left on the meta device"
     model.eval()
