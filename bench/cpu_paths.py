@@ -81,7 +81,7 @@ def worker(ckpt: Path, cell: str, tokens: int, repeats: int, threads: int) -> di
 
 
 def run_cell(args: argparse.Namespace, ckpt: Path, cell: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.cpu_paths", "--worker", cell, "--checkpoint", str(ckpt)]
+    cmd = [sys.executable, "-m", "bench.cpu_paths", f"--worker={cell}", "--checkpoint", str(ckpt)]
     cmd += [
         "--tokens",
         str(args.tokens),

@@ -78,3 +78,29 @@ def test_f32_checkpoint_keeps_f32_slots(tiny_ckpt) -> None:
         assert om.executor.store.slots.dtype == torch.float32
     finally:
         om.close()
+
+
+def test_the_dispatcher_times_the_experts_in_the_slots_dtype(bf16_ckpt, monkeypatch) -> None:
+    """The native kernels' measurement (engine/native/autotune.py) times the experts as bf16 slots, the
+    form the native path would read; torch's path keeps f32 slots and is timed in f32."""
+    from engine.native import loaded
+    from engine.native.autotune import Measurement
+
+    if native() is None:
+        pytest.skip("no C compiler: no native kernels to measure")
+    seen = []
+
+    def record(shapes, builds, ids, cache):
+        seen.append(shapes)
+        return Measurement({n: 1.0 for n in builds} | {"torch": 0.5}, next(iter(builds)))
+
+    monkeypatch.setattr(loaded, "measured", record)
+    saved = (loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved)
+    try:
+        om = load_model(bf16_ckpt, EngineConfig(dtype="float32"))
+        om.close()
+        om = load_model(bf16_ckpt, EngineConfig(dtype="float32", bf16_expert_slots=False))
+        om.close()
+    finally:
+        loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved = saved
+    assert [(s.dtype, s.expert_dtype) for s in seen] == [("float32", "bfloat16"), ("float32", "")]

@@ -112,6 +112,34 @@ def test_the_measurement_picks_the_fast_build_and_declines_slow_ones() -> None:
 
 
 @needs_cc
+def test_the_measurement_times_bf16_expert_slots_where_the_native_kernels_would_read_them() -> None:
+    """An f32 model's bf16 expert slots: each build streams the experts in bf16 (half the bytes, the layer
+    estimate with them), torch's path in f32, as each would run them; a candidate's GB/s counts its own
+    bytes."""
+    mixed = DecodeShapes(
+        "float32", ((128, 64), (64, 64), (64, 64)), top_k=2, expert_dtype="bfloat16"
+    )
+    plain = DecodeShapes("float32", mixed.mats, top_k=2)
+    assert mixed.weight_dtypes(native=True) == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert mixed.weight_dtypes(native=False) == [torch.float32] * 3
+    attention = 4 * 64 * 64 * 4
+    assert mixed.layer_bytes(True) - attention == (plain.layer_bytes() - attention) // 2
+    assert mixed.layer_bytes(False) == plain.layer_bytes()
+    fast, _ = load_build("portable")
+    assert fast is not None
+    calls: list[tuple[torch.dtype, torch.dtype]] = []
+
+    class Recording:
+        def gemv_sweep(self, x: torch.Tensor, ws: list[torch.Tensor]) -> None:
+            calls.append((x.dtype, ws[0].dtype))
+            fast.gemv_sweep(x, ws)
+
+    m = measure(mixed, {"portable": Recording()})  # type: ignore[dict-item]
+    assert set(m.gbps) == {"portable", "torch"} and m.layer_ms is not None
+    assert set(calls) == {(torch.float32, torch.bfloat16), (torch.float32, torch.float32)}
+
+
+@needs_cc
 def test_the_measurement_is_cached_per_machine_and_build(tmp_path) -> None:
     fast, _ = load_build("portable")
     assert fast is not None

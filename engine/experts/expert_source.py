@@ -114,12 +114,40 @@ def plain_slot_dtype(
     weight as they read it; torch's path would widen a whole expert per call (`moe-offload plan`
     resolves them without this model's measurement, so on a CPU where torch measures faster the plan
     sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype."""
+    return _bf16_slots(cfg, dtype, locator, device) if native() is not None else None
+
+
+def native_slot_dtype(
+    spec: ArchSpec,
+    config: PretrainedConfig,
+    tensors: dict[str, TensorLocation],
+    moe_layers: list[int],
+    num_experts: int,
+    shape: ExpertShape,
+    kernel: ExpertKernel,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.dtype | None:
+    """The float slots' dtype if the native kernels run (plain_slot_dtype's choice then), before they are
+    chosen: what their measurement (engine/native/autotune.py) must time the experts in. None: the
+    compute dtype, or experts that are not float (quantized, or shipped quantized)."""
+    if cfg.expert_quant != "none" or _native(
+        spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype
+    ):
+        return None
+    locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
+    return _bf16_slots(cfg, dtype, locator, device)
+
+
+def _bf16_slots(
+    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
+) -> torch.dtype | None:
     if (
         not cfg.bf16_expert_slots
         or cfg.expert_quant != "none"
         or dtype != torch.float32
         or device.type != "cpu"
-        or native() is None
     ):
         return None
     return torch.bfloat16 if locator.dtypes() == {torch.bfloat16} else None

@@ -3,7 +3,8 @@
 A capability list says what a CPU can execute, not what is fast on it: on an AMD EPYC with AVX2
 only, the native kernels of the time (fast paths for AVX-512 only) decoded at half of torch's speed,
 and the plan still chose them. So at load the engine times, for this model's decode shapes and
-dtype, a single-row matrix-vector product through each build its CPU runs
+dtype (the experts' weights in the dtype each path holds them in), a single-row matrix-vector product
+through each build its CPU runs
 (engine/native/variants.py) and through torch's F.linear, at one thread, interleaved, best of a few
 rounds, over weights larger than the caches (a decode step streams its weights from memory), in
 thread CPU time (a shared machine's other work then costs a candidate bandwidth, not the seconds it
@@ -46,18 +47,30 @@ TIE = 0.95  # within 5 %: the earlier candidate (the widest build, then any buil
 @dataclass(frozen=True)
 class DecodeShapes:
     """What a decode step multiplies: the matrices [rows, cols] of one layer (experts' gate_up and down,
-    attention's q projection) in the activation dtype, and how many experts a token runs."""
+    attention's q projection) in the activation dtype, and how many experts a token runs.
+    `expert_dtype`: the experts' weights under the native kernels where they differ ("" where they do
+    not): an f32 model's bf16 slots, which torch's path would hold in f32."""
 
     dtype: str  # "float32" or "bfloat16"
     mats: tuple[tuple[int, int], ...]
     top_k: int = 1
+    expert_dtype: str = ""
 
-    def layer_bytes(self) -> int:
+    def weight_dtypes(self, native: bool) -> list[torch.dtype]:
+        """The dtype of each of `mats` as the native kernels (`native`) or torch's path hold it."""
+        compute = getattr(torch, self.dtype)
+        experts = getattr(torch, self.expert_dtype) if native and self.expert_dtype else compute
+        return [experts] * (len(self.mats) - 1) + [compute]
+
+    def layer_bytes(self, native: bool = True) -> int:
         """The weight bytes one decode layer streams: top_k times the expert matrices (all but the last),
         and four attention projections of the last one's size (q, k, v, o: an upper bound for GQA)."""
-        es = torch.finfo(getattr(torch, self.dtype)).bits // 8
+        sizes = [torch.finfo(d).bits // 8 for d in self.weight_dtypes(native)]
         *experts, attention = self.mats
-        return es * (self.top_k * sum(r * c for r, c in experts) + 4 * attention[0] * attention[1])
+        return (
+            self.top_k * sum(s * r * c for s, (r, c) in zip(sizes, experts))
+            + sizes[-1] * 4 * attention[0] * attention[1]
+        )
 
     def torch_ops_per_layer(self) -> int:
         """What torch's layer-by-layer path spends a decode layer besides streaming its matmuls, in units of
@@ -112,29 +125,23 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
     within 5 % (TIE) go to the native build listed first (the widest), and between the best build and
     torch to the build."""
     dtype = getattr(torch, shapes.dtype)
-    weights: list[list[torch.Tensor]] = []
-    xs: list[torch.Tensor] = []
-    nbytes = 0
-    for rows, cols in shapes.mats:
-        one = rows * cols * torch.finfo(dtype).bits // 8
-        copies = min(MAX_COPIES, max(2, -(-STREAM_BYTES // one)))
-        # Weights' values do not change the speed (no denormals): one buffer, viewed as `copies` matrices.
-        buf = torch.full((copies * rows * cols,), 0.01, dtype=dtype)
-        weights.append(
-            [buf[i * rows * cols : (i + 1) * rows * cols].view(rows, cols) for i in range(copies)]
-        )
-        xs.append(torch.full((1, cols), 0.5, dtype=dtype))
-        nbytes += one * copies
+    xs = [torch.full((1, cols), 0.5, dtype=dtype) for _, cols in shapes.mats]
+    native_w, native_bytes = _matrices(shapes.mats, shapes.weight_dtypes(native=True))
+    torch_w, torch_bytes = (
+        _matrices(shapes.mats, shapes.weight_dtypes(native=False))
+        if shapes.expert_dtype
+        else (native_w, native_bytes)
+    )
 
     def native_sweep(k: NativeKernels) -> Callable[[], object]:
         def sweep() -> None:
-            for ws, x in zip(weights, xs, strict=True):
+            for ws, x in zip(native_w, xs, strict=True):
                 k.gemv_sweep(x, ws)
 
         return sweep
 
     def torch_sweep() -> None:
-        for ws, x in zip(weights, xs, strict=True):
+        for ws, x in zip(torch_w, xs, strict=True):
             for w in ws:
                 F.linear(x, w)
 
@@ -148,6 +155,7 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
             ROUNDS
         ):  # interleaved rounds: a burst of load elsewhere hits every candidate
             for name, fn in candidates.items():
+                nbytes = torch_bytes if name == TORCH else native_bytes
                 per[name].append(nbytes / _time(fn) / 1e9)
     finally:
         torch.set_num_threads(threads)
@@ -156,12 +164,31 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
     # layer-by-layer path, the measured cost of one small torch call times the calls it makes besides
     # the matmuls; the native path runs the layer in one call (the fused forward).
     op_s = _small_op_seconds(shapes.mats[-1][1], dtype)
-    layer_ms = {n: shapes.layer_bytes() / (g * 1e9) * 1e3 for n, g in gbps.items()}
+    layer_ms = {n: shapes.layer_bytes(n != TORCH) / (g * 1e9) * 1e3 for n, g in gbps.items()}
     layer_ms[TORCH] += shapes.torch_ops_per_layer() * op_s * 1e3
     best_native = min((layer_ms[n] for n in builds), default=float("inf"))
     native_first = [n for n in builds if layer_ms[n] * TIE <= best_native]
     chosen = native_first[0] if native_first and best_native * TIE <= layer_ms[TORCH] else TORCH
     return Measurement(gbps, chosen, layer_ms=layer_ms)
+
+
+def _matrices(
+    mats: tuple[tuple[int, int], ...], dtypes: list[torch.dtype]
+) -> tuple[list[list[torch.Tensor]], int]:
+    """For each [rows, cols] of `mats`, in its dtype, enough copies to stream STREAM_BYTES (at most
+    MAX_COPIES); and the bytes of them all."""
+    weights: list[list[torch.Tensor]] = []
+    nbytes = 0
+    for (rows, cols), dtype in zip(mats, dtypes, strict=True):
+        one = rows * cols * torch.finfo(dtype).bits // 8
+        copies = min(MAX_COPIES, max(2, -(-STREAM_BYTES // one)))
+        # Weights' values do not change the speed (no denormals): one buffer, viewed as `copies` matrices.
+        buf = torch.full((copies * rows * cols,), 0.01, dtype=dtype)
+        weights.append(
+            [buf[i * rows * cols : (i + 1) * rows * cols].view(rows, cols) for i in range(copies)]
+        )
+        nbytes += one * copies
+    return weights, nbytes
 
 
 def _small_op_seconds(n: int, dtype: torch.dtype) -> float:

@@ -30,7 +30,7 @@ from engine.config import EngineConfig
 from engine.errors import CheckpointError
 from engine.experts.cost_meter import CostMeter
 from engine.experts.expert_kernels import make_kernel
-from engine.experts.expert_source import expert_source, read_dense
+from engine.experts.expert_source import expert_source, native_slot_dtype, read_dense
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock
@@ -155,13 +155,16 @@ def load_model(
     native0 = sites[0].block
     E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
     shape = ExpertShape(hidden=H, intermediate=I)
-    kernels = use_native_kernels(
-        cfg.native_kernels if device.type == "cpu" else "off",
-        decode_shapes(config, dtype, H, I, top_k),
-        cfg.native_build,
-    )
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(spec.kernel, native0.experts, H, I)
+    slots = native_slot_dtype(
+        spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype, device
+    )  # what the native kernels would read the experts in: their measurement times that
+    kernels = use_native_kernels(
+        cfg.native_kernels if device.type == "cpu" else "off",
+        decode_shapes(config, dtype, H, I, top_k, slots),
+        cfg.native_build,
+    )
     if (
         spec.by_structure
     ):  # not in the table: each kind of block is checked once against its own forward
@@ -420,14 +423,24 @@ def _warm(om: OffloadedModel) -> None:
 
 
 def decode_shapes(
-    config: Any, dtype: torch.dtype, H: int, I: int, top_k: int
+    config: Any,
+    dtype: torch.dtype,
+    H: int,
+    I: int,
+    top_k: int,
+    expert_dtype: torch.dtype | None = None,
 ) -> DecodeShapes | None:
     """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
-    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a dtype they do not read."""
+    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a
+    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
+    from `dtype` (bf16 slots of an f32 model)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     heads = getattr(config, "num_attention_heads", 0) or 1
     head_dim = getattr(config, "head_dim", None) or H // heads
     return DecodeShapes(
-        str(dtype).removeprefix("torch."), ((2 * I, H), (H, I), (heads * head_dim, H)), top_k
+        str(dtype).removeprefix("torch."),
+        ((2 * I, H), (H, I), (heads * head_dim, H)),
+        top_k,
+        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
     )
