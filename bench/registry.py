@@ -199,8 +199,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "cpu-paths",
         "cpu_paths",
         "is the default the fastest path on this CPU? every --forward / --native-kernels / --native-build "
-        "choice against transformers",
-        ("cpu_paths.md",),
+        "choice against transformers (--stored bf16: a bf16 checkpoint computed in f32)",
+        ("cpu_paths.md", "cpu_paths_avx512.md", "cpu_paths_bf16.md"),
     ),
     Benchmark(
         "gpu-check-all",
