@@ -42,7 +42,10 @@ def test_rows_equal_the_table_and_the_plan_gives_its_bytes_to_the_experts(tiny_c
         kept = loc.nbytes - resident_bytes(loc)
         dense = [m.memory_plan.planned()["dense"] for m in (in_ram, on_disk)]
         assert dense[0] - dense[1] == kept
-        assert probe_checkpoint(path, EngineConfig(dtype="float32")).footprint.mapped_bytes == kept
+        assert (
+            probe_checkpoint(path, EngineConfig(dtype="float32")).footprint.dense_on_disk_bytes
+            == kept
+        )
         assert on_disk.parameter_count() == in_ram.parameter_count()
         assert torch.equal(prompt_logits(on_disk, IDS), prompt_logits(in_ram, IDS))
         params = SamplingParams(max_tokens=8, ignore_eos=True)

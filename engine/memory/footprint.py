@@ -35,7 +35,7 @@ class Footprint:
     checkpoint_bytes: int  # every tensor on disk
     # Dense parameters left in the checkpoint, outside dense_bytes: the input embedding's table less
     # its row cache (engine/weights/disk_embedding.py), whose rows each step reads.
-    mapped_bytes: int = 0
+    dense_on_disk_bytes: int = 0
 
     @property
     def total_experts(self) -> int:
@@ -96,10 +96,10 @@ def footprint(
     top_k: int,
     moe_intermediate: int,
     tensors: dict[str, TensorLocation],
-    mapped_bytes: int = 0,
+    dense_on_disk_bytes: int = 0,
 ) -> Footprint:
     """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
-    the blocks' expert modules, whose parameters the tiers hold instead; `mapped_bytes` of its dense
+    the blocks' expert modules, whose parameters the tiers hold instead; `dense_on_disk_bytes` of its dense
     parameters stay in the checkpoint."""
     routed = {id(p) for m in experts for p in m.parameters()}
     dense = (
@@ -109,7 +109,7 @@ def footprint(
             if id(p) not in routed
         )
         * _itemsize(dtype)
-        - mapped_bytes
+        - dense_on_disk_bytes
     )
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
@@ -129,7 +129,7 @@ def footprint(
         intermediate=max(dense_i, top_k * moe_intermediate),
         vocab=int(config.vocab_size),
         checkpoint_bytes=sum(t.nbytes for t in tensors.values()),
-        mapped_bytes=mapped_bytes,
+        dense_on_disk_bytes=dense_on_disk_bytes,
     )
 
 

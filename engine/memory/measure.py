@@ -36,7 +36,7 @@ def plan_for_model(
     cfg: EngineConfig,
     device: torch.device,
     kv_request: KvRequest = KvRequest(),
-    mapped_bytes: int = 0,
+    dense_on_disk_bytes: int = 0,
 ) -> tuple[Footprint, MemoryPlan]:
     fp = footprint(
         model,
@@ -49,7 +49,7 @@ def plan_for_model(
         top_k,
         I,
         tensors,
-        mapped_bytes,
+        dense_on_disk_bytes,
     )
     dev = str(device) if device.type == "cuda" else "cpu"
     free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
@@ -176,7 +176,7 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         sidecar,
         config=config,
         moe_intermediate=I,
-        dense_streamed_bytes=max(0, fp.dense_bytes + fp.mapped_bytes - embed),
+        dense_streamed_bytes=max(0, fp.dense_bytes + fp.dense_on_disk_bytes - embed),
         expert_reads=_expert_reads(locator, layers, E),
     )
 

@@ -170,8 +170,8 @@ def plan_memory(
             fp.dense_bytes,
             f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"
             + (
-                f"; {fmt_bytes(fp.mapped_bytes)} of the input embedding stay in the checkpoint, rows read per step"
-                if fp.mapped_bytes
+                f"; {fmt_bytes(fp.dense_on_disk_bytes)} of the input embedding stay in the checkpoint, rows read per step"
+                if fp.dense_on_disk_bytes
                 else ""
             ),
         ),
