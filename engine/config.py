@@ -131,6 +131,11 @@ class EngineConfig(YamlSection):
         "with --dtype float32 and a checkpoint whose routed experts are bf16 (every released one), widen the experts to f32 at load, twice the bytes in every tier. By default their slots keep the checkpoint's bf16 and the kernels widen each weight as they read it: every bf16 value is exactly an f32 value, so the products are those of f32 weights (a diagnostic)",
         flag="--no-bf16-expert-slots",
     )
+    bf16_dense: bool = setting(
+        True,
+        "with --dtype float32, widen dense linear weights (attention projections, dense and shared-expert MLPs, lm_head) that are bf16 values to f32, twice their bytes. By default, with the native kernels on the CPU, they stay bf16 and are widened as they are read, exactly as the experts are (--no-bf16-expert-slots); a diagnostic",
+        flag="--no-bf16-dense",
+    )
     embedding_on_disk: bool = setting(
         True,
         "copy the input embedding table into RAM. By default, on the CPU, an untied table stored in the compute dtype stays in the checkpoint and each step reads its tokens' rows (one row a decode token, through the page cache, the last 16 MiB of rows kept): the memory plan gives the table's bytes to the fast tier (a diagnostic)",

@@ -52,6 +52,10 @@ def test_f32_compute_from_bf16_slots_matches_transformers_f32(bf16_ckpt, cell: d
         if native() is not None:  # decode rows take the native kernels, reading the bf16 slots
             assert om.executor.native_moe is not None
             assert om.executor.native_moe.accepts(torch.zeros(1, ref.config.hidden_size))
+            # ... and the dense linears' bf16 weights (quant_linear.narrow_dense), not the embedding's
+            attention = om.model.model.layers[0].self_attn
+            assert om.model.lm_head.weight.dtype == attention.q_proj.weight.dtype == torch.bfloat16
+            assert wide.model.lm_head.weight.dtype == torch.bfloat16  # another flag: bf16_dense
         logits = prompt_logits(om, ids)
         assert (logits - ref_logits).abs().max().item() <= 1e-4
         assert (logits - prompt_logits(wide, ids)).abs().max().item() <= 1e-5
@@ -59,6 +63,8 @@ def test_f32_compute_from_bf16_slots_matches_transformers_f32(bf16_ckpt, cell: d
             res = generate(m, ids, SamplingParams(max_tokens=24, ignore_eos=True))
             assert res.tokens == ref_tokens
         snap = om.stats.snapshot()
+        if native() is not None and cell["cache_fraction"] == 1.0:  # one native call a decode layer
+            assert snap["steps"]["decode"].get("fused", 0) >= 20, snap["steps"]
         if cell.get("cpu_experts") == "all":  # misses ran on CPU workers, from the tier's bf16 rows
             assert snap["cpu_expert_calls"] > 0
         elif cell["cache_fraction"] < 1.0:  # experts moved, at half the bytes each
@@ -104,3 +110,36 @@ def test_the_dispatcher_times_the_experts_in_the_slots_dtype(bf16_ckpt, monkeypa
     finally:
         loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved = saved
     assert [(s.dtype, s.expert_dtype) for s in seen] == [("float32", "bfloat16"), ("float32", "")]
+
+
+def test_dense_weights_widen_where_asked_and_stay_exact(bf16_ckpt) -> None:
+    """--no-bf16-dense: the dense linears in f32, as before; the same greedy tokens and logits within
+    f32's summation order of the bf16-weight run."""
+    om = load_model(bf16_ckpt, EngineConfig(dtype="float32"))
+    wide = load_model(bf16_ckpt, EngineConfig(dtype="float32", bf16_dense=False))
+    ids = _prompt(om.model.config.vocab_size)
+    try:
+        assert wide.model.lm_head.weight.dtype == torch.float32
+        assert (prompt_logits(om, ids) - prompt_logits(wide, ids)).abs().max().item() <= 1e-5
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        assert generate(om, ids, params).tokens == generate(wide, ids, params).tokens
+    finally:
+        om.close()
+        wide.close()
+
+
+def test_a_head_tied_to_the_embedding_keeps_its_f32_weight(tiny_ckpt) -> None:
+    """The embedding reads the same Parameter as a tied head: narrowing it would hand the f32 model bf16
+    embeddings, so it stays f32, and the model still matches transformers."""
+    path = tiny_ckpt("qwen3_moe", "per-expert", dtype=torch.bfloat16, tie_word_embeddings=True)
+    ref = load_reference(path)
+    ids = _prompt(ref.config.vocab_size)
+    om = load_model(path, EngineConfig(dtype="float32"))
+    try:
+        head = om.model.lm_head.weight
+        assert head is om.model.get_input_embeddings().weight and head.dtype == torch.float32
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        assert (prompt_logits(om, ids) - want).abs().max().item() <= 1e-4
+    finally:
+        om.close()

@@ -53,7 +53,8 @@ class NativeLinear(nn.Linear):
                 if self.bias is not None:
                     y = y + self.bias
                 return y.view(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w, self.bias)
+        # bf16 weights of an f32 model (quant_linear.narrow_dense) widen per call on torch's path.
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), self.bias)
 
 
 class NativeRMSNorm(nn.Module):

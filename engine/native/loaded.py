@@ -125,11 +125,13 @@ def usable(x: torch.Tensor) -> NativeKernels | None:
 
 
 def few_row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x [m, in] times a weight w [out, in] of x's dtype (f32 or bf16) through the native kernel where it
-    applies (x on the CPU with few contiguous rows in a step whose rows take the native kernels, w
-    contiguous), else None: the caller keeps torch's path. Each row's result is the one a single row gets,
-    whatever m: a verification window's rows compute as plain decode rows do."""
-    if x.dtype != w.dtype or not w.is_contiguous():
+    """x [m, in] times a weight w [out, in] of x's dtype (f32 or bf16; or bf16 weights for f32 rows, widened
+    as they are read) through the native kernel where it applies (x on the CPU with few contiguous rows in a
+    step whose rows take the native kernels, w contiguous), else None: the caller keeps torch's path. Each
+    row's result is the one a single row gets, whatever m: a verification window's rows compute as plain
+    decode rows do."""
+    widened = x.dtype == torch.float32 and w.dtype == torch.bfloat16
+    if (x.dtype != w.dtype and not widened) or not w.is_contiguous():
         return None
     kernels = usable(x)
     return kernels.gemv(x, w) if kernels is not None else None

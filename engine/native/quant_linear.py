@@ -86,16 +86,55 @@ def quantize_dense(model: nn.Module, mode: str, huge_pages: bool = False) -> int
     if mode not in DENSE_QUANTS:
         raise ValueError(f"dense quant {mode!r}: use one of {', '.join(DENSE_QUANTS)}")
     done: dict[int, QuantLinear] = {}
+    for parent, name, child in dense_linears(model):
+        if child.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        if id(child) not in done:
+            done[id(child)] = QuantLinear(child, huge_pages)
+        parent.register_module(name, done[id(child)])
+    return len(done)
+
+
+def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, linear) of `model`'s dense linears: QUANTIZED_NAMES outside the routed experts, and
+    lm_head; a linear under several parents comes once per parent."""
+    out = []
     for pname, parent in list(model.named_modules()):
         if ".experts" in f".{pname}":
             continue  # routed experts: their own formats (`shared_experts` does not match)
         for name, child in list(parent.named_children()):
             wanted = name in QUANTIZED_NAMES or (name == "lm_head" and pname == "")
-            if type(child) is not nn.Linear or not wanted:
-                continue
-            if child.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                continue
-            if id(child) not in done:
-                done[id(child)] = QuantLinear(child, huge_pages)
-            parent.register_module(name, done[id(child)])
-    return len(done)
+            if type(child) is nn.Linear and wanted:
+                out.append((parent, name, child))
+    return out
+
+
+def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
+    """An f32 model's dense linears (dense_linears) whose weights are all bf16 values, as a bf16
+    checkpoint's are once widened, keep bf16 weights: the native kernels widen each weight as they read
+    it (exactly: the same products), torch's path per call (engine/native/layers.py NativeLinear). A weight
+    another module shares (an LM head tied to the input embedding) stays as it is. Run after
+    `quantize_dense` and before `accelerate`, where the native kernels run; returns how many narrowed."""
+    linears = dense_linears(model)
+    shared = {
+        id(p)
+        for m in model.modules()
+        if type(m) is not nn.Linear
+        for p in m.parameters(recurse=False)
+    }
+    done = 0
+    for child in {id(c): c for _, _, c in linears}.values():
+        w = child.weight
+        if w.dtype != torch.float32 or id(w) in shared or w.device.type != "cpu":
+            continue
+        if bool((w.detach().view(torch.int32) & 0xFFFF).any()):
+            continue  # not bf16 values: narrowing would round
+        narrow = (
+            huge_empty(w.shape, torch.bfloat16)
+            if huge_pages
+            else torch.empty(w.shape, dtype=torch.bfloat16)
+        )
+        narrow.copy_(w.detach())
+        child.weight = nn.Parameter(narrow, requires_grad=False)
+        done += 1
+    return done

@@ -240,16 +240,19 @@ class FusedDecode:
             raise Unsupported(f"activations in {dtype} on {x.device.type}")
         fields = attention_fields(layer, next_norm, x, cos)
         if isinstance(layer.mlp, OffloadedMoeBlock):
-            fields.update(self._moe_fields(layer.mlp, x))
+            fields.update(self._moe_fields(layer.mlp, x, fields["proj_wtype"]))
         else:  # a dense layer (GLM-4-MoE's and DeepSeek-V3's first ones): its SwiGLU MLP alone
             fields.update(
-                swiglu_fields(layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP"),
+                swiglu_fields(
+                    layer.mlp, dtype, f"layer {layer.att.layer_idx}'s MLP", fields["proj_wtype"]
+                ),
                 router_kind=ROUTER_NONE,
             )
         return LayerSpec(**fields)
 
-    def _moe_fields(self, block: OffloadedMoeBlock, x: torch.Tensor) -> dict:
-        """The LayerSpec fields of a MoE block: its router, the pointer tables of its experts, its shared expert."""
+    def _moe_fields(self, block: OffloadedMoeBlock, x: torch.Tensor, wtype: int) -> dict:
+        """The LayerSpec fields of a MoE block: its router, the pointer tables of its experts, its shared expert
+        (whose float weights share the layer's proj_wtype, `wtype`)."""
         dtype, where = x.dtype, f"layer {block.layer}"
         if type(block.adapter) is not BlockAdapter or not block.plain_output:
             raise Unsupported(f"{where}: not a plain routed MoE block")
@@ -293,7 +296,7 @@ class FusedDecode:
         )
         shared = shared_expert(block)
         if shared is not None:
-            fields.update(swiglu_fields(shared, dtype, f"{where}'s shared expert"))
+            fields.update(swiglu_fields(shared, dtype, f"{where}'s shared expert", wtype))
             gate = block._modules.get("shared_expert_gate")
             if gate is not None:
                 gate_w, gate_b, gate_s = linear_weights(gate, dtype)

@@ -116,7 +116,7 @@ def attention_fields(layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Ten
     p = [t.data_ptr() if t is not None else None for t in (w for trio in projections for w in trio)]
     return dict(
         xtype=X_CODES[dtype],
-        proj_wtype=W_CODES[dtype],
+        proj_wtype=proj_wtype([w for w, _, s in projections if s is None], dtype),
         norm_wtype=W_CODES[norm_dtypes.pop()],
         H=x.shape[-1],
         hq=hq,
@@ -228,9 +228,19 @@ def shared_expert(block: OffloadedMoeBlock) -> nn.Module | None:
     return block._modules.get("shared_experts") if shared is None else shared
 
 
-def swiglu_fields(mlp: Any, dtype: torch.dtype, what: str) -> dict:
+def proj_wtype(weights: list[torch.Tensor], dtype: torch.dtype) -> int:
+    """The W_* code of a layer's float projection weights (one for all of them: decode_layer.c's proj_wtype);
+    `dtype`'s where there are none (every projection int8)."""
+    dtypes = {w.dtype for w in weights} or {dtype}
+    if len(dtypes) != 1:
+        raise Unsupported("projection weights of several dtypes")
+    return W_CODES[dtypes.pop()]
+
+
+def swiglu_fields(mlp: Any, dtype: torch.dtype, what: str, wtype: int) -> dict:
     """The LayerSpec sh_* fields of a SwiGLU MLP (gate_proj, up_proj, down_proj without biases, SiLU), run as
-    its forward runs it; raises Unsupported for another form."""
+    its forward runs it; raises Unsupported for another form. `wtype`: the layer's proj_wtype
+    (attention_fields'), which its float weights must share."""
     act = getattr(mlp, "act_fn", None)
     if type(act).__name__ not in ("SiLUActivation", "SiLU") or not all(
         isinstance(getattr(mlp, n, None), (nn.Linear, QuantLinear))
@@ -242,6 +252,9 @@ def swiglu_fields(mlp: Any, dtype: torch.dtype, what: str) -> dict:
     )
     if gb is not None or ub is not None or db is not None:
         raise Unsupported(f"{what} has biases")
+    own = proj_wtype([w for w, s in ((gate, gs), (up, us), (down, ds)) if s is None], dtype)
+    if own != wtype and any(s is None for s in (gs, us, ds)):
+        raise Unsupported(f"{what}: weights in another dtype than the attention projections'")
     return dict(
         sh_gate=gate.data_ptr(),
         sh_up=up.data_ptr(),
@@ -299,8 +312,9 @@ def linear_weights(
     if type(proj) not in (nn.Linear, NativeLinear):
         raise Unsupported(f"a projection of type {type(proj).__name__}")
     w, b = proj.weight, proj.bias
+    widened = dtype == torch.float32 and w.dtype == torch.bfloat16  # quant_linear.narrow_dense
     if (
-        w.dtype != dtype
+        (w.dtype != dtype and not widened)
         or not w.is_contiguous()
         or w.device.type != "cpu"
         or (b is not None and (b.dtype != dtype or not b.is_contiguous()))
