@@ -11,7 +11,8 @@ and the dispatcher's own measurement (engine/native/autotune.py).
 Random weights (a benchmark stand-in; weights cannot be downloaded). f32, cache 1.0, RAM tier.
 `--stored bf16` stores the checkpoint in bf16, as every released checkpoint is, and still computes in
 f32 (transformers widens it at load): the engine then keeps the experts' bf16 bytes and widens them in
-registers (EngineConfig.bf16_expert_slots), and a `--no-bf16-expert-slots` cell runs beside it.
+registers (EngineConfig.bf16_expert_slots, and bf16_dense for the dense linears), and cells with
+`--no-bf16-expert-slots` and `--no-bf16-dense` run beside it.
 
     python -m bench.cpu_paths --out docs/benchmarks/cpu_paths.md
 """
@@ -37,6 +38,7 @@ CELLS: dict[str, dict[str, Any]] = {
     "transformers generate": {},
     "engine defaults": {},
     "--no-bf16-expert-slots": dict(bf16_expert_slots=False),  # --stored bf16 only
+    "--no-bf16-dense": dict(bf16_dense=False),  # --stored bf16 only
     "--native-kernels off": dict(native_kernels="off"),
     "--forward lean": dict(forward="lean", native_kernels="on"),
     "--forward transformers": dict(forward="transformers"),
@@ -149,8 +151,8 @@ def main() -> None:
     ckpt = checkpoint(args.work, "mid", stored)
     builds = [v.name for v in runnable()]
     cells = [c for c in CELLS if not c.startswith("--native-build") or c.split()[-1] in builds]
-    if args.stored == "f32":  # the same slots as the defaults'
-        cells.remove("--no-bf16-expert-slots")
+    if args.stored == "f32":  # the same weights as the defaults'
+        cells = [c for c in cells if c not in ("--no-bf16-expert-slots", "--no-bf16-dense")]
     if args.cells:
         cells = [c for c in cells if c in args.cells.split(",")]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in cells}
