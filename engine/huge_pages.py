@@ -57,6 +57,19 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buf[start : start + nbytes].view(dtype).view(shape)
 
 
+def empty(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    huge_pages: bool,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """An uninitialized tensor: huge_empty where `huge_pages` asks for it and it is on the CPU, else a
+    plain torch.empty (EngineConfig.huge_pages decides, per buffer the decode streams)."""
+    if huge_pages and torch.device(device).type == "cpu":
+        return huge_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def rehome_untouched(t: torch.Tensor) -> torch.Tensor:
     """A huge-page-advised replacement for `t`, a CPU tensor whose values do not matter yet (just
     allocated, to be filled): the same shape and dtype, or `t` itself where it is too small or not on

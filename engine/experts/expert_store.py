@@ -23,7 +23,7 @@ from typing import cast
 import torch
 
 from engine.experts.residency import INF, LANDED, EvictableView, Residency
-from engine.huge_pages import huge_empty
+from engine.huge_pages import empty
 from engine.stats import EngineStats
 from policies.base import EvictionPolicy
 
@@ -102,11 +102,7 @@ class ExpertStore:
         self.n_slots = n_slots
         # [n_slots, 3*I*H]; `slots` given: an existing buffer serves as the pool (zero-copy, see adopt).
         self.slots = (
-            slots
-            if slots is not None
-            else huge_empty((n_slots, numel), dtype)
-            if huge_pages and device.type == "cpu"
-            else torch.empty((n_slots, numel), dtype=dtype, device=device)
+            slots if slots is not None else empty((n_slots, numel), dtype, huge_pages, device)
         )
         self.eviction = eviction
         self.stats = stats

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from engine.experts.link import EmulatedLink
 from engine.experts.uncached_io import UncachedReader
-from engine.huge_pages import huge_empty
+from engine.huge_pages import empty
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import SegmentLocator
 
@@ -89,11 +89,7 @@ class RamTier(SlowTier):
         self.pageable_bytes = 0  # bytes of a tier meant to be pinned that are pageable
         self.pin_error: str | None = None
         if not pin:
-            self._chunks = [
-                huge_empty((rows, numel), dtype)
-                if huge_pages
-                else torch.empty((rows, numel), dtype=dtype)
-            ]
+            self._chunks = [empty((rows, numel), dtype, huge_pages)]
         else:
             per = max(1, chunk_bytes // row_bytes)
             budget = _pin_limit() if pin_limit is None else pin_limit

@@ -21,6 +21,7 @@ from engine.native.autotune import DecodeShapes, measured
 from engine.native.build import build, compiler, library_path
 from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
 from engine.native.row_kernels import native_rows_allowed
+from engine.native.row_ops import reads_weights
 from engine.native.variants import by_name, runnable
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,7 @@ def few_row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     step whose rows take the native kernels, w contiguous), else None: the caller keeps torch's path. Each
     row's result is the one a single row gets, whatever m: a verification window's rows compute as plain
     decode rows do."""
-    widened = x.dtype == torch.float32 and w.dtype == torch.bfloat16
-    if (x.dtype != w.dtype and not widened) or not w.is_contiguous():
+    if not reads_weights(w.dtype, x.dtype) or not w.is_contiguous():
         return None
     kernels = usable(x)
     return kernels.gemv(x, w) if kernels is not None else None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.huge_pages import huge_empty
+from engine.huge_pages import empty, huge_empty
 from engine.native.loaded import usable
 
 DENSE_QUANTS = ("none", "int8")
@@ -129,12 +129,7 @@ def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
             continue
         if bool((w.detach().view(torch.int32) & 0xFFFF).any()):
             continue  # not bf16 values: narrowing would round
-        narrow = (
-            huge_empty(w.shape, torch.bfloat16)
-            if huge_pages
-            else torch.empty(w.shape, dtype=torch.bfloat16)
-        )
-        narrow.copy_(w.detach())
+        narrow = empty(tuple(w.shape), torch.bfloat16, huge_pages).copy_(w.detach())
         child.weight = nn.Parameter(narrow, requires_grad=False)
         done += 1
     return done

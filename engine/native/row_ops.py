@@ -15,6 +15,14 @@ from engine.native.signatures import declare
 
 W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
+
+
+def reads_weights(w: torch.dtype, x: torch.dtype) -> bool:
+    """Whether the float kernels take weights in `w` for activations in `x`: the same dtype, or bf16
+    weights for f32 rows (widened exactly as they are read: an f32 model's bf16 weights)."""
+    return w == x or (w == torch.bfloat16 and x == torch.float32)
+
+
 MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
 
 

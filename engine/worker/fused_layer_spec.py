@@ -16,6 +16,7 @@ from engine.native.kernels import W_CODES, X_CODES, NativeKernels
 from engine.native.layers import NativeLinear, NativeRMSNorm
 from engine.native.quant_linear import QuantLinear
 from engine.native.router import NativeTopKRouter, same_routing
+from engine.native.row_ops import reads_weights
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 MAX_TOPK = 64  # decode_layer.c's limits: experts a row, and rows a step
@@ -312,9 +313,8 @@ def linear_weights(
     if type(proj) not in (nn.Linear, NativeLinear):
         raise Unsupported(f"a projection of type {type(proj).__name__}")
     w, b = proj.weight, proj.bias
-    widened = dtype == torch.float32 and w.dtype == torch.bfloat16  # quant_linear.narrow_dense
     if (
-        (w.dtype != dtype and not widened)
+        not reads_weights(w.dtype, dtype)  # bf16 weights of an f32 model: quant_linear.narrow_dense
         or not w.is_contiguous()
         or w.device.type != "cpu"
         or (b is not None and (b.dtype != dtype or not b.is_contiguous()))
