@@ -14,6 +14,11 @@ f32 (transformers widens it at load): the engine then keeps the experts' bf16 by
 registers (EngineConfig.bf16_expert_slots, and bf16_dense for the dense linears), and cells with
 `--no-bf16-expert-slots` and `--no-bf16-dense` run beside it.
 
+`--emulate avx2` runs every cell as on a CPU without AVX-512: torch's own kernels, oneDNN and MKL are
+capped at AVX2 (their documented environment switches, set for each cell's process), and the engine's
+dispatcher measures only the builds an AVX2 CPU runs (EngineConfig.native_build_limit). The memory system
+stays this machine's, so the page says the CPU was emulated, not which it was.
+
     python -m bench.cpu_paths --out docs/benchmarks/cpu_paths.md
 """
 
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -48,9 +55,19 @@ CELLS: dict[str, dict[str, Any]] = {
     "--native-build avx2": dict(native_kernels="on", native_build="avx2"),
     "--native-build portable": dict(native_kernels="on", native_build="portable"),
 }
+# --emulate: torch's, oneDNN's and MKL's own switches for the widest instructions they may use.
+EMULATE_ENV: dict[str, dict[str, str]] = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+}
 
 
-def worker(ckpt: Path, cell: str, tokens: int, repeats: int, threads: int) -> dict[str, Any]:
+def worker(
+    ckpt: Path, cell: str, tokens: int, repeats: int, threads: int, emulate: str | None
+) -> dict[str, Any]:
     """One cell in this process: its best decode tok/s of `repeats` generates after a warm-up."""
     torch.set_num_threads(threads)
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
@@ -62,13 +79,18 @@ def worker(ckpt: Path, cell: str, tokens: int, repeats: int, threads: int) -> di
 
         hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
         hf_decode_tps(hf, prompt, 8)
-        return {"tps": max(hf_decode_tps(hf, prompt, tokens) for _ in range(repeats)), "plan": {}}
+        return {
+            "tps": max(hf_decode_tps(hf, prompt, tokens) for _ in range(repeats)),
+            "plan": {},
+            "torch_isa": torch.backends.cpu.get_cpu_capability(),
+        }
     from engine.config import EngineConfig
     from engine.core.completion import generate
     from engine.worker.loader import load_model
     from engine.worker.sampling import SamplingParams
 
-    om = load_model(ckpt, EngineConfig(cache_fraction=1.0, dtype="float32", **CELLS[cell]))
+    limit = {"native_build_limit": emulate} if emulate else {}
+    om = load_model(ckpt, EngineConfig(cache_fraction=1.0, dtype="float32", **limit, **CELLS[cell]))
     try:
         params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
         generate(om, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -77,6 +99,7 @@ def worker(ckpt: Path, cell: str, tokens: int, repeats: int, threads: int) -> di
             "tps": max(r.decode_tokens_per_s for r in runs),
             "tokens": runs[0].token_ids,
             "plan": om.plan.to_dict(),
+            "torch_isa": torch.backends.cpu.get_cpu_capability(),
         }
     finally:
         om.close()
@@ -92,7 +115,11 @@ def run_cell(args: argparse.Namespace, ckpt: Path, cell: str) -> dict[str, Any]:
         "--threads",
         str(args.threads),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ)
+    if args.emulate:
+        cmd += ["--emulate", args.emulate]
+        env.update(EMULATE_ENV[args.emulate])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": tail}
@@ -129,6 +156,11 @@ def main() -> None:
         default="f32",
         help="the checkpoint's stored dtype; every cell computes in f32 (default f32; bf16: as released checkpoints are)",
     )
+    ap.add_argument(
+        "--emulate",
+        choices=tuple(EMULATE_ENV),
+        help="run every cell as on a CPU with at most these instructions: torch, oneDNN and MKL capped by their own switches, the engine by --native-build-limit (default: this CPU as it is)",
+    )
     ap.add_argument("--out", type=Path, help="write the report (Markdown, and JSON beside it) here")
     ap.add_argument(
         "--cells", help="comma-separated cell names to run (default: every cell this CPU can run)"
@@ -139,7 +171,14 @@ def main() -> None:
     if args.worker:
         print(
             json.dumps(
-                worker(args.checkpoint, args.worker, args.tokens, args.repeats, args.threads)
+                worker(
+                    args.checkpoint,
+                    args.worker,
+                    args.tokens,
+                    args.repeats,
+                    args.threads,
+                    args.emulate,
+                )
             )
         )
         return
@@ -149,7 +188,7 @@ def main() -> None:
 
     stored = torch.bfloat16 if args.stored == "bf16" else torch.float32
     ckpt = checkpoint(args.work, "mid", stored)
-    builds = [v.name for v in runnable()]
+    builds = [v.name for v in runnable(limit=args.emulate or "auto")]
     cells = [c for c in CELLS if not c.startswith("--native-build") or c.split()[-1] in builds]
     if args.stored == "f32":  # the same weights as the defaults'
         cells = [c for c in cells if c not in ("--no-bf16-expert-slots", "--no-bf16-dense")]
@@ -182,8 +221,9 @@ def main() -> None:
         ran = (
             f"{plan['forward']['chosen']}; native {plan['native kernels']['chosen']}"
             + (
-                f" ({plan['native kernels']['why'].split(',')[0].split('build ')[-1]})"
-                if plan["native kernels"]["chosen"] == "on"
+                f" (build {build.group(1)})"
+                if (build := re.search(r"build (\S+)", plan["native kernels"]["why"]))
+                and plan["native kernels"]["chosen"] == "on"
                 else ""
             )
             if plan
@@ -221,12 +261,20 @@ def main() -> None:
         if f in flags
     )
     s = SHAPES["mid"]
+    torch_isa = sorted({r["torch_isa"] for rs in res.values() for r in rs if "torch_isa" in r})
+    emulated = (
+        f" **Emulated {args.emulate}-only CPU**: torch's kernels ran at {'/'.join(torch_isa)} (its own report); every cell ran with {', '.join(f'{k}={v}' for k, v in EMULATE_ENV[args.emulate].items())} "
+        f"and the engine with `--native-build-limit {args.emulate}`; the memory system is this CPU's."
+        if args.emulate
+        else ""
+    )
     header = (
-        f"CPU: {cpu_model()} ({isa}; builds it runs: {', '.join(builds)}), {platform.machine()}, torch {torch.__version__}, "
+        f"CPU: {cpu_model()} ({isa}; builds the cells may run: {', '.join(builds)}), {platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} thread(s). Checkpoint: random qwen3_moe 'mid' (hidden {s['hidden']}, {s['num_layers']} layers, "
         f"{s['num_experts']} experts, top-{s['num_experts_per_tok']}, moe_intermediate {s['moe_intermediate_size']}; random weights, "
         f"a benchmark stand-in), stored in {args.stored}, computed in f32, cache 1.0, RAM tier. {args.tokens} greedy decode tokens a generate, the best of {args.repeats} "
         f"after a warm-up, each cell in its own process; {args.rounds} rounds in alternating order ({time.time() - t0:.0f} s)."
+        + emulated
     )
     write_report(args.out, header, lines, {"rounds": res, "fastest": fastest})
 

@@ -14,6 +14,8 @@ from engine.settings_file import YamlSection, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORWARDS = ("auto", "fused", "lean", "transformers")
+# The native kernels' builds, widest first (engine/native/variants.py VARIANTS), after auto.
+BUILDS = ("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable")
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,12 @@ class EngineConfig(YamlSection):
     native_build: str = setting(
         "auto",
         "which build of the native kernels runs: auto (default: the fastest this CPU runs, measured), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
-        choices=("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable"),
+        choices=BUILDS,
+    )
+    native_build_limit: str = setting(
+        "auto",
+        "the widest build --native-build auto may measure and choose: auto (default: every build this CPU runs), or avx512-bf16, avx512-vnni, avx512, avx2 or portable: that build and the narrower ones only (to see on a wide CPU what a narrower one would choose, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
+        choices=BUILDS,
     )
     decode_attention: str = setting(
         "auto",
@@ -248,13 +255,20 @@ class EngineConfig(YamlSection):
         for name, allowed in (
             ("forward", FORWARDS),
             ("native_kernels", ("auto", "on", "off")),
-            ("native_build", ("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable")),
+            ("native_build", BUILDS),
+            ("native_build_limit", BUILDS),
             ("decode_attention", ("auto", "native", "sdpa")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        if "auto" not in (self.native_build, self.native_build_limit) and BUILDS.index(
+            self.native_build
+        ) < BUILDS.index(self.native_build_limit):
+            raise ConfigError(
+                f"--native-build {self.native_build} is wider than --native-build-limit {self.native_build_limit}; drop one of them"
+            )
         if self.native_kernels == "off" and (
             self.forward == "fused" or self.decode_attention == "native"
         ):

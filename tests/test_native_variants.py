@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import BUILDS, EngineConfig
 from engine.errors import ConfigError
 from engine.native import autotune, loaded
 from engine.native import build as native_build
@@ -50,6 +51,18 @@ def test_the_portable_build_runs_everywhere_and_widest_comes_first() -> None:
         assert [v.name for v in runnable(avx2_only)] == ["avx2", "portable"]
         everything = frozenset(f for v in VARIANTS for f in v.needs)
         assert [v.name for v in runnable(everything)] == [v.name for v in VARIANTS]
+        # --native-build-limit: a wide CPU chooses among what a narrower one runs
+        assert [v.name for v in runnable(everything, "avx2")] == ["avx2", "portable"]
+        assert [v.name for v in runnable(avx2_only, "avx512")] == ["avx2", "portable"]
+    assert [v.name for v in runnable(frozenset(), "portable")] == ["portable"]
+
+
+def test_the_config_names_every_build() -> None:
+    assert BUILDS == ("auto", *(v.name for v in VARIANTS))
+    with pytest.raises(ConfigError, match="native_build_limit"):
+        EngineConfig(native_build_limit="sse9")
+    with pytest.raises(ConfigError, match="wider than --native-build-limit"):
+        EngineConfig(native_build="avx512", native_build_limit="avx2")
 
 
 @needs_cc
@@ -178,6 +191,7 @@ def test_auto_declines_native_kernels_that_measure_slower(monkeypatch, restore_c
 @needs_cc
 def test_a_named_build_runs_or_fails_in_one_line(restore_choice) -> None:
     assert "build portable" in use_native_kernels("on", None, "portable")
+    assert "build portable" in use_native_kernels("on", SHAPES, "auto", "portable")
     assert native() is not None and native().variant == "portable"  # type: ignore[union-attr]
     missing = [v for v in buildable() if v not in runnable()]
     if missing:  # a build this CPU lacks the instructions for: refused before it could fault

@@ -37,17 +37,20 @@ class _Choice:
 
 
 def use_native_kernels(
-    mode: str, shapes: DecodeShapes | None = None, build_name: str = "auto"
+    mode: str,
+    shapes: DecodeShapes | None = None,
+    build_name: str = "auto",
+    build_limit: str = "auto",
 ) -> str:
-    """Apply --native-kernels (auto, on, off) and --native-build to this process; returns what runs and why,
-    for the engine's plan. `shapes`: the model's decode shapes, for the measurement (None: no measurement,
-    the widest build this CPU runs). `on` without the kernels (no compiler) fails with one line, and so
-    does a build named that this CPU cannot run."""
+    """Apply --native-kernels (auto, on, off), --native-build and --native-build-limit to this process;
+    returns what runs and why, for the engine's plan. `shapes`: the model's decode shapes, for the
+    measurement (None: no measurement, the widest build this CPU runs). `on` without the kernels (no
+    compiler) fails with one line, and so does a build named that this CPU cannot run."""
     _Choice.resolved = True
     _Choice.enabled, _Choice.kernels = False, None
     if mode == "off":
         return "off: --native-kernels off (torch's kernels)"
-    builds, why = _builds(build_name)
+    builds, why = _builds(build_name, build_limit)
     if not builds:
         if mode == "on" or build_name != "auto":
             raise ConfigError(
@@ -69,8 +72,9 @@ def use_native_kernels(
     return f"on: {builds[name].describe()}{forced}; {m.line()}"
 
 
-def _builds(build_name: str) -> tuple[dict[str, NativeKernels], str]:
-    """The builds this CPU runs, widest first (or the one named), loaded; or none and why."""
+def _builds(build_name: str, limit: str = "auto") -> tuple[dict[str, NativeKernels], str]:
+    """The builds this CPU runs, widest first, no wider than `limit` (or the one named), loaded; or none
+    and why."""
     if build_name != "auto":
         variant = by_name(build_name)
         if variant not in runnable():
@@ -79,7 +83,7 @@ def _builds(build_name: str) -> tuple[dict[str, NativeKernels], str]:
             )
         names = [build_name]
     else:
-        names = [v.name for v in runnable()]
+        names = [v.name for v in runnable(limit=limit)]
     out: dict[str, NativeKernels] = {}
     why = "no build of the native kernels runs on this CPU"
     with ThreadPoolExecutor(len(names)) as pool:  # first use: the compilers run side by side

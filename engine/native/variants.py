@@ -85,7 +85,10 @@ def buildable() -> tuple[Variant, ...]:
     return tuple(v for v in VARIANTS if is_x86() or not v.x86_only)
 
 
-def runnable(flags: frozenset[str] | None = None) -> tuple[Variant, ...]:
-    """The variants this CPU has the instructions for, widest first."""
+def runnable(flags: frozenset[str] | None = None, limit: str = "auto") -> tuple[Variant, ...]:
+    """The variants this CPU has the instructions for, widest first; with `limit` a variant's name, only
+    that one and those narrower (EngineConfig.native_build_limit: a wider CPU choosing as a narrower one
+    would)."""
     have = cpu_flags() if flags is None else flags
-    return tuple(v for v in buildable() if set(v.needs) <= have)
+    widest = 0 if limit == "auto" else VARIANTS.index(by_name(limit))
+    return tuple(v for v in buildable() if set(v.needs) <= have and VARIANTS.index(v) >= widest)

@@ -164,6 +164,7 @@ def load_model(
         cfg.native_kernels if device.type == "cpu" else "off",
         decode_shapes(config, dtype, H, I, top_k, slots),
         cfg.native_build,
+        cfg.native_build_limit,
     )
     if (
         spec.by_structure
