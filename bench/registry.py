@@ -55,6 +55,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "the bigger-than-memory cells under memory cgroups (real-shapes --bigger-than-ram runs them)",
     ),
     Benchmark(
+        "eviction-replay",
+        "eviction_replay",
+        "one recorded decode's routing through each eviction policy, beside Belady's MIN",
+    ),
+    Benchmark(
         "kernels",
         "kernel_bench",
         "effective weight bandwidth of each decode kernel against this machine's memory bandwidth",
