@@ -100,7 +100,9 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
         loads = s["misses"] - first["stats"]["misses"]
         nbytes = clock["bytes"] - first["clock"]["bytes"]
         busy = clock["busy_seconds"] - first["clock"]["busy_seconds"]
-        expert_bytes = om.transfers.tier.locator.nbytes_on_disk(om.moe_layers[0], 0)
+        locator = om.transfers.tier.locator
+        expert_bytes = locator.nbytes_on_disk(om.moe_layers[0], 0)
+        read_file = str(locator.segments(om.moe_layers[0], 0)[0].path)  # what dd should read too
         seq = flatten(accesses)
         if spec.get("trace"):
             save_decode_trace(spec["trace"], routes, om)
@@ -115,6 +117,7 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
             "host_source": plan.host_source,
             "offload": plan.offload,
             "expert_bytes": expert_bytes,
+            "read_file": read_file,
             "loads_per_token": loads / decode_tokens,
             "bytes_per_token": nbytes / decode_tokens,
             "read_gb_s": nbytes / busy / 1e9 if busy else float("nan"),
@@ -431,8 +434,10 @@ def measure(
             mine = {"projected_tps": None, "n_slots": None, "text": str(e)}
         return plan, mine
 
-    # engine kind -> bytes of one expert read (known after its first cell)
+    # engine kind -> bytes of one expert read, and the file its experts are read from (the checkpoint,
+    # or the int8 sidecar), known after its first cell: dd reads the same file in the same blocks
     expert_sizes: dict[str, int] = {}
+    read_files: dict[str, Path] = {}
     try:
         for rnd in tqdm(range(0 if warmup else 1, rounds + 1), desc="rounds (0 is the warm-up)"):
             for c in todo:
@@ -440,14 +445,15 @@ def measure(
                 # The disk's O_DIRECT bandwidth right before and right after the cell (a shared disk's
                 # rate moves): the share divides by their mean, and both are reported.
                 block = dd_block(expert_sizes.get(c.engine))
-                before = dd_direct(shard(ckpt), block, DD_BYTES)
+                before = dd_direct(read_files.get(c.engine, shard(ckpt)), block, DD_BYTES)
                 e = run_engine(
                     dict(spec(c), trace=str(trace(c))),
                     cg,
                     [ckpt, Path(quant_dir)] if Path(quant_dir).exists() else [ckpt],
                 )
                 expert_sizes[c.engine] = e["expert_bytes"]
-                after = dd_direct(shard(ckpt), dd_block(e["expert_bytes"]), DD_BYTES)
+                read_files[c.engine] = Path(e["read_file"])
+                after = dd_direct(read_files[c.engine], dd_block(e["expert_bytes"]), DD_BYTES)
                 e["dd_before_gb_s"], e["dd_after_gb_s"] = before, after
                 e["dd_gb_s"] = (before + after) / 2
                 if (
@@ -633,7 +639,8 @@ def render(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
         "",
         f"Disk: `dd iflag=direct` on a checkpoint shard reads {dd['expert']:.2f} GB/s in blocks of one expert "
         f"({dd['expert_bytes'] / 1e6:.2f} MB) and {dd['1MiB']:.2f} GB/s in blocks of 1 MiB after the rounds; "
-        "the table's share divides each round's engine read rate by the mean of two 1 GiB dd runs in expert-sized blocks, "
+        "the table's share divides each round's engine read rate by the mean of two 1 GiB dd runs in expert-sized blocks "
+        "of the file that cell's experts are read from (the checkpoint, or the int8 sidecar; the checkpoint before a kind's first cell has run), "
         "one right before and one right after that engine cell (both in brackets, per round).",
     ]
     return lines
