@@ -187,8 +187,8 @@ def project(
         f"{costs.link_mb_per_s:g} MB/s + {costs.link_latency_s * 1e6:g} us, {costs.expert_bytes} B/expert read, cache {cache_fraction:.0%}, "
         f"{min(SIM_TOKENS, trace['ids'].shape[0])} tokens of "
         + (
-            "the embedded model's routing projected onto this shape (random or untrained routers "
-            "reuse experts less; real models more)"
+            "the embedded model's routing projected onto this shape (another model's routing: this one may "
+            "reuse experts more or less; `moe-offload trace` records its own, for `--trace`)"
             if Path(trace_path) == Path(DEFAULT_TRACE)
             else f"the routing in {Path(trace_path).name}, projected onto this shape"
         )
