@@ -327,6 +327,14 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             },
         ),
         (
+            "--dense-quant",
+            {
+                "default": "none",
+                "choices": ("none", "int8"),
+                "help": "dense linears (attention, dense and shared-expert MLPs, LM head) quantized as serve --dense-quant would; the dense pool shrinks by their codes (default none)",
+            },
+        ),
+        (
             "--quant-cache-dir",
             {
                 "metavar": "DIR",

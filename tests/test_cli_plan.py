@@ -214,3 +214,21 @@ def test_serve_plans_kv_for_the_limits_it_was_given(tmp_path) -> None:
     cfg.write_text("server:\n  max_running: 64\n")  # the default value, but given
     assert req("--config", str(cfg)) == KvRequest(None, 64)
     assert req("--config", str(cfg), "--max-running", "2") == KvRequest(None, 2)
+
+
+def test_plan_dense_quant_shrinks_the_dense_pool(tiny_ckpt, capsys) -> None:
+    """--dense-quant int8 as serve takes it: the dense pool holds the codes, and says so."""
+    model = str(tiny_ckpt("qwen3_moe"))
+    capsys.readouterr()
+
+    def dense(*extra: str) -> tuple[int, str]:
+        rc = main(["plan", "--model", model, "--device", "cpu", "--host-memory", "8GiB", *extra])
+        line = next(
+            ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["dense"]
+        )
+        assert rc == 0
+        return int(line.split()[2]), line
+
+    plain, _ = dense()
+    quant, line = dense("--dense-quant", "int8")
+    assert quant < plain and "less for linears held as int8" in line

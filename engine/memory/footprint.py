@@ -19,7 +19,10 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class Footprint:
     dtype: torch.dtype  # compute dtype
-    dense_bytes: int  # parameters outside the routed experts, in the compute dtype, held in memory
+    dense_bytes: (
+        int  # parameters outside the routed experts, held in memory: the compute dtype, less what
+    )
+    # --dense-quant and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved)
     slot_bytes: int  # one routed expert as the tiers store it
     expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)
     moe_layers: int
@@ -36,6 +39,8 @@ class Footprint:
     # Dense parameters left in the checkpoint, outside dense_bytes: the input embedding's table less
     # its row cache (engine/weights/disk_embedding.py), whose rows each step reads.
     dense_on_disk_bytes: int = 0
+    # Bytes the load's int8 or bf16 dense linears take off dense_bytes (already subtracted there).
+    dense_saved_bytes: int = 0
 
     @property
     def total_experts(self) -> int:
@@ -97,10 +102,11 @@ def footprint(
     moe_intermediate: int,
     tensors: dict[str, TensorLocation],
     dense_on_disk_bytes: int = 0,
+    dense_saved_bytes: int = 0,
 ) -> Footprint:
     """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
     the blocks' expert modules, whose parameters the tiers hold instead; `dense_on_disk_bytes` of its dense
-    parameters stay in the checkpoint."""
+    parameters stay in the checkpoint, and the load's narrower dense weights take `dense_saved_bytes` off."""
     routed = {id(p) for m in experts for p in m.parameters()}
     dense = (
         sum(
@@ -110,12 +116,14 @@ def footprint(
         )
         * _itemsize(dtype)
         - dense_on_disk_bytes
+        - dense_saved_bytes
     )
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(
         dtype=dtype,
         dense_bytes=dense,
+        dense_saved_bytes=dense_saved_bytes,
         slot_bytes=slot_bytes,
         expert_disk_bytes=expert_disk_bytes,
         moe_layers=len(experts),

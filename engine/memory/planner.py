@@ -173,6 +173,11 @@ def plan_memory(
                 f"; {fmt_bytes(fp.dense_on_disk_bytes)} of the input embedding stay in the checkpoint, rows read per step"
                 if fp.dense_on_disk_bytes
                 else ""
+            )
+            + (
+                f"; {fmt_bytes(fp.dense_saved_bytes)} less for linears held as int8 (--dense-quant) or bf16"
+                if fp.dense_saved_bytes > 0
+                else ""
             ),
         ),
         Pool("kv_cache", dense_where, kv, kv_why),

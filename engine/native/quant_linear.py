@@ -16,6 +16,8 @@ The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,6 +111,48 @@ def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return out
 
 
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters a module other than a linear holds (an embedding table an LM head is tied to)."""
+    return {
+        id(p)
+        for m in model.modules()
+        if type(m) is not nn.Linear
+        for p in m.parameters(recurse=False)
+    }
+
+
+def dense_bytes_saved(
+    model: nn.Module,
+    checkpoint_dtypes: Mapping[str, torch.dtype],
+    dense_quant: str,
+    narrow: bool,
+) -> int:
+    """Bytes the load's `quantize_dense` (per `dense_quant`) and, where `narrow`, `narrow_dense` take off
+    `model`'s dense linears held in the compute dtype, for the memory plan, from the model on the meta
+    device and the checkpoint's tensor dtypes by name. narrow_dense narrows an f32 weight whose values are
+    bf16, which a bf16 checkpoint tensor's are; a weight the headers do not name saves nothing. A tied
+    weight saves nothing, and int8 codes beside it add their bytes (the table keeps its float copy)."""
+    shared = _shared_weights(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    saved = 0
+    for child in {id(c): c for _, _, c in dense_linears(model)}.values():
+        w = child.weight
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        full = w.numel() * w.element_size()
+        if dense_quant == "int8":
+            codes = w.numel() + 2 * w.shape[0]  # int8 a weight, an fp16 scale a row
+            saved += -codes if id(w) in shared else full - codes
+        elif (
+            narrow
+            and w.dtype == torch.float32
+            and id(w) not in shared
+            and checkpoint_dtypes.get(f"{names.get(id(child), '')}.weight") == torch.bfloat16
+        ):
+            saved += full // 2
+    return saved
+
+
 def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     """An f32 model's dense linears (dense_linears) whose weights are all bf16 values, as a bf16
     checkpoint's are once widened, keep bf16 weights: the native kernels widen each weight as they read
@@ -116,12 +160,7 @@ def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     another module shares (an LM head tied to the input embedding) stays as it is. Run after
     `quantize_dense` and before `accelerate`, where the native kernels run; returns how many narrowed."""
     linears = dense_linears(model)
-    shared = {
-        id(p)
-        for m in model.modules()
-        if type(m) is not nn.Linear
-        for p in m.parameters(recurse=False)
-    }
+    shared = _shared_weights(model)
     done = 0
     for child in {id(c): c for _, _, c in linears}.values():
         w = child.weight
