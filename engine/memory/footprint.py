@@ -19,10 +19,9 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class Footprint:
     dtype: torch.dtype  # compute dtype
-    dense_bytes: (
-        int  # parameters outside the routed experts, held in memory: the compute dtype, less what
-    )
-    # --dense-quant and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved)
+    # Parameters outside the routed experts, held in memory: in the compute dtype, less what --dense-quant
+    # and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved).
+    dense_bytes: int
     slot_bytes: int  # one routed expert as the tiers store it
     expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)
     moe_layers: int

@@ -50,7 +50,7 @@ def plan_for_model(
         I,
         tensors,
         dense_on_disk_bytes,
-        dense_saved(model, tensors, dtype, cfg, device),
+        dense_saved(model, tensors, cfg, device),
     )
     dev = str(device) if device.type == "cuda" else "cpu"
     free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
@@ -70,20 +70,15 @@ def plan_for_model(
 def dense_saved(
     model: nn.Module,
     tensors: dict[str, TensorLocation],
-    dtype: torch.dtype,
     cfg: EngineConfig,
     device: torch.device,
 ) -> int:
     """Dense bytes the load will not hold in the compute dtype: --dense-quant int8 codes, and an f32
     model's bf16 dense weights where the native kernels read them (the loader's rule for narrow_dense)."""
-    from engine.native.loaded import native
-    from engine.native.quant_linear import dense_bytes_saved
+    from engine.native.quant_linear import dense_bytes_saved, narrows_dense
 
-    narrow = (
-        device.type == "cpu" and cfg.bf16_dense and dtype == torch.float32 and native() is not None
-    )
     dtypes = {name: t.dtype for name, t in tensors.items()}
-    return dense_bytes_saved(model, dtypes, cfg.dense_quant, narrow)
+    return dense_bytes_saved(model, dtypes, cfg.dense_quant, narrows_dense(cfg.bf16_dense, device))
 
 
 def print_plan(plan: MemoryPlan) -> None:
@@ -178,7 +173,7 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         I,
         tensors,
         embedding.nbytes - resident_bytes(embedding) if embedding else 0,
-        dense_saved(model, tensors, dtype, cfg, device),
+        dense_saved(model, tensors, cfg, device),
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -23,9 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.huge_pages import empty, huge_empty
-from engine.native.loaded import usable
+from engine.native.loaded import native, usable
 
 DENSE_QUANTS = ("none", "int8")
+FLOAT_WEIGHTS = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+)  # the weights quantize_dense quantizes
 # The nn.Linear names --dense-quant int8 quantizes: attention projections, SwiGLU MLPs (dense layers' and
 # shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
 # their weights: the router's kernels and the expert formats are their own (engine/experts/quant.py).
@@ -89,7 +94,7 @@ def quantize_dense(model: nn.Module, mode: str, huge_pages: bool = False) -> int
         raise ValueError(f"dense quant {mode!r}: use one of {', '.join(DENSE_QUANTS)}")
     done: dict[int, QuantLinear] = {}
     for parent, name, child in dense_linears(model):
-        if child.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if child.weight.dtype not in FLOAT_WEIGHTS:
             continue
         if id(child) not in done:
             done[id(child)] = QuantLinear(child, huge_pages)
@@ -121,6 +126,17 @@ def _shared_weights(model: nn.Module) -> set[int]:
     }
 
 
+def narrows_dense(bf16_dense: bool, device: torch.device) -> bool:
+    """Whether the load runs narrow_dense: EngineConfig.bf16_dense, on the CPU, with the native kernels,
+    which read bf16 weights for f32 rows."""
+    return bf16_dense and device.type == "cpu" and native() is not None
+
+
+def _narrowable(w: torch.Tensor, shared: set[int]) -> bool:
+    """An f32 weight no other module holds: narrow_dense's candidates (it then checks the values)."""
+    return w.dtype == torch.float32 and id(w) not in shared
+
+
 def dense_bytes_saved(
     model: nn.Module,
     checkpoint_dtypes: Mapping[str, torch.dtype],
@@ -129,15 +145,16 @@ def dense_bytes_saved(
 ) -> int:
     """Bytes the load's `quantize_dense` (per `dense_quant`) and, where `narrow`, `narrow_dense` take off
     `model`'s dense linears held in the compute dtype, for the memory plan, from the model on the meta
-    device and the checkpoint's tensor dtypes by name. narrow_dense narrows an f32 weight whose values are
-    bf16, which a bf16 checkpoint tensor's are; a weight the headers do not name saves nothing. A tied
-    weight saves nothing, and int8 codes beside it add their bytes (the table keeps its float copy)."""
+    device and the checkpoint's tensor dtypes by name (`narrow`: narrows_dense's answer). narrow_dense
+    narrows an f32 weight whose values are bf16, which a bf16 checkpoint tensor's are; a weight the headers
+    do not name saves nothing. A tied weight saves nothing, and int8 codes beside it add their bytes (the
+    table keeps its float copy)."""
     shared = _shared_weights(model)
     names = {id(m): n for n, m in model.named_modules()}
     saved = 0
     for child in {id(c): c for _, _, c in dense_linears(model)}.values():
         w = child.weight
-        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if w.dtype not in FLOAT_WEIGHTS:
             continue
         full = w.numel() * w.element_size()
         if dense_quant == "int8":
@@ -145,8 +162,7 @@ def dense_bytes_saved(
             saved += -codes if id(w) in shared else full - codes
         elif (
             narrow
-            and w.dtype == torch.float32
-            and id(w) not in shared
+            and _narrowable(w, shared)
             and checkpoint_dtypes.get(f"{names.get(id(child), '')}.weight") == torch.bfloat16
         ):
             saved += full // 2
@@ -164,7 +180,7 @@ def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     done = 0
     for child in {id(c): c for _, _, c in linears}.values():
         w = child.weight
-        if w.dtype != torch.float32 or id(w) in shared or w.device.type != "cpu":
+        if not _narrowable(w, shared) or w.device.type != "cpu":
             continue
         if bool((w.detach().view(torch.int32) & 0xFFFF).any()):
             continue  # not bf16 values: narrowing would round

@@ -44,7 +44,7 @@ from engine.memory.planner import KvRequest
 from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
 from engine.native.loaded import native, use_native_kernels
-from engine.native.quant_linear import narrow_dense, quantize_dense
+from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
@@ -261,7 +261,7 @@ def load_model(
     _materialize(model, config, spec, tensors, device, model_dir, cfg.huge_pages, embedding)
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
     quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
-    if device.type == "cpu" and native() is not None and cfg.bf16_dense:
+    if narrows_dense(cfg.bf16_dense, device):
         narrow_dense(model, cfg.huge_pages)  # f32 linears holding bf16 values: read as bf16
     if device.type == "cpu":
         accelerate(
