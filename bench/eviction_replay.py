@@ -39,11 +39,12 @@ def accesses(ids: Sequence[Sequence[Sequence[int]]], num_experts: int) -> list[l
 
 
 def replay(
-    keys: list[list[list[int]]], slots: int, policy: EvictionPolicy, warm: int
+    keys: list[list[list[int]]], slots: int, policy: EvictionPolicy, warm: int, num_experts: int
 ) -> tuple[int, set[int]]:
-    """Loads `policy` makes in the tokens from `warm` on, and the residents as they start."""
-    layers = len(keys[0]) if keys else 0
-    policy.bind(list(range(layers)), max((k for t in keys for lk in t for k in lk), default=0) + 1)
+    """Loads `policy` makes in the tokens from `warm` on, and the residents as they start. The policy is
+    bound as the store binds it: the layers in forward order and `num_experts` a layer (reuse distance
+    reads a key's layer from it)."""
+    policy.bind(list(range(len(keys[0]) if keys else 0)), num_experts)
     resident: set[int] = set()
     start: set[int] = set()
     loads = 0
@@ -67,7 +68,7 @@ def replay(
     return loads, start
 
 
-def table(keys: list[list[list[int]]], slots: int, warm: int) -> list[str]:
+def table(keys: list[list[list[int]]], slots: int, warm: int, num_experts: int) -> list[str]:
     counted = keys[warm:]
     seq = [k for token in counted for layer in token for k in layer]
     n = len(counted)
@@ -76,7 +77,7 @@ def table(keys: list[list[list[int]]], slots: int, warm: int) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, make in POLICIES.items():
-        loads, start = replay(keys, slots, make(), warm)
+        loads, start = replay(keys, slots, make(), warm, num_experts)
         best = min_loads(seq, slots, start)
         lines.append(f"| {name} | {loads / n:.2f} | {best / n:.2f} | {loads / max(best, 1):.2f}× |")
     return lines
@@ -99,13 +100,14 @@ def main() -> None:
     ids = trace["ids"].tolist()
     if args.slots < 1 or not 0 <= args.warm < len(ids):
         ap.error(f"--slots must be >= 1 and --warm below the trace's {len(ids)} tokens")
-    keys = accesses(ids, int(trace["meta"]["num_experts"]))
+    num_experts = int(trace["meta"]["num_experts"])
+    keys = accesses(ids, num_experts)
     distinct = len({k for t in keys for layer in t for k in layer})
     print(
         f"{args.trace.name}: {len(ids)} tokens, {len(keys[0])} layers, {distinct} distinct experts; "
         f"{args.slots} slots; loads counted from token {args.warm}"
     )
-    print("\n".join(table(keys, args.slots, args.warm)))
+    print("\n".join(table(keys, args.slots, args.warm, num_experts)))
 
 
 if __name__ == "__main__":
