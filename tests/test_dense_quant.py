@@ -15,7 +15,7 @@ from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.native.loaded import native
 from engine.native.quant_linear import QuantLinear, quantize_dense, quantize_rows
-from engine.native.row_kernels import few_row_kernels
+from engine.native.row_kernels import native_rows
 from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
 from engine.worker.lean_forward import LeanForward
@@ -63,7 +63,7 @@ def test_quant_linear_rows_compute_as_one_row_does(dtype: torch.dtype) -> None:
         alone = torch.cat([ql(x[i : i + 1]) for i in range(16)])
         assert torch.equal(together, alone)
         ref = lin(x).float()
-        with few_row_kernels(False):  # torch's path: (x q^T) * s
+        with native_rows(False):  # torch's path: (x q^T) * s
             torch_path = ql(x).float()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     scale = ref.abs().max()

@@ -96,8 +96,8 @@ def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: s
             start += len(window)
             window = [int(got.argmax())]
         layers = om.config.num_hidden_layers
-        assert calls["qk_norm_rope"] == 5 * layers, (
-            "the decode steps should take the fused q/k call"
+        assert calls["qk_norm_rope"] == 6 * layers, (
+            "every step, the 6-row prompt too, should take the fused q/k call"
         )
         assert calls["add_rmsnorm"] == 6 * 2 * layers, (
             "and the fused residual add + norm (the 6-row prompt too)"
@@ -173,8 +173,8 @@ def test_native_decode_attention_agrees_with_packed_forward(
             assert int(got.argmax()) == int(want.argmax())
             start += len(window)
             window = [int(want.argmax())]
-        assert calls[0] == 7 * om.config.num_hidden_layers, (
-            "every decode step's layers take the native attention"
+        assert calls[0] == 8 * om.config.num_hidden_layers, (
+            "every step's layers, the prompt's too, take the native attention"
         )
         assert ours.get_seq_length() == ref.get_seq_length() == start
         for a, b in zip(ours.layers, ref.layers):  # the cache holds the same keys and values
@@ -184,29 +184,46 @@ def test_native_decode_attention_agrees_with_packed_forward(
         om.close()
 
 
-def test_long_contexts_attend_through_sdpa(tiny_ckpt, monkeypatch) -> None:
-    """Past NATIVE_ATTENTION_MAX_POSITIONS cached positions the torch path takes over, on the same cache."""
-    import engine.worker.lean_forward as lean_module
-
-    monkeypatch.setattr(lean_module, "NATIVE_ATTENTION_MAX_POSITIONS", 8)
-    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=1.0, dtype="float32"))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_compute_alike_whatever_the_chunking(tiny_ckpt, arch: str, dtype: str) -> None:
+    """Batch invariance of the layer-by-layer path: a sequence fed as one prompt chunk, in chunks of 3
+    (chunked prefill, a verification window), or token by token (decode), and beside another request's
+    rows, gives every position bit-identical logits and KV: each row's attention, linears, norms, router
+    and experts compute as the row alone would."""
+    om = load_model(tiny_ckpt(arch), EngineConfig(cache_fraction=1.0, dtype=dtype))
     try:
-        calls = _count_native_attention(monkeypatch)
-        lean = LeanForward(om.model, fused=False)  # the layer-by-layer path's hand-over
-        ours, ref = new_kv_cache(om.config), DynamicCache(config=om.config)
-        window, start, native_steps = [5, 9, 11], 0, []
-        for _step in range(10):
-            before = calls[0]
-            got = lean([window], [start], [ours], [[len(window) - 1]], om.device)[0]
-            want = packed_forward(
-                om.model, [window], [start], [ref], [[len(window) - 1]], om.device
-            )[0]
-            assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
-            native_steps.append(calls[0] > before)
-            start += len(window)
-            window = [int(want.argmax())]
-        # prompt (3 rows): torch; decode steps at 3..7 cached positions: native (once the norms verified); from 8 on: SDPA
-        assert any(native_steps[1:6]) and not any(native_steps[6:])
+        lean = LeanForward(om.model, fused=False)
+        seq = [5, 9, 11, 7, 6, 3, 12, 8, 4, 10, 2]
+        lean([[3, 4, 5]], [0], [new_kv_cache(om.config)], [[2]], om.device)  # first-call checks
+
+        def run(chunks: list[int], beside: bool) -> tuple[torch.Tensor, list]:
+            cache, other, start, rows = new_kv_cache(om.config), new_kv_cache(om.config), 0, []
+            for n in chunks:
+                window = seq[start : start + n]
+                keep = list(range(n))
+                if beside:  # another request's two rows in the same step
+                    at = other.get_seq_length()
+                    out = lean(
+                        [window, [7, 8]], [start, at], [cache, other], [keep, [1]], om.device
+                    )[0]
+                else:
+                    out = lean([window], [start], [cache], [keep], om.device)[0]
+                rows.append(out)
+                start += n
+            return torch.cat(rows), [
+                (layer.keys.clone(), layer.values.clone()) for layer in cache.layers
+            ]
+
+        ref_logits, ref_kv = run([len(seq)], beside=False)
+        for chunks, beside in (([1] * len(seq), False), ([3, 3, 3, 2], False), ([4, 1, 6], True)):
+            logits, kv = run(chunks, beside)
+            assert torch.equal(logits, ref_logits), (
+                f"{chunks}: max |Δ| {(logits - ref_logits).abs().max()}"
+            )
+            assert all(
+                torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(kv, ref_kv)
+            )
     finally:
         om.close()
 

@@ -12,7 +12,7 @@ from engine.experts.expert_kernels import GptOssKernel
 from engine.experts.native_mxfp4 import NativeMxfp4Moe, native_experts
 from engine.experts.native_quant import Mxfp4GptOssFormat
 from engine.native.loaded import load_build, native
-from engine.native.row_kernels import few_row_kernels
+from engine.native.row_kernels import native_rows
 from engine.native.variants import runnable
 
 pytestmark = pytest.mark.skipif(
@@ -107,7 +107,7 @@ def test_native_experts_picks_the_mxfp4_kernel_and_declines_other_shapes() -> No
     assert moe is not None
     x = torch.randn(2, H).bfloat16()
     assert moe.accepts(x) and not moe.accepts(x.float())  # the compute dtype only
-    with few_row_kernels(False):  # a step of prompt rows: torch
+    with native_rows(False):  # a step of prompt rows: torch
         assert not moe.accepts(x)
 
 

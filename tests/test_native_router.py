@@ -10,7 +10,7 @@ from tiny_models import load_reference
 
 from engine.native.loaded import native
 from engine.native.router import NativeTopKRouter
-from engine.native.row_kernels import few_row_kernels
+from engine.native.row_kernels import native_rows
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe"])
@@ -47,7 +47,7 @@ def test_native_router_matches_the_routers_forward(
         for r in range(3):
             one = fast(rows[r : r + 1])
             assert one is not None and all(torch.equal(a[r : r + 1], b) for a, b in zip(many, one))
-        with few_row_kernels(False):
+        with native_rows(False):
             assert fast(rows) is None
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.native.loaded import few_row_gemv
+from engine.native.loaded import row_gemv
 from engine.native.row_kernels import native_rows_allowed
 
 View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
@@ -57,7 +57,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     computes as single decode rows do), and bf16 streams faster than torch's single-row paths
     (docs/benchmarks/kernels.md); torch.mv for one bf16 row where the native kernels are off (8.7 GB/s
     against F.linear's 6.3)."""
-    y = few_row_gemv(x, w)
+    y = row_gemv(x, w)
     if y is not None:
         return y
     if (

@@ -154,6 +154,22 @@ static int project(const layer_spec_t *L, const void *w, const uint16_t *s, cons
     return rc;
 }
 
+/* a[i] = silu(g[i]) * u[i] for n elements in x's dtype, rounded where a bf16 reference rounds (the activation and
+ * the product): a SwiGLU MLP's middle, element by element in one way, so a row's result never depends on the rows
+ * beside it (torch's vectorised silu rounds an element by where it falls in the tensor: engine/native/layers.py). */
+void silu_mul(const void *g, const void *u, int xtype, int64_t n, void *a) {
+    for (int64_t i = 0; i < n; i++) x_set(a, xtype, i, as_x(silu(x_get(g, xtype, i)), xtype) * x_get(u, xtype, i));
+}
+
+/* y[r] = sigmoid(gate[r]) * s[r] for R rows of H (gate [R] and s, y [R, H] in x's dtype), rounded where a bf16
+ * reference rounds (the sigmoid, the product): Qwen2-MoE's gated shared expert, as add_shared_expert gates it. */
+void sigmoid_gate_rows(const void *gate, const void *s, int xtype, int64_t R, int64_t H, void *y) {
+    for (int64_t r = 0; r < R; r++) {
+        float sg = as_x(sigmoid(x_get(gate, xtype, r)), xtype);
+        for (int64_t i = r * H; i < (r + 1) * H; i++) x_set(y, xtype, i, sg * x_get(s, xtype, i));
+    }
+}
+
 /* y += [sigmoid(h . g)] * down(silu(gate h) * up h) for each of R rows, each step rounded where Qwen2-MoE's bf16
  * reference rounds it (each projection's output, the activation, the product, the gate's sigmoid and product, the
  * sum); `mem` holds the intermediates (decode_layer_work_bytes counts them), `scratch` is gemv's. Returns gemv's
@@ -168,7 +184,7 @@ static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, vo
     int rc = project(L, L->sh_gate, L->sh_gate_s, NULL, I, H, R, h, g, scratch, nthreads);
     rc = rc ? rc : project(L, L->sh_up, L->sh_up_s, NULL, I, H, R, h, u, scratch, nthreads);
     if (rc) return rc;
-    for (int64_t i = 0; i < R * I; i++) x_set(a, xt, i, as_x(silu(x_get(g, xt, i)), xt) * x_get(u, xt, i));
+    silu_mul(g, u, xt, R * I, a);
     rc = project(L, L->sh_down, L->sh_down_s, NULL, H, I, R, a, s, scratch, nthreads);
     if (!rc && L->sh_gate_w != NULL) rc = project(L, L->sh_gate_w, NULL, NULL, 1, H, R, h, gate, scratch, nthreads);
     if (rc) return rc;
@@ -258,4 +274,21 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
     if (L->sh_gate != NULL && (rc = add_shared_expert(L, R, h, y, shared, scratch, nthreads)) != 0) return rc;
     add_rmsnorm(x, y, xt, R, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
     return 0;
+}
+
+/* T consecutive rows of one sequence through decode_attention (cpu_gemv.c), in order: row r's key and value go to
+ * position at + r, and it attends to positions 0..at + r, exactly as a decode row at that position does alone. So a
+ * prompt's rows, a verification window's and a decode row each compute the same way whatever shares the step; the
+ * fused step (decode_layer above) calls decode_attention the same way. q [T, hq, d], k and v [T, hk, d] (q and k are
+ * normed and rotated in place), cos/sin [T, rot] (NULL when rot is 0), out [T, hq, d]: contiguous, in x's dtype. The
+ * KV buffers [hk, cap, d] must have room for at + T positions. work: (hq / hk) * (at + T + 2 d) floats. */
+void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
+                    const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
+                    const void *sin, void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs, kd = (size_t)(hk * d) * xs, rs = (size_t)rot * xs;
+    for (int64_t r = 0; r < T; r++)
+        decode_attention((char *)q + r * qd, (char *)k + r * kd, (const char *)v + r * kd, xtype, hq, hk, d, qw, kw,
+                         wtype, q_eps, k_eps, rot, cos ? (const char *)cos + r * rs : NULL,
+                         sin ? (const char *)sin + r * rs : NULL, kbuf, vbuf, cap, at + r, scale, (char *)out + r * qd,
+                         work);
 }

@@ -1,11 +1,11 @@
-"""Dense layers of a model on the CPU through the native kernels, for steps with few rows.
+"""Dense layers of a model on the CPU through the native kernels, for every row of every step.
 
 - `NativeLinear` (f32 and bf16 models): attention projections, shared experts, lm_head. torch's bf16
   `F.linear` for one row streams 5-6 GB/s on this project's machine against 8-9 for the native
   kernel's AVX-512 BF16 dot products (docs/benchmarks/kernels.md). And torch's result for a row
   depends on how many rows share the call (its one-row and many-row kernels sum in other orders),
-  where the native kernel's does not: a verification window's rows then compute as single decode
-  rows do, so speculative decoding stays exact. The layer stays an `nn.Linear` (isinstance checks
+  where the native kernel's does not: a verification window's rows and a prompt's rows then compute
+  as single decode rows do, so speculation, batching and prefix caching stay exact. The layer stays an `nn.Linear` (isinstance checks
   and state dicts are unchanged); only its forward picks the kernel.
 - RMSNorm (any dtype): transformers' llama-style norm is eight torch calls (casts, pow, mean,
   rsqrt, two products), 30-50 us a norm at one row, four norms a layer; the native one is one call.
@@ -13,8 +13,8 @@
   in a bf16 model), so each norm module is checked against its own forward on its first call and
   keeps that forward if they differ.
 
-Everything else (prompts and evaluation forwards, whatever their length: engine/native/row_kernels.py;
-batches over 16 rows, other dtypes, other devices) runs as before.
+Everything else (other dtypes, other devices, a step run under `native_rows(False)`:
+engine/native/row_kernels.py) runs as before.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
-from engine.native.loaded import few_row_gemv, native
+from engine.native.kernels import X_CODES, NativeKernels
+from engine.native.loaded import native, row_gemv
 from engine.native.row_kernels import native_rows_allowed
 
 
 class NativeLinear(nn.Linear):
-    """An `nn.Linear` whose few-row f32 or bf16 CPU inputs run through the native gemv; torch's `F.linear`
+    """An `nn.Linear` whose f32 or bf16 CPU rows run through the native gemv; torch's `F.linear`
     otherwise. It stays an `nn.Linear`: isinstance checks and state dicts are unchanged."""
 
     @classmethod
@@ -47,8 +47,8 @@ class NativeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dim() >= 2 and x.numel() <= MAX_ROWS * x.shape[-1]:
-            y = few_row_gemv(x.reshape(-1, x.shape[-1]), w)
+        if x.dim() >= 2 and x.numel():
+            y = row_gemv(x.reshape(-1, x.shape[-1]), w)
             if y is not None:
                 if self.bias is not None:
                     y = y + self.bias
@@ -58,7 +58,7 @@ class NativeLinear(nn.Linear):
 
 
 class NativeRMSNorm(nn.Module):
-    """Stands in for a norm module in its parent: the native kernel for few-row CPU inputs once its
+    """Stands in for a norm module in its parent: the native kernel for CPU rows once its
     first such call has matched the replaced module's own forward, that forward otherwise."""
 
     weight: torch.Tensor
@@ -86,7 +86,7 @@ class NativeRMSNorm(nn.Module):
         return self.original.__self__
 
     def kernels_for(self, x: torch.Tensor) -> NativeKernels | None:
-        """The kernels where this norm runs x natively (few contiguous CPU rows in its weight's dtype, and
+        """The kernels where this norm runs x natively (contiguous CPU rows in its weight's dtype, and
         not found to differ from the module), else None. Also what engine/worker/lean_forward.py asks
         before fusing this norm with its neighbours."""
         # This runs several times a layer in every decode step, where each norm sees one shape: an
@@ -104,7 +104,6 @@ class NativeRMSNorm(nn.Module):
         if (
             self.verified is False
             or x.dtype != w.dtype
-            or x.numel() > MAX_ROWS * x.shape[-1]
             or w.shape != x.shape[-1:]
             or x.dtype not in X_CODES
             or x.device.type != "cpu"
@@ -131,6 +130,59 @@ class NativeRMSNorm(nn.Module):
         return y
 
 
+# Dense MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) in transformers 5, without biases:
+# the MoE models' shared experts and dense layers, and the dense drafts' MLPs.
+SWIGLU_MLP_CLASSES = frozenset(
+    {
+        "Qwen2MoeMLP",
+        "Qwen3MoeMLP",
+        "Glm4MoeMLP",
+        "DeepseekV3MLP",
+        "Qwen2MLP",
+        "Qwen3MLP",
+        "LlamaMLP",
+        "MistralMLP",
+    }
+)
+
+
+class NativeSwiGLU(nn.Module):
+    """Stands in for a SwiGLU MLP module in its parent: its projections as they are (native linears), the
+    activation and product through the native elementwise kernel, which computes each element one way.
+    Why: torch's vectorised silu rounds an element by where it falls in the tensor, so a row's result
+    changed with the rows beside it (a prompt's rows against the same row decoded alone)."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        # The module's projections, each as its native counterpart where it has one (the same Parameters):
+        # the replaced module's own children are replaced after this one is made.
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            child = getattr(module, name)
+            self.register_module(name, native_counterpart(child) or child)
+        self.act_fn = (
+            module.act_fn
+        )  # what the fused step checks (engine/worker/fused_layer_spec.py)
+        self.original = MethodType(type(module).forward, module)
+        self.train(module.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        kernels = native() if native_rows_allowed() else None
+        if (
+            kernels is None
+            or g.dtype not in X_CODES
+            or g.dtype != u.dtype
+            or g.device.type != "cpu"
+            or not (g.is_contiguous() and u.is_contiguous())
+        ):
+            return self.original(x)
+        return self.down_proj(kernels.silu_mul(g, u))
+
+
 def verified_kernels(norm: object, x: torch.Tensor) -> NativeKernels | None:
     """The kernels where `norm` is a NativeRMSNorm already checked against the module it replaced that
     would run x natively: then fusing it with a neighbouring step keeps its arithmetic."""
@@ -149,9 +201,22 @@ def _rmsnorm_eps(module: nn.Module) -> float | None:
     return float(eps) if isinstance(eps, float) else None
 
 
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    """A listed SwiGLU MLP with SiLU activation and bias-free projections."""
+    act = getattr(module, "act_fn", None)
+    projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return (
+        type(module).__name__ in SWIGLU_MLP_CLASSES
+        and type(act).__name__ in ("SiLU", "SiLUActivation")
+        and all(isinstance(p, nn.Module) and getattr(p, "bias", None) is None for p in projections)
+    )
+
+
 def native_counterpart(module: nn.Module) -> nn.Module | None:
     """The native module that stands in for `module` (an f32 or bf16 CPU `nn.Linear` or llama-style
     RMSNorm), built over its own Parameters; None where it keeps its own forward."""
+    if _is_swiglu_mlp(module):
+        return NativeSwiGLU(module)
     w = getattr(module, "weight", None)
     if (
         not isinstance(w, torch.Tensor)

@@ -3,7 +3,7 @@
 `native()` is the process's one `NativeKernels` (engine/native/kernels.py), or None where the
 kernels are unavailable (no compiler), turned off (`--native-kernels off`), or measured slower than
 torch's here (engine/native/autotune.py); callers then use torch. The loader applies the engine's
-choice with `use_native_kernels` once per load. `usable` and `few_row_gemv` say where an activation can
+choice with `use_native_kernels` once per load. `usable` and `row_gemv` say where an activation can
 take them.
 """
 
@@ -115,27 +115,38 @@ def native() -> NativeKernels | None:
 
 
 def usable(x: torch.Tensor) -> NativeKernels | None:
-    """The kernels, where they can take activation x: on the CPU, a dtype they read, few rows, contiguous,
-    in a step whose rows take them (engine/native/row_kernels.py)."""
+    """The kernels, where they can take activation x: rows [m, n] on the CPU, a dtype they read,
+    contiguous, in a step whose rows take them (engine/native/row_kernels.py)."""
     if (
         not native_rows_allowed()
         or x.device.type != "cpu"
         or x.dtype not in X_CODES
         or x.dim() != 2
-        or not 1 <= x.shape[0] <= MAX_ROWS
+        or x.shape[0] < 1
         or not x.is_contiguous()
     ):
         return None
     return native()
 
 
-def few_row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [m, in] times a weight w [out, in] of x's dtype (f32 or bf16; or bf16 weights for f32 rows, widened
-    as they are read) through the native kernel where it applies (x on the CPU with few contiguous rows in a
-    step whose rows take the native kernels, w contiguous), else None: the caller keeps torch's path. Each
-    row's result is the one a single row gets, whatever m: a verification window's rows compute as plain
-    decode rows do."""
+    as they are read) through the native kernel where it applies (x on the CPU, contiguous, in a step whose
+    rows take the native kernels; w contiguous), else None: the caller keeps torch's path. Each row's
+    result is the one a single row gets, whatever m and whatever the other rows are: a decode row, a
+    verification window's and a prompt's rows compute alike (batch-invariant)."""
     if not reads_weights(w.dtype, x.dtype) or not w.is_contiguous():
         return None
     kernels = usable(x)
-    return kernels.gemv(x, w) if kernels is not None else None
+    return gemv_rows(kernels, x, w) if kernels is not None else None
+
+
+def gemv_rows(
+    kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`kernels.gemv` for any number of rows x [m, in]: the kernel takes MAX_ROWS a call, and each row's
+    result is the one it gets alone, so the split changes no bit."""
+    if x.shape[0] <= MAX_ROWS:
+        return kernels.gemv(x, w, scale)
+    parts = [kernels.gemv(x[i : i + MAX_ROWS], w, scale) for i in range(0, x.shape[0], MAX_ROWS)]
+    return torch.cat(parts)

@@ -25,6 +25,8 @@ from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
 
 ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter"})
+# DeepSeek-V3-style routers (sigmoid scores, a correction bias, grouped top-k): decode_layer.c `router_sigmoid`.
+SIGMOID_ROUTERS = frozenset({"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"})
 
 
 class NativeTopKRouter:
@@ -90,6 +92,72 @@ class NativeTopKRouter:
         self.verified = same_routing(got, ref, 1e-5 if x.dtype == torch.float32 else 2**-7)
         # The native result once it passed: every call, the first too, routes one way.
         return got if self.verified else ref
+
+
+class NativeSigmoidRouter:
+    """A DeepSeek-V3-style router (SIGMOID_ROUTERS) run natively row by row, as the fused step runs it
+    (engine/worker/fused_layer_spec.py): each row routed as it would be alone, where torch's f32 linear
+    over the step's rows sums a row in an order that depends on the rows beside it. Checked on its first
+    call against the router's own forward (as sets of experts: these routers' top-k order is unspecified)."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        bias = getattr(router, "e_score_correction_bias", None)
+        self.bias = (
+            bias.detach().float().contiguous() if bias is not None else None
+        )  # f32, as it adds it
+        self.top_k, self.groups, self.keep = router.top_k, router.num_group, router.topk_group
+        self.norm, self.scale = bool(router.norm_topk_prob), float(router.routed_scaling_factor)
+        self.verified: bool | None = None
+
+    @staticmethod
+    def supports(router: nn.Module) -> bool:
+        w = getattr(router, "weight", None)
+        return (
+            type(router).__name__ in SIGMOID_ROUTERS
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and getattr(router, "top_k", 65) <= 64
+            and native() is not None
+        )
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [n, H] -> (logits, weights, ids) in f32 / f32 / int64, or None (use the router's forward)."""
+        kernels = native()
+        if (
+            kernels is None
+            or self.verified is False
+            or not native_rows_allowed()
+            or x.dtype not in X_CODES
+            or x.device.type != "cpu"
+            or not x.is_contiguous()
+        ):
+            return None
+        w = self.router.weight
+        args = (self.bias, self.top_k, self.groups, self.keep, self.norm, self.scale)
+        rows = [kernels.router_sigmoid(x[r : r + 1], w, *args) for r in range(x.shape[0])]
+        if any(r is None for r in rows):
+            return None
+        logits, weights, ids = (torch.cat(parts) for parts in zip(*rows))
+        got = (logits, weights, ids)
+        if self.verified is None:
+            self.verified = same_routing(by_id(got), by_id(self.router.forward(x)), 1e-5)
+            if not self.verified:
+                return None
+        return got
+
+
+def by_id(
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, weights, ids) with the top-k in ascending expert order: DeepSeek-V3-style routers take
+    topk(sorted=False), whose order is unspecified, so two results compare as sets."""
+    logits, weights, ids = routing
+    order = torch.argsort(ids, dim=1)
+    return logits, weights.gather(1, order), ids.gather(1, order)
 
 
 def same_routing(

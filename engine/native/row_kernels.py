@@ -1,19 +1,16 @@
-"""Which kernels a step's rows take: the native few-row kernels, or torch's.
+"""Which kernels a step's rows take: the native kernels, or torch's.
 
-Both compute a row the same way however many rows share the call (the native kernels up to
-MAX_ROWS, torch's at any count), but not the same way as each other: their sums run in other
-orders, so in bf16 a result can round the other way. If the choice followed the step's row count,
-a request's prompt would be computed one way alone (10 rows: native) and another way packed with
-seven others (80 rows: torch), and a greedy output could change with what it was batched with.
-So the choice follows the kind of the request's rows instead:
+Every row of every step takes the native kernels where they apply (engine/native/): a decode row,
+a verification window's rows, a prompt's rows and an evaluation forward's rows. Each native kernel
+computes a row the same way whatever other rows share the call (its sums run in one order per row;
+decode_layer.c `attention_rows` attends each row to its keys in one order), so a request's tokens
+and logprobs do not depend on speculation, batching, prefill chunking or a prefix-cache hit.
+torch's kernels do not promise that: their many-row and one-row paths sum in other orders, so in
+bf16 a row can round the other way with other rows beside it.
 
-- decode and verification rows (a step of at most a few rows per request) take the native kernels;
-- prompt rows, and every row of an evaluation forward, take torch's.
-
-The runner sets this around each forward (engine/worker/runner.py); the default, for code that runs
-outside a runner step (checks, benchmarks of one kernel), is the native kernels where they apply.
-A context variable, not a module flag: the scheduler thread sets it for its own forward, and the
-transfer threads it starts never read it.
+`native_rows(False)` runs a block on torch's kernels instead: tests and benchmarks that compare
+the two families. A context variable, not a module flag: a thread that sets it changes only its own
+forwards, and the transfer threads a step starts never read it.
 """
 
 from __future__ import annotations
@@ -22,19 +19,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-_FEW_ROW_NATIVE: ContextVar[bool] = ContextVar("few_row_native", default=True)
+_NATIVE_ROWS: ContextVar[bool] = ContextVar("native_rows", default=True)
 
 
 @contextmanager
-def few_row_kernels(native: bool) -> Iterator[None]:
-    """Within the block, few-row ops take the native kernels (native=True) or torch's (False)."""
-    token = _FEW_ROW_NATIVE.set(native)
+def native_rows(native: bool) -> Iterator[None]:
+    """Within the block, rows take the native kernels where they apply (native=True) or torch's (False)."""
+    token = _NATIVE_ROWS.set(native)
     try:
         yield
     finally:
-        _FEW_ROW_NATIVE.reset(token)
+        _NATIVE_ROWS.reset(token)
 
 
 def native_rows_allowed() -> bool:
-    """Whether the current step's few-row ops may take the native kernels."""
-    return _FEW_ROW_NATIVE.get()
+    """Whether the current step's rows may take the native kernels."""
+    return _NATIVE_ROWS.get()

@@ -169,6 +169,23 @@ class KernelLibrary:
             k.element_size(),
         )
 
+    def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """silu(g) * u elementwise (contiguous, one float dtype, one shape), rounded as a bf16 reference
+        rounds; each element computed the same way wherever it falls (decode_layer.c `silu_mul`)."""
+        out = torch.empty_like(g)
+        self.lib.silu_mul(g.data_ptr(), u.data_ptr(), X_CODES[g.dtype], g.numel(), out.data_ptr())
+        return out
+
+    def sigmoid_gate(self, gate: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """sigmoid(gate) * s for rows s [R, H] and gate [R, 1] (contiguous, s's dtype): a gated shared
+        expert's output, each row as it is alone (decode_layer.c `sigmoid_gate_rows`)."""
+        out = torch.empty_like(s)
+        rows, hidden = s.shape
+        self.lib.sigmoid_gate_rows(
+            gate.data_ptr(), s.data_ptr(), X_CODES[s.dtype], rows, hidden, out.data_ptr()
+        )
+        return out
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -182,19 +199,23 @@ class KernelLibrary:
         at: int,
         scale: float,
     ) -> torch.Tensor:
-        """One new row's attention for one sequence (cpu_gemv.c `decode_attention`): q [hq, d], k and v
-        [hk, d] (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k
-        weight, q eps, k eps) or None, cos/sin [rot] or None, the KV buffers [1, hk, capacity, d] of the
-        same dtype, the new row's position `at`. Returns [1, hq * d]."""
-        hq, d = q.shape
-        hk = k.shape[0]
-        out = torch.empty((1, hq * d), dtype=q.dtype)
+        """Attention for T consecutive new rows of one sequence (decode_layer.c `attention_rows`, each row as
+        cpu_gemv.c's `decode_attention` computes a decode row alone): q [T, hq, d], k and v [T, hk, d]
+        (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k weight, q eps,
+        k eps) or None, cos/sin [T, rot] or None, the KV buffers [1, hk, capacity, d] of the same dtype with
+        room for at + T positions, the first row's position `at`. Returns [T, hq * d]. (q [hq, d] is one row.)"""
+        if q.dim() == 2:
+            q, k, v = q[None], k[None], v[None]
+        rows, hq, d = q.shape
+        hk = k.shape[1]
+        out = torch.empty((rows, hq * d), dtype=q.dtype)
         qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
-        self.lib.decode_attention(
+        self.lib.attention_rows(
             q.data_ptr(),
             k.data_ptr(),
             v.data_ptr(),
             X_CODES[q.dtype],
+            rows,
             hq,
             hk,
             d,
@@ -212,6 +233,6 @@ class KernelLibrary:
             at,
             scale,
             out.data_ptr(),
-            self._work(4 * (hq // hk) * (at + 1 + 2 * d)),
+            self._work(4 * (hq // hk) * (at + rows + 2 * d)),
         )
         return out

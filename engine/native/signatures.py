@@ -142,6 +142,17 @@ def declare(lib: ctypes.CDLL) -> None:
         _P,
     ]
     lib.decode_attention.restype = None
+    # decode_layer.c: decode_attention for a sequence's consecutive rows (a prompt chunk, a window): T after xtype.
+    lib.attention_rows.argtypes = [
+        *lib.decode_attention.argtypes[:4],
+        _I64,
+        *lib.decode_attention.argtypes[4:],
+    ]
+    lib.attention_rows.restype = None
+    lib.silu_mul.argtypes = [_P, _P, _INT, _I64, _P]
+    lib.silu_mul.restype = None
+    lib.sigmoid_gate_rows.argtypes = [_P, _P, _INT, _I64, _I64, _P]
+    lib.sigmoid_gate_rows.restype = None
     # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
     lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
     lib.decode_layer.restype = _INT

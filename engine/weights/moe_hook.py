@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
-from engine.native.kernels import MAX_ROWS
-from engine.native.router import ROUTER_CLASSES, NativeTopKRouter
+from engine.native.loaded import usable
+from engine.native.router import ROUTER_CLASSES, NativeSigmoidRouter, NativeTopKRouter
 
 # Dense parts of a sparse block that the generic adapter knows how to combine.
 _SHARED = ("shared_expert", "shared_expert_gate", "shared_experts", "shared_mlp")
@@ -116,7 +116,7 @@ class BlockAdapter:
         self._logits_dtype = (
             torch.float32
         )  # the dtype the router computes its logits in, when linear
-        self._native_router: NativeTopKRouter | Literal[False] | None = (
+        self._native_router: NativeTopKRouter | NativeSigmoidRouter | Literal[False] | None = (
             None  # decided on the first one-token step
         )
         # Routers that return their top-k in descending order (torch.topk's default, and the native router
@@ -138,7 +138,7 @@ class BlockAdapter:
         return _SHARED
 
     @property
-    def native_router(self) -> NativeTopKRouter | Literal[False] | None:
+    def native_router(self) -> NativeTopKRouter | NativeSigmoidRouter | Literal[False] | None:
         """The native one-token router: None until the first one-token step decides, False where
         the router does not run natively (engine/native/router.py)."""
         return self._native_router
@@ -161,26 +161,31 @@ class BlockAdapter:
         # this runs once per layer in every decode step.
         router = block._modules[self.router]
         assert router is not None  # the block's router child (router_name found it)
-        # The native router where it applies (engine/native/router.py): a one-token step, or the few
-        # rows of a decode or verification step, each row routed as it would be alone.
-        if x.shape[0] <= MAX_ROWS:
-            if self._native_router is None:
-                self.decide_native_router(block)
-            if self._native_router:
-                fast = self._native_router(x)
-                if fast is not None:
-                    return fast
+        # The native router where it applies (engine/native/router.py), for every row of every step: each
+        # row routed as it would be alone.
+        if self._native_router is None:
+            self.decide_native_router(block)
+        if self._native_router:
+            fast = self._native_router(x)
+            if fast is not None:
+                return fast
         logits, weights, ids = router.forward(x)
         return logits, weights, ids
 
-    def decide_native_router(self, block: nn.Module) -> NativeTopKRouter | Literal[False]:
+    def decide_native_router(
+        self, block: nn.Module
+    ) -> NativeTopKRouter | NativeSigmoidRouter | Literal[False]:
         """The block's native one-token router (engine/native/router.py), or False where its router does not run
         natively; decided on first use."""
         if self._native_router is None:
             router = block._modules[self.router]
             assert router is not None
             self._native_router = (
-                NativeTopKRouter(router) if NativeTopKRouter.supports(router) else False
+                NativeTopKRouter(router)
+                if NativeTopKRouter.supports(router)
+                else NativeSigmoidRouter(router)
+                if NativeSigmoidRouter.supports(router)
+                else False
             )
         return self._native_router
 
@@ -267,7 +272,13 @@ class BlockAdapter:
             return None
         out = shared(x)
         gate = modules.get("shared_expert_gate")
-        return F.sigmoid(gate(x)) * out if gate is not None else out
+        if gate is None:
+            return out
+        g = gate(x)
+        kernels = usable(out) if out.dim() == 2 and g.dtype == out.dtype else None
+        if kernels is not None and g.is_contiguous():
+            return kernels.sigmoid_gate(g, out)  # each row as it is alone (torch's sigmoid is not)
+        return F.sigmoid(g) * out
 
     def output(
         self, out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor

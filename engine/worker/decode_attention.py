@@ -1,9 +1,10 @@
-"""A decode step's attention in the lean forward (engine/worker/lean_forward.py): one new row per
-request, after the q/k/v projections and before o_proj.
+"""A step's attention in the lean forward (engine/worker/lean_forward.py), after the q/k/v
+projections and before o_proj.
 
-- `native_decode_attention`: one native call a request (cpu_gemv.c `decode_attention`: q/k
-  norms, rotary, KV append, attention), where the CPU kernels, the dtype, the in-place KV cache
-  (engine/worker/kv_cache.py) and the per-head norms allow it.
+- `native_attention`: one native call a request for any number of its rows (decode_layer.c
+  `attention_rows`: q/k norms, rotary, KV append, attention, row by row as a decode row alone),
+  where the CPU kernels, the dtype, the in-place KV cache (engine/worker/kv_cache.py) and the
+  per-head norms allow it.
 - `sdpa_decode_attention`: what transformers' SDPA attention does for a single-token query without
   a mask, per request, without the packed bookkeeping.
 """
@@ -22,7 +23,7 @@ from engine.worker.lean_layer import LeanLayer
 from engine.worker.packed_batch import PackedBatch
 
 
-def native_decode_attention(
+def native_attention(
     kernels: NativeKernels | None,
     layer: LeanLayer,
     q: torch.Tensor,
@@ -30,20 +31,22 @@ def native_decode_attention(
     v: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     batch: PackedBatch,
-    max_positions: int,
 ) -> torch.Tensor | None:
-    """One new row per request, from its projections [N, heads * d] to o_proj's input [N, hq * d], one
-    native call a request, or None where it does not apply (then the torch path runs): the CPU
-    kernels, a float dtype, the in-place KV cache holding fewer than `max_positions` positions, the
-    rotary table's rows, per-head norms that are verified native ones.
+    """Every new row of the step, from its projections [N, heads * d] to o_proj's input [N, hq * d], one
+    native call a request (its rows in order: a decode row, a verification window or a prompt chunk), or
+    None where it does not apply (then the torch path runs): the CPU kernels, a float dtype, the
+    in-place KV cache, the rotary table's rows, per-head norms that are verified native ones.
 
-    Why: between the projections and o_proj a decode layer made about a dozen torch calls (views,
-    transposes, the cache's bookkeeping, SDPA, a copy back) and their Python, more than the
-    arithmetic on a small model. The same arithmetic but the attention's sums, whose order differs
-    from SDPA's: logits agree to float rounding, not bit for bit (tests/test_lean_forward.py)."""
+    Why one kernel for every row: each row attends to its keys in one order whatever rows share the
+    step, so a window's rows, a prompt's rows and a decode row at the same position compute the same
+    bits (decode_layer.c `attention_rows`); torch's SDPA and packed attention sum in orders that depend
+    on the query count. Also why it is fast on small models: between the projections and o_proj a
+    decode layer made about a dozen torch calls (views, transposes, the cache's bookkeeping, SDPA, a
+    copy back), more than the arithmetic. Against SDPA, logits agree to float rounding, not bit for bit
+    (tests/test_lean_forward.py)."""
     att = layer.att
     cos, sin = cos_sin  # [1, N, rot]
-    d, n = att.head_dim, q.shape[0]
+    d = att.head_dim
     hq, hk = q.shape[1] // d, k.shape[1] // d
     if (
         kernels is None
@@ -69,35 +72,23 @@ def native_decode_attention(
             return None
         norms = layer.native_qk_norms = (qn.weight, kn.weight, qn.eps, kn.eps)  # verified: for good
     layers = [c.layers[att.layer_idx] for c in batch.caches]
-    if not all(type(c) is InPlaceLayer and c.get_seq_length() < max_positions for c in layers):
+    if not all(type(c) is InPlaceLayer for c in layers):
         return None
-    if n == 1:  # one request: views, no per-row selects
-        return _attend_row(
-            kernels,
-            layers[0],
-            q.view(hq, d),
-            k.view(hk, d),
-            v.view(hk, d),
-            norms,
-            cos.view(-1),
-            sin.view(-1),
-            att.scaling,
-        )
     outs = [
-        _attend_row(
+        _attend_rows(
             kernels,
             c,
-            q[r].view(hq, d),
-            k[r].view(hk, d),
-            v[r].view(hk, d),
+            q[s:e].view(e - s, hq, d),
+            k[s:e].view(e - s, hk, d),
+            v[s:e].view(e - s, hk, d),
             norms,
-            cos[0, r],
-            sin[0, r],
+            cos[0, s:e],
+            sin[0, s:e],
             att.scaling,
         )
-        for r, c in enumerate(layers)
+        for (s, e), c in zip(batch.spans, layers, strict=True)
     ]
-    return torch.cat(outs)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def sdpa_decode_attention(
@@ -129,7 +120,7 @@ def sdpa_decode_attention(
     return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).contiguous()
 
 
-def _attend_row(
+def _attend_rows(
     kernels: NativeKernels,
     cache: InPlaceLayer,
     q: torch.Tensor,
@@ -140,14 +131,16 @@ def _attend_row(
     sin: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One request's new row (q [hq, d], k and v [hk, d]) through the native decode attention, its key
-    and value appended to `cache`; returns [1, hq * d]."""
-    hk, d = k.shape
-    kb, vb, length = cache.reserve(k.view(1, hk, 1, d), v.view(1, hk, 1, d))
+    """One request's new rows (q [T, hq, d], k and v [T, hk, d]) through the native attention, their keys
+    and values appended to `cache`; returns [T, hq * d]."""
+    rows, hk, d = k.shape
+    kb, vb, length = cache.reserve(
+        k.view(1, rows, hk, d).transpose(1, 2), v.view(1, rows, hk, d).transpose(1, 2)
+    )
     if (
         kb.dtype != q.dtype
     ):  # a request's cache holds its model's dtype: this would be a bug, not an input
         raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
     out = kernels.decode_attention(q, k, v, norms, cos, sin, kb, vb, length, scale)
-    cache.advance(length + 1)
+    cache.advance(length + rows)
     return out

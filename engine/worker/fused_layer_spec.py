@@ -15,7 +15,7 @@ from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import W_CODES, X_CODES, NativeKernels
 from engine.native.layers import NativeLinear, NativeRMSNorm
 from engine.native.quant_linear import QuantLinear
-from engine.native.router import NativeTopKRouter, same_routing
+from engine.native.router import SIGMOID_ROUTERS, NativeTopKRouter, by_id, same_routing
 from engine.native.row_ops import reads_weights
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -82,9 +82,6 @@ class LayerSpec(ctypes.Structure):
 
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID, ROUTER_NONE = 0, 1, 2  # decode_layer.c's router kinds
-SIGMOID_ROUTERS = frozenset(
-    {"Glm4MoeTopkRouter", "DeepseekV3TopkRouter"}
-)  # router_sigmoid's arithmetic, checked on first build
 
 
 class NotYet(Exception):
@@ -210,16 +207,6 @@ def router_fields(
         score_bias=None if bias is None else bias.data_ptr(),
         routed_scale=scale,
     )
-
-
-def by_id(
-    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, weights, ids) with the top-k in ascending expert order: DeepSeek-V3-style routers take
-    topk(sorted=False), whose order is unspecified, so two results compare as sets."""
-    logits, weights, ids = routing
-    order = torch.argsort(ids, dim=1)
-    return logits, weights.gather(1, order), ids.gather(1, order)
 
 
 def shared_expert(block: OffloadedMoeBlock) -> nn.Module | None:

@@ -34,7 +34,7 @@ from engine.native.kernels import X_CODES
 from engine.native.layers import NativeRMSNorm, verified_kernels
 from engine.native.loaded import native
 from engine.worker import dispatch
-from engine.worker.decode_attention import native_decode_attention, sdpa_decode_attention
+from engine.worker.decode_attention import native_attention, sdpa_decode_attention
 from engine.worker.fused_decode import FusedDecode
 from engine.worker.lean_layer import LeanLayer
 from engine.worker.packed_batch import (
@@ -53,9 +53,8 @@ MOE_LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})  # targ
 # without a sliding window (`supports`).
 DENSE_LEAN_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
 LEAN_MODEL_TYPES = MOE_LEAN_MODEL_TYPES | DENSE_LEAN_MODEL_TYPES
-# Up to this many cached positions a decode row attends in one native call; beyond, SDPA's blocked
-# kernel outruns the native loop (one row of K and V at a time) by more than the calls it saves:
-# measured 117 against 93 us (+ about 20 us of calls around SDPA) at 1000 positions, 4 heads of 64.
+# The fused step's attention workspace covers this many cached positions; past it the step goes layer
+# by layer, through the same native attention (engine/worker/decode_attention.py): the same bits.
 NATIVE_ATTENTION_MAX_POSITIONS = 1024
 
 
@@ -235,10 +234,8 @@ class LeanForward:
             layer.k_proj.forward(h),
             layer.v_proj.forward(h),
         )  # [N, heads * d]
-        if decode and self._native_attention:
-            out = native_decode_attention(
-                self.kernels, layer, q, k, v, cos_sin, batch, NATIVE_ATTENTION_MAX_POSITIONS
-            )
+        if self._native_attention:  # every row: decode, window or prompt (batch-invariant)
+            out = native_attention(self.kernels, layer, q, k, v, cos_sin, batch)
             if out is not None:
                 return layer.o_proj.forward(out)
         shape = (

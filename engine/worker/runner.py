@@ -25,7 +25,6 @@ from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
-from engine.native.row_kernels import few_row_kernels
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
@@ -97,16 +96,15 @@ class ModelRunner:
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
             bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
-        # Decode and verification rows take the native few-row kernels, prompt and evaluation rows torch's,
-        # whatever else shares the step: a request's output never depends on its batch (engine/native/row_kernels.py).
-        with few_row_kernels(kind in ("decode", "verify")):
-            if self._lean is not None:
-                out = self._lean(windows, starts, caches, keep, self.lm.device)
-                path, declined = self._lean.last_path
-            else:
-                run = packed_forward if self.lm.packed else one_by_one_forward
-                out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
-                path, declined = "transformers", ""
+        # Every row takes the native kernels where they apply, whatever its kind and whatever shares the
+        # step: a request's output never depends on its batch (engine/native/row_kernels.py).
+        if self._lean is not None:
+            out = self._lean(windows, starts, caches, keep, self.lm.device)
+            path, declined = self._lean.last_path
+        else:
+            run = packed_forward if self.lm.packed else one_by_one_forward
+            out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
+            path, declined = "transformers", ""
         if self._stats is not None:
             self._stats.record_step(kind, path, declined)
         return out
