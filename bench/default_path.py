@@ -89,7 +89,7 @@ def served(args: argparse.Namespace, lines: list[str]) -> None:
     s = build("default", CELLS["cache 1.0 (ram)"], {}, max_len=4096)
     core = EngineCore.for_model(
         s.om,
-        CoreLimits(max_running=64, prefill_token_budget=1024, max_model_len=4096),
+        CoreLimits(max_model_len=4096),  # serve's max_running and prefill budget
         s.core.proposer,
         tuple(o for o in s.core.observers if o is not s.core.proposer),
     )

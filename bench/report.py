@@ -1,6 +1,6 @@
 """Writing a benchmark's report: header and table to stdout, and to `out` (.md) with the numbers
 as JSON beside it. Hand-written analysis below the table (from a line starting `Command:` or `Command (` on)
-is kept when a rerun rewrites the table."""
+and the summary a page opens with are kept when a rerun rewrites the table."""
 
 from __future__ import annotations
 
@@ -21,6 +21,27 @@ ANALYSIS_STARTS = (
 )  # "Command (what it covers; how long):" opens some pages' analysis
 
 
+# A page opens with a hand-written summary (docs/benchmarks/README.md): a title, then bullets from
+# "- **Result:**" to "- **Limit:**" and a blank line. A rerun keeps it above the new header.
+SUMMARY_START, SUMMARY_LAST = "- **Result:**", "- **Limit:**"
+
+
+def opening(old: str, header: str) -> str:
+    """The title and summary a rewritten page starts with, then the new header: the title is the
+    header's own where it has one ("# ..."), else the old page's; no summary in `old`, just the header."""
+    start, last = old.find(SUMMARY_START), old.find(SUMMARY_LAST)
+    if start < 0 or last < start:
+        return header
+    end = old.find("\n\n", last)
+    summary = old[start : end if end >= 0 else len(old)].rstrip("\n")
+    first, _, rest = header.partition("\n")
+    if first.startswith("# "):
+        title, header = first, rest.lstrip("\n")
+    else:
+        title = old.split("\n", 1)[0] if old.startswith("# ") else ""
+    return "\n\n".join(part for part in (title, summary, header) if part)
+
+
 def write_report(out: Path | None, header: str, lines: list[str], payload: dict[str, Any]) -> None:
     print(header)
     print("\n".join(lines))
@@ -31,7 +52,7 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     old = out.read_text() if out.exists() else ""
     starts = [old.index(m) for m in ANALYSIS_STARTS if m in old]
     analysis = old[min(starts) :] if starts else ""
-    out.write_text(f"{header}\n\n" + "\n".join(lines) + "\n" + analysis)
+    out.write_text(f"{opening(old, header)}\n\n" + "\n".join(lines) + "\n" + analysis)
 
 
 def cut_prompts(tokenizer: Any, data: str | Path, n: int, length: int) -> list[list[int]]:

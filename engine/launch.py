@@ -20,6 +20,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.engine_process import run_engine
 from engine.core.faults import describe, log, new_error_id
+from engine.core.limits import CoreLimits
 from engine.core.messages import EngineDead, EngineReady
 from engine.memory.planner import KvRequest
 from engine.speculative.config import SpecConfig
@@ -30,9 +31,8 @@ from engine.weights.model_config import read_config
 class EngineArgs:
     model_dir: str
     engine_config: EngineConfig
-    max_model_len: int
-    max_running: int = 64
-    prefill_token_budget: int = 1024
+    # max_running, prefill_token_budget and the resolved max_model_len (defaults: engine/core/limits.py).
+    limits: CoreLimits
     # Resolved: off, ngram, or draft with its directory.
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(speculative="off"))
     spec_why: str = ""  # why that mode (SpecConfig.choose), for the plan's log line
@@ -63,7 +63,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
 
     tqdm.tqdm.set_lock(threading.RLock())
     try:
-        from engine.core.engine_core import CoreLimits, EngineCore
+        from engine.core.engine_core import EngineCore
         from engine.speculative.factory import make_speculation
         from engine.worker.loader import load_model
 
@@ -71,7 +71,7 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         proposer, observers = make_speculation(args.spec, om)
         core = EngineCore.for_model(
             om,
-            CoreLimits(args.max_running, args.prefill_token_budget, args.max_model_len),
+            args.limits,
             proposer,
             observers,
         )
@@ -84,5 +84,5 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         args.spec.speculative,
         args.spec_why or f"--speculative {args.spec.speculative}",
     )
-    ready = EngineReady(args.model_dir, args.max_model_len, os.getpid(), tuple(plan.lines()))
+    ready = EngineReady(args.model_dir, args.limits.max_model_len, os.getpid(), tuple(plan.lines()))
     run_engine(core, om.stats, om.close, ready, in_q, out_q)

@@ -46,10 +46,12 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     app.state.requests = requests
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, counter=requests)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes, counter=requests
+    )
 
     async def require_api_key(request: Request) -> None:
-        if not settings.api_keys:
+        if not settings.server.api_keys:
             return
         auth = request.headers.get("authorization", "")
         key = (
@@ -57,7 +59,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
             if auth.lower().startswith("bearer ")
             else request.headers.get("x-api-key", "").strip()
         )  # x-api-key: Anthropic clients
-        if not any(secrets.compare_digest(key, k) for k in settings.api_keys):
+        if not any(secrets.compare_digest(key, k) for k in settings.server.api_keys):
             raise ApiError(
                 401,
                 "Missing or invalid API key (send 'Authorization: Bearer KEY').",
@@ -98,14 +100,17 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "moe-offload",
-                    "max_model_len": settings.engine.max_model_len,
+                    "max_model_len": settings.engine.limits.max_model_len,
                 }
             ],
         }
 
     v1.include_router(
         responses_api.router(
-            st, ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl)
+            st,
+            ResponseStore(
+                settings.server.responses_store_bytes, settings.server.responses_store_ttl
+            ),
         )
     )
     v1.include_router(messages_api.router(st))

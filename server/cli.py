@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
+    from engine.core.limits import CoreLimits
     from engine.launch import EngineArgs, max_model_len_of
     from engine.worker.loader import check_model_dir
     from server.app import create_app
@@ -207,32 +208,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan_checkpoint(model_dir, engine_config, kv)
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    limits = CoreLimits(
+        scfg.max_running, scfg.prefill_token_budget, max_model_len_of(model_dir, scfg.max_model_len)
+    )
     engine = EngineArgs(
-        model_dir=model_dir,
-        engine_config=engine_config,
-        max_model_len=max_model_len_of(model_dir, scfg.max_model_len),
-        max_running=scfg.max_running,
-        prefill_token_budget=scfg.prefill_token_budget,
-        spec=spec,
-        spec_why=spec_why,
-        kv_request=kv,
+        model_dir, engine_config, limits, spec=spec, spec_why=spec_why, kv_request=kv
     )
-    settings = ServeSettings(
-        engine,
-        scfg.served_model_name or Path(model_dir).resolve().name,
-        scfg.api_keys,
-        scfg.max_queue,
-        scfg.max_body_bytes,
-        scfg.max_messages,
-        scfg.max_prompts,
-        scfg.max_request_tokens,
-        scfg.engine_restarts,
-        scfg.engine_restart_window,
-        responses_store_bytes=scfg.responses_store_bytes,
-        responses_store_ttl=scfg.responses_store_ttl,
-        default_max_tokens=scfg.default_max_tokens,
-        forced_tools=scfg.forced(),
-    )
+    name = scfg.served_model_name or Path(model_dir).resolve().name
+    settings = ServeSettings(engine, name, scfg)
     logging.basicConfig(
         level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.budget import fmt_bytes
 from engine.config import EngineConfig
+from engine.core.limits import CoreLimits
 from engine.errors import ConfigError
 from engine.settings_file import overrides_from_args
 
@@ -373,7 +374,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                 "type": int,
                 "metavar": "N",
                 "help": "sequences decoded together as serve --max-running: the KV reservation covers N of them "
-                "(default: 4, not serve's scheduling default of 64)",
+                f"(default: 4, not serve's scheduling default of {CoreLimits.max_running})",
             },
         ),
         (

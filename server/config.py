@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.core.limits import CoreLimits
 from engine.errors import ConfigError
 from engine.settings_file import YamlSection, setting
 
@@ -33,7 +34,9 @@ class ServerConfig(YamlSection):
         metavar="NAME",
     )
     max_running: int = setting(
-        64, "sequences decoded together in one engine step (default 64)", metavar="N"
+        CoreLimits.max_running,
+        f"sequences decoded together in one engine step (default {CoreLimits.max_running})",
+        metavar="N",
     )
     max_queue: int = setting(
         256,
@@ -46,8 +49,8 @@ class ServerConfig(YamlSection):
         metavar="N",
     )
     prefill_token_budget: int = setting(
-        1024,
-        "prompt tokens prefilled per engine step; longer prompts are prefilled in chunks while decodes keep flowing (default 1024)",
+        CoreLimits.prefill_token_budget,
+        f"prompt tokens prefilled per engine step; longer prompts are prefilled in chunks while decodes keep flowing (default {CoreLimits.prefill_token_budget})",
         metavar="N",
     )
     drain_timeout: float = setting(

@@ -134,9 +134,9 @@ async def _chat_constraint(
 
 
 def _check_messages(st: ServerState, body: ChatCompletionRequest) -> None:
-    if len(body.messages) > st.settings.max_messages:
+    if len(body.messages) > st.settings.server.max_messages:
         raise ApiError(
-            400, f"at most {st.settings.max_messages} messages per request", param="messages"
+            400, f"at most {st.settings.server.max_messages} messages per request", param="messages"
         )
     for i, m in enumerate(body.messages):
         if (bad := m.unsupported_part()) is not None:

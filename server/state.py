@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from engine.core.messages import GenerateRequest, RequestOutput
 from engine.launch import EngineArgs
 from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams
+from server.config import ServerConfig
 from server.engine_client import EngineClient, EngineFailure, EngineState
 from server.errors import ApiError
 from server.metrics import ServerMetrics
@@ -26,22 +27,18 @@ TEMPERATURE_EPS = 1e-5
 
 @dataclass(frozen=True)
 class ServeSettings:
+    """What the routes read: the engine process's arguments, the model name clients send, and the
+    `server:` settings as given. Each setting and its default is defined once, in ServerConfig
+    (server/config.py); nothing is copied here."""
+
     engine: EngineArgs
-    served_model_name: str
-    api_keys: tuple[str, ...] = ()
-    max_queue: int = 256  # requests allowed to wait beyond the running cap before 503
-    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413 before they are read
-    max_messages: int = 1024  # chat messages per request
-    max_prompts: int = 64  # prompts in one /v1/completions batch
-    max_request_tokens: int = 262144  # sum of max_tokens over a request's choices (n x prompts)
-    engine_restarts: int = 3  # engine restarts allowed within engine_restart_window, then exit 1
-    engine_restart_window: float = 600.0
-    responses_store_bytes: int = (
-        64 * 1024 * 1024
-    )  # stored /v1/responses (store=true), oldest evicted first
-    responses_store_ttl: float = 3600.0  # seconds a stored response is kept
-    default_max_tokens: int | None = None  # output limit of a request that sets none
-    forced_tools: tuple[tuple[str, dict[str, Any] | None], ...] = ()  # --force-tool-call
+    served_model_name: str  # ServerConfig's, or the model directory's name where it names none
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @cached_property
+    def forced_tools(self) -> tuple[tuple[str, dict[str, Any] | None], ...]:
+        """--force-tool-call parsed once: (tool name, pinned arguments or None) pairs."""
+        return self.server.forced()
 
 
 class ServerState:
@@ -50,7 +47,10 @@ class ServerState:
         self.tokenizer = tokenizer
         self.metrics = ServerMetrics()
         self.client = EngineClient(
-            settings.engine, self.metrics, settings.engine_restarts, settings.engine_restart_window
+            settings.engine,
+            self.metrics,
+            settings.server.engine_restarts,
+            settings.server.engine_restart_window,
         )
         self.draining = False
         cfg = json.loads((Path(settings.engine.model_dir) / "config.json").read_text())
@@ -79,7 +79,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.settings.engine.max_model_len
+        return self.settings.engine.limits.max_model_len
 
     # -- admission -------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -113,7 +113,7 @@ class ServerState:
             raise ApiError(
                 503, f"The engine is not running: {self.client.error}", code="engine_dead"
             )
-        cap = self.settings.engine.max_running + self.settings.max_queue
+        cap = self.settings.engine.limits.max_running + self.settings.server.max_queue
         if n_seqs > cap:  # could never be admitted: retrying would not help, so not a 503
             raise ApiError(
                 400,
@@ -158,9 +158,11 @@ class ServerState:
             prompts = list(prompt)
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        if len(prompts) > self.settings.max_prompts:
+        if len(prompts) > self.settings.server.max_prompts:
             raise ApiError(
-                400, f"at most {self.settings.max_prompts} prompts per request", param="prompt"
+                400,
+                f"at most {self.settings.server.max_prompts} prompts per request",
+                param="prompt",
             )
         for p in prompts:
             if isinstance(p, str):
@@ -200,11 +202,11 @@ class ServerState:
     ) -> list[GenerateRequest]:
         if (
             max_tokens is not None
-            and max_tokens * body.n * len(prompts) > self.settings.max_request_tokens
+            and max_tokens * body.n * len(prompts) > self.settings.server.max_request_tokens
         ):
             raise ApiError(
                 400,
-                f"n x max_tokens over all prompts ({max_tokens * body.n * len(prompts)}) exceeds this server's limit of {self.settings.max_request_tokens} tokens per request",
+                f"n x max_tokens over all prompts ({max_tokens * body.n * len(prompts)}) exceeds this server's limit of {self.settings.server.max_request_tokens} tokens per request",
                 param="max_tokens",
             )
         reqs = []
@@ -217,7 +219,7 @@ class ServerState:
                     code="context_length_exceeded",
                 )
             room = self.max_model_len - len(ids)
-            default = self.settings.default_max_tokens
+            default = self.settings.server.default_max_tokens
             limit = max_tokens if max_tokens is not None else min(room, default or room)
             # max_tokens 0 (echo, prompt logprobs only) still runs one engine step, whose token is dropped.
             engine_limit = max(limit, 1)

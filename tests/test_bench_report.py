@@ -23,3 +23,21 @@ def test_a_rerun_keeps_the_analysis_and_replaces_the_table(tmp_path: Path, openi
     assert "| 1 |" not in text and "header v1" not in text
     assert text.endswith(f"\n{opening}\n\nWhy the numbers are what they are.\n")
     assert json.loads(out.with_suffix(".json").read_text()) == {"header": "header v2", "rows": [2]}
+
+
+@pytest.mark.parametrize("generated_title", [False, True])
+def test_a_rerun_keeps_the_title_and_opening_summary(tmp_path: Path, generated_title: bool) -> None:
+    """A page opens with its title and a hand-written summary (docs/benchmarks/README.md); a rerun keeps
+    both above the new header, once, whether or not the benchmark writes the title itself."""
+    out = tmp_path / "page.md"
+    summary = (
+        "- **Result:** 2×\n- **Command:** `c`\n- **Machine:** m\n- **Limit:** the disk, 1 GB/s"
+    )
+    title = "# A page"
+    header = f"{title}\n\nMachine line v2" if generated_title else "Machine line v2"
+    out.write_text(f"{title}\n\n{summary}\n\nMachine line v1\n\n| 1 |\n\nCommand: `c`\n\nWhy.\n")
+    write_report(out, header, ["| 2 |"], {})
+    assert (
+        out.read_text()
+        == f"{title}\n\n{summary}\n\nMachine line v2\n\n| 2 |\n\nCommand: `c`\n\nWhy.\n"
+    )

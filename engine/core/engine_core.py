@@ -19,12 +19,12 @@ in-process through `generate()`. The runner and the model are seen through engin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 from engine.core.contracts import RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.faults import log, request_fault
+from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.core.scheduler import Scheduler, SeqState, StepOutput, StepPlan
 
@@ -40,15 +40,6 @@ class Proposer(StepObserver, Protocol):
     `SeqWork.max_draft` tokens per request and returns a new plan (SeqWork is frozen)."""
 
     def propose(self, plan: StepPlan) -> StepPlan: ...
-
-
-@dataclass(frozen=True)
-class CoreLimits:
-    max_running: int = 64  # sequences decoded together in one step
-    prefill_token_budget: int = (
-        1024  # prompt tokens prefilled per step (longer prompts are chunked)
-    )
-    max_model_len: int = 2048  # prompt + output tokens
 
 
 class EngineCore:
