@@ -86,3 +86,33 @@ def fuzz_client(fuzz_server: RunningServer) -> Iterator[httpx.Client]:
     """An HTTP client to the fuzz server (paths from its root: /v1/..., /tokenize)."""
     with httpx.Client(base_url=fuzz_server.base_url, timeout=60) as c:
         yield c
+
+
+# Under CI (.ci/run exports CI=true) a skip hides a test that should have run: only the tests that need a
+# CUDA GPU may skip there, since CI has none. Everything else that skips fails, with its reason.
+ALLOWED_CI_SKIP = "CUDA"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and os.environ.get("CI")) or hasattr(report, "wasxfail"):
+        return
+    reason = (
+        str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    )
+    if ALLOWED_CI_SKIP not in reason:
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI, which must run it: {reason}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_choice_per_module() -> Iterator[None]:
+    """Each test module starts from the default native-kernel choice. The choice is the process's
+    (engine/native/loaded.py): a module that loads a model with `native_kernels="off"` must not leave
+    the kernels off for the modules after it in the same worker (they would skip as if no compiler)."""
+    yield
+    from engine.native import loaded
+
+    loaded._Choice.resolved = False
