@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.core.completion import Completion, request
+from engine.core.completion import Completion, complete, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.native.loaded import native
 from engine.speculative.config import SpecConfig
@@ -174,3 +174,40 @@ def test_every_state_gives_the_bits_of_one_request_alone_slow(
     references, dtype: str, case: Case
 ) -> None:
     _check(references, dtype, case)
+
+
+@pytest.mark.timeout(600)
+def test_seeded_sampling_is_the_same_alone_batched_and_speculated() -> None:
+    """Temperature 0.8 with a seed: the same tokens and logprobs alone, in a batch of 8 (other prompts and
+    seeds beside it), and with draft or n-gram speculation: each token is drawn by the seed and its
+    position (engine/worker/sampling.py `seeded_generator`), from logits that are the same bits."""
+    if native() is None:
+        pytest.fail("no native kernels (no C compiler?): the exactness promise needs them")
+    om = load_model(EMBEDDED_TARGET, EngineConfig(cache_fraction=0.5))
+    try:
+
+        def run(spec: str, n: int) -> list[Result]:
+            proposer, observers = make_speculation(
+                SpecConfig(speculative=spec).resolve(om.model_dir), om
+            )
+            core = EngineCore.for_model(om, CoreLimits(max_running=8), proposer, observers)
+            reqs = [
+                request(
+                    _ids(om, PROMPTS[i % len(PROMPTS)]),
+                    SamplingParams(max_tokens=24, temperature=0.8, seed=7 + i, ignore_eos=True),
+                    logprobs=0,
+                )
+                for i in range(n)
+            ]
+            outs = complete(core, reqs)
+            assert all(o.error is None for o in outs)
+            return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+        alone = run("off", 1)[0]
+        assert run("off", 8)[0] == alone
+        for spec in ("draft", "ngram"):
+            assert run(spec, 1)[0] == alone, spec
+            assert run(spec, 8)[0] == alone, spec
+        assert om.stats.snapshot()["spec_drafts"] > 0  # speculation ran
+    finally:
+        om.close()

@@ -12,6 +12,15 @@ from engine.core.sampling_params import (
 )
 
 
+def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator for a seeded request's token predicted by the row at `position`: a function of the
+    seed and the position alone, so the token drawn there is the same whether the request runs alone or
+    batched, and whether or not speculation proposed it (engine/worker/verify.py)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+    return g
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     if params.greedy:
         return None

@@ -14,6 +14,11 @@ token when every proposal is accepted.
 p comes from the same processing as plain sampling (penalties, min_tokens EOS ban,
 temperature, top-k, top-p), applied per row with the tokens accepted before it, so it is a
 valid distribution whatever the logits hold (engine/worker/sampling.py).
+- Seeded sampling (a request with a `seed`): each row draws the target's own token with a
+  generator of the seed and the row's position (`seeded_generator`), and a proposal is accepted
+  only where it equals that token. The output is then exactly plain seeded sampling's, token
+  for token, with or without speculation and whatever shares the step; the price is acceptance
+  p(d) per proposal instead of min(1, p(d) / q(d)).
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.worker.sampling import SamplingParams, draw, greedy_token, sample, target_probs
+from engine.worker.sampling import (
+    SamplingParams,
+    draw,
+    greedy_token,
+    sample,
+    seeded_generator,
+    target_probs,
+)
 
 
 def verify_window(
@@ -32,11 +44,19 @@ def verify_window(
     generator: torch.Generator | None,
     process: Callable[[torch.Tensor, list[int]], torch.Tensor],
     draft_probs: torch.Tensor | None = None,
+    first_position: int | None = None,
 ) -> list[int]:
     """logits: [k+1, V] target rows for a window with k proposals. process(row_logits,
-    accepted_so_far) applies penalties and bans. Returns the emitted tokens: the accepted
+    accepted_so_far) applies penalties and bans. first_position: the sequence position of the
+    first row (seeded requests draw by position). Returns the emitted tokens: the accepted
     proposals, then one corrected or bonus token (1..k+1 tokens)."""
     out: list[int] = []
+    if params.seed is not None and not params.greedy and first_position is not None:
+        for i in range(len(drafts) + 1):
+            g = seeded_generator(params.seed, first_position + i, logits.device)
+            out.append(sample(process(logits[i], out), params, g))
+            if i == len(drafts) or out[-1] != drafts[i]:
+                return out
     for i, d in enumerate(drafts):
         row = process(logits[i], out)
         if params.greedy:
