@@ -211,3 +211,14 @@ def test_seeded_sampling_is_the_same_alone_batched_and_speculated() -> None:
         assert om.stats.snapshot()["spec_drafts"] > 0  # speculation ran
     finally:
         om.close()
+
+
+def test_the_plan_names_the_numeric_family() -> None:
+    """The plan line says whether rows are batch-invariant, and why not where they are not."""
+    from engine.worker.dispatch import exactness
+
+    assert exactness("fused", True, True)[0] == "batch-invariant"
+    assert exactness("lean", True, True)[0] == "batch-invariant"
+    assert "native-kernels off" in exactness("lean", False, False)[1]
+    assert "transformers" in exactness("transformers", True, True)[1]
+    assert "sdpa" in exactness("lean", True, False)[1]

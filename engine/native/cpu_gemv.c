@@ -799,3 +799,73 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
             }
     }
 }
+
+/* T consecutive rows of one sequence attend as decode_attention attends each of them alone: row r's q and k are
+ * normed and rotated, its key and value go to position at + r, and it attends to positions 0..at + r with the same
+ * sums in the same order (scores, max, exp_inplace over its own length, the sum, the weighted values in key order),
+ * so a prompt's rows, a verification window's and a decode row each give the bits of that row decoded alone. What
+ * the blocking changes is only memory traffic: ATT_ROWS rows share each key and value row's load. q [T, hq, d], k and
+ * v [T, hk, d] (q and k in place), cos/sin [T, rot] (NULL when rot is 0), out [T, hq, d]: contiguous, in x's
+ * dtype; the KV buffers [hk, cap, d] have room for at + T positions. work: attention_rows_work_floats(). */
+#define ATT_ROWS 16
+int64_t attention_rows_work_floats(int64_t T, int64_t hq, int64_t hk, int64_t d, int64_t at) {
+    return ATT_ROWS * (hq / hk) * (at + T + 2 * d) + 64;
+}
+
+void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
+                    const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
+                    const void *sin, void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs, kd = (size_t)(hk * d) * xs, rs = (size_t)rot * xs;
+    int64_t group = hq / hk, span = at + T; /* a row's scores are at most span long */
+    int wt = xtype == X_F32 ? W_F32 : W_BF16;
+    if (group > 64 || group * hk != hq) return; /* the caller checks: never reached */
+    for (int64_t r = 0; r < T; r++) { /* decode_attention's first two steps, row by row */
+        qk_norm_rope((char *)q + r * qd, (char *)k + r * kd, xtype, 1, hq, hk, d, qw, kw, wtype, q_eps, k_eps, rot,
+                     cos ? (const char *)cos + r * rs : NULL, sin ? (const char *)sin + r * rs : NULL);
+        kv_append(kbuf, vbuf, (char *)k + r * kd, (const char *)v + r * kd, hk, 1, d, cap, at + r, d, d, d, d,
+                  (int64_t)xs);
+    }
+    float *scores = work, *qf = scores + ATT_ROWS * group * span, *acc = qf + ATT_ROWS * group * d;
+    for (int64_t g = 0; g < hk; g++)
+        for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
+            int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++)
+                    for (int64_t i = 0; i < d; i++)
+                        qf[(b * group + a) * d + i] = load1((const char *)q + (r0 + b) * qd, wt, (g * group + a) * d + i);
+            for (int64_t j = 0; j < last; j++) {
+                const char *kr = (const char *)kbuf + (size_t)((g * cap + j) * d) * xs;
+                for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) /* rows at positions >= j */
+                    for (int64_t a = 0; a < group; a++)
+                        scores[(b * group + a) * span + j] = dot_row(qf + (b * group + a) * d, kr, wt, d) * scale;
+            }
+            float inv[ATT_ROWS * 64];
+            for (int64_t b = 0; b < nb; b++) {
+                int64_t len = at + r0 + b + 1;
+                for (int64_t a = 0; a < group; a++) {
+                    float *sc = scores + (b * group + a) * span, mx = -INFINITY, sum = 0.0f;
+                    for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
+                    for (int64_t j = 0; j < len; j++) sc[j] -= mx;
+                    exp_inplace(sc, len);
+                    for (int64_t j = 0; j < len; j++) sum += sc[j];
+                    inv[b * group + a] = 1.0f / sum;
+                }
+            }
+            for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
+            for (int64_t j = 0; j < last; j++) {
+                const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
+                for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++)
+                    for (int64_t a = 0; a < group; a++)
+                        axpy_row(acc + (b * group + a) * d, scores[(b * group + a) * span + j], vr, wt, d);
+            }
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++)
+                    for (int64_t i = 0; i < d; i++) {
+                        float y = acc[(b * group + a) * d + i] * inv[b * group + a];
+                        int64_t o = (g * group + a) * d + i;
+                        char *orow = (char *)out + (r0 + b) * qd;
+                        if (xtype == X_F32) ((float *)orow)[o] = y;
+                        else ((uint16_t *)orow)[o] = f32_to_bf16(y);
+                    }
+        }
+}

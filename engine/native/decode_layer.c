@@ -275,20 +275,3 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
     add_rmsnorm(x, y, xt, R, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
     return 0;
 }
-
-/* T consecutive rows of one sequence through decode_attention (cpu_gemv.c), in order: row r's key and value go to
- * position at + r, and it attends to positions 0..at + r, exactly as a decode row at that position does alone. So a
- * prompt's rows, a verification window's and a decode row each compute the same way whatever shares the step; the
- * fused step (decode_layer above) calls decode_attention the same way. q [T, hq, d], k and v [T, hk, d] (q and k are
- * normed and rotated in place), cos/sin [T, rot] (NULL when rot is 0), out [T, hq, d]: contiguous, in x's dtype. The
- * KV buffers [hk, cap, d] must have room for at + T positions. work: (hq / hk) * (at + T + 2 d) floats. */
-void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
-                    const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
-                    const void *sin, void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
-    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs, kd = (size_t)(hk * d) * xs, rs = (size_t)rot * xs;
-    for (int64_t r = 0; r < T; r++)
-        decode_attention((char *)q + r * qd, (char *)k + r * kd, (const char *)v + r * kd, xtype, hq, hk, d, qw, kw,
-                         wtype, q_eps, k_eps, rot, cos ? (const char *)cos + r * rs : NULL,
-                         sin ? (const char *)sin + r * rs : NULL, kbuf, vbuf, cap, at + r, scale, (char *)out + r * qd,
-                         work);
-}

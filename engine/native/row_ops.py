@@ -199,7 +199,7 @@ class KernelLibrary:
         at: int,
         scale: float,
     ) -> torch.Tensor:
-        """Attention for T consecutive new rows of one sequence (decode_layer.c `attention_rows`, each row as
+        """Attention for T consecutive new rows of one sequence (cpu_gemv.c `attention_rows`, each row as
         cpu_gemv.c's `decode_attention` computes a decode row alone): q [T, hq, d], k and v [T, hk, d]
         (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k weight, q eps,
         k eps) or None, cos/sin [T, rot] or None, the KV buffers [1, hk, capacity, d] of the same dtype with
@@ -233,6 +233,6 @@ class KernelLibrary:
             at,
             scale,
             out.data_ptr(),
-            self._work(4 * (hq // hk) * (at + rows + 2 * d)),
+            self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at)),
         )
         return out

@@ -1,7 +1,7 @@
 """A step's attention in the lean forward (engine/worker/lean_forward.py), after the q/k/v
 projections and before o_proj.
 
-- `native_attention`: one native call a request for any number of its rows (decode_layer.c
+- `native_attention`: one native call a request for any number of its rows (cpu_gemv.c
   `attention_rows`: q/k norms, rotary, KV append, attention, row by row as a decode row alone),
   where the CPU kernels, the dtype, the in-place KV cache (engine/worker/kv_cache.py) and the
   per-head norms allow it.
@@ -39,7 +39,7 @@ def native_attention(
 
     Why one kernel for every row: each row attends to its keys in one order whatever rows share the
     step, so a window's rows, a prompt's rows and a decode row at the same position compute the same
-    bits (decode_layer.c `attention_rows`); torch's SDPA and packed attention sum in orders that depend
+    bits (cpu_gemv.c `attention_rows`); torch's SDPA and packed attention sum in orders that depend
     on the query count. Also why it is fast on small models: between the projections and o_proj a
     decode layer made about a dozen torch calls (views, transposes, the cache's bookkeeping, SDPA, a
     copy back), more than the arithmetic. Against SDPA, logits agree to float rounding, not bit for bit

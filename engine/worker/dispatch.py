@@ -131,6 +131,28 @@ def dense_weights(mode: str, native: bool) -> tuple[str, str]:
     )
 
 
+def exactness(forward: str, native: bool, native_attention: bool) -> tuple[str, str]:
+    """The plan's line for the numeric family: whether each row computes the same bits whatever shares
+    its step (batch-invariant), and why not where it does not."""
+    if forward == "transformers":
+        return (
+            "not batch-invariant",
+            "transformers' forward: torch's attention and matmuls round a row by what shares the call",
+        )
+    if not native:
+        return (
+            "not batch-invariant",
+            "torch's kernels (--native-kernels off or unavailable) round a row by what shares the call",
+        )
+    if not native_attention:
+        return "not batch-invariant", "torch's SDPA for attention (--decode-attention sdpa)"
+    return (
+        "batch-invariant",
+        "every row through the native kernels: tokens and logprobs do not depend on batching,"
+        " speculation, prefill chunking, prefix-cache hits or residency",
+    )
+
+
 def resolve_plan(
     cfg: Any, *, lean_ok: str | None, kernels: str, on_cpu: bool, complete: bool, router: str
 ) -> ExecutionPlan:
@@ -196,6 +218,7 @@ def resolve_plan(
     )
     choices = (
         Choice("forward", forward, why),
+        Choice("exactness", *exactness(forward, native and on_cpu, native_attention)),
         Choice("attention", *attention),
         Choice("experts", *experts),
         Choice("router", *router.split(": ", 1)),

@@ -313,7 +313,9 @@ class ModelRunner:
                 advanced[0] = len(accepted)
             return self._process(row, w, accepted, grammar)
 
-        first = w.start_pos + len(w.input_ids) - 1 - w.num_draft  # the first verified row's position
+        first = (
+            w.start_pos + len(w.input_ids) - 1 - w.num_draft
+        )  # the first verified row's position
         tokens = verify_window(
             logits, drafts, w.req.params, self.generators[w.request_id], process, probs, first
         )
