@@ -55,6 +55,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "the bigger-than-memory cells under memory cgroups (real-shapes --bigger-than-ram runs them)",
     ),
     Benchmark(
+        "exactness",
+        "exactness",
+        "exact under load: MoE-SpAc runs, batched CPU experts, chunked prompts, a memory cgroup, bitwise",
+        ("exactness.md",),
+    ),
+    Benchmark(
         "eviction-replay",
         "eviction_replay",
         "one recorded decode's routing through each eviction policy, beside Belady's MIN",
