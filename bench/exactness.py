@@ -84,7 +84,7 @@ def prompt_logprobs(cell: dict, texts: list[str], budget: int) -> list[list[floa
             ids = list(om.tokenizer(t)["input_ids"])
             c = complete(core, [request(ids, SamplingParams(max_tokens=1), prompt_logprobs=0)])[0]
             assert c.error is None, c.error
-            out.append([lp.logprob for lp in c.prompt_logprobs[1:]])
+            out.append([lp.logprob for lp in c.prompt_logprobs if lp is not None])
         return out
     finally:
         om.close()

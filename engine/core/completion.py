@@ -23,6 +23,7 @@ class Completion:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # asked for: position 0 is None
     t_submit: float = 0.0
     t_first: float | None = None  # first output token arrived
     t_end: float = 0.0
@@ -62,6 +63,7 @@ def complete(core: EngineCore, reqs: list[GenerateRequest]) -> list[Completion]:
         c.token_ids += out.token_ids
         c.text += out.text
         c.logprobs += out.logprobs or []
+        c.prompt_logprobs += out.prompt_logprobs or []
         if out.finish_reason is not None:
             c.finish_reason, c.error, c.t_end = out.finish_reason, out.error, t
     return [done[r.request_id] for r in reqs]
