@@ -72,9 +72,8 @@ def test_spac_behind_the_hdd_link_is_exact_in_bf16_run_after_run() -> None:
 
 @pytest.mark.timeout(600)
 def test_cpu_run_experts_are_exact_in_bf16() -> None:
-    """Every miss computed by CPU workers, with speculation, one request at a time: plain decoding's tokens.
-    (Two requests batched with CPU-run experts still differed once in a full-suite run, at the second
-    prompt's 8th token: an open bug, not asserted here; the batch without CPU experts is, above.)"""
+    """Every miss computed by CPU workers, with speculation, one request at a time and both batched:
+    plain decoding's tokens (tests/test_batch_invariance.py compares logprobs too)."""
     if native() is None:
         pytest.skip("no C compiler: torch's kernels, whose window rows round unlike single rows")
     cell = dict(cache_fraction=0.25, offload="disk")
@@ -88,6 +87,7 @@ def test_cpu_run_experts_are_exact_in_bf16() -> None:
     try:
         for p, ref in zip(prompts, reference, strict=True):
             assert _tokens(om, SpecConfig(speculative="draft"), [p], 24)[0] == ref
+        assert _tokens(om, SpecConfig(speculative="draft"), prompts, 24) == reference  # batched
         assert om.stats.snapshot()["cpu_expert_calls"] > 0
     finally:
         om.close()
