@@ -1,0 +1,136 @@
+"""docs/benchmarks/soak.md and its plots over time, from a soak's raw record (bench/soak.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.soak_outcomes import OUTCOMES
+
+PLOTS = (  # (file, title, sample keys, y label)
+    ("soak_memory.png", "Front-end and engine RSS", ("rss_mib", "engine_rss_mib"), "MiB"),
+    ("soak_handles.png", "Front-end open fds and threads", ("fds", "threads"), "count"),
+    ("soak_health.png", "/health latency", ("health_ms",), "ms"),
+    ("soak_queue.png", "Engine requests running and waiting", ("running", "waiting"), "requests"),
+)
+
+
+def plot(raw: dict[str, Any], out: Path) -> list[str]:
+    """One PNG per row of PLOTS; SIGKILLs as red lines, the drain as a black one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = raw["samples"]
+    written = []
+    for name, title, keys, unit in PLOTS:
+        fig, ax = plt.subplots(figsize=(8, 3))
+        for key in keys:
+            pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
+            ax.plot([t for t, _ in pts], [y for _, y in pts], label=key, linewidth=1)
+        for k in raw["kills"]:
+            ax.axvline(k["t"], color="red", linestyle=":", linewidth=1)
+        ax.axvline(raw["drain"]["t"], color="black", linestyle="--", linewidth=1)
+        ax.set(title=title, xlabel="seconds (red: engine SIGKILL, black: SIGTERM)", ylabel=unit)
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(s: dict[str, Any]) -> list[str]:
+    lines = [
+        "| client | " + " | ".join(OUTCOMES) + " | total |",
+        "|---" * (len(OUTCOMES) + 2) + "|",
+    ]
+    for client, row in sorted(s["per_client"].items()):
+        cells = " | ".join(str(row[o]) for o in OUTCOMES)
+        lines.append(f"| {client} | {cells} | {sum(row.values())} |")
+    return lines
+
+
+def page(raw: dict[str, Any], plots: list[str]) -> str:
+    s = raw["summary"]
+    restarts = ", ".join(_fmt(x) for x in s["restart_s"]) or "none"
+    lines = [
+        "# Soak: mixed traffic with faults on one server",
+        "",
+        f"**Current result** ({_fmt(raw['duration_s'] / 60)} min of load, embedded random-weight "
+        f"model unless the command names another): {s['requests']} requests "
+        f"({_fmt(s['requests_per_second'])}/s), **{s['lost']} lost**, **{s['unexplained_5xx']} "
+        f"unexplained 5xx**; {s['kills']} engine SIGKILLs, serving again after {restarts} s; "
+        f"front-end RSS slope after warm-up {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min; "
+        f"/health p99 {_fmt(s['health_p99_ms'])} ms (max {_fmt(s['health_max_ms'])} ms); "
+        f"SIGTERM drain {_fmt(s['drain_s'])} s, exit code {s['exit_code']}.",
+        "",
+        f"Command: `{raw['command']}`",
+        "",
+        raw["machine"],
+        "",
+        "Physical limit: 2 logical CPUs shared with other work on the machine; the server, its "
+        "engine and all the clients' threads run on them, so the request rate is bound by the "
+        "CPUs, not by the server's design. Latencies here are under that contention.",
+        "",
+        "## Requests per client and outcome",
+        "",
+        "Outcomes (bench/soak_outcomes.py): `complete` a whole answer; `error` a clear error "
+        "object with its status for a cause other than an injected fault (an oversized body's "
+        "413, a full queue); `fault` a clear error naming an injected fault "
+        "(`engine_restarted`, `engine_restarting` after a SIGKILL, `shutting_down`, `aborted` in "
+        "the drain); `refused` a connection refused after the drain closed the listener; "
+        "`disconnected` the client left mid-stream on purpose; `lost` anything else.",
+        "",
+        *_table(s),
+        "",
+        f"Per fault: {s['per_fault'] or 'none'}. Error codes seen (status code): {s['codes']}.",
+        "",
+        "## Over time",
+        "",
+        f"After the first {int(100 * 0.2)} % of the run (warm-up) and before the SIGTERM: front-end "
+        f"RSS {s['rss_mib_range']} MiB (slope {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min), "
+        f"open fds {s['fds_range']}, threads {s['threads_range']}, engine RSS "
+        f"{s['engine_rss_mib_range']} MiB (a new process after each kill), most requests "
+        f"waiting {s['waiting_max']}; /health p50 {_fmt(s['health_p50_ms'])} ms, p99 "
+        f"{_fmt(s['health_p99_ms'])} ms, unanswered within 5 s: {s['health_unanswered']} "
+        f"({s['samples']} samples).",
+        "",
+        *(f"![{p}]({p})" for p in plots),
+        "",
+        "## What the soak does not cover yet",
+        "",
+        "- Expert read faults (EIO, short reads, latency spikes): engine/experts/slow_tier.py has "
+        "no fault-injection hook, so the soak cannot inject them.",
+        "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
+        "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
+        "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
+        "- fast-tier slots and KV in use over time: /metrics exports "
+        "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
+        "occupancy as such.",
+        "",
+        "The raw record (every request and sample) is soak.json beside this page.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_page(raw: dict[str, Any], out: Path) -> None:
+    try:
+        plots = plot(raw, out)
+    except ImportError:  # matplotlib is not installed: the page says so instead
+        plots = []
+    text = page(raw, plots)
+    if not plots:
+        text = text.replace(
+            "## Over time\n", "## Over time\n\n(matplotlib is not installed: no plots.)\n"
+        )
+    (out / "soak.md").write_text(text)
