@@ -33,6 +33,7 @@ from bench.soak_clients import CLIENTS, Ctx
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
 from bench.soak_summary import summarize
+from engine.paths import portable_path
 
 # No SIGKILL this close to the drain: a restart took up to ~18 s under the soak's load on 2 cores.
 KILL_MARGIN_S = 25.0
@@ -144,11 +145,17 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         log = Path(tmp) / "server.log"
         with serve(server_args, log, ready_timeout=300) as srv:
             raw = run_soak(srv, args)
-        raw["server_log_tail"] = log.read_text(errors="replace")[-3000:]
+        tail = log.read_text(errors="replace")[-3000:]  # no machine paths in a committed record
+        raw["server_log_tail"] = tail.replace(str(REPO), ".").replace(tmp, "<tmp>")
     raw["machine"] = machine_line(1, "server started with OMP_NUM_THREADS=1")
-    raw["command"] = "python -m bench soak " + " ".join(sys.argv[1:])
+    argv = sys.argv[1:]
+    argv = [
+        portable_path(a) if i and argv[i - 1] in ("--out", "--model") else a
+        for i, a in enumerate(argv)
+    ]
+    raw["command"] = " ".join(["python -m bench soak", *argv])
     raw["summary"] = summarize(raw)
-    (out / "soak.json").write_text(json.dumps(raw, indent=1))
+    (out / "soak.json").write_text(json.dumps(raw, separators=(",", ":")))  # ~200 B a request
     if args.page:
         from bench.soak_page import write_page
 

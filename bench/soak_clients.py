@@ -211,6 +211,34 @@ def responses_chain(ctx: Ctx, rng: random.Random) -> None:
         prev = got[0]
 
 
+def _read_stream(
+    ctx: Ctx, o: Outcome, path: str, body: dict, most: int | None, pause: float
+) -> tuple[bool, str]:
+    """POST a streamed request with httpx and read its `data:` lines (at most `most`, then go
+    away; `pause` s after each line).  Settles `o` for an error status or an in-band error."""
+    data: list[str] = []
+    with (
+        httpx.Client(timeout=TIMEOUT_S) as hc,
+        hc.stream("POST", ctx.base_url + path, json=body) as r,
+    ):
+        if r.status_code != 200:
+            settle(o, ctx.clock, r.status_code, json.loads(r.read() or b"null"))
+            return o.outcome != "lost", o.detail
+        for line in r.iter_lines():
+            time.sleep(pause)
+            if line.startswith("data: "):
+                data.append(line[6:])
+            if most is not None and len(data) >= most:
+                break
+    if data[-1:] == ["[DONE]"] and len(data) > 1 and "error" in (last := json.loads(data[-2])):
+        settle(o, ctx.clock, None, last)
+        return o.outcome != "lost", o.detail
+    if most is not None and len(data) >= most:
+        o.t1, o.status, o.outcome = ctx.clock.now(), 200, "disconnected"
+        return True, ""
+    return data[-1:] == ["[DONE]"], f"stream ended with {data[-1:]}"
+
+
 def disconnect_mid_stream(ctx: Ctx, rng: random.Random) -> None:
     """Opens a long stream, reads a few events, and goes away."""
     o = ctx.start("disconnect", "chat_stream")
@@ -221,50 +249,15 @@ def disconnect_mid_stream(ctx: Ctx, rng: random.Random) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-
-    def run() -> tuple[bool, str]:
-        with (
-            httpx.Client(timeout=TIMEOUT_S) as hc,
-            hc.stream("POST", ctx.base_url + "/v1/chat/completions", json=body) as r,
-        ):
-            if r.status_code != 200:
-                settle(o, ctx.clock, r.status_code, json.loads(r.read() or b"null"))
-                return o.outcome != "lost", o.detail
-            lines = r.iter_lines()
-            for _ in range(rng.randint(1, 6)):
-                next(lines)
-        o.t1, o.status, o.outcome = ctx.clock.now(), 200, "disconnected"
-        return True, ""
-
-    _guard(ctx, o, run)
+    most = rng.randint(1, 6)
+    _guard(ctx, o, lambda: _read_stream(ctx, o, "/v1/chat/completions", body, most, 0.0))
 
 
 def slow_reader(ctx: Ctx, rng: random.Random) -> None:
     """Reads a stream slowly (0.1 s a line): the server must not block others or give up on it."""
     o = ctx.start("slow_reader", "completions_stream")
     body = {"model": ctx.model, "prompt": "Slowly", "max_tokens": 24, "stream": True}
-
-    def run() -> tuple[bool, str]:
-        with (
-            httpx.Client(timeout=TIMEOUT_S) as hc,
-            hc.stream("POST", ctx.base_url + "/v1/completions", json=body) as r,
-        ):
-            if r.status_code != 200:
-                settle(o, ctx.clock, r.status_code, json.loads(r.read() or b"null"))
-                return o.outcome != "lost", o.detail
-            data = []
-            for line in r.iter_lines():
-                time.sleep(0.1)
-                if line.startswith("data: "):
-                    data.append(line[6:])
-        if data and data[-1] == "[DONE]" and len(data) > 1:
-            last = json.loads(data[-2])
-            if "error" in last:
-                settle(o, ctx.clock, None, last)
-                return o.outcome != "lost", o.detail
-        return data[-1:] == ["[DONE]"], f"stream ended with {data[-1:]}"
-
-    _guard(ctx, o, run)
+    _guard(ctx, o, lambda: _read_stream(ctx, o, "/v1/completions", body, None, 0.1))
 
 
 def oversized(ctx: Ctx, rng: random.Random) -> None:
