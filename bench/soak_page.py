@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak_outcomes import OUTCOMES
+from bench.soak_summary import WARMUP_FRACTION
 
 PLOTS = (  # (file, title, sample keys, y label)
     ("soak_memory.png", "Front-end and engine RSS", ("rss_mib", "engine_rss_mib"), "MiB"),
@@ -60,6 +61,54 @@ def _table(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _r(xs: list[float] | None) -> str:
+    return "n/a" if not xs else f"{_fmt(xs[0])} to {_fmt(xs[1])}"
+
+
+def _acceptance(raw: dict[str, Any]) -> list[str]:
+    """Issue 53's acceptance, each against what this run measured."""
+    s = raw["summary"]
+    slope, p99, back = s["rss_slope_mib_per_min"], s["health_p99_ms"], s["restart_max_s"]
+    rows = [
+        ("load", "30 min", f"{_fmt(raw['duration_s'] / 60)} min", raw["duration_s"] >= 1800),
+        ("requests", ">= 10,000", str(s["requests"]), s["requests"] >= 10_000),
+        ("lost", "0", str(s["lost"]), s["lost"] == 0),
+        ("5xx not explained by a fault", "0", str(s["unexplained_5xx"]), s["unexplained_5xx"] == 0),
+        (
+            "every client recovers",
+            "all",
+            str(sum(s["recovered_after_last_kill"].values()))
+            + f" of {len(s['recovered_after_last_kill'])}",
+            all(s["recovered_after_last_kill"].values()),
+        ),
+        (
+            "front-end RSS slope after warm-up",
+            "<= 1 MiB/min",
+            f"{_fmt(slope, 2)} MiB/min",
+            slope is not None and slope <= 1.0,
+        ),
+        ("open fds / threads", "flat", f"{_r(s['fds_range'])} / {_r(s['threads_range'])}", None),
+        ("/health p99", "<= 100 ms", f"{_fmt(p99)} ms", p99 is not None and p99 <= 100),
+        (
+            "serving again after each SIGKILL",
+            "<= 10 s",
+            f"{_fmt(back)} s (worst)",
+            back is not None and back <= 10,
+        ),
+    ]
+    out = ["| criterion | target | measured | met |", "|---|---|---|---|"]
+    for name, target, got, met in rows:
+        out.append(
+            f"| {name} | {target} | {got} | {'see below' if met is None else 'yes' if met else '**no**'} |"
+        )
+    return out
+
+
+def _kills(raw: dict[str, Any]) -> list[str]:
+    out = ["| SIGKILL at (s) | serving again after (s) |", "|---|---|"]
+    return out + [f"| {_fmt(k['t'])} | {_fmt(k['restart_s'])} |" for k in raw["kills"]]
+
+
 def page(raw: dict[str, Any], plots: list[str]) -> str:
     s = raw["summary"]
     restarts = ", ".join(_fmt(x) for x in s["restart_s"]) or "none"
@@ -69,7 +118,7 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         f"**Current result** ({_fmt(raw['duration_s'] / 60)} min of load, embedded random-weight "
         f"model unless the command names another): {s['requests']} requests "
         f"({_fmt(s['requests_per_second'])}/s), **{s['lost']} lost**, **{s['unexplained_5xx']} "
-        f"unexplained 5xx**; {s['kills']} engine SIGKILLs, serving again after {restarts} s; "
+        f"unexplained 5xx**; {s['kills']} engine SIGKILL(s), serving again after {restarts} s; "
         f"front-end RSS slope after warm-up {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min; "
         f"/health p99 {_fmt(s['health_p99_ms'])} ms (max {_fmt(s['health_max_ms'])} ms); "
         f"SIGTERM drain {_fmt(s['drain_s'])} s, exit code {s['exit_code']}.",
@@ -81,6 +130,14 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "Physical limit: 2 logical CPUs shared with other work on the machine; the server, its "
         "engine and all the clients' threads run on them, so the request rate is bound by the "
         "CPUs, not by the server's design. Latencies here are under that contention.",
+        "",
+        "## Against the acceptance of issue 53",
+        "",
+        *_acceptance(raw),
+        "",
+        "## Engine SIGKILLs",
+        "",
+        *_kills(raw),
         "",
         "## Requests per client and outcome",
         "",
@@ -94,13 +151,24 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         *_table(s),
         "",
         f"Per fault: {s['per_fault'] or 'none'}. Error codes seen (status code): {s['codes']}.",
+        *(["", "Lost requests (the first ten):", ""] if s["lost"] else []),
+        *(
+            f"- {r['client']} {r['kind']} at {_fmt(r['t0'])} s: {r['detail']}"
+            for r in s["lost_examples"]
+        ),
+        *(["", "Unexplained 5xx (the first ten):", ""] if s["unexplained_5xx"] else []),
+        *(
+            f"- {r['client']} {r['kind']}: {r['status']} {r['code']}"
+            for r in s["unexplained_examples"]
+        ),
         "",
         "## Over time",
         "",
-        f"After the first {int(100 * 0.2)} % of the run (warm-up) and before the SIGTERM: front-end "
-        f"RSS {s['rss_mib_range']} MiB (slope {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min), "
-        f"open fds {s['fds_range']}, threads {s['threads_range']}, engine RSS "
-        f"{s['engine_rss_mib_range']} MiB (a new process after each kill), most requests "
+        f"After the first {int(100 * WARMUP_FRACTION)} % of the run (warm-up) and before the "
+        f"SIGTERM: front-end RSS {_r(s['rss_mib_range'])} MiB (slope "
+        f"{_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min), open fds {_r(s['fds_range'])}, threads "
+        f"{_r(s['threads_range'])}, engine RSS {_r(s['engine_rss_mib_range'])} MiB (a new process "
+        f"after each kill), most requests "
         f"waiting {s['waiting_max']}; /health p50 {_fmt(s['health_p50_ms'])} ms, p99 "
         f"{_fmt(s['health_p99_ms'])} ms, unanswered within 5 s: {s['health_unanswered']} "
         f"({s['samples']} samples).",
