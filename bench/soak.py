@@ -35,9 +35,11 @@ from bench.soak_outcomes import Clock
 from bench.soak_summary import summarize
 from engine.paths import portable_path
 
-# No SIGKILL this close to the drain: a restart took up to ~18 s under the soak's load on 2 cores.
-KILL_MARGIN_S = 25.0
+# No SIGKILL this close to the drain (or in a short run's second half): a restart took up to
+# ~27 s under the soak's load on 2 shared cores, and it must be done before the drain.
+KILL_MARGIN_S = 40.0
 MAX_BODY = 1024 * 1024  # the server's --max-body-bytes in the soak: oversized bodies stay cheap
+MAX_SAMPLES = 300  # samples kept in soak.json (the summary and plots use all of them)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         "--kill-every",
         type=float,
         default=120.0,
-        help="SIGKILL the engine every S seconds, none in the last 25 s; 0: never (default 120)",
+        help="SIGKILL the engine every S seconds, none in the last 40 s (or half the run); 0: never (default 120)",
     )
     ap.add_argument(
         "--sample-every", type=float, default=1.0, help="seconds between samples (default 1)"
@@ -70,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
         help="folder for soak.json (and the page with --page); default: a new temporary folder",
     )
     ap.add_argument("--page", action="store_true", help="also write soak.md and its plots to --out")
+    ap.add_argument(
+        "--requests-json",
+        action="store_true",
+        help="also write every request's outcome to soak_requests.json in --out (large)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -99,7 +106,7 @@ def run_soak(srv: RunningServer, args: argparse.Namespace) -> dict[str, Any]:
     """The load, the faults and the drain against the running server `srv`."""
     clock = Clock()
     ctx = Ctx(srv.base_url, "soak", clock, MAX_BODY)
-    last_kill = args.duration - KILL_MARGIN_S
+    last_kill = args.duration - min(KILL_MARGIN_S, args.duration / 2)
     mon = Monitor(srv, clock, args.sample_every, args.kill_every or None, last_kill)
     stop = threading.Event()
     workers = [
@@ -155,12 +162,24 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     ]
     raw["command"] = " ".join(["python -m bench soak", *argv])
     raw["summary"] = summarize(raw)
-    (out / "soak.json").write_text(json.dumps(raw, separators=(",", ":")))  # ~200 B a request
     if args.page:
         from bench.soak_page import write_page
 
-        write_page(raw, out)
+        write_page(raw, out)  # its plots use every sample
+    write_record(raw, out, args.requests_json)
     return raw
+
+
+def write_record(raw: dict[str, Any], out: Path, with_requests: bool) -> None:
+    """soak.json: everything but the per-request records, at most MAX_SAMPLES samples (evenly
+    spaced), so the page's record stays small; with `with_requests`, soak_requests.json too
+    (about 150 bytes a request)."""
+    step = -(-len(raw["samples"]) // MAX_SAMPLES)  # ceil
+    slim = {k: v for k, v in raw.items() if k != "requests"}
+    slim["samples"] = raw["samples"][::step]
+    (out / "soak.json").write_text(json.dumps(slim, separators=(",", ":")))
+    if with_requests:
+        (out / "soak_requests.json").write_text(json.dumps(raw["requests"], separators=(",", ":")))
 
 
 def passed(raw: dict[str, Any]) -> bool:

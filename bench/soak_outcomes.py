@@ -8,7 +8,8 @@ Every request the soak sends ends in one `Outcome`:
   injected fault (an oversized body's 413, a full queue's 429 / 503 `queue_full`);
 - `fault`: a clear error object whose fault class names an injected fault (`engine_restarted`,
   `engine_restarting` after a SIGKILL; `shutting_down`, `aborted` during the SIGTERM drain);
-- `refused`: the connection was refused after the drain closed the listener (never accepted);
+- `refused`: during the drain, the server never took the request: the connection was refused
+  (the listener closed), or a kept-alive one was closed before any byte of a response;
 - `disconnected`: the client itself went away mid-stream, as planned;
 - `lost`: anything else: a timeout, a cut connection, a body that is not an error object, a
   stream without its end marker. The acceptance asks for none.
@@ -88,10 +89,14 @@ def settle(o: Outcome, clock: Clock, status: int | None, body: Any) -> Outcome:
 
 
 def _refused(e: BaseException | None) -> bool:
-    """Whether the connection was never made: the SDKs wrap their own httpx fork's ConnectError
-    (httpx2), so the chain of causes is walked by class name."""
+    """Whether the server never took the request: the connection was refused, or a kept-alive
+    connection was closed before any byte of a response (the server closing its idle
+    connections as it exits; the SDKs retry both by default).  The SDKs wrap their own httpx
+    fork's errors (httpx2), so the chain of causes is walked by class name."""
     while e is not None:
         if isinstance(e, ConnectionRefusedError) or type(e).__name__ == "ConnectError":
+            return True
+        if "without sending a response" in str(e):  # httpx's RemoteProtocolError for that case
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -106,7 +111,7 @@ def from_exception(o: Outcome, clock: Clock, e: BaseException) -> Outcome:
         o.outcome, o.detail = "lost", f"timed out ({type(e).__name__})"
         return o
     if _refused(e) and clock.draining:
-        o.outcome, o.detail = "refused", "connection refused after the drain"
+        o.outcome, o.detail = "refused", f"not taken during the drain: {str(e)[:100]}"
         return o
     if isinstance(e, (openai.APIError, anthropic.APIError)) and getattr(e, "body", None):
         return settle(o, clock, None, e.body)  # an in-band stream error

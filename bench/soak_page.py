@@ -8,6 +8,7 @@ from typing import Any
 from bench.soak_outcomes import OUTCOMES
 from bench.soak_summary import WARMUP_FRACTION
 
+READING = "## Reading of this run"  # a hand-written section from here to the end is kept on rerun
 PLOTS = (  # (file, title, sample keys, y label)
     ("soak_memory.png", "Front-end and engine RSS", ("rss_mib", "engine_rss_mib"), "MiB"),
     ("soak_handles.png", "Front-end open fds and threads", ("fds", "threads"), "count"),
@@ -145,7 +146,8 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "object with its status for a cause other than an injected fault (an oversized body's "
         "413, a full queue); `fault` a clear error naming an injected fault "
         "(`engine_restarted`, `engine_restarting` after a SIGKILL, `shutting_down`, `aborted` in "
-        "the drain); `refused` a connection refused after the drain closed the listener; "
+        "the drain); `refused` during the drain, the server never took the request (connection "
+        "refused, or a kept-alive connection closed before any byte of a response); "
         "`disconnected` the client left mid-stream on purpose; `lost` anything else.",
         "",
         *_table(s),
@@ -186,7 +188,9 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
         "occupancy as such.",
         "",
-        "The raw record (every request and sample) is soak.json beside this page.",
+        "The record is soak.json beside this page: the summary, the kills, the drain and the "
+        "samples over time (evenly thinned to at most 300); `--requests-json` also writes every "
+        "request's outcome to soak_requests.json.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -201,4 +205,7 @@ def write_page(raw: dict[str, Any], out: Path) -> None:
         text = text.replace(
             "## Over time\n", "## Over time\n\n(matplotlib is not installed: no plots.)\n"
         )
-    (out / "soak.md").write_text(text)
+    old = out / "soak.md"
+    if old.exists() and (at := old.read_text().find(READING)) >= 0:
+        text += "\n" + old.read_text()[at:]  # the hand-written reading of the last run survives
+    old.write_text(text)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_short_soak_with_an_engine_sigkill(tmp_path: Path) -> None:
     args = _parser().parse_args(
-        ["--duration", "40", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
+        ["--duration", "45", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
     )
     raw = execute(args)
     s = raw["summary"]
@@ -61,6 +61,10 @@ def test_refused_only_counts_during_the_drain() -> None:
     assert from_exception(Outcome("c", "k", 0.0), clock, err).outcome == "lost"
     clock.draining = True
     assert from_exception(Outcome("c", "k", 0.0), clock, err).outcome == "refused"
+    closed = RuntimeError("Server disconnected without sending a response.")
+    assert from_exception(Outcome("c", "k", 0.0), clock, closed).outcome == "refused"
+    cut = RuntimeError("peer closed connection without sending complete message body")
+    assert from_exception(Outcome("c", "k", 0.0), clock, cut).outcome == "lost"
 
 
 def test_rss_slope_is_per_minute() -> None:
