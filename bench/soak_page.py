@@ -116,21 +116,18 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
     lines = [
         "# Soak: mixed traffic with faults on one server",
         "",
-        f"**Current result** ({_fmt(raw['duration_s'] / 60)} min of load, embedded random-weight "
-        f"model unless the command names another): {s['requests']} requests "
-        f"({_fmt(s['requests_per_second'])}/s), **{s['lost']} lost**, **{s['unexplained_5xx']} "
-        f"unexplained 5xx**; {s['kills']} engine SIGKILL(s), serving again after {restarts} s; "
+        f"- **Result:** {_fmt(raw['duration_s'] / 60)} min of load on the embedded random-weight "
+        f"model (unless the command names another): {s['requests']} requests "
+        f"({_fmt(s['requests_per_second'])}/s), {s['lost']} lost, {s['unexplained_5xx']} "
+        f"unexplained 5xx; {s['kills']} engine SIGKILL(s), serving again after {restarts} s; "
         f"front-end RSS slope after warm-up {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min; "
         f"/health p99 {_fmt(s['health_p99_ms'])} ms (max {_fmt(s['health_max_ms'])} ms); "
         f"SIGTERM drain {_fmt(s['drain_s'])} s, exit code {s['exit_code']}.",
-        "",
-        f"Command: `{raw['command']}`",
-        "",
-        raw["machine"],
-        "",
-        "Physical limit: 2 logical CPUs shared with other work on the machine; the server, its "
-        "engine and all the clients' threads run on them, so the request rate is bound by the "
-        "CPUs, not by the server's design. Latencies here are under that contention.",
+        f"- **Command:** `{raw['command']}`",
+        f"- **Machine:** {raw['machine'].removeprefix('Machine: ')}",
+        "- **Limit:** the CPUs named above, shared by the server, its engine and every client "
+        "thread of the soak (and, on a shared machine, other work): the request rate and the "
+        "latencies are bound by them, not by the server's design.",
         "",
         "## Against the acceptance of issue 53",
         "",
