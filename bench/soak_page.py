@@ -17,6 +17,21 @@ PLOTS = (  # (file, title, sample keys, y label)
 )
 
 
+NOT_COVERED = (  # the end of the page: what issue 53 asks that the soak does not do yet
+    "## What the soak does not cover yet",
+    "",
+    "- Expert read faults (EIO, short reads, latency spikes): engine/experts/slow_tier.py has "
+    "no fault-injection hook, so the soak cannot inject them.",
+    "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
+    "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
+    "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
+    "- fast-tier slots and KV in use over time: /metrics exports "
+    "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
+    "occupancy as such.",
+    "",
+)
+
+
 def plot(raw: dict[str, Any], out: Path) -> list[str]:
     """One PNG per row of PLOTS; SIGKILLs as red lines, the drain as a black one."""
     import matplotlib
@@ -174,17 +189,7 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "",
         *(f"![{p}]({p})" for p in plots),
         "",
-        "## What the soak does not cover yet",
-        "",
-        "- Expert read faults (EIO, short reads, latency spikes): engine/experts/slow_tier.py has "
-        "no fault-injection hook, so the soak cannot inject them.",
-        "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
-        "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
-        "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
-        "- fast-tier slots and KV in use over time: /metrics exports "
-        "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
-        "occupancy as such.",
-        "",
+        *NOT_COVERED,
         "The record is soak.json beside this page: the summary, the kills, the drain and the "
         "samples over time (evenly thinned to at most 300); `--requests-json` also writes every "
         "request's outcome to soak_requests.json.",
