@@ -179,6 +179,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "release check: Schemathesis over a whole server; 5xx answers, leaks, engine restarts",
     ),
     Benchmark(
+        "soak",
+        "soak",
+        "one server under mixed SDK traffic with engine SIGKILLs and a SIGTERM drain; lost requests",
+        ("soak.md",),
+    ),
+    Benchmark(
         "engine-once",
         "engine_once",
         "one engine decode in a process of its own (tok/s, peak RSS): the child of peers --memory-limit",

@@ -18,18 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.errors import ApiError
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
+from server.errors import ApiError, anthropic_error_body, internal_error
 
 
 def anthropic_status(status: int, code: str | None = None) -> int:
@@ -38,26 +27,18 @@ def anthropic_status(status: int, code: str | None = None) -> int:
     return status
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """`status` is Anthropic's (after anthropic_status)."""
-    return {
-        "type": "error",
-        "error": {
-            "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-            "message": message,
-        },
-    }
-
-
 def anthropic_error(
     status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None
 ) -> JSONResponse:
     st = anthropic_status(status, code)
-    return JSONResponse(anthropic_error_body(st, message), status_code=st, headers=headers)
+    return JSONResponse(
+        anthropic_error_body(st, message, code=code), status_code=st, headers=headers
+    )
 
 
-def anthropic_sse_error(status: int, message: str) -> str:
-    return f"event: error\ndata: {json.dumps(anthropic_error_body(anthropic_status(status), message))}\n\n"
+def anthropic_sse_error(status: int, message: str, code: str | None = None) -> str:
+    body = anthropic_error_body(anthropic_status(status, code), message, code=code)
+    return f"event: error\ndata: {json.dumps(body)}\n\n"
 
 
 def validation_message(e: RequestValidationError) -> str:
@@ -81,5 +62,8 @@ class AnthropicRoute(APIRoute):
                 return anthropic_error(400, validation_message(e))
             except StarletteHTTPException as e:  # e.g. a body that is not UTF-8 JSON
                 return anthropic_error(e.status_code, str(e.detail), dict(e.headers or {}))
+            except Exception as e:  # noqa: BLE001 - a bug: one line and an error id, in this API's shape
+                where = f"{request.method} {request.url.path}"
+                return anthropic_error(500, internal_error(e, where), code="internal_error")
 
         return handler

@@ -148,7 +148,7 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
             try:
                 got = await run.choices.next(timeout=PING_S)
             except EngineFailure as e:
-                raise StreamFailed(503, f"The engine failed: {e}", "engine_dead") from None
+                raise StreamFailed(503, f"The engine failed: {e}", e.code) from None
             if got is None:
                 yield Piece("wait")
                 continue

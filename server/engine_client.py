@@ -54,7 +54,14 @@ class EngineState(Enum):
 
 
 class EngineFailure(Exception):
-    """Put on a request's queue when the engine process fails; the request cannot complete."""
+    """Put on a request's queue when the engine process fails; the request cannot complete.
+
+    `code` is the fault class a client sees: `engine_restarted` when a new engine is on its way
+    (retrying later will work), `engine_dead` when the server gives up or shuts down."""
+
+    def __init__(self, message: str, code: str = "engine_dead") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -250,15 +257,19 @@ class EngineClient:
         self.error_id = found.group(1) if found else new_error_id()
         self.error = error if found else f"{error} (error id {self.error_id})"
         error = self.error
-        self._fail_in_flight(error)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < self.restart_window]
+        first_load_failed = not was_ready and self.engine_pid is None
+        restarts = (
+            not self._closing and not first_load_failed and len(self._restarts) < self.max_restarts
+        )
+        self._fail_in_flight(error, "engine_restarted" if restarts else "engine_dead")
         eng, self._engine = self._engine, None
         eng.release()  # reaps: the child is dead or killed here, so join returns at once
         if self._closing:
             self.state = EngineState.DEAD
             return
-        now = time.monotonic()
-        self._restarts = [t for t in self._restarts if now - t < self.restart_window]
-        if not was_ready and self.engine_pid is None:
+        if first_load_failed:
             log.error(
                 "engine failed to start: %s", error
             )  # a first load that fails will fail again
@@ -287,9 +298,9 @@ class EngineClient:
         if self.on_fatal is not None:
             self.on_fatal()
 
-    def _fail_in_flight(self, error: str) -> None:
+    def _fail_in_flight(self, error: str, code: str) -> None:
         for t in self._reqs.values():
-            t.queue.put_nowait(EngineFailure(error))
+            t.queue.put_nowait(EngineFailure(error, code))
             self.metrics.finished.labels("error").inc()
         self._reqs.clear()
         self.metrics.running.set(0)

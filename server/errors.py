@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
@@ -26,7 +27,7 @@ except ImportError:  # older FastAPI: app.routes is already flat
         return routes
 
 
-from engine.core.faults import new_error_id
+from engine.core.faults import new_error_id, redact
 
 log = logging.getLogger("moe_offload.server")
 
@@ -92,12 +93,14 @@ def error_body(
     }
 
 
-def anthropic_error_body(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
-    """The Anthropic Messages API's error object for `status`."""
-    return {
-        "type": "error",
-        "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
-    }
+def anthropic_error_body(
+    status: int, message: str, type_: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The Anthropic Messages API's error object for `status`; `code` (our fault class, e.g.
+    `engine_restarted`) is added when known, as an extra member the SDKs pass through."""
+    fallback = "api_error" if status >= 500 else "invalid_request_error"
+    err = {"type": type_ or _ANTHROPIC_TYPES.get(status, fallback), "message": message}
+    return {"type": "error", "error": err | ({"code": code} if code else {})}
 
 
 def error_response(
@@ -110,6 +113,18 @@ def error_response(
     return JSONResponse(
         error_body(status, message, param, code), status_code=status, headers=headers
     )
+
+
+def client_line(e: BaseException) -> str:
+    """One line about a client's mistake that `e` reports, for an error message: a pydantic
+    error's first problem as `field: message`, else the first line of its text with paths cut
+    to file names (a pydantic or Jinja text runs over many lines and names internals)."""
+    if isinstance(e, ValidationError) and e.errors():
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = redact(str(first.get("msg", "")))
+        return f"{loc}: {msg}" if loc else msg
+    return redact(str(e)) or type(e).__name__
 
 
 def internal_error(e: BaseException, where: str) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.faults import fault_class
 from engine.core.messages import RequestOutput, TokenLogprob
 from server.errors import error_body
 
@@ -107,6 +108,6 @@ def failure_of(reason: str | None, error: str | None) -> tuple[int, str, str] | 
     """(status, message, code) when a choice ended without a result, else None."""
     if reason == "abort":
         return 503, "The request was aborted (server shutting down).", "aborted"
-    if reason == "error":
-        return 500, f"The engine failed on this request: {error}", "engine_error"
+    if reason == "error":  # `code` names the fault class: expert_read_failed, sampling_failed, ...
+        return 500, f"The engine failed on this request: {error}", fault_class(error)
     return None

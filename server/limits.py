@@ -13,8 +13,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from server.anthropic_errors import anthropic_error_body
-from server.errors import error_body
+from server.errors import anthropic_error_body, error_body
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

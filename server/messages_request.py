@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.errors import ApiError
+from server.errors import ApiError, client_line
 from server.protocol import ChatCompletionRequest, ChatMessage
 
 log = logging.getLogger("moe_offload.server")
@@ -208,4 +208,4 @@ def to_chat(
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValueError as e:
-        raise ApiError(400, f"invalid request: {e}") from None
+        raise ApiError(400, f"invalid request: {client_line(e)}") from None

@@ -15,6 +15,7 @@ from typing import Any
 
 from server.anthropic_errors import anthropic_sse_error
 from server.chat_bridge import ChatResult, ChatRun, StreamFailed, chat_pieces
+from server.errors import internal_error
 
 
 def stop_reason(r: ChatResult) -> str:
@@ -157,6 +158,10 @@ async def stream_events(run: ChatRun, mid: str, model: str) -> AsyncIterator[str
     except StreamFailed as e:
         if not started:
             yield start()
-        yield anthropic_sse_error(e.status, e.message)
+        yield anthropic_sse_error(e.status, e.message, e.code)
+    except Exception as e:  # noqa: BLE001 - after the 200 header: an in-band error, never a cut stream
+        if not started:
+            yield start()
+        yield anthropic_sse_error(500, internal_error(e, "a streamed message"), "internal_error")
     finally:  # a client that went away: its sequence is aborted now, not when collected
         run.choices.abort_unfinished()

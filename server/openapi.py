@@ -40,6 +40,7 @@ class ErrorResponse(BaseModel):
 class AnthropicErrorDetail(BaseModel):
     type: str
     message: str
+    code: str | None = None  # an extension: the fault class (engine_restarted, ...) when known
 
 
 class AnthropicErrorResponse(BaseModel):

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from server.chat_bridge import ChatResult, ChatRun, StreamFailed, chat_pieces
+from server.errors import internal_error
 from server.responses_request import NamedFunction, ResponsesRequest
 
 # (status, output items, result, the turn's text, its calls) -> the final response (stored if asked)
@@ -240,6 +241,18 @@ class EventWriter:
         return self.ev(f"response.{kind}.delta", **at, content_index=0, delta=text, **extra)
 
 
+def _failed(resp: ResponseObject, w: EventWriter, code: str | None, message: str) -> list[str]:
+    """The end of a stream that failed after its 200 header: `error`, then `response.failed`;
+    both name the fault class (`engine_restarted`, `expert_read_failed`, `internal_error`, ...)."""
+    failed = resp.obj("failed", w.output, None, False)
+    failed["error"] = {"code": code or "server_error", "message": message}
+    err = {"code": code, "message": message, "param": None}
+    return [
+        w.ev("error", **err, error={"type": "server_error", **err}),
+        w.ev("response.failed", response=failed),
+    ]
+
+
 async def stream_events(
     resp: ResponseObject, run: ChatRun, spaced: dict[str, tuple[str, str]], finish: Finisher
 ) -> AsyncIterator[str]:
@@ -297,10 +310,10 @@ async def stream_events(
                 final = finish(status, w.output, p.result, text, calls)
                 yield w.ev("response.completed", response=final)
     except StreamFailed as e:
-        failed = resp.obj("failed", w.output, None, False)
-        failed["error"] = {"code": "server_error", "message": e.message}
-        err = {"code": e.code, "message": e.message, "param": None}
-        yield w.ev("error", **err, error={"type": "server_error", **err})
-        yield w.ev("response.failed", response=failed)
+        for f in _failed(resp, w, e.code, e.message):
+            yield f
+    except Exception as e:  # noqa: BLE001 - after the 200 header: an in-band error, never a cut stream
+        for f in _failed(resp, w, "internal_error", internal_error(e, "a streamed response")):
+            yield f
     finally:  # a client that went away: its sequence is aborted now, not when collected
         run.choices.abort_unfinished()

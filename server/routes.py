@@ -45,7 +45,7 @@ async def collect(choices: Choices, raw: Request) -> list[Accumulated] | None:
                 if await raw.is_disconnected():
                     return None
     except EngineFailure as e:
-        raise ApiError(503, f"The engine failed: {e}", code="engine_dead") from None
+        raise ApiError(503, f"The engine failed: {e}", code=e.code) from None
     finally:
         choices.abort_unfinished()
     for a in accs:
@@ -76,7 +76,7 @@ async def stream_events(choices: Choices, make_chunk: Any, final_usage: Any) -> 
             if (u := final_usage()) is not None:
                 yield sse(u)
     except EngineFailure as e:
-        yield sse_error(503, f"The engine failed: {e}", "engine_dead")
+        yield sse_error(503, f"The engine failed: {e}", e.code)
     except Exception as e:  # noqa: BLE001 - after the 200 header: an in-band error, never a cut stream
         yield sse_error(500, internal_error(e, "a streamed response"), "internal_error")
     finally:

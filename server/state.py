@@ -10,13 +10,15 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.launch import EngineArgs
 from engine.structured.spec import ConstraintSpec
 from engine.worker.sampling import SamplingParams
 from server.config import ServerConfig
 from server.engine_client import EngineClient, EngineFailure, EngineState
-from server.errors import ApiError
+from server.errors import ApiError, client_line
 from server.metrics import ServerMetrics
 from server.protocol import _SamplingFields
 
@@ -144,8 +146,12 @@ class ServerState:
                 tokenize=False,
                 **(template_vars or {}),
             )
-        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are client mistakes
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        except (TemplateError, ValueError) as e:  # the template's own checks (e.g. role order)
+            msg = f"cannot apply the chat template: {client_line(e)}"
+            raise ApiError(400, msg, param="messages") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a field of a type the template cannot use
+            msg = f"cannot apply the chat template to these messages ({type(e).__name__})"
+            raise ApiError(400, msg, param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def text_prompts(self, prompt: Any) -> list[list[int]]:
@@ -254,7 +260,7 @@ class ServerState:
                         min_tokens=body.min_tokens,
                     )
                 except ValueError as e:
-                    raise ApiError(400, str(e)) from None
+                    raise ApiError(400, client_line(e)) from None
                 reqs.append(
                     GenerateRequest(
                         f"{rid}-{pi * body.n + i}",

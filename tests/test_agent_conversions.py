@@ -153,7 +153,7 @@ def test_anthropic_statuses_for_an_unavailable_engine() -> None:
     loading = anthropic_error(503, "loading", None, "loading")
     assert loading.status_code == 529 and _json.loads(loading.body) == {
         "type": "error",
-        "error": {"type": "overloaded_error", "message": "loading"},
+        "error": {"type": "overloaded_error", "message": "loading", "code": "loading"},
     }
     assert _json.loads(anthropic_error(413, "big").body)["error"]["type"] == "request_too_large"
 

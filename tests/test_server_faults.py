@@ -81,7 +81,7 @@ def test_one_failing_stream_among_eight(srv: RunningServer, poisoned) -> None:
             together = list(pool.map(lambda p: _stream(hc, p), prompts))
     for i, (text, errs) in enumerate(together):
         if i == 5:
-            assert len(errs) == 1 and errs[0]["code"] == "engine_error", errs
+            assert len(errs) == 1 and errs[0]["code"] == "sampling_failed", errs
             msg = errs[0]["message"]
             assert (
                 "sampling failed for this request: no token can be sampled" in msg

@@ -186,7 +186,7 @@ def test_engine_death_fails_requests_cleanly(tiny_ckpt, tmp_path: Path) -> None:
             assert first["choices"][0]["finish_reason"] is None  # a token, not the end
             os.kill(srv.engine_pid(), signal.SIGKILL)
             events = [first, *(e if e == "[DONE]" else json.loads(e) for e in lines)]
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_restarted"
         assert len(events) - 2 < LONG["max_tokens"]  # it was killed mid-generation
         deadline = time.monotonic() + 5
         while httpx.get(srv.base_url + "/health").status_code != 503:

@@ -23,14 +23,23 @@ def new_error_id() -> str:
     return "err-" + uuid.uuid4().hex[:16]
 
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\\/\s'\"]+)+[\\/]([^\\/\s'\"]+)")
+# A path starts where a word starts (never inside one, which left `models/a/b.py` as `modelsb.py`):
+# an absolute one (`/srv/x`, `C:\\x`, `\\\\host\\x`) of any depth, or a relative one whose last part
+# is a file name with an extension (`models/embedded/model.safetensors`), so prose such as
+# "user/assistant/user/..." stays as it is.  Groups `abs` and `rel` hold the last part, all that is kept.
+_SEG = r"[^\\/\s'\"]+"
+_PATH = re.compile(
+    rf"(?<![^\s'\"(\[=,:])"
+    rf"(?:(?:[A-Za-z]:)?[\\/]+(?:{_SEG}[\\/]+)*(?P<abs>{_SEG})"
+    rf"|(?:{_SEG}[\\/]+)+(?P<rel>[\w-][^\\/\s'\"]*\.[A-Za-z]\w*))"
+)
 _SAFE = (ValueError, MoeOffloadError, OSError)  # our checks, our one-line errors, I/O errors
 
 
 def redact(text: str) -> str:
     """First line of `text`, at most 300 characters, with every path cut to its file name."""
-    line = text.splitlines()[0] if text else ""
-    return _PATH.sub(r"\1", line)[:300]
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return _PATH.sub(lambda m: m.group("abs") or m.group("rel"), line)[:300]
 
 
 def describe(e: BaseException) -> str:
@@ -57,3 +66,22 @@ def request_fault(stage: str, request_id: str, e: BaseException) -> str:
     eid = new_error_id()
     log.error("request %s failed in %s [error id %s]", request_id, stage, eid, exc_info=e)
     return f"{stage} failed for this request: {describe(e)} (error id {eid})"
+
+
+# The stage a request_fault names -> the fault class its error object carries as `code`.
+FAULT_CLASSES = {
+    "expert load": "expert_read_failed",
+    "the forward pass": "forward_failed",
+    "sampling": "sampling_failed",
+    "the grammar": "grammar_failed",
+    "proposing": "proposer_failed",
+    "detokenization": "detokenization_failed",
+}
+
+
+def fault_class(error: str | None) -> str:
+    """The fault class of a request_fault message (`engine_error` for any other text)."""
+    for stage, code in FAULT_CLASSES.items():
+        if error is not None and error.startswith(f"{stage} failed"):
+            return code
+    return "engine_error"

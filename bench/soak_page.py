@@ -1,0 +1,213 @@
+"""docs/benchmarks/soak.md and its plots over time, from a soak's raw record (bench/soak.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.soak_outcomes import OUTCOMES
+from bench.soak_summary import WARMUP_FRACTION
+
+READING = "## Reading of this run"  # a hand-written section from here to the end is kept on rerun
+PLOTS = (  # (file, title, sample keys, y label)
+    ("soak_memory.png", "Front-end and engine RSS", ("rss_mib", "engine_rss_mib"), "MiB"),
+    ("soak_handles.png", "Front-end open fds and threads", ("fds", "threads"), "count"),
+    ("soak_health.png", "/health latency", ("health_ms",), "ms"),
+    ("soak_queue.png", "Engine requests running and waiting", ("running", "waiting"), "requests"),
+)
+
+
+NOT_COVERED = (  # the end of the page: what issue 53 asks that the soak does not do yet
+    "## What the soak does not cover yet",
+    "",
+    "- Expert read faults (EIO, short reads, latency spikes): engine/experts/slow_tier.py has "
+    "no fault-injection hook, so the soak cannot inject them.",
+    "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
+    "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
+    "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
+    "- fast-tier slots and KV in use over time: /metrics exports "
+    "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
+    "occupancy as such.",
+    "",
+)
+
+
+def plot(raw: dict[str, Any], out: Path) -> list[str]:
+    """One PNG per row of PLOTS; SIGKILLs as red lines, the drain as a black one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = raw["samples"]
+    written = []
+    for name, title, keys, unit in PLOTS:
+        fig, ax = plt.subplots(figsize=(8, 3))
+        for key in keys:
+            pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
+            ax.plot([t for t, _ in pts], [y for _, y in pts], label=key, linewidth=1)
+        for k in raw["kills"]:
+            ax.axvline(k["t"], color="red", linestyle=":", linewidth=1)
+        ax.axvline(raw["drain"]["t"], color="black", linestyle="--", linewidth=1)
+        ax.set(title=title, xlabel="seconds (red: engine SIGKILL, black: SIGTERM)", ylabel=unit)
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(s: dict[str, Any]) -> list[str]:
+    lines = [
+        "| client | " + " | ".join(OUTCOMES) + " | total |",
+        "|---" * (len(OUTCOMES) + 2) + "|",
+    ]
+    for client, row in sorted(s["per_client"].items()):
+        cells = " | ".join(str(row[o]) for o in OUTCOMES)
+        lines.append(f"| {client} | {cells} | {sum(row.values())} |")
+    return lines
+
+
+def _r(xs: list[float] | None) -> str:
+    return "n/a" if not xs else f"{_fmt(xs[0])} to {_fmt(xs[1])}"
+
+
+def _acceptance(raw: dict[str, Any]) -> list[str]:
+    """Issue 53's acceptance, each against what this run measured."""
+    s = raw["summary"]
+    slope, p99, back = s["rss_slope_mib_per_min"], s["health_p99_ms"], s["restart_max_s"]
+    rows = [
+        ("load", "30 min", f"{_fmt(raw['duration_s'] / 60)} min", raw["duration_s"] >= 1800),
+        ("requests", ">= 10,000", str(s["requests"]), s["requests"] >= 10_000),
+        ("lost", "0", str(s["lost"]), s["lost"] == 0),
+        ("5xx not explained by a fault", "0", str(s["unexplained_5xx"]), s["unexplained_5xx"] == 0),
+        (
+            "every client recovers",
+            "all",
+            str(sum(s["recovered_after_last_kill"].values()))
+            + f" of {len(s['recovered_after_last_kill'])}",
+            all(s["recovered_after_last_kill"].values()),
+        ),
+        (
+            "front-end RSS slope after warm-up",
+            "<= 1 MiB/min",
+            f"{_fmt(slope, 2)} MiB/min",
+            slope is not None and slope <= 1.0,
+        ),
+        ("open fds / threads", "flat", f"{_r(s['fds_range'])} / {_r(s['threads_range'])}", None),
+        ("/health p99", "<= 100 ms", f"{_fmt(p99)} ms", p99 is not None and p99 <= 100),
+        (
+            "serving again after each SIGKILL",
+            "<= 10 s",
+            f"{_fmt(back)} s (worst)",
+            back is not None and back <= 10,
+        ),
+    ]
+    out = ["| criterion | target | measured | met |", "|---|---|---|---|"]
+    for name, target, got, met in rows:
+        out.append(
+            f"| {name} | {target} | {got} | {'see below' if met is None else 'yes' if met else '**no**'} |"
+        )
+    return out
+
+
+def _kills(raw: dict[str, Any]) -> list[str]:
+    out = ["| SIGKILL at (s) | serving again after (s) |", "|---|---|"]
+    return out + [f"| {_fmt(k['t'])} | {_fmt(k['restart_s'])} |" for k in raw["kills"]]
+
+
+def page(raw: dict[str, Any], plots: list[str]) -> str:
+    s = raw["summary"]
+    restarts = ", ".join(_fmt(x) for x in s["restart_s"]) or "none"
+    lines = [
+        "# Soak: mixed traffic with faults on one server",
+        "",
+        f"- **Result:** {_fmt(raw['duration_s'] / 60)} min of load on the embedded random-weight "
+        f"model (unless the command names another): {s['requests']} requests "
+        f"({_fmt(s['requests_per_second'])}/s), {s['lost']} lost, {s['unexplained_5xx']} "
+        f"unexplained 5xx; {s['kills']} engine SIGKILL(s), serving again after {restarts} s; "
+        f"front-end RSS slope after warm-up {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min; "
+        f"/health p99 {_fmt(s['health_p99_ms'])} ms (max {_fmt(s['health_max_ms'])} ms); "
+        f"SIGTERM drain {_fmt(s['drain_s'])} s, exit code {s['exit_code']}.",
+        f"- **Command:** `{raw['command']}`",
+        f"- **Machine:** {raw['machine'].removeprefix('Machine: ')}",
+        "- **Limit:** the CPUs named above, shared by the server, its engine and every client "
+        "thread of the soak (and, on a shared machine, other work): the request rate and the "
+        "latencies are bound by them, not by the server's design.",
+        "",
+        "## Against the acceptance of issue 53",
+        "",
+        *_acceptance(raw),
+        "",
+        "## Engine SIGKILLs",
+        "",
+        *_kills(raw),
+        "",
+        "## Requests per client and outcome",
+        "",
+        "Outcomes (bench/soak_outcomes.py): `complete` a whole answer; `error` a clear error "
+        "object with its status for a cause other than an injected fault (an oversized body's "
+        "413, a full queue); `fault` a clear error naming an injected fault "
+        "(`engine_restarted`, `engine_restarting` after a SIGKILL, `shutting_down`, `aborted` in "
+        "the drain); `refused` during the drain, the server never took the request (connection "
+        "refused, or a kept-alive connection closed before any byte of a response); "
+        "`disconnected` the client left mid-stream on purpose; `lost` anything else.",
+        "",
+        *_table(s),
+        "",
+        f"Per fault: {s['per_fault'] or 'none'}. Error codes seen (status code): {s['codes']}.",
+        *(["", "Lost requests (the first ten):", ""] if s["lost"] else []),
+        *(
+            f"- {r['client']} {r['kind']} at {_fmt(r['t0'])} s: {r['detail']}"
+            for r in s["lost_examples"]
+        ),
+        *(["", "Unexplained 5xx (the first ten):", ""] if s["unexplained_5xx"] else []),
+        *(
+            f"- {r['client']} {r['kind']}: {r['status']} {r['code']}"
+            for r in s["unexplained_examples"]
+        ),
+        "",
+        "## Over time",
+        "",
+        f"After the first {int(100 * WARMUP_FRACTION)} % of the run (warm-up) and before the "
+        f"SIGTERM: front-end RSS {_r(s['rss_mib_range'])} MiB (slope "
+        f"{_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min), open fds {_r(s['fds_range'])}, threads "
+        f"{_r(s['threads_range'])}, engine RSS {_r(s['engine_rss_mib_range'])} MiB (a new process "
+        f"after each kill), most requests "
+        f"waiting {s['waiting_max']}; /health p50 {_fmt(s['health_p50_ms'])} ms, p99 "
+        f"{_fmt(s['health_p99_ms'])} ms, unanswered within 5 s: {s['health_unanswered']} "
+        f"({s['samples']} samples).",
+        "",
+        *(f"![{p}]({p})" for p in plots),
+        "",
+        *NOT_COVERED,
+        "The record is soak.json beside this page: the summary, the kills, the drain and the "
+        "samples over time (evenly thinned to at most 300); `--requests-json` also writes every "
+        "request's outcome to soak_requests.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_page(raw: dict[str, Any], out: Path) -> None:
+    try:
+        plots = plot(raw, out)
+    except ImportError:  # matplotlib is not installed: the page says so instead
+        plots = []
+    text = page(raw, plots)
+    if not plots:
+        text = text.replace(
+            "## Over time\n", "## Over time\n\n(matplotlib is not installed: no plots.)\n"
+        )
+    old = out / "soak.md"
+    if old.exists() and (at := old.read_text().find(READING)) >= 0:
+        text += "\n" + old.read_text()[at:]  # the hand-written reading of the last run survives
+    old.write_text(text)
