@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     header = (
         f"# Exactness under load\n\nCommand: `python -m bench exactness --runs {args.runs} --tokens {args.tokens} "
-        f"--prompts {args.prompts}`. {machine_line(torch.get_num_threads())}. Reference: each request alone at cache 1.0, "
+        f"--prompts {args.prompts}`. {machine_line(torch.get_num_threads())} Reference: each request alone at cache 1.0, "
         f"speculation off, in the checkpoint's dtype (bf16). Took {time.perf_counter() - t0:.0f} s."
     )
     write_report(args.out, header, lines, payload)
