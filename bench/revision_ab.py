@@ -11,7 +11,7 @@ before it measures. Reports each round's tok/s and the ratio this checkout / bas
     python -m bench.revision_ab --base HEAD~3 --shape mid --workload batch8   # or window3, window5
 
 The checkpoint is bench/peers.py's random qwen3_moe of `--shape` (built once under `--work`); the engine
-runs at cache 1.0, prefetch none, 1 thread by default. The base revision must load that checkpoint
+runs at `--cache-fraction` (default 1.0) over `--offload`, prefetch none, 1 thread by default. The base revision must load that checkpoint
 with the same API (engine.worker.loader.load_model, engine.core.completion.generate).
 """
 
@@ -40,8 +40,9 @@ from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, truncate_cache
 from engine.worker.sampling import SamplingParams
 ckpt, dtype, tokens, reps, threads, workload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+fraction, offload = float(sys.argv[7]), sys.argv[8]
 torch.set_num_threads(threads)
-om = load_model(ckpt, EngineConfig(cache_fraction=1.0, dtype=dtype, prefetch="none"))
+om = load_model(ckpt, EngineConfig(cache_fraction=fraction, offload=offload, dtype=dtype, prefetch="none"))
 prompt = list(range(5, 21))
 
 def decode(n):
@@ -87,6 +88,8 @@ def measure(tree: Path, ckpt: Path, args: argparse.Namespace) -> tuple[float, fl
             str(args.reps),
             str(args.threads),
             args.workload,
+            str(args.cache_fraction),
+            args.offload,
         ],
         cwd=tree,
         env=env,
@@ -150,6 +153,18 @@ def main() -> None:
         type=int,
         default=1,
         help="torch and native threads (default 1: steadier on a shared machine)",
+    )
+    ap.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=1.0,
+        help="share of the routed experts in the fast tier (default 1.0: all resident)",
+    )
+    ap.add_argument(
+        "--offload",
+        choices=("auto", "ram", "disk"),
+        default="auto",
+        help="the slow tier below a partial fast tier (default auto)",
     )
     ap.add_argument(
         "--work",
