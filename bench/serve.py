@@ -57,19 +57,25 @@ from models import EMBEDDED_TARGET
 WORKLOADS = ("chat", "agent")
 
 
-def build_sessions(args: argparse.Namespace, workload: str) -> list[Session]:
-    """The workload's sessions, the same text for every server (the words are seeded)."""
-    words = Words.from_file(args.data, args.seed)
+def build_sessions(args: argparse.Namespace, workload: str, text_seed: int) -> list[Session]:
+    """The workload's sessions: the same text for every server at one rate (the words are seeded),
+    other text at each rate and in the warm-up, so no run finds its prompts in a server's cache."""
+    words = Words.from_file(args.data, text_seed)
     if workload == "chat":
         return chat_workload(words, args.requests, args.prompt_words)
     return agent_workload(words, args.sessions, args.turns, args.system_words, args.turn_words)
 
 
 def run_cell(
-    args: argparse.Namespace, target: Target, workload: str, rate: float, desc: str = ""
+    args: argparse.Namespace,
+    target: Target,
+    workload: str,
+    rate: float,
+    text_seed: int,
+    desc: str = "",
 ) -> dict[str, Any]:
     """One workload at one rate against one server: its summary row."""
-    sessions = build_sessions(args, workload)
+    sessions = build_sessions(args, workload, text_seed)
     n = sum(len(s.users) for s in sessions)
     times = schedule(sessions, arrivals(n, rate, args.arrivals, args.seed))
     spec = RunSpec(args.output_tokens, ignore_eos=args.ignore_eos)
@@ -123,13 +129,16 @@ def measure(args: argparse.Namespace, targets: list[Target]) -> list[dict[str, A
     for t in targets:
         warm = argparse.Namespace(**{**vars(args), "requests": args.warmup})
         if args.warmup:
-            run_cell(warm, t, "chat", math.inf, desc=f"warm-up {t.name}")
+            # The warm-up's text seed is one no rate uses (rate i uses seed + i).
+            run_cell(
+                warm, t, "chat", math.inf, args.seed + len(args.rates), desc=f"warm-up {t.name}"
+            )
     rows = []
     for i, rate in enumerate(args.rates):
         order = targets if i % 2 == 0 else targets[::-1]  # alternate who goes first
         for workload in args.workloads:
             for t in order:
-                rows.append(run_cell(args, t, workload, rate))
+                rows.append(run_cell(args, t, workload, rate, args.seed + i))
                 r = rows[-1]
                 print(
                     f"{t.name:>18} {workload:>5} rate {rate:>4}: {r['completed']}/{r['requests']} ok, "

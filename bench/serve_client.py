@@ -119,7 +119,9 @@ async def run_sessions(
     """Run every session's turns at their send times; all results and the wall time from the first
     send to the last completion."""
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A new connection per request: a kept-alive one that the server closes while idle (llama-server
+    # does after a few seconds) fails the next request sent on it, an error of the client's making.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.perf_counter()
 

@@ -199,4 +199,7 @@ def test_a_run_against_a_fake_server_writes_the_report(fake_url, tmp_path: Path)
     assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "user"]
     assert last["messages"][2]["content"] == " t0 t1 t2 t3 t4"
     assert all(b["ignore_eos"] and b["stream"] for b in app.state.seen)
+    # Each rate and the warm-up get their own text: no run finds its prompts in a server's cache.
+    chats = {b["messages"][0]["content"] for b in app.state.seen if len(b["messages"]) == 1}
+    assert len(chats) == 1 + 6 * 2
     assert "| agent | inf | server |" in out.read_text() and out.with_suffix(".png").exists()
