@@ -182,6 +182,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "serve",
         "serving benchmark against OpenAI-compatible URLs: arrival rates, chat and agent workloads, "
         "TTFT/TPOT/ITL percentiles, goodput; this engine beside llama-server -np N",
+        ("serve.md",),
     ),
     Benchmark(
         "gpu-check",
