@@ -286,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.slo_tpot_ms:g} ms; one pass per rate, servers alternating, after {args.warmup} warm-up "
         "requests each."
     )
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": json_safe(rows)}
+    args_text = {
+        k: portable_path(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()
+    }  # no machine paths in a committed report
+    payload = {"args": args_text, "rows": json_safe(rows)}
     write_report(args.out, header, table_lines(rows), payload)
     if args.out is not None:
         png = plot_curves(rows, args.out.with_suffix(".png"))

@@ -183,7 +183,9 @@ def test_a_run_against_a_fake_server_writes_the_report(fake_url, tmp_path: Path)
     argv += ["--requests", "6", "--sessions", "3", "--turns", "2", "--output-tokens", "5"]
     argv += ["--warmup", "1", "--system-words", "20", "--out", str(out)]
     assert main(argv) == 0
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["rows"]
+    assert report["args"]["model"] == "models/embedded/target"  # no machine path in a report
     assert {(r["workload"], r["rate"]) for r in rows} == {
         (w, r) for w in ("chat", "agent") for r in (20.0, "inf")
     }
