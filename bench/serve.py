@@ -149,10 +149,8 @@ def measure(args: argparse.Namespace, targets: list[Target]) -> list[dict[str, A
     return rows
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def _server_flags(ap: argparse.ArgumentParser) -> None:
+    """Which servers: given by URL, or started here."""
     s = ap.add_argument_group("servers")
     s.add_argument(
         "--base-url",
@@ -191,6 +189,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(".cache/serve"),
         help="logs and the GGUF (default .cache/serve)",
     )
+
+
+def _load_flags(ap: argparse.ArgumentParser) -> None:
+    """The workloads, the arrival rates and what each request asks for."""
     w = ap.add_argument_group("load")
     w.add_argument(
         "--workloads",
@@ -245,6 +247,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument(
         "--seed", type=int, default=0, help="seed of the arrivals and the text (default 0)"
     )
+
+
+def _output_flags(ap: argparse.ArgumentParser) -> None:
+    """The SLO of goodput and where the report goes."""
     o = ap.add_argument_group("goodput and output")
     o.add_argument(
         "--slo-ttft",
@@ -261,6 +267,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TPOT SLO for goodput, ms (default 100)",
     )
     o.add_argument("--out", type=Path, help="Markdown report; the JSON and the PNG go beside it")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _server_flags(ap)
+    _load_flags(ap)
+    _output_flags(ap)
     args = ap.parse_args(argv)
     try:
         args.rates = parse_rates(args.rates)
