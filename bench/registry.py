@@ -190,6 +190,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "one engine decode in a process of its own (tok/s, peak RSS): the child of peers --memory-limit",
     ),
     Benchmark(
+        "serve",
+        "serve",
+        "serving benchmark against OpenAI-compatible URLs: arrival rates, chat and agent workloads, "
+        "TTFT/TPOT/ITL percentiles, goodput; this engine beside llama-server -np N",
+        ("serve.md",),
+    ),
+    Benchmark(
         "gpu-check",
         "gpu_check",
         "on a CUDA machine: H2D bandwidth, copy/compute overlap, decode against transformers",

@@ -94,12 +94,19 @@ def convert(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
 
 @contextmanager
 def llama_server(
-    exe: Path, gguf: Path, slots: int, ctx: int, threads: int, log: Path
+    exe: Path,
+    gguf: Path,
+    slots: int,
+    ctx: int,
+    threads: int,
+    log: Path,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, int]]:
-    """A ready llama-server with `slots` parallel slots of `ctx` tokens each; yields its base URL and pid."""
+    """A ready llama-server with `slots` parallel slots of `ctx` tokens each (and `extra` flags);
+    yields its base URL and pid."""
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots)]
-    cmd += ["-c", str(slots * ctx), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-c", str(slots * ctx), "--host", "127.0.0.1", "--port", str(port), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

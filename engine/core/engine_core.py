@@ -73,6 +73,8 @@ class EngineCore:
             limits.prefill_token_budget,
             limits.max_model_len,
             getattr(runner, "prefix", None),
+            # The KV positions the memory plan reserved (engine/memory/planner.py), if the model says.
+            getattr(lm, "kv_token_budget", None),
         )
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(

@@ -102,12 +102,19 @@ class StepOutput:
 
 
 class Scheduler:
-    """FCFS admission under a running-request cap and a per-step prefill token budget.
+    """FCFS admission under a running-request cap, a KV token budget and a per-step prefill
+    token budget.
 
     Decodes of running requests are never starved: every step decodes every running request.
     Prompt tokens are prefilled up to `prefill_token_budget` per step; a longer prompt is
     split into chunks over several steps (chunks and decodes share a step). A prompt that
     asks for prompt logprobs is prefilled whole, in one step.
+
+    `kv_token_budget` (the KV positions the memory plan reserved; None: no limit): a request is
+    admitted only while the running requests' worst cases (prompt + max_tokens, at most the
+    context each) plus its own fit in it; otherwise it waits, in order, until running requests
+    finish (never an error). A request alone is always admitted, so one longer than the budget
+    still runs.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class Scheduler:
         prefill_token_budget: int,
         max_model_len: int,
         prefix: Any = None,
+        kv_token_budget: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -128,6 +136,18 @@ class Scheduler:
         self.running: dict[str, SeqState] = {}
         self._to_free: list[str] = []
         self.prefix = prefix  # engine/worker/prefix_cache.py's PrefixCache (match() only), or None
+        self.kv_token_budget = kv_token_budget
+
+    def kv_need(self, seq: SeqState) -> int:
+        """The KV positions a request may come to hold: its prompt and every token it may
+        generate, at most the context."""
+        return min(len(seq.req.prompt_ids) + seq.req.params.max_tokens, self.max_model_len)
+
+    def _kv_fits(self, seq: SeqState) -> bool:
+        if self.kv_token_budget is None or not self.running:
+            return True
+        held = sum(self.kv_need(s) for s in self.running.values())
+        return held + self.kv_need(seq) <= self.kv_token_budget
 
     # -- inputs ------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -190,6 +210,8 @@ class Scheduler:
                 and budget < self.prefill_token_budget
             ):
                 break  # needs a whole-prompt step; it gets the next one
+            if not self._kv_fits(seq):
+                break  # waits, in order, for running requests to free their KV
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.queue_seconds = time.monotonic() - seq.arrival

@@ -102,6 +102,13 @@ def kv_reservation(fp: Footprint, cfg: EngineConfig, req: KvRequest) -> tuple[in
             + min(tokens, seqs * (fp.sliding_window or tokens)) * fp.sliding_kv_bytes_per_token
         )
         return nbytes, f"KV {per_token} x {tokens} tokens (--kv-tokens)"
+    (length, len_why), (seqs, seq_why) = _kv_shape(fp, req)
+    why = f"KV {per_token} x {length} tokens ({len_why}) x {seqs} sequences ({seq_why})"
+    return fp.kv_bytes(length, seqs), why
+
+
+def _kv_shape(fp: Footprint, req: KvRequest) -> tuple[tuple[int, str], tuple[int, str]]:
+    """((tokens per sequence, why), (sequences, why)) the reservation covers without --kv-tokens."""
     if req.max_model_len is not None:
         length = min(req.max_model_len, fp.context)
         len_why = f"--max-model-len {req.max_model_len}" + (
@@ -111,11 +118,17 @@ def kv_reservation(fp: Footprint, cfg: EngineConfig, req: KvRequest) -> tuple[in
         length = min(fp.context, DEFAULT_KV_CONTEXT)
         len_why = f"--max-model-len open: min(context {fp.context}, {DEFAULT_KV_CONTEXT})"
     if req.max_running is not None:
-        seqs, seq_why = req.max_running, "--max-running"
-    else:
-        seqs, seq_why = DEFAULT_KV_SEQUENCES, "--max-running open: default"
-    why = f"KV {per_token} x {length} tokens ({len_why}) x {seqs} sequences ({seq_why})"
-    return fp.kv_bytes(length, seqs), why
+        return (length, len_why), (req.max_running, "--max-running")
+    return (length, len_why), (DEFAULT_KV_SEQUENCES, "--max-running open: default")
+
+
+def kv_token_budget(fp: Footprint, cfg: EngineConfig, req: KvRequest) -> int:
+    """The KV positions the reservation covers, summed over sequences: what the scheduler admits
+    requests against (engine/core/scheduler.py), so the KV cache stays inside the plan."""
+    if cfg.kv_tokens is not None:
+        return cfg.kv_tokens
+    (length, _), (seqs, _) = _kv_shape(fp, req)
+    return length * seqs
 
 
 def _headroom(budget: int, floor: int) -> int:

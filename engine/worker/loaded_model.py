@@ -82,6 +82,7 @@ class OffloadedModel(LoadedModel):
     ] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
     plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
     memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
+    kv_token_budget: int | None = None  # KV positions the plan reserved; the scheduler admits by it
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever

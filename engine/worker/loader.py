@@ -40,7 +40,7 @@ from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
 from engine.huge_pages import rehome_untouched
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.memory.planner import KvRequest
+from engine.memory.planner import KvRequest, kv_token_budget
 from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
 from engine.native.loaded import native, use_native_kernels
@@ -289,6 +289,7 @@ def load_model(
         runner_factory=ModelRunner,
     )
     om.memory_plan = mplan
+    om.kv_token_budget = kv_token_budget(_fp, cfg, kv_request)  # the scheduler admits against it
     stats.memory_probe = memory_probe(
         mplan, om.model, store, tier
     )  # planned and used bytes per pool, for /metrics
