@@ -1,6 +1,7 @@
-"""Admission by the KV token budget (engine/core/scheduler.py, engine/memory/planner.py): requests whose
-prompt + max_tokens would overflow the KV positions the memory plan reserved wait in order instead of
-running (and, before, growing the KV cache past the plan until the engine was killed); none errors.
+"""Admission by the KV token budget (engine/core/scheduler.py, engine/memory/planner.py): a request whose
+prompt would overflow, beside the positions the running requests hold, the KV positions the memory plan
+reserved waits in order instead of running (and, before, growing the KV cache past the plan until the
+engine was killed); none errors.
 On a real scheduler with a fake runner, on the planner with a fake footprint, and on a tiny model."""
 
 from __future__ import annotations
@@ -52,14 +53,23 @@ def run(s: Scheduler, max_steps: int = 1000) -> tuple[list[set[str]], dict[str, 
 def test_requests_over_the_budget_wait_in_order_and_all_finish() -> None:
     s = Scheduler(CharTok(), {0}, 8, 1000, max_model_len=64, kv_token_budget=100)
     for rid in "abcd":
-        s.add(req(rid, n_prompt=20, max_tokens=20))  # 40 positions each: two fit in 100
+        s.add(req(rid, n_prompt=40, max_tokens=20))  # 40 prompt positions each: two fit in 100
     running, finished = run(s)
     assert running[0] == {"a", "b"}
     assert max(len(r) for r in running) == 2  # never three at once: 120 > 100
     assert finished == {rid: "length" for rid in "abcd"}
-    # c starts only after a and b are done (FCFS: it was next in line).
+    # c starts only after a or b is done (FCFS: it was next in line).
     first = {rid: next(i for i, r in enumerate(running) if rid in r) for rid in "abcd"}
     assert first["a"] == first["b"] < first["c"] <= first["d"]
+
+
+def test_admission_counts_what_is_held_not_max_tokens() -> None:
+    """An agent's request asks for up to 32k tokens; admitting by that worst case would run its
+    sessions one at a time. The budget counts the positions held: prompt and output so far."""
+    s = Scheduler(CharTok(), {0}, 8, 1000, max_model_len=40000, kv_token_budget=100)
+    for rid in "abcd":
+        s.add(req(rid, n_prompt=20, max_tokens=32000))
+    assert s.schedule() is not None and set(s.running) == set("abcd")
 
 
 def test_without_a_budget_every_request_runs_at_once() -> None:
@@ -77,14 +87,6 @@ def test_a_request_longer_than_the_budget_runs_alone_and_blocks_those_behind() -
     running, finished = run(s)
     assert running[0] == {"big"} and "small" not in set().union(*running[:9])
     assert finished == {"big": "length", "small": "length"}
-
-
-def test_the_need_counts_the_context_not_more() -> None:
-    s = Scheduler(CharTok(), {0}, 8, 1000, max_model_len=50, kv_token_budget=100)
-    for rid in "ab":
-        s.add(req(rid, n_prompt=10, max_tokens=1000))  # capped at the context: 50 each
-    running, _ = run(s)
-    assert running[0] == {"a", "b"}
 
 
 def _fp(context: int, per_token: int = 16384) -> Footprint:
@@ -136,7 +138,7 @@ def test_a_tiny_model_under_a_small_budget_gives_every_request_its_own_tokens(ti
     """Eight requests against KV for about two: each completes with the tokens it gets alone."""
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", kv_tokens=60))
     assert om.kv_token_budget == 60
-    prompts = [[(7 * i + j) % 200 + 3 for j in range(10)] for i in range(8)]
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(25)] for i in range(8)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def generate(ps: list[list[int]], limits: CoreLimits) -> tuple[list[list[int]], int]:
@@ -157,5 +159,5 @@ def test_a_tiny_model_under_a_small_budget_gives_every_request_its_own_tokens(ti
     together, most = generate(prompts, limits)
     alone = [generate([p], limits)[0][0] for p in prompts]
     om.close()
-    assert most == 2  # 22 positions each: two fit in 60, three do not
+    assert most == 2  # 25 prompt positions each: two fit in 60, three do not
     assert together == alone and all(len(t) == 12 for t in together)

@@ -23,7 +23,9 @@ class Completion:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # asked for: position 0 is None
+    prompt_logprobs: list[TokenLogprob | None] = field(
+        default_factory=list
+    )  # asked for: position 0 is None
     t_submit: float = 0.0
     t_first: float | None = None  # first output token arrived
     t_end: float = 0.0

@@ -111,10 +111,12 @@ class Scheduler:
     asks for prompt logprobs is prefilled whole, in one step.
 
     `kv_token_budget` (the KV positions the memory plan reserved; None: no limit): a request is
-    admitted only while the running requests' worst cases (prompt + max_tokens, at most the
-    context each) plus its own fit in it; otherwise it waits, in order, until running requests
-    finish (never an error). A request alone is always admitted, so one longer than the budget
-    still runs.
+    admitted only while the positions the running requests hold now (prompt and output so far)
+    plus its prompt fit in it; otherwise it waits, in order, until running requests finish (never
+    an error). A request alone is always admitted, so one longer than the budget still runs.
+    Why not each request's worst case (prompt + max_tokens): agents send max_tokens of 32k, and
+    the worst case would run their sessions one at a time. What is missing is preemption: the
+    running requests' outputs may still grow past the budget.
     """
 
     def __init__(
@@ -139,9 +141,9 @@ class Scheduler:
         self.kv_token_budget = kv_token_budget
 
     def kv_need(self, seq: SeqState) -> int:
-        """The KV positions a request may come to hold: its prompt and every token it may
-        generate, at most the context."""
-        return min(len(seq.req.prompt_ids) + seq.req.params.max_tokens, self.max_model_len)
+        """The KV positions a request holds now: its prompt and the tokens it generated so far,
+        at most the context."""
+        return min(len(seq.req.prompt_ids) + len(seq.output_ids), self.max_model_len)
 
     def _kv_fits(self, seq: SeqState) -> bool:
         if self.kv_token_budget is None or not self.running:
