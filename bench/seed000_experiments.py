@@ -10,7 +10,9 @@ import numpy as np
 from bench.seed000_runs import Run, Scored, Setup, score, score_all
 from bench.seed000_stats import (
     across_input_r,
+    bracket,
     cutoff_for_measured_share,
+    interpolate_cutoff,
     mass_r,
     protected_gate_share,
     unprotected_gate_share,
@@ -79,13 +81,20 @@ def matched_contrast(
     tolerance: float,
     max_tries: int,
 ) -> list[dict[str, Any]]:
-    """The unprotected rule at the protected rule's substitution share: each try's cutoff from the
-    gates of a router trace and the miss factor measured on the previous run (seed000_stats.py)."""
+    """The unprotected rule at the protected rule's substitution share. Each try's cutoff: from the
+    gates of a router trace and the miss factor measured on the previous run (seed000_stats.py),
+    and once two tries bracket the share, on the line through them (regula falsi)."""
     target = protected["substitution_share"]
     measured, eligible = target, protected_gate_share(gates, cutoff)
-    tries = []
+    tries: list[dict[str, Any]] = []
     for _ in range(max_tries):
-        t = round(cutoff_for_measured_share(gates, target, measured, eligible), 4)
+        b = bracket(tries, target)
+        t = round(
+            interpolate_cutoff(*b, target)
+            if b
+            else cutoff_for_measured_share(gates, target, measured, eligible),
+            4,
+        )
         run = Run(f"threshold-noprotect@{t:.4f}", {"policy": "threshold-noprotect", "threshold": t})
         row = {**score(setup, run, chunks).row(ref), "cutoff": t, "target_share": target}
         tries.append(row)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.seed000_stats import at_share
+
 KEEP_FROM = "\n## Why the results differ"
 QUALITY_COLS = (
     "| policy | PPL | ΔPPL | substituted calls | substituted mass / token-layer | fetches / token | admissions |",
@@ -29,19 +31,41 @@ def by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["label"]: r for r in rows}
 
 
+def matched(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The unprotected rule's ΔPPL at the protected rule's share: interpolated between the two tries
+    that bracket it, else the nearest try."""
+    target = tries[0]["target_share"]
+    inter = at_share(tries, target)
+    if inter is not None:
+        return {"share": target, "delta_ppl_pct": inter, "interpolated": True}
+    near = min(tries, key=lambda r: abs(r["substitution_share"] - target))
+    return {
+        "share": near["substitution_share"],
+        "delta_ppl_pct": near["delta_ppl_pct"],
+        "interpolated": False,
+    }
+
+
 def claims(d: dict[str, Any]) -> list[str]:
     t, m = by_label(d["table"]), d["mass"]
     thr, qf, sf = t["threshold"], t["quality-first"], t["speed-first"]
-    matched = d["contrast"]["threshold"][-1]
+    match = matched(d["contrast"]["threshold"])
     b2 = d["experiment_b"][0]
     heavy, light = b2["heavy"], b2["light"]
     adm = {(r["eviction"], r["admission"]): r for r in d["admission"]["threshold"]}
     shift = d["shift"]["rows"]
     after = [r for r in shift if r["part"].startswith("first")]
-    sp, pj = by_label(d["speed"]), by_label(d["projected"])
+    tf, gen = (by_label(d["speed"].get(w, [])) for w in ("teacher-forced", "generate"))
+    pj = by_label(d["projected"])
 
     def speed(label: str) -> str:
-        return f"{sp[label]['vs_fetch_all']:.2f}×" if label in sp else "not run"
+        if label not in tf:
+            return "not run"
+        g = f", {gen[label]['vs_fetch_all']:.2f}× generating" if label in gen else ""
+        return f"{tf[label]['vs_fetch_all']:.2f}× teacher-forced{g}"
+
+    def sf_over_thr(rows: dict[str, dict[str, Any]]) -> str:
+        return f"{rows['speed-first']['vs_fetch_all'] / rows['threshold']['vs_fetch_all']:.2f}×"
 
     def gain(label: str) -> float:
         return 100 * (t[label]["ppl"] / thr["ppl"] - 1)
@@ -54,7 +78,8 @@ def claims(d: dict[str, Any]) -> list[str]:
         f"({d['args']['link']} link); PROJECTED {pj['quality-first']['vs_fetch_all']:.2f}× / {pj['speed-first']['vs_fetch_all']:.2f}×; "
         f"QF {pct(qf['delta_ppl_pct'])}, SF {pct(sf['delta_ppl_pct'])} | 1, 7 |",
         f"| the 0.15 rule substitutes 7.5 % of calls at +0.35 % | 7.5 %, +0.35 % | {thr['substitution_share']:.1%}, {pct(thr['delta_ppl_pct'])} | 1 |",
-        f"| no protection at a similar share costs far more | 8.5 %, +5.67 % | {matched['substitution_share']:.1%} (matched), {pct(matched['delta_ppl_pct'])} | 2 |",
+        f"| no protection at a similar share costs far more | 8.5 %, +5.67 % | {match['share']:.1%} "
+        f"({'interpolated between two runs' if match['interpolated'] else 'the nearest run'}), {pct(match['delta_ppl_pct'])} | 2 |",
         f"| experiment B: few heavy cost more than many light, equal mass | heavy > light (inconclusive by its rule) | 2nd choice: heavy {pct(heavy['delta_ppl_pct'])} at mass "
         f"{heavy['mean_substituted_mass']:.4f}, light {pct(light['delta_ppl_pct'])} at {light['mean_substituted_mass']:.4f}; "
         f"1st choice: heavy {pct(d['experiment_b'][1]['heavy']['delta_ppl_pct'])}, light {pct(d['experiment_b'][1]['light']['delta_ppl_pct'])} | 3 |",
@@ -65,8 +90,9 @@ def claims(d: dict[str, Any]) -> list[str]:
         f"{m['r_best_resident']:.3f} over the {m['n_best_resident']} with the router's stand-in; median within one window {m['within_input_r_median']:.3f} | 6 |",
         f"| Quality-First vs the 0.15 rule: PPL | 0.5-0.8 % lower | {gain('quality-first'):+.2f} % | 1, 4 |",
         "| Speed-First vs the 0.15 rule: time | about 5 % faster, no significant PPL cost | measured "
-        + (f"{sp['speed-first']['tok_s'] / sp['threshold']['tok_s']:.2f}×" if sp else "not run")
-        + f" the 0.15 rule's tok/s, PROJECTED {pj['speed-first']['tok_s'] / pj['threshold']['tok_s']:.2f}×; PPL {gain('speed-first'):+.2f} % | 7 |",
+        + (f"{sf_over_thr(tf)} teacher-forced" if tf else "not run")
+        + (f", {sf_over_thr(gen)} generating" if gen else "")
+        + f" (ratio of the two × fetch-all), PROJECTED {pj['speed-first']['tok_s'] / pj['threshold']['tok_s']:.2f}×; PPL {gain('speed-first'):+.2f} % | 7 |",
         "| the 0.15-rule engine vs stock llama.cpp at equal VRAM | 2.8-3.0× at +1.6 % PPL | not run by this command (see below) | – |",
     ]
 
@@ -86,6 +112,12 @@ def sections(d: dict[str, Any], stem: str) -> list[str]:
             out.append(
                 f"| {label} | {r['target_share']:.1%} | {r['cutoff']:.4f} | {r['substitution_share']:.1%} | "
                 f"{pct(tb[label]['delta_ppl_pct'])} | {pct(r['delta_ppl_pct'])} |"
+            )
+        m = matched(tries)
+        if m["interpolated"]:
+            out.append(
+                f"| {label} | {m['share']:.1%} | interpolated between the tries that bracket the share | "
+                f"{m['share']:.1%} | {pct(tb[label]['delta_ppl_pct'])} | **{pct(m['delta_ppl_pct'])}** |"
             )
     out += [
         "",
@@ -163,11 +195,16 @@ def sections(d: dict[str, Any], stem: str) -> list[str]:
 
 def speed_sections(d: dict[str, Any]) -> list[str]:
     out = ["## 7. Speed", ""]
-    if d["speed"]:
+    for workload, rows in d["speed"].items():
         out += [
-            f"**Measured**, teacher-forced decode, experts on disk behind the emulated `{d['args']['link']}` link, "
-            f"{d['args']['speed_windows']} interleaved rounds of one {d['args']['speed_window']}-token window per engine "
-            "after a warm-up round; medians; background loads land when the link delivers them (as in serving).",
+            f"**Measured, {workload}**: experts on disk behind the emulated `{d['args']['link']}` link, "
+            f"{d['args']['speed_windows']} interleaved rounds after a warm-up round, one "
+            + (
+                f"{d['args']['speed_window']}-token window"
+                if workload == "teacher-forced"
+                else f"64-token prompt and {d['args']['speed_tokens']} greedy tokens (prefill excluded)"
+            )
+            + " per engine per round; medians; background loads land when the link delivers them (as in serving).",
             "",
             "| policy | tok/s | × fetch-all (same round) | stall share | hit share | fetched / step | substituted / step | MB moved / step | admissions |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -175,7 +212,7 @@ def speed_sections(d: dict[str, Any]) -> list[str]:
         out += [
             f"| {r['label']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['stall_share']:.0%} | {r['hit_share']:.0%} | "
             f"{r['fetched_per_step']:.2f} | {r['substituted_per_step']:.2f} | {r['MB_per_step']:.3f} | {int(r['admissions'])} |"
-            for r in d["speed"]
+            for r in rows
         ]
         out.append("")
     out += [

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.policy_bench import Tally, run_teacher_forced
+from bench.policy_bench import Tally, run_generate, run_teacher_forced
 from bench.report import interleaved, summarize
 from engine.config import EngineConfig
 from engine.offline.hardware import SHAPES, costs_for
@@ -38,11 +38,17 @@ KEYS = (
 
 
 def measured_speed(
-    model_dir: Path, cache_fraction: float, link: str, chunks: list[list[int]], rounds: int
-) -> list[dict[str, Any]]:
-    """Teacher-forced decode tok/s per policy, experts on disk behind the emulated `link`, one
-    window per engine per round, round-robin after a warm-up round (bench/report.py `interleaved`).
-    Background loads land when the link delivers them, as in serving (no settling)."""
+    model_dir: Path,
+    cache_fraction: float,
+    link: str,
+    chunks: list[list[int]],
+    prompts: list[list[int]],
+    tokens: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """Decode tok/s per policy, experts on disk behind the emulated `link`, for two workloads:
+    teacher-forced (one of `chunks` per engine per round) and generate (one of `prompts`, `tokens`
+    greedy tokens, prefill excluded). Round-robin after a warm-up round (bench/report.py
+    `interleaved`); background loads land when the link delivers them, as in serving."""
     engines = {
         label: load_model(
             model_dir,
@@ -52,23 +58,30 @@ def measured_speed(
         )
         for label, over in SPEED_POLICIES.items()
     }
-    turn = dict.fromkeys(engines, 0)
+    turn = {(w, label): 0 for w in ("teacher-forced", "generate") for label in engines}
 
-    def one(label: str) -> dict[str, float]:
-        tally = Tally()
-        run_teacher_forced(engines[label], chunks[turn[label] % len(chunks)], tally)
-        turn[label] += 1
+    def one(cell: tuple[str, str]) -> dict[str, float]:
+        workload, label = cell
+        tally, i = Tally(), turn[cell]
+        if workload == "teacher-forced":
+            run_teacher_forced(engines[label], chunks[i % len(chunks)], tally)
+        else:
+            run_generate(engines[label], prompts[i % len(prompts)], tokens, tally)
+        turn[cell] += 1
         return tally.row()
 
+    out: dict[str, list[dict[str, Any]]] = {}
     try:
-        res = interleaved(list(engines), rounds, one)
+        for workload, rounds in (("teacher-forced", len(chunks)), ("generate", len(prompts))):
+            cells = [(workload, label) for label in engines]
+            res = interleaved(cells, rounds, one)
+            out[workload] = []
+            for cell in cells:
+                s = summarize(res, cell, (workload, "fetch-all"), KEYS)
+                out[workload].append({"label": cell[1], "vs_fetch_all": s.pop("ratio"), **s})
     finally:
         for om in engines.values():
             om.close()
-    out = []
-    for label in engines:
-        s = summarize(res, label, "fetch-all", KEYS)
-        out.append({"label": label, "vs_fetch_all": s.pop("ratio"), **s})
     return out
 
 

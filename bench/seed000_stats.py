@@ -85,3 +85,33 @@ def across_input_r(mass: Sequence[float], dnll: Sequence[float]) -> float:
     """For one policy, Pearson r across inputs (windows): does more mass mark the inputs that lose
     more? The paper reports it does not."""
     return pearson(list(mass), list(dnll)) if len(mass) >= 3 else float("nan")
+
+
+def bracket(tries: Sequence[dict], target: float) -> tuple[dict, dict] | None:
+    """The tries nearest `target` substitution share from below and from above, or None."""
+    below = [t for t in tries if t["substitution_share"] <= target]
+    above = [t for t in tries if t["substitution_share"] > target]
+    if not below or not above:
+        return None
+    lo = max(below, key=lambda t: t["substitution_share"])
+    hi = min(above, key=lambda t: t["substitution_share"])
+    return lo, hi
+
+
+def interpolate_cutoff(lo: dict, hi: dict, target: float) -> float:
+    """Regula falsi: the cutoff at `target` share on the line through two bracketing tries."""
+    s0, s1 = lo["substitution_share"], hi["substitution_share"]
+    f = (target - s0) / (s1 - s0) if s1 > s0 else 0.5
+    return lo["cutoff"] + f * (hi["cutoff"] - lo["cutoff"])
+
+
+def at_share(tries: Sequence[dict], target: float, key: str = "delta_ppl_pct") -> float | None:
+    """`key` interpolated linearly in substitution share at `target`, between the bracketing tries
+    (None when no two tries bracket it)."""
+    b = bracket(tries, target)
+    if b is None:
+        return None
+    lo, hi = b
+    s0, s1 = lo["substitution_share"], hi["substitution_share"]
+    f = (target - s0) / (s1 - s0) if s1 > s0 else 0.0
+    return lo[key] + f * (hi[key] - lo[key])

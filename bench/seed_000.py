@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.policy_bench import workload
 from bench.report import add_common_flags, machine_line, positive_int
 from bench.seed000_experiments import (
     admission_tables,
@@ -130,6 +131,12 @@ def parse_args() -> argparse.Namespace:
         help="tokens per speed-run window (default 96)",
     )
     ap.add_argument(
+        "--speed-tokens",
+        type=positive_int,
+        default=32,
+        help="greedy tokens per prompt of the speed run's generate workload (default 32)",
+    )
+    ap.add_argument(
         "--profile",
         default="rtx3090-pcie4",
         help="hardware profile of the projection (configs/hardware; default rtx3090-pcie4, the paper's GPU)",
@@ -232,15 +239,16 @@ def main() -> int:
     t0 = time.perf_counter()
     q = quality(args, setup)
     trace = q.pop("trace")
-    speed = []
+    speed: dict = {}
     if not args.no_speed:
-        ids = tokenize(setup.model_dir, args.data)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(setup.model_dir)
+        chunks, prompts = workload(
+            tok, args.data, args.speed_windows, args.speed_window, args.speed_windows
+        )
         speed = measured_speed(
-            setup.model_dir,
-            args.cache_fraction,
-            args.link,
-            spread_windows(ids, args.speed_window * args.speed_windows, args.speed_window),
-            args.speed_windows,
+            setup.model_dir, args.cache_fraction, args.link, chunks, prompts, args.speed_tokens
         )
     projected = projected_speed(trace, args.profile, args.shape, args.cache_fraction, q["tokens"])
     result = {

@@ -124,7 +124,24 @@ def test_the_command_runs_end_to_end_on_a_tiny_checkpoint(tiny_ckpt, tmp_path) -
     labels = {r["label"] for r in d["table"]}
     assert {"fetch-all", "threshold", "quality-first", "speed-first"} <= labels
     assert d["contrast"]["threshold"] and len(d["experiment_b"]) == 2
-    assert {r["label"] for r in d["speed"]} >= {"fetch-all", "speed-first"}
+    for workload in ("teacher-forced", "generate"):
+        assert {r["label"] for r in d["speed"][workload]} >= {"fetch-all", "speed-first"}
     text = out.read_text()
     assert "## 2. The protection contrast at matched substitution shares" in text
     assert (out.parent / "000-shift.png").exists() and (out.parent / "000-mass.png").exists()
+
+
+def test_bracketing_tries_interpolate_the_matched_row() -> None:
+    from bench.seed000_stats import at_share, bracket, interpolate_cutoff
+
+    tries = [
+        {"cutoff": 0.138, "substitution_share": 0.375, "delta_ppl_pct": 2.05},
+        {"cutoff": 0.132, "substitution_share": 0.286, "delta_ppl_pct": 0.82},
+        {"cutoff": 0.140, "substitution_share": 0.401, "delta_ppl_pct": 2.24},
+    ]
+    lo, hi = bracket(tries, 0.333)
+    assert (lo["cutoff"], hi["cutoff"]) == (0.132, 0.138)  # the nearest on each side
+    assert 0.132 < interpolate_cutoff(lo, hi, 0.333) < 0.138
+    assert at_share(tries, 0.286) == pytest.approx(0.82)
+    assert 0.82 < at_share(tries, 0.333) < 2.05
+    assert at_share(tries, 0.5) is None and bracket(tries[:1], 0.333) is None
