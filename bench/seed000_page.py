@@ -103,21 +103,22 @@ def sections(d: dict[str, Any], stem: str) -> list[str]:
     out += [quality_row(r) for r in t if not r["label"].startswith("B:")]
     out += ["", "## 2. The protection contrast at matched substitution shares", ""]
     out += [
-        "| protected rule | its share | unprotected cutoff tried | unprotected share | protected ΔPPL | unprotected ΔPPL |",
-        "|---|---|---|---|---|---|",
+        "| protected rule | its share | unprotected cutoff tried | unprotected share | protected mass | unprotected mass | protected ΔPPL | unprotected ΔPPL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     tb = by_label(t)
     for label, tries in d["contrast"].items():
         for r in tries:
             out.append(
                 f"| {label} | {r['target_share']:.1%} | {r['cutoff']:.4f} | {r['substitution_share']:.1%} | "
+                f"{tb[label]['mean_substituted_mass']:.3f} | {r['mean_substituted_mass']:.3f} | "
                 f"{pct(tb[label]['delta_ppl_pct'])} | {pct(r['delta_ppl_pct'])} |"
             )
         m = matched(tries)
         if m["interpolated"]:
             out.append(
                 f"| {label} | {m['share']:.1%} | interpolated between the tries that bracket the share | "
-                f"{m['share']:.1%} | {pct(tb[label]['delta_ppl_pct'])} | **{pct(m['delta_ppl_pct'])}** |"
+                f"{m['share']:.1%} | | | {pct(tb[label]['delta_ppl_pct'])} | **{pct(m['delta_ppl_pct'])}** |"
             )
     out += [
         "",
