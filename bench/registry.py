@@ -233,6 +233,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("gpu_check.md", "gpu_spac.md", "gpu_profile.md"),
     ),
     Benchmark(
+        "seed-000",
+        "seed_000",
+        "seed 000's tables and ablations on the embedded model: docs/seeds/000-substitution.md",
+    ),
+    Benchmark(
         "spac-gpu",
         "spac_gpu.sh",
         "on a CUDA machine: spac with the host-memory tier over the real PCIe link",

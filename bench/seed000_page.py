@@ -1,0 +1,283 @@
+"""Rendering docs/seeds/000-substitution.md from bench/seed_000.py's results: the paper's claims
+beside this project's measurements, then one table per experiment, and two plots. The hand-written
+analysis below the generated part (from the line `## Why the results differ` on) is kept on a rerun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.seed000_stats import at_share
+
+KEEP_FROM = "\n## Why the results differ"
+QUALITY_COLS = (
+    "| policy | PPL | ΔPPL | substituted calls | substituted mass / token-layer | fetches / token | admissions |",
+    "|---|---|---|---|---|---|---|",
+)
+
+
+def pct(x: float) -> str:
+    return f"{x:+.2f} %"
+
+
+def quality_row(r: dict[str, Any], label: str | None = None) -> str:
+    return (
+        f"| {label or r['label']} | {r['ppl']:.2f} | {pct(r['delta_ppl_pct'])} | {r['substitution_share']:.1%} | "
+        f"{r['mean_substituted_mass']:.3f} | {r['fetches_per_token']:.2f} | {r['admissions']} |"
+    )
+
+
+def by_label(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in rows}
+
+
+def matched(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The unprotected rule's ΔPPL at the protected rule's share: interpolated between the two tries
+    that bracket it, else the nearest try."""
+    target = tries[0]["target_share"]
+    inter = at_share(tries, target)
+    if inter is not None:
+        return {"share": target, "delta_ppl_pct": inter, "interpolated": True}
+    near = min(tries, key=lambda r: abs(r["substitution_share"] - target))
+    return {
+        "share": near["substitution_share"],
+        "delta_ppl_pct": near["delta_ppl_pct"],
+        "interpolated": False,
+    }
+
+
+def claims(d: dict[str, Any]) -> list[str]:
+    t, m = by_label(d["table"]), d["mass"]
+    thr, qf, sf = t["threshold"], t["quality-first"], t["speed-first"]
+    match = matched(d["contrast"]["threshold"])
+    b2 = d["experiment_b"][0]
+    heavy, light = b2["heavy"], b2["light"]
+    adm = {(r["eviction"], r["admission"]): r for r in d["admission"]["threshold"]}
+    shift = d["shift"]["rows"]
+    after = [r for r in shift if r["part"].startswith("first")]
+    tf, gen = (by_label(d["speed"].get(w, [])) for w in ("teacher-forced", "generate"))
+    pj = by_label(d["projected"])
+
+    def speed(label: str) -> str:
+        if label not in tf:
+            return "not run"
+        g = f", {gen[label]['vs_fetch_all']:.2f}× generating" if label in gen else ""
+        return f"{tf[label]['vs_fetch_all']:.2f}× teacher-forced{g}"
+
+    def sf_over_thr(rows: dict[str, dict[str, Any]]) -> str:
+        return f"{rows['speed-first']['vs_fetch_all'] / rows['threshold']['vs_fetch_all']:.2f}×"
+
+    def gain(label: str) -> float:
+        return 100 * (t[label]["ppl"] / thr["ppl"] - 1)
+
+    admit_after = {r["label"]: r for r in after}
+    return [
+        "| the paper's claim (Qwen3-Next-80B-A3B, RTX 3090) | paper | here (embedded model, teacher-forced; speed: measured / PROJECTED) | section |",
+        "|---|---|---|---|",
+        f"| presets vs fetch-all: speed, quality | 2.5-3.0× faster at +0.7-1.5 % PPL | QF {speed('quality-first')} / SF {speed('speed-first')} measured "
+        f"({d['args']['link']} link); PROJECTED {pj['quality-first']['vs_fetch_all']:.2f}× / {pj['speed-first']['vs_fetch_all']:.2f}×; "
+        f"QF {pct(qf['delta_ppl_pct'])}, SF {pct(sf['delta_ppl_pct'])} | 1, 7 |",
+        f"| the 0.15 rule substitutes 7.5 % of calls at +0.35 % | 7.5 %, +0.35 % | {thr['substitution_share']:.1%}, {pct(thr['delta_ppl_pct'])} | 1 |",
+        f"| no protection at a similar share costs far more | 8.5 %, +5.67 % | {match['share']:.1%} "
+        f"({'interpolated between two runs' if match['interpolated'] else 'the nearest run'}), {pct(match['delta_ppl_pct'])} | 2 |",
+        f"| experiment B: few heavy cost more than many light, equal mass | heavy > light (inconclusive by its rule) | 2nd choice: heavy {pct(heavy['delta_ppl_pct'])} at mass "
+        f"{heavy['mean_substituted_mass']:.4f}, light {pct(light['delta_ppl_pct'])} at {light['mean_substituted_mass']:.4f}; "
+        f"1st choice: heavy {pct(d['experiment_b'][1]['heavy']['delta_ppl_pct'])}, light {pct(d['experiment_b'][1]['light']['delta_ppl_pct'])} | 3 |",
+        f"| background admission lowers PPL 0.3-1.5 %, most after a topic shift | -0.3 to -1.5 % | threshold + background vs threshold: "
+        f"{100 * (adm[('reuse', 'background')]['ppl'] / adm[('reuse', 'none')]['ppl'] - 1):+.2f} %; right after the shift "
+        f"{admit_after['threshold + background']['delta_ppl_pct'] - admit_after['threshold']['delta_ppl_pct']:+.2f} pt | 4, 5 |",
+        f"| mass hypothesis across first-choice-protecting policies | r ≈ 0.92 | r = {m['r_protecting']:.3f} over {m['n_protecting']} policies; "
+        f"{m['r_best_resident']:.3f} over the {m['n_best_resident']} with the router's stand-in; median within one window {m['within_input_r_median']:.3f} | 6 |",
+        f"| Quality-First vs the 0.15 rule: PPL | 0.5-0.8 % lower | {gain('quality-first'):+.2f} % | 1, 4 |",
+        "| Speed-First vs the 0.15 rule: time | about 5 % faster, no significant PPL cost | measured "
+        + (f"{sf_over_thr(tf)} teacher-forced" if tf else "not run")
+        + (f", {sf_over_thr(gen)} generating" if gen else "")
+        + f" (ratio of the two × fetch-all), PROJECTED {pj['speed-first']['tok_s'] / pj['threshold']['tok_s']:.2f}×; PPL {gain('speed-first'):+.2f} % | 7 |",
+        "| the 0.15-rule engine vs stock llama.cpp at equal VRAM | 2.8-3.0× at +1.6 % PPL | not run by this command (see below) | – |",
+    ]
+
+
+def sections(d: dict[str, Any], stem: str) -> list[str]:
+    t = d["table"]
+    out = ["## 1. The policy table (teacher-forced)", "", *QUALITY_COLS]
+    out += [quality_row(r) for r in t if not r["label"].startswith("B:")]
+    out += ["", "## 2. The protection contrast at matched substitution shares", ""]
+    out += [
+        "| protected rule | its share | unprotected cutoff tried | unprotected share | protected mass | unprotected mass | protected ΔPPL | unprotected ΔPPL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    tb = by_label(t)
+    for label, tries in d["contrast"].items():
+        for r in tries:
+            out.append(
+                f"| {label} | {r['target_share']:.1%} | {r['cutoff']:.4f} | {r['substitution_share']:.1%} | "
+                f"{tb[label]['mean_substituted_mass']:.3f} | {r['mean_substituted_mass']:.3f} | "
+                f"{pct(tb[label]['delta_ppl_pct'])} | {pct(r['delta_ppl_pct'])} |"
+            )
+        m = matched(tries)
+        if m["interpolated"]:
+            out.append(
+                f"| {label} | {m['share']:.1%} | interpolated between the tries that bracket the share | "
+                f"{m['share']:.1%} | | | {pct(tb[label]['delta_ppl_pct'])} | **{pct(m['delta_ppl_pct'])}** |"
+            )
+    out += [
+        "",
+        "## 3. Experiment B: a few heavy substitutions against many light ones (EMULATION)",
+        "",
+    ]
+    out += [
+        "| heavy slot | run | ΔPPL | substituted calls | mass / token-layer | mass / substituted call | windows where heavy loses more |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in d["experiment_b"]:
+        for kind in ("heavy", "light"):
+            r = b[kind]
+            share = r["substitution_share"]
+            # mass per token-layer / substituted calls per token-layer
+            per_call = (
+                r["mean_substituted_mass"] / (share * int(d["model_shape"]["top_k"]))
+                if share
+                else 0.0
+            )
+            out.append(
+                f"| {b['heavy_slot']} | {kind} | {pct(r['delta_ppl_pct'])} | {share:.1%} | {r['mean_substituted_mass']:.4f} | "
+                f"{per_call:.3f} | "
+                + (f"{b['heavy_worse_windows']} of {b['windows']}" if kind == "heavy" else "")
+                + " |"
+            )
+    gp = d["gate_percentiles"]
+    out += [
+        "",
+        "Normalized gate by router rank (10th / 50th / 90th percentile over the scored token-layers): "
+        + "; ".join(
+            f"rank {i}: {gp['10'][i]:.3f} / {gp['50'][i]:.3f} / {gp['90'][i]:.3f}"
+            for i in range(len(gp["50"]))
+        ),
+    ]
+    out += ["", "## 4. Background admission on its own (the eviction held fixed)", ""]
+    for rule, cells in d["admission"].items():
+        out += [
+            f"**{rule}**",
+            "",
+            "| eviction | admission | PPL | ΔPPL | substituted calls | fetches / token | admissions |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {c['eviction']} | {c['admission']} | {c['ppl']:.2f} | {pct(c['delta_ppl_pct'])} | {c['substitution_share']:.1%} | {c['fetches_per_token']:.2f} | {c['admissions']} |"
+            for c in cells
+        ]
+        out.append("")
+    s = d["shift"]
+    out += [f"## 5. After a topic shift: {s['from']} then {s['to']}", ""]
+    out += [
+        "| policy | part | tokens | ΔPPL | substituted calls | admissions |",
+        "|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['label']} | {r['part']} | {r['tokens']} | {pct(r['delta_ppl_pct'])} | {r['substitution_share']:.1%} | {r['admissions']} |"
+        for r in s["rows"]
+    ]
+    out += ["", f"![ΔPPL per window across the topic shift]({stem}-shift.png)", ""]
+    m = d["mass"]
+    out += ["## 6. The mass hypothesis", ""]
+    out += [
+        f"- across the first-choice-protecting policies of section 1 (n = {m['n_protecting']}): r = **{m['r_protecting']:.3f}**",
+        f"- across those with the router's stand-in, without the `/drop` rows (n = {m['n_best_resident']}): r = **{m['r_best_resident']:.3f}**",
+        f"- within one input: per window, r across those policies; median over {m['within_input_n']} windows: **{m['within_input_r_median']:.3f}**",
+        "- across inputs, one policy (does more mass mark the windows that lose more?): "
+        + ", ".join(f"{k} r = {v:.3f}" for k, v in m["across_input_r"].items()),
+        "",
+        f"![ΔPPL against substituted mass]({stem}-mass.png)",
+        "",
+    ]
+    out += speed_sections(d)
+    return out
+
+
+def speed_sections(d: dict[str, Any]) -> list[str]:
+    out = ["## 7. Speed", ""]
+    for workload, rows in d["speed"].items():
+        out += [
+            f"**Measured, {workload}**: experts on disk behind the emulated `{d['args']['link']}` link, "
+            f"{d['args']['speed_windows']} interleaved rounds after a warm-up round, one "
+            + (
+                f"{d['args']['speed_window']}-token window"
+                if workload == "teacher-forced"
+                else f"64-token prompt and {d['args']['speed_tokens']} greedy tokens (prefill excluded)"
+            )
+            + " per engine per round; medians; background loads land when the link delivers them (as in serving).",
+            "",
+            "| policy | tok/s | × fetch-all (same round) | stall share | hit share | fetched / step | substituted / step | MB moved / step | admissions |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['label']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['stall_share']:.0%} | {r['hit_share']:.0%} | "
+            f"{r['fetched_per_step']:.2f} | {r['substituted_per_step']:.2f} | {r['MB_per_step']:.3f} | {int(r['admissions'])} |"
+            for r in rows
+        ]
+        out.append("")
+    out += [
+        f"**SIMULATED + PROJECTED** ({d['args']['profile']}, {d['args']['shape']}; the router trace of section 1's tokens "
+        "projected by engine/offline/projection.py and replayed by the router-trace simulator; stand-ins dropped, as bench/sim_validation.py projects them):",
+        "",
+        "| policy | tok/s | × fetch-all | stall share | hit share | loads / token |",
+        "|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['label']} | {r['tok_s']:.1f} | {r['vs_fetch_all']:.2f}× | {r['stall_share']:.0%} | {r['hit_share']:.0%} | {r['loads_per_token']:.2f} |"
+        for r in d["projected"]
+    ]
+    return out + [""]
+
+
+def render(d: dict[str, Any], out: Path) -> str:
+    a, shape = d["args"], d["model_shape"]
+    head = [
+        "# Seed 000: which expert misses are worth waiting for (substitution and caching), run here",
+        "",
+        "Generated by `python -m bench seed-000` (bench/seed_000.py); numbers in "
+        f"[{out.with_suffix('.json').name}]({out.with_suffix('.json').name}). {d['machine']} A shared 2-core machine: "
+        "quality figures are deterministic (teacher-forced, background loads settled before each layer plans, prefetch off); "
+        "speed figures are ratios measured side by side in one interleaved run.",
+        "",
+        f"Model: `{d['model']}` ({len(shape['moe_layers'])} MoE layers x {shape['num_experts']} experts, top-{shape['top_k']}). Sample: {d['tokens']} scored tokens "
+        f"({d['windows']} windows of {a['window']}) spread over `{d['data']}`; cache fraction {a['cache_fraction']} "
+        f"(the paper's about 25 %). Run time {d['seconds'] / 60:.1f} min. Larger samples: `--tokens`, `--shift-windows`, "
+        "`--speed-windows`.",
+        "",
+        "## The paper's claims beside this project's measurements",
+        "",
+    ]
+    body = head + claims(d) + [""] + sections(d, out.stem)
+    old = out.read_text() if out.exists() else ""
+    kept = old[old.index(KEEP_FROM) :] if KEEP_FROM in old else ""
+    return "\n".join(body) + ("\n" + kept.lstrip("\n") if kept else "")
+
+
+def write_plots(d: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from server.cli_eval import _plot
+
+    fraction = float(d["args"]["cache_fraction"])
+    _plot(
+        [r for r in d["table"] if not r["label"].startswith("B:")],
+        out.with_name(out.stem + "-mass.png"),
+        fraction,
+    )
+    s = d["shift"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, ys in s["per_window_delta_ppl_pct"].items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
+    n = int(d["args"]["shift_windows"])
+    ax.axvline(n + 0.5, color="grey", linestyle="--")
+    ax.set_xlabel(f"window ({d['args']['shift_window']} tokens); {s['from']} | {s['to']}")
+    ax.set_ylabel("ΔPPL vs fetch-all (%)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_name(out.stem + "-shift.png"), dpi=130)
+    plt.close(fig)

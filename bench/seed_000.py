@@ -1,0 +1,273 @@
+"""Seed 000 (substitution and caching), its tables and ablations run on this project's model:
+`python -m bench seed-000` regenerates docs/seeds/000-substitution.md, its JSON and plots.
+
+Quality (teacher-forced perplexity, deterministic, prefetch off): the policy table, experiment B
+(a few heavy substitutions against many light ones at equal substituted mass), the protection
+contrast at matched substitution shares, background admission with the eviction held fixed, a text
+that switches domain mid-way, and the mass hypothesis. Speed: the policies measured side by side in
+one interleaved run on the emulated slow link, and the router-trace simulator's projection onto the
+paper's hardware and model (labelled simulated / projected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.policy_bench import workload
+from bench.report import add_common_flags, machine_line, positive_int
+from bench.seed000_experiments import (
+    admission_tables,
+    experiment_b,
+    mass_hypothesis,
+    matched_contrast,
+    policy_table,
+    rows,
+    topic_shift,
+)
+from bench.seed000_page import render, write_plots
+from bench.seed000_runs import Setup, shift_windows, spread_windows, tokenize
+from bench.seed000_speed import measured_speed, projected_speed
+from bench.seed000_stats import normalized_gates
+from engine.paths import portable_path
+
+DATA = Path("models/embedded/data")
+
+
+def trace_meta(trace: dict) -> dict:
+    return json.loads(str(trace["meta"]))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="model directory (default: the embedded model)")
+    ap.add_argument(
+        "--data",
+        default=str(DATA / "test.txt"),
+        help="held-out text (default: the embedded test split)",
+    )
+    ap.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.25,
+        help="fast-tier share of experts (default 0.25, the paper's)",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=2048,
+        help="tokens scored per policy, whole windows spread over --data (default 2048)",
+    )
+    ap.add_argument(
+        "--window",
+        type=positive_int,
+        default=256,
+        help="tokens per window; the KV cache restarts each window (default 256)",
+    )
+    ap.add_argument(
+        "--shift",
+        default="shakespeare,pydocs",
+        metavar="A,B",
+        help="topic shift: domain A's test text, then domain B's (files test_A.txt, test_B.txt beside --data; default shakespeare,pydocs)",
+    )
+    ap.add_argument(
+        "--shift-windows",
+        type=positive_int,
+        default=4,
+        help="consecutive windows per domain in the topic-shift text (default 4)",
+    )
+    ap.add_argument(
+        "--shift-window",
+        type=positive_int,
+        default=128,
+        help="tokens per topic-shift window (default 128)",
+    )
+    ap.add_argument(
+        "--shift-first",
+        type=positive_int,
+        default=1,
+        help="windows counted as 'right after the shift' (default 1)",
+    )
+    ap.add_argument(
+        "--match-tolerance",
+        type=float,
+        default=0.01,
+        help="matched contrast: stop when the shares differ by at most this (default 0.01, one point)",
+    )
+    ap.add_argument(
+        "--match-tries",
+        type=positive_int,
+        default=3,
+        help="matched contrast: most runs to find the cutoff (default 3)",
+    )
+    ap.add_argument(
+        "--contrast-cutoffs",
+        default="0.15",
+        metavar="C,...",
+        help="protected cut-offs to match the unprotected rule against (default 0.15; 0.05, 0.10, 0.20, 0.30 are in the table too)",
+    )
+    ap.add_argument(
+        "--link",
+        default="hdd",
+        help="emulated slow link of the speed run (default hdd: 150 MB/s, 8 ms a load)",
+    )
+    ap.add_argument(
+        "--speed-windows",
+        type=positive_int,
+        default=4,
+        help="rounds of the speed run after its warm-up round, one window each (default 4)",
+    )
+    ap.add_argument(
+        "--speed-window",
+        type=positive_int,
+        default=96,
+        help="tokens per speed-run window (default 96)",
+    )
+    ap.add_argument(
+        "--speed-tokens",
+        type=positive_int,
+        default=32,
+        help="greedy tokens per prompt of the speed run's generate workload (default 32)",
+    )
+    ap.add_argument(
+        "--profile",
+        default="rtx3090-pcie4",
+        help="hardware profile of the projection (configs/hardware; default rtx3090-pcie4, the paper's GPU)",
+    )
+    ap.add_argument(
+        "--shape",
+        default="qwen3-next-80b-a3b",
+        help="model shape of the projection (default qwen3-next-80b-a3b, the paper's model)",
+    )
+    ap.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="skip the measured speed run (the smoke test's setting)",
+    )
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: rewrite the page and plots from the JSON beside --out (after editing the page's analysis)",
+    )
+    add_common_flags(
+        ap, "write the page here (default docs/seeds/000-substitution.md; JSON and plots beside it)"
+    )
+    return ap.parse_args()
+
+
+def quality(args: argparse.Namespace, setup: Setup) -> dict:
+    from engine.config import EngineConfig
+    from engine.offline.trace import record_trace
+    from engine.worker.loader import load_model
+
+    ids = tokenize(setup.model_dir, args.data)
+    chunks = spread_windows(ids, args.tokens, args.window)
+    om = load_model(setup.model_dir, EngineConfig(cache_fraction=1.0, prefetch="none"))
+    try:  # the router's gates on the same tokens (batched; routing does not depend on the cache)
+        trace = record_trace(om, [t for c in chunks for t in c], args.window, logits=True)
+    finally:
+        om.close()
+    gates = normalized_gates(trace["weights"])
+    scored = policy_table(setup, chunks)
+    table = rows(scored)
+    by = {r["label"]: r for r in table}
+    contrast = {}
+    for c in (float(x) for x in args.contrast_cutoffs.split(",")):
+        label = "threshold" if c == 0.15 else f"threshold@{c:.2f}"
+        contrast[label] = matched_contrast(
+            setup,
+            chunks,
+            gates,
+            by[label],
+            c,
+            scored["fetch-all"],
+            args.match_tolerance,
+            args.match_tries,
+        )
+    a, b = args.shift.split(",")
+    data = Path(args.data).parent
+    shift_chunks = shift_windows(
+        tokenize(setup.model_dir, data / f"test_{a}.txt"),
+        tokenize(setup.model_dir, data / f"test_{b}.txt"),
+        args.shift_windows,
+        args.shift_window,
+    )
+    return {
+        "table": table,
+        "contrast": contrast,
+        "experiment_b": experiment_b(scored),
+        "admission": admission_tables(table),
+        "shift": {
+            "from": a,
+            "to": b,
+            **topic_shift(setup, shift_chunks, args.shift_windows, args.shift_first),
+        },
+        "mass": mass_hypothesis(scored, table),
+        "trace": trace,
+        "tokens": sum(len(c) - 1 for c in chunks),
+        "gate_percentiles": {  # normalized gate by router rank: how skewed the routing is
+            str(p): [
+                round(float(x), 4)
+                for x in np.percentile(gates.reshape(-1, gates.shape[-1]), p, axis=0)
+            ]
+            for p in (10, 50, 90)
+        },
+        "model_shape": {k: trace_meta(trace)[k] for k in ("moe_layers", "num_experts", "top_k")},
+        "windows": len(chunks),
+    }
+
+
+def main() -> int:
+    from server.cli_common import resolve_model_dir
+
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    out = args.out or Path("docs/seeds/000-substitution.md")
+    if args.render_only:
+        result = json.loads(out.with_suffix(".json").read_text())
+        write_plots(result, out)
+        out.write_text(render(result, out))
+        return 0
+    setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
+    t0 = time.perf_counter()
+    q = quality(args, setup)
+    trace = q.pop("trace")
+    speed: dict = {}
+    if not args.no_speed:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(setup.model_dir)
+        chunks, prompts = workload(
+            tok, args.data, args.speed_windows, args.speed_window, args.speed_windows
+        )
+        speed = measured_speed(
+            setup.model_dir, args.cache_fraction, args.link, chunks, prompts, args.speed_tokens
+        )
+    projected = projected_speed(trace, args.profile, args.shape, args.cache_fraction, q["tokens"])
+    result = {
+        "machine": machine_line(args.threads),
+        "model": portable_path(setup.model_dir),
+        "data": portable_path(args.data),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "seconds": time.perf_counter() - t0,
+        **q,
+        "speed": speed,
+        "projected": projected,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    write_plots(result, out)
+    out.write_text(render(result, out))
+    print(f"wrote {out} and {out.with_suffix('.json')} in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
