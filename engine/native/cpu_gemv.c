@@ -29,9 +29,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #define TID() omp_get_thread_num()
@@ -48,57 +45,21 @@
 #define QBLOCK 64 /* activation quantization block of the int8 path */
 #define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */
 #define Q4_GROUP 64 /* int4 weight group (below) */
-enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
 /* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
 enum { BF16_FORM_NONE = 0, BF16_FORM_BF16 = 1, BF16_FORM_PAIRS = 2 };
 
-#if defined(__F16C__)
-static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* one instruction where F16C exists */
-#else
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0 && man == 0) {
-        u = sign;
-    } else if (exp == 0) { /* subnormal: normalise */
-        exp = 127 - 15 + 1;
-        while (!(man & 0x400u)) { man <<= 1; exp--; }
-        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-#endif
 
 
 static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
 
-/* One activation row in the forms the dot products read: f32 always; for bf16 weights, a bf16 copy (b) or the
- * f32 values in even/odd order per 16 (p), as the variant's dot reads them; for the int8 dot, the int8
- * quantization: signed codes (q8), their magnitudes (qa), the sign mask (neg) and the block scales (qs). */
-typedef struct {
-    int mode; /* which dot product reads it: DOT_WIDEN, DOT_BF16 or DOT_I8 */
-    float *f;
-    float *p;
-    uint16_t *b;
-    int8_t *q8;
-    uint8_t *qa;
-    uint64_t *neg;
-    float *qs;
-} act_t;
-
 static size_t up64_(size_t n) { return (n + 63) / 64 * 64; }
 
-static size_t act_bytes(int64_t n) {
+size_t act_bytes(int64_t n) {
     size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
     return up64_(un * 4) * 2 + up64_(un * 2) + up64_(blocks * QBLOCK) * 2 + up64_(blocks * 8) + up64_(blocks * 4);
 }
 
-static act_t act_at(char *mem, int64_t n) {
+act_t act_at(char *mem, int64_t n) {
     size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
     act_t a;
     a.mode = DOT_WIDEN;
@@ -190,7 +151,7 @@ int capabilities(void) {
  * significant bits already, so the products are exact); the even/odd form of AVX2 holds f32 values and serves
  * any activation. The int8 dot runs only where the activation is bf16: its quantization loses about what bf16
  * rounding already did. An f32 activation (an f32 model) keeps exact products: each weight is widened to f32. */
-static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
+void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
     a->mode = DOT_WIDEN;
     if (wtype == W_BF16 && BF16_FORM == BF16_FORM_BF16 && xtype == X_BF16) {
         a->mode = DOT_BF16;
@@ -231,7 +192,7 @@ static float dot1(const void *w, int wtype, int64_t n, act_t a) {
 
 /* dot1 of row w with each of X[0..m) (all prepared alike: one mode), into out[j]: bit for bit m dot1 calls, the
  * weight row read and converted once per block of rows. */
-static void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
     if (X[0].mode == DOT_BF16) dot_bf16_rows((const uint16_t *)w, n, X, m, out);
     else if (X[0].mode == DOT_I8) dot_i8_rows((const int8_t *)w, n, X, m, out);
     else dot_widen_rows(w, wtype, n, X, m, out);
@@ -243,6 +204,10 @@ static void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_
  * chunks once per block of rows. */
 static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t n, int64_t r0, int64_t r1,
                        const act_t *X, int64_t m, float *Y, int64_t ldy, int64_t y0) {
+    if (m > MAX_ROWS) { /* many rows (a prompt): gemm.c's register tiles, the same bits per row */
+        gemm_tiles(W, scale, wtype, n, r0, r1, X, m, Y, ldy, y0);
+        return;
+    }
     size_t rb = (size_t)n * wsize(wtype);
     float t[MAX_ROWS];
     for (int64_t r = r0; r < r1; r++) {
@@ -262,7 +227,7 @@ void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
     *r1 = b1 * 4 < rows ? b1 * 4 : rows;
 }
 
-static void load_act(const void *x, int xtype, int64_t n, float *out) {
+void load_act(const void *x, int xtype, int64_t n, float *out) {
     if (xtype == X_F32) {
         memcpy(out, x, (size_t)n * 4);
         return;
@@ -280,13 +245,17 @@ static void store_rows(const float *y, int xtype, int64_t r0, int64_t r1, void *
 
 
 /* Bytes of `work` that gemv needs. */
-size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) { return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64; }
+size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) {
+    if (m > MAX_ROWS) return gemm_work_bytes(rows, cols, m);
+    return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64;
+}
 
-/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), m <= 16 rows.
- * X and Y in `xtype`. Returns 0, or -1 when m is out of range. */
+/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), any m >= 1 (more than 16
+ * rows: gemm.c's gemm, each row's bits the same). X and Y in `xtype`. Returns 0, or -1 when m < 1. */
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
-    if (m < 1 || m > MAX_ROWS) return -1;
+    if (m < 1) return -1;
+    if (m > MAX_ROWS) return gemm(W, scale, wtype, rows, cols, X, xtype, m, Y, work, nthreads);
     act_t acts[MAX_ROWS];
     char *mem = (char *)work;
     size_t xs = xtype == X_F32 ? 4 : 2;

@@ -39,8 +39,10 @@ class NativeKernels(KernelLibrary):
     def gemv(
         self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [m, cols] (m <= 16) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
-        int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU."""
+        """x [m, cols] (any m >= 1) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
+        int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU. Each row's
+        result is bit for bit the one that row gets alone (m = 1): up to 16 rows share each weight row's
+        loads (a decode batch, a window), more go through gemm.c's register tiles (a prompt)."""
         m, cols = x.shape
         rows = w.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
@@ -58,7 +60,7 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
+            raise ValueError(f"native gemv takes at least one row, got {m}")
         return y
 
     def gemv_sweep(self, x: torch.Tensor, ws: Sequence[torch.Tensor]) -> None:
