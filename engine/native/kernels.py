@@ -130,9 +130,9 @@ class NativeKernels(KernelLibrary):
         intermediate: int,
         slot: tuple[int, ...],
     ) -> torch.Tensor:
-        """Rows x [n, H] (n <= 16) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down, its
-        scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives that
-        row alone with weight 1: a window's rows compute as single decode rows do."""
+        """Rows x [n, H] (any n >= 1) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down,
+        its scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives
+        that row alone with weight 1: a window's or a prompt's rows compute as single decode rows do."""
         n = x.shape[0]
         out = torch.empty((n, hidden), dtype=x.dtype)
         ids = (ctypes.c_int64 * n)()  # every row to expert 0 of a one-expert table
@@ -157,7 +157,47 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"native expert_rows takes 1 to {MAX_ROWS} rows, got {n}")
+            raise ValueError(f"native expert_rows takes at least one row, got {n}")
+        return out
+
+    def moe_rows(
+        self,
+        x: torch.Tensor,
+        weight_dtype: torch.dtype,
+        hidden: int,
+        intermediate: int,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        """Rows x [R, H] (any R >= 1) through SwiGLU experts (cpu_gemv.c's moe_swiglu_rows): row r takes the k
+        distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
+        scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
+        is the one it gets alone."""
+        R, n = x.shape[0], len(ids)
+        out = torch.empty((R, hidden), dtype=x.dtype)
+        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(4)]
+        quantized = weight_dtype == torch.int8
+        rc = self.lib.moe_swiglu_rows(
+            W_CODES[weight_dtype],
+            hidden,
+            intermediate,
+            R,
+            n // R,
+            (ctypes.c_int64 * n)(*ids),
+            (ctypes.c_float * n)(*weights),
+            table[0],
+            table[1] if quantized else None,
+            table[2],
+            table[3] if quantized else None,
+            x.data_ptr(),
+            X_CODES[x.dtype],
+            out.data_ptr(),
+            self._work(self._scratch("moe_rows_work_bytes", hidden, intermediate, R)),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError("native moe_rows takes 1 to 64 distinct experts a row")
         return out
 
     def gemv_q4(
@@ -193,7 +233,7 @@ class NativeKernels(KernelLibrary):
         ids: Sequence[int],
         weights: Sequence[float],
     ) -> torch.Tensor:
-        """Rows x [R, H] bf16 (R <= 16) through int4 SwiGLU experts (groups of 64): row r takes the k experts
+        """Rows x [R, H] bf16 (any R >= 1) through int4 SwiGLU experts (groups of 64): row r takes the k experts
         slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
         scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
         R, n = x.shape[0], len(ids)
@@ -219,7 +259,7 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"native moe_q4 takes 1 to {MAX_ROWS} bf16 rows and 64 experts a row")
+            raise ValueError("native moe_q4 takes bf16 rows and 1 to 64 distinct experts a row")
         return out
 
     def moe_mxfp4(
