@@ -58,9 +58,13 @@ def test_gemm_rows_equal_one_row_calls(
     nk: NativeKernels, cols: int, wdtype: torch.dtype, xdtype: torch.dtype
 ) -> None:
     if wdtype == torch.int8 and cols % 64:
-        cols = cols // 64 * 64  # the int8 dot's blocks (other lengths widen, as COLS' f32 cases test)
+        cols = (
+            cols // 64 * 64
+        )  # the int8 dot's blocks (other lengths widen, as COLS' f32 cases test)
     g = torch.Generator().manual_seed(cols)
-    w, scale, wf = _weight(37, cols, wdtype, g)  # 37 weight rows: a leftover column in every tile shape
+    w, scale, wf = _weight(
+        37, cols, wdtype, g
+    )  # 37 weight rows: a leftover column in every tile shape
     x = torch.randn(max(MS), cols, generator=g).to(xdtype)
     alone = torch.cat([nk.gemv(x[j : j + 1], w, scale) for j in range(max(MS))])
     ref = F.linear(x.float(), wf)
@@ -99,7 +103,12 @@ def test_expert_rows_equal_one_row_calls(
     g = torch.Generator().manual_seed(5)
     experts = [(_weight(2 * I, H, wdtype, g), _weight(H, I, wdtype, g)) for _ in range(E)]
     slots = [
-        (gu[0].data_ptr(), gu[1].data_ptr() if gu[1] is not None else 0, d[0].data_ptr(), d[1].data_ptr() if d[1] is not None else 0)
+        (
+            gu[0].data_ptr(),
+            gu[1].data_ptr() if gu[1] is not None else 0,
+            d[0].data_ptr(),
+            d[1].data_ptr() if d[1] is not None else 0,
+        )
         for gu, d in experts
     ]
     R = 100
@@ -107,7 +116,18 @@ def test_expert_rows_equal_one_row_calls(
     ids = [int(e) for r in range(R) for e in sorted(torch.randperm(E, generator=g)[:k].tolist())]
     weights = torch.rand(R * k, generator=g).tolist()
     alone = torch.cat(
-        [nk.moe_rows(x[r : r + 1], wdtype, H, I, slots, ids[r * k : r * k + k], weights[r * k : r * k + k]) for r in range(R)]
+        [
+            nk.moe_rows(
+                x[r : r + 1],
+                wdtype,
+                H,
+                I,
+                slots,
+                ids[r * k : r * k + k],
+                weights[r * k : r * k + k],
+            )
+            for r in range(R)
+        ]
     )
     for n in (1, 17, R):
         got = nk.moe_rows(x[:n], wdtype, H, I, slots, ids[: n * k], weights[: n * k])
