@@ -10,6 +10,9 @@ several experts) equals R one-row calls exactly."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,19 +81,25 @@ def test_gemm_rows_equal_one_row_calls(
             assert rel < (0.01 if wdtype == torch.int8 else 0.005), (nk.variant, m, rel)
 
 
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gemm_does_not_depend_on_threads(nk: NativeKernels) -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 1016, generator=g).bfloat16()
     x = torch.randn(63, 1016, generator=g).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = nk.gemv(x, w)
-        torch.set_num_threads(2)
-        two = nk.gemv(x, w)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    results = []
+    for n in (1, 2):
+        with _threads(n):
+            results.append(nk.gemv(x, w))
+    assert torch.equal(*results)
 
 
 @pytest.mark.parametrize("wdtype,xdtype", PAIRS[:1] + PAIRS[2:3] + PAIRS[4:])

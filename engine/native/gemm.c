@@ -214,15 +214,6 @@ void gemm_tiles(const void *W, const uint16_t *scale, int wtype, int64_t n, int6
     }
 }
 
-/* This thread's share of [0, rows), in blocks of 8 weight rows. */
-static void share8(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
-    int64_t blocks = (rows + 7) / 8, per = blocks / nt, extra = blocks % nt;
-    int64_t b0 = tid * per + (tid < extra ? tid : extra), b1 = b0 + per + (tid < extra ? 1 : 0);
-    *r0 = b0 * 8 < rows ? b0 * 8 : rows;
-    *r1 = b1 * 8 < rows ? b1 * 8 : rows;
-}
-
-
 /* Bytes of `work` that gemm needs. */
 size_t gemm_work_bytes(int64_t rows, int64_t cols, int64_t m) {
     size_t mb = (size_t)(m < GEMM_MB ? m : GEMM_MB);
@@ -250,7 +241,7 @@ int gemm(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
         {
             int64_t r0, r1;
-            share8(rows, TID(), NT(), &r0, &r1);
+            share(rows, TID(), NT(), &r0, &r1); /* cpu_gemv.c: blocks of 4 weight rows */
             gemm_tiles(W, scale, wtype, cols, r0, r1, acts, mb, yf, rows, 0);
             for (int64_t j = 0; j < mb; j++) {
                 char *yr = (char *)Y + (m0 + j) * rows * xs;

@@ -43,31 +43,38 @@
 #include <immintrin.h>
 #endif
 
+/* acc[q][r][c] = chain q of output (r, c): the loop the float tiles share (VT vectors, rows packed as ET, LOAD
+ * reading a vector, OP adding a product, STEP elements a chunk). */
+#define RUN_CHAINS(VT, ET, ZERO, LOAD, OP, STEP)                                  \
+    VT acc[4][MAXR][MAXC];                                                        \
+    for (int q = 0; q < 4; q++) {                                                 \
+        VT a[MAXR][MAXC];                                                         \
+        const ET *w[MAXC], *x[MAXR];                                              \
+        for (int c = 0; c < NR; c++) w[c] = WP(k, c0 + c, q, ET);                 \
+        for (int r = 0; r < MR; r++) x[r] = XP(k, j0 + r, q, ET);                 \
+        for (int r = 0; r < MR; r++)                                              \
+            for (int c = 0; c < NR; c++) a[r][c] = ZERO;                          \
+        for (int64_t t = 0; t < k->cnt[q] * (STEP); t += (STEP)) {                \
+            __typeof__(LOAD(w[0])) v[MAXC];                                       \
+            for (int c = 0; c < NR; c++) v[c] = LOAD(w[c] + t);                   \
+            for (int r = 0; r < MR; r++) {                                        \
+                __typeof__(LOAD(w[0])) xv = LOAD(x[r] + t);                       \
+                for (int c = 0; c < NR; c++) a[r][c] = OP(a[r][c], v[c], xv);     \
+            }                                                                     \
+        }                                                                         \
+        for (int r = 0; r < MR; r++)                                              \
+            for (int c = 0; c < NR; c++) acc[q][r][c] = a[r][c];                  \
+    }
+
+
 #if defined(__AVX512F__)
 #define SUM4_512(acc, r, c) \
     _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r][c], acc[1][r][c]), _mm512_add_ps(acc[2][r][c], acc[3][r][c])))
 
+#define FMA512(a, v, x) _mm512_fmadd_ps(v, x, a)
 /* FAM_W512: f32 FMA chains over packed f32 rows; the tail widens the unpacked weights (dot_widen's). */
 AI void w512_blk(const ctx_t *k, int64_t c0, int64_t j0, float *out, const int MR, const int NR) {
-    __m512 acc[4][MAXR][MAXC];
-    for (int q = 0; q < 4; q++) {
-        __m512 a[MAXR][MAXC];
-        const float *w[MAXC], *x[MAXR];
-        for (int c = 0; c < NR; c++) w[c] = WP(k, c0 + c, q, float);
-        for (int r = 0; r < MR; r++) x[r] = XP(k, j0 + r, q, float);
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) a[r][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < k->cnt[q] * 16; t += 16) {
-            __m512 v[MAXC];
-            for (int c = 0; c < NR; c++) v[c] = _mm512_loadu_ps(w[c] + t);
-            for (int r = 0; r < MR; r++) {
-                __m512 xv = _mm512_loadu_ps(x[r] + t);
-                for (int c = 0; c < NR; c++) a[r][c] = _mm512_fmadd_ps(v[c], xv, a[r][c]);
-            }
-        }
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) acc[q][r][c] = a[r][c];
-    }
+    RUN_CHAINS(__m512, float, _mm512_setzero_ps(), _mm512_loadu_ps, FMA512, 16)
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
             float s = SUM4_512(acc, r, c);
@@ -80,27 +87,11 @@ TILE_FN(w512_tile, w512_blk, 4, 6)
 #endif
 
 #if defined(__AVX512BF16__)
+#define LOADBF(p) _mm512_loadu_si512(p)
+#define DPBF(a, v, x) _mm512_dpbf16_ps(a, (__m512bh)(v), (__m512bh)(x))
 /* FAM_DPBF: vdpbf16ps chains over packed bf16 rows; the tail multiplies bf16 by bf16 in f32 (dot_bf16's). */
 AI void dpbf_blk(const ctx_t *k, int64_t c0, int64_t j0, float *out, const int MR, const int NR) {
-    __m512 acc[4][MAXR][MAXC];
-    for (int q = 0; q < 4; q++) {
-        __m512 a[MAXR][MAXC];
-        const uint16_t *w[MAXC], *x[MAXR];
-        for (int c = 0; c < NR; c++) w[c] = WP(k, c0 + c, q, uint16_t);
-        for (int r = 0; r < MR; r++) x[r] = XP(k, j0 + r, q, uint16_t);
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) a[r][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < k->cnt[q] * 32; t += 32) {
-            __m512i v[MAXC];
-            for (int c = 0; c < NR; c++) v[c] = _mm512_loadu_si512(w[c] + t);
-            for (int r = 0; r < MR; r++) {
-                __m512i xv = _mm512_loadu_si512(x[r] + t);
-                for (int c = 0; c < NR; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], (__m512bh)xv);
-            }
-        }
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) acc[q][r][c] = a[r][c];
-    }
+    RUN_CHAINS(__m512, uint16_t, _mm512_setzero_ps(), LOADBF, DPBF, 32)
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
             float s = SUM4_512(acc, r, c);
@@ -163,28 +154,11 @@ static inline float hsum8_(__m256 v) { /* simd_avx2.h hsum8 */
 #endif
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__)) /* used by FAM_W256 (AVX2) or FAM_P256 (no BF16 dot) */
+#define FMA256(a, v, x) _mm256_fmadd_ps(v, x, a)
 /* FAM_P256 and FAM_W256: 8-lane f32 FMA chains over packed f32 rows (for FAM_P256 the even/odd values of the
  * bf16 weights); the tail: bf16 weights times f32 (dot_bf16 of simd_avx2.h) or widened weights (its dot_widen). */
 AI void f256_blk(const ctx_t *k, int64_t c0, int64_t j0, float *out, const int MR, const int NR) {
-    __m256 acc[4][MAXR][MAXC];
-    for (int q = 0; q < 4; q++) {
-        __m256 a[MAXR][MAXC];
-        const float *w[MAXC], *x[MAXR];
-        for (int c = 0; c < NR; c++) w[c] = WP(k, c0 + c, q, float);
-        for (int r = 0; r < MR; r++) x[r] = XP(k, j0 + r, q, float);
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) a[r][c] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < k->cnt[q] * 8; t += 8) {
-            __m256 v[MAXC];
-            for (int c = 0; c < NR; c++) v[c] = _mm256_loadu_ps(w[c] + t);
-            for (int r = 0; r < MR; r++) {
-                __m256 xv = _mm256_loadu_ps(x[r] + t);
-                for (int c = 0; c < NR; c++) a[r][c] = _mm256_fmadd_ps(v[c], xv, a[r][c]);
-            }
-        }
-        for (int r = 0; r < MR; r++)
-            for (int c = 0; c < NR; c++) acc[q][r][c] = a[r][c];
-    }
+    RUN_CHAINS(__m256, float, _mm256_setzero_ps(), _mm256_loadu_ps, FMA256, 8)
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
             float s = SUM4_256(acc, r, c);

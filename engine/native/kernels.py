@@ -36,6 +36,25 @@ class NativeKernels(KernelLibrary):
         )
         return f"native CPU kernels, build {self.variant} ({isa})"
 
+    @staticmethod
+    def _routing(
+        x: torch.Tensor,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+        columns: int,
+    ) -> tuple[int, int, ctypes.Array, ctypes.Array, list[ctypes.Array]]:
+        """The routed expert kernels' common arguments: R rows, k experts a row, the ids and weights as C
+        arrays, and one address table per slot column."""
+        R, n = x.shape[0], len(ids)
+        tables = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(columns)]
+        return R, n // R, (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights), tables
+
+    def _io(self, x: torch.Tensor, out: torch.Tensor, size_fn: str, *shape: int) -> tuple:
+        """The last arguments of every row kernel: x, its dtype code, out, scratch of `size_fn`, threads."""
+        work = self._work(self._scratch(size_fn, *shape))
+        return x.data_ptr(), X_CODES[x.dtype], out.data_ptr(), work, torch.get_num_threads()
+
     def gemv(
         self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -174,27 +193,22 @@ class NativeKernels(KernelLibrary):
         distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
         scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
         is the one it gets alone."""
-        R, n = x.shape[0], len(ids)
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 4)
         out = torch.empty((R, hidden), dtype=x.dtype)
-        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(4)]
         quantized = weight_dtype == torch.int8
         rc = self.lib.moe_swiglu_rows(
             W_CODES[weight_dtype],
             hidden,
             intermediate,
             R,
-            n // R,
-            (ctypes.c_int64 * n)(*ids),
-            (ctypes.c_float * n)(*weights),
+            k,
+            id_array,
+            weight_array,
             table[0],
             table[1] if quantized else None,
             table[2],
             table[3] if quantized else None,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_rows_work_bytes", hidden, intermediate, R)),
-            torch.get_num_threads(),
+            *self._io(x, out, "moe_rows_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
             raise ValueError("native moe_rows takes 1 to 64 distinct experts a row")
@@ -236,27 +250,22 @@ class NativeKernels(KernelLibrary):
         """Rows x [R, H] bf16 (any R >= 1) through int4 SwiGLU experts (groups of 64): row r takes the k experts
         slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
         scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
-        R, n = x.shape[0], len(ids)
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
         out = torch.empty((R, hidden), dtype=x.dtype)
-        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
         rc = self.lib.moe_q4_rows(
             hidden,
             intermediate,
             R,
-            n // R,
-            (ctypes.c_int64 * n)(*ids),
-            (ctypes.c_float * n)(*weights),
+            k,
+            id_array,
+            weight_array,
             table[0],
             table[1],
             table[4],
             table[2],
             table[3],
             table[5],
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_q4_work_bytes", hidden, intermediate, R)),
-            torch.get_num_threads(),
+            *self._io(x, out, "moe_q4_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
             raise ValueError("native moe_q4 takes bf16 rows and 1 to 64 distinct experts a row")
@@ -278,25 +287,20 @@ class NativeKernels(KernelLibrary):
         row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
         scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
         index -> [R, H] in x's dtype."""
-        R, n = x.shape[0], len(ids)
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
         out = torch.empty((R, hidden), dtype=x.dtype)
-        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
         rc = self.lib.moe_mxfp4_rows(
             hidden,
             intermediate,
             R,
-            n // R,
-            (ctypes.c_int64 * n)(*ids),
-            (ctypes.c_float * n)(*weights),
+            k,
+            id_array,
+            weight_array,
             *table,
             W_CODES[bias_dtype],
             alpha,
             limit,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_mxfp4_work_bytes", hidden, intermediate, R)),
-            torch.get_num_threads(),
+            *self._io(x, out, "moe_mxfp4_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
             raise ValueError(
