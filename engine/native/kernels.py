@@ -152,32 +152,8 @@ class NativeKernels(KernelLibrary):
         """Rows x [n, H] (any n >= 1) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down,
         its scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives
         that row alone with weight 1: a window's or a prompt's rows compute as single decode rows do."""
-        n = x.shape[0]
-        out = torch.empty((n, hidden), dtype=x.dtype)
-        ids = (ctypes.c_int64 * n)()  # every row to expert 0 of a one-expert table
-        ones = (ctypes.c_float * n)(*([1.0] * n))
-        quantized = weight_dtype == torch.int8
-        rc = self.lib.moe_swiglu_rows(
-            W_CODES[weight_dtype],
-            hidden,
-            intermediate,
-            n,
-            1,
-            ids,
-            ones,
-            (_P * 1)(slot[0]),
-            (_P * 1)(slot[1]) if quantized else None,
-            (_P * 1)(slot[2]),
-            (_P * 1)(slot[3]) if quantized else None,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_rows_work_bytes", hidden, intermediate, n)),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise ValueError(f"native expert_rows takes at least one row, got {n}")
-        return out
+        n = x.shape[0]  # every row to expert 0 of a one-expert table, weight 1
+        return self.moe_rows(x, weight_dtype, hidden, intermediate, [slot], [0] * n, [1.0] * n)
 
     def moe_rows(
         self,
