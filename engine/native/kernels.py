@@ -48,7 +48,7 @@ class NativeKernels(KernelLibrary):
         arrays, and one address table per slot column."""
         R, n = x.shape[0], len(ids)
         tables = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(columns)]
-        return R, n // R, (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights), tables
+        return R, n // max(R, 1), (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights), tables
 
     def _io(self, x: torch.Tensor, out: torch.Tensor, size_fn: str, *shape: int) -> tuple:
         """The last arguments of every row kernel: x, its dtype code, out, scratch of `size_fn`, threads."""
