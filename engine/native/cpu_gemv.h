@@ -59,6 +59,18 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 static inline float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The sum of v's 16 lanes in the order GCC's _mm512_reduce_add_ps adds them, written out so that every compiler
+ * adds alike: the one-row dot products (simd_avx512.h) and gemm's tiles (gemm_kernels.h) must agree bit for bit. */
+static inline float hsum16(__m512 v) {
+    __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+#endif
+
 /* Element i of a buffer in the activation dtype, as a float; and storing one (rounded to bf16 where it is bf16). */
 static inline float x_get(const void *p, int xtype, int64_t i) {
     return xtype == X_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);

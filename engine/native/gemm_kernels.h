@@ -69,7 +69,7 @@
 
 #if defined(__AVX512F__)
 #define SUM4_512(acc, r, c) \
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r][c], acc[1][r][c]), _mm512_add_ps(acc[2][r][c], acc[3][r][c])))
+    hsum16(_mm512_add_ps(_mm512_add_ps(acc[0][r][c], acc[1][r][c]), _mm512_add_ps(acc[2][r][c], acc[3][r][c])))
 
 #define FMA512(a, v, x) _mm512_fmadd_ps(v, x, a)
 /* FAM_W512: f32 FMA chains over packed f32 rows; the tail widens the unpacked weights (dot_widen's). */
