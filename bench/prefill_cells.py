@@ -3,8 +3,9 @@
 A prompt multiplies hundreds to thousands of activation rows by each weight, so its kernels are compute-bound:
 this times M rows x [N, K] weights through the native kernels (engine/native/gemm.c: register tiles whose every
 row is bit for bit the one-row decode kernel's result) and through torch (`F.linear`; for int8 weights torch's
-weight-only `_weight_int8pack_mm`), one thread, on a square layer and the mid expert shapes, for each build
-named (a narrower build runs on a wider CPU, so one machine reports several CPU classes' kernels).
+weight-only `_weight_int8pack_mm`), one thread, timed by the calling thread's CPU time (both compute in it at one
+thread; the shared host's descheduling does not count), on a square layer and the mid expert shapes, for each
+build named (a narrower build runs on a wider CPU, so one machine reports several CPU classes' kernels).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def prefill_lines(med: dict, builds: list[str], rows: list[int]) -> list[str]:
     """The report's table: GFLOPS per cell, and each build's ratio to torch in the same rounds."""
     impls = ["torch", *(f"native {b}" for b in builds)]
     lines = [
-        "### Prompt rows (prefill): GFLOPS at 1 thread, M activation rows x [N, K] weights",
+        "### Prompt rows (prefill): GFLOPS at 1 thread (thread CPU time), M activation rows x [N, K] weights",
         "",
         "| shape K -> N | M | dtype | "
         + " | ".join(impls)
