@@ -1,5 +1,5 @@
-"""Builds the native kernels (engine/native/cpu_gemv.c, decode_layer.c) into one shared library per
-variant (engine/native/variants.py), once per machine, and loads them.
+"""Builds the native kernels (engine/native/cpu_gemv.c, gemm.c, decode_layer.c, mxfp4_moe.c) into one
+shared library per variant (engine/native/variants.py), once per machine, and loads them.
 
 A variant is built on first use, into a cache folder keyed by the sources, the compiler and the
 variant's flags (`$MOE_OFFLOAD_CACHE/native`, else `$XDG_CACHE_HOME/moe-offload/native`, default

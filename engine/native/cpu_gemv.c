@@ -23,6 +23,9 @@
  * The fused MoE call runs all of a token's resident experts in one call: on small models the Python
  * and dispatch of five torch calls per expert cost more than the arithmetic.
  *
+ * More than 16 activation rows (a prompt) go to engine/native/gemm.c's register tiles, which give each row the
+ * bits this file's one-row dot gives it.
+ *
  * Called through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning
  * a contiguous range of output rows, so a result does not depend on the thread count.
  */

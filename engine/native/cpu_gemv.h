@@ -1,6 +1,6 @@
-/* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/decode_layer.c):
- * the dtype codes, the bf16 conversions and rounding, SiLU, and the prototypes of its exported kernels (documented
- * where they are defined). */
+/* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/gemm.c, decode_layer.c,
+ * mxfp4_moe.c): the activation forms (act_t), the dtype codes, the bf16 conversions and rounding, SiLU, and the
+ * prototypes of its exported kernels (documented where they are defined). */
 #ifndef MOE_OFFLOAD_CPU_GEMV_H
 #define MOE_OFFLOAD_CPU_GEMV_H
 #include <stddef.h>
