@@ -10,7 +10,8 @@ caches (`sum` over 512 MB, which reads each byte once; the best of three passes)
 
 It also times one token through a layer's 8 experts: expert by expert through torch (what the
 engine ran before) against the fused native call, on the peers shapes (tiny: H=256, I=128; mid:
-H=1024, I=512), which is where per-call cost shows.
+H=1024, I=512), which is where per-call cost shows; and prompt rows (prefill, bench/prefill_cells.py):
+GFLOPS of the native gemm against torch at 512 and 4096 rows, one thread, for each build named.
 
 Rounds are interleaved (every cell once per round, a warm-up round first); medians are reported.
 
@@ -28,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.prefill_cells import prefill_cells, prefill_lines
 from bench.report import interleaved, machine_line, write_report
 from engine.experts.quant import _int4
 from engine.native.loaded import native
+from engine.native.variants import runnable
 
 GB = 1e9
 
@@ -188,8 +191,29 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, help="write a markdown report here (and the numbers as JSON beside it)"
     )
+    ap.add_argument(
+        "--prefill-builds",
+        default="auto",
+        help="comma-separated native builds for the prompt-row cells (default auto: the engine's build, "
+        "and avx2 where this CPU runs it, for the AVX2 CPU class)",
+    )
+    ap.add_argument(
+        "--prefill-rows",
+        default="512,4096",
+        help="comma-separated activation row counts of the prompt-row cells (default 512,4096)",
+    )
+    ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="time only the prompt-row cells and print them (not with --out: the page keeps every section)",
+    )
     args = ap.parse_args()
+    if args.prefill_only and args.out:
+        ap.error("--prefill-only prints; run every section to write --out")
     nk = native()
+    builds = _prefill_builds(args.prefill_builds, nk.variant if nk is not None else None)
+    prows = [int(m) for m in args.prefill_rows.split(",")]
+    prefill = prefill_cells(builds, prows)
     threads = [int(t) for t in args.threads.split(",")]
     cells = gemv_cells(args.rows, args.cols, args.matrices)
     shapes = {"tiny (H=256, I=128)": (256, 128), "mid (H=1024, I=512)": (1024, 512)}
@@ -201,6 +225,15 @@ def main() -> None:
         torch.set_num_threads(t)
         if kind == "memory":
             return {"gbs": memory_read_gbs(big)}
+        if kind == "prefill":
+            pfn, flops = prefill[tuple(_split_prefill(name))]
+            reps = max(1, round(2e9 / flops))  # about 2 GFLOP a cell
+            # One thread computes in the calling thread (torch and native alike): its CPU time leaves out the
+            # time the shared host had it descheduled.
+            t0 = time.thread_time()
+            for _ in range(reps):
+                pfn()
+            return {"gflops": flops * reps / (time.thread_time() - t0) / GB}
         if kind == "gemv":
             fn, nbytes = cells[name]
             sec = _timed(fn, args.matrices)
@@ -210,16 +243,22 @@ def main() -> None:
         reps = 64
         return {"us": _timed(lambda _: fn(), reps) / reps * 1e6}
 
-    grid = [("memory", "sum over 512 MB (f32)", t) for t in threads]
-    grid += [("gemv", name, t) for t in threads for name in cells]
-    grid += [("moe", f"{s}|{impl}", t) for t in threads for s in shapes for impl in moe[s]]
+    grid = [("prefill", "|".join(map(str, c)), 1) for c in prefill]
+    if not args.prefill_only:
+        grid += [("memory", "sum over 512 MB (f32)", t) for t in threads]
+        grid += [("gemv", name, t) for t in threads for name in cells]
+        grid += [("moe", f"{s}|{impl}", t) for t in threads for s in shapes for impl in moe[s]]
     res = interleaved(grid, args.rounds, run)
     med = {
         cell: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         for cell, runs in res.items()
     }
 
-    lines = [
+    lines = prefill_lines(med, builds, prows) + [""]
+    if args.prefill_only:
+        print("\n".join(lines))
+        return
+    lines += [
         f"### Weight bandwidth, one activation row, [{args.rows}, {args.cols}] weights, {args.matrices} distinct",
         "",
         "| kernel | "
@@ -257,12 +296,27 @@ def main() -> None:
         else "Native kernels unavailable on this machine"
     )
     header = (
-        f"# Decode kernels: weight bandwidth against memory bandwidth\n\n{machine_line(threads[-1])} "
+        f"# Native kernels: prompt rows (GFLOPS) and decode rows (weight bandwidth)\n\n{machine_line(threads[-1])} "
         f"Thread counts: {args.threads}. {kernels}. Medians of {args.rounds} interleaved rounds after a warm-up round."
     )
     write_report(
         args.out, header, lines, {"medians": {"|".join(map(str, c)): v for c, v in med.items()}}
     )
+
+
+def _prefill_builds(spec: str, engine_build: str | None) -> list[str]:
+    """The builds the prompt-row cells time: those named, or the engine's and avx2 where this CPU runs it."""
+    if spec != "auto":
+        return spec.split(",")
+    names = [engine_build] if engine_build else []
+    if "avx2" in [v.name for v in runnable()] and "avx2" not in names:
+        names.append("avx2")
+    return names
+
+
+def _split_prefill(name: str) -> tuple[str, int, str, str]:
+    label, m, dt, impl = name.split("|")
+    return label, int(m), dt, impl
 
 
 if __name__ == "__main__":

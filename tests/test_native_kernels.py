@@ -154,9 +154,9 @@ def test_gemv_results_do_not_depend_on_threads(nk) -> None:
     assert torch.equal(one, two)
 
 
-def test_gemv_rejects_too_many_rows(nk) -> None:
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        nk.gemv(torch.randn(MAX_ROWS + 1, 64), torch.randn(8, 64))
+def test_gemv_rejects_no_rows(nk) -> None:
+    with pytest.raises(ValueError, match="at least one row"):
+        nk.gemv(torch.randn(0, 64), torch.randn(8, 64))
 
 
 def _swiglu_reference(

@@ -1,5 +1,5 @@
-"""Builds the native kernels (engine/native/cpu_gemv.c, decode_layer.c) into one shared library per
-variant (engine/native/variants.py), once per machine, and loads them.
+"""Builds the native kernels (engine/native/cpu_gemv.c, gemm.c, decode_layer.c, mxfp4_moe.c) into one
+shared library per variant (engine/native/variants.py), once per machine, and loads them.
 
 A variant is built on first use, into a cache folder keyed by the sources, the compiler and the
 variant's flags (`$MOE_OFFLOAD_CACHE/native`, else `$XDG_CACHE_HOME/moe-offload/native`, default
@@ -24,8 +24,8 @@ from engine.native.variants import Variant, runnable
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_gemv.c", HERE / "decode_layer.c", HERE / "mxfp4_moe.c"]
-HEADERS = [HERE / "cpu_gemv.h", *sorted(HERE.glob("simd_*.h"))]
+SOURCES = [HERE / "cpu_gemv.c", HERE / "gemm.c", HERE / "decode_layer.c", HERE / "mxfp4_moe.c"]
+HEADERS = [HERE / "cpu_gemv.h", HERE / "gemm_kernels.h", *sorted(HERE.glob("simd_*.h"))]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

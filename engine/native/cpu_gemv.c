@@ -23,82 +23,44 @@
  * The fused MoE call runs all of a token's resident experts in one call: on small models the Python
  * and dispatch of five torch calls per expert cost more than the arithmetic.
  *
+ * More than 16 activation rows (a prompt) go to engine/native/gemm.c's register tiles, which give each row the
+ * bits this file's one-row dot gives it.
+ *
  * Called through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning
  * a contiguous range of output rows, so a result does not depend on the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #define TID() omp_get_thread_num()
 #define NT() omp_get_num_threads()
 #define BARRIER() _Pragma("omp barrier")
-#define SINGLE() _Pragma("omp single")
 #else
 #define TID() 0
 #define NT() 1
 #define BARRIER()
-#define SINGLE()
 #endif
 
 #define QBLOCK 64 /* activation quantization block of the int8 path */
 #define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */
 #define Q4_GROUP 64 /* int4 weight group (below) */
-enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
 /* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
 enum { BF16_FORM_NONE = 0, BF16_FORM_BF16 = 1, BF16_FORM_PAIRS = 2 };
 
-#if defined(__F16C__)
-static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* one instruction where F16C exists */
-#else
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0 && man == 0) {
-        u = sign;
-    } else if (exp == 0) { /* subnormal: normalise */
-        exp = 127 - 15 + 1;
-        while (!(man & 0x400u)) { man <<= 1; exp--; }
-        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-#endif
 
 
 static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
 
-/* One activation row in the forms the dot products read: f32 always; for bf16 weights, a bf16 copy (b) or the
- * f32 values in even/odd order per 16 (p), as the variant's dot reads them; for the int8 dot, the int8
- * quantization: signed codes (q8), their magnitudes (qa), the sign mask (neg) and the block scales (qs). */
-typedef struct {
-    int mode; /* which dot product reads it: DOT_WIDEN, DOT_BF16 or DOT_I8 */
-    float *f;
-    float *p;
-    uint16_t *b;
-    int8_t *q8;
-    uint8_t *qa;
-    uint64_t *neg;
-    float *qs;
-} act_t;
-
 static size_t up64_(size_t n) { return (n + 63) / 64 * 64; }
 
-static size_t act_bytes(int64_t n) {
+size_t act_bytes(int64_t n) {
     size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
     return up64_(un * 4) * 2 + up64_(un * 2) + up64_(blocks * QBLOCK) * 2 + up64_(blocks * 8) + up64_(blocks * 4);
 }
 
-static act_t act_at(char *mem, int64_t n) {
+act_t act_at(char *mem, int64_t n) {
     size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;
     act_t a;
     a.mode = DOT_WIDEN;
@@ -190,7 +152,7 @@ int capabilities(void) {
  * significant bits already, so the products are exact); the even/odd form of AVX2 holds f32 values and serves
  * any activation. The int8 dot runs only where the activation is bf16: its quantization loses about what bf16
  * rounding already did. An f32 activation (an f32 model) keeps exact products: each weight is widened to f32. */
-static void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
+void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
     a->mode = DOT_WIDEN;
     if (wtype == W_BF16 && BF16_FORM == BF16_FORM_BF16 && xtype == X_BF16) {
         a->mode = DOT_BF16;
@@ -231,7 +193,7 @@ static float dot1(const void *w, int wtype, int64_t n, act_t a) {
 
 /* dot1 of row w with each of X[0..m) (all prepared alike: one mode), into out[j]: bit for bit m dot1 calls, the
  * weight row read and converted once per block of rows. */
-static void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
+void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out) {
     if (X[0].mode == DOT_BF16) dot_bf16_rows((const uint16_t *)w, n, X, m, out);
     else if (X[0].mode == DOT_I8) dot_i8_rows((const int8_t *)w, n, X, m, out);
     else dot_widen_rows(w, wtype, n, X, m, out);
@@ -243,6 +205,10 @@ static void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_
  * chunks once per block of rows. */
 static void rows_range(const void *W, const uint16_t *scale, int wtype, int64_t n, int64_t r0, int64_t r1,
                        const act_t *X, int64_t m, float *Y, int64_t ldy, int64_t y0) {
+    if (m > MAX_ROWS) { /* many rows (a prompt): gemm.c's register tiles, the same bits per row */
+        gemm_tiles(W, scale, wtype, n, r0, r1, X, m, Y, ldy, y0);
+        return;
+    }
     size_t rb = (size_t)n * wsize(wtype);
     float t[MAX_ROWS];
     for (int64_t r = r0; r < r1; r++) {
@@ -262,7 +228,7 @@ void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1) {
     *r1 = b1 * 4 < rows ? b1 * 4 : rows;
 }
 
-static void load_act(const void *x, int xtype, int64_t n, float *out) {
+void load_act(const void *x, int xtype, int64_t n, float *out) {
     if (xtype == X_F32) {
         memcpy(out, x, (size_t)n * 4);
         return;
@@ -280,13 +246,17 @@ static void store_rows(const float *y, int xtype, int64_t r0, int64_t r1, void *
 
 
 /* Bytes of `work` that gemv needs. */
-size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) { return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64; }
+size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) {
+    if (m > MAX_ROWS) return gemm_work_bytes(rows, cols, m);
+    return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64;
+}
 
-/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), m <= 16 rows.
- * X and Y in `xtype`. Returns 0, or -1 when m is out of range. */
+/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), any m >= 1 (more than 16
+ * rows: gemm.c's gemm, each row's bits the same). X and Y in `xtype`. Returns 0, or -1 when m < 1. */
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
-    if (m < 1 || m > MAX_ROWS) return -1;
+    if (m < 1) return -1;
+    if (m > MAX_ROWS) return gemm(W, scale, wtype, rows, cols, X, xtype, m, Y, work, nthreads);
     act_t acts[MAX_ROWS];
     char *mem = (char *)work;
     size_t xs = xtype == X_F32 ? 4 : 2;
@@ -319,9 +289,47 @@ int gemv_sweep(const void *const *Ws, int64_t count, int wtype, int64_t rows, in
     return 0;
 }
 
+/* Takes `bytes` (rounded up to 64) from the work buffer at *mem. */
+static void *take(char **mem, size_t bytes) {
+    void *p = *mem;
+    *mem += up64_(bytes);
+    return p;
+}
+
+/* The route tables of R rows with up to 64 experts each (group_routes), from the work buffer. */
+typedef struct {
+    route_t *routes;
+    int64_t *starts;
+    int *first;
+} route_tables_t;
+
+static size_t route_bytes(int64_t R) {
+    size_t n = (size_t)R * 64;
+    return up64_(n * sizeof(route_t)) + up64_((n + 1) * 8) + up64_(n * sizeof(int));
+}
+
+static route_tables_t take_routes(char **mem, int64_t R) {
+    size_t n = (size_t)R * 64;
+    route_tables_t t;
+    t.routes = (route_t *)take(mem, n * sizeof(route_t));
+    t.starts = (int64_t *)take(mem, (n + 1) * 8);
+    t.first = (int *)take(mem, n * sizeof(int));
+    return t;
+}
+
+/* Whether a row names one expert twice (group_routes sorted them: such routes are adjacent). A group then has at
+ * most R rows, which is what the buffers hold. */
+static int repeats_an_expert(const route_t *routes, int64_t n) {
+    for (int64_t i = 1; i < n; i++)
+        if (routes[i].id == routes[i - 1].id && routes[i].row == routes[i - 1].row) return 1;
+    return 0;
+}
+
 /* Bytes of `work` that moe_swiglu_rows needs for up to R rows. */
 size_t moe_rows_work_bytes(int64_t H, int64_t I, int64_t R) {
-    return (size_t)R * act_bytes(H) + (size_t)R * act_bytes(I) + (size_t)R * (2 * I + H) * 4 + 64;
+    size_t rows = (size_t)R, many = R > MAX_ROWS ? up64_(rows * (size_t)H * 4) : 0;
+    return route_bytes(R) + up64_(3 * rows * sizeof(act_t)) + rows * act_bytes(H) + rows * act_bytes(I) +
+           up64_(rows * (size_t)(2 * I) * 4) + up64_(rows * (size_t)H * 4) + many + 64;
 }
 
 /* Bytes of `work` that moe_swiglu needs. */
@@ -335,11 +343,13 @@ static int by_id_then_row(const void *a, const void *b) {
 
 /* R rows' k routes (ids[r*k + j], weights w[r*k + j]) sorted by expert then row into `routes`, grouped: group g
  * is routes[starts[g] .. starts[g+1]), one expert's; first[i] says whether route i is its row's first term.
- * Returns the number of groups. R <= MAX_ROWS, k <= 64 (the callers check). */
+ * Returns the number of groups, or -1 where memory for more than 16 rows' marks ran out. k <= 64. */
 int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes,
                             int64_t *starts, int *first) {
     int64_t n = R * k, groups = 0;
-    int seen[MAX_ROWS] = {0};
+    int few[MAX_ROWS] = {0};
+    int *seen = R <= MAX_ROWS ? few : (int *)calloc((size_t)R, sizeof(int));
+    if (seen == NULL) return -1;
     for (int64_t i = 0; i < n; i++) { routes[i].id = ids[i]; routes[i].row = i / k; routes[i].w = w[i]; }
     qsort(routes, (size_t)n, sizeof(route_t), by_id_then_row);
     for (int64_t i = 0; i < n; i++) {
@@ -348,35 +358,59 @@ int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, r
         seen[routes[i].row] = 1;
     }
     starts[groups] = n;
+    if (seen != few) free(seen);
     return groups;
 }
 
-/* R tokens (R <= 16) through their k SwiGLU experts each: out[r] = sum over ids[r] ascending of
+/* The down projection of one expert's m rows over this thread's output slice [h0, h1), each row's result scaled by
+ * its routing weight and added to its row's sum in acc (rounded as the bf16 reference rounds). Up to 16 rows: 4
+ * outputs at a time into t, as a decode step; more: all of the slice at once into dn ([m, H]), gemm's tiles. */
+static void down_rows(int wtype, int64_t H, int64_t I, const void *dw, const uint16_t *ds, const act_t *ah, int64_t m,
+                      const route_t *rt, const int *first, int64_t h0, int64_t h1, int xtype, float *dn, float *acc) {
+    float t[4 * MAX_ROWS];
+    int64_t step = m > MAX_ROWS ? h1 - h0 : 4;
+    for (int64_t r = h0; r < h1; r += step) {
+        int64_t nr = h1 - r < step ? h1 - r : step;
+        float *y = m > MAX_ROWS ? dn : t;
+        int64_t ld = m > MAX_ROWS ? H : 4, y0 = m > MAX_ROWS ? 0 : r;
+        rows_range(dw, ds, wtype, I, r, r + nr, ah, m, y, ld, y0);
+        for (int64_t j = 0; j < m; j++) {
+            float *a = acc + rt[j].row * H;
+            for (int64_t q = 0; q < nr; q++) {
+                float v = as_x(as_x(y[j * ld + r + q - y0], xtype) * rt[j].w, xtype);
+                a[r + q] = first[j] ? v : as_x(a[r + q] + v, xtype);
+            }
+        }
+    }
+}
+
+/* R tokens (any R >= 1) through their k SwiGLU experts each: out[r] = sum over ids[r] ascending of
  * w[r][j] * down_e(silu(gate_e x[r]) * up_e x[r]). Expert e's weights: gate_up[e] [2I, H], then down[e] [H, I]
  * (int8: with fp16 row scales). The experts run one after another in ascending id, each on every row that
  * routes to it, so its weights are read once for all of them (each row's dot products are the ones a single
- * row gets: gemv's rows share the weight row, not the sums). Each row's sum runs over its experts in ascending
- * id, as one row alone would: in a bf16 model every intermediate is rounded to bf16 where transformers' bf16
- * reference rounds it (gate and up, the SwiGLU product, the expert output, its scaled value and the running
- * sum). x and out: [R, H] in `xtype`. Returns 0, or -1 for more than 16 rows or 64 experts a row. */
+ * row gets: gemv's rows share the weight row, gemm's tiles the loads, not the sums). Each row's sum runs over its
+ * experts in ascending id, as one row alone would: in a bf16 model every intermediate is rounded to bf16 where
+ * transformers' bf16 reference rounds it (gate and up, the SwiGLU product, the expert output, its scaled value
+ * and the running sum). x and out: [R, H] in `xtype`. Returns 0, or -1 for more than 64 experts a row, one
+ * expert named twice in a row, or no memory. */
 int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                      const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,
                      const uint16_t *const *down_scale, const void *x, int xtype, void *out, void *work, int nthreads) {
-    route_t routes[MAX_ROWS * 64];
-    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64) return -1;
-    int64_t starts[MAX_ROWS * 64 + 1];
-    int first[MAX_ROWS * 64];
-    int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
+    if (R < 1 || k < 1 || k > 64) return -1;
     char *mem = (char *)work;
+    route_tables_t rt = take_routes(&mem, R);
+    int64_t groups = group_routes(R, k, ids, w, rt.routes, rt.starts, rt.first);
+    if (groups < 0 || repeats_an_expert(rt.routes, R * k)) return -1;
     size_t xs = xtype == X_F32 ? 4 : 2;
-    act_t ax[MAX_ROWS], ah[MAX_ROWS];
+    act_t *ax = (act_t *)take(&mem, 3 * (size_t)R * sizeof(act_t)), *ah = ax + R, *sub = ah + R;
     for (int64_t r = 0; r < R; r++, mem += act_bytes(H)) {
         ax[r] = act_at(mem, H);
         load_act((const char *)x + r * H * xs, xtype, H, ax[r].f);
         act_prepare(&ax[r], H, wtype, xtype);
     }
     for (int64_t r = 0; r < R; r++, mem += act_bytes(I)) ah[r] = act_at(mem, I);
-    float *gu = (float *)mem, *acc = gu + R * 2 * I;
+    float *gu = (float *)take(&mem, (size_t)R * (size_t)(2 * I) * 4), *acc = (float *)take(&mem, (size_t)R * H * 4);
+    float *dn = R > MAX_ROWS ? (float *)take(&mem, (size_t)R * H * 4) : NULL;
     /* A team of one skips the barriers: libgomp's barrier costs a team of one microseconds each, three an expert
      * (12 % of an 8-row decode step on the embedded model, one thread). */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -386,12 +420,19 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
         share(2 * I, tid, nt, &a0, &a1);
         share(I, tid, nt, &i0, &i1);
         share(H, tid, nt, &h0, &h1);
-        float t[4 * MAX_ROWS];
-        act_t sub[MAX_ROWS];
         for (int64_t g = 0; g < groups; g++) {
-            int64_t s0 = starts[g], m = starts[g + 1] - s0, e = routes[s0].id;
-            for (int64_t j = 0; j < m; j++) sub[j] = ax[routes[s0 + j].row];
-            rows_range(gate_up[e], gu_scale ? gu_scale[e] : 0, wtype, H, a0, a1, sub, m, gu, 2 * I, 0);
+            int64_t s0 = rt.starts[g], m = rt.starts[g + 1] - s0, e = rt.routes[s0].id;
+            /* the expert's rows: a copy per thread for a few, one shared list (thread 0's) for many */
+            act_t few[MAX_ROWS];
+            const act_t *rows = m <= MAX_ROWS ? few : sub;
+            if (m <= MAX_ROWS) {
+                for (int64_t j = 0; j < m; j++) few[j] = ax[rt.routes[s0 + j].row];
+            } else {
+                if (tid == 0)
+                    for (int64_t j = 0; j < m; j++) sub[j] = ax[rt.routes[s0 + j].row];
+                if (nt > 1) { BARRIER(); }
+            }
+            rows_range(gate_up[e], gu_scale ? gu_scale[e] : 0, wtype, H, a0, a1, rows, m, gu, 2 * I, 0);
             if (nt > 1) { BARRIER(); } /* a thread's slice of I needs gate and up rows that other threads computed */
             for (int64_t j = 0; j < m; j++) {
                 const float *gj = gu + j * 2 * I;
@@ -400,23 +441,13 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
             }
             if (nt > 1) {
                 BARRIER(); /* the down projection reads all of h */
-                SINGLE()
+#pragma omp for schedule(static)
                 for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
             } else {
                 for (int64_t j = 0; j < m; j++) act_prepare(&ah[j], I, wtype, xtype);
             }
-            for (int64_t r = h0; r < h1; r += 4) {
-                int64_t nr = h1 - r < 4 ? h1 - r : 4;
-                rows_range(down[e], down_scale ? down_scale[e] : 0, wtype, I, r, r + nr, ah, m, t, 4, r);
-                for (int64_t j = 0; j < m; j++) {
-                    const route_t *rt = &routes[s0 + j];
-                    float *a = acc + rt->row * H;
-                    for (int64_t q = 0; q < nr; q++) {
-                        float v = as_x(as_x(t[j * 4 + q], xtype) * rt->w, xtype);
-                        a[r + q] = first[s0 + j] ? v : as_x(a[r + q] + v, xtype);
-                    }
-                }
-            }
+            down_rows(wtype, H, I, down[e], down_scale ? down_scale[e] : 0, ah, m, rt.routes + s0, rt.first + s0,
+                      h0, h1, xtype, dn, acc);
             if (nt > 1) { BARRIER(); } /* gu and h are reused by the next expert */
         }
         for (int64_t r = 0; r < R; r++) store_rows(acc + r * H, xtype, h0, h1, (char *)out + r * H * xs);
@@ -553,28 +584,31 @@ static q4act_t q4act_at(char *mem, int64_t n) {
 
 /* Bytes of `work` that moe_q4_rows needs. */
 size_t moe_q4_work_bytes(int64_t H, int64_t I, int64_t R) {
-    return (size_t)R * (q4act_bytes(H) + q4act_bytes(I) + (size_t)(2 * I + H + H + I) * 4) + 256;
+    return route_bytes(R) + up64_(2 * (size_t)R * sizeof(q4act_t)) +
+           (size_t)R * (q4act_bytes(H) + q4act_bytes(I) + (size_t)(2 * I + H + H + I) * 4) + 256;
 }
 
-/* moe_swiglu_rows for int4 experts (groups of 64, the format above; --expert-quant int4): R bf16 rows (R <= 16)
+/* moe_swiglu_rows for int4 experts (groups of 64, the format above; --expert-quant int4): R bf16 rows (any R >= 1)
  * through their k experts each, expert e's gate_up [2I, H] at gate_up[e] with scales gu_scale[e] and zeros
  * gu_zero[e] ([2I, H/64] fp16), down [H, I] likewise. The same arithmetic as two gemv_q4 calls an expert with
  * the SwiGLU between them rounded as torch rounds it in bf16 (gate and up, silu, the product, the expert's
  * output), then each expert's output times its routing weight summed in ascending id, as moe_swiglu_rows does:
  * one call for a layer's experts, each row's activation quantized once for all of them, each expert's weights
  * read once for every row routed to it. Each row's result is the one it gets alone. H and I multiples of 64.
- * Returns 0, or -1 for a shape or row count it does not take. */
+ * Returns 0, or -1 for a shape it does not take, more than 64 experts a row or one named twice. */
 int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                 const uint8_t *const *gate_up, const uint16_t *const *gu_scale, const uint16_t *const *gu_zero,
                 const uint8_t *const *down, const uint16_t *const *d_scale, const uint16_t *const *d_zero,
                 const void *x, int xtype, void *out, void *work, int nthreads) {
-    route_t routes[MAX_ROWS * 64];
-    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64 || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
-    int64_t starts[MAX_ROWS * 64 + 1];
-    int first[MAX_ROWS * 64];
-    int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
+    if (R < 1 || k < 1 || k > 64 || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
     char *mem = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
-    q4act_t ax[MAX_ROWS], ah[MAX_ROWS];
+    route_tables_t tables = take_routes(&mem, R);
+    route_t *routes = tables.routes;
+    int64_t *starts = tables.starts;
+    int *first = tables.first;
+    int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
+    if (groups < 0 || repeats_an_expert(routes, R * k)) return -1;
+    q4act_t *ax = (q4act_t *)take(&mem, 2 * (size_t)R * sizeof(q4act_t)), *ah = ax + R;
     for (int64_t r = 0; r < R; r++, mem += q4act_bytes(H)) ax[r] = q4act_at(mem, H);
     for (int64_t r = 0; r < R; r++, mem += q4act_bytes(I)) ah[r] = q4act_at(mem, I);
     float *gu = (float *)mem, *acc = gu + R * 2 * I, *xf = acc + R * H, *hf = xf + R * H;
@@ -606,7 +640,7 @@ int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, 
                     hf[j * I + i] = as_x(as_x(silu(as_x(gj[i], X_BF16)), X_BF16) * as_x(gj[I + i], X_BF16), X_BF16);
             }
             BARRIER(); /* the down projection reads all of h */
-            SINGLE()
+#pragma omp for schedule(static)
             for (int64_t j = 0; j < m; j++) q4_prepare(hf + j * I, I, ah[j].q, ah[j].s, ah[j].sum);
             for (int64_t q = h0; q < h1; q++) {
                 const uint8_t *p = down[e] + (size_t)q * (I / 2);

@@ -1,12 +1,15 @@
-/* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/decode_layer.c):
- * the dtype codes, the bf16 conversions and rounding, SiLU, and the prototypes of its exported kernels (documented
- * where they are defined). */
+/* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/gemm.c, decode_layer.c,
+ * mxfp4_moe.c): the activation forms (act_t), the dtype codes, the bf16 conversions and rounding, SiLU, and the
+ * prototypes of its exported kernels (documented where they are defined). */
 #ifndef MOE_OFFLOAD_CPU_GEMV_H
 #define MOE_OFFLOAD_CPU_GEMV_H
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4 = 3 }; /* W_Q4: int4 groups of 64 (moe_q4_rows), experts only */
 enum { X_F32 = 0, X_BF16 = 1 };
@@ -29,9 +32,44 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* Rounds v to the activation dtype: a bf16 model rounds every intermediate, as its reference does. */
 static inline float as_x(float v, int xtype) { return xtype == X_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* An fp16 value (the int8 weights' row scales) as a float. */
+#if defined(__F16C__)
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* one instruction where F16C exists */
+#else
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0 && man == 0) {
+        u = sign;
+    } else if (exp == 0) { /* subnormal: normalise */
+        exp = 127 - 15 + 1;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#endif
+
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 static inline float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The sum of v's 16 lanes in the order GCC's _mm512_reduce_add_ps adds them, written out so that every compiler
+ * adds alike: the one-row dot products (simd_avx512.h) and gemm's tiles (gemm_kernels.h) must agree bit for bit. */
+static inline float hsum16(__m512 v) {
+    __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+#endif
 
 /* Element i of a buffer in the activation dtype, as a float; and storing one (rounded to bf16 where it is bf16). */
 static inline float x_get(const void *p, int xtype, int64_t i) {
@@ -43,6 +81,32 @@ static inline void x_set(void *p, int xtype, int64_t i, float v) {
     else ((uint16_t *)p)[i] = f32_to_bf16(v);
 }
 
+/* One activation row in the forms the dot products read: f32 always; for bf16 weights, a bf16 copy (b) or the
+ * f32 values in even/odd order per 16 (p), as the variant's dot reads them; for the int8 dot, the int8
+ * quantization: signed codes (q8), their magnitudes (qa), the sign mask (neg) and the block scales (qs).
+ * act_prepare (cpu_gemv.c) fills the form the build's dot product for `wtype` reads and sets `mode`. */
+enum { DOT_WIDEN = 0, DOT_BF16 = 1, DOT_I8 = 2 };
+typedef struct {
+    int mode; /* which dot product reads it: DOT_WIDEN, DOT_BF16 or DOT_I8 */
+    float *f;
+    float *p;
+    uint16_t *b;
+    int8_t *q8;
+    uint8_t *qa;
+    uint64_t *neg;
+    float *qs;
+} act_t;
+size_t act_bytes(int64_t n);
+act_t act_at(char *mem, int64_t n);
+void load_act(const void *x, int xtype, int64_t n, float *out);
+void act_prepare(act_t *a, int64_t n, int wtype, int xtype);
+/* Weight row w dotted with each of X[0..m) (one mode), into out[j]: the one-row dot product's bits per row. */
+void dot_rows(const void *w, int wtype, int64_t n, const act_t *X, int64_t m, float *out);
+/* Rows [r0, r1) of W times the m prepared rows X, times the row scales if any: Y[j * ldy + r - y0] (gemm.c).
+ * Bit for bit what dot_rows gives each row, in register-blocked tiles: the path for many rows. */
+void gemm_tiles(const void *W, const uint16_t *scale, int wtype, int64_t n, int64_t r0, int64_t r1, const act_t *X,
+                int64_t m, float *Y, int64_t ldy, int64_t y0);
+
 /* One route of a token to an expert, with its routing weight; group_routes sorts a step's routes by expert then
  * row (cpu_gemv.c), so each expert's weights are read once for all the rows routed to it. */
 typedef struct { int64_t id, row; float w; } route_t;
@@ -51,6 +115,9 @@ int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, r
 /* This thread's share [r0, r1) of `rows` output rows, in blocks of 4 (cpu_gemv.c). */
 void share(int64_t rows, int tid, int nt, int64_t *r0, int64_t *r1);
 size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m);
+size_t gemm_work_bytes(int64_t rows, int64_t cols, int64_t m);
+int gemm(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols, const void *X, int xtype,
+         int64_t m, void *Y, void *work, int nthreads);
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
 size_t moe_work_bytes(int64_t H, int64_t I);

@@ -36,11 +36,32 @@ class NativeKernels(KernelLibrary):
         )
         return f"native CPU kernels, build {self.variant} ({isa})"
 
+    @staticmethod
+    def _routing(
+        x: torch.Tensor,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+        columns: int,
+    ) -> tuple[int, int, ctypes.Array, ctypes.Array, list[ctypes.Array]]:
+        """The routed expert kernels' common arguments: R rows, k experts a row, the ids and weights as C
+        arrays, and one address table per slot column."""
+        R, n = x.shape[0], len(ids)
+        tables = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(columns)]
+        return R, n // max(R, 1), (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights), tables
+
+    def _io(self, x: torch.Tensor, out: torch.Tensor, size_fn: str, *shape: int) -> tuple:
+        """The last arguments of every row kernel: x, its dtype code, out, scratch of `size_fn`, threads."""
+        work = self._work(self._scratch(size_fn, *shape))
+        return x.data_ptr(), X_CODES[x.dtype], out.data_ptr(), work, torch.get_num_threads()
+
     def gemv(
         self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [m, cols] (m <= 16) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
-        int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU."""
+        """x [m, cols] (any m >= 1) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
+        int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU. Each row's
+        result is bit for bit the one that row gets alone (m = 1): up to 16 rows share each weight row's
+        loads (a decode batch, a window), more go through gemm.c's register tiles (a prompt)."""
         m, cols = x.shape
         rows = w.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
@@ -58,7 +79,7 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"native gemv takes 1 to {MAX_ROWS} rows, got {m}")
+            raise ValueError(f"native gemv takes at least one row, got {m}")
         return y
 
     def gemv_sweep(self, x: torch.Tensor, ws: Sequence[torch.Tensor]) -> None:
@@ -128,34 +149,45 @@ class NativeKernels(KernelLibrary):
         intermediate: int,
         slot: tuple[int, ...],
     ) -> torch.Tensor:
-        """Rows x [n, H] (n <= 16) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down, its
-        scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives that
-        row alone with weight 1: a window's rows compute as single decode rows do."""
-        n = x.shape[0]
-        out = torch.empty((n, hidden), dtype=x.dtype)
-        ids = (ctypes.c_int64 * n)()  # every row to expert 0 of a one-expert table
-        ones = (ctypes.c_float * n)(*([1.0] * n))
+        """Rows x [n, H] (any n >= 1) through one SwiGLU expert at `slot` (gate_up, its int8 scales, down,
+        its scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives
+        that row alone with weight 1: a window's or a prompt's rows compute as single decode rows do."""
+        n = x.shape[0]  # every row to expert 0 of a one-expert table, weight 1
+        return self.moe_rows(x, weight_dtype, hidden, intermediate, [slot], [0] * n, [1.0] * n)
+
+    def moe_rows(
+        self,
+        x: torch.Tensor,
+        weight_dtype: torch.dtype,
+        hidden: int,
+        intermediate: int,
+        slots: Sequence[Sequence[int]],
+        ids: Sequence[int],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        """Rows x [R, H] (any R >= 1) through SwiGLU experts (cpu_gemv.c's moe_swiglu_rows): row r takes the k
+        distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
+        scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
+        is the one it gets alone."""
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 4)
+        out = torch.empty((R, hidden), dtype=x.dtype)
         quantized = weight_dtype == torch.int8
         rc = self.lib.moe_swiglu_rows(
             W_CODES[weight_dtype],
             hidden,
             intermediate,
-            n,
-            1,
-            ids,
-            ones,
-            (_P * 1)(slot[0]),
-            (_P * 1)(slot[1]) if quantized else None,
-            (_P * 1)(slot[2]),
-            (_P * 1)(slot[3]) if quantized else None,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_rows_work_bytes", hidden, intermediate, n)),
-            torch.get_num_threads(),
+            R,
+            k,
+            id_array,
+            weight_array,
+            table[0],
+            table[1] if quantized else None,
+            table[2],
+            table[3] if quantized else None,
+            *self._io(x, out, "moe_rows_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
-            raise ValueError(f"native expert_rows takes 1 to {MAX_ROWS} rows, got {n}")
+            raise ValueError("native moe_rows takes 1 to 64 distinct experts a row")
         return out
 
     def gemv_q4(
@@ -191,33 +223,28 @@ class NativeKernels(KernelLibrary):
         ids: Sequence[int],
         weights: Sequence[float],
     ) -> torch.Tensor:
-        """Rows x [R, H] bf16 (R <= 16) through int4 SwiGLU experts (groups of 64): row r takes the k experts
+        """Rows x [R, H] bf16 (any R >= 1) through int4 SwiGLU experts (groups of 64): row r takes the k experts
         slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
         scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
-        R, n = x.shape[0], len(ids)
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
         out = torch.empty((R, hidden), dtype=x.dtype)
-        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
         rc = self.lib.moe_q4_rows(
             hidden,
             intermediate,
             R,
-            n // R,
-            (ctypes.c_int64 * n)(*ids),
-            (ctypes.c_float * n)(*weights),
+            k,
+            id_array,
+            weight_array,
             table[0],
             table[1],
             table[4],
             table[2],
             table[3],
             table[5],
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_q4_work_bytes", hidden, intermediate, R)),
-            torch.get_num_threads(),
+            *self._io(x, out, "moe_q4_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
-            raise ValueError(f"native moe_q4 takes 1 to {MAX_ROWS} bf16 rows and 64 experts a row")
+            raise ValueError("native moe_q4 takes bf16 rows and 1 to 64 distinct experts a row")
         return out
 
     def moe_mxfp4(
@@ -236,25 +263,20 @@ class NativeKernels(KernelLibrary):
         row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
         scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
         index -> [R, H] in x's dtype."""
-        R, n = x.shape[0], len(ids)
+        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
         out = torch.empty((R, hidden), dtype=x.dtype)
-        table = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(6)]
         rc = self.lib.moe_mxfp4_rows(
             hidden,
             intermediate,
             R,
-            n // R,
-            (ctypes.c_int64 * n)(*ids),
-            (ctypes.c_float * n)(*weights),
+            k,
+            id_array,
+            weight_array,
             *table,
             W_CODES[bias_dtype],
             alpha,
             limit,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(self._scratch("moe_mxfp4_work_bytes", hidden, intermediate, R)),
-            torch.get_num_threads(),
+            *self._io(x, out, "moe_mxfp4_work_bytes", hidden, intermediate, R),
         )
         if rc != 0:
             raise ValueError(

@@ -22,6 +22,10 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.gemv_sweep.restype = _INT
     lib.gemv_work_bytes.argtypes = [_I64, _I64, _I64]
     lib.gemv_work_bytes.restype = _SIZE
+    lib.gemm.argtypes = [_P, _P, _INT, _I64, _I64, _P, _INT, _I64, _P, _P, _INT]
+    lib.gemm.restype = _INT
+    lib.gemm_work_bytes.argtypes = [_I64, _I64, _I64]
+    lib.gemm_work_bytes.restype = _SIZE
     lib.moe_swiglu.argtypes = [
         _INT,
         _I64,

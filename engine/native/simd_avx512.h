@@ -16,7 +16,7 @@ static inline __m512 load16(const void *w, int wtype, int64_t i) {
 }
 
 static inline float sum4(const __m512 acc[4]) {
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    return hsum16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
 /* Widening path: each weight becomes f32 and multiplies the f32 activation. */
