@@ -19,7 +19,7 @@ import torch
 
 from engine.experts.expert_kernels import SwiGLUKernel
 from engine.experts.quant import ExpertFormat, GroupQuantFormat, PlainFormat
-from engine.native.kernels import MAX_ROWS, W_CODES, NativeKernels
+from engine.native.kernels import W_CODES, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
 
@@ -116,28 +116,12 @@ class NativeMoe:
         return gate_up.data_ptr(), 0, down.data_ptr(), 0
 
     def rows(self, x: torch.Tensor, slot: SlotPointers) -> torch.Tensor:
-        """Rows x [n, H] (accepted) through the one expert at `slot`, unscaled -> [n, H]; 16 rows a call
-        (each row computes as it would alone, so the split changes nothing)."""
+        """Rows x [n, H] (accepted) through the one expert at `slot`, unscaled -> [n, H], any n in one
+        call (each row computes as it would alone)."""
+        n = x.shape[0]
         if self.int4:
-            parts = [
-                self.kernels.moe_q4(
-                    x[i : i + MAX_ROWS],
-                    self.hidden,
-                    self.intermediate,
-                    [slot],
-                    [0] * min(MAX_ROWS, x.shape[0] - i),
-                    [1.0] * min(MAX_ROWS, x.shape[0] - i),
-                )
-                for i in range(0, x.shape[0], MAX_ROWS)
-            ]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        parts = [
-            self.kernels.expert_rows(
-                x[i : i + MAX_ROWS], self.weight_dtype, self.hidden, self.intermediate, slot
-            )
-            for i in range(0, x.shape[0], MAX_ROWS)
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return self.kernels.moe_q4(x, self.hidden, self.intermediate, [slot], [0] * n, [1.0] * n)
+        return self.kernels.expert_rows(x, self.weight_dtype, self.hidden, self.intermediate, slot)
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""

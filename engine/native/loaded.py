@@ -19,7 +19,7 @@ from engine import env
 from engine.errors import ConfigError
 from engine.native.autotune import DecodeShapes, measured
 from engine.native.build import build, compiler, library_path
-from engine.native.kernels import MAX_ROWS, X_CODES, NativeKernels
+from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.row_kernels import native_rows_allowed
 from engine.native.row_ops import reads_weights
 from engine.native.variants import by_name, runnable
@@ -138,15 +138,5 @@ def row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not reads_weights(w.dtype, x.dtype) or not w.is_contiguous():
         return None
     kernels = usable(x)
-    return gemv_rows(kernels, x, w) if kernels is not None else None
+    return kernels.gemv(x, w) if kernels is not None else None
 
-
-def gemv_rows(
-    kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`kernels.gemv` for any number of rows x [m, in]: the kernel takes MAX_ROWS a call, and each row's
-    result is the one it gets alone, so the split changes no bit."""
-    if x.shape[0] <= MAX_ROWS:
-        return kernels.gemv(x, w, scale)
-    parts = [kernels.gemv(x[i : i + MAX_ROWS], w, scale) for i in range(0, x.shape[0], MAX_ROWS)]
-    return torch.cat(parts)

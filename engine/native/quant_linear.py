@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.huge_pages import empty, huge_empty
-from engine.native.loaded import gemv_rows, native, usable
+from engine.native.loaded import native, usable
 
 DENSE_QUANTS = ("none", "int8")
 FLOAT_WEIGHTS = (
@@ -73,7 +73,7 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         kernels = usable(rows) if x.dtype in (torch.float32, torch.bfloat16) else None
         if kernels is not None:
-            y = gemv_rows(kernels, rows, self.qweight, self.scale)
+            y = kernels.gemv(rows, self.qweight, self.scale)
         else:
             y = F.linear(rows, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         if self.bias is not None:
