@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--work",
         type=Path,
-        default=Path(".cache/exactness"),
+        default=Path(".cache/peers"),
         help="where the cgroup cell's checkpoint is built",
     )
     ap.add_argument(

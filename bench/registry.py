@@ -61,6 +61,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("exactness.md",),
     ),
     Benchmark(
+        "prefill-vs-llama",
+        "prefill_vs_llama",
+        "prompt processing tok/s beside llama-bench at equal bits (f32, bf16, int8/Q8_0), 512 and 4096 tokens",
+        ("prefill.md",),
+    ),
+    Benchmark(
         "eviction-replay",
         "eviction_replay",
         "one recorded decode's routing through each eviction policy, beside Belady's MIN",
