@@ -190,7 +190,7 @@ class EngineConfig(YamlSection):
     )
     decode_attention: str = setting(
         "auto",
-        "a decode row's attention: auto (default: native up to 1024 cached positions, then SDPA), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention)",
+        "attention of every row: auto (default: native, each row attending in one order whatever shares its step: batch-invariant), native (the same, fail at start without the native kernels) or sdpa (torch's scaled_dot_product_attention for decode rows, not batch-invariant)",
         choices=("auto", "native", "sdpa"),
     )
     prefix_cache_bytes: int = setting(

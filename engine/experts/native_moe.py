@@ -120,7 +120,9 @@ class NativeMoe:
         call (each row computes as it would alone)."""
         n = x.shape[0]
         if self.int4:
-            return self.kernels.moe_q4(x, self.hidden, self.intermediate, [slot], [0] * n, [1.0] * n)
+            return self.kernels.moe_q4(
+                x, self.hidden, self.intermediate, [slot], [0] * n, [1.0] * n
+            )
         return self.kernels.expert_rows(x, self.weight_dtype, self.hidden, self.intermediate, slot)
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:

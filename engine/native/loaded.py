@@ -139,4 +139,3 @@ def row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         return None
     kernels = usable(x)
     return kernels.gemv(x, w) if kernels is not None else None
-

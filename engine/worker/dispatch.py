@@ -198,7 +198,7 @@ def resolve_plan(
         why += " (the fast tier holds fewer than all routed experts: most steps can miss, and go layer by layer)"
     attention = (
         "native" if native_attention else "sdpa",
-        "one call a decode row up to 1024 cached positions"
+        "one call a request for all its rows (decode, window, prompt), each as a decode row alone"
         if native_attention
         else ("--decode-attention sdpa" if cfg.decode_attention == "sdpa" else kernels),
     )

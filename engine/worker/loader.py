@@ -115,7 +115,7 @@ def load_dense_model(
         .eval()
     )
     if dev.type == "cpu":
-        # Native norms (and bf16 linears) for few-row steps, as the target's (engine/native/layers.py):
+        # Native norms (and bf16 linears) for every row, as the target's (engine/native/layers.py):
         # what the lean forward fuses, and what its fused decode step needs (engine/worker/fused_decode.py).
         accelerate(model)
     packed = use_packed_attention(model)
@@ -266,7 +266,7 @@ def load_model(
     if device.type == "cpu":
         accelerate(
             model
-        )  # few-row steps' norms (and bf16 linears) through the native kernels (engine/native/layers.py)
+        )  # norms (and bf16 linears) through the native kernels (engine/native/layers.py)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     om = OffloadedModel(
