@@ -32,7 +32,7 @@ from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models import EMBEDDED_TARGET
 
-MAX_EXAMPLES = 16  # per dtype: 32 cases in the default run
+MAX_EXAMPLES = 15  # per dtype: 30 cases in the default run
 SLOW_EXAMPLES = 150  # per dtype: 300 in the slow run
 MAX_TOKENS = 8
 SHARED = "KING HENRY:\nNow, lords, what say you to this? "  # a prefix several prompts share

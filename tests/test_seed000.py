@@ -107,6 +107,7 @@ def test_correlations() -> None:
     assert across_input_r(xs, [-x for x in xs]) == pytest.approx(-1.0)
 
 
+@pytest.mark.slow  # 45-60 s on 2 cores: every policy run of the page on a tiny checkpoint
 def test_the_command_runs_end_to_end_on_a_tiny_checkpoint(tiny_ckpt, tmp_path) -> None:
     from bench.__main__ import cli
 
