@@ -42,6 +42,7 @@ def _tokens(om, spec: SpecConfig, prompts: list[list[int]], max_tokens: int) -> 
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow  # 8 fresh engines; the default set draws these states in tests/test_batch_invariance.py
 @pytest.mark.timeout(600)
 def test_spac_behind_the_hdd_link_is_exact_in_bf16_run_after_run() -> None:
     """`generate --speculative draft --prefetch utility --eviction utility` behind the hdd link, 8 times, as
