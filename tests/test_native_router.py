@@ -95,8 +95,8 @@ def test_native_sigmoid_router_matches_deepseek_v3s(
 
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+    from engine.native.router import by_id as _by_id
     from engine.native.router import same_routing
-    from engine.worker.fused_layer_spec import by_id as _by_id
 
     cfg = SimpleNamespace(
         num_experts_per_tok=6,

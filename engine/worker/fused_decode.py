@@ -260,7 +260,7 @@ class FusedDecode:
         moe = executor.native_moe
         if moe is None or not moe.accepts(x) or executor.store.slots.device.type != "cpu":
             raise Unsupported(f"{where}: its experts do not run natively for {dtype} rows")
-        fields = router_fields(block, x, self.kernels, self._keep)
+        fields = router_fields(block, x, self._keep)
         E = executor.num_experts
         slots = executor.expert_pointers(block.layer)
         tables = [

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from engine.experts.moe_block import OffloadedMoeBlock
-from engine.native.kernels import W_CODES, X_CODES, NativeKernels
+from engine.native.kernels import W_CODES, X_CODES
 from engine.native.layers import NativeLinear, NativeRMSNorm
 from engine.native.quant_linear import QuantLinear
-from engine.native.router import SIGMOID_ROUTERS, NativeTopKRouter, by_id, same_routing
+from engine.native.router import NativeSigmoidRouter, NativeTopKRouter
 from engine.native.row_ops import reads_weights
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -145,12 +145,10 @@ def attention_fields(layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Ten
     )
 
 
-def router_fields(
-    block: OffloadedMoeBlock, x: torch.Tensor, kernels: NativeKernels, keep_alive: list[object]
-) -> dict:
+def router_fields(block: OffloadedMoeBlock, x: torch.Tensor, keep_alive: list[object]) -> dict:
     """The LayerSpec fields of a block's router: the native softmax top-k router once it has passed its
     first-call check (engine/native/router.py), or a DeepSeek-V3-style sigmoid router checked here, once,
-    against its own forward on a random row."""
+    against its own forward on a random row (engine/native/router.py's NativeSigmoidRouter, as the lean path runs it)."""
     where = f"layer {block.layer}"
     native = block.adapter.decide_native_router(block)
     if isinstance(native, NativeTopKRouter):
@@ -167,34 +165,25 @@ def router_fields(
             norm_topk=int(native.norm),
         )
     router: Any = getattr(block, str(block.adapter.router))
-    if type(router).__name__ not in SIGMOID_ROUTERS:
+    if not isinstance(native, NativeSigmoidRouter):
         raise Unsupported(f"{where}: a {type(router).__name__}, which does not run natively")
-    w = router.weight
-    bias = getattr(router, "e_score_correction_bias", None)
-    bias = (
-        bias.detach().float().contiguous() if bias is not None else None
-    )  # f32, as the router adds it
-    k, groups, keep, norm, scale = (
-        router.top_k,
-        router.num_group,
-        router.topk_group,
-        bool(router.norm_topk_prob),
-        float(router.routed_scaling_factor),
-    )
     if (
-        w.dtype not in W_CODES
-        or w.dtype == torch.int8
-        or not w.is_contiguous()
-        or w.device.type != "cpu"
-        or k > MAX_TOPK
-    ):
-        raise Unsupported(f"{where}: a router weight the native kernel does not read")
-    probe = random_row(w.shape[1], x.dtype, block.layer)
-    got = kernels.router_sigmoid(probe, w, bias, k, groups, keep, norm, scale)
-    if got is None or not same_routing(by_id(got), by_id(router.forward(probe)), 1e-5):
+        native.verified is None
+    ):  # its first-call check against the router's forward, on a random row
+        native(random_row(router.weight.shape[1], x.dtype, block.layer))
+    if not native.verified:
         raise Unsupported(
             f"{where}: the native sigmoid router does not match {type(router).__name__}"
         )
+    w, bias, k, groups, keep, norm, scale = (
+        router.weight,
+        native.bias,
+        native.top_k,
+        native.groups,
+        native.keep,
+        native.norm,
+        native.scale,
+    )
     keep_alive.append(bias)
     return dict(
         router_kind=ROUTER_SIGMOID,
