@@ -1,7 +1,7 @@
 """Is the default the fastest exact path on this CPU? Every `--forward` / `--native-kernels` /
 `--native-build` choice against transformers' generate, on the mid-size random checkpoint.
 
-Each cell runs in its own process (the native kernels' choice is one per process), loads the model,
+Each cell runs in its own process, loads the model,
 warms up with one generate, then times `--tokens` greedy decode tokens `--repeats` times; the best
 of those is the cell's figure for the round. Rounds run every cell in turn, alternating the order,
 and every ratio is taken within one round (all cells of a round share the machine's load), then the

@@ -87,6 +87,7 @@ def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: i
     of calls generating against 78 % teacher-forced), so those rows are replayed on this."""
     from bench.engine_bench import hf_decode
     from bench.policy_bench import workload
+    from engine.native.loaded import active
     from engine.offline.trace import record_trace
     from engine.worker.loader import load_model
     from server.cli_common import resolve_model_dir
@@ -95,9 +96,10 @@ def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: i
     try:
         _, cut = workload(om.tokenizer, data, windows, window, prompts)
         # The decode steps the benchmark times read the prompt's first generated token onwards.
-        seqs = [
-            p + hf_decode(om.model, p, tokens)[1][:tokens] for p in tqdm(cut, desc="generating")
-        ]
+        with active(om.native):  # transformers' generate on the model: its own native kernels
+            seqs = [
+                p + hf_decode(om.model, p, tokens)[1][:tokens] for p in tqdm(cut, desc="generating")
+            ]
         return trace_from_arrays(
             record_trace(om, [t for q in seqs for t in q], len(seqs[0]), logits=True)
         )

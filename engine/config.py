@@ -175,7 +175,7 @@ class EngineConfig(YamlSection):
     )
     native_kernels: str = setting(
         "auto",
-        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where their fastest build beats torch's kernels in a micro-benchmark at this model's shapes, measured once per CPU and cached), on (the fastest build even where torch measures faster; fail at start without a compiler) or off (torch's kernels). One choice per process",
+        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where their fastest build beats torch's kernels in a micro-benchmark at this model's shapes, measured once per CPU and cached), on (the fastest build even where torch measures faster; fail at start without a compiler) or off (torch's kernels). One choice per engine: two engines in one process each run their own",
         choices=("auto", "on", "off"),
     )
     native_build: str = setting(

@@ -105,14 +105,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if ALLOWED_CI_SKIP not in reason:
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, which must run it: {reason}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native_choice_per_module() -> Iterator[None]:
-    """Each test module starts from the default native-kernel choice. The choice is the process's
-    (engine/native/loaded.py): a module that loads a model with `native_kernels="off"` must not leave
-    the kernels off for the modules after it in the same worker (they would skip as if no compiler)."""
-    yield
-    from engine.native import loaded
-
-    loaded._Choice.resolved = False

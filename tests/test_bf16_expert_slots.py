@@ -101,14 +101,10 @@ def test_the_dispatcher_times_the_experts_in_the_slots_dtype(bf16_ckpt, monkeypa
         return Measurement({n: 1.0 for n in builds} | {"torch": 0.5}, next(iter(builds)))
 
     monkeypatch.setattr(loaded, "measured", record)
-    saved = (loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved)
-    try:
-        om = load_model(bf16_ckpt, EngineConfig(dtype="float32"))
-        om.close()
-        om = load_model(bf16_ckpt, EngineConfig(dtype="float32", bf16_expert_slots=False))
-        om.close()
-    finally:
-        loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved = saved
+    om = load_model(bf16_ckpt, EngineConfig(dtype="float32"))
+    om.close()
+    om = load_model(bf16_ckpt, EngineConfig(dtype="float32", bf16_expert_slots=False))
+    om.close()
     assert [(s.dtype, s.expert_dtype) for s in seen] == [("float32", "bfloat16"), ("float32", "")]
 
 

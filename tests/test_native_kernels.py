@@ -330,7 +330,9 @@ def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
         EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="off"),
     )
     try:
-        assert native() is None and om.executor.native_moe is None
+        assert (
+            om.native is not None and om.native.kernels is None and om.executor.native_moe is None
+        )
         assert not any(isinstance(mod, NativeLinear) for mod in om.model.modules())
         assert om.plan.forward == "lean" and om.plan.to_dict()["native kernels"]["chosen"] == "off"
     finally:
@@ -340,7 +342,9 @@ def test_native_kernels_follow_the_engine_config(tiny_ckpt) -> None:
         EngineConfig(cache_fraction=1.0, dtype="bfloat16", native_kernels="on"),
     )
     try:
-        assert native() is not None and om.plan.forward == "fused"
+        assert (
+            om.native is not None and om.native.kernels is not None and om.plan.forward == "fused"
+        )
     finally:
         om.close()
 

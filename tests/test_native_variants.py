@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 from engine.native import autotune, loaded
 from engine.native import build as native_build
 from engine.native.autotune import DecodeShapes, Measurement, measure, measured
-from engine.native.loaded import load_build, native, use_native_kernels
+from engine.native.loaded import load_build, native, resolve_native_kernels
 from engine.native.variants import VARIANTS, buildable, by_name, runnable
 
 needs_cc = pytest.mark.skipif(native_build.compiler() is None, reason="needs a C compiler")
@@ -165,35 +165,38 @@ def test_the_measurement_is_cached_per_machine_and_build(tmp_path) -> None:
     assert not measured(SHAPES, {"portable": fast}, {"portable": "lib-b.so"}, cache).cached
 
 
-@pytest.fixture
-def restore_choice():
-    saved = (loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved)
-    yield
-    loaded._Choice.kernels, loaded._Choice.enabled, loaded._Choice.resolved = saved
-
-
 @needs_cc
-def test_auto_declines_native_kernels_that_measure_slower(monkeypatch, restore_choice) -> None:
+def test_auto_declines_native_kernels_that_measure_slower(monkeypatch) -> None:
     """Where torch measures fastest, auto turns the native kernels off and says so with the figures;
-    on keeps the fastest build all the same; off needs no measurement."""
+    on keeps the fastest build all the same; off needs no measurement. A choice changes nothing by being
+    made: the kernels outside any model stay the widest build."""
     slow = Measurement({v.name: 1.0 for v in runnable()} | {"torch": 9.0}, "torch")
     monkeypatch.setattr(loaded, "measured", lambda *a: slow)
-    line = use_native_kernels("auto", SHAPES)
-    assert line.startswith("off: torch's kernels measured fastest") and "torch 9.0" in line
-    assert native() is None
-    line = use_native_kernels("on", SHAPES)
-    assert line.startswith("on:") and "(--native-kernels on)" in line and native() is not None
+    choice = resolve_native_kernels("auto", SHAPES)
+    assert (
+        choice.line.startswith("off: torch's kernels measured fastest")
+        and "torch 9.0" in choice.line
+    )
+    assert choice.kernels is None and native() is not None
+    choice = resolve_native_kernels("on", SHAPES)
+    assert choice.line.startswith("on:") and "(--native-kernels on)" in choice.line
+    assert choice.kernels is not None
     monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("off measures nothing"))
-    assert use_native_kernels("off", SHAPES).startswith("off: --native-kernels off")
-    assert native() is None
+    choice = resolve_native_kernels("off", SHAPES)
+    assert choice.line.startswith("off: --native-kernels off") and choice.kernels is None
+    with loaded.active(choice):
+        assert native() is None
+    assert native() is not None
 
 
 @needs_cc
-def test_a_named_build_runs_or_fails_in_one_line(restore_choice) -> None:
-    assert "build portable" in use_native_kernels("on", None, "portable")
-    assert "build portable" in use_native_kernels("on", SHAPES, "auto", "portable")
-    assert native() is not None and native().variant == "portable"  # type: ignore[union-attr]
+def test_a_named_build_runs_or_fails_in_one_line() -> None:
+    assert "build portable" in resolve_native_kernels("on", None, "portable").line
+    choice = resolve_native_kernels("on", SHAPES, "auto", "portable")
+    assert "build portable" in choice.line
+    with loaded.active(choice):
+        assert native() is not None and native().variant == "portable"  # type: ignore[union-attr]
     missing = [v for v in buildable() if v not in runnable()]
     if missing:  # a build this CPU lacks the instructions for: refused before it could fault
         with pytest.raises(ConfigError, match="this CPU lacks"):
-            use_native_kernels("auto", None, missing[0].name)
+            resolve_native_kernels("auto", None, missing[0].name)

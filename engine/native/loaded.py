@@ -1,17 +1,28 @@
-"""The process's native kernels: which build runs (measured), or none.
+"""Which native kernels an op runs: the build of the engine whose model runs it (measured), or none.
 
-`native()` is the process's one `NativeKernels` (engine/native/kernels.py), or None where the
-kernels are unavailable (no compiler), turned off (`--native-kernels off`), or measured slower than
-torch's here (engine/native/autotune.py); callers then use torch. The loader applies the engine's
-choice with `use_native_kernels` once per load. `usable` and `row_gemv` say where an activation can
-take them.
+A load resolves its engine's choice once (`resolve_native_kernels`: --native-kernels auto/on/off,
+--native-build, --native-build-limit) into a `NativeChoice`, which the loaded model holds. The model
+makes it the active one around everything that runs its tensors (the load, its runner's steps and
+forwards: `active`), so two engines in one process each run their own kernels. `native()` is the
+active choice's `NativeKernels` (engine/native/kernels.py), or None where they are unavailable (no
+compiler), turned off or measured slower than torch's here (engine/native/autotune.py); callers then
+use torch. Where no model is active (a test of one kernel, a benchmark) it is the widest build this
+CPU runs. `usable` and `row_gemv` say where an activation can take them.
+
+A context variable, not a module flag: a thread sees the choice of the context it runs in. Pool
+threads start with an empty one, so whoever hands them tensor work submits it in a copy of its own
+(`contextvars.copy_context().run`, as engine/experts/cpu_experts.py does).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
@@ -27,49 +38,68 @@ from engine.native.variants import by_name, runnable
 log = logging.getLogger(__name__)
 
 
-class _Choice:
-    """EngineConfig.native_kernels and native_build as the last model loaded in this process set them: the
-    library is one per process, and so is the choice (a process serves one model)."""
+@dataclass(frozen=True)
+class NativeChoice:
+    """One engine's native kernels: the build its ops run (None: torch's kernels) and the plan's line
+    for it ("on: <build>; <measurement>" or "off: <why>")."""
 
-    kernels: NativeKernels | None = None
-    enabled = False
-    resolved = False
+    kernels: NativeKernels | None
+    line: str
 
 
-def use_native_kernels(
+# The choice of the model whose tensors run in this context; None: no model's (the widest build).
+_ACTIVE: ContextVar[NativeChoice | None] = ContextVar("native_choice", default=None)
+
+
+def resolve_native_kernels(
     mode: str,
     shapes: DecodeShapes | None = None,
     build_name: str = "auto",
     build_limit: str = "auto",
-) -> str:
-    """Apply --native-kernels (auto, on, off), --native-build and --native-build-limit to this process;
-    returns what runs and why, for the engine's plan. `shapes`: the model's decode shapes, for the
-    measurement (None: no measurement, the widest build this CPU runs). `on` without the kernels (no
-    compiler) fails with one line, and so does a build named that this CPU cannot run."""
-    _Choice.resolved = True
-    _Choice.enabled, _Choice.kernels = False, None
+) -> NativeChoice:
+    """--native-kernels (auto, on, off), --native-build and --native-build-limit resolved for one engine:
+    what runs and why. `shapes`: the model's decode shapes, for the measurement (None: no measurement,
+    the widest build this CPU runs). `on` without the kernels (no compiler) fails with one line, and so
+    does a build named that this CPU cannot run. Changes nothing: the caller makes the choice active."""
     if mode == "off":
-        return "off: --native-kernels off (torch's kernels)"
+        return NativeChoice(None, "off: --native-kernels off (torch's kernels)")
     builds, why = _builds(build_name, build_limit)
     if not builds:
         if mode == "on" or build_name != "auto":
             raise ConfigError(
                 f"--native-kernels {mode} --native-build {build_name}: {why}; install gcc, or use --native-kernels off"
             )
-        return f"off: {why}"
+        return NativeChoice(None, f"off: {why}")
     if shapes is None:
         name = next(iter(builds))
-        _Choice.enabled, _Choice.kernels = True, builds[name]
-        return f"on: {builds[name].describe()}"
+        return NativeChoice(builds[name], f"on: {builds[name].describe()}")
     ids = {name: library_path(compiler() or "cc", by_name(name)).name for name in builds}
     m = measured(shapes, builds, ids, env.cache_root() / "native" / "autotune.json")
     native_best = max(builds, key=lambda n: m.gbps[n])
     if mode == "auto" and m.chosen == "torch":
-        return f"off: torch's kernels measured fastest here; {m.line()}"
+        return NativeChoice(None, f"off: torch's kernels measured fastest here; {m.line()}")
     name = m.chosen if m.chosen in builds else native_best
-    _Choice.enabled, _Choice.kernels = True, builds[name]
     forced = " (--native-kernels on)" if m.chosen == "torch" else ""
-    return f"on: {builds[name].describe()}{forced}; {m.line()}"
+    return NativeChoice(builds[name], f"on: {builds[name].describe()}{forced}; {m.line()}")
+
+
+@contextmanager
+def active(choice: NativeChoice | None) -> Iterator[None]:
+    """Within the block, ops in this context run `choice`'s kernels; None leaves the caller's choice."""
+    if choice is None:
+        yield
+        return
+    token = _ACTIVE.set(choice)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def activate(choice: NativeChoice) -> None:
+    """Make `choice` the active one for the rest of the current context: for a function that runs in its
+    own copy of the caller's context (engine/worker/loader.py's load), so the caller's stays unchanged."""
+    _ACTIVE.set(choice)
 
 
 def _builds(build_name: str, limit: str = "auto") -> tuple[dict[str, NativeKernels], str]:
@@ -106,12 +136,18 @@ def load_build(name: str) -> tuple[NativeKernels | None, str]:
     return NativeKernels(lib, name), ""
 
 
+@functools.cache
+def widest() -> NativeChoice:
+    """The choice where no model's is active (a test of one kernel, a benchmark): the widest build this
+    CPU runs, or none (no compiler). Resolved once per process; it never changes."""
+    return resolve_native_kernels("auto")
+
+
 def native() -> NativeKernels | None:
-    """The process's native kernels, or None where unavailable, turned off or measured slower. Before any
-    load chose (a test of one kernel, a benchmark), the widest build this CPU runs."""
-    if not _Choice.resolved:
-        use_native_kernels("auto")
-    return _Choice.kernels if _Choice.enabled else None
+    """The active model's native kernels (`active`), or None where it runs torch's; where no model's
+    choice is active, the widest build this CPU runs."""
+    choice = _ACTIVE.get()
+    return (widest() if choice is None else choice).kernels
 
 
 def usable(x: torch.Tensor) -> NativeKernels | None:

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.experts.routing_bus import RoutingEvent
+from engine.native.loaded import active
 from engine.paths import portable_path
 from engine.worker.loaded_model import OffloadedModel
 
@@ -52,7 +53,8 @@ def record_trace(
     try:
         chunks = [c for c in (ids[i : i + window] for i in range(0, len(ids), window)) if c]
         for chunk in tqdm(chunks, desc="tracing", unit="window", leave=False):
-            om.model(input_ids=torch.tensor([chunk], device=om.device), use_cache=False)
+            with active(om.native):  # the model's own native kernels (engine/native/loaded.py)
+                om.model(input_ids=torch.tensor([chunk], device=om.device), use_cache=False)
     finally:
         unsubscribe()
 

@@ -60,5 +60,6 @@ def make_speculation(spec: SpecConfig, om: Any) -> tuple[Any, tuple[Any, ...]]:
     assert spec.draft is not None, "resolve() picks the draft"
     check_draft(om.model_dir, spec.draft)
     cfg = om.engine_config
-    draft = load_dense_model(spec.draft, device=str(om.device), dtype=cfg.dtype)
+    # The draft runs its target's native kernels (engine/native/loaded.py), as its steps share the target's.
+    draft = load_dense_model(spec.draft, device=str(om.device), dtype=cfg.dtype, native=om.native)
     return DraftProposer(draft, k, om.stats), (sensor,)

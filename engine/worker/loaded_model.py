@@ -20,6 +20,7 @@ from engine.experts.expert_store import ExpertStore
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.transfers import TransferEngine
+from engine.native.loaded import NativeChoice
 from engine.stats import EngineStats
 
 
@@ -38,6 +39,9 @@ class LoadedModel:
     packed: bool  # requests of a step share one packed forward (else one forward per request)
     # What runs its steps: engine/worker/runner.py ModelRunner, as the loader composes it.
     runner_factory: Callable[[LoadedModel], Runner] = field(kw_only=True)
+    # The native kernels its ops run (engine/native/loaded.py), made active around everything that runs its
+    # tensors (its load, its runner's steps and forwards). None: whatever choice is active where it runs.
+    native: NativeChoice | None = field(default=None, kw_only=True)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -11,6 +11,7 @@ What a load returns: engine/worker/loaded_model.py.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 from pathlib import Path
@@ -43,7 +44,7 @@ from engine.memory.measure import memory_probe, plan_for_model, print_plan
 from engine.memory.planner import KvRequest, kv_token_budget
 from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
-from engine.native.loaded import native, use_native_kernels
+from engine.native.loaded import NativeChoice, activate, active, resolve_native_kernels
 from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
@@ -97,9 +98,13 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = False) -> None
 
 
 def load_dense_model(
-    model_dir: str | Path, device: str = "auto", dtype: str = "auto"
+    model_dir: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    native: NativeChoice | None = None,
 ) -> LoadedModel:
-    """A small dense model (a speculative-decoding draft) kept whole on the compute device."""
+    """A small dense model (a speculative-decoding draft) kept whole on the compute device. `native`: the
+    native kernels it runs (a draft: its target's); None: whatever choice is active where it runs."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     if config.model_type not in DENSE_ARCHS:
@@ -117,11 +122,20 @@ def load_dense_model(
     if dev.type == "cpu":
         # Native norms (and bf16 linears) for every row, as the target's (engine/native/layers.py):
         # what the lean forward fuses, and what its fused decode step needs (engine/worker/fused_decode.py).
-        accelerate(model)
+        with active(native):
+            accelerate(model)
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(
-        model, model.config, tokenizer, gen_cfg, model_dir, dev, packed, runner_factory=ModelRunner
+        model,
+        model.config,
+        tokenizer,
+        gen_cfg,
+        model_dir,
+        dev,
+        packed,
+        runner_factory=ModelRunner,
+        native=native,
     )
 
 
@@ -130,7 +144,12 @@ def load_model(
 ) -> OffloadedModel:
     """Load `model_dir` offloaded as `cfg` says, to the memory plan; `kv_request`: the context
     length and sequences its KV reservation covers (the stated defaults where open)."""
-    model_dir = Path(model_dir)
+    # In a copy of the caller's context: the native kernels the load chooses are active for the load's
+    # own ops (engine/native/loaded.py) and end with it; the model holds them for its steps.
+    return contextvars.copy_context().run(_load_model, Path(model_dir), cfg, kv_request)
+
+
+def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> OffloadedModel:
     config = read_config(model_dir)
     spec = arch_for(config.model_type)
     config = text_config(
@@ -160,12 +179,13 @@ def load_model(
     slots = native_slot_dtype(
         spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype, device
     )  # what the native kernels would read the experts in: their measurement times that
-    kernels = use_native_kernels(
+    native = resolve_native_kernels(
         cfg.native_kernels if device.type == "cpu" else "off",
         decode_shapes(config, dtype, H, I, top_k, slots),
         cfg.native_build,
         cfg.native_build_limit,
     )
+    activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
     if (
         spec.by_structure
     ):  # not in the table: each kind of block is checked once against its own forward
@@ -287,6 +307,7 @@ def load_model(
         E,
         top_k,
         runner_factory=ModelRunner,
+        native=native,
     )
     om.memory_plan = mplan
     om.kv_token_budget = kv_token_budget(_fp, cfg, kv_request)  # the scheduler admits against it
@@ -294,7 +315,7 @@ def load_model(
         mplan, om.model, store, tier
     )  # planned and used bytes per pool, for /metrics
     attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
-    om.plan = _plan(om, cfg, kernels, complete=n_slots == len(moe_layers) * E)
+    om.plan = _plan(om, cfg, native.line, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
         _warm(om)
     return om
@@ -346,7 +367,8 @@ def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
     fmt, moe = om.executor.fmt, om.executor.native_moe
     if moe is not None:
         return moe.describe(), f"{fmt.name} slots, decode and verification rows; prompt rows: torch"
-    why = "the native kernels are off" if native() is None else "no native kernel reads these slots"
+    off = om.native is None or om.native.kernels is None
+    why = "the native kernels are off" if off else "no native kernel reads these slots"
     return "torch", f"{fmt.name} slots through the format's torch path ({why})"
 
 

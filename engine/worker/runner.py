@@ -25,6 +25,7 @@ from engine.core.messages import TokenLogprob
 from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
+from engine.native.loaded import active
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
@@ -68,15 +69,17 @@ class ModelRunner:
             and LeanForward.supports(lm.model)
             and (plan is None or plan.forward != "transformers")
         )
-        self._lean = (
-            LeanForward(
-                lm.model,
-                fused=plan is None or plan.forward == "fused",
-                native_attention=plan is None or plan.native_attention,
+        # Built under the model's native kernels, which it keeps (engine/native/loaded.py).
+        with active(lm.native):
+            self._lean = (
+                LeanForward(
+                    lm.model,
+                    fused=plan is None or plan.forward == "fused",
+                    native_attention=plan is None or plan.native_attention,
+                )
+                if lean
+                else None
             )
-            if lean
-            else None
-        )
         self._stats = getattr(lm, "stats", None)
         self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
 
@@ -92,19 +95,21 @@ class ModelRunner:
         kind: str = "forward",
     ) -> list[torch.Tensor]:
         """One packed forward. keep[r]: rows of window r whose logits are returned ([len, V]). kind: the
-        step's kind for the path counters (prefill, decode, verify; "forward" for eval and checks)."""
+        step's kind for the path counters (prefill, decode, verify; "forward" for eval and checks).
+        Its ops run the model's native kernels, whoever calls (engine/native/loaded.py)."""
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
             bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
         # Every row takes the native kernels where they apply, whatever its kind and whatever shares the
         # step: a request's output never depends on its batch (engine/native/row_kernels.py).
-        if self._lean is not None:
-            out = self._lean(windows, starts, caches, keep, self.lm.device)
-            path, declined = self._lean.last_path
-        else:
-            run = packed_forward if self.lm.packed else one_by_one_forward
-            out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
-            path, declined = "transformers", ""
+        with active(self.lm.native):
+            if self._lean is not None:
+                out = self._lean(windows, starts, caches, keep, self.lm.device)
+                path, declined = self._lean.last_path
+            else:
+                run = packed_forward if self.lm.packed else one_by_one_forward
+                out = run(self.lm.model, windows, starts, caches, keep, self.lm.device)
+                path, declined = "transformers", ""
         if self._stats is not None:
             self._stats.record_step(kind, path, declined)
         return out
@@ -113,7 +118,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
-        out = self._execute(plan)
+        # The step's ops run the model's native kernels, sampling and the grammar's included.
+        with active(self.lm.native):
+            out = self._execute(plan)
         out.seconds = time.perf_counter() - t0
         return out
 
