@@ -166,7 +166,8 @@ def test_cpu_expert_workers_of_an_off_engine_run_torch_kernels(
     off = load_model(path, EngineConfig(dtype="bfloat16", native_kernels="off", **cells))
     on = load_model(path, EngineConfig(dtype="bfloat16", native_kernels="on", **cells))
     try:
-        run(on)  # the "on" engine runs (and its workers warm up) between the "off" engine's loads and steps
+        # The "on" engine runs (its workers too) between the "off" engine's load and its request.
+        run(on)
         assert counting.total() > 0
         counting.calls.clear()
         off.stats.reset()
