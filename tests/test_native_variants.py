@@ -98,6 +98,62 @@ def test_each_build_attends_as_sdpa(name: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
 
 
+@needs_cc
+@pytest.mark.parametrize("name", [v.name for v in runnable()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hq", "hk", "d", "at", "rows"), [(4, 2, 128, 0, 37), (8, 2, 64, 21, 50), (2, 2, 48, 5, 16)]
+)
+def test_each_build_attends_a_prompt_chunk_as_its_rows_alone(
+    name: str, dtype: torch.dtype, hq: int, hk: int, d: int, at: int, rows: int
+) -> None:
+    """A chunk of prompt rows (the key-tiled path from 16 rows on, where the build has one) gives each row the bits
+    that row gets attended alone, one call a row: partial key tiles, grouped queries, q/k norms and rotary."""
+    nk, why = load_build(name)
+    assert nk is not None, why
+    g = torch.Generator().manual_seed(11)
+    cap = at + rows + 3
+    prefix = torch.randn(2, 1, hk, cap, d, generator=g).to(dtype)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    k, v = (
+        torch.randn(rows, hk, d, generator=g).to(dtype),
+        torch.randn(rows, hk, d, generator=g).to(dtype),
+    )
+    norms = (
+        torch.rand(d, generator=g).to(dtype) + 0.5,
+        torch.rand(d, generator=g).to(dtype) + 0.5,
+        1e-6,
+        1e-6,
+    )
+    angle = torch.rand(rows, d // 2, generator=g) * 3
+    cos, sin = torch.cos(angle).to(dtype).contiguous(), torch.sin(angle).to(dtype).contiguous()
+    kb, vb = prefix[0].clone(), prefix[1].clone()
+    chunk = nk.decode_attention(q.clone(), k.clone(), v.clone(), norms, cos, sin, kb, vb, at, 0.1)
+    kb1, vb1 = prefix[0].clone(), prefix[1].clone()
+    alone = torch.cat(
+        [
+            nk.decode_attention(
+                q[r : r + 1].clone(),
+                k[r : r + 1].clone(),
+                v[r : r + 1].clone(),
+                norms,
+                cos[r : r + 1],
+                sin[r : r + 1],
+                kb1,
+                vb1,
+                at + r,
+                0.1,
+            )
+            for r in range(rows)
+        ]
+    )
+    assert torch.equal(kb, kb1) and torch.equal(vb, vb1)
+    assert torch.equal(
+        chunk.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        alone.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+
+
 class _Slowed:
     """A build that does its sweep `times` times over: a stand-in for a build slow on this CPU (it burns
     CPU time, which is what the measurement counts; a sleep would not)."""

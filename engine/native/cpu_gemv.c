@@ -779,6 +779,30 @@ void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t hea
         }
 }
 
+/* The softmax of `count` score rows in place, row r at scores + r * stride with lens[r] scores: each row shifted by its
+ * maximum and exponentiated (exp_inplace), and 1 / the sum of its exponentials in inv[r]. Each row's sum runs over its
+ * scores in key order, one addition after another (the decode row's order); up to eight rows' sums run side by side,
+ * which changes no row's bits, only how many additions are in flight. */
+#define SUM_ROWS 8
+static void softmax_rows(float *scores, int64_t stride, const int64_t *lens, int64_t count, float *inv) {
+    for (int64_t r = 0; r < count; r++) {
+        float *sc = scores + r * stride, mx = row_max(sc, lens[r]);
+        for (int64_t j = 0; j < lens[r]; j++) sc[j] -= mx;
+        exp_inplace(sc, lens[r]);
+    }
+    for (int64_t r0 = 0; r0 < count; r0 += SUM_ROWS) {
+        int64_t m = count - r0 < SUM_ROWS ? count - r0 : SUM_ROWS, common = lens[r0];
+        float sum[SUM_ROWS] = {0};
+        for (int64_t t = 1; t < m; t++) common = lens[r0 + t] < common ? lens[r0 + t] : common;
+        for (int64_t j = 0; j < common; j++)
+            for (int64_t t = 0; t < m; t++) sum[t] += scores[(r0 + t) * stride + j];
+        for (int64_t t = 0; t < m; t++) {
+            for (int64_t j = common; j < lens[r0 + t]; j++) sum[t] += scores[(r0 + t) * stride + j];
+            inv[r0 + t] = 1.0f / sum[t];
+        }
+    }
+}
+
 /* ---- a decode row's attention, after its q/k/v projections --------------------------------------
  * What engine/worker/lean_forward.py does between the projections and o_proj for one new row of one
  * sequence, in one call: the per-head q/k RMSNorms (qw, kw; NULL: none, as in Qwen2-MoE), the rotary
@@ -809,14 +833,9 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
             for (int64_t a = 0; a < group; a++) scores[a * len + j] = dot_row(qf + a * d, kr, wt, d) * scale;
         }
         float inv[64];
-        for (int64_t a = 0; a < group; a++) {
-            float *sc = scores + a * len, mx = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
-            for (int64_t j = 0; j < len; j++) sc[j] -= mx;
-            exp_inplace(sc, len);
-            for (int64_t j = 0; j < len; j++) sum += sc[j];
-            inv[a] = 1.0f / sum;
-        }
+        int64_t lens[64];
+        for (int64_t a = 0; a < group; a++) lens[a] = len;
+        softmax_rows(scores, len, lens, group, inv);
         for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
         for (int64_t j = 0; j < len; j++) {
             const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
@@ -842,9 +861,74 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
  * v [T, hk, d] (q and k in place), cos/sin [T, rot] (NULL when rot is 0), out [T, hq, d]: contiguous, in x's
  * dtype; the KV buffers [hk, cap, d] have room for at + T positions. work: attention_rows_work_floats(). */
 #define ATT_ROWS 16
+#define KEY_TILE 16
+static int64_t up16(int64_t n) { return (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; }
+
 int64_t attention_rows_work_floats(int64_t T, int64_t hq, int64_t hk, int64_t d, int64_t at) {
-    return ATT_ROWS * (hq / hk) * (at + T + 2 * d) + 64;
+    /* scores (each row's span rounded up to whole key tiles), q and the weighted values of a block of rows; the tiled
+     * path adds a head's keys transposed and its values in f32 */
+    return ATT_ROWS * (hq / hk) * (up16(at + T) + 2 * d) + 2 * up16(at + T) * d + 64;
 }
+
+#ifdef SIMD_HAVE_KEY_TILE
+/* attention_rows' attention (after the norms, rotary and KV append) for many rows, in key tiles: per KV head the
+ * keys 0..at + T - 1 are transposed to f32 once (dot_keys16) and the values widened to f32 once, then each block of
+ * ATT_ROWS rows takes 16 keys at a time. Each row's scores, softmax and weighted values are bit for bit the one-row
+ * loop's (dot_row, exp_inplace, axpy_row in key order), at a third of the instructions: no reduction a key and row,
+ * no bf16 widening a key and row. */
+static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d, const void *kbuf,
+                         const void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs;
+    int64_t group = hq / hk, keys = at + T, span = up16(keys);
+    int wt = xtype == X_F32 ? W_F32 : W_BF16;
+    float *scores = work, *qf = scores + ATT_ROWS * group * span, *acc = qf + ATT_ROWS * group * d;
+    float *kt = acc + ATT_ROWS * group * d, *vf = kt + span * d; /* [span / 16][d][16], [span][d] */
+    for (int64_t g = 0; g < hk; g++) {
+        const char *kh = (const char *)kbuf + (size_t)(g * cap * d) * xs, *vh = (const char *)vbuf + (size_t)(g * cap * d) * xs;
+        for (int64_t j = 0; j < span; j++)
+            for (int64_t i = 0; i < d; i++) {
+                kt[((j / KEY_TILE) * d + i) * KEY_TILE + j % KEY_TILE] = j < keys ? load1(kh, wt, j * d + i) : 0.0f;
+                vf[j * d + i] = j < keys ? load1(vh, wt, j * d + i) : 0.0f;
+            }
+        for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
+            int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++)
+                    for (int64_t i = 0; i < d; i++)
+                        qf[(b * group + a) * d + i] = load1((const char *)q + (r0 + b) * qd, wt, (g * group + a) * d + i);
+            for (int64_t j = 0; j < last; j += KEY_TILE) {
+                const float *tile = kt + (j / KEY_TILE) * d * KEY_TILE;
+                for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) /* rows at positions >= j */
+                    for (int64_t a = 0; a < group; a++) {
+                        __m512 sc = _mm512_mul_ps(dot_keys16(qf + (b * group + a) * d, tile, d), _mm512_set1_ps(scale));
+                        _mm512_storeu_ps(scores + (b * group + a) * span + j, sc);
+                    }
+            }
+            float inv[ATT_ROWS * 64];
+            int64_t lens[ATT_ROWS * 64];
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++) lens[b * group + a] = at + r0 + b + 1;
+            softmax_rows(scores, span, lens, nb * group, inv);
+            for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
+            for (int64_t j = 0; j < last; j += KEY_TILE)
+                for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) {
+                    int64_t len = at + r0 + b + 1, n = len - j < KEY_TILE ? len - j : KEY_TILE;
+                    for (int64_t a = 0; a < group; a++)
+                        axpy_keys(acc + (b * group + a) * d, scores + (b * group + a) * span + j, vf + j * d, n, d);
+                }
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++)
+                    for (int64_t i = 0; i < d; i++) {
+                        float y = acc[(b * group + a) * d + i] * inv[b * group + a];
+                        int64_t o = (g * group + a) * d + i;
+                        char *orow = (char *)out + (r0 + b) * qd;
+                        if (xtype == X_F32) ((float *)orow)[o] = y;
+                        else ((uint16_t *)orow)[o] = f32_to_bf16(y);
+                    }
+        }
+    }
+}
+#endif
 
 void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
                     const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
@@ -859,6 +943,12 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
         kv_append(kbuf, vbuf, (char *)k + r * kd, (const char *)v + r * kd, hk, 1, d, cap, at + r, d, d, d, d,
                   (int64_t)xs);
     }
+#ifdef SIMD_HAVE_KEY_TILE
+    if (T >= ATT_ROWS && d % KEY_TILE == 0) { /* a prompt chunk: the same bits in key tiles */
+        attend_tiled(q, xtype, T, hq, hk, d, kbuf, vbuf, cap, at, scale, out, work);
+        return;
+    }
+#endif
     float *scores = work, *qf = scores + ATT_ROWS * group * span, *acc = qf + ATT_ROWS * group * d;
     for (int64_t g = 0; g < hk; g++)
         for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
@@ -874,17 +964,10 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
                         scores[(b * group + a) * span + j] = dot_row(qf + (b * group + a) * d, kr, wt, d) * scale;
             }
             float inv[ATT_ROWS * 64];
-            for (int64_t b = 0; b < nb; b++) {
-                int64_t len = at + r0 + b + 1;
-                for (int64_t a = 0; a < group; a++) {
-                    float *sc = scores + (b * group + a) * span, mx = -INFINITY, sum = 0.0f;
-                    for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
-                    for (int64_t j = 0; j < len; j++) sc[j] -= mx;
-                    exp_inplace(sc, len);
-                    for (int64_t j = 0; j < len; j++) sum += sc[j];
-                    inv[b * group + a] = 1.0f / sum;
-                }
-            }
+            int64_t lens[ATT_ROWS * 64];
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t a = 0; a < group; a++) lens[b * group + a] = at + r0 + b + 1;
+            softmax_rows(scores, span, lens, nb * group, inv);
             for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j < last; j++) {
                 const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;

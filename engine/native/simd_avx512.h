@@ -196,9 +196,60 @@ static inline float dot_row(const float *q, const void *row, int wtype, int64_t 
     int64_t i = 0;
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i)));
-    float s = _mm512_reduce_add_ps(acc);
+    float s = hsum16(acc);
     for (; i < d; i++) s += q[i] * load1(row, wtype, i);
     return s;
+}
+
+/* The attention of many rows (a prompt chunk) in tiles, each row's bits those of dot_row and axpy_row, so a prompt
+ * row gets what it would decoded alone (cpu_gemv.c attention_rows). Keys are transposed to f32 [d][16], 16 keys a
+ * tile, so that one vector holds one lane sum of 16 keys: d % 16 == 0 only (no tail). */
+#define SIMD_HAVE_KEY_TILE 1
+/* q . key for the tile's 16 keys, bit for bit dot_row's per key: lane sum l of every key accumulates
+ * q[i] * key[i] for i = l, l + 16, ... in order (a product, then a sum: as dot_row), and the 16 lane sums are added
+ * in hsum16's tree (l with l + 8, then + 4, then + 2, then + 1). kt: [d][16]. */
+static inline __m512 dot_keys16(const float *q, const float *kt, int64_t d) {
+    __m512 a[16];
+    for (int l = 0; l < 16; l++) a[l] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < d; b += 16)
+        for (int l = 0; l < 16; l++)
+            a[l] = _mm512_add_ps(a[l], _mm512_mul_ps(_mm512_set1_ps(q[b + l]), _mm512_loadu_ps(kt + (b + l) * 16)));
+    for (int l = 0; l < 8; l++) a[l] = _mm512_add_ps(a[l + 8], a[l]);
+    for (int l = 0; l < 4; l++) a[l] = _mm512_add_ps(a[l + 4], a[l]);
+    for (int l = 0; l < 2; l++) a[l] = _mm512_add_ps(a[l], a[l + 2]);
+    return _mm512_add_ps(a[0], a[1]);
+}
+
+/* acc[i] += p[j] * v[j][i] for j < n in order, for W vectors of acc held in registers (W a constant after inlining). */
+static inline __attribute__((always_inline)) void axpy_keys_w(float *acc, const float *p, const float *v, int64_t n,
+                                                              int64_t d, const int W) {
+    __m512 a[8];
+    for (int c = 0; c < W; c++) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t j = 0; j < n; j++) {
+        __m512 pv = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < W; c++) a[c] = _mm512_add_ps(a[c], _mm512_mul_ps(pv, _mm512_loadu_ps(v + j * d + 16 * c)));
+    }
+    for (int c = 0; c < W; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+/* acc[i] += p[j] * v[j][i] for j < n in order, v [n][d] f32: axpy_row's products and sums, element by element
+ * (d % 16 == 0), 128 elements of acc in registers at a time. */
+static inline void axpy_keys(float *acc, const float *p, const float *v, int64_t n, int64_t d) {
+    int64_t i = 0;
+    for (; i + 128 <= d; i += 128) axpy_keys_w(acc + i, p, v + i, n, d, 8);
+    for (; i + 64 <= d; i += 64) axpy_keys_w(acc + i, p, v + i, n, d, 4);
+    for (; i < d; i += 16) axpy_keys_w(acc + i, p, v + i, n, d, 1);
+}
+
+/* The largest of x[0..n): the softmax's shift. Any order gives the same value (a -0 or +0 maximum shifts alike). */
+#define SIMD_HAVE_ROW_MAX 1
+static inline float row_max(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+    float mx = _mm512_reduce_max_ps(m);
+    for (; j < n; j++) mx = x[j] > mx ? x[j] : mx;
+    return mx;
 }
 
 /* acc[i] += p * row[i] for one cached value row. */

@@ -100,6 +100,16 @@ static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t
 }
 #endif
 
+#ifndef SIMD_HAVE_ROW_MAX
+#define SIMD_HAVE_ROW_MAX 1
+/* The largest of x[0..n): the softmax's shift (simd_avx512.h's row_max, one element at a time). */
+static inline float row_max(const float *x, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) mx = x[j] > mx ? x[j] : mx;
+    return mx;
+}
+#endif
+
 #ifndef SIMD_HAVE_DOT_ROW
 static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {
     float part[LANES] = {0}, s = 0.0f;
