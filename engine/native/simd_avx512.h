@@ -190,14 +190,15 @@ static float q4_row(const uint8_t *packed, const uint16_t *scale, const uint16_t
 #undef Q4_PAIR_DOT
 #endif
 
-/* q . row for one cached key row (f32 or bf16), q in f32: sixteen lanes of partial sums, then their sum. */
+/* q . row for one cached key row (f32 or bf16), q in f32: sixteen lanes of fused multiply-adds, then their sum
+ * (hsum16). Fused: half the instructions of a product and a sum, for the attention of a long prompt. */
 #define SIMD_HAVE_DOT_ROW 1
 static inline float dot_row(const float *q, const void *row, int wtype, int64_t d) {
     int64_t i = 0;
     __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i)));
+    for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(row, wtype, i), acc);
     float s = hsum16(acc);
-    for (; i < d; i++) s += q[i] * load1(row, wtype, i);
+    for (; i < d; i++) s = fmaf(q[i], load1(row, wtype, i), s);
     return s;
 }
 
@@ -206,14 +207,14 @@ static inline float dot_row(const float *q, const void *row, int wtype, int64_t 
  * tile, so that one vector holds one lane sum of 16 keys: d % 16 == 0 only (no tail). */
 #define SIMD_HAVE_KEY_TILE 1
 /* q . key for the tile's 16 keys, bit for bit dot_row's per key: lane sum l of every key accumulates
- * q[i] * key[i] for i = l, l + 16, ... in order (a product, then a sum: as dot_row), and the 16 lane sums are added
- * in hsum16's tree (l with l + 8, then + 4, then + 2, then + 1). kt: [d][16]. */
+ * q[i] * key[i] for i = l, l + 16, ... in order (one fused multiply-add each, as dot_row), and the 16 lane sums are
+ * added in hsum16's tree (l with l + 8, then + 4, then + 2, then + 1). kt: [d][16]. */
 static inline __m512 dot_keys16(const float *q, const float *kt, int64_t d) {
     __m512 a[16];
     for (int l = 0; l < 16; l++) a[l] = _mm512_setzero_ps();
     for (int64_t b = 0; b < d; b += 16)
         for (int l = 0; l < 16; l++)
-            a[l] = _mm512_add_ps(a[l], _mm512_mul_ps(_mm512_set1_ps(q[b + l]), _mm512_loadu_ps(kt + (b + l) * 16)));
+            a[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[b + l]), _mm512_loadu_ps(kt + (b + l) * 16), a[l]);
     for (int l = 0; l < 8; l++) a[l] = _mm512_add_ps(a[l + 8], a[l]);
     for (int l = 0; l < 4; l++) a[l] = _mm512_add_ps(a[l + 4], a[l]);
     for (int l = 0; l < 2; l++) a[l] = _mm512_add_ps(a[l], a[l + 2]);
@@ -227,12 +228,12 @@ static inline __attribute__((always_inline)) void axpy_keys_w(float *acc, const 
     for (int c = 0; c < W; c++) a[c] = _mm512_loadu_ps(acc + 16 * c);
     for (int64_t j = 0; j < n; j++) {
         __m512 pv = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < W; c++) a[c] = _mm512_add_ps(a[c], _mm512_mul_ps(pv, _mm512_loadu_ps(v + j * d + 16 * c)));
+        for (int c = 0; c < W; c++) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + j * d + 16 * c), a[c]);
     }
     for (int c = 0; c < W; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
-/* acc[i] += p[j] * v[j][i] for j < n in order, v [n][d] f32: axpy_row's products and sums, element by element
+/* acc[i] += p[j] * v[j][i] for j < n in order, v [n][d] f32: axpy_row's fused multiply-adds, element by element
  * (d % 16 == 0), 128 elements of acc in registers at a time. */
 static inline void axpy_keys(float *acc, const float *p, const float *v, int64_t n, int64_t d) {
     int64_t i = 0;
@@ -252,13 +253,13 @@ static inline float row_max(const float *x, int64_t n) {
     return mx;
 }
 
-/* acc[i] += p * row[i] for one cached value row. */
+/* acc[i] += p * row[i] for one cached value row, one fused multiply-add an element. */
 #define SIMD_HAVE_AXPY_ROW 1
 static inline void axpy_row(float *acc, float p, const void *row, int wtype, int64_t d) {
     int64_t i = 0;
     __m512 pv = _mm512_set1_ps(p);
-    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_mul_ps(pv, load16(row, wtype, i))));
-    for (; i < d; i++) acc[i] += p * load1(row, wtype, i);
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, load16(row, wtype, i), _mm512_loadu_ps(acc + i)));
+    for (; i < d; i++) acc[i] = fmaf(p, load1(row, wtype, i), acc[i]);
 }
 
 /* exp(x) of each score for the softmax, in place, sixteen at a time (Cephes' expf: n = round(x / ln 2), a
