@@ -50,9 +50,36 @@ def write_report(out: Path | None, header: str, lines: list[str], payload: dict[
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"header": header, **payload}, indent=2))
     old = out.read_text() if out.exists() else ""
-    starts = [old.index(m) for m in ANALYSIS_STARTS if m in old]
-    analysis = old[min(starts) :] if starts else ""
-    out.write_text(f"{opening(old, header)}\n\n" + "\n".join(lines) + "\n" + analysis)
+    out.write_text(f"{opening(old, header)}\n\n" + "\n".join(lines) + "\n" + _analysis(old, header))
+
+
+def _analysis(old: str, header: str) -> str:
+    """The hand-written part of `old` below its tables: from the first analysis opening, skipping the old
+    generated header where the benchmark's header itself opens like one ("Command: ...")."""
+    starts = sorted(i for m in ANALYSIS_STARTS for i in _occurrences(old, m))
+    body = header.split("\n", 1)[1].lstrip("\n") if header.startswith("# ") else header
+    if body.startswith(tuple(m.lstrip("\n") for m in ANALYSIS_STARTS)):
+        first = _header_start(old)  # the old generated header starts there: not analysis
+        starts = [i for i in starts if i >= first]
+    return old[starts[0] :] if starts else ""
+
+
+def _header_start(old: str) -> int:
+    """Where the generated header of page `old` starts: after its summary, else after its title, else at 0."""
+    for mark in (SUMMARY_LAST, "# "):
+        at = old.find(mark) if mark != "# " or old.startswith("# ") else -1
+        if at >= 0:
+            gap = old.find("\n\n", at)
+            return gap + 2 if gap >= 0 else len(old)
+    return 0
+
+
+def _occurrences(text: str, marker: str) -> list[int]:
+    found, at = [], text.find(marker)
+    while at >= 0:
+        found.append(at)
+        at = text.find(marker, at + 1)
+    return found
 
 
 def cut_prompts(tokenizer: Any, data: str | Path, n: int, length: int) -> list[list[int]]:

@@ -41,3 +41,13 @@ def test_a_rerun_keeps_the_title_and_opening_summary(tmp_path: Path, generated_t
         out.read_text()
         == f"{title}\n\n{summary}\n\nMachine line v2\n\n| 2 |\n\nCommand: `c`\n\nWhy.\n"
     )
+
+
+def test_a_header_that_opens_like_an_analysis_is_replaced_not_kept(tmp_path: Path) -> None:
+    """A benchmark whose generated header itself starts "Command: ..." (bench exactness): a rerun replaces
+    the old header and table and keeps only the hand-written part below them."""
+    out = tmp_path / "page.md"
+    write_report(out, "Command: `x` v1", ["| 1 |"], {})
+    out.write_text(out.read_text() + "\nCommand (the lm-eval check):\n\nWhy.\n")
+    write_report(out, "Command: `x` v2", ["| 2 |"], {})
+    assert out.read_text() == "Command: `x` v2\n\n| 2 |\n\nCommand (the lm-eval check):\n\nWhy.\n"
