@@ -366,7 +366,7 @@ def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
     """The plan's line for what multiplies a decode row's routed experts (engine/experts/expert_compute.py)."""
     fmt, moe = om.executor.fmt, om.executor.native_moe
     if moe is not None:
-        return moe.describe(), f"{fmt.name} slots, decode and verification rows; prompt rows: torch"
+        return moe.describe(), f"{fmt.name} slots, every row: decode, verification and prompt"
     off = om.native is None or om.native.kernels is None
     why = "the native kernels are off" if off else "no native kernel reads these slots"
     return "torch", f"{fmt.name} slots through the format's torch path ({why})"
