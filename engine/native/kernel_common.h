@@ -1,0 +1,88 @@
+/* What every kernel source (cpu_gemv.c, attention.c) shares, in one place: the OpenMP helpers, the activation
+ * block sizes, the dtype loads, and the dot products of this build's instruction set. The dot products live in three
+ * headers, each defining only what its instruction set speeds up, included widest first so that the first
+ * definition wins (the SIMD_HAVE_* guards): simd_avx512.h, simd_avx2.h, simd_portable.h. They use what this
+ * header defines above their includes (act_t, QBLOCK, load1, ...). */
+#ifndef MOE_OFFLOAD_KERNEL_COMMON_H
+#define MOE_OFFLOAD_KERNEL_COMMON_H
+#include <math.h>
+#include <stdlib.h>
+#include "cpu_gemv.h"
+#ifdef _OPENMP
+#include <omp.h>
+#define TID() omp_get_thread_num()
+#define NT() omp_get_num_threads()
+#define BARRIER() _Pragma("omp barrier")
+#else
+#define TID() 0
+#define NT() 1
+#define BARRIER()
+#endif
+
+#define QBLOCK 64 /* activation quantization block of the int8 path */
+#define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */
+#define Q4_GROUP 64 /* int4 weight group (below) */
+/* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
+enum { BF16_FORM_NONE = 0, BF16_FORM_BF16 = 1, BF16_FORM_PAIRS = 2 };
+
+
+
+static inline size_t wsize(int wtype) { return wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1; }
+
+static size_t up64_(size_t n) { return (n + 63) / 64 * 64; }
+
+/* The symmetric int8 scale of a block of activations, s = max|x| / 127, and 1/s in *inv (0 for a zero block). */
+static inline float block_scale(const float *x, int n, float *inv) {
+    float mx = 0.0f;
+    for (int j = 0; j < n; j++) mx = fmaxf(mx, fabsf(x[j]));
+    float s = mx / 127.0f;
+    *inv = s > 0.0f ? 1.0f / s : 0.0f;
+    return s;
+}
+
+static inline float load1(const void *w, int wtype, int64_t i) {
+    if (wtype == W_F32) return ((const float *)w)[i];
+    if (wtype == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    return (float)((const int8_t *)w)[i];
+}
+
+/* ---- one weight row dotted with one activation row ---------------------------------------------
+ * One row at a time, as one sequential stream, with independent accumulators. Why not four rows at
+ * once (what this file did first, so that each activation load served four rows): on an AMD EPYC
+ * with AVX-512 BF16 the four interleaved row streams ran at 13 (bf16), 9 (int8) and 18 (f32) GB/s on
+ * [1024, 1024] weights against 23, 20 and 22 GB/s for one sequential stream, with the memory read at
+ * 31 GB/s (bench/kernel_bench.py); a speculative window's rows reuse the row from L1 either way
+ * (rows_range). */
+/* The same dot products for several activation rows at once (dot_*_rows, next to each one-row dot in the headers):
+ * each weight chunk is loaded and converted once for a block of ROWS_BLOCK rows, and each row keeps the one-row
+ * dot's accumulators and order, so its result is bit for bit the one-row dot's. ROWS_BLOCK: the rows whose
+ * accumulators (four vectors a row) fit in the vector registers beside the weight chunk: 32 registers with
+ * AVX-512, 16 with AVX2 (plain C keeps two SSE registers a row). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ROWS_BLOCK 2
+#else
+#define ROWS_BLOCK 4
+#endif
+/* out[j] = blk's dot of weight row w with X[j], j < m: blocks of ROWS_BLOCK rows, then the rest in one block. */
+#define ROWS_IN_BLOCKS(blk, w, t, n, X, m, out)                                                   \
+    do {                                                                                          \
+        int64_t j_ = 0;                                                                           \
+        for (; j_ + ROWS_BLOCK <= (m); j_ += ROWS_BLOCK) blk(w, t, n, (X) + j_, (out) + j_, ROWS_BLOCK); \
+        if ((m) - j_ == 3) blk(w, t, n, (X) + j_, (out) + j_, 3);                                 \
+        else if ((m) - j_ == 2) blk(w, t, n, (X) + j_, (out) + j_, 2);                            \
+        else if ((m) - j_ == 1) blk(w, t, n, (X) + j_, (out) + j_, 1);                            \
+    } while (0)
+/* A rows form that calls the one-row dot per row (where a blocked one would share little). */
+#define ONE_ROW_AT_A_TIME(name, dot, wptr)                                                \
+    static void name(wptr w, int64_t n, const act_t *X, int64_t m, float *out) {          \
+        for (int64_t j = 0; j < m; j++) out[j] = dot(w, n, X[j]);                         \
+    }
+#if defined(__AVX512F__)
+#include "simd_avx512.h"
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd_avx2.h"
+#endif
+#include "simd_portable.h"
+
+#endif
