@@ -3,7 +3,7 @@
 Every row of every step takes the native kernels where they apply (engine/native/): a decode row,
 a verification window's rows, a prompt's rows and an evaluation forward's rows. Each native kernel
 computes a row the same way whatever other rows share the call (its sums run in one order per row;
-cpu_gemv.c `attention_rows` attends each row to its keys in one order), so a request's tokens
+attention.c `attention_rows` attends each row to its keys in one order), so a request's tokens
 and logprobs do not depend on speculation, batching, prefill chunking or a prefix-cache hit.
 torch's kernels do not promise that: their many-row and one-row paths sum in other orders, so in
 bf16 a row can round the other way with other rows beside it.

@@ -199,8 +199,8 @@ class KernelLibrary:
         at: int,
         scale: float,
     ) -> torch.Tensor:
-        """Attention for T consecutive new rows of one sequence (cpu_gemv.c `attention_rows`, each row as
-        cpu_gemv.c's `decode_attention` computes a decode row alone): q [T, hq, d], k and v [T, hk, d]
+        """Attention for T consecutive new rows of one sequence (attention.c `attention_rows`, each row as
+        attention.c's `decode_attention` computes a decode row alone): q [T, hq, d], k and v [T, hk, d]
         (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k weight, q eps,
         k eps) or None, cos/sin [T, rot] or None, the KV buffers [1, hk, capacity, d] of the same dtype with
         room for at + T positions, the first row's position `at`. Returns [T, hq * d]. (q [hq, d] is one row.)"""

@@ -203,7 +203,7 @@ static inline float dot_row(const float *q, const void *row, int wtype, int64_t 
 }
 
 /* The attention of many rows (a prompt chunk) in tiles, each row's bits those of dot_row and axpy_row, so a prompt
- * row gets what it would decoded alone (cpu_gemv.c attention_rows). Keys are transposed to f32 [d][16], 16 keys a
+ * row gets what it would decoded alone (attention.c attention_rows). Keys are transposed to f32 [d][16], 16 keys a
  * tile, so that one vector holds one lane sum of 16 keys: d % 16 == 0 only (no tail). */
 #define SIMD_HAVE_KEY_TILE 1
 /* q . key for the tile's 16 keys, bit for bit dot_row's per key: lane sum l of every key accumulates

@@ -39,7 +39,7 @@ def native_attention(
 
     Why one kernel for every row: each row attends to its keys in one order whatever rows share the
     step, so a window's rows, a prompt's rows and a decode row at the same position compute the same
-    bits (cpu_gemv.c `attention_rows`); torch's SDPA and packed attention sum in orders that depend
+    bits (attention.c `attention_rows`); torch's SDPA and packed attention sum in orders that depend
     on the query count. Also why it is fast on small models: between the projections and o_proj a
     decode layer made about a dozen torch calls (views, transposes, the cache's bookkeeping, SDPA, a
     copy back), more than the arithmetic. Against SDPA, logits agree to float rounding, not bit for bit
