@@ -175,17 +175,17 @@ class EngineConfig(YamlSection):
     )
     native_kernels: str = setting(
         "auto",
-        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where their fastest build beats torch's kernels in a micro-benchmark at this model's shapes, measured once per CPU and cached), on (the fastest build even where torch measures faster; fail at start without a compiler) or off (torch's kernels). One choice per engine: two engines in one process each run their own",
+        "the engine's C kernels on the CPU (built with gcc on first use): auto (default: on where a build compiles; each row computes the same bits whatever shares its step, and the plan shows their speed beside torch's at this model's shapes), on (the same, but fail at start without a compiler) or off (torch's kernels: another numeric family, whose rows round by what shares their step). One choice per engine: two engines in one process each run their own",
         choices=("auto", "on", "off"),
     )
     native_build: str = setting(
         "auto",
-        "which build of the native kernels runs: auto (default: the fastest this CPU runs, measured), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
+        "which build of the native kernels runs: auto (default: the widest this CPU runs, never chosen by timing, since each build computes its own bits), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
         choices=BUILDS,
     )
     native_build_limit: str = setting(
         "auto",
-        "the widest build --native-build auto may measure and choose: auto (default: every build this CPU runs), or avx512-bf16, avx512-vnni, avx512, avx2 or portable: that build and the narrower ones only (to see on a wide CPU what a narrower one would choose, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
+        "the widest build --native-build auto may choose: auto (default: every build this CPU runs), or avx512-bf16, avx512-vnni, avx512, avx2 or portable: that build and the narrower ones only (to see on a wide CPU what a narrower one would run, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
         choices=BUILDS,
     )
     decode_attention: str = setting(

@@ -1,12 +1,12 @@
-"""Which native kernels an op runs: the build of the engine whose model runs it (measured), or none.
+"""Which native kernels an op runs: the build of the engine whose model runs it, or none.
 
 A load resolves its engine's choice once (`resolve_native_kernels`: --native-kernels auto/on/off,
---native-build, --native-build-limit) into a `NativeChoice`, which the loaded model holds. The model
+--native-build, --native-build-limit: the widest build this CPU runs, never one chosen by timing, so every
+load of a model on one machine computes the same bits) into a `NativeChoice`, which the loaded model holds. The model
 makes it the active one around everything that runs its tensors (the load, its runner's steps and
 forwards: `active`), so two engines in one process each run their own kernels. `native()` is the
 active choice's `NativeKernels` (engine/native/kernels.py), or None where they are unavailable (no
-compiler), turned off or measured slower than torch's here (engine/native/autotune.py); callers then
-use torch. Where no model is active (a test of one kernel, a benchmark) it is the widest build this
+compiler) or turned off; callers then use torch. Where no model is active (a test of one kernel, a benchmark) it is the widest build this
 CPU runs. `usable` and `row_gemv` say where an activation can take them.
 
 A context variable, not a module flag: a thread sees the choice of the context it runs in. Pool
@@ -28,7 +28,7 @@ import torch
 
 from engine import env
 from engine.errors import ConfigError
-from engine.native.autotune import DecodeShapes, measured
+from engine.native.autotune import TORCH, DecodeShapes, measured
 from engine.native.build import build, compiler, library_path
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.row_kernels import native_rows_allowed
@@ -58,29 +58,50 @@ def resolve_native_kernels(
     build_limit: str = "auto",
 ) -> NativeChoice:
     """--native-kernels (auto, on, off), --native-build and --native-build-limit resolved for one engine:
-    what runs and why. `shapes`: the model's decode shapes, for the measurement (None: no measurement,
-    the widest build this CPU runs). `on` without the kernels (no compiler) fails with one line, and so
+    what runs and why: the build named, else the widest this CPU runs. `shapes`: the model's decode shapes,
+    for the plan line's measurement of that build against torch's kernels (None: no measurement). `on` without the kernels (no compiler) fails with one line, and so
     does a build named that this CPU cannot run. Changes nothing: the caller makes the choice active."""
     if mode == "off":
         return NativeChoice(None, "off: --native-kernels off (torch's kernels)")
-    builds, why = _builds(build_name, build_limit)
-    if not builds:
+    kernels, why = _widest_build(build_name, build_limit)
+    if kernels is None:
         if mode == "on" or build_name != "auto":
             raise ConfigError(
                 f"--native-kernels {mode} --native-build {build_name}: {why}; install gcc, or use --native-kernels off"
             )
         return NativeChoice(None, f"off: {why}")
+    line = f"on: {kernels.describe()}"
     if shapes is None:
-        name = next(iter(builds))
-        return NativeChoice(builds[name], f"on: {builds[name].describe()}")
-    ids = {name: library_path(compiler() or "cc", by_name(name)).name for name in builds}
-    m = measured(shapes, builds, ids, env.cache_root() / "native" / "autotune.json")
-    native_best = max(builds, key=lambda n: m.gbps[n])
-    if mode == "auto" and m.chosen == "torch":
-        return NativeChoice(None, f"off: torch's kernels measured fastest here; {m.line()}")
-    name = m.chosen if m.chosen in builds else native_best
-    forced = " (--native-kernels on)" if m.chosen == "torch" else ""
-    return NativeChoice(builds[name], f"on: {builds[name].describe()}{forced}; {m.line()}")
+        return NativeChoice(kernels, line)
+    ids = {kernels.variant: library_path(compiler() or "cc", by_name(kernels.variant)).name}
+    m = measured(
+        shapes, {kernels.variant: kernels}, ids, env.cache_root() / "native" / "autotune.json"
+    )
+    if m.chosen == TORCH:
+        line += " (torch's kernels measured faster, but they sum a row in another order with other rows beside it: --native-kernels off runs them)"
+    return NativeChoice(kernels, f"{line}; {m.line()}")
+
+
+def _widest_build(build_name: str, limit: str) -> tuple[NativeKernels | None, str]:
+    """The build an engine runs: the one named, else the widest this CPU runs (no wider than `limit`) that
+    builds; or None and why. Never chosen by timing: builds differ in lane counts and dot products, so
+    each computes its own bits, and a choice by measurement could give two loads of one model on one
+    machine (another cache size, another load on the machine) two numeric families (issue 55)."""
+    if build_name != "auto":
+        variant = by_name(build_name)
+        if variant not in runnable():
+            raise ConfigError(
+                f"--native-build {build_name}: this CPU lacks {', '.join(variant.needs)}; use --native-build auto"
+            )
+        names = [build_name]
+    else:
+        names = [v.name for v in runnable(limit=limit)]
+    why = "no build of the native kernels runs on this CPU"
+    for name in names:  # widest first; a build that fails to compile gives way to the next
+        kernels, why = load_build(name)
+        if kernels is not None:
+            return kernels, ""
+    return None, why
 
 
 @contextmanager

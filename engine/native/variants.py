@@ -3,9 +3,11 @@
 The C source (engine/native/cpu_gemv.c and the simd_*.h headers it includes) compiles to a different
 library for each variant below, each with explicit `-march` flags rather than `-march=native`, so any
 x86-64 machine can build (and the tests check) every variant, and a machine runs those its CPU has the
-instructions for. Which one runs is measured, not assumed (engine/native/autotune.py): on an AMD EPYC
-with AVX2 only, the old single build (`-march=native`, whose fast paths were AVX-512 only) decoded at
-half of torch's speed.
+instructions for: on an AMD EPYC with AVX2 only, the old single build (`-march=native`, whose fast
+paths were AVX-512 only) decoded at half of torch's speed. An engine runs the widest build its CPU runs
+(engine/native/loaded.py), not the one a measurement finds fastest: builds differ in lane counts and dot
+products, so each computes its own bits, and a timed choice could switch the numeric family between two
+loads of one model on one machine.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Variant:
     x86_only: bool = True
 
 
-# Widest first: among variants that measure alike, the earlier one wins (engine/native/autotune.py).
+# Widest first: `auto` runs the first one this CPU runs (engine/native/loaded.py).
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "avx512-bf16",
