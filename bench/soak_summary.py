@@ -7,7 +7,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from bench.soak_outcomes import DRAIN_CODES, FAULT_CODES, KILL_CODES, OUTCOMES
+from bench.soak_outcomes import DRAIN_CODES, FAULT_CODES, KILL_CODES, OUTCOMES, READ_CODES
 
 WARMUP_FRACTION = 0.2  # samples before this share of the run are warm-up (first loads, caches)
 
@@ -63,6 +63,8 @@ def _fault_of(r: dict[str, Any]) -> str | None:
         return "engine_sigkill"
     if r["code"] in DRAIN_CODES:
         return "sigterm_drain"
+    if r["code"] in READ_CODES:
+        return "expert_read_eio"
     return None
 
 
