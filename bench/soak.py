@@ -197,13 +197,18 @@ def injected_read_faults(log: str) -> dict[str, int]:
     return dict(Counter(found))
 
 
+def _thin(xs: list[Any]) -> list[Any]:
+    """At most MAX_SAMPLES of `xs`, evenly spaced."""
+    return xs[:: max(1, -(-len(xs) // MAX_SAMPLES))]
+
+
 def write_record(raw: dict[str, Any], out: Path, with_requests: bool) -> None:
-    """soak.json: everything but the per-request records, at most MAX_SAMPLES samples (evenly
-    spaced), so the page's record stays small; with `with_requests`, soak_requests.json too
+    """soak.json: everything but the per-request records, at most MAX_SAMPLES samples and /health
+    probes (evenly spaced), so the page's record stays small; with `with_requests`, soak_requests.json too
     (about 150 bytes a request)."""
-    step = -(-len(raw["samples"]) // MAX_SAMPLES)  # ceil
     slim = {k: v for k, v in raw.items() if k != "requests"}
-    slim["samples"] = raw["samples"][::step]
+    slim["samples"] = _thin(raw["samples"])
+    slim["health"] = _thin(raw.get("health", []))
     (out / "soak.json").write_text(json.dumps(slim, separators=(",", ":")))
     if with_requests:
         (out / "soak_requests.json").write_text(json.dumps(raw["requests"], separators=(",", ":")))

@@ -198,7 +198,7 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         f"after each kill), most requests "
         f"waiting {s['waiting_max']}; /health p50 {_fmt(s['health_p50_ms'])} ms, p99 "
         f"{_fmt(s['health_p99_ms'])} ms, unanswered within 5 s: {s['health_unanswered']} "
-        f"({s['samples']} samples).",
+        f"({s['health_probes']} probes, from a process of its own: bench/soak_health.py).",
         "",
         *(f"![{p}]({p})" for p in plots),
         "",

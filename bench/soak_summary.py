@@ -41,10 +41,13 @@ def _samples(raw: dict[str, Any]) -> dict[str, Any]:
     warm = WARMUP_FRACTION * end
     steady = [s for s in raw["samples"] if warm <= s["t"] < end]
     rss = [(s["t"], s["rss_mib"]) for s in steady if s["rss_mib"] is not None]
-    health = [s["health_ms"] for s in raw["samples"] if s["t"] < end]
+    # Every probe of /health (bench/soak_health.py) where the record has them, else the samples'.
+    probes = raw.get("health") or [[s["t"], s["health_ms"], s["health"]] for s in raw["samples"]]
+    health = [ms for t, ms, _ in probes if t < end]
     answered = [h for h in health if h is not None]
     return {
         "samples": len(raw["samples"]),
+        "health_probes": len(health),
         "rss_mib_range": _range([y for _, y in rss]),
         "rss_slope_mib_per_min": slope_per_minute([t for t, _ in rss], [y for _, y in rss]),
         "fds_range": _range([s["fds"] for s in steady]),
