@@ -63,7 +63,8 @@ class HealthProbe:
         self._reader.join(5)
 
 
-def main() -> int:
+def probe_loop() -> int:
+    """The child process: probe every PERIOD s and print each reading, until terminated."""
     url, period = sys.argv[1], float(sys.argv[2])
     with httpx.Client() as hc:
         while True:
@@ -74,4 +75,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(probe_loop())

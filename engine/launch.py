@@ -8,6 +8,7 @@ end decides when to stop (drain first), and shuts the engine down with a Shutdow
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -80,6 +81,11 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         log.error("model load failed [error id %s]", eid, exc_info=e)
         out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
+    # What the load made (the model, the imports' objects) lives as long as the process: out of
+    # the garbage collector's reach, so a full collection no longer walks it between two steps
+    # (186 ms measured in a soak's engine on the 2-core machine; server/launch.py does the same).
+    gc.collect()
+    gc.freeze()
     plan = om.plan.with_speculation(
         args.spec.speculative,
         args.spec_why or f"--speculative {args.spec.speculative}",
