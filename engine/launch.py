@@ -83,8 +83,9 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         return
     # What the load made (the model, the imports' objects) lives as long as the process: out of
     # the garbage collector's reach, so a full collection no longer walks it between two steps
-    # (186 ms measured in a soak's engine on the 2-core machine; server/launch.py does the same).
-    gc.collect()
+    # (up to 186 ms in a soak's engine on the 2-core machine; server/launch.py does the same).
+    # No gc.collect() first, unlike the front end: it took 256-300 ms of each restart, for the
+    # few dozen objects of cyclic garbage an import leaves.
     gc.freeze()
     plan = om.plan.with_speculation(
         args.spec.speculative,
