@@ -82,10 +82,10 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
         out_q.put(EngineDead(f"model load failed: {describe(e)} (error id {eid})"))
         return
     # What the load made (the model, the imports' objects) lives as long as the process: out of
-    # the garbage collector's reach, so a full collection no longer walks it between two steps
-    # (up to 186 ms in a soak's engine on the 2-core machine; server/launch.py does the same).
-    # No gc.collect() first, unlike the front end: it took 256-300 ms of each restart, for the
-    # few dozen objects of cyclic garbage an import leaves.
+    # the garbage collector's reach, so a full collection never walks it between two steps (as
+    # server/launch.py does for the front end, whose imports alone took 235 ms to walk).
+    # No gc.collect() first: it took 256-300 ms of each restart, for the 19 objects of cyclic
+    # garbage the imports leave.
     gc.freeze()
     plan = om.plan.with_speculation(
         args.spec.speculative,

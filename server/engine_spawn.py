@@ -1,8 +1,9 @@
 """How engine processes start: forked from a forkserver that imported the engine once.
 
 A fresh `spawn` process imports torch, transformers and the engine before it loads a byte of the
-model: on the 2-core machine that was most of a restart after an engine SIGKILL (18.7 s of a
-20 s start measured under load, the model load itself 1.5-2 s). The forkserver (multiprocessing's
+model: on the 2-core machine that was most of a restart after an engine SIGKILL (imports 4.9 s,
+the embedded model's load 0.3 s, medians of `python -m bench restart-time`; 18.7 s of imports
+once under a soak's load). The forkserver (multiprocessing's
 `forkserver` start method) is one process, started with the first engine, that imports those
 modules once (PRELOAD) and then forks each engine from itself: a restart pays for the fork and
 the model load only. It holds no model, no thread and no CUDA context (importing torch creates
