@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from bench.report import machine_line
-from bench.serve_process import REPO, RunningServer, serve
+from bench.serve_process import REPO, RunningServer, serve, server_parser
 
 VARIANTS = {"spawn": ["--no-engine-preload"], "forkserver": []}
 # What a spawned engine does before it serves, phase by phase (run in a fresh interpreter).
@@ -54,14 +54,7 @@ print(json.dumps({n: b - a for n, a, b in zip(names, t, t[1:])}))
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model",
-        default=str(REPO / "models" / "embedded" / "target"),
-        help="model directory (default: the embedded model)",
-    )
+    ap = server_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant (default 3)")
     ap.add_argument("--kills", type=int, default=3, help="engine SIGKILLs per server (default 3)")
     ap.add_argument("--out", type=Path, default=None, help="folder for restart_time.json")

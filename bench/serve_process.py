@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -61,6 +62,20 @@ class RunningServer:
                 if live:
                     return live[0]
         return None
+
+
+def server_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with `doc` as its description and the --model flag of every benchmark
+    that starts a server (default: the embedded model)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=str(REPO / "models" / "embedded" / "target"),
+        help="model directory (default: the embedded model)",
+    )
+    return ap
 
 
 def _children(pid: int) -> list[int]:

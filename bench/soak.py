@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import machine_line
-from bench.serve_process import REPO, RunningServer, serve
+from bench.serve_process import REPO, RunningServer, serve, server_parser
 from bench.soak_clients import CLIENTS, Ctx
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
@@ -49,14 +49,7 @@ READ_FAULT_SERVER_ARGS = ["--offload", "disk", "--cache-fraction", "0.5"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model",
-        default=str(REPO / "models" / "embedded" / "target"),
-        help="model directory (default: the embedded model)",
-    )
+    ap = server_parser(__doc__)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     ap.add_argument(
         "--kill-every",
