@@ -166,7 +166,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         text = log.read_text(errors="replace")
         raw["read_faults"] = {"spec": args.read_faults, "injected": injected_read_faults(text)}
         tail = text[-3000:]  # no machine paths in a committed record
-        raw["server_log_tail"] = tail.replace(str(REPO), ".").replace(tmp, "<tmp>")
+        raw["server_log_tail"] = _scrub(tail, {str(REPO): ".", tmp: "<tmp>"})
     raw["machine"] = machine_line(1, "server started with OMP_NUM_THREADS=1")
     argv = sys.argv[1:]
     argv = [
@@ -188,6 +188,14 @@ def injected_read_faults(log: str) -> dict[str, int]:
     every engine process of the run counts, a restarted one too."""
     found = re.findall(r"injected expert read fault: (\w+)", log)
     return dict(Counter(found))
+
+
+def _scrub(text: str, more: dict[str, str]) -> str:
+    """`text` without this machine's paths: the repository, the temporary folder, the Python
+    environment and installation (tracebacks in the server's log name their files)."""
+    for path, name in {**more, sys.prefix: "<venv>", sys.base_prefix: "<python>"}.items():
+        text = text.replace(path, name)
+    return text
 
 
 def _thin(xs: list[Any]) -> list[Any]:
