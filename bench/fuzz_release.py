@@ -10,7 +10,6 @@ Prints one JSON line; exits 1 if any 5xx, leak or engine restart was seen.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -21,18 +20,11 @@ from pathlib import Path
 import httpx
 
 from bench.api_fuzz import leaks_in, responses_of, run_schemathesis
-from bench.serve_process import REPO, RunningServer, serve
+from bench.serve_process import RunningServer, serve, server_parser
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model",
-        default=str(REPO / "models" / "embedded" / "target"),
-        help="model directory (default: the embedded model)",
-    )
+    ap = server_parser(__doc__)
     ap.add_argument(
         "--requests", type=int, default=1000, help="fuzzed requests to send at least (default 1000)"
     )

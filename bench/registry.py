@@ -191,6 +191,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("soak.md",),
     ),
     Benchmark(
+        "restart-time",
+        "restart_time",
+        "seconds a server stops serving after an engine SIGKILL, spawned vs forked engines; an engine start's phases",
+        ("soak.md",),
+    ),
+    Benchmark(
         "engine-once",
         "engine_once",
         "one engine decode in a process of its own (tok/s, peak RSS): the child of peers --memory-limit",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -49,10 +50,53 @@ class RunningServer:
         }
 
     def engine_pid(self) -> int | None:
-        # Children are the multiprocessing resource tracker and the engine (spawn_main).
-        for kid in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
-            if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
-                return int(kid)
+        """The running engine: a child of the server's forkserver (server/engine_spawn.py), or
+        with --no-engine-preload a child of the server itself (spawn_main). The other children are
+        multiprocessing's resource tracker; a dead engine not yet reaped is skipped."""
+        for kid in _children(self.proc.pid):
+            cmd = _cmdline(kid)
+            if b"spawn_main" in cmd:
+                return kid
+            if b"forkserver" in cmd:
+                live = [k for k in _children(kid) if _state(k) not in (None, "Z")]
+                if live:
+                    return live[0]
+        return None
+
+
+def server_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with `doc` as its description and the --model flag of every benchmark
+    that starts a server (default: the embedded model)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=str(REPO / "models" / "embedded" / "target"),
+        help="model directory (default: the embedded model)",
+    )
+    return ap
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...); None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return None
 
 

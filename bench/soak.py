@@ -19,16 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from bench.report import machine_line
-from bench.serve_process import REPO, RunningServer, serve
+from bench.serve_process import REPO, RunningServer, serve, server_parser
 from bench.soak_clients import CLIENTS, Ctx
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
@@ -40,23 +42,30 @@ from engine.paths import portable_path
 KILL_MARGIN_S = 40.0
 MAX_BODY = 1024 * 1024  # the server's --max-body-bytes in the soak: oversized bodies stay cheap
 MAX_SAMPLES = 300  # samples kept in soak.json (the summary and plots use all of them)
+# --read-faults without a value: an EIO every 20 s, a short read every 7 s, a 3 s spike every 30 s.
+DEFAULT_READ_FAULTS = "eio:period=20,short:period=7,delay:period=30:secs=3"
+# With read faults the experts must be read: the slow tier on disk, half of them in the fast tier.
+READ_FAULT_SERVER_ARGS = ["--offload", "disk", "--cache-fraction", "0.5"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--model",
-        default=str(REPO / "models" / "embedded" / "target"),
-        help="model directory (default: the embedded model)",
-    )
+    ap = server_parser(__doc__)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     ap.add_argument(
         "--kill-every",
         type=float,
         default=120.0,
         help="SIGKILL the engine every S seconds, none in the last 40 s (or half the run); 0: never (default 120)",
+    )
+    ap.add_argument(
+        "--read-faults",
+        nargs="?",
+        const=DEFAULT_READ_FAULTS,
+        default=None,
+        metavar="SPEC",
+        help="inject expert read faults on a schedule (the server's --expert-read-faults; its slow tier "
+        f"then on disk, half the experts in the fast tier): SPEC, or without one {DEFAULT_READ_FAULTS!r} "
+        "(an EIO every 20 s, a short read every 7 s, a 3 s latency spike every 30 s). Default: none",
     )
     ap.add_argument(
         "--sample-every", type=float, default=1.0, help="seconds between samples (default 1)"
@@ -148,12 +157,16 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     server_args = ["--model", args.model, "--served-model-name", "soak"]
     server_args += ["--max-model-len", str(args.max_model_len)]
     server_args += ["--max-body-bytes", str(MAX_BODY), "--engine-restarts", str(kills + 3)]
+    if args.read_faults:
+        server_args += ["--expert-read-faults", args.read_faults, *READ_FAULT_SERVER_ARGS]
     with tempfile.TemporaryDirectory(prefix="soak-log-") as tmp:
         log = Path(tmp) / "server.log"
         with serve(server_args, log, ready_timeout=300) as srv:
             raw = run_soak(srv, args)
-        tail = log.read_text(errors="replace")[-3000:]  # no machine paths in a committed record
-        raw["server_log_tail"] = tail.replace(str(REPO), ".").replace(tmp, "<tmp>")
+        text = log.read_text(errors="replace")
+        raw["read_faults"] = {"spec": args.read_faults, "injected": injected_read_faults(text)}
+        tail = text[-3000:]  # no machine paths in a committed record
+        raw["server_log_tail"] = _scrub(tail, {str(REPO): ".", tmp: "<tmp>"})
     raw["machine"] = machine_line(1, "server started with OMP_NUM_THREADS=1")
     argv = sys.argv[1:]
     argv = [
@@ -170,13 +183,33 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
+def injected_read_faults(log: str) -> dict[str, int]:
+    """Read faults the engine injected, by kind, from its log lines (engine/experts/read_faults.py);
+    every engine process of the run counts, a restarted one too."""
+    found = re.findall(r"injected expert read fault: (\w+)", log)
+    return dict(Counter(found))
+
+
+def _scrub(text: str, more: dict[str, str]) -> str:
+    """`text` without this machine's paths: the repository, the temporary folder, the Python
+    environment and installation (tracebacks in the server's log name their files)."""
+    for path, name in {**more, sys.prefix: "<venv>", sys.base_prefix: "<python>"}.items():
+        text = text.replace(path, name)
+    return text
+
+
+def _thin(xs: list[Any]) -> list[Any]:
+    """At most MAX_SAMPLES of `xs`, evenly spaced."""
+    return xs[:: max(1, -(-len(xs) // MAX_SAMPLES))]
+
+
 def write_record(raw: dict[str, Any], out: Path, with_requests: bool) -> None:
-    """soak.json: everything but the per-request records, at most MAX_SAMPLES samples (evenly
-    spaced), so the page's record stays small; with `with_requests`, soak_requests.json too
+    """soak.json: everything but the per-request records, at most MAX_SAMPLES samples and /health
+    probes (evenly spaced), so the page's record stays small; with `with_requests`, soak_requests.json too
     (about 150 bytes a request)."""
-    step = -(-len(raw["samples"]) // MAX_SAMPLES)  # ceil
     slim = {k: v for k, v in raw.items() if k != "requests"}
-    slim["samples"] = raw["samples"][::step]
+    slim["samples"] = _thin(raw["samples"])
+    slim["health"] = _thin(raw.get("health", []))
     (out / "soak.json").write_text(json.dumps(slim, separators=(",", ":")))
     if with_requests:
         (out / "soak_requests.json").write_text(json.dumps(raw["requests"], separators=(",", ":")))

@@ -1,7 +1,8 @@
 """The soak's two background threads: a sampler of the server over time, and the fault schedule.
 
 Sampler (every `period` s): the front end's RSS, open fds and threads (psutil), the engine
-process's RSS, /health's latency and status, and from /metrics the engine's running and
+process's RSS, /health's latency and status (probed every `period` s from a process of its own,
+bench/soak_health.py; every probe is kept), and from /metrics the engine's running and
 waiting requests and its memory gauges (`moe_offload_memory_used_bytes` by kind).
 
 Faults: SIGKILL of the engine process every `kill_every` s (the server's supervisor restarts
@@ -23,6 +24,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve_process import RunningServer
+from bench.soak_health import HealthProbe, probe
 from bench.soak_outcomes import Clock
 
 
@@ -61,15 +63,6 @@ def _metrics(hc: httpx.Client, url: str) -> dict[str, Any]:
     return out
 
 
-def _health(hc: httpx.Client, url: str) -> tuple[float | None, str]:
-    t = time.perf_counter()
-    try:
-        r = hc.get(url + "/health", timeout=5)
-    except httpx.HTTPError as e:
-        return None, type(e).__name__
-    return (time.perf_counter() - t) * 1000, str(r.json().get("status", r.status_code))
-
-
 class Monitor:
     """Starts both threads; `stop()` ends them; `samples` and `kills` hold what they saw."""
 
@@ -87,6 +80,7 @@ class Monitor:
         self.kills: list[Kill] = []
         self._stop = threading.Event()
         self._front = psutil.Process(srv.proc.pid)
+        self._probe: HealthProbe | None = None
         self._threads = [threading.Thread(target=self._sample, daemon=True, name="soak-sampler")]
         if kill_every:
             self._threads.append(
@@ -94,6 +88,7 @@ class Monitor:
             )
 
     def start(self) -> None:
+        self._probe = HealthProbe(self.srv.base_url, self.period)
         for t in self._threads:
             t.start()
 
@@ -101,6 +96,8 @@ class Monitor:
         self._stop.set()
         for t in self._threads:
             t.join(70)
+        if self._probe is not None:
+            self._probe.stop()
 
     def _proc(self) -> tuple[float | None, int | None, int | None, float | None]:
         try:
@@ -119,7 +116,8 @@ class Monitor:
         with httpx.Client() as hc:
             while not self._stop.is_set():
                 t = self.clock.now()
-                ms, status = _health(hc, self.srv.base_url)
+                assert self._probe is not None
+                ms, status = self._probe.latest()
                 try:
                     m = _metrics(hc, self.srv.base_url)
                 except httpx.HTTPError:
@@ -143,19 +141,21 @@ class Monitor:
                 kill = Kill(self.clock.now(), pid)
                 os.kill(pid, signal.SIGKILL)
                 self.kills.append(kill)
-                # The supervisor notices within its 0.5 s poll: wait until /health says so.
-                while (
-                    _health(hc, self.srv.base_url)[1] == "ready" and self.clock.now() - kill.t < 3
-                ):
+                # The supervisor notices within its 0.1 s poll: wait until /health says so.
+                while probe(hc, self.srv.base_url)[1] == "ready" and self.clock.now() - kill.t < 3:
                     time.sleep(0.05)
                 while self.clock.now() - kill.t < 60 and not self._stop.is_set():
-                    if _health(hc, self.srv.base_url)[1] == "ready":
+                    if probe(hc, self.srv.base_url)[1] == "ready":
                         kill.restart_s = self.clock.now() - kill.t
                         break
                     time.sleep(0.1)
 
     def as_dict(self) -> dict[str, Any]:
+        start = self.clock.start
+        readings = self._probe.readings if self._probe is not None else []
         return {
             "samples": [asdict(s) for s in self.samples],
             "kills": [asdict(k) for k in self.kills],
+            # Every /health probe: [soak seconds, ms or None, status].
+            "health": [[t - start, ms, status] for t, ms, status in readings],
         }

@@ -7,7 +7,8 @@ Every request the soak sends ends in one `Outcome`:
 - `error`: a clear error object in its API's shape with a status, for a cause that is not an
   injected fault (an oversized body's 413, a full queue's 429 / 503 `queue_full`);
 - `fault`: a clear error object whose fault class names an injected fault (`engine_restarted`,
-  `engine_restarting` after a SIGKILL; `shutting_down`, `aborted` during the SIGTERM drain);
+  `engine_restarting` after a SIGKILL; `shutting_down`, `aborted` during the SIGTERM drain;
+  `expert_read_failed` after an injected EIO);
 - `refused`: during the drain, the server never took the request: the connection was refused
   (the listener closed), or a kept-alive one was closed before any byte of a response;
 - `disconnected`: the client itself went away mid-stream, as planned;
@@ -27,10 +28,12 @@ import anthropic
 import httpx
 import openai
 
-# Fault classes an injected fault explains: SIGKILL of the engine, SIGTERM drain of the server.
+# Fault classes an injected fault explains: SIGKILL of the engine, SIGTERM drain of the server,
+# an expert read error.
 KILL_CODES = frozenset({"engine_restarted", "engine_restarting"})
 DRAIN_CODES = frozenset({"shutting_down", "aborted"})
-FAULT_CODES = KILL_CODES | DRAIN_CODES
+READ_CODES = frozenset({"expert_read_failed"})  # an injected EIO (--read-faults)
+FAULT_CODES = KILL_CODES | DRAIN_CODES | READ_CODES
 OUTCOMES = ("complete", "error", "fault", "refused", "disconnected", "lost")
 
 

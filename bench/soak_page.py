@@ -20,8 +20,6 @@ PLOTS = (  # (file, title, sample keys, y label)
 NOT_COVERED = (  # the end of the page: what issue 53 asks that the soak does not do yet
     "## What the soak does not cover yet",
     "",
-    "- Expert read faults (EIO, short reads, latency spikes): engine/experts/slow_tier.py has "
-    "no fault-injection hook, so the soak cannot inject them.",
     "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
     "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
     "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
@@ -125,6 +123,20 @@ def _kills(raw: dict[str, Any]) -> list[str]:
     return out + [f"| {_fmt(k['t'])} | {_fmt(k['restart_s'])} |" for k in raw["kills"]]
 
 
+def _read_faults(raw: dict[str, Any]) -> list[str]:
+    """The expert read faults the engine injected (--read-faults), by kind, from its log."""
+    rf = raw.get("read_faults") or {}
+    if not rf.get("spec"):
+        return ["", "No expert read faults were injected (no `--read-faults`)."]
+    return [
+        "",
+        f"Expert read faults injected (`--read-faults {rf['spec']}`, slow tier on disk, half the "
+        f"experts in the fast tier), by kind, over every engine process: {rf['injected'] or 'none'}. "
+        "An `eio` fails the requests that needed the expert (`expert_read_failed`); a `short` "
+        "read is read to its end and a `delay` only slows, so neither shows in the outcomes.",
+    ]
+
+
 def page(raw: dict[str, Any], plots: list[str]) -> str:
     s = raw["summary"]
     restarts = ", ".join(_fmt(x) for x in s["restart_s"]) or "none"
@@ -158,13 +170,14 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "object with its status for a cause other than an injected fault (an oversized body's "
         "413, a full queue); `fault` a clear error naming an injected fault "
         "(`engine_restarted`, `engine_restarting` after a SIGKILL, `shutting_down`, `aborted` in "
-        "the drain); `refused` during the drain, the server never took the request (connection "
+        "the drain, `expert_read_failed` after an injected EIO); `refused` during the drain, the server never took the request (connection "
         "refused, or a kept-alive connection closed before any byte of a response); "
         "`disconnected` the client left mid-stream on purpose; `lost` anything else.",
         "",
         *_table(s),
         "",
         f"Per fault: {s['per_fault'] or 'none'}. Error codes seen (status code): {s['codes']}.",
+        *_read_faults(raw),
         *(["", "Lost requests (the first ten):", ""] if s["lost"] else []),
         *(
             f"- {r['client']} {r['kind']} at {_fmt(r['t0'])} s: {r['detail']}"
@@ -185,7 +198,7 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         f"after each kill), most requests "
         f"waiting {s['waiting_max']}; /health p50 {_fmt(s['health_p50_ms'])} ms, p99 "
         f"{_fmt(s['health_p99_ms'])} ms, unanswered within 5 s: {s['health_unanswered']} "
-        f"({s['samples']} samples).",
+        f"({s['health_probes']} probes, from a process of its own: bench/soak_health.py).",
         "",
         *(f"![{p}]({p})" for p in plots),
         "",

@@ -7,7 +7,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from bench.soak_outcomes import DRAIN_CODES, FAULT_CODES, KILL_CODES, OUTCOMES
+from bench.soak_outcomes import DRAIN_CODES, FAULT_CODES, KILL_CODES, OUTCOMES, READ_CODES
 
 WARMUP_FRACTION = 0.2  # samples before this share of the run are warm-up (first loads, caches)
 
@@ -41,10 +41,13 @@ def _samples(raw: dict[str, Any]) -> dict[str, Any]:
     warm = WARMUP_FRACTION * end
     steady = [s for s in raw["samples"] if warm <= s["t"] < end]
     rss = [(s["t"], s["rss_mib"]) for s in steady if s["rss_mib"] is not None]
-    health = [s["health_ms"] for s in raw["samples"] if s["t"] < end]
+    # Every probe of /health (bench/soak_health.py) where the record has them, else the samples'.
+    probes = raw.get("health") or [[s["t"], s["health_ms"], s["health"]] for s in raw["samples"]]
+    health = [ms for t, ms, _ in probes if t < end]
     answered = [h for h in health if h is not None]
     return {
         "samples": len(raw["samples"]),
+        "health_probes": len(health),
         "rss_mib_range": _range([y for _, y in rss]),
         "rss_slope_mib_per_min": slope_per_minute([t for t, _ in rss], [y for _, y in rss]),
         "fds_range": _range([s["fds"] for s in steady]),
@@ -63,6 +66,8 @@ def _fault_of(r: dict[str, Any]) -> str | None:
         return "engine_sigkill"
     if r["code"] in DRAIN_CODES:
         return "sigterm_drain"
+    if r["code"] in READ_CODES:
+        return "expert_read_eio"
     return None
 
 

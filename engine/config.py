@@ -56,6 +56,12 @@ class EngineConfig(YamlSection):
         "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500",
         metavar="NAME|MBPS[:US]",
     )
+    # A fault-injection hook of the slow tier, for soaks and tests (engine/experts/read_faults.py).
+    expert_read_faults: str | None = setting(
+        None,
+        "inject faults into the slow tier's expert reads, for soaks and tests: a comma-separated list of eio (the read fails with EIO: the requests that needed the expert get an expert_read_failed error), short (the read returns part of the bytes; the rest is read again) or delay (the read waits secs=S seconds, default 2), each with when it fires: :p=F (probability per read), :every=N (every Nth read) or :period=S (once every S seconds), optionally :after=N and :seed=N; e.g. eio:every=50,delay:period=30:secs=3. Default: none",
+        metavar="SPEC",
+    )
     policy: str = setting(
         "fetch-all",
         "miss policy: fetch-all (default; waits for every missing expert, exact), threshold (wait for the first choice or a normalized gate >= --threshold, substitute the rest), first-choice (wait only for the first choice), threshold-noprotect (threshold without first-choice protection, a contrast baseline), or a preset: quality-first (threshold + frequency eviction + background admission) or speed-first (first-choice + the same)",
@@ -291,6 +297,10 @@ class EngineConfig(YamlSection):
             from engine.link_spec import parse_link
 
             parse_link(self.link)
+        if self.expert_read_faults is not None:
+            from engine.read_fault_spec import parse_read_faults
+
+            parse_read_faults(self.expert_read_faults)
         self.policies()
 
     @property

@@ -80,6 +80,11 @@ class ServerConfig(YamlSection):
     engine_restart_window: float = setting(
         600.0, "seconds over which engine restarts are counted (default 600)", metavar="S"
     )
+    engine_preload: bool = setting(
+        True,
+        "start each engine as a plain spawned process that imports torch, transformers and the engine itself, instead of forking it from a forkserver that imported them once (the default: a restart after an engine crash then skips those imports, most of its time on a small CPU; server/engine_spawn.py)",
+        flag="--no-engine-preload",
+    )
     # /v1/responses with store=true (the default): GET /v1/responses/{id} and previous_response_id read them.
     responses_store_bytes: int = setting(
         64 * 1024 * 1024,

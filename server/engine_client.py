@@ -5,7 +5,8 @@ with `call_soon_threadsafe`, so the loop never blocks on model work or on IPC.  
 request registers one asyncio.Queue that receives the RequestOutputs of all its choices.
 
 Supervision: when the engine process dies, every in-flight request gets an EngineFailure, the
-child is reaped, and a new engine is started after a backoff (1, 2, 4 ... s).  Each start gets
+child is reaped, and a new engine is started: at once after a minute or more of service, else
+after a backoff (1, 2, 4 ... s), so a crash loop slows down.  Each start gets
 fresh queues: a process killed while holding a queue's lock would leave it locked forever.
 After `max_restarts` restarts within `restart_window` seconds the client gives up and calls
 `on_fatal`, so the server exits non-zero and its own supervisor (systemd, Kubernetes) acts.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import multiprocessing as mp
 import queue
 import re
 import signal
@@ -39,11 +39,16 @@ from engine.core.messages import (
     StatsUpdate,
 )
 from engine.launch import EngineArgs, engine_main
+from server.engine_spawn import engine_context
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("moe_offload.server")
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+# An engine that served this long before it died restarts at once: the backoff is for crash
+# loops, not for the first fault after a stretch of good service.
+STABLE_S = 60.0
+POLL_S = 0.1  # how often the reader thread looks whether a silent engine died
 
 
 class EngineState(Enum):
@@ -77,7 +82,7 @@ class _Engine:
     """One incarnation of the engine process with its own queues."""
 
     gen: int
-    proc: Any  # multiprocessing SpawnProcess
+    proc: Any  # a multiprocessing Process (forkserver's, or spawn's with --no-engine-preload)
     in_q: Any
     out_q: Any
     started: float = field(default_factory=time.monotonic)
@@ -99,6 +104,7 @@ class EngineClient:
         metrics: ServerMetrics,
         max_restarts: int = 3,
         restart_window: float = 600.0,
+        preload: bool = True,
     ) -> None:
         self.args = args
         self.metrics = metrics
@@ -110,13 +116,14 @@ class EngineClient:
         self.engine_pid: int | None = None
         self.on_fatal: Callable[[], None] | None = None  # set by the server: exit non-zero
         self._reqs: dict[str, _Track] = {}
-        self._ctx = mp.get_context("spawn")
+        self._ctx = engine_context(preload)  # forkserver with the engine's imports done once
         self._engine: _Engine | None = None
         self._gen = 0
         self._restarts: list[float] = []  # monotonic times of restarts inside the window
         self._restart_at: float | None = None  # when the pending restart spawns
         self._restart_handle: asyncio.TimerHandle | None = None
         self._load_seconds = 5.0  # last measured start-to-ready time, for Retry-After
+        self._ready_at = 0.0  # when the current engine said ready
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
@@ -137,8 +144,9 @@ class EngineClient:
             name="moe-offload-engine",
             daemon=True,
         )
-        # Ignored signals stay ignored across exec: the child is immune from its first
-        # instruction, even when a SIGTERM to the whole process group arrives during startup.
+        # Ignored signals stay ignored across exec and fork: the child (and the forkserver, which
+        # the first start launches) is immune from its first instruction, even when a SIGTERM to
+        # the whole process group arrives during startup.
         saved = None
         if threading.current_thread() is threading.main_thread():
             saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -212,7 +220,7 @@ class EngineClient:
         assert self._loop is not None
         while True:
             try:
-                msg: EngineOutput = eng.out_q.get(timeout=0.5)
+                msg: EngineOutput = eng.out_q.get(timeout=POLL_S)
             except queue.Empty:
                 if eng.proc.is_alive():
                     continue
@@ -237,7 +245,8 @@ class EngineClient:
             self.metrics.engine.snapshot = msg.engine
         elif isinstance(msg, EngineReady):
             self.state, self.engine_pid = EngineState.READY, msg.pid
-            self._load_seconds = time.monotonic() - self._engine.started
+            self._ready_at = time.monotonic()
+            self._load_seconds = self._ready_at - self._engine.started
             log.info(
                 "engine ready (pid %d, max_model_len %d, %.1f s)",
                 msg.pid,
@@ -274,7 +283,8 @@ class EngineClient:
                 "engine failed to start: %s", error
             )  # a first load that fails will fail again
         elif len(self._restarts) < self.max_restarts:
-            delay = BACKOFF_S[min(len(self._restarts), len(BACKOFF_S) - 1)]
+            stable = was_ready and now - self._ready_at >= STABLE_S
+            delay = 0.0 if stable else BACKOFF_S[min(len(self._restarts), len(BACKOFF_S) - 1)]
             self._restarts.append(now)
             self.state, self._restart_at = EngineState.RESTARTING, now + delay
             log.error(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import os
 import socket
@@ -81,8 +82,20 @@ def run_server(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on"
     )
     server = DrainingServer(config, app.state.server, app.state.requests, drain_timeout)
+    freeze_startup_objects()
     server.run()
     exit_now(server.exit_code)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the imports of torch and transformers, the tokenizer: about
+    400,000 of them) out of the garbage collector's reach for good. They live as long as the
+    process, yet a full (generation 2) collection walks them all, 235 ms on the 2-core machine,
+    while the event loop, and so /health, waits: in a 120 s soak without this the front end made
+    one, of 544 ms, as the load began; with it, none in a 5-minute soak. (Frozen objects are
+    still freed by reference counting when they die; only a reference cycle among them stays.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def exit_now(code: int) -> NoReturn:

@@ -53,6 +53,7 @@ class ServerState:
             self.metrics,
             settings.server.engine_restarts,
             settings.server.engine_restart_window,
+            preload=settings.server.engine_preload,
         )
         self.draining = False
         cfg = json.loads((Path(settings.engine.model_dir) / "config.json").read_text())

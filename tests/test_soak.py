@@ -1,5 +1,6 @@
 """A short soak (issue 53): the real server under every soak client at once, an engine SIGKILL
-while they are busy, and the SIGTERM drain at the end.  No request may be lost (each gets a
+and expert read faults (EIO, short reads, latency spikes) while they are busy, and the SIGTERM
+drain at the end.  No request may be lost (each gets a
 whole answer or a clear error object in its API's shape), no 5xx may be unexplained by the
 injected faults, and every client completes requests again after the engine came back."""
 
@@ -16,9 +17,11 @@ from bench.soak_summary import slope_per_minute
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_short_soak_with_an_engine_sigkill(tmp_path: Path) -> None:
+def test_short_soak_with_an_engine_sigkill_and_read_faults(tmp_path: Path) -> None:
+    faults = "eio:period=4,short:period=3,delay:period=10:secs=2"
     args = _parser().parse_args(
         ["--duration", "45", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
+        + ["--read-faults", faults]
     )
     raw = execute(args)
     s = raw["summary"]
@@ -27,6 +30,11 @@ def test_short_soak_with_an_engine_sigkill(tmp_path: Path) -> None:
     assert s["lost"] == 0 and s["unexplained_5xx"] == 0, detail
     assert passed(raw) and s["exit_code"] == 0, detail
     assert s["per_fault"].get("engine_sigkill", 0) >= 1, detail  # the kill met requests in flight
+    # Every kind of read fault fired; an EIO failed the requests that needed its expert with a
+    # clear `expert_read_failed` error (counted as explained above), a short read or a spike none.
+    injected = raw["read_faults"]["injected"]
+    assert all(injected.get(k, 0) >= 1 for k in ("eio", "short", "delay")), injected
+    assert s["per_fault"].get("expert_read_eio", 0) >= 1, detail
     assert all(s["recovered_after_last_kill"].values()), s["recovered_after_last_kill"]
     sdk = ("openai_chat", "openai_completions", "anthropic", "responses")
     assert all(s["per_client"][c]["complete"] > 0 for c in sdk), s["per_client"]

@@ -46,14 +46,15 @@ def run_engine(
     )
     loop.start()
     out_q.put(ready)
-    parent = mp.parent_process()
+    # Orphaned when the parent is gone: our parent pid changes (we are re-parented). Not
+    # mp.parent_process().is_alive(): under the forkserver its sentinel is the pipe our start
+    # data came through, closed as soon as it was read. The forkserver exits with the front end.
+    parent = os.getppid()
     while loop.is_alive():
         try:
             msg = in_q.get(timeout=0.5)
         except queue.Empty:
-            if (
-                parent is not None and not parent.is_alive()
-            ):  # orphaned: nobody will read our output
+            if os.getppid() != parent:  # orphaned: nobody will read our output
                 msg = Shutdown()
             else:
                 continue

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.experts.link import EmulatedLink
+from engine.experts.read_faults import ReadFaults
 from engine.experts.uncached_io import UncachedReader
 from engine.huge_pages import empty
 from engine.weights.checkpoint import TensorLocation, read_tensor
@@ -29,6 +30,11 @@ class SlowTier(ABC):
     def __init__(self, locator: SegmentLocator, link: EmulatedLink | None) -> None:
         self.locator = locator
         self.link = link
+        self.faults: ReadFaults | None = None  # injected read faults (set_faults), off by default
+
+    def set_faults(self, faults: ReadFaults | None) -> None:
+        """Route every fetch through `faults` (engine/experts/read_faults.py): --expert-read-faults."""
+        self.faults = faults
 
     def fetch(
         self, layer: int, expert: int, into: torch.Tensor | None = None
@@ -40,7 +46,14 @@ class SlowTier(ABC):
         match); else it returns its own buffer, as without `into`."""
         nbytes = self.expert_nbytes(layer, expert)
         deadline = self.link.reserve(nbytes) if self.link else None
-        buf = self._fetch(layer, expert, into)
+        if self.faults is None:
+            buf = self._fetch(layer, expert, into)
+        else:
+            try:
+                self.faults.before_fetch(layer, expert)
+                buf = self._fetch(layer, expert, into)
+            finally:
+                self.faults.after_fetch()
         if deadline is not None:
             EmulatedLink.wait_until(deadline)
         return buf, nbytes
@@ -170,6 +183,10 @@ class DiskTier(SlowTier):
     ) -> None:
         super().__init__(locator, link)
         self.reader = UncachedReader(prefer_direct)
+
+    def set_faults(self, faults: ReadFaults | None) -> None:
+        super().set_faults(faults)
+        self.reader.faults = faults  # a `short` fault cuts the reader's next pread
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         return self.locator.nbytes_on_disk(layer, expert)

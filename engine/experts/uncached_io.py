@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from engine.errors import CheckpointError
+from engine.experts.read_faults import ReadFaults
 
 _ALIGN = 4096
 
@@ -63,6 +64,7 @@ class UncachedReader:
             threading.local()
         )  # per thread: one reusable aligned buffer (read(scratch=True))
         self.clock = ReadClock()
+        self.faults: ReadFaults | None = None  # injected faults (DiskTier.set_faults): short reads
 
     @property
     def modes(self) -> dict[str, str]:
@@ -109,7 +111,7 @@ class UncachedReader:
                     os.close(fd)
                     self._fds[path] = (os.open(path, os.O_RDONLY), False)
                 fd, _ = self._fds[path]
-        data = os.pread(fd, nbytes, offset)
+        data = self._pread(fd, nbytes, offset)
         if len(data) != nbytes:
             raise CheckpointError(
                 f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, got {len(data)}"
@@ -131,12 +133,41 @@ class UncachedReader:
                 )  # page-aligned, as O_DIRECT needs
         else:
             buf = mmap.mmap(-1, end - start)  # anonymous mmap is page-aligned, as O_DIRECT needs
-        got = os.preadv(fd, [memoryview(buf)[: end - start]], start)
+        got = self._preadv(fd, memoryview(buf)[: end - start], start)
         if got < offset + nbytes - start:
             raise CheckpointError(
                 f"{path}: truncated: wanted {nbytes} bytes at offset {offset}, file ended first"
             )
         return memoryview(buf)[offset - start : offset - start + nbytes]
+
+    def _ask(self, want: int, align: int) -> int:
+        return want if self.faults is None else self.faults.cut(want, align)
+
+    def _pread(self, fd: int, nbytes: int, offset: int) -> bytes:
+        """os.pread until `nbytes` bytes or the end of the file. A read may return fewer bytes than
+        asked (a signal, a network filesystem, an injected `short` fault) without the file ending;
+        only an empty read is its end."""
+        parts: list[bytes] = []
+        got = 0
+        while got < nbytes:
+            chunk = os.pread(fd, self._ask(nbytes - got, 1), offset + got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _preadv(self, fd: int, buf: memoryview, start: int) -> int:
+        """os.preadv into `buf` until it is full or the file ends; bytes read. O_DIRECT reads
+        return whole blocks except at the end of the file, so a partial block ends the loop."""
+        got = 0
+        while got < len(buf):
+            want = self._ask(len(buf) - got, _ALIGN)
+            n = os.preadv(fd, [buf[got : got + want]], start + got)
+            got += max(n, 0)
+            if n <= 0 or n % _ALIGN:
+                break
+        return got
 
     def close(self) -> None:
         with self._lock:

@@ -36,6 +36,7 @@ from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.moe_executor import MoeExecutor
+from engine.experts.read_faults import ReadFaults
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
@@ -46,6 +47,7 @@ from engine.native.autotune import DecodeShapes
 from engine.native.layers import accelerate
 from engine.native.loaded import NativeChoice, activate, active, resolve_native_kernels
 from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
+from engine.read_fault_spec import parse_read_faults
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
 from engine.weights.arch_adapters import adapter_for
@@ -231,6 +233,8 @@ def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> Of
         )
     else:
         tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
+    if cfg.expert_read_faults:
+        tier.set_faults(ReadFaults(parse_read_faults(cfg.expert_read_faults)))
     n_slots = mplan.n_slots
     # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
     # fast tier (zero-copy), instead of a second copy of every expert.
@@ -318,6 +322,7 @@ def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> Of
     om.plan = _plan(om, cfg, native.line, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
         _warm(om)
+    _arm_faults(tier, ram is not None)
     return om
 
 
@@ -425,6 +430,18 @@ def _materialize(
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         assert not t.is_meta, f"{name} was left on the meta device"
     model.eval()
+
+
+def _arm_faults(tier: SlowTier, zero_copy: bool) -> None:
+    """Injected read faults start once the model is loaded: a warm-up never meets one."""
+    if tier.faults is None:
+        return
+    if zero_copy:
+        log.warning(
+            "--expert-read-faults: every expert is resident in the RAM tier, so none is ever read "
+            "and no fault can fire; give --offload disk or a smaller --cache-fraction"
+        )
+    tier.faults.arm()
 
 
 def _warm(om: OffloadedModel) -> None:

@@ -1,0 +1,52 @@
+"""Issue 53's restart and /health items: engines fork from a forkserver that imported the engine once,
+an engine that served a while restarts without backoff, and the front end's startup objects are
+out of the garbage collector's reach (a full collection walked them all, blocking /health)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from server.engine_client import BACKOFF_S, STABLE_S, EngineClient, EngineState
+from server.engine_spawn import PRELOAD, engine_context
+from server.launch import freeze_startup_objects
+from server.metrics import ServerMetrics
+
+
+class _Loop:
+    def call_later(self, delay: float, fn: Any) -> None:
+        self.delay = delay
+
+
+def test_engines_start_from_a_preloaded_forkserver_unless_told_not_to() -> None:
+    ctx = engine_context(preload=True)
+    assert ctx.get_start_method() == "forkserver"
+    assert {"engine.worker.loader", "engine.launch"} <= set(PRELOAD)
+    assert engine_context(preload=False).get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize(("served_s", "delay"), [(STABLE_S + 5, 0.0), (5.0, BACKOFF_S[0])])
+def test_an_engine_that_served_a_while_restarts_at_once(served_s: float, delay: float) -> None:
+    client = EngineClient(None, ServerMetrics(), max_restarts=3)  # type: ignore[arg-type]
+    client._loop = loop = _Loop()  # type: ignore[assignment]
+    client._engine = SimpleNamespace(release=lambda: None)  # type: ignore[assignment]
+    client.state, client.engine_pid = EngineState.READY, 1234
+    client._ready_at = time.monotonic() - served_s
+    client._on_death("engine process exited (code -9)")
+    assert client.state is EngineState.RESTARTING and loop.delay == delay
+
+
+def test_startup_objects_are_frozen_out_of_the_collector() -> None:
+    import server.app  # noqa: F401  (the front end's imports: torch, transformers, fastapi)
+
+    tracked = len(gc.get_objects())  # what a full collection walks
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0.9 * tracked
+        assert len(gc.get_objects()) < 0.1 * tracked  # a collection now walks only newer objects
+    finally:
+        gc.unfreeze()
