@@ -24,8 +24,19 @@ from engine.native.variants import Variant, runnable
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_gemv.c", HERE / "attention.c", HERE / "gemm.c", HERE / "decode_layer.c", HERE / "mxfp4_moe.c"]
-HEADERS = [HERE / "cpu_gemv.h", HERE / "kernel_common.h", HERE / "gemm_kernels.h", *sorted(HERE.glob("simd_*.h"))]
+SOURCES = [
+    HERE / "cpu_gemv.c",
+    HERE / "attention.c",
+    HERE / "gemm.c",
+    HERE / "decode_layer.c",
+    HERE / "mxfp4_moe.c",
+]
+HEADERS = [
+    HERE / "cpu_gemv.h",
+    HERE / "kernel_common.h",
+    HERE / "gemm_kernels.h",
+    *sorted(HERE.glob("simd_*.h")),
+]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
