@@ -70,6 +70,27 @@ int capabilities(void) {
     return caps;
 }
 
+/* One block of QBLOCK (64) activations quantized to int8, bit for bit the scalar loop of act_prepare: the same
+ * scale (the block's largest |x|, which any order finds, over 127), the same products x * (1 / s) and the same
+ * rounding (cvtps2dq rounds to nearest even under the default MXCSR, as lrintf does), 16 at a time: the scalar
+ * loop's libm calls per element took a tenth of an int8 prompt's time. */
+#if defined(__AVX512F__)
+static void quantize_block_avx512(const float *x, int8_t *q8, uint8_t *qa, uint64_t *neg, float *qs) {
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < QBLOCK; j += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), m); /* a NaN: m, as fmaxf */
+    float s = _mm512_reduce_max_ps(m) / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    uint64_t bits = 0;
+    for (int j = 0; j < QBLOCK; j += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q8 + j), _mm512_cvtepi32_epi8(q));
+        _mm_storeu_si128((__m128i *)(qa + j), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q)));
+        bits |= (uint64_t)_mm512_cmplt_epi32_mask(q, _mm512_setzero_si512()) << j;
+    }
+    *neg = bits;
+    *qs = s;
+}
+#endif
+
 /* Chooses the dot product for weights of `wtype` and fills the activation's narrow form for it. The bf16 dot
  * of AVX-512 BF16 reads a bf16 activation and runs only where the activation is bf16 (it then carries 8
  * significant bits already, so the products are exact); the even/odd form of AVX2 holds f32 values and serves
@@ -93,6 +114,10 @@ void act_prepare(act_t *a, int64_t n, int wtype, int xtype) {
         a->mode = DOT_I8;
         for (int64_t b = 0; b < n / QBLOCK; b++) {
             const float *x = a->f + b * QBLOCK;
+#if defined(__AVX512F__)
+            quantize_block_avx512(x, a->q8 + b * QBLOCK, a->qa + b * QBLOCK, a->neg + b, a->qs + b);
+            continue;
+#endif
             float inv, s = block_scale(x, QBLOCK, &inv);
             uint64_t neg = 0;
             for (int j = 0; j < QBLOCK; j++) {
