@@ -40,7 +40,7 @@ def once(k):
     c = complete(core, [request(ids[:k], SamplingParams(max_tokens=1))])[0]
     assert c.error is None, c.error
     return k / c.prefill_seconds
-once(64)  # warm-up: first-call checks, buffers
+once(n)  # warm-up at the measured length (as llama-bench warms up): first-call checks, buffers of n rows
 print("RESULT", json.dumps({"tps": once(n)}))
 """
 
