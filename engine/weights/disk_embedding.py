@@ -121,7 +121,8 @@ class DiskEmbedding(nn.Module):
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+            # Past nn.Module.__setattr__, whose Parameter check fails when __del__ runs at interpreter exit.
+            self.__dict__["_fd"] = -1
 
     def __del__(self) -> None:
         self.close()
