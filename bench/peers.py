@@ -307,12 +307,12 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
 
     def timed_step(self, *a):
         t0, n0 = time.perf_counter(), native_s[0]
-        took = real_step(self, *a)
-        if took:
+        declined = real_step(self, *a)  # None: the fused step ran; else why it declined
+        if declined is None:
             fused["steps"] += 1
             fused["wall"] += time.perf_counter() - t0
             fused["native"] += native_s[0] - n0
-        return took
+        return declined
 
     def run() -> float:
         t0 = time.perf_counter()
