@@ -3,6 +3,29 @@
  * it gets decoded alone. Called through ctypes (engine/native/row_ops.py) and by decode_layer.c. */
 #include "kernel_common.h"
 
+/* The f32 queries of KV head g's query heads for rows r0..r0 + nb - 1 (q rows qd bytes apart), into qf [nb * group, d]. */
+static void load_rows_q(const void *q, int wt, int64_t nb, int64_t group, int64_t d, int64_t g, int64_t r0, size_t qd,
+                        float *qf) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t a = 0; a < group; a++)
+            for (int64_t i = 0; i < d; i++)
+                qf[(b * group + a) * d + i] = load1((const char *)q + (r0 + b) * qd, wt, (g * group + a) * d + i);
+}
+
+/* Those rows' outputs: each weighted sum acc [nb * group, d] times 1 / its softmax sum, in x's dtype, to out. */
+static void store_rows_out(const float *acc, const float *inv, int xtype, int64_t nb, int64_t group, int64_t d,
+                           int64_t g, void *out, int64_t r0, size_t qd) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t a = 0; a < group; a++)
+            for (int64_t i = 0; i < d; i++) {
+                float y = acc[(b * group + a) * d + i] * inv[b * group + a];
+                int64_t o = (g * group + a) * d + i;
+                char *orow = (char *)out + (r0 + b) * qd;
+                if (xtype == X_F32) ((float *)orow)[o] = y;
+                else ((uint16_t *)orow)[o] = f32_to_bf16(y);
+            }
+}
+
 /* The softmax of `count` score rows in place, row r at scores + r * stride with lens[r] scores: each row shifted by its
  * maximum and exponentiated (exp_inplace), and 1 / the sum of its exponentials in inv[r]. Each row's sum runs over its
  * scores in key order, one addition after another (the decode row's order); up to eight rows' sums run side by side,
@@ -116,10 +139,7 @@ static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_
             }
         for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
             int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++)
-                    for (int64_t i = 0; i < d; i++)
-                        qf[(b * group + a) * d + i] = load1((const char *)q + (r0 + b) * qd, wt, (g * group + a) * d + i);
+            load_rows_q(q, wt, nb, group, d, g, r0, qd, qf);
             for (int64_t j = 0; j < last; j += KEY_TILE) {
                 const float *tile = kt + (j / KEY_TILE) * d * KEY_TILE;
                 for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) /* rows at positions >= j */
@@ -140,15 +160,7 @@ static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_
                     for (int64_t a = 0; a < group; a++)
                         axpy_keys(acc + (b * group + a) * d, scores + (b * group + a) * span + j, vf + j * d, n, d);
                 }
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++)
-                    for (int64_t i = 0; i < d; i++) {
-                        float y = acc[(b * group + a) * d + i] * inv[b * group + a];
-                        int64_t o = (g * group + a) * d + i;
-                        char *orow = (char *)out + (r0 + b) * qd;
-                        if (xtype == X_F32) ((float *)orow)[o] = y;
-                        else ((uint16_t *)orow)[o] = f32_to_bf16(y);
-                    }
+            store_rows_out(acc, inv, xtype, nb, group, d, g, out, r0, qd);
         }
     }
 }
@@ -177,10 +189,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
     for (int64_t g = 0; g < hk; g++)
         for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
             int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++)
-                    for (int64_t i = 0; i < d; i++)
-                        qf[(b * group + a) * d + i] = load1((const char *)q + (r0 + b) * qd, wt, (g * group + a) * d + i);
+            load_rows_q(q, wt, nb, group, d, g, r0, qd, qf);
             for (int64_t j = 0; j < last; j++) {
                 const char *kr = (const char *)kbuf + (size_t)((g * cap + j) * d) * xs;
                 for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) /* rows at positions >= j */
@@ -199,14 +208,6 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
                     for (int64_t a = 0; a < group; a++)
                         axpy_row(acc + (b * group + a) * d, scores[(b * group + a) * span + j], vr, wt, d);
             }
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++)
-                    for (int64_t i = 0; i < d; i++) {
-                        float y = acc[(b * group + a) * d + i] * inv[b * group + a];
-                        int64_t o = (g * group + a) * d + i;
-                        char *orow = (char *)out + (r0 + b) * qd;
-                        if (xtype == X_F32) ((float *)orow)[o] = y;
-                        else ((uint16_t *)orow)[o] = f32_to_bf16(y);
-                    }
+            store_rows_out(acc, inv, xtype, nb, group, d, g, out, r0, qd);
         }
 }

@@ -87,15 +87,7 @@ def _widest_build(build_name: str, limit: str) -> tuple[NativeKernels | None, st
     builds; or None and why. Never chosen by timing: builds differ in lane counts and dot products, so
     each computes its own bits, and a choice by measurement could give two loads of one model on one
     machine (another cache size, another load on the machine) two numeric families (issue 55)."""
-    if build_name != "auto":
-        variant = by_name(build_name)
-        if variant not in runnable():
-            raise ConfigError(
-                f"--native-build {build_name}: this CPU lacks {', '.join(variant.needs)}; use --native-build auto"
-            )
-        names = [build_name]
-    else:
-        names = [v.name for v in runnable(limit=limit)]
+    names = _build_names(build_name, limit)
     why = "no build of the native kernels runs on this CPU"
     for name in names:  # widest first; a build that fails to compile gives way to the next
         kernels, why = load_build(name)
@@ -123,18 +115,23 @@ def activate(choice: NativeChoice) -> None:
     _ACTIVE.set(choice)
 
 
+def _build_names(build_name: str, limit: str) -> list[str]:
+    """The builds to try, widest first: the one named (refused in one line where this CPU lacks its
+    instructions), else every build this CPU runs no wider than `limit`."""
+    if build_name == "auto":
+        return [v.name for v in runnable(limit=limit)]
+    variant = by_name(build_name)
+    if variant not in runnable():
+        raise ConfigError(
+            f"--native-build {build_name}: this CPU lacks {', '.join(variant.needs)}; use --native-build auto"
+        )
+    return [build_name]
+
+
 def _builds(build_name: str, limit: str = "auto") -> tuple[dict[str, NativeKernels], str]:
     """The builds this CPU runs, widest first, no wider than `limit` (or the one named), loaded; or none
     and why."""
-    if build_name != "auto":
-        variant = by_name(build_name)
-        if variant not in runnable():
-            raise ConfigError(
-                f"--native-build {build_name}: this CPU lacks {', '.join(variant.needs)}; use --native-build auto"
-            )
-        names = [build_name]
-    else:
-        names = [v.name for v in runnable(limit=limit)]
+    names = _build_names(build_name, limit)
     out: dict[str, NativeKernels] = {}
     why = "no build of the native kernels runs on this CPU"
     with ThreadPoolExecutor(len(names)) as pool:  # first use: the compilers run side by side
