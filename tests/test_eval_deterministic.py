@@ -24,6 +24,7 @@ def _eval(cfg: EngineConfig, ids: list[int]) -> dict:
     return {k: v for k, v in r.items() if k not in TIMING}
 
 
+@pytest.mark.slow  # CI's 10 minutes: prompt rows' bits are pinned by test_batch_invariance and test_lean_forward
 @pytest.mark.timeout(600)
 def test_settled_eval_repeats_bit_for_bit() -> None:
     om = load_model(EMBEDDED_TARGET, EngineConfig())

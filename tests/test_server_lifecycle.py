@@ -285,6 +285,7 @@ def test_policy_counters_reach_prometheus(tiny_ckpt, tmp_path: Path) -> None:
     assert ("moe_offload_expert_admissions_total", ()) in m
 
 
+@pytest.mark.slow  # CI's 10 minutes: the soak's disconnecting clients run in CI
 @pytest.mark.timeout(180)
 def test_50_disconnects_then_fresh_request(tiny_ckpt, tmp_path: Path) -> None:
     """50 streams hang up at their first event; the server notices every one (50 aborts), frees

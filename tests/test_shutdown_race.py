@@ -113,6 +113,7 @@ def _drain_cycle(model: Path, log: Path) -> None:
         assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
 
 
+@pytest.mark.slow  # CI's 10 minutes: the soak and test_server_lifecycle's process-group SIGTERM drain in CI
 def test_sigterm_drain(tiny_ckpt, tmp_path: Path) -> None:
     _drain_cycle(tiny_ckpt(), tmp_path / "log")
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_short_soak_with_an_engine_sigkill_and_read_faults(tmp_path: Path) -> None:
     faults = "eio:period=4,short:period=3,delay:period=10:secs=2"
     args = _parser().parse_args(
-        ["--duration", "45", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
+        ["--duration", "35", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
         + ["--read-faults", faults]
     )
     raw = execute(args)

@@ -132,6 +132,7 @@ def _run(om, spec: SpecConfig, prompts: list[list[int]], params: SamplingParams)
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow  # CI's 10 minutes: test_batch_invariance draws the embedded pair's draft and n-gram speculation
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("offload,fraction", [("ram", 1.0), ("disk", 0.25)])
 def test_embedded_pair_speculation_is_exact(offload: str, fraction: float) -> None:
