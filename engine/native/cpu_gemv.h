@@ -1,5 +1,5 @@
 /* What engine/native/cpu_gemv.c shares with the kernels built on it (engine/native/gemm.c, decode_layer.c,
- * mxfp4_moe.c): the activation forms (act_t), the dtype codes, the bf16 conversions and rounding, SiLU, and the
+ * mxfp4_moe.c): the OpenMP helpers, the activation forms (act_t), the dtype codes, the bf16 conversions and rounding, SiLU, and the
  * prototypes of its exported kernels (documented where they are defined). */
 #ifndef MOE_OFFLOAD_CPU_GEMV_H
 #define MOE_OFFLOAD_CPU_GEMV_H
@@ -9,6 +9,18 @@
 #include <math.h>
 #if defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+/* This thread's number and the team's size inside an OpenMP parallel region (0 and 1 in a build without OpenMP). */
+#ifdef _OPENMP
+#include <omp.h>
+#define TID() omp_get_thread_num()
+#define NT() omp_get_num_threads()
+#define BARRIER() _Pragma("omp barrier")
+#else
+#define TID() 0
+#define NT() 1
+#define BARRIER()
 #endif
 
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4 = 3 }; /* W_Q4: int4 groups of 64 (moe_q4_rows), experts only */

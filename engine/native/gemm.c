@@ -17,14 +17,6 @@
  */
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#ifdef _OPENMP
-#include <omp.h>
-#define TID() omp_get_thread_num()
-#define NT() omp_get_num_threads()
-#else
-#define TID() 0
-#define NT() 1
-#endif
 
 #define GEMM_MB 128 /* activation rows prepared at a time by gemm() */
 #define GEMM_XB 128 /* activation rows packed at a time by gemm_tiles */

@@ -1,4 +1,4 @@
-/* What every kernel source (cpu_gemv.c, attention.c) shares, in one place: the OpenMP helpers, the activation
+/* What every kernel source (cpu_gemv.c, attention.c) shares, in one place (beside cpu_gemv.h): the activation
  * block sizes, the dtype loads, and the dot products of this build's instruction set. The dot products live in three
  * headers, each defining only what its instruction set speeds up, included widest first so that the first
  * definition wins (the SIMD_HAVE_* guards): simd_avx512.h, simd_avx2.h, simd_portable.h. They use what this
@@ -8,16 +8,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include "cpu_gemv.h"
-#ifdef _OPENMP
-#include <omp.h>
-#define TID() omp_get_thread_num()
-#define NT() omp_get_num_threads()
-#define BARRIER() _Pragma("omp barrier")
-#else
-#define TID() 0
-#define NT() 1
-#define BARRIER()
-#endif
 
 #define QBLOCK 64 /* activation quantization block of the int8 path */
 #define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */

@@ -32,16 +32,6 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#define TID() omp_get_thread_num()
-#define NT() omp_get_num_threads()
-#define BARRIER() _Pragma("omp barrier")
-#else
-#define TID() 0
-#define NT() 1
-#define BARRIER()
-#endif
 
 #define MX_GROUP 32 /* weights a scale covers */
 #define MX_MAX_ROWS 16
