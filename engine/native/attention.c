@@ -111,10 +111,30 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
 #define KEY_TILE 16
 static int64_t up16(int64_t n) { return (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; }
 
+/* Whether T rows of head size d take the key tiles (a prompt chunk, in a build that has them): the same bits either way. */
+static int key_tiled(int64_t T, int64_t d) {
+#ifdef SIMD_HAVE_KEY_TILE
+    return T >= ATT_ROWS && d % KEY_TILE == 0;
+#else
+    (void)T, (void)d;
+    return 0;
+#endif
+}
+
 int64_t attention_rows_work_floats(int64_t T, int64_t hq, int64_t hk, int64_t d, int64_t at) {
     /* scores (each row's span rounded up to whole key tiles), q and the weighted values of a block of rows; the tiled
      * path adds a head's keys transposed and its values in f32 */
-    return ATT_ROWS * (hq / hk) * (up16(at + T) + 2 * d) + 2 * up16(at + T) * d + 64;
+    int64_t tiles = key_tiled(T, d) ? 2 * up16(at + T) * d : 0;
+    return ATT_ROWS * (hq / hk) * (up16(at + T) + 2 * d) + tiles + 64;
+}
+
+/* softmax_rows for a block of nb consecutive rows, each with `group` query heads: row b attends to its first
+ * first_len + b keys; row b's scores are at scores + (b * group + a) * span. */
+static void softmax_block(float *scores, int64_t span, int64_t first_len, int64_t nb, int64_t group, float *inv) {
+    int64_t lens[ATT_ROWS * 64];
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t a = 0; a < group; a++) lens[b * group + a] = first_len + b;
+    softmax_rows(scores, span, lens, nb * group, inv);
 }
 
 #ifdef SIMD_HAVE_KEY_TILE
@@ -149,10 +169,7 @@ static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_
                     }
             }
             float inv[ATT_ROWS * 64];
-            int64_t lens[ATT_ROWS * 64];
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++) lens[b * group + a] = at + r0 + b + 1;
-            softmax_rows(scores, span, lens, nb * group, inv);
+            softmax_block(scores, span, at + r0 + 1, nb, group, inv);
             for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j < last; j += KEY_TILE)
                 for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) {
@@ -180,7 +197,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
                   (int64_t)xs);
     }
 #ifdef SIMD_HAVE_KEY_TILE
-    if (T >= ATT_ROWS && d % KEY_TILE == 0) { /* a prompt chunk: the same bits in key tiles */
+    if (key_tiled(T, d)) { /* a prompt chunk: the same bits in key tiles */
         attend_tiled(q, xtype, T, hq, hk, d, kbuf, vbuf, cap, at, scale, out, work);
         return;
     }
@@ -197,10 +214,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
                         scores[(b * group + a) * span + j] = dot_row(qf + (b * group + a) * d, kr, wt, d) * scale;
             }
             float inv[ATT_ROWS * 64];
-            int64_t lens[ATT_ROWS * 64];
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t a = 0; a < group; a++) lens[b * group + a] = at + r0 + b + 1;
-            softmax_rows(scores, span, lens, nb * group, inv);
+            softmax_block(scores, span, at + r0 + 1, nb, group, inv);
             for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j < last; j++) {
                 const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
