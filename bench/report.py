@@ -66,12 +66,11 @@ def _analysis(old: str, header: str) -> str:
 
 def _header_start(old: str) -> int:
     """Where the generated header of page `old` starts: after its summary, else after its title, else at 0."""
-    for mark in (SUMMARY_LAST, "# "):
-        at = old.find(mark) if mark != "# " or old.startswith("# ") else -1
-        if at >= 0:
-            gap = old.find("\n\n", at)
-            return gap + 2 if gap >= 0 else len(old)
-    return 0
+    at = old.find(SUMMARY_LAST)
+    if at < 0 and not old.startswith("# "):
+        return 0
+    gap = old.find("\n\n", max(at, 0))
+    return gap + 2 if gap >= 0 else len(old)
 
 
 def _occurrences(text: str, marker: str) -> list[int]:
