@@ -41,6 +41,12 @@ class InPlaceLayer(DynamicLayer):
     # very tensors (nothing cropped or replaced them), reserve() skips re-checking they view the buffers.
     _views: tuple[torch.Tensor, torch.Tensor] | None = None
     _length: int = 0
+    # The native kernels' view of the buffers (cpu_gemv.h kv_row): one block holding every position.
+    block_table: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return 0 if self._key_buffer is None else self._key_buffer.shape[2]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
