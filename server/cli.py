@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from engine.core.sampling_params import SamplingParams
@@ -174,9 +174,9 @@ def _kv_request(args: argparse.Namespace, scfg: ServerConfig) -> KvRequest:
     if args.config:
         in_file = set(ServerConfig.keys_in_yaml(args.config))
     given = set(overrides_from_args(args, ServerConfig)) | in_file
+    # KvRequest's fields are ServerConfig settings of the same names.
     return KvRequest(
-        scfg.max_model_len if "max_model_len" in given else None,
-        scfg.max_running if "max_running" in given else None,
+        **{f.name: getattr(scfg, f.name) if f.name in given else None for f in fields(KvRequest)}
     )
 
 
@@ -193,7 +193,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.core.limits import CoreLimits
     from engine.launch import EngineArgs, max_model_len_of
     from engine.worker.loader import check_model_dir
     from server.app import create_app
@@ -208,9 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan_checkpoint(model_dir, engine_config, kv)
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    limits = CoreLimits(
-        scfg.max_running, scfg.prefill_token_budget, max_model_len_of(model_dir, scfg.max_model_len)
-    )
+    limits = scfg.core_limits(max_model_len_of(model_dir, scfg.max_model_len))
     engine = EngineArgs(
         model_dir, engine_config, limits, spec=spec, spec_why=spec_why, kv_request=kv
     )

@@ -65,3 +65,10 @@ def test_forced_tools_come_from_the_server_config() -> None:
     scfg = ServerConfig(force_tool_call=("get_weather", 'lookup={"q": "x"}'))
     settings = ServeSettings(engine=None, served_model_name="m", server=scfg)  # type: ignore[arg-type]
     assert settings.forced_tools == (("get_weather", None), ("lookup", {"q": "x"}))
+
+
+def test_core_limits_come_from_the_server_config_by_name() -> None:
+    scfg = ServerConfig(max_running=3, prefill_token_budget=7)
+    assert scfg.core_limits(99) == CoreLimits(
+        max_running=3, prefill_token_budget=7, max_model_len=99
+    )
