@@ -107,7 +107,7 @@ def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Itera
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "serve",
         "--host",
         "127.0.0.1",

@@ -8,9 +8,9 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+from cli.main import build_parser
 from engine.core.limits import CoreLimits
 from engine.launch import EngineArgs
-from server.cli import build_parser
 from server.config import ServerConfig
 from server.state import ServeSettings
 
@@ -50,11 +50,11 @@ def test_help_states_the_default_the_flag_has() -> None:
 
 def test_the_limit_defaults_are_written_once() -> None:
     """A field `max_running: int = 64` (or `= setting(64, ...)`, or prefill_token_budget's) anywhere
-    in engine/ or server/ but engine/core/limits.py is a second definition of a default."""
+    in engine/, server/ or cli/ but engine/core/limits.py is a second definition of a default."""
     pattern = re.compile(rf"\b({'|'.join(LIMITS)})\s*:\s*int\s*=\s*(setting\(\s*)?\(?\s*\d")
     defined = {
         p.relative_to(REPO).as_posix()
-        for root in ("engine", "server")
+        for root in ("engine", "server", "cli")
         for p in (REPO / root).rglob("*.py")
         if pattern.search(p.read_text())
     }

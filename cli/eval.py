@@ -1,5 +1,5 @@
 """`moe-offload eval` (teacher-forced perplexity per policy) and `moe-offload trace` (router
-traces); `simulate` (replaying a trace) is server/cli_simulate.py."""
+traces); `simulate` (replaying a trace) is cli/simulate.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from cli.common import add_engine_flags, engine_config_from_args, resolve_model_dir
+from cli.simulate import add_simulate_parser
 from engine.errors import MoeOffloadError
 from engine.paths import portable_path
-from server.cli_common import add_engine_flags, engine_config_from_args, resolve_model_dir
-from server.cli_simulate import add_simulate_parser
 
 
 def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
@@ -35,7 +35,7 @@ def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
+    from cli.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
 
     base = engine_config_from_args(args)
     if args.settle_background is None:  # eval is deterministic unless asked otherwise
@@ -137,7 +137,7 @@ def _plot(rows: list[dict], path: Path, fraction: float | None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from server.policy_sweep import UNPROTECTED
+    from cli.policy_sweep import UNPROTECTED
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for r in rows:
@@ -203,7 +203,7 @@ def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     e.add_argument(
         "--all-policies",
         action="store_true",
-        help="run every policy and preset (see server/policy_sweep.py), print one table, and check the mass hypothesis",
+        help="run every policy and preset (see cli/policy_sweep.py), print one table, and check the mass hypothesis",
     )
     e.add_argument(
         "--policies",

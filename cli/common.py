@@ -1,5 +1,5 @@
 """What every model-loading command shares: engine flags (generated from EngineConfig), the
-engine settings they produce, and the default model. Imported by cli.py and cli_eval.py."""
+engine settings they produce, and the default model. Imported by every command module here."""
 
 from __future__ import annotations
 

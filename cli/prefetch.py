@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cli.common import resolve_model_dir
 from engine.errors import MoeOffloadError
 from engine.paths import portable_path
-from server.cli_common import resolve_model_dir
 
 
 def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from cli.eval import _read_tokens
     from engine.config import EngineConfig
     from engine.offline.trace import record_trace
     from engine.prefetch.adapter import FILE_NAME, save_adapter
@@ -25,7 +26,6 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
         train_adapter,
     )
     from engine.worker.loader import load_model
-    from server.cli_eval import _read_tokens
 
     torch.set_num_threads(args.threads)
     model_dir = Path(resolve_model_dir(args.model))

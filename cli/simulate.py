@@ -11,6 +11,7 @@ from engine.errors import MoeOffloadError
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from cli.policy_sweep import POLICY_SWEEP
     from engine.config import EngineConfig
     from engine.experts.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
@@ -23,7 +24,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         load_trace,
         manual_costs,
     )
-    from server.policy_sweep import POLICY_SWEEP
 
     if not Path(args.trace).is_file():
         raise MoeOffloadError(
