@@ -292,6 +292,16 @@ class RoutingRegulariser:
         return loss
 
 
+def _counter(counts: torch.Tensor, E: int):
+    """A forward hook that adds the router's chosen ids to `counts`. It returns None: a hook that
+    returns a value replaces the module's output (the add_'s tensor once replaced the router's)."""
+
+    def hook(mod, inp, out) -> None:
+        counts.add_(torch.bincount(out[2].reshape(-1), minlength=E))
+
+    return hook
+
+
 @torch.no_grad()
 def calibrate_bias(model, batcher, iters: int, batches: int, rate: float) -> list[dict]:
     """Settle a glm4_moe target's balancing bias after training, with the weights frozen.
@@ -305,12 +315,7 @@ def calibrate_bias(model, batcher, iters: int, batches: int, rate: float) -> lis
     routers = [layer.mlp.gate for layer in model.model.layers]
     E = routers[0].e_score_correction_bias.numel()
     counts = [torch.zeros(E) for _ in routers]
-    hooks = [
-        r.register_forward_hook(
-            lambda mod, inp, out, c=c: c.add_(torch.bincount(out[2].reshape(-1), minlength=E))
-        )
-        for r, c in zip(routers, counts)
-    ]
+    hooks = [r.register_forward_hook(_counter(c, E)) for r, c in zip(routers, counts)]
     history = []
     try:
         for it in tqdm(range(iters + 1), desc="calibrating the balancing bias", file=sys.stdout):
