@@ -72,3 +72,15 @@ def test_core_limits_come_from_the_server_config_by_name() -> None:
     assert scfg.core_limits(99) == CoreLimits(
         max_running=3, prefill_token_budget=7, max_model_len=99
     )
+
+
+def test_plan_takes_its_engine_settings_from_engine_config_as_serve_does() -> None:
+    from cli.plan import PLAN_SETTINGS
+
+    choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    serve = {a.dest: a for a in choices["serve"]._actions}
+    plan = {a.dest: a for a in choices["plan"]._actions}
+    for name in PLAN_SETTINGS:
+        assert plan[name].help == serve[name].help, name
+        assert plan[name].choices == serve[name].choices, name
+        assert plan[name].default is None, name  # not given: EngineConfig's default applies
