@@ -312,33 +312,24 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         EngineConfig,
         only=PLAN_SETTINGS,
     )
-    for flag, kw in (
-        (
-            "--max-model-len",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "context length as serve --max-model-len: the KV reservation covers N tokens per sequence "
-                "(default: min(the model's context, 8192))",
-            },
-        ),
-        (
-            "--max-running",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "sequences decoded together as serve --max-running: the KV reservation covers N of them "
-                f"(default: 4, not serve's scheduling default of {CoreLimits.max_running})",
-            },
-        ),
-        (
-            "--kv-tokens",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "KV-cache tokens to reserve in all, instead of --max-model-len x --max-running",
-            },
-        ),
-    ):
-        p.add_argument(flag, **kw)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length as serve --max-model-len: the KV reservation covers N tokens per sequence "
+        "(default: min(the model's context, 8192))",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="sequences decoded together as serve --max-running: the KV reservation covers N of them "
+        f"(default: 4, not serve's scheduling default of {CoreLimits.max_running})",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="N",
+        help="KV-cache tokens to reserve in all, instead of --max-model-len x --max-running",
+    )
     p.set_defaults(func=cmd_plan)
