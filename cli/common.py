@@ -77,6 +77,6 @@ def resolve_model_dir(arg: str | None) -> str:
 
     if not (EMBEDDED_TARGET / "config.json").exists():
         raise MoeOffloadError(
-            f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run models/embedded/train.py"
+            f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run `python -m models.embedded.train`"
         )
     return str(EMBEDDED_TARGET)
