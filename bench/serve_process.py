@@ -113,7 +113,7 @@ def serve(
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "serve",
         "--host",
         "127.0.0.1",
