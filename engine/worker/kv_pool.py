@@ -18,12 +18,16 @@ the peak of positions in use, not the pool's size.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from engine.budget import fmt_bytes
+from engine.native.loaded import active, native
 from engine.worker.kv_cache import InPlaceLayer, new_kv_cache
 
 
@@ -150,3 +154,22 @@ class KVPool:
         assert isinstance(layer, PagedLayer)
         if layer.block_table.numel() != len(table):
             layer._table.ids = torch.tensor(table, dtype=torch.int64)
+
+
+def paged_pool_for(lm: Any, lean: bool, total: int, block: int) -> KVPool | None:
+    """A pool of `total` blocks for a loaded model whose every row attends natively (the lean forward,
+    native kernels, native attention; else the torch path would gather the blocks every step, and each
+    request keeps its own buffer), with a start-up line beside the memory plan's table; None where not."""
+    plan = getattr(lm, "plan", None)
+    with active(lm.native):
+        native_rows = native() is not None and (plan is None or plan.native_attention)
+    if not (native_rows and lean and KVPool.supports(lm.config, lm.device)):
+        return None
+    pool = KVPool(lm.config, total, block, lm.model.dtype)
+    print(
+        f"KV pool: {total} blocks of {block} positions, {fmt_bytes(total * pool.bytes_per_block)} "
+        f"({lm.model.dtype}); requests share whole prefix blocks; pages are touched as blocks are used",
+        file=sys.stderr,
+        flush=True,
+    )
+    return pool

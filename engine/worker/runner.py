@@ -15,7 +15,6 @@ only its request (engine/core/faults.py); a device (CUDA) fault is re-raised: th
 from __future__ import annotations
 
 import time
-from typing import Protocol, cast
 
 import torch
 from transformers import DynamicCache
@@ -25,10 +24,10 @@ from engine.core.messages import TokenLogprob
 from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
-from engine.native.loaded import active, native
+from engine.native.loaded import active
 from engine.structured import GrammarCompiler, TokenConstraint
-from engine.worker.kv_cache import new_kv_cache
-from engine.worker.kv_pool import KVPool
+from engine.worker.kv_cache import new_kv_cache, truncate_cache
+from engine.worker.kv_pool import KVPool, paged_pool_for
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loaded_model import LoadedModel
 from engine.worker.packed_batch import (
@@ -91,16 +90,9 @@ class ModelRunner:
         """Keep every request's KV in one paged pool of `total` blocks (engine/worker/kv_pool.py), where the
         model's cache allows it; the scheduler's block accounting then decides which blocks each request uses
         and shares prefixes by reference, so the copying prefix cache goes. Returns whether it does."""
-        plan = getattr(self.lm, "plan", None)
-        with active(self.lm.native):
-            native_rows = native() is not None and (plan is None or plan.native_attention)
-        if not (
-            native_rows
-            and self._lean is not None
-            and KVPool.supports(self.lm.config, self.lm.device)
-        ):
-            return False  # the torch path would gather the blocks every step: each request keeps a buffer
-        self.pool = KVPool(self.lm.config, total, block, self.lm.model.dtype)
+        self.pool = paged_pool_for(self.lm, self._lean is not None, total, block)
+        if self.pool is None:
+            return False
         self.prefix = None
         return True
 
@@ -414,24 +406,6 @@ def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
     ):
         return None
     return PrefixCache(budget, getattr(lm, "stats", None))
-
-
-class _CroppableLayer(Protocol):
-    """A KV layer with keys to crop: what rollback-capable models' caches hold (no linear attention)."""
-
-    def get_seq_length(self) -> int: ...
-
-    def crop(self, tokens_to_remove: int) -> None: ...
-
-
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Crop every layer of a KV cache back to `length` positions (layers may differ after a
-    forward that failed midway: the ones it reached hold the window, the others do not)."""
-    for layer in cast("list[_CroppableLayer]", cache.layers):
-        if getattr(layer, "is_initialized", False):
-            extra = layer.get_seq_length() - length
-            if extra > 0:
-                layer.crop(-extra)
 
 
 def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
