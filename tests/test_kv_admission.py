@@ -25,7 +25,6 @@ from engine.memory.footprint import Footprint
 from engine.memory.planner import KvRequest, kv_reservation, kv_token_budget
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
-from models import EMBEDDED_TARGET
 
 
 class CharTok:
@@ -171,14 +170,12 @@ def test_a_32k_model_takes_a_20k_request_by_default(tmp_path: Path) -> None:
     assert {"agent", "chat"} in running  # 21,200 positions fit in 32,768: they ran together
 
 
-def test_preempted_requests_get_the_tokens_and_logprobs_they_get_alone() -> None:
-    """Six requests against a pool for about four, on the embedded model in its default dtype: requests
-    are preempted and recompute their positions, and each completes with the tokens and logprobs it
-    gets alone, bit for bit. (The tiny test checkpoint is not used: its rows are not batch-invariant
-    yet, so a request's bits there depend on its batch, preempted or not.)"""
-    om = load_model(EMBEDDED_TARGET, EngineConfig(device="cpu", kv_tokens=60))
+def test_preempted_requests_get_the_tokens_and_logprobs_they_get_alone(tiny_ckpt) -> None:
+    """Eight requests against a pool for about four: requests are preempted and recompute their
+    positions, and each completes with the tokens and logprobs it gets alone, bit for bit."""
+    om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", kv_tokens=60))
     assert om.kv_token_budget == 60
-    prompts = [[(7 * i + j) % 200 + 3 for j in range(25)] for i in range(6)]
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(25)] for i in range(8)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def generate(ps: list[list[int]], limits: CoreLimits) -> tuple[list[list[int]], int]:
