@@ -175,7 +175,7 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
     assert render(d, out).endswith("kept\n")  # the hand-written analysis survives a rerun
 
 
-@pytest.mark.slow  # about 20 s on 2 cores: every simulated table on a small synthetic trace
+@pytest.mark.slow  # 10-20 s on 2 cores: every simulated table on a small synthetic trace
 def test_the_command_runs_simulator_only(tmp_path: Path) -> None:
     from bench.__main__ import cli
 
@@ -186,6 +186,7 @@ def test_the_command_runs_simulator_only(tmp_path: Path) -> None:
     )
     out = tmp_path / "004.md"
     args = ["--no-measure", "--trace", str(npz), "--sim-tokens", "64", "--proj-tokens", "16"]
+    args += ["--shape", "embedded"]  # 4 layers: Qwen3-30B's 48 make utility eviction slow to replay
     args += ["--grid-loads", "1,8", "--grid-rows", "0", "--grid-drafts", "1", "--grid-tokens", "32"]
     args += ["--long-sim", "32,64", "--caches", "0.25", "--out", str(out)]
     assert cli(["seed-004", *args]) == 0
@@ -193,3 +194,11 @@ def test_the_command_runs_simulator_only(tmp_path: Path) -> None:
     assert len(d["simulated"]["crossover"]) == 2 and d["measured"] == {}
     assert (tmp_path / "004-crossover.png").exists() and (tmp_path / "004-cache.png").exists()
     assert Counter(r["tokens"] for r in d["simulated"]["long"]) == {32: 3, 64: 3}
+    # simulate again keeping the measured tables of an earlier run
+    d["measured"] = {"main": [], "sweep": [], "long": [], "llama": False}
+    d["machine"] = "Machine: earlier."
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(d))
+    assert cli(["seed-004", *args[1:], "--measured-from", str(earlier)]) == 0
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert again["measured"] == d["measured"] and again["machine"] == "Machine: earlier."
