@@ -36,16 +36,16 @@ def best(rows: dict[str, dict[str, Any]], labels: tuple[str, ...], key: str) -> 
 
 
 def headline(d: dict[str, Any]) -> str:
-    """The page's first line: measured best exact speculative against best exact plain, and the
-    crossover's verdict."""
+    """The page's first line: measured best exact speculative against best exact plain (with the
+    acceptance it had), and the crossover's verdict."""
     cross = d["simulated"]["crossover"]
     wins = [c for c in cross if c["ratio"] > 1.0]
-    here = f"{len(wins)} of {len(cross)} crossover cells favour speculation (SIMULATED), " + (
-        f"the best {max(c['ratio'] for c in cross):.2f}× at {max(cross, key=lambda c: c['ratio'])['load_ms']:g} ms a load, "
-        f"extra rows at {max(cross, key=lambda c: c['ratio'])['row_share']:g} of the first's and the draft at "
-        f"{max(cross, key=lambda c: c['ratio'])['draft_scale']:g}× its measured cost"
+    top = max(cross, key=lambda c: c["ratio"]) if cross else {}
+    here = f"{len(wins)} of {len(cross)} crossover cells favour speculation (SIMULATED)" + (
+        f", the best {top['ratio']:.2f}× at {top['load_ms']:g} ms a load with extra rows at "
+        f"{top['row_share']:g} of the first's ({top['panel']})"
         if wins
-        else "none"
+        else ""
     )
     rows = main_rows(d)
     if not rows:
@@ -53,9 +53,11 @@ def headline(d: dict[str, Any]) -> str:
     s_lab, s_v = best(rows, EXACT_SPEC, "ratio")
     p_lab, p_v = best(rows, EXACT_PLAIN, "ratio")
     verdict = "beats" if s_v > p_v else "does not beat"
+    tpv = rows[s_lab]["tokens_per_verification"]
     return (
-        f"measured behind the emulated link, the best exact speculative configuration ({s_lab}, {s_v:.2f}× plain) "
-        f"{verdict} the best exact one without speculation ({p_lab}, {p_v:.2f}×); " + here + "."
+        f"measured at cache {d['args']['cache']} behind the emulated {d['args']['link']} link, the best exact "
+        f"speculative configuration ({s_lab}, {s_v:.2f}× plain, {tpv:.2f} tokens a verification) {verdict} the best "
+        f"exact one without speculation ({p_lab}, {p_v:.2f}×); " + here + "."
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.offline.hardware import SHAPES, Costs, costs_for
 from engine.offline.projection import project_trace
-from engine.offline.sim_settings import SimSettings
+from engine.offline.sim_settings import Acceptance, SimSettings
 from engine.offline.simulator import Simulator
 
 UTILITY = {"prefetch": "utility", "eviction": "utility"}
@@ -82,10 +82,12 @@ def _row(label: str, res: dict[str, Any], base: dict[str, Any], **keys: Any) -> 
 
 
 def config_table(
-    trace: dict, costs: Costs, labels: Sequence[str], cache: float, tokens: int
+    trace: dict, costs: Costs, labels: Sequence[str], cache: float, tokens: int, **extra: Any
 ) -> list[dict[str, Any]]:
     """Each configuration at one cache fraction, with its ratio to `plain` (simulated)."""
-    res = {label: simulate(trace, costs, label, cache, tokens) for label in ("plain", *labels)}
+    res = {
+        label: simulate(trace, costs, label, cache, tokens, **extra) for label in ("plain", *labels)
+    }
     return [_row(label, res[label], res["plain"], cache=cache) for label in labels]
 
 
@@ -132,29 +134,49 @@ def scaled_costs(base: Costs, load_ms: float, row_share: float, draft_scale: flo
     )
 
 
+def acceptance_for(spec: str) -> Acceptance:
+    """'bench': the per-position acceptance measured on the spec benchmark's prompts (about 1.9
+    tokens a verification at k = 4); a number a: a geometric one, P(run >= i) = a**i."""
+    if spec == "bench":
+        return Acceptance()
+    a = float(spec)
+    return Acceptance(tuple(a**i for i in range(1, 5)))
+
+
+def panel_label(draft_scale: float, acceptance: str) -> str:
+    acc = "the spec bench's" if acceptance == "bench" else f"{acceptance} a position"
+    return f"draft {draft_scale:g}× measured, acceptance {acc}"
+
+
 def crossover(
     trace: dict,
     base: Costs,
     loads_ms: Sequence[float],
     row_shares: Sequence[float],
-    draft_scales: Sequence[float],
+    panels: Sequence[tuple[float, str]],
     cache: float,
     tokens: int,
 ) -> list[dict[str, Any]]:
-    """Per grid point: the best exact speculative configuration's tok/s over the best exact
-    non-speculative one's (SIMULATED). > 1: speculation as a sensor pays there."""
+    """Per panel (draft cost scale, acceptance) and grid point: the best exact speculative
+    configuration's tok/s over the best exact non-speculative one's (SIMULATED). > 1: speculation
+    as a sensor pays there."""
     out = []
-    for ds in draft_scales:
+    for ds, acc in panels:
         for share in row_shares:
             for ms in loads_ms:
                 c = scaled_costs(base, ms, share, ds)
                 plain = {lb: simulate(trace, c, lb, cache, tokens) for lb in NON_SPEC}
-                spec = {lb: simulate(trace, c, lb, cache, tokens) for lb in SPEC_EXACT}
+                spec = {
+                    lb: simulate(trace, c, lb, cache, tokens, acceptance=acceptance_for(acc))
+                    for lb in SPEC_EXACT
+                }
                 bp = max(plain, key=lambda lb: plain[lb]["tokens_per_s"])
                 bs = max(spec, key=lambda lb: spec[lb]["tokens_per_s"])
                 out.append(
                     {
+                        "panel": panel_label(ds, acc),
                         "draft_scale": ds,
+                        "acceptance": acc,
                         "row_share": share,
                         "load_ms": ms,
                         "best_plain": bp,

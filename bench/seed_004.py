@@ -32,6 +32,10 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def panels(text: str) -> list[tuple[float, str]]:
+    return [(float(d), a) for d, a in (p.split(":") for p in text.split(","))]
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -148,10 +152,12 @@ def parse_args() -> argparse.Namespace:
         help="crossover: an extra row's compute over the first row's (default 0,0.25,0.5,1)",
     )
     add(
-        "--grid-drafts",
-        type=floats,
-        default=[1.0, 0.1],
-        help="crossover: the draft's cost per token, times the measured one (default 1,0.1)",
+        "--grid-panels",
+        type=panels,
+        default=[(1.0, "bench"), (1.0, "0.87"), (0.1, "bench")],
+        help="crossover panels, DRAFT:ACCEPTANCE,...: the draft's cost per token times the measured one, and the "
+        "acceptance (bench: the spec benchmark's measured rates, about 1.9 tokens a verification; a number a: "
+        "P(run >= i) = a**i, 0.87 giving this page's 3.9). Default 1:bench,1:0.87,0.1:bench",
     )
     add(
         "--grid-tokens",
@@ -178,6 +184,7 @@ def simulated(args: argparse.Namespace) -> dict:
     from bench.seed004_sim import (
         NON_SPEC,
         SIM_CONFIGS,
+        acceptance_for,
         cache_sweep,
         config_table,
         crossover,
@@ -190,9 +197,12 @@ def simulated(args: argparse.Namespace) -> dict:
     pt, pc = projected_costs(trace, args.profile, args.shape)
     labels = [lb for lb in SIM_CONFIGS if lb != "plain"]
     sweep = (*NON_SPEC[1:], "spec", "spec+utility+cpu")
-    grid = (args.grid_loads, args.grid_rows, args.grid_drafts)
+    grid = (args.grid_loads, args.grid_rows, args.grid_panels)
     return {
         "here": config_table(trace, here, labels, args.cache, args.sim_tokens),
+        "here_high": config_table(
+            trace, here, labels, args.cache, args.sim_tokens, acceptance=acceptance_for("0.87")
+        ),
         "projected": config_table(pt, pc, labels, args.cache, args.proj_tokens),
         "projected_sweep": cache_sweep(pt, pc, sweep, args.caches, args.proj_tokens),
         "long": long_generation(
@@ -233,6 +243,15 @@ def measured(args: argparse.Namespace) -> dict:
             llama.close()
 
 
+def recorded_args(args: argparse.Namespace) -> dict[str, str]:
+    """The arguments as the JSON keeps them: a llama.cpp tree is this machine's path, so only
+    whether one was given ("DIR") is kept."""
+    out = {k: str(v) for k, v in vars(args).items()}
+    if args.llama_cpp is not None:
+        out["llama_cpp"] = "DIR"
+    return out
+
+
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -243,15 +262,17 @@ def main() -> int:
         t0 = time.perf_counter()
         result = {
             "machine": machine_line(args.threads),
-            "args": {k: str(v) for k, v in vars(args).items()},
+            "args": recorded_args(args),
             "measured": {} if args.no_measure or args.measured_from else measured(args),
         }
         if args.measured_from is not None:  # keep an earlier run's measurements, simulate again
             earlier = json.loads(args.measured_from.read_text())
             result.update(machine=earlier["machine"], measured=earlier["measured"])
+            result["measured_args"] = earlier.get("measured_args", earlier["args"])
             result["measured_seconds"] = earlier.get("measured_seconds", 0.0)
         else:
             result["measured_seconds"] = time.perf_counter() - t0
+            result["measured_args"] = result["args"]
         out.parent.mkdir(parents=True, exist_ok=True)
         # Written once measured, again once simulated: a failed simulation keeps the measurements.
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))

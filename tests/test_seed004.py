@@ -115,7 +115,7 @@ def test_crossover_compares_the_best_of_each_side() -> None:
     from bench.seed004_sim import crossover
 
     costs = manual_costs(150.0, 8000.0, 100_000, 1e-3, 1e-4)
-    rows = crossover(_trace(), costs, [1.0], [0.0, 1.0], [0.0], 0.25, 96)
+    rows = crossover(_trace(), costs, [1.0], [0.0, 1.0], [(0.0, "bench")], 0.25, 96)
     assert [r["row_share"] for r in rows] == [0.0, 1.0]
     for r in rows:
         assert r["ratio"] == pytest.approx(r["best_spec_tok_s"] / r["best_plain_tok_s"])
@@ -147,7 +147,7 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
 
     labels = [lb for lb in SIM_CONFIGS if lb != "plain"]
     cross = [
-        {"draft_scale": 1.0, "row_share": s, "load_ms": x, "ratio": 1.2 if s == 0 else 0.8}
+        {"panel": "p1", "row_share": s, "load_ms": x, "ratio": 1.2 if s == 0 else 0.8}
         for s in (0.0, 1.0)
         for x in (1.0, 8.0)
     ]
@@ -169,7 +169,7 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
     out = tmp_path / "004.md"
     text = render(d, out)
     assert "2 of 4 crossover cells favour speculation" in text
-    assert "| 1× measured | 0 | **1.20** | **1.20** |" in text
+    assert "| p1 | 0 | **1.20** | **1.20** |" in text
     assert "PROJECTED fixed level 1 1.30×" in text
     out.write_text(text + "\n## Why the results differ\n\nkept\n")
     assert render(d, out).endswith("kept\n")  # the hand-written analysis survives a rerun
@@ -187,7 +187,16 @@ def test_the_command_runs_simulator_only(tmp_path: Path) -> None:
     out = tmp_path / "004.md"
     args = ["--no-measure", "--trace", str(npz), "--sim-tokens", "64", "--proj-tokens", "16"]
     args += ["--shape", "embedded"]  # 4 layers: Qwen3-30B's 48 make utility eviction slow to replay
-    args += ["--grid-loads", "1,8", "--grid-rows", "0", "--grid-drafts", "1", "--grid-tokens", "32"]
+    args += [
+        "--grid-loads",
+        "1,8",
+        "--grid-rows",
+        "0",
+        "--grid-panels",
+        "1:bench",
+        "--grid-tokens",
+        "32",
+    ]
     args += ["--long-sim", "32,64", "--caches", "0.25", "--out", str(out)]
     assert cli(["seed-004", *args]) == 0
     d = json.loads(out.with_suffix(".json").read_text())
