@@ -56,7 +56,8 @@ def headline(d: dict[str, Any]) -> str:
     tpv = rows[s_lab]["tokens_per_verification"]
     return (
         f"measured at cache {d['args']['cache']} behind the emulated {d['args']['link']} link, the best exact "
-        f"speculative configuration ({s_lab}, {s_v:.2f}× plain, {tpv:.2f} tokens a verification) {verdict} the best "
+        f"speculative configuration ({s_lab}, {s_v:.2f}× plain, at {tpv:.2f} tokens a verification: greedy text that "
+        f"falls into repetition, see below) {verdict} the best "
         f"exact one without speculation ({p_lab}, {p_v:.2f}×); " + here + "."
     )
 
