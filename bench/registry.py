@@ -264,6 +264,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "seed 000's tables and ablations on the embedded model: docs/seeds/000-substitution.md",
     ),
     Benchmark(
+        "seed-004",
+        "seed_004",
+        "seed 004's tables and ablations (MoE-SpAc) on the embedded pair: docs/seeds/004-spac.md",
+    ),
+    Benchmark(
         "spac-gpu",
         "spac_gpu.sh",
         "on a CUDA machine: spac with the host-memory tier over the real PCIe link",

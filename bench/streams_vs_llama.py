@@ -69,15 +69,15 @@ glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
 )
 
 
-def convert(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
-    """The model as a bf16 GGUF at `out`, converted once."""
+def convert(llama_cpp: Path, model_dir: Path, out: Path, script: str = CONVERT) -> Path:
+    """The model as a bf16 GGUF at `out`, converted once (`script`: the converter's wrapper)."""
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"converting {portable_path(model_dir)} to {out.name} ...", flush=True)
         cmd = [
             sys.executable,
             "-c",
-            CONVERT,
+            script,
             str(llama_cpp / "convert_hf_to_gguf.py"),
             str(model_dir),
         ]

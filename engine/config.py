@@ -110,6 +110,11 @@ class EngineConfig(YamlSection):
         choices=("off", "auto", "all"),
     )
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
+    balancer_level: int | None = setting(
+        None,
+        "with --cpu-experts auto: the workload balancer's cut. Default: the makespan-optimal one from the measured costs. N: a fixed threshold instead, every missed expert whose utility level is >= N (0-3) goes to the fast device, the rest to the CPU (the seed's fixed-threshold ablation; bench/seed_004.py)",
+        metavar="N",
+    )
     settle_background: bool = setting(
         False,
         "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off",
@@ -252,6 +257,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.cpu_workers < 1:
             raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
+        if self.balancer_level is not None and not 0 <= self.balancer_level <= 3:
+            raise ConfigError(f"balancer_level must be 0-3, got {self.balancer_level}")
         kinds = self.prefetch_kinds
         if self.prefetch != "auto" and (
             not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)
