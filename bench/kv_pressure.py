@@ -38,16 +38,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sessions", type=int, default=32, help="distinct long prompts sent at once (default 32)"
     )
-    p.add_argument("--prompt", type=int, default=2000, help="tokens a prompt (default 2000)")
+    p.add_argument("--prompt", type=int, default=1000, help="tokens a prompt (default 1000)")
     p.add_argument(
         "--pool-sessions", type=int, default=8, help="prompts the KV pool is sized for (default 8)"
     )
-    p.add_argument("--tokens", type=int, default=8, help="greedy tokens a request (default 8)")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens a request (default 32)")
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=4096,
-        help="the server's context (default 4096: the pool is never smaller than one context)",
+        default=2048,
+        help="the server's context (default 2048: the pool is never smaller than one context)",
     )
     p.add_argument(
         "--cgroup-mib",
@@ -109,6 +109,16 @@ def main(argv: list[str] | None = None) -> None:
             cg.close()
     ok = sum(s == 200 for s, _, _ in together)
     same = sum(t == s for t, s in zip(together, alone, strict=True))
+    differ = [  # (request, first position whose token or logprob differs) for the pairs that differ
+        (
+            i,
+            next(j for j, (x, y) in enumerate(zip(zip(*t[1:]), zip(*s[1:]))) if x != y)
+            if t[0] == s[0] == 200
+            else -1,
+        )
+        for i, (t, s) in enumerate(zip(together, alone, strict=True))
+        if t != s
+    ]
     statuses = sorted({s for s, _, _ in together})
     limit = f"{a.cgroup_mib} MiB cgroup" if a.cgroup_mib else "no cgroup"
     lines = [
@@ -138,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         statuses=statuses,
         preemptions=preempted,
         equal_to_alone=same,
+        differ=differ,
+        together=together,
+        alone=alone,
         oom_kills=oom,
         peak_bytes=peak,
         wall_s=wall,
