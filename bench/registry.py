@@ -250,6 +250,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "seed 000's tables and ablations on the embedded model: docs/seeds/000-substitution.md",
     ),
     Benchmark(
+        "seed-003",
+        "seed_003",
+        "seed 003's (SpecPrefetch) tables on the embedded pair: docs/seeds/003-specprefetch.md",
+    ),
+    Benchmark(
         "spac-gpu",
         "spac_gpu.sh",
         "on a CUDA machine: spac with the host-memory tier over the real PCIe link",
