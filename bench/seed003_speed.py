@@ -30,6 +30,10 @@ from engine.offline.sim_settings import SimSettings, TablePredictor, trace_from_
 from engine.offline.simulator import Simulator
 
 NONE = "no prefetch"
+COLD_1 = "cold, 1-token prompt"
+# warm: the engine kept across requests; cold: an empty fast tier before the prompt's prefill;
+# cold with a 1-token prompt: an empty fast tier when decode starts.
+CACHES = ("warm", "cold", COLD_1)
 KEYS = ("tok_s", "stall_share", "hit_rate", "prefetch_used", "prefetch_issued")
 
 
@@ -68,7 +72,7 @@ def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[st
 
     named: dict[str, torch.nn.Module | None] = {NONE: None, **modules}
     warm = {(link, n): _engine(s, link, m, True) for link in s.links for n, m in named.items()}
-    cells = [(link, cache, n) for link in s.links for cache in ("warm", "cold") for n in named]
+    cells = [(link, cache, n) for link in s.links for cache in CACHES for n in named]
     turn = dict.fromkeys(cells, 0)
     plain = SpecConfig(speculative="off")
 
@@ -76,6 +80,10 @@ def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[st
         link, cache, name = cell
         prompt = s.prompts[turn[cell] % len(s.prompts)]
         turn[cell] += 1
+        if cache == COLD_1:
+            prompt = prompt[
+                :1
+            ]  # nothing to load before decode starts: every layer's first use misses
         om = warm[(link, name)] if cache == "warm" else _engine(s, link, named[name], False)
         try:
             r = run_cell(om, plain, [prompt], s.tokens)
@@ -139,6 +147,29 @@ def _replay(trace: dict, costs: Costs, cfg: SimSettings, ranked: np.ndarray | No
     return Simulator(trace, pol, costs, replace(cfg, predictor=pred)).run().to_dict()
 
 
+def _cold(
+    trace: dict,
+    costs: Costs,
+    cache_fraction: float,
+    starts: list[int],
+    prompt: int,
+    tokens: int,
+    ranked: np.ndarray | None,
+) -> float:
+    """Simulated tok/s over requests of `prompt` + `tokens` trace rows from `starts`, each from an
+    empty fast tier, the prompt replayed untimed."""
+    tok = secs = 0.0
+    for a in starts:
+        c = _replay(
+            _slice(trace, a, a + prompt + tokens),
+            costs,
+            SimSettings(cache_fraction=cache_fraction, warm=False, prompt_tokens=prompt),
+            ranked[a : a + prompt + tokens] if ranked is not None else None,
+        )
+        tok, secs = tok + c["tokens"], secs + c["tokens"] / c["tokens_per_s"]
+    return tok / secs if secs else float("nan")
+
+
 def simulated(
     arrays: dict,
     ranked: dict[str, np.ndarray],
@@ -160,19 +191,13 @@ def simulated(
     for pname, costs in profiles.items():
         for name, r in named.items():
             w = _replay(trace, costs, SimSettings(cache_fraction=cache_fraction), r)
-            tok = secs = 0.0
-            for a in starts:
-                part = r[a : a + span] if r is not None else None
-                c = _replay(
-                    _slice(trace, a, a + span),
-                    costs,
-                    SimSettings(cache_fraction=cache_fraction, warm=False, prompt_tokens=prompt),
-                    part,
-                )
-                tok, secs = tok + c["tokens"], secs + c["tokens"] / c["tokens_per_s"]
+            cold = {
+                cache: _cold(trace, costs, cache_fraction, starts, p, tokens, r)
+                for cache, p in (("cold", prompt), (COLD_1, 1))
+            }
             for cache, tok_s, stall in (
                 ("warm", w["tokens_per_s"], w["stall_share"]),
-                ("cold", tok / secs if secs else float("nan"), None),
+                *((c, t, None) for c, t in cold.items()),
             ):
                 out.append(
                     {

@@ -103,8 +103,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--rounds",
         type=positive_int,
-        default=3,
-        help="measured rounds of the speed run after its warm-up round (default 3)",
+        default=8,
+        help="measured rounds of the speed run after its warm-up round (default 8)",
     )
     ap.add_argument(
         "--sim-requests",

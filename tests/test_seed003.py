@@ -24,6 +24,8 @@ from engine.speculative.factory import make_speculation
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 
+CACHES = ("warm", "cold", "cold, 1-token prompt")
+
 
 def test_per_layer_predictor_one_anchor_or_one_per_row_agree() -> None:
     torch.manual_seed(0)
@@ -168,15 +170,15 @@ def _result() -> dict:
     speed = [
         {"link": link, "cache": c, "predictor": n, "vs_none": 1.1, "tok_s": 50.0, "stall_share": 0.2,
          "hit_rate": 0.8, "prefetch_used": 3, "prefetch_issued": 4}
-        for link in ("disk", "sdcard") for c in ("warm", "cold") for n in [none, *names[:4]]
+        for link in ("disk", "sdcard") for c in CACHES for n in [none, *names[:4]]
     ]  # fmt: skip
     profiles = ("this machine, disk", "this machine, disk + sdcard", "phone (UFS 3.1)")
     sim = [
         {"profile": p, "cache": c, "predictor": n, "tok_s": 60.0, "vs_none": 1.05,
          "stall_share": 0.1, "prefetch_precision": 0.5 if c == "warm" else None}
-        for p in profiles for c in ("warm", "cold") for n in [none, *names]
+        for p in profiles for c in CACHES for n in [none, *names]
     ]  # fmt: skip
-    sweep = {"mb_per_s": [25.0, 8000.0], **{n: [1.2, 1.0] for n in names}}
+    sweep = {"mb_per_s": [25.0, 80.0, 8000.0], **{n: [1.3, 1.2, 1.0] for n in names}}
     args = {"link": "sdcard", "train_data": "t.txt", "data": "h.txt", "steps": "10", "prompt_tokens": "32",
             "tokens": "48", "cache_fraction": "0.25", "rounds": "3", "sim_requests": "4", "sweep_tokens": "64"}  # fmt: skip
     return {
@@ -199,6 +201,7 @@ def test_the_page_sets_every_claim_beside_a_row_and_keeps_its_analysis(tmp_path:
     assert claims.count("\n| ") == 6  # the header and the five claims
     assert "not run" not in claims and "draft 40.0%" in claims and "1.10×" in claims
     assert "draft model 1.05×" in claims  # simulated rows name the draft; measured ones cannot
+    assert "(80 MB/s): SpecPrefetch 1.20×" in claims  # the phone at SD-card speed, from the sweep
     write_plot(d, out)
     assert out.with_name("003-bandwidth.png").stat().st_size > 1000
 
