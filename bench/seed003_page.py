@@ -160,8 +160,9 @@ def simulated_section(d: dict[str, Any], stem: str) -> list[str]:
         "held-out predictions as its next-layer hook (top-k per row, the union over the step, at most top-k a layer), the "
         "exact policy and the profile's costs; it does not charge the predictor's own compute. Warm: one replay of the whole "
         f"trace; cold: {a['sim_requests']} requests of {a['prompt_tokens']} + {a['tokens']} tokens (or 1 + {a['tokens']}), each "
-        "from an empty fast tier, the prompt replayed untimed. Profiles: this machine's measured disk, the same behind the emulated link, and a "
-        "phone on UFS 3.1 (configs/hardware/phone-ufs31.yaml; the paper's device class, on the embedded model's shape).",
+        "from an empty fast tier, the prompt replayed untimed. Profiles: this machine's measured disk, the same behind the emulated link, the same "
+        "disk with each transfer's CPU time (O_DIRECT read and conversion, `per_load_s` of the profile) moved off the compute "
+        "thread, as a DMA copy would be, and a phone on UFS 3.1 (configs/hardware/phone-ufs31.yaml; the paper's device class, on the embedded model's shape).",
         "",
         "| profile | predictor | warm tok/s | warm × no prefetch | cold × no prefetch | cold, 1-token prompt | prefetch precision (warm) |",
         "|---|---|---|---|---|---|---|",
@@ -228,14 +229,14 @@ def write_plot(d: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     sweeps = d["sweep"]
-    fig, axes = plt.subplots(1, len(sweeps), figsize=(11, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5 * len(sweeps), 3.8), sharey=True)
     for ax, (profile, s) in zip(list(axes), sweeps.items()):
         for name, ys in s.items():
             if name != "mb_per_s":
                 ax.plot(s["mb_per_s"], ys, marker="o", label=short(name))
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log")
-        ax.set_title(f"{profile} (SIMULATED, warm)")
+        ax.set_title(f"{profile}\n(SIMULATED, warm)", fontsize=9)
         ax.set_xlabel("link bandwidth, MB/s")
     axes[0].set_ylabel("decode speed-up over no prefetch")
     axes[-1].legend(fontsize=8)

@@ -177,7 +177,11 @@ def main() -> int:
         name: bandwidth_sweep(
             trace, ranked, profiles[name], args.cache_fraction, SWEEP_MB_S, args.sweep_tokens
         )
-        for name in ("this machine, disk", "phone (UFS 3.1)")
+        for name in (
+            "this machine, disk",
+            "this machine, disk, loads off the compute thread",
+            "phone (UFS 3.1)",
+        )
     }
     speed: list[dict] = []
     if not args.no_speed:
