@@ -5,6 +5,7 @@ the bandwidth-sweep plot. The hand-written analysis below the generated part (fr
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,15 @@ def find(rows: list[dict[str, Any]], **match: str) -> dict[str, Any] | None:
 def ratio(rows: list[dict[str, Any]], **match: str) -> str:
     r = find(rows, **match)
     return f"{r['vs_none']:.2f}×" if r is not None else "not run"
+
+
+def spread(r: dict[str, Any]) -> str:
+    """The middle half (quartiles) of a cell's per-round ratios to no prefetch."""
+    xs = sorted(r.get("round_ratios") or [])
+    if len(xs) < 2:
+        return "–"
+    q = statistics.quantiles(xs, n=4)
+    return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
 def names(d: dict[str, Any]) -> dict[str, str]:
@@ -139,13 +149,20 @@ def measured_section(d: dict[str, Any]) -> list[str]:
     ]
     if not d["speed"]:
         return out + ["Not run (`--no-speed`).", ""]
+    load = d.get("load_average") or {}
+    if load:
+        out += [
+            f"Load average of the shared 2-core machine (1 minute): {load['before']:.1f} when this run started, "
+            f"{load['after']:.1f} when it ended; the spread column shows what that does to a ratio.",
+            "",
+        ]
     out += [
-        "| storage | cache | predictor | decode tok/s | × no prefetch | stall share | hit rate | prefetches used / issued |",
-        "|---|---|---|---|---|---|---|---|",
+        "| storage | cache | predictor | decode tok/s | × no prefetch | middle half of the rounds' ratios | stall share | hit rate | prefetches used / issued |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["speed"]:
         out.append(
-            f"| {r['link']} | {r['cache']} | {r['predictor']} | {r['tok_s']:.1f} | {r['vs_none']:.2f}× | {r['stall_share']:.0%} | "
+            f"| {r['link']} | {r['cache']} | {r['predictor']} | {r['tok_s']:.1f} | {r['vs_none']:.2f}× | {spread(r)} | {r['stall_share']:.0%} | "
             f"{r['hit_rate']:.0%} | {r['prefetch_used']:.0f} / {r['prefetch_issued']:.0f} |"
         )
     return out + [""]

@@ -107,12 +107,18 @@ def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[st
     out = []
     for link, cache, name in cells:
         med = summarize(res, (link, cache, name), (link, cache, NONE), KEYS)
+        # Every round's ratio, so the page can show the spread the shared machine leaves.
+        ratios = [
+            a["tok_s"] / b["tok_s"]
+            for a, b in zip(res[(link, cache, name)], res[(link, cache, NONE)])
+        ]
         out.append(
             {
                 "link": link or "disk",
                 "cache": cache,
                 "predictor": name,
                 "vs_none": med.pop("ratio"),
+                "round_ratios": ratios,
                 **med,
             }
         )

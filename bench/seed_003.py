@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -184,6 +185,7 @@ def main() -> int:
         )
     }
     speed: list[dict] = []
+    load: dict[str, float] = {}
     if not args.no_speed:
         from transformers import AutoTokenizer
 
@@ -191,12 +193,14 @@ def main() -> int:
             AutoTokenizer.from_pretrained(model_dir), args.data, args.rounds + 1, args.prompt_tokens
         )
         in_engine = {n: m for n, m in modules.items() if n != DRAFT}
+        load_before = os.getloadavg()[0]  # the machine is shared: the page says how busy it was
         speed = measured(
             SpeedSetup(
                 model_dir, args.cache_fraction, ("", args.link), prompts, args.tokens, args.rounds
             ),  # fmt: skip
             in_engine,
         )
+        load = {"before": load_before, "after": os.getloadavg()[0]}
     result = {
         "machine": machine_line(args.threads),
         "model": portable_path(model_dir),
@@ -207,6 +211,7 @@ def main() -> int:
         "simulated": sim,
         "sweep": sweep,
         "speed": speed,
+        "load_average": load,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))

@@ -169,7 +169,7 @@ def _result() -> dict:
     none = "no prefetch"
     speed = [
         {"link": link, "cache": c, "predictor": n, "vs_none": 1.1, "tok_s": 50.0, "stall_share": 0.2,
-         "hit_rate": 0.8, "prefetch_used": 3, "prefetch_issued": 4}
+         "hit_rate": 0.8, "prefetch_used": 3, "prefetch_issued": 4, "round_ratios": [0.9, 1.0, 1.1, 1.3]}
         for link in ("disk", "sdcard") for c in CACHES for n in [none, *names[:4]]
     ]  # fmt: skip
     profiles = ("this machine, disk", "this machine, disk + sdcard", "phone (UFS 3.1)")
@@ -185,7 +185,7 @@ def _result() -> dict:
         "machine": "Machine: test.", "model": "m", "draft": "d", "args": args, "seconds": 60.0,
         "rows": rows, "model_parameters": 100_000, "draft_parameters": 5000, "fit_tokens": 10,
         "held_tokens": 5, "top_k": 8, "simulated": sim, "sweep": {profiles[0]: sweep, profiles[2]: sweep},
-        "speed": speed,
+        "speed": speed, "load_average": {"before": 6.5, "after": 7.0},
     }  # fmt: skip
 
 
@@ -202,6 +202,7 @@ def test_the_page_sets_every_claim_beside_a_row_and_keeps_its_analysis(tmp_path:
     assert "not run" not in claims and "draft 40.0%" in claims and "1.10×" in claims
     assert "draft model 1.05×" in claims  # simulated rows name the draft; measured ones cannot
     assert "(80 MB/s): SpecPrefetch 1.20×" in claims  # the phone at SD-card speed, from the sweep
+    assert "| 0.93-1.25 |" in page  # the middle half of the rounds' ratios
     write_plot(d, out)
     assert out.with_name("003-bandwidth.png").stat().st_size > 1000
 
