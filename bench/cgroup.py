@@ -80,15 +80,23 @@ class MemoryCgroup:
         for f in cold:
             evict_page_cache(f)
         self.drop_charged_pages()
-        procs = str(self.path / "cgroup.procs")
-
-        def enter() -> None:  # runs in the child between fork and exec
-            with open(procs, "w") as fh:
-                fh.write(str(os.getpid()))
-
         return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=enter
+            list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=self.enter
         )
+
+    def enter(self) -> None:
+        """Move the calling process into the group: a child's preexec_fn (between fork and exec)."""
+        with open(self.path / "cgroup.procs", "w") as fh:
+            fh.write(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        """Processes of the group the kernel killed for memory, so far (v2 memory.events, v1 memory.oom_control)."""
+        events = self.path / ("memory.events" if self.version == 2 else "memory.oom_control")
+        for line in events.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
 
     def close(self) -> None:
         try:

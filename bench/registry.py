@@ -141,6 +141,20 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("prefix_cache.md",),
     ),
     Benchmark(
+        "kv-sharing",
+        "kv_sharing",
+        "sessions sharing a long prefix: the paged KV pool's blocks against one session's, and a returning "
+        "turn's TTFT",
+        ("kv_sharing.md",),
+    ),
+    Benchmark(
+        "kv-pressure",
+        "kv_pressure",
+        "more concurrent long prompts than the KV pool holds, under a memory cgroup: completions, "
+        "preemptions, bitwise equal to alone",
+        ("kv_pressure.md",),
+    ),
+    Benchmark(
         "quant",
         "quant_bench",
         "quantized experts on the embedded model: perplexity, bytes and decode speed",

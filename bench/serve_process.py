@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,13 +101,19 @@ def _state(pid: int) -> str | None:
 
 
 @contextmanager
-def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Iterator[RunningServer]:
-    """Yield a ready server; its own process group, so a test can SIGTERM the whole group."""
+def serve(
+    args: list[str],
+    log_path: Path,
+    ready_timeout: float = 90.0,
+    enter: Callable[[], None] | None = None,
+) -> Iterator[RunningServer]:
+    """Yield a ready server; its own process group, so a test can SIGTERM the whole group. `enter`: run in
+    the server's process before it starts (bench/cgroup.py's MemoryCgroup.enter puts it in a cgroup)."""
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "serve",
         "--host",
         "127.0.0.1",
@@ -122,7 +128,13 @@ def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Itera
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=enter,
         )
     srv = RunningServer(proc, f"http://127.0.0.1:{port}", log_path)
     try:

@@ -10,12 +10,15 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.native.variants import VARIANTS
 from engine.settings_file import YamlSection, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORWARDS = ("auto", "fused", "lean", "transformers")
-# The native kernels' builds, widest first (engine/native/variants.py VARIANTS), after auto.
-BUILDS = ("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable")
+# The native kernels' builds, widest first, after auto: read from engine/native/variants.py, the one
+# list of builds (that module imports only the standard library, so reading it here stays cheap).
+BUILDS = ("auto", *(v.name for v in VARIANTS))
+_NAMED = ", ".join(BUILDS[1:-1]) + " or " + BUILDS[-1]
 
 
 @dataclass(frozen=True)
@@ -186,12 +189,14 @@ class EngineConfig(YamlSection):
     )
     native_build: str = setting(
         "auto",
-        "which build of the native kernels runs: auto (default: the widest this CPU runs, never chosen by timing, since each build computes its own bits), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
+        "which build of the native kernels runs: auto (default: the widest this CPU runs, never chosen by timing, since each build computes its own bits), or one by name: "
+        f"{_NAMED} (fails at start where the CPU lacks its instructions)",
         choices=BUILDS,
     )
     native_build_limit: str = setting(
         "auto",
-        "the widest build --native-build auto may choose: auto (default: every build this CPU runs), or avx512-bf16, avx512-vnni, avx512, avx2 or portable: that build and the narrower ones only (to see on a wide CPU what a narrower one would run, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
+        f"the widest build --native-build auto may choose: auto (default: every build this CPU runs), or {_NAMED}: "
+        "that build and the narrower ones only (to see on a wide CPU what a narrower one would run, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
         choices=BUILDS,
     )
     decode_attention: str = setting(
