@@ -60,8 +60,8 @@ class RecallSetup:
 
 def traced(om: Any, path: str, tokens: int, window: int) -> tuple[dict, AdapterData, list]:
     """Router trace (hidden states, logits) of `tokens` tokens of `path`, windows of `window`."""
+    from cli.eval import _read_tokens
     from engine.offline.trace import record_trace
-    from server.cli_eval import _read_tokens
 
     ids = _read_tokens(om, path, tokens, window)
     trace = record_trace(om, ids, window, logits=True, hidden=True)

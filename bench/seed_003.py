@@ -136,8 +136,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
+    from cli.common import resolve_model_dir
     from models import EMBEDDED_DRAFT
-    from server.cli_common import resolve_model_dir
 
     args = parse_args()
     torch.set_num_threads(args.threads)
