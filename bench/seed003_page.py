@@ -97,7 +97,7 @@ def claims(d: dict[str, Any]) -> list[str]:
         f"of the draft predictor's (draft model + heads), {share('shipped', 'promoe')} of ProMoE-style's | 1 |",
         f"| fast storage (NVMe): little gain, I/O already hidden | limited | MEASURED local disk, warm: {both(sp, 'link', 'disk', 'warm')}; SIMULATED phone profile at NVMe speed: {fast} | 2, 4 |",
         f"| slow storage (UFS, SD card): +15-20 % decode throughput | 1.15-1.20× | MEASURED behind `{link}`, warm: {both(sp, 'link', link, 'warm')}; "
-        f"SIMULATED {both(sim, 'profile', slow, 'warm')}{at_sd} | 2, 3, 4 |",
+        f"SIMULATED, this machine + `{link}`: {both(sim, 'profile', slow, 'warm')}{at_sd} | 2, 3, 4 |",
         f"| cold cache | 1.14× | MEASURED behind `{link}`, cold (empty before a 32-token prompt's prefill): {both(sp, 'link', link, 'cold')}; "
         f"cold with a 1-token prompt: {both(sp, 'link', link, cold1)}; local disk, 1-token prompt: {both(sp, 'link', 'disk', cold1)}; "
         f"SIMULATED phone, cold with a 1-token prompt: {both(sim, 'profile', 'phone (UFS 3.1)', cold1)} | 2, 3 |",
