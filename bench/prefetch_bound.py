@@ -31,6 +31,7 @@ from cli.eval import _read_tokens
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
 from engine.paths import portable_path
+from engine.prefetch.predictors import PerLayerPredictor
 from engine.prefetch.training import (
     AdapterData,
     data_from_trace,
@@ -40,34 +41,6 @@ from engine.prefetch.training import (
     train_adapter,
 )
 from engine.worker.loader import load_model
-
-
-class PerLayer(nn.Module):
-    """The next router's guess plus one module per anchor layer (a Linear, or a small MLP)."""
-
-    def __init__(self, hidden: int, experts: int, anchors: int, mlp_width: int = 0) -> None:
-        super().__init__()
-
-        def head() -> nn.Module:
-            if not mlp_width:
-                return nn.Linear(hidden, experts)
-            return nn.Sequential(
-                nn.Linear(hidden, mlp_width), nn.GELU(), nn.Linear(mlp_width, experts)
-            )
-
-        self.heads = nn.ModuleList(head() for _ in range(anchors))
-        for h in self.heads:  # start as exactly the guess, like the adapter
-            last = h[-1] if isinstance(h, nn.Sequential) else h
-            nn.init.zeros_(last.weight)
-            nn.init.zeros_(last.bias)
-
-    def forward(self, x: torch.Tensor, anchors: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        out = base.clone()
-        for a, h in enumerate(self.heads):
-            sel = anchors == a
-            if bool(sel.any()):
-                out[sel] = out[sel] + h(x[sel])
-        return out
 
 
 def examples(om, path: str, tokens: int) -> AdapterData:
@@ -133,10 +106,10 @@ def main() -> None:
             fit, 64, args.steps
         ),
         "per-layer linear (bound for any linear predictor)": fit_predictor(
-            PerLayer(D, E, A), fit, args.steps, desc="per-layer linear"
+            PerLayerPredictor(D, E, A), fit, args.steps, desc="per-layer linear"
         ),
         f"per-layer MLP, width {args.mlp_width}": fit_predictor(
-            PerLayer(D, E, A, args.mlp_width), fit, args.steps, desc="per-layer MLP"
+            PerLayerPredictor(D, E, A, args.mlp_width), fit, args.steps, desc="per-layer MLP"
         ),
     }
     rows = {"FATE-like (next router on x_l)": (evaluate_base(held), 0)}

@@ -264,6 +264,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "seed 000's tables and ablations on the embedded model: docs/seeds/000-substitution.md",
     ),
     Benchmark(
+        "seed-003",
+        "seed_003",
+        "seed 003's (SpecPrefetch) tables on the embedded pair: docs/seeds/003-specprefetch.md",
+    ),
+    Benchmark(
         "seed-004",
         "seed_004",
         "seed 004's tables and ablations (MoE-SpAc) on the embedded pair: docs/seeds/004-spac.md",

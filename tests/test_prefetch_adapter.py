@@ -359,14 +359,14 @@ def test_confidence_is_the_measured_precision_per_rank() -> None:
 def test_the_per_layer_bound_fits_with_the_adapters_recipe() -> None:
     """bench/prefetch_bound.py's richer predictors start as the next router's guess and are fitted
     by the same loop as the adapter: on data the adapter can learn, so can they."""
-    from bench.prefetch_bound import PerLayer
+    from engine.prefetch.predictors import PerLayerPredictor
     from engine.prefetch.training import fit_predictor
 
     fit, held = _synthetic(4000, 1), _synthetic(1000, 2)
     D, E, A = fit.x.shape[-1], fit.teacher.shape[-1], fit.anchors
     base_recall = sum(recall_at_k(held.base[:, a], held.true_ids[:, a]) for a in range(A)) / A
     for width in (0, 32):
-        m = PerLayer(D, E, A, mlp_width=width)
+        m = PerLayerPredictor(D, E, A, mlp_width=width)
         assert sum(evaluate(m, held)) / A == pytest.approx(
             base_recall
         )  # zero-initialised: exactly the guess

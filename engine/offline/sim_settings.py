@@ -44,6 +44,21 @@ class OraclePredictor:
         return [e if self.rng.random() < self.recall else self.rng.randrange(self.E) for e in true]
 
 
+class TablePredictor:
+    """Replays predictions made beforehand: `ranked[token, layer]` are the experts a predictor
+    named for MoE layer `layer + 1` of trace row `token`, most likely first ([N, L-1, m] ints).
+    Any predictor's teacher-forced output on the trace's own tokens becomes the simulator's hook
+    (bench/seed_003.py: FATE, the adapter, ProMoE-style, the draft model)."""
+
+    def __init__(self, ranked: np.ndarray) -> None:
+        self.ranked = np.asarray(ranked, dtype=np.int64)
+
+    def predict(self, token: int, layer: int) -> list[int]:
+        if layer >= self.ranked.shape[1]:
+            return []  # the last MoE layer: nothing after it to predict
+        return [int(e) for e in self.ranked[token, layer]]
+
+
 @dataclass(frozen=True)
 class Acceptance:
     """How many of k proposals a verification window keeps: P(accepted run >= i) = by_position[i-1]

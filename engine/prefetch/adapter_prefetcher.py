@@ -38,7 +38,7 @@ MIN_CONFIDENCE = 0.5  # prefetch only what is more likely right than wrong: a wr
 class AdapterPrefetcher:
     def __init__(
         self,
-        adapter: RouterAdapter,
+        adapter: torch.nn.Module,  # a RouterAdapter, or any predictor of its call form
         blocks: dict[int, OffloadedMoeBlock],
         store: ExpertStore,
         transfers: TransferEngine,
@@ -99,21 +99,15 @@ class AdapterPrefetcher:
     def _plan(self, ev: RoutingEvent, nxt: int) -> list[int]:
         block = self.blocks[nxt]
         x = ev.x.float()
+        fate_base = bool(getattr(self.adapter, "fate_base", False))
         if nxt not in self._folded:
-            # On the router's device (the adapter is on the model's device too, engine/worker/loader.py).
-            lin = (
-                block.adapter.router_linear(block, ev.x) if self.adapter.fate_base else (None, None)
-            )
-            self._folded[nxt] = (
-                None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
-            )
+            self._folded[nxt] = self._fold(block, ev, fate_base)
         fold = self._folded[nxt]
         if fold is not None:
             pred = torch.nn.functional.linear(x, *fold)
         else:
-            pred = self.adapter(
-                x, self._anchor[ev.layer], block.adapter.router_logits(block, ev.x).float()
-            )
+            base = block.adapter.router_logits(block, ev.x).float() if fate_base else None
+            pred = self.adapter(x, self._anchor[ev.layer], base)
         ids = block.adapter.selection_scores(block, pred).topk(self.top_k, dim=-1).indices  # [T, k]
         self._predicted[nxt] = ids
         best: dict[
@@ -138,6 +132,26 @@ class AdapterPrefetcher:
             budget=self.budget,
             min_confidence=MIN_CONFIDENCE,
         )
+
+    def _fold(
+        self, block: OffloadedMoeBlock, ev: RoutingEvent, fate_base: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The predictor for the layer after `ev.layer` as one linear map, where it is one (an
+        adapter, on a router whose logits are linear); None: call the predictor each time."""
+        if not isinstance(self.adapter, RouterAdapter):
+            return None  # another predictor (engine/prefetch/predictors.py): called as a module
+        # On the router's device (the adapter is on the model's device too, engine/worker/loader.py).
+        lin = block.adapter.router_linear(block, ev.x) if fate_base else (None, None)
+        return None if lin is None else self.adapter.folded(self._anchor[ev.layer], *lin)
+
+    def use_predictor(self, predictor: torch.nn.Module) -> None:
+        """Predict with another module of the adapter's call form (engine/prefetch/predictors.py:
+        FATE, a ProMoE-style network): the baselines measured side by side in bench/seed_003.py.
+        Calibration starts over; the folded maps of the old predictor are dropped."""
+        self.adapter = predictor
+        self._folded.clear()
+        self._predicted.clear()
+        self.precision_at_rank = [0.5] * self.top_k
 
     def _calibrate(self, layer: int, picked: list[set[int]]) -> None:
         """Layer `layer` has routed (`picked`: each row's experts): score what was predicted for

@@ -1,0 +1,225 @@
+"""Seed 003 (SpecPrefetch), its tables run on this project's embedded pair:
+`python -m bench seed-003` regenerates docs/seeds/003-specprefetch.md, its JSON and plot.
+
+1. Recall: every predictor the paper compares (SpecPrefetch in the shipped and in the paper's plain
+   form, FATE, a ProMoE-style per-layer MLP, the draft model) fitted on the validation text and
+   scored on held-out tokens, with parameter counts (bench/seed003_recall.py).
+2. Decode speed, warm and cold cache: measured with the engine for the predictors that run in it,
+   on the local disk and behind an emulated slow link, side by side in one interleaved run; and
+   simulated for all of them, the draft model included (bench/seed003_speed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import add_common_flags, cut_prompts, machine_line, positive_int
+from bench.seed003_page import render, write_plot
+from bench.seed003_recall import DRAFT, RecallSetup, recall_run
+from bench.seed003_speed import (
+    SpeedSetup,
+    bandwidth_sweep,
+    measured,
+    sim_profiles,
+    simulated,
+)
+from engine.paths import portable_path
+
+DATA = Path("models/embedded/data")
+SWEEP_MB_S = (25.0, 80.0, 250.0, 800.0, 2500.0, 8000.0)  # SD card .. NVMe
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="target model directory (default: the embedded target)")
+    ap.add_argument("--draft", help="draft model directory (default: the embedded draft)")
+    ap.add_argument(
+        "--train-data",
+        default=str(DATA / "valid.txt"),
+        help="text the predictors are fitted on (default: the validation split, as the shipped adapter)",
+    )
+    ap.add_argument(
+        "--data",
+        default=str(DATA / "test.txt"),
+        help="held-out text: recall, the simulator's trace and the prompts (default: the test split)",
+    )
+    ap.add_argument(
+        "--train-tokens",
+        type=positive_int,
+        default=30000,
+        help="tokens traced for fitting (default 30000; the shipped adapter saw 60000)",
+    )
+    ap.add_argument(
+        "--test-tokens",
+        type=positive_int,
+        default=8192,
+        help="held-out tokens scored and replayed (default 8192)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=positive_int,
+        default=1500,
+        help="optimiser steps of 1024 examples per trained predictor (default 1500, the shipped recipe)",
+    )
+    ap.add_argument(
+        "--rank", type=positive_int, default=64, help="rank of the plain adapter (default 64)"
+    )
+    ap.add_argument(
+        "--promoe-width",
+        type=positive_int,
+        default=512,
+        help="hidden width of the ProMoE-style per-layer MLP (default 512)",
+    )
+    ap.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.25,
+        help="fast-tier share of experts for the speed runs (default 0.25)",
+    )
+    ap.add_argument(
+        "--link",
+        default="sdcard",
+        help="emulated slow link of the speed runs, beside the plain disk (default sdcard: the paper's slowest storage)",
+    )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=32,
+        help="prompt tokens per speed-run request (default 32)",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=48,
+        help="greedy tokens per speed-run request (default 48)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=8,
+        help="measured rounds of the speed run after its warm-up round (default 8)",
+    )
+    ap.add_argument(
+        "--sim-requests",
+        type=positive_int,
+        default=32,
+        help="cold-cache requests the simulator replays per cell (default 32)",
+    )
+    ap.add_argument(
+        "--sweep-tokens",
+        type=positive_int,
+        default=2048,
+        help="held-out tokens the simulator's bandwidth sweep replays per point (default 2048)",
+    )
+    ap.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="skip the measured speed run (recall and simulator only)",
+    )
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: rewrite the page and plot from the JSON beside --out",
+    )
+    add_common_flags(
+        ap, "write the page here (default docs/seeds/003-specprefetch.md; JSON and plot beside it)"
+    )
+    return ap.parse_args()
+
+
+def main() -> int:
+    from cli.common import resolve_model_dir
+    from models import EMBEDDED_DRAFT
+
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    out = args.out or Path("docs/seeds/003-specprefetch.md")
+    if args.render_only:
+        result = json.loads(out.with_suffix(".json").read_text())
+        write_plot(result, out)
+        out.write_text(render(result, out))
+        return 0
+    model_dir = Path(resolve_model_dir(args.model))
+    draft_dir = Path(args.draft) if args.draft else EMBEDDED_DRAFT
+    t0 = time.perf_counter()
+    rec = recall_run(
+        RecallSetup(
+            model_dir,
+            draft_dir,
+            args.train_data,
+            args.data,
+            args.train_tokens,
+            args.test_tokens,
+            args.steps,
+            args.rank,
+            args.promoe_width,
+        )  # fmt: skip
+    )
+    ranked, modules, trace = rec.pop("ranked"), rec.pop("modules"), rec.pop("held_trace")
+    profiles = sim_profiles("embedded", args.link)
+    sim = simulated(
+        trace,
+        ranked,
+        profiles,
+        args.cache_fraction,
+        args.prompt_tokens,
+        args.tokens,
+        args.sim_requests,
+    )
+    sweep = {
+        name: bandwidth_sweep(
+            trace, ranked, profiles[name], args.cache_fraction, SWEEP_MB_S, args.sweep_tokens
+        )
+        for name in (
+            "this machine, disk",
+            "this machine, disk, loads off the compute thread",
+            "phone (UFS 3.1)",
+        )
+    }
+    speed: list[dict] = []
+    load: dict[str, float] = {}
+    if not args.no_speed:
+        from transformers import AutoTokenizer
+
+        prompts = cut_prompts(
+            AutoTokenizer.from_pretrained(model_dir), args.data, args.rounds + 1, args.prompt_tokens
+        )
+        in_engine = {n: m for n, m in modules.items() if n != DRAFT}
+        load_before = os.getloadavg()[0]  # the machine is shared: the page says how busy it was
+        speed = measured(
+            SpeedSetup(
+                model_dir, args.cache_fraction, ("", args.link), prompts, args.tokens, args.rounds
+            ),  # fmt: skip
+            in_engine,
+        )
+        load = {"before": load_before, "after": os.getloadavg()[0]}
+    result = {
+        "machine": machine_line(args.threads),
+        "model": portable_path(model_dir),
+        "draft": portable_path(draft_dir),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "seconds": time.perf_counter() - t0,
+        **rec,
+        "simulated": sim,
+        "sweep": sweep,
+        "speed": speed,
+        "load_average": load,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    write_plot(result, out)
+    out.write_text(render(result, out))
+    print(f"wrote {out} and {out.with_suffix('.json')} in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
