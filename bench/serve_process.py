@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,8 +101,14 @@ def _state(pid: int) -> str | None:
 
 
 @contextmanager
-def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Iterator[RunningServer]:
-    """Yield a ready server; its own process group, so a test can SIGTERM the whole group."""
+def serve(
+    args: list[str],
+    log_path: Path,
+    ready_timeout: float = 90.0,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Iterator[RunningServer]:
+    """Yield a ready server; its own process group, so a test can SIGTERM the whole group.
+    `preexec_fn` runs in the child before it executes the server (to enter a cgroup, say)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -122,7 +128,13 @@ def serve(args: list[str], log_path: Path, ready_timeout: float = 90.0) -> Itera
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     srv = RunningServer(proc, f"http://127.0.0.1:{port}", log_path)
     try:
