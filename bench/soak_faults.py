@@ -164,8 +164,8 @@ class DiskFault:
     def server_args(self) -> list[str]:
         return ["--expert-quant", "int8", "--quant-cache-dir", str(self.dir)]
 
-    def _fill(self) -> None:
-        with open(self.dir / "filler", "wb") as f:
+    def _fill(self, name: str = "filler") -> None:
+        with open(self.dir / name, "wb") as f:
             chunk = b"\0" * 2**20
             try:
                 while True:
@@ -189,8 +189,15 @@ class DiskFault:
         pid = srv.engine_pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(HOLD_S)
-        (self.dir / "filler").unlink()
+        # The killed engine held the removed sidecar open (a disk tier reads it): its blocks come
+        # free when the process is gone, so the disk is topped up again and again while it holds.
+        n = 0
+        while clock.now() < ev.t + HOLD_S:
+            n += 1
+            self._fill(f"filler{n}")
+            time.sleep(0.02)
+        for f in self.dir.glob("filler*"):
+            f.unlink()
         ev.lifted = clock.now()
         ev.serving_s = _wait_ready(hc, srv.base_url, clock, ev.t)
         text = srv.log_path.read_text(errors="replace")

@@ -2,7 +2,8 @@
 
 Each step is one Schemathesis round (bench/api_fuzz.py's `run_schemathesis`: every operation,
 EXAMPLES cases each, a new seed a round) while the other clients and the faults go on; every
-exchange of its HAR report becomes one Outcome. A 2xx is `complete` (a stream too, unless it
+exchange of its HAR report becomes one Outcome. Each request may take TIMEOUT_S (60 s), as the
+other clients' may (Schemathesis's own default, 10 s, cut long generations under the soak's load). A 2xx is `complete` (a stream too, unless it
 carries an error event, which is settled like any error); a 4xx/5xx is settled by its error object
 (bench/soak_outcomes.py); an answer that reveals internals (api_fuzz.LEAKS: a traceback, a source
 file, a machine path) is `lost`, whatever its status. Schemathesis's own verdict is not used: it
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 
 from bench.api_fuzz import LEAKS, run_schemathesis
-from bench.soak_clients import Ctx
+from bench.soak_clients import TIMEOUT_S, Ctx
 from bench.soak_outcomes import Outcome, complete, settle
 
 EXAMPLES = 3  # cases per operation and round: a round is then a few dozen requests
@@ -81,10 +82,11 @@ def outcome_of(o: Outcome, ctx: Ctx, entry: dict[str, Any], log: str = "") -> Ou
     path = httpx.URL(entry["request"]["url"]).path
     if status == 0:  # no answer at all: refused in the drain, or a cut connection
         o.outcome = "refused" if ctx.clock.draining else "lost"
-        why = [ln.strip() for ln in log.splitlines() if "rror" in ln or "timed out" in ln]
-        o.detail = f"no response: {why[0][:200] if why else 'Schemathesis says no more'}"
+        at = log.find("ERRORS")  # Schemathesis's section on requests that got no answer
+        why = " ".join(log[at : at + 600].split()) if at >= 0 else "Schemathesis says no more"
+        o.detail = f"no response: {why}"
         return o
-    if path == "/health":
+    if path == "/health" and entry["request"]["method"] == "GET":
         _health(o, ctx, status, body)
     elif status < 400:
         err = _stream_error(body) if ctype.startswith("text/event-stream") else None
@@ -111,7 +113,7 @@ def schemathesis_round(ctx: Ctx, rng: random.Random) -> None:
         har = Path(tmp) / "round.har"
         try:
             log = run_schemathesis(
-                ctx.base_url, EXAMPLES, har, seed=seed, timeout=ROUND_TIMEOUT_S
+                ctx.base_url, EXAMPLES, har, seed, ROUND_TIMEOUT_S, request_timeout=TIMEOUT_S
             ).stdout
         except Exception as e:  # noqa: BLE001 - a round cut by its timeout still wrote what it sent
             log = f"the round failed: {type(e).__name__}"
