@@ -46,6 +46,7 @@ from engine.paths import portable_path
 # ~27 s under the soak's load on 2 shared cores, and it must be done before the drain.
 KILL_MARGIN_S = 40.0
 MAX_BODY = 1024 * 1024  # the server's --max-body-bytes in the soak: oversized bodies stay cheap
+DEFAULT_MAX_TOKENS = 64  # the server's --default-max-tokens in the soak
 MAX_SAMPLES = 300  # samples kept in soak.json (the summary and plots use all of them)
 # --read-faults without a value: an EIO every 20 s, a short read every 7 s, a 3 s spike every 30 s.
 DEFAULT_READ_FAULTS = "eio:period=20,short:period=7,delay:period=30:secs=3"
@@ -232,6 +233,8 @@ def _server_args(args: argparse.Namespace, tmp: Path, disk: DiskFault | None) ->
     server_args = ["--model", model, "--served-model-name", "soak"]
     server_args += ["--max-model-len", str(max_len)]
     server_args += ["--max-body-bytes", str(MAX_BODY), "--engine-restarts", str(kills + 3)]
+    # A request without max_tokens (Codex's, many of Schemathesis's) stops here, not at the context.
+    server_args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS)]
     if args.read_faults:
         server_args += ["--expert-read-faults", args.read_faults, *READ_FAULT_SERVER_ARGS]
     return server_args + (disk.server_args() if disk is not None else [])

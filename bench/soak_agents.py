@@ -39,6 +39,10 @@ AGENT_CONTEXT = 8192  # tokens: the CLIs' first prompt (~5,200) and their output
 SESSION_TIMEOUT_S = 240.0
 OUTPUT_TOKENS = 16  # Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS; Codex: the server's default
 BIN = REPO / ".cache" / "agent-clis" / "node_modules" / ".bin"
+# What the server's in-band error events say when an injected fault cut a stream after its 200
+# header (the engine died: server/chat_bridge.py; the drain aborted it: server/formatting.py; an
+# expert read failed: engine/core/faults.py). The CLI shows the message, not the fault class.
+IN_BAND_FAULTS = ("The engine failed: ", "(server shutting down)", "expert load failed")
 CLAUDE_MODELS = ("MODEL", "SMALL_FAST_MODEL", "DEFAULT_HAIKU_MODEL", "DEFAULT_SONNET_MODEL")
 
 
@@ -166,6 +170,8 @@ def verdict(cli: str, lines: list[str]) -> tuple[str, int | None, str]:
         return "complete", 200, ""
     failed = next((r for r in rows if r.get("type") == "turn.failed"), {})
     message = str(failed.get("error", {}).get("message", lines[-2:]))[:200]
+    if any(m in message for m in IN_BAND_FAULTS):  # the server's in-band stream error
+        return "fault", None, message
     found = [int(s) for s in ("400", "404", "413", "429", "500", "503", "529") if s in message]
     return _failed(found[0] if found else None, message)
 

@@ -1,10 +1,12 @@
 """The soak's resource faults: a memory cgroup shrunk under load, and a full disk for the quant cache.
 
 Memory (`--memory-fault-every S`): the server (front end, forkserver, engine) runs in a memory
-cgroup of its own (bench/cgroup.py; root, cgroup v1 or v2). Every S s its limit drops to the
-anonymous memory its processes hold now plus MEMORY_HEADROOM: the kernel reclaims the page cache,
-and what the load then allocates beyond the limit makes the OOM killer act inside the group. After
-HOLD_S s the limit is lifted. Counted: the OOM kills in the group, whether the front end (which
+cgroup of its own (bench/cgroup.py; root, cgroup v1 or v2), entered before it executes. Every S s
+its limit drops to the anonymous memory its processes hold now plus MEMORY_HEADROOM (cgroup v1
+refuses a limit it cannot reclaim down to: the tightest it accepts), and PRESSURE_REQUESTS
+context-filling prompts arrive: the kernel reclaims the page cache, and what the prefill then
+allocates beyond the limit makes the OOM killer act inside the group. After HOLD_S s the limit
+is lifted. Counted: the OOM kills in the group, whether the front end (which
 holds every client's connection) survived, and how long until /health says ready again.
 
 Disk (`--disk-full-every S`): the server runs with `--expert-quant int8` and its quantized-expert
@@ -43,12 +45,12 @@ from bench.soak_health import probe
 from bench.soak_outcomes import Clock
 
 HOLD_S = 10.0  # how long a shrunk limit or a full disk lasts
+DISK_HOLD_MAX_S = 60.0  # a full disk lasts until an engine start failed on it, at most this long
 MEMORY_HEADROOM = 0  # bytes above the anonymous memory: the tightest limit the kernel accepts
 READY_WAIT_S = 90.0  # after the fault is lifted, how long to wait for /health to say ready
 PRESSURE_REQUESTS = 4  # context-filling prompts sent while a shrunk limit holds
-QUANT_TMPFS_BYTES = (
-    64 * 2**20
-)  # the quant cache's tmpfs (the embedded model's int8 sidecar: ~5 MiB)
+# The quant cache's tmpfs (the embedded model's int8 sidecar is about 5 MiB).
+QUANT_TMPFS_BYTES = 64 * 2**20
 UNLIMITED = 2**62  # a cgroup limit that never binds
 # One fault at a time: a SIGKILL, a shrunk cgroup or a full disk runs its course under this lock.
 FAULT_LOCK = threading.Lock()
@@ -191,11 +193,15 @@ class DiskFault:
             os.kill(pid, signal.SIGKILL)
         # The killed engine held the removed sidecar open (a disk tier reads it): its blocks come
         # free when the process is gone, so the disk is topped up again and again while it holds.
-        n = 0
-        while clock.now() < ev.t + HOLD_S:
+        # It holds HOLD_S, and longer (at most DISK_HOLD_MAX_S) until an engine start has met it:
+        # the supervisor's backoff may put the first restart after HOLD_S.
+        n, failed = 0, False
+        while clock.now() < ev.t + HOLD_S or (not failed and clock.now() < ev.t + DISK_HOLD_MAX_S):
             n += 1
             self._fill(f"filler{n}")
             time.sleep(0.02)
+            if n % 25 == 0:
+                failed = _failed_starts(srv.log_path.read_text(errors="replace")) > log0
         for f in self.dir.glob("filler*"):
             f.unlink()
         ev.lifted = clock.now()

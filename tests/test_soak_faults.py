@@ -146,6 +146,8 @@ def test_an_agent_cli_session_becomes_an_outcome() -> None:
         '{"type": "turn.failed", "error": {"message": "unexpected status 503 Service Unavailable"}}'
     )
     assert verdict("codex", ['{"type": "turn.started"}', failed, "rc=1"])[:2] == ("fault", 503)
+    cut = '{"type": "turn.failed", "error": {"message": "stream disconnected before completion: The engine failed: engine process exited (code -9)"}}'
+    assert verdict("codex", [cut, "rc=1"])[:2] == ("fault", None)
     assert verdict("codex", ["rc=timeout"])[0] == "lost"
     assert verdict("codex", ["rc=stopped"])[0] == "refused"
 
