@@ -219,7 +219,8 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "kernel accepts (its anonymous memory; cgroup v1 refuses less) for 10 s, while "
         "context-filling prompts arrive. `--disk-full-every`: the quantized-expert cache is "
         "removed, its tmpfs filled and the engine SIGKILLed; its restarts cannot write the cache "
-        "for 10 s. Serving again counts from the fault's start (bench/soak_faults.py).",
+        "for 10 s, or until one has failed on it (at most 60 s). Serving again counts from the "
+        "fault's start and holds the supervisor's restart backoff (bench/soak_faults.py).",
         "",
         *_faults(raw),
         "",
