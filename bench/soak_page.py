@@ -52,8 +52,7 @@ def plot(raw: dict[str, Any], out: Path) -> list[str]:
         ax.axvline(raw["drain"]["t"], color="black", linestyle="--", linewidth=1)
         ax.set(
             title=title,
-            xlabel="seconds (red: engine SIGKILL, orange: memory cgroup shrunk, purple: "
-            "quant-cache disk full, black: SIGTERM)",
+            xlabel="s (red: SIGKILL, orange: cgroup shrunk, purple: disk full, black: SIGTERM)",
             ylabel=unit,
         )
         ax.legend(loc="upper left", fontsize=8)
