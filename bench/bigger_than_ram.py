@@ -273,7 +273,7 @@ def plan_projection(ckpt: Path, cgroup: Any, extra: list[str]) -> dict[str, Any]
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "plan",
             "--model",
             str(ckpt),

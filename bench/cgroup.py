@@ -68,16 +68,6 @@ class MemoryCgroup:
         self._set_limit(limit)
         self.limit = limit
 
-    def add(self, pid: int) -> None:
-        """Move process `pid` (all its threads) into the group; its children fork into it from
-        then on. v1 moves its charged pages along where the kernel still can."""
-        if self.version == 1:
-            try:
-                (self.path / "memory.move_charge_at_immigrate").write_text("3")
-            except OSError:
-                pass  # deprecated in newer kernels: the pages charged before stay where they are
-        (self.path / "cgroup.procs").write_text(str(pid))
-
     def usage(self) -> int:
         """Bytes charged to the group now (anonymous memory and page cache)."""
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
@@ -89,15 +79,6 @@ class MemoryCgroup:
         for line in (self.path / "memory.stat").read_text().splitlines():
             name, _, value = line.partition(" ")
             if name == key:
-                return int(value)
-        return 0
-
-    def oom_kills(self) -> int:
-        """Processes the OOM killer has killed in this group so far."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for line in (self.path / name).read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
                 return int(value)
         return 0
 
@@ -119,15 +100,23 @@ class MemoryCgroup:
         for f in cold:
             evict_page_cache(f)
         self.drop_charged_pages()
-        procs = str(self.path / "cgroup.procs")
-
-        def enter() -> None:  # runs in the child between fork and exec
-            with open(procs, "w") as fh:
-                fh.write(str(os.getpid()))
-
         return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=enter
+            list(argv), capture_output=True, text=True, timeout=timeout, preexec_fn=self.enter
         )
+
+    def enter(self) -> None:
+        """Move the calling process into the group: a child's preexec_fn (between fork and exec)."""
+        with open(self.path / "cgroup.procs", "w") as fh:
+            fh.write(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        """Processes of the group the kernel killed for memory, so far (v2 memory.events, v1 memory.oom_control)."""
+        events = self.path / ("memory.events" if self.version == 2 else "memory.oom_control")
+        for line in events.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
 
     def close(self) -> None:
         try:

@@ -27,6 +27,7 @@ import time
 import torch
 
 from bench.report import add_run_flags, cut_prompts, interleaved, write_report
+from cli.common import resolve_model_dir
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -35,7 +36,6 @@ from engine.offline.belady import flatten, lru_loads, min_loads
 from engine.paths import portable_path
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
-from server.cli_common import resolve_model_dir
 
 STREAMS = (1, 4, 8, 16)
 

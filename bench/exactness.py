@@ -145,7 +145,7 @@ def cgroup_cell(args: argparse.Namespace) -> dict[str, Any]:
     argv = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "generate",
         "--model",
         str(ckpt),

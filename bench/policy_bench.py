@@ -116,7 +116,7 @@ def table(rows: list[dict], workload: str) -> list[str]:
 
 
 def main() -> None:
-    from server.cli_common import resolve_model_dir
+    from cli.common import resolve_model_dir
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from bench.report import add_common_flags, machine_line, write_report
+from cli.common import resolve_model_dir
+from cli.eval import _read_tokens
 from engine.config import EngineConfig
 from engine.offline.trace import record_trace
 from engine.paths import portable_path
@@ -38,8 +40,6 @@ from engine.prefetch.training import (
     train_adapter,
 )
 from engine.worker.loader import load_model
-from server.cli_common import resolve_model_dir
-from server.cli_eval import _read_tokens
 
 
 class PerLayer(nn.Module):

@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from cli.eval import _read_tokens
 from engine.config import EngineConfig
 from engine.offline.evaluation import score_window, teacher_forced_eval, windows
 from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner
 from models import EMBEDDED_TARGET
-from server.cli_eval import _read_tokens
 
 FORMATS = ("none", "int8", "int4")
 LABEL = {"none": "bf16 (checkpoint)", "int8": "int8 g64", "int4": "int4 g64"}

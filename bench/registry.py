@@ -141,6 +141,20 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("prefix_cache.md",),
     ),
     Benchmark(
+        "kv-sharing",
+        "kv_sharing",
+        "sessions sharing a long prefix: the paged KV pool's blocks against one session's, and a returning "
+        "turn's TTFT",
+        ("kv_sharing.md",),
+    ),
+    Benchmark(
+        "kv-pressure",
+        "kv_pressure",
+        "more concurrent long prompts than the KV pool holds, under a memory cgroup: completions, "
+        "preemptions, bitwise equal to alone",
+        ("kv_pressure.md",),
+    ),
+    Benchmark(
         "quant",
         "quant_bench",
         "quantized experts on the embedded model: perplexity, bytes and decode speed",
@@ -248,6 +262,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "seed-000",
         "seed_000",
         "seed 000's tables and ablations on the embedded model: docs/seeds/000-substitution.md",
+    ),
+    Benchmark(
+        "seed-004",
+        "seed_004",
+        "seed 004's tables and ablations (MoE-SpAc) on the embedded pair: docs/seeds/004-spac.md",
     ),
     Benchmark(
         "spac-gpu",

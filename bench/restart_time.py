@@ -43,12 +43,12 @@ import json, sys, time
 t = [time.perf_counter()]
 import torch; t.append(time.perf_counter())
 import transformers; t.append(time.perf_counter())
-import engine.launch, engine.worker.loader, engine.core.engine_core, engine.speculative.factory, server.cli
+import engine.launch, engine.worker.loader, engine.core.engine_core, engine.speculative.factory, cli.main
 t.append(time.perf_counter())
 from engine.config import EngineConfig
 engine.worker.loader.load_model(sys.argv[1], EngineConfig(device="cpu")).close()
 t.append(time.perf_counter())
-names = ["import torch", "import transformers", "import the engine and server.cli", "load the model"]
+names = ["import torch", "import transformers", "import the engine and cli.main", "load the model"]
 print(json.dumps({n: b - a for n, a, b in zip(names, t, t[1:])}))
 """
 

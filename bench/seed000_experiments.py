@@ -18,9 +18,9 @@ from bench.seed000_stats import (
     unprotected_gate_share,
     within_input_r,
 )
-from server.policy_sweep import POLICY_SWEEP
+from cli.policy_sweep import POLICY_SWEEP
 
-# The policy table: the project's sweep (server/policy_sweep.py, as `moe-offload eval --all-policies`
+# The policy table: the project's sweep (cli/policy_sweep.py, as `moe-offload eval --all-policies`
 # runs it) plus more cut-offs for the mass correlation and the admission/eviction ablation.
 SWEEP = [Run(label, dict(over)) for label, over in POLICY_SWEEP.items()] + [
     Run("threshold@0.10", {"policy": "threshold", "threshold": 0.10}),

@@ -260,7 +260,7 @@ def write_plots(d: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from server.cli_eval import _plot
+    from cli.eval import _plot
 
     fraction = float(d["args"]["cache_fraction"])
     _plot(

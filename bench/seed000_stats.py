@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from server.policy_sweep import pearson
+from cli.policy_sweep import pearson
 
 
 def normalized_gates(weights: np.ndarray) -> np.ndarray:

@@ -225,7 +225,7 @@ def quality(args: argparse.Namespace, setup: Setup) -> dict:
 
 
 def main() -> int:
-    from server.cli_common import resolve_model_dir
+    from cli.common import resolve_model_dir
 
     args = parse_args()
     torch.set_num_threads(args.threads)

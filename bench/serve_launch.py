@@ -1,4 +1,4 @@
-"""The servers `python -m bench serve` can start itself: this engine (`python -m server.cli serve`, through
+"""The servers `python -m bench serve` can start itself: this engine (`python -m cli serve`, through
 bench/serve_process.py) and llama-server on the same model's GGUF (bench/streams_vs_llama.py converts and
 starts it). Each yields a bench.serve_client.Target with the pid of its process tree."""
 

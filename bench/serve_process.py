@@ -105,15 +105,15 @@ def serve(
     args: list[str],
     log_path: Path,
     ready_timeout: float = 90.0,
-    preexec_fn: Callable[[], None] | None = None,
+    enter: Callable[[], None] | None = None,
 ) -> Iterator[RunningServer]:
-    """Yield a ready server; its own process group, so a test can SIGTERM the whole group.
-    `preexec_fn` runs in the child before it executes the server (to enter a cgroup, say)."""
+    """Yield a ready server; its own process group, so a test can SIGTERM the whole group. `enter`: run in
+    the server's process before it starts (bench/cgroup.py's MemoryCgroup.enter puts it in a cgroup)."""
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "serve",
         "--host",
         "127.0.0.1",
@@ -134,7 +134,7 @@ def serve(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=preexec_fn,
+            preexec_fn=enter,
         )
     srv = RunningServer(proc, f"http://127.0.0.1:{port}", log_path)
     try:

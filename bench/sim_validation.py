@@ -87,10 +87,10 @@ def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: i
     of calls generating against 78 % teacher-forced), so those rows are replayed on this."""
     from bench.engine_bench import hf_decode
     from bench.policy_bench import workload
+    from cli.common import resolve_model_dir
     from engine.native.loaded import active
     from engine.offline.trace import record_trace
     from engine.worker.loader import load_model
-    from server.cli_common import resolve_model_dir
 
     om = load_model(resolve_model_dir(None), EngineConfig(cache_fraction=1.0))
     try:

@@ -86,12 +86,8 @@ class MemoryFault:
         if why is not None:
             raise SystemExit(f"--memory-fault-every: {why}")
         self.cg = MemoryCgroup(UNLIMITED, name=f"moe-offload-soak-{os.getpid()}")
+        self.enter = self.cg.enter  # serve()'s `enter`: in the server's process, before exec
         self.srv: RunningServer | None = None
-        self._procs = str(self.cg.path / "cgroup.procs")
-
-    def enter(self) -> None:  # in the server's process, between fork and exec
-        with open(self._procs, "w") as fh:
-            fh.write(str(os.getpid()))
 
     def run(self, clock: Clock, hc: httpx.Client) -> FaultEvent:
         assert self.srv is not None, "attach the running server first"

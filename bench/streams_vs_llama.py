@@ -48,13 +48,13 @@ from bench.report import (
     write_report,
 )
 from bench.serve_process import free_port
+from cli.common import resolve_model_dir
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.paths import portable_path
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
-from server.cli_common import resolve_model_dir
 
 # llama.cpp's converter, with an unknown BPE pre-tokenizer mapped to gpt-2 and GLM's vocabulary writer
 # (which needs GLM's special tokens) replaced by the generic BPE one.
@@ -69,15 +69,15 @@ glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
 )
 
 
-def convert(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
-    """The model as a bf16 GGUF at `out`, converted once."""
+def convert(llama_cpp: Path, model_dir: Path, out: Path, script: str = CONVERT) -> Path:
+    """The model as a bf16 GGUF at `out`, converted once (`script`: the converter's wrapper)."""
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"converting {portable_path(model_dir)} to {out.name} ...", flush=True)
         cmd = [
             sys.executable,
             "-c",
-            CONVERT,
+            script,
             str(llama_cpp / "convert_hf_to_gguf.py"),
             str(model_dir),
         ]

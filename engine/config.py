@@ -10,12 +10,15 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.native.variants import VARIANTS
 from engine.settings_file import YamlSection, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORWARDS = ("auto", "fused", "lean", "transformers")
-# The native kernels' builds, widest first (engine/native/variants.py VARIANTS), after auto.
-BUILDS = ("auto", "avx512-bf16", "avx512-vnni", "avx512", "avx2", "portable")
+# The native kernels' builds, widest first, after auto: read from engine/native/variants.py, the one
+# list of builds (that module imports only the standard library, so reading it here stays cheap).
+BUILDS = ("auto", *(v.name for v in VARIANTS))
+_NAMED = ", ".join(BUILDS[1:-1]) + " or " + BUILDS[-1]
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class EngineConfig(YamlSection):
         choices=("off", "auto", "all"),
     )
     cpu_workers: int = setting(2, "CPU worker threads for --cpu-experts (default 2)", metavar="N")
+    balancer_level: int | None = setting(
+        None,
+        "with --cpu-experts auto: the workload balancer's cut. Default: the makespan-optimal one from the measured costs. N: a fixed threshold instead, every missed expert whose utility level is >= N (0-3) goes to the fast device, the rest to the CPU (the seed's fixed-threshold ablation; bench/seed_004.py)",
+        metavar="N",
+    )
     settle_background: bool = setting(
         False,
         "deterministic residency: before each MoE layer plans, wait until every background load (admission, prefetch) has landed, so what is resident depends on the tokens, never on transfer timing. `eval` turns it on (--async to compare); serving leaves it off",
@@ -186,12 +194,14 @@ class EngineConfig(YamlSection):
     )
     native_build: str = setting(
         "auto",
-        "which build of the native kernels runs: auto (default: the widest this CPU runs, never chosen by timing, since each build computes its own bits), or one by name: avx512-bf16, avx512-vnni, avx512, avx2 or portable (fails at start where the CPU lacks its instructions)",
+        "which build of the native kernels runs: auto (default: the widest this CPU runs, never chosen by timing, since each build computes its own bits), or one by name: "
+        f"{_NAMED} (fails at start where the CPU lacks its instructions)",
         choices=BUILDS,
     )
     native_build_limit: str = setting(
         "auto",
-        "the widest build --native-build auto may choose: auto (default: every build this CPU runs), or avx512-bf16, avx512-vnni, avx512, avx2 or portable: that build and the narrower ones only (to see on a wide CPU what a narrower one would run, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
+        f"the widest build --native-build auto may choose: auto (default: every build this CPU runs), or {_NAMED}: "
+        "that build and the narrower ones only (to see on a wide CPU what a narrower one would run, as bench/cpu_paths.py --emulate avx2 does, or to keep AVX-512 off on a CPU that lowers its clock for it)",
         choices=BUILDS,
     )
     decode_attention: str = setting(
@@ -201,7 +211,7 @@ class EngineConfig(YamlSection):
     )
     prefix_cache_bytes: int = setting(
         256 * 1024 * 1024,
-        "prompt (prefix) cache: bytes of KV of completed prompt blocks kept after requests end, so a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; least recently used blocks no running request holds are evicted; 0 turns it off; hybrid linear-attention and sliding-window models are never cached (default 256 MiB)",
+        "prompt (prefix) cache: a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; 0 turns it off. On the CPU, where the KV lives in one paged pool, whole blocks are shared by reference and kept in the pool's unused blocks (least recently used evicted first) and this only switches it; elsewhere it bounds the bytes of copied prompt blocks. Hybrid linear-attention, sliding-window and multi-head-latent models are not cached (default 256 MiB)",
         metavar="N",
     )
     quant_cache_dir: str | None = setting(
@@ -247,6 +257,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
         if self.cpu_workers < 1:
             raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
+        if self.balancer_level is not None and not 0 <= self.balancer_level <= 3:
+            raise ConfigError(f"balancer_level must be 0-3, got {self.balancer_level}")
         kinds = self.prefetch_kinds
         if self.prefetch != "auto" and (
             not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)

@@ -86,13 +86,15 @@ def _base_type(tp: Any) -> Any:
     return args[0] if args else tp
 
 
-def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one argparse flag per `setting` field of `cls`; its default is None ('not given'),
-    so file settings apply unless a flag overrides them."""
+def add_flags(
+    group: Any, cls: type, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> None:
+    """Add one argparse flag per `setting` field of `cls` (with `only`, those fields alone); its
+    default is None ('not given'), so file settings apply unless a flag overrides them."""
     hints = get_type_hints(cls)
     for f in fields(cls):
         meta = f.metadata
-        if "help" not in meta or f.name in skip:
+        if "help" not in meta or f.name in skip or (only is not None and f.name not in only):
             continue
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])

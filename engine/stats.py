@@ -69,6 +69,11 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
     prefix_bytes: int = 0  # bytes of KV it holds now
     prefix_blocks: int = 0  # blocks it holds now
+    # The paged KV pool (engine/core/kv_blocks.py): blocks in use, cached (unreferenced prefixes) and
+    # total, its bytes a block (0 where requests keep their own buffers), preemptions since start.
+    kv_blocks: tuple[int, int, int] = (0, 0, 0)
+    kv_block_bytes: int = 0
+    preemptions: int = 0
     memory_probe: Any = field(
         default=None, repr=False, compare=False
     )  # engine/memory/measure.py memory_probe
@@ -174,6 +179,11 @@ class EngineStats:
                 self.prefix_blocks,
             ) = hit_tokens, query_tokens, nbytes, blocks
 
+    def set_kv_pool(self, counts: Any, preemptions: int, block_bytes: int) -> None:
+        with self._lock:
+            self.kv_blocks = (counts.in_use, counts.cached, counts.total)
+            self.preemptions, self.kv_block_bytes = preemptions, block_bytes
+
     def record_eviction(self) -> None:
         with self._lock:
             self.evictions += 1
@@ -234,6 +244,9 @@ class EngineStats:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_bytes": self.prefix_bytes,
                 "prefix_blocks": self.prefix_blocks,
+                "kv_blocks": self.kv_blocks,
+                "kv_block_bytes": self.kv_block_bytes,
+                "preemptions": self.preemptions,
                 "memory": self.memory_probe() if self.memory_probe is not None else {},
                 "per_layer": [
                     {

@@ -18,6 +18,10 @@ Cost model (all times in seconds, measured online by engine/experts/cost_meter.p
 run on the CPU) and τ ≤ capacity (fast-tier slots that can be taken now). The optimum over τ is
 exact: every τ is evaluated with prefix sums (a sort-and-sweep, O(M) after the sort).
 
+The seed's ablation replaces the optimized τ with a fixed threshold on utility: `fixed_tau` copies
+every missed expert whose level is at least a constant (EngineConfig.balancer_level), whatever
+the costs (bench/seed_004.py measures one against the other).
+
 Pure: numbers in, a number out.
 """
 
@@ -104,3 +108,12 @@ def choose_tau(rows: Sequence[int], costs: LayerCosts, capacity: int, tau_min: i
         if span <= best:
             best_tau, best = tau, span
     return best_tau
+
+
+def fixed_tau(levels: Sequence[int], threshold: int, capacity: int, tau_min: int = 0) -> int:
+    """The fixed-threshold cut (the seed's ablation of the balancer): with the missed experts
+    ranked as `rank_misses` does (`levels` their utility levels, the first `tau_min` forced onto the
+    fast device), τ = tau_min + the number of the others whose level is >= `threshold`, at most
+    the room left (capacity), never below tau_min. The costs play no part."""
+    hot = sum(1 for lv in levels[tau_min:] if lv >= threshold)
+    return max(tau_min, min(tau_min + hot, capacity))

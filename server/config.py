@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.core.limits import CoreLimits
@@ -132,6 +132,14 @@ class ServerConfig(YamlSection):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "force_tool_call", tuple(self.force_tool_call))
         self.forced()  # a ConfigError names a bad one now
+
+    def core_limits(self, max_model_len: int) -> CoreLimits:
+        """The engine core's limits: every CoreLimits field this config has (max_running,
+        prefill_token_budget), taken by name, and the context length resolved against the model."""
+        shared = {
+            f.name: getattr(self, f.name) for f in fields(CoreLimits) if hasattr(self, f.name)
+        }
+        return CoreLimits(**{**shared, "max_model_len": max_model_len})
 
     def forced(self) -> tuple[tuple[str, dict[str, Any] | None], ...]:
         """--force-tool-call as (tool name, pinned arguments or None) pairs."""

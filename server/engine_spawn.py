@@ -23,10 +23,11 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 
 # What every engine imports before its model load (engine/launch.py's engine_main). "__main__":
 # the front end's main script, which a child re-runs as __mp_main__ (`moe-offload serve`);
-# server.cli: the same under `python -m server.cli`. A module that fails to import is skipped.
+# cli.main: the same under `python -m cli` (named as a string: the server imports no cli module).
+# A module that fails to import is skipped.
 PRELOAD = (
     "__main__",
-    "server.cli",
+    "cli.main",
     "engine.launch",
     "engine.worker.loader",
     "engine.core.engine_core",

@@ -236,6 +236,25 @@ class EngineStatsCollector(Collector):
             "Prompt blocks (16 tokens each) the prefix cache holds.",
             value=s.get("prefix_blocks", 0),
         )
+        kv = GaugeMetricFamily(
+            P + "kv_blocks",
+            "KV pool blocks (16 positions each) by state: in use by requests, cached (a prefix no running "
+            "request holds, reusable until evicted), total.",
+            labels=["state"],
+        )
+        for state, n in zip(("in_use", "cached", "total"), s.get("kv_blocks", (0, 0, 0))):
+            kv.add_metric([state], n)
+        yield kv
+        yield GaugeMetricFamily(
+            P + "kv_block_bytes",
+            "Bytes of one KV pool block, every layer's keys and values (0: requests keep their own buffers).",
+            value=s.get("kv_block_bytes", 0),
+        )
+        yield CounterMetricFamily(
+            P + "preemptions",
+            "Requests whose KV blocks were taken back when the pool ran out; each resumed by recomputing.",
+            value=s.get("preemptions", 0),
+        )
         yield GaugeMetricFamily(
             P + "spec_mean_accepted_length",
             "Mean proposals accepted per verification window, since start.",

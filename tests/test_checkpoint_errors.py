@@ -88,7 +88,7 @@ def test_cli_reports_one_line(tiny_ckpt, tmp_path) -> None:
     f = path / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--model", str(path), "--prompt", "hi"],
+        [sys.executable, "-m", "cli", "generate", "--model", str(path), "--prompt", "hi"],
         capture_output=True,
         text=True,
         timeout=110,
@@ -102,7 +102,7 @@ def test_cli_reports_one_line(tiny_ckpt, tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "generate",
             "--model",
             str(tiny_ckpt("qwen3_moe")),
@@ -145,7 +145,7 @@ def test_cli_bad_input_is_one_line(argv: list[str], message: str) -> None:
         argv = [*argv, "--port", str(port)] if "--port" not in argv else argv
     t0 = time.monotonic()
     p = subprocess.run(
-        [sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=110
+        [sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=110
     )
     if argv[0] == "serve":
         assert time.monotonic() - t0 < 60, "a bad setting must fail fast, before any engine starts"

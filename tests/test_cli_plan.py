@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from server.cli import build_parser, main
+from cli.main import build_parser, main
 
 
 def test_plan_prints_the_placement_a_projection_and_a_recommendation(tiny_ckpt, capsys) -> None:
@@ -100,11 +100,11 @@ def test_projecting_the_replayed_head_equals_projecting_the_whole_trace() -> Non
 
     import numpy as np
 
+    from cli.plan import SIM_TOKENS, _head
     from engine.config import EngineConfig
     from engine.offline.hardware import ModelShape
     from engine.offline.projection import project_trace
     from engine.offline.simulator import manual_costs, simulate
-    from server.cli_plan import SIM_TOKENS, _head
 
     rng = np.random.default_rng(1)
     N, L, E, k = SIM_TOKENS + 200, 2, 16, 4
@@ -196,8 +196,8 @@ def test_plan_reserves_kv_for_max_model_len_x_max_running(tiny_ckpt, capsys) -> 
 
 
 def test_serve_plans_kv_for_the_limits_it_was_given(tmp_path) -> None:
+    from cli.serve import _kv_request
     from engine.memory.planner import KvRequest
-    from server.cli import _kv_request
     from server.config import ServerConfig
 
     def req(*argv: str) -> KvRequest:

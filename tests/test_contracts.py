@@ -13,7 +13,7 @@ from engine.core.contracts import ModelForward, RunnableModel, Runner
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.messages import GenerateRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import SeqResult, StepOutput, StepPlan
+from engine.core.step_types import SeqResult, StepOutput, StepPlan
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model

@@ -192,7 +192,8 @@ def test_batching_speculation_and_prefix_cache_are_exact(tiny_ckpt, arch: str) -
         assert _tokens(core, prompts) == plain  # batched, speculative, prefix hits
         s = om.stats.snapshot()
         assert s["spec_drafts"] > 0, s["spec_drafts"]
-        assert core.runner.prefix is not None and core.runner.prefix.hit_tokens >= 4 * len(shared)
+        blocks = core.scheduler.blocks  # the paged pool: prefix blocks shared by reference
+        assert blocks is not None and blocks.cache_prefixes and blocks.hit_tokens >= 4 * len(shared)
     finally:
         plain_om.close()
         om.close()

@@ -168,7 +168,7 @@ def test_generate_without_model_uses_the_embedded_model() -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "generate",
             "--prompt",
             "To be, or not to be",

@@ -108,7 +108,7 @@ def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "eval",
             "--model",
             str(ckpt),
@@ -150,7 +150,7 @@ def test_eval_cli_all_policies_writes_json_and_png(ckpt, tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "eval",
             "--model",
             str(ckpt),
@@ -174,7 +174,7 @@ def test_trace_then_simulate_cli(ckpt, tmp_path) -> None:
     data.write_text(TEXT)
     trace = tmp_path / "t.npz"
     run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "server.cli", *a], capture_output=True, text=True, timeout=250
+        [sys.executable, "-m", "cli", *a], capture_output=True, text=True, timeout=250
     )
     p = run("trace", "--model", str(ckpt), "--data", str(data), "--out", str(trace), "--logits")
     assert p.returncode == 0, p.stderr[-2000:]

@@ -45,7 +45,7 @@ def test_settled_eval_repeats_bit_for_bit() -> None:
 
 
 def test_eval_cli_defaults_to_settled(monkeypatch) -> None:
-    import server.cli_eval as cli_eval
+    import cli.eval as cli_eval
 
     seen: list[EngineConfig] = []
 
@@ -54,7 +54,7 @@ def test_eval_cli_defaults_to_settled(monkeypatch) -> None:
         raise SystemExit(0)
 
     monkeypatch.setattr("engine.offline.evaluation.teacher_forced_eval", fake_eval)
-    from server.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit):
         main(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.core.completion import complete, generate, request
 from engine.core.engine_core import CoreLimits, EngineCore
-from engine.core.scheduler import StepPlan
+from engine.core.step_types import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams, apply_penalties, sample, target_probs
 from engine.worker.verify import verify_window

@@ -93,7 +93,7 @@ def test_generate_cli_json(tiny_ckpt) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "generate",
             "--model",
             str(tiny_ckpt("qwen3_moe")),

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli.plan import DEFAULT_TRACE, project
 from engine.memory.footprint import Footprint
 from engine.offline.machine_costs import KernelSpeeds, machine_costs, read_gb_s
-from server.cli_plan import DEFAULT_TRACE, project
 
 H, I, K, E, LAYERS = (
     2048,
@@ -95,10 +95,10 @@ def test_with_every_expert_resident_the_disk_does_not_matter() -> None:
 
 
 def test_a_cuda_plan_names_a_profile_instead(tiny_ckpt) -> None:
+    from cli.plan import measured_costs
     from engine.config import EngineConfig
     from engine.memory.measure import probe_checkpoint
     from engine.offline.hardware import ProfileError
-    from server.cli_plan import measured_costs
 
     probe = probe_checkpoint(tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu"))
     with pytest.raises(ProfileError, match="CUDA"):

@@ -42,7 +42,7 @@ def _argv(model: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "server.cli",
+        "cli",
         "generate",
         "--model",
         str(model),

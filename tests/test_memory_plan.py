@@ -276,7 +276,7 @@ def test_metrics_export_planned_and_used_bytes(tiny_ckpt) -> None:
 
 
 def test_serve_refuses_a_plan_that_cannot_fit_before_listening(tiny_ckpt, capsys) -> None:
-    from server.cli import main
+    from cli.main import main
 
     rc = main(
         ["serve", "--model", str(tiny_ckpt("qwen3_moe")), "--host-memory", "10MiB", "--port", "1"]

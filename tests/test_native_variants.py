@@ -112,7 +112,7 @@ def test_each_build_attends_a_prompt_chunk_as_its_rows_alone(
     nk, why = load_build(name)
     assert nk is not None, why
     g = torch.Generator().manual_seed(11)
-    cap = at + rows + 3
+    cap = 1 << (at + rows + 3).bit_length()  # a power of two, as every KV buffer's capacity
     prefix = torch.randn(2, 1, hk, cap, d, generator=g).to(dtype)
     q = torch.randn(rows, hq, d, generator=g).to(dtype)
     k, v = (

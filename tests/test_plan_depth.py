@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cli.plan import depth_scaled
 from engine.offline.hardware import SHAPES, costs_for
-from server.cli_plan import depth_scaled
 
 
 def test_a_depth_cut_shape_keeps_its_costs_with_the_lm_head_spread_over_fewer_layers() -> None:

@@ -211,7 +211,7 @@ def test_train_prefetcher_cli(tiny_ckpt, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "train-prefetcher",
             "--model",
             str(tiny_ckpt("qwen3_moe")),
@@ -237,7 +237,7 @@ def test_train_prefetcher_cli(tiny_ckpt, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "cli",
             "train-prefetcher",
             "--data",
             str(tmp_path / "missing.txt"),

@@ -160,6 +160,8 @@ def _core(om, spec: str, prefix: bool) -> EngineCore:
     )
     if not prefix:
         core.runner.prefix = core.scheduler.prefix = None
+        if core.scheduler.blocks is not None:  # the paged pool shares prefixes by reference
+            core.scheduler.blocks.cache_prefixes = False
     return core
 
 
@@ -205,9 +207,9 @@ def test_engine_core_hit_equals_full_prefill(om, spec: str) -> None:
         assert (
             0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
         )  # windows were rejected and rolled back
-    assert (
-        core.runner.prefix is not None and not core.runner.prefix.held
-    )  # every request released its blocks
+    blocks = core.scheduler.blocks  # the paged pool shares the prefix blocks by reference
+    assert blocks is not None and blocks.cache_prefixes
+    assert blocks.counts().in_use == 0  # every request released its blocks
 
 
 class _FakePrefix:
@@ -222,7 +224,8 @@ class _FakePrefix:
 
 
 def test_scheduler_starts_prefill_after_the_cached_prefix() -> None:
-    from engine.core.scheduler import Scheduler, SeqResult, StepOutput
+    from engine.core.scheduler import Scheduler
+    from engine.core.step_types import SeqResult, StepOutput
 
     class CharTok:
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -60,7 +60,7 @@ def test_tiny_builds_match_transformers(tmp_path, model: str) -> None:
 
 
 def test_tiny_gpt_oss_has_mxfp4_experts_as_released(tmp_path, capsys) -> None:
-    from server.cli import main
+    from cli.main import main
 
     path = write_checkpoint(
         tmp_path / "oss", "gpt-oss-20b", layers=2, progress=False, **TINY_WIDTHS["gpt-oss-20b"]

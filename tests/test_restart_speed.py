@@ -29,6 +29,16 @@ def test_engines_start_from_a_preloaded_forkserver_unless_told_not_to() -> None:
     assert engine_context(preload=False).get_start_method() == "spawn"
 
 
+def test_every_preloaded_module_exists() -> None:
+    """The forkserver skips a module that fails to import: a renamed one (server.cli became
+    cli.main) would silently stop being preloaded."""
+    import importlib.util
+
+    for name in PRELOAD:
+        if name != "__main__":
+            assert importlib.util.find_spec(name) is not None, name
+
+
 @pytest.mark.parametrize(("served_s", "delay"), [(STABLE_S + 5, 0.0), (5.0, BACKOFF_S[0])])
 def test_an_engine_that_served_a_while_restarts_at_once(served_s: float, delay: float) -> None:
     client = EngineClient(None, ServerMetrics(), max_restarts=3)  # type: ignore[arg-type]

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.messages import GenerateRequest
-from engine.core.scheduler import Scheduler, SeqResult, StepOutput, StepPlan
+from engine.core.scheduler import Scheduler
+from engine.core.step_types import SeqResult, StepOutput, StepPlan
 from engine.worker.sampling import SamplingParams
 
 

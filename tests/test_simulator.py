@@ -428,7 +428,7 @@ def test_projection_to_a_wider_top_k_needs_logits() -> None:
 def test_simulate_cli_labels_simulated_and_projected(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from server.cli import main
+    from cli.main import main
 
     tr = synthetic_trace(N=40, L=4, E=64, k=8)
     path = tmp_path / "t.npz"

@@ -41,7 +41,8 @@ def build_server_app(serve_argv: Sequence[str]) -> FastAPI:
     """The app that `moe-offload serve SERVE_ARGV` runs, built by the CLI itself, so flags, defaults and
     validation are exactly the CLI's; only the listening socket is left to Ray (the CLI's run_server is
     swapped out while it runs)."""
-    from server import cli, launch
+    from cli.main import main as cli_main
+    from server import launch
 
     built: list[FastAPI] = []
 
@@ -54,7 +55,7 @@ def build_server_app(serve_argv: Sequence[str]) -> FastAPI:
     real_run_server = launch.run_server
     launch.run_server = keep_app  # type: ignore[assignment]
     try:
-        rc = cli.main(["serve", *serve_argv])
+        rc = cli_main(["serve", *serve_argv])
     finally:
         launch.run_server = real_run_server
     if rc != 0 or len(built) != 1:

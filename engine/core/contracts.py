@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from engine.core.scheduler import StepOutput, StepPlan
+    from engine.core.step_types import StepOutput, StepPlan
 
 
 class ModelForward(Protocol):

@@ -24,9 +24,11 @@ from typing import Protocol
 from engine.core.contracts import RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.faults import log, request_fault
+from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks
 from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
-from engine.core.scheduler import Scheduler, SeqState, StepOutput, StepPlan
+from engine.core.scheduler import Scheduler
+from engine.core.step_types import SeqState, StepOutput, StepPlan
 
 
 class StepObserver(Protocol):
@@ -66,6 +68,10 @@ class EngineCore:
         """A core for a loaded model: its own runner (lm.make_runner(); the tensors live in worker/), whose prefix
         cache (if any) the scheduler consults when it admits a request."""
         runner = lm.make_runner()
+        lookahead = getattr(getattr(proposer, "k", None), "k_max", 0)
+        blocks = kv_blocks_for(
+            runner, getattr(lm, "kv_token_budget", None), limits.max_model_len + lookahead
+        )
         sched = Scheduler(
             lm.tokenizer,
             lm.eos_token_ids,
@@ -73,8 +79,8 @@ class EngineCore:
             limits.prefill_token_budget,
             limits.max_model_len,
             getattr(runner, "prefix", None),
-            # The KV positions the memory plan reserved (engine/memory/planner.py), if the model says.
-            getattr(lm, "kv_token_budget", None),
+            blocks,
+            lookahead,
         )
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(
@@ -111,7 +117,25 @@ class EngineCore:
                 log.exception(
                     "step observer %s failed; the step's tokens stand", type(obs).__name__
                 )
-        return failed + self._update(plan, out)
+        outputs = failed + self._update(plan, out)
+        self._publish_kv()
+        return outputs
+
+    def _publish_kv(self) -> None:
+        """The KV pool's blocks and the preemptions so far, to the model's stats (/metrics)."""
+        blocks = self.scheduler.blocks
+        stats = getattr(getattr(self.runner, "lm", None), "stats", None)
+        if blocks is None or stats is None or not hasattr(stats, "set_kv_pool"):
+            return
+        pool = getattr(self.runner, "pool", None)
+        stats.set_kv_pool(
+            blocks.counts(), self.scheduler.preemptions, getattr(pool, "bytes_per_block", 0)
+        )
+        if pool is not None:  # the pool's cached blocks are the prefix cache
+            cached = blocks.counts().cached
+            stats.set_prefix_cache(
+                blocks.hit_tokens, blocks.query_tokens, cached * pool.bytes_per_block, cached
+            )
 
     def _propose(self, plan: StepPlan, failed: list[RequestOutput]) -> StepPlan:
         """Proposals for the plan; if the proposer fails, each window is proposed alone and the
@@ -169,3 +193,19 @@ class EngineCore:
             self.add(r)
         while self.has_work():
             yield from self.step()
+
+
+def kv_blocks_for(runner: object, kv_token_budget: int | None, one_context: int) -> KVBlocks | None:
+    """The KV pool's block accounting: blocks for the positions the memory plan reserved, and never fewer
+    than one request at the whole context (and its lookahead), so a request alone always fits. Where the
+    runner pages its KV (engine/worker/kv_pool.py) these are real blocks and whole prefix blocks are shared
+    by reference (unless the prefix cache is off); elsewhere they only count positions (each request keeps
+    its own buffer, the copying prefix cache shares prompts). None where the model has no memory plan."""
+    if kv_token_budget is None:
+        return None
+    total = max(-(-kv_token_budget // BLOCK_TOKENS), -(-one_context // BLOCK_TOKENS))
+    use_pool = getattr(runner, "use_kv_pool", None)
+    paged = bool(use_pool is not None and use_pool(total, BLOCK_TOKENS))
+    lm = getattr(runner, "lm", None)
+    sharing = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0) > 0
+    return KVBlocks(total, BLOCK_TOKENS, cache_prefixes=paged and sharing)

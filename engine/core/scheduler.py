@@ -18,105 +18,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from typing import Any
 
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.kv_blocks import KVBlocks
 from engine.core.messages import GenerateRequest, RequestOutput, TokenLogprob
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class SeqState:
-    req: GenerateRequest
-    detok: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
-    status: Status = Status.WAITING
-    num_computed: int = 0  # positions already in this request's KV cache
-    output_ids: list[int] = field(default_factory=list)
-    queue_seconds: float | None = None
-    sent_first: bool = False
-    num_cached: int = 0  # prompt positions restored from the prefix cache at admission
-
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
-
-@dataclass(frozen=True)
-class SeqWork:
-    """One request's window in a step (plain data: the runner looks up its cache by id)."""
-
-    request_id: str
-    input_ids: list[int]  # [T] positions to run
-    start_pos: int  # KV cache length before this window
-    is_prefill: bool  # the window holds prompt tokens (the first chunk creates the KV cache)
-    req: GenerateRequest
-    output_ids: tuple[int, ...]  # tokens generated so far (penalties, min_tokens)
-    samples: bool = True  # False for a prompt chunk that does not reach the prompt's end
-    num_draft: int = 0  # the last num_draft input_ids are proposed tokens to verify
-    max_draft: int = 0  # proposals the request can still use (max_tokens and context left)
-    draft_probs: object | None = (
-        None  # the proposer's distributions [num_draft, V], None = deterministic
-    )
-    prefix_hit: int = (
-        0  # prompt positions the runner restores from the prefix cache before the first chunk
-    )
-
-    @property
-    def new_seq(self) -> bool:
-        return self.is_prefill and self.start_pos == self.prefix_hit
-
-    @property
-    def draft_ids(self) -> list[int]:
-        return self.input_ids[len(self.input_ids) - self.num_draft :] if self.num_draft else []
-
-
-@dataclass
-class StepPlan:
-    work: list[SeqWork] = field(default_factory=list)
-    free_ids: list[str] = field(
-        default_factory=list
-    )  # requests whose KV cache/RNG the runner drops
-
-
-@dataclass
-class SeqResult:
-    sampled: list[int] = field(default_factory=list)  # new tokens: accepted proposals + one sampled
-    num_kept: int | None = None  # window positions kept in the KV cache; None = all of them
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    error: str | None = None
-
-
-@dataclass
-class StepOutput:
-    results: dict[str, SeqResult] = field(default_factory=dict)
-    seconds: float = 0.0  # wall time of the runner's execute (cost measurements, e.g. adaptive k)
+from engine.core.step_types import SeqState, SeqWork, Status, StepOutput, StepPlan
 
 
 class Scheduler:
-    """FCFS admission under a running-request cap, a KV token budget and a per-step prefill
-    token budget.
+    """FCFS admission under a running-request cap, the KV pool's free blocks and a per-step prefill
+    token budget, with preemption when the pool runs out.
 
     Decodes of running requests are never starved: every step decodes every running request.
     Prompt tokens are prefilled up to `prefill_token_budget` per step; a longer prompt is
     split into chunks over several steps (chunks and decodes share a step). A prompt that
     asks for prompt logprobs is prefilled whole, in one step.
 
-    `kv_token_budget` (the KV positions the memory plan reserved; None: no limit): a request is
-    admitted only while the positions the running requests hold now (prompt and output so far)
-    plus its prompt fit in it; otherwise it waits, in order, until running requests finish (never
-    an error). A request alone is always admitted, so one longer than the budget still runs.
-    Why not each request's worst case (prompt + max_tokens): agents send max_tokens of 32k, and
-    the worst case would run their sessions one at a time. What is missing is preemption: the
-    running requests' outputs may still grow past the budget.
+    `blocks` (engine/core/kv_blocks.py; None: no limit): every window runs only once its positions
+    have blocks. A waiting request is admitted, in order, when its first chunk's blocks are there
+    (after the blocks its prefix matched); otherwise it waits (never an error). When a running
+    request's next window finds no block, the most recently admitted request is preempted: its
+    blocks go back (its whole blocks stay cached for its return), it waits at the head of the queue
+    and, resumed, recomputes its positions from its tokens, each with the bits it had (every row
+    computes the same whatever shares its step), so its output is the one it gets alone. vLLM's
+    recompute preemption. `lookahead`: proposals a decode window may carry (speculative decoding);
+    its blocks are asked for, and a window gets fewer proposals rather than preempting another.
     """
 
     def __init__(
@@ -127,7 +55,8 @@ class Scheduler:
         prefill_token_budget: int,
         max_model_len: int,
         prefix: Any = None,
-        kv_token_budget: int | None = None,
+        blocks: KVBlocks | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -135,21 +64,13 @@ class Scheduler:
         self.prefill_token_budget = prefill_token_budget
         self.max_model_len = max_model_len
         self.waiting: deque[SeqState] = deque()
-        self.running: dict[str, SeqState] = {}
+        self.running: dict[str, SeqState] = {}  # in admission order
         self._to_free: list[str] = []
-        self.prefix = prefix  # engine/worker/prefix_cache.py's PrefixCache (match() only), or None
-        self.kv_token_budget = kv_token_budget
-
-    def kv_need(self, seq: SeqState) -> int:
-        """The KV positions a request holds now: its prompt and the tokens it generated so far,
-        at most the context."""
-        return min(len(seq.req.prompt_ids) + len(seq.output_ids), self.max_model_len)
-
-    def _kv_fits(self, seq: SeqState) -> bool:
-        if self.kv_token_budget is None or not self.running:
-            return True
-        held = sum(self.kv_need(s) for s in self.running.values())
-        return held + self.kv_need(seq) <= self.kv_token_budget
+        self.prefix = prefix  # the copying prefix cache (engine/worker/prefix_cache.py) where no pool shares blocks
+        self.blocks = blocks
+        self.lookahead = lookahead
+        self.preemptions = 0  # all requests, since start
+        self._failed: list[RequestOutput] = []  # ended at admission; reported by the next update()
 
     # -- inputs ------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> None:
@@ -167,6 +88,10 @@ class Scheduler:
             if seq is None:
                 return None
             self.waiting.remove(seq)
+            if seq.preemptions:  # its runner state (RNG, grammar) outlived its KV
+                self._to_free.append(request_id)
+        if self.blocks is not None:
+            self.blocks.free(request_id)
         seq.status = Status.FINISHED
         return self._output(seq, [], None, None, reason, error)
 
@@ -182,71 +107,176 @@ class Scheduler:
         plan = StepPlan(free_ids=self._to_free)
         self._to_free = []
         budget = self.prefill_token_budget
-        for seq in self.running.values():
-            n_prompt = len(seq.req.prompt_ids)
-            if seq.num_computed < n_prompt:  # a prompt still being prefilled in chunks
-                if budget > 0:
-                    plan.work.append(self._prefill_chunk(seq, budget))
-                    budget -= len(plan.work[-1].input_ids)
+        for seq in list(self.running.values()):
+            if seq.request_id not in self.running:  # preempted for an earlier request's window
                 continue
-            total = n_prompt + len(seq.output_ids)
-            room = (
-                min(seq.req.params.max_tokens - len(seq.output_ids), self.max_model_len - total) - 1
-            )
-            plan.work.append(
-                SeqWork(
-                    seq.request_id,
-                    [seq.output_ids[-1]],
-                    seq.num_computed,
-                    False,
-                    seq.req,
-                    tuple(seq.output_ids),
-                    max_draft=max(room, 0),
-                )
-            )
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            if seq.num_computed < len(seq.fill_ids):  # a prompt still being prefilled in chunks
+                if budget <= 0:
+                    continue
+                wanted = self._prefill_chunk(seq, budget)
+            else:
+                wanted = self._decode_window(seq)
+            work = self._with_blocks(seq, wanted, plan)
+            if work is not None:
+                plan.work.append(work)
+                budget -= len(work.input_ids) if work.is_prefill else 0
+        while (
+            self.waiting
+            and len(self.running) < self.max_running
+            and budget > 0
+            and not plan.preempted_ids  # no admission in a step that had to take blocks back
+        ):
             seq = self.waiting[0]
             if (
                 seq.req.prompt_logprobs is not None
+                and not seq.output_ids
                 and len(seq.req.prompt_ids) > budget
                 and budget < self.prefill_token_budget
             ):
                 break  # needs a whole-prompt step; it gets the next one
-            if not self._kv_fits(seq):
-                break  # waits, in order, for running requests to free their KV
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            seq.queue_seconds = time.monotonic() - seq.arrival
-            if (
-                self.prefix is not None and seq.req.prompt_logprobs is None
-            ):  # prompt logprobs need every position
-                seq.num_computed = seq.num_cached = self.prefix.match(
-                    seq.request_id, seq.req.prompt_ids
-                )
-            self.running[seq.request_id] = seq
-            plan.work.append(self._prefill_chunk(seq, budget))
-            budget -= len(plan.work[-1].input_ids)
+            if self._prefix_in_flight(seq):
+                break  # its prefix is being prefilled by a running request: it starts when it can share it
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break  # waits, in order, for running requests to free their blocks
+            if admitted.request_id in self.running:
+                plan.work.append(admitted)
+                budget -= len(admitted.input_ids)
         return plan
 
-    def _prefill_chunk(self, seq: SeqState, budget: int) -> SeqWork:
-        prompt = seq.req.prompt_ids
-        start = seq.num_computed
-        end = (
-            len(prompt) if seq.req.prompt_logprobs is not None else min(len(prompt), start + budget)
-        )
+    def _admit(self, seq: SeqState, budget: int) -> SeqWork | None:
+        """`seq`'s first chunk, started, if its blocks are there (after its prefix's); None if it must
+        wait. A request the whole pool cannot hold ends with an error (its work is returned, not run)."""
+        rid = seq.request_id
+        hit = 0
+        if seq.req.prompt_logprobs is None or seq.output_ids:  # prompt logprobs need every position
+            if self.blocks is not None:
+                hit = self.blocks.match(rid, seq.fill_ids)
+            elif self.prefix is not None:
+                hit = self.prefix.match(rid, seq.fill_ids)
+        seq.num_computed = seq.num_cached = hit
+        work = self._prefill_chunk(seq, budget)
+        if self.blocks is not None and not self._room_to_start(
+            rid, work.start_pos + len(work.input_ids)
+        ):
+            if (
+                not self.running
+            ):  # alone, the pool still cannot hold it: the pool is smaller than a context
+                if (
+                    o := self.abort(rid, "error", "the KV pool cannot hold this request")
+                ) is not None:
+                    self._failed.append(o)
+                return work
+            self.blocks.cancel(rid)
+            seq.num_computed = seq.num_cached = 0
+            return None
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        if seq.queue_seconds is None:
+            seq.queue_seconds = time.monotonic() - seq.arrival
+        self.running[rid] = seq
+        return self._tabled(work)
+
+    def _prefix_in_flight(self, seq: SeqState) -> bool:
+        """Whether a running request is still prefilling a whole block that `seq` starts with too: started
+        now, `seq` would compute its own copy; a step later it shares the blocks by reference."""
+        if (
+            self.blocks is None
+            or not self.blocks.cache_prefixes
+            or seq.req.prompt_logprobs is not None
+        ):
+            return False
+        ids, block = seq.fill_ids, self.blocks.block
+        for other in self.running.values():
+            upto = (
+                other.num_computed // block + 1
+            ) * block  # the end of its first block not yet computed
+            if (
+                other.num_computed < len(other.fill_ids)
+                and len(ids) > upto
+                and ids[:upto] == other.fill_ids[:upto]
+            ):
+                return True
+        return False
+
+    def _room_to_start(self, rid: str, positions: int) -> bool:
+        """Allocate a new request's first positions if, beside them, every running request keeps a block to
+        grow into: admitting into the last free blocks would preempt within a block's steps (thrashing)."""
+        assert self.blocks is not None
+        spare = self.blocks.available() - self.blocks.needs(rid, positions)
+        return spare >= len(self.running) and self.blocks.allocate(rid, positions)
+
+    def _decode_window(self, seq: SeqState) -> SeqWork:
+        total = len(seq.req.prompt_ids) + len(seq.output_ids)
+        room = min(seq.req.params.max_tokens - len(seq.output_ids), self.max_model_len - total) - 1
         return SeqWork(
             seq.request_id,
-            list(prompt[start:end]),
+            [seq.output_ids[-1]],
+            seq.num_computed,
+            False,
+            seq.req,
+            tuple(seq.output_ids),
+            max_draft=max(room, 0),
+        )
+
+    def _with_blocks(self, seq: SeqState, work: SeqWork, plan: StepPlan) -> SeqWork | None:
+        """`work` with the blocks its positions need, taking them back from the most recently admitted
+        requests if the pool is out; None if `seq` itself had to give its blocks back."""
+        if self.blocks is None:
+            return work
+        rid, end = seq.request_id, work.start_pos + len(work.input_ids)
+        if not work.is_prefill and self.blocks.allocate(
+            rid, end + min(work.max_draft, self.lookahead)
+        ):
+            return self._tabled(work)
+        while not self.blocks.allocate(rid, end):
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim, plan)
+            if victim is seq:
+                return None
+        return self._tabled(work)
+
+    def _tabled(self, work: SeqWork) -> SeqWork:
+        """`work` with its block table; a decode window's proposals capped by the positions it covers."""
+        if self.blocks is None:
+            return work
+        table = tuple(self.blocks.table(work.request_id))
+        covered = len(table) * self.blocks.block - work.start_pos - len(work.input_ids)
+        return replace(work, block_table=table, max_draft=max(0, min(work.max_draft, covered)))
+
+    def _preempt(self, seq: SeqState, plan: StepPlan) -> None:
+        """Take `seq`'s blocks back; it waits at the head of the queue and recomputes them when resumed."""
+        assert self.blocks is not None
+        rid = seq.request_id
+        del self.running[rid]
+        self.blocks.free(rid)
+        seq.status, seq.num_computed, seq.num_cached = Status.WAITING, 0, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted_ids.append(rid)
+        plan.work = [w for w in plan.work if w.request_id != rid]
+
+    def _prefill_chunk(self, seq: SeqState, budget: int) -> SeqWork:
+        """The next chunk of `seq`'s tokens to prefill: its prompt, or after a preemption its prompt and
+        outputs (that chunk samples nothing: its next token is known)."""
+        ids, resumed = seq.fill_ids, bool(seq.output_ids)
+        start = seq.num_computed
+        whole = seq.req.prompt_logprobs is not None and not resumed
+        end = len(ids) if whole else min(len(ids), start + budget)
+        return SeqWork(
+            seq.request_id,
+            list(ids[start:end]),
             start,
             True,
             seq.req,
-            (),
-            samples=end == len(prompt),
+            tuple(seq.output_ids),
+            samples=end == len(ids) and not resumed,
             prefix_hit=seq.num_cached,
         )
 
     def update(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs, self._failed = self._failed, []
         for w in plan.work:
             seq = self.running.get(w.request_id)
             res = out.results.get(w.request_id)
@@ -260,6 +290,10 @@ class Scheduler:
             seq.num_computed = w.start_pos + (
                 len(w.input_ids) if res.num_kept is None else res.num_kept
             )
+            if self.blocks is not None:  # its whole computed blocks become shareable
+                self.blocks.commit(
+                    w.request_id, seq.req.prompt_ids + seq.output_ids, seq.num_computed
+                )
             if not w.samples:  # a prompt chunk short of the prompt's end: nothing to emit yet
                 continue
             new: list[int] = []
@@ -293,6 +327,11 @@ class Scheduler:
                 seq.status = Status.FINISHED
                 del self.running[w.request_id]
                 self._to_free.append(w.request_id)
+                if self.blocks is not None:
+                    self.blocks.commit(
+                        w.request_id, seq.req.prompt_ids + seq.output_ids, seq.num_computed
+                    )
+                    self.blocks.free(w.request_id)
             ro = self._output(
                 seq,
                 new,

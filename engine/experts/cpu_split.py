@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from policies.balancer import LayerCosts, choose_tau, rank_misses
+from policies.balancer import LayerCosts, choose_tau, fixed_tau, rank_misses
 from policies.base import DROPPED, ExpertPlan
 
 if TYPE_CHECKING:  # annotations only: this module imports no torch
@@ -49,6 +49,8 @@ class CpuSplit:
     def __init__(self, store: ExpertStore, transfers: TransferEngine, stats: EngineStats) -> None:
         self.store, self.transfers, self.stats = store, transfers, stats
         self.calls = 0  # balancer calls so far (every PROBE_EVERY-th explores)
+        # EngineConfig.balancer_level: None, the makespan-optimal τ; N, the fixed threshold (an ablation).
+        self.fixed_level: int | None = None
 
     def split(
         self,
@@ -66,6 +68,9 @@ class CpuSplit:
         level = (lambda e: utility.level(layer, e)) if utility is not None else (lambda e: 0)
 
         def cut(ranked: list[int], tau_min: int) -> int:
+            if self.fixed_level is not None:
+                levels = [level(e) for e in ranked]
+                return fixed_tau(levels, self.fixed_level, self.store.free_or_evictable(), tau_min)
             return self._choose_tau(ready, ranked, rows, tau_min, meter, cpu_workers)
 
         ranked, tau = split_misses(

@@ -54,7 +54,7 @@ static void softmax_rows(float *scores, int64_t stride, const int64_t *lens, int
  * What engine/worker/lean_forward.py does between the projections and o_proj for one new row of one
  * sequence, in one call: the per-head q/k RMSNorms (qw, kw; NULL: none, as in Qwen2-MoE), the rotary
  * embedding (rot = 0: none), the new key and value written at position `at` of the cache buffers
- * [hk, cap, d] (engine/worker/kv_cache.py), then softmax(scale * q K^T) V over positions 0..at for
+ * (cpu_gemv.h kv_row: a contiguous buffer or a paged pool's blocks), then softmax(scale * q K^T) V over positions 0..at for
  * each query head, query head i reading KV head i / (hq / hk) (grouped-query attention, as SDPA's
  * enable_gqa). q [hq, d], k and v [hk, d] contiguous, in x's dtype; q and k are normed and rotated
  * in place; out [hq, d] in x's dtype. Scores, softmax and the weighted sum are computed in f32 (as
@@ -62,10 +62,11 @@ static void softmax_rows(float *scores, int64_t stride, const int64_t *lens, int
  * bits. work: (hq / hk) * (at + 1 + 2 d) floats; at most 64 query heads per KV head, d <= 1024. */
 void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,
                       const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
-                      void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
-    size_t xs = xtype == X_F32 ? 4 : 2;
+                      void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale, void *out,
+                      float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2, row = (size_t)d * xs;
     qk_norm_rope(q, k, xtype, 1, hq, hk, d, qw, kw, wtype, q_eps, k_eps, rot, cos, sin);
-    kv_append(kbuf, vbuf, k, v, hk, 1, d, cap, at, d, d, d, d, (int64_t)xs); /* k, v: [hk, d], one position */
+    kv_append(kbuf, vbuf, k, v, hk, 1, d, blocks, bs, at, d, d, d, d, (int64_t)xs); /* k, v: [hk, d], one position */
     /* The query heads of one KV head together: each cached row is read once for all of them. */
     int64_t len = at + 1, group = hq / hk;
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
@@ -76,7 +77,7 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
             for (int64_t i = 0; i < d; i++)
                 qf[a * d + i] = load1(q, wt, (g * group + a) * d + i);
         for (int64_t j = 0; j < len; j++) {
-            const char *kr = (const char *)kbuf + (size_t)((g * cap + j) * d) * xs;
+            const char *kr = (const char *)kbuf + (size_t)kv_row(blocks, bs, hk, g, j) * row;
             for (int64_t a = 0; a < group; a++) scores[a * len + j] = dot_row(qf + a * d, kr, wt, d) * scale;
         }
         float inv[64];
@@ -85,7 +86,7 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
         softmax_rows(scores, len, lens, group, inv);
         for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
         for (int64_t j = 0; j < len; j++) {
-            const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
+            const char *vr = (const char *)vbuf + (size_t)kv_row(blocks, bs, hk, g, j) * row;
             for (int64_t a = 0; a < group; a++) {
                 axpy_row(acc + a * d, scores[a * len + j], vr, wt, d);
             }
@@ -106,7 +107,7 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
  * so a prompt's rows, a verification window's and a decode row each give the bits of that row decoded alone. What
  * the blocking changes is only memory traffic: ATT_ROWS rows share each key and value row's load. q [T, hq, d], k and
  * v [T, hk, d] (q and k in place), cos/sin [T, rot] (NULL when rot is 0), out [T, hq, d]: contiguous, in x's
- * dtype; the KV buffers [hk, cap, d] have room for at + T positions. work: attention_rows_work_floats(). */
+ * dtype; the KV cache's blocks (kv_row) have room for at + T positions. work: attention_rows_work_floats(). */
 #define ATT_ROWS 16
 #define KEY_TILE 16
 static int64_t up16(int64_t n) { return (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; }
@@ -144,19 +145,22 @@ static void softmax_block(float *scores, int64_t span, int64_t first_len, int64_
  * loop's (dot_row, exp_inplace, axpy_row in key order), at a third of the instructions: no reduction a key and row,
  * no bf16 widening a key and row. */
 static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d, const void *kbuf,
-                         const void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
-    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs;
+                         const void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale, void *out,
+                         float *work) {
+    size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs, row = (size_t)d * xs;
     int64_t group = hq / hk, keys = at + T, span = up16(keys);
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
     float *scores = work, *qf = scores + ATT_ROWS * group * span, *acc = qf + ATT_ROWS * group * d;
     float *kt = acc + ATT_ROWS * group * d, *vf = kt + span * d; /* [span / 16][d][16], [span][d] */
     for (int64_t g = 0; g < hk; g++) {
-        const char *kh = (const char *)kbuf + (size_t)(g * cap * d) * xs, *vh = (const char *)vbuf + (size_t)(g * cap * d) * xs;
-        for (int64_t j = 0; j < span; j++)
+        for (int64_t j = 0; j < span; j++) {
+            size_t at_j = j < keys ? (size_t)kv_row(blocks, bs, hk, g, j) * row : 0;
+            const char *kr = (const char *)kbuf + at_j, *vr = (const char *)vbuf + at_j;
             for (int64_t i = 0; i < d; i++) {
-                kt[((j / KEY_TILE) * d + i) * KEY_TILE + j % KEY_TILE] = j < keys ? load1(kh, wt, j * d + i) : 0.0f;
-                vf[j * d + i] = j < keys ? load1(vh, wt, j * d + i) : 0.0f;
+                kt[((j / KEY_TILE) * d + i) * KEY_TILE + j % KEY_TILE] = j < keys ? load1(kr, wt, i) : 0.0f;
+                vf[j * d + i] = j < keys ? load1(vr, wt, i) : 0.0f;
             }
+        }
         for (int64_t r0 = 0; r0 < T; r0 += ATT_ROWS) {
             int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
             load_rows_q(q, wt, nb, group, d, g, r0, qd, qf);
@@ -185,20 +189,22 @@ static void attend_tiled(const void *q, int xtype, int64_t T, int64_t hq, int64_
 
 void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
                     const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
-                    const void *sin, void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work) {
+                    const void *sin, void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale,
+                    void *out, float *work) {
     size_t xs = xtype == X_F32 ? 4 : 2, qd = (size_t)(hq * d) * xs, kd = (size_t)(hk * d) * xs, rs = (size_t)rot * xs;
+    size_t row = (size_t)d * xs;
     int64_t group = hq / hk, span = at + T; /* a row's scores are at most span long */
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
     if (group > 64 || group * hk != hq) return; /* the caller checks: never reached */
     for (int64_t r = 0; r < T; r++) { /* decode_attention's first two steps, row by row */
         qk_norm_rope((char *)q + r * qd, (char *)k + r * kd, xtype, 1, hq, hk, d, qw, kw, wtype, q_eps, k_eps, rot,
                      cos ? (const char *)cos + r * rs : NULL, sin ? (const char *)sin + r * rs : NULL);
-        kv_append(kbuf, vbuf, (char *)k + r * kd, (const char *)v + r * kd, hk, 1, d, cap, at + r, d, d, d, d,
+        kv_append(kbuf, vbuf, (char *)k + r * kd, (const char *)v + r * kd, hk, 1, d, blocks, bs, at + r, d, d, d, d,
                   (int64_t)xs);
     }
 #ifdef SIMD_HAVE_KEY_TILE
     if (key_tiled(T, d)) { /* a prompt chunk: the same bits in key tiles */
-        attend_tiled(q, xtype, T, hq, hk, d, kbuf, vbuf, cap, at, scale, out, work);
+        attend_tiled(q, xtype, T, hq, hk, d, kbuf, vbuf, blocks, bs, at, scale, out, work);
         return;
     }
 #endif
@@ -208,7 +214,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
             int64_t nb = T - r0 < ATT_ROWS ? T - r0 : ATT_ROWS, last = at + r0 + nb; /* keys [0, last) */
             load_rows_q(q, wt, nb, group, d, g, r0, qd, qf);
             for (int64_t j = 0; j < last; j++) {
-                const char *kr = (const char *)kbuf + (size_t)((g * cap + j) * d) * xs;
+                const char *kr = (const char *)kbuf + (size_t)kv_row(blocks, bs, hk, g, j) * row;
                 for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++) /* rows at positions >= j */
                     for (int64_t a = 0; a < group; a++)
                         scores[(b * group + a) * span + j] = dot_row(qf + (b * group + a) * d, kr, wt, d) * scale;
@@ -217,7 +223,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
             softmax_block(scores, span, at + r0 + 1, nb, group, inv);
             for (int64_t i = 0; i < nb * group * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j < last; j++) {
-                const char *vr = (const char *)vbuf + (size_t)((g * cap + j) * d) * xs;
+                const char *vr = (const char *)vbuf + (size_t)kv_row(blocks, bs, hk, g, j) * row;
                 for (int64_t b = j <= at + r0 ? 0 : j - at - r0; b < nb; b++)
                     for (int64_t a = 0; a < group; a++)
                         axpy_row(acc + (b * group + a) * d, scores[(b * group + a) * span + j], vr, wt, d);

@@ -712,16 +712,17 @@ void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t 
     rmsnorm(sum, xtype, rows, n, w, wtype, eps, normed);
 }
 
-/* A step's new keys and values written into a KV cache's buffers in place (engine/worker/kv_cache.py):
+/* A step's new keys and values written into a KV cache in place (engine/worker/kv_cache.py, kv_pool.py):
  * rows [heads, n, d] of k and v (any head and position strides, in elements; d contiguous) go to
- * positions at..at+n-1 of buffers [heads, cap, d]. Plain copies of `elem`-byte values: one call for
+ * positions at..at+n-1 of the cache's blocks (cpu_gemv.h kv_row). Plain copies of `elem`-byte values: one call for
  * what would be two torch copies and their dispatch. */
-void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t heads, int64_t n, int64_t d, int64_t cap,
-               int64_t at, int64_t k_head, int64_t k_pos, int64_t v_head, int64_t v_pos, int64_t elem) {
+void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t heads, int64_t n, int64_t d,
+               const int64_t *blocks, int64_t bs, int64_t at, int64_t k_head, int64_t k_pos, int64_t v_head,
+               int64_t v_pos, int64_t elem) {
     size_t row = (size_t)(d * elem);
     for (int64_t h = 0; h < heads; h++)
         for (int64_t i = 0; i < n; i++) {
-            size_t dst = (size_t)((h * cap + at + i) * d * elem);
+            size_t dst = (size_t)kv_row(blocks, bs, heads, h, at + i) * row;
             memcpy((char *)kbuf + dst, (const char *)k + (size_t)((h * k_head + i * k_pos) * elem), row);
             memcpy((char *)vbuf + dst, (const char *)v + (size_t)((h * v_head + i * v_pos) * elem), row);
         }

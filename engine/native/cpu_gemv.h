@@ -150,13 +150,22 @@ void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t 
 void topk_desc(const float *v, int64_t n, int64_t k, int64_t *ids);
 int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int norm,
                 void *logits, void *weights, int64_t *ids, void *work, int nthreads);
+/* A sequence's KV cache, keys or values: blocks of bs positions (bs a power of two) in one buffer laid out
+ * [blocks, heads, bs, d]; the sequence's i-th block is block blocks[i] of the buffer (its block table). A contiguous
+ * buffer [heads, cap, d] is the table {0} with bs = cap; a paged pool (engine/worker/kv_pool.py) gives each sequence
+ * its own table. kv_row: the row (in units of d elements from the buffer's start) of position j of head g. */
+static inline int64_t kv_row(const int64_t *blocks, int64_t bs, int64_t heads, int64_t g, int64_t j) {
+    int shift = __builtin_ctzll((unsigned long long)bs);
+    return ((blocks[j >> shift] * heads + g) << shift) + (j & (bs - 1));
+}
 /* Per-head q/k RMSNorms and rotary in place, and a step's keys and values written into a KV cache (cpu_gemv.c). */
 void qk_norm_rope(void *q, void *k, int xtype, int64_t rows, int64_t hq, int64_t hk, int64_t d, const void *qw,
                   const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin);
-void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t heads, int64_t n, int64_t d, int64_t cap,
-               int64_t at, int64_t k_head, int64_t k_pos, int64_t v_head, int64_t v_pos, int64_t elem);
+void kv_append(void *kbuf, void *vbuf, const void *k, const void *v, int64_t heads, int64_t n, int64_t d,
+               const int64_t *blocks, int64_t bs, int64_t at, int64_t k_head, int64_t k_pos, int64_t v_head, int64_t v_pos, int64_t elem);
 /* A decode row's attention (attention.c). */
 void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, int64_t hk, int64_t d, const void *qw,
                       const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
-                      void *kbuf, void *vbuf, int64_t cap, int64_t at, float scale, void *out, float *work);
+                      void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale, void *out,
+                      float *work);
 #endif

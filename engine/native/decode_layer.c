@@ -199,13 +199,15 @@ static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, vo
 }
 
 /* The layer above for R rows (R <= 16): x and h [R, H] in place; cos/sin [R, rot] of the rows' positions (NULL when
- * rot is 0). Row r's KV cache buffers kbufs[r], vbufs[r] ([hk, caps[r], d]) hold ats[r] positions, and its new key
+ * rot is 0). Row r's KV cache (buffers kbufs[r], vbufs[r], block table tables[r] of blocks of bss[r] positions:
+ * cpu_gemv.h kv_row) holds ats[r] positions, and its new key
  * and value go to position ats[r]: a verification window's rows share one request's buffers at consecutive
  * positions and run in order, so each attends to the window's rows before it (causal); a batch's rows each have
  * their own. work: decode_layer_work_bytes(L, max(ats) + 1, R) bytes or more. Returns 0, -3 for a row count out of
  * range, or the first failing kernel's status. */
 int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void *cos, const void *sin, void *const *kbufs,
-                 void *const *vbufs, const int64_t *caps, const int64_t *ats, void *work, int nthreads) {
+                 void *const *vbufs, const int64_t *const *tables, const int64_t *bss, const int64_t *ats, void *work,
+                 int nthreads) {
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
     int64_t H = L->H, k = L->topk, E = L->E;
     int xt = (int)L->xtype;
@@ -227,7 +229,7 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
     for (int64_t r = 0; r < R; r++)
         decode_attention(q + r * qd * xs, kk + r * kd * xs, vv + r * kd * xs, xt, L->hq, L->hk, L->d, L->q_norm, L->k_norm,
                          (int)L->norm_wtype, L->q_eps, L->k_eps, L->rot, cos ? (const char *)cos + r * rs : NULL,
-                         sin ? (const char *)sin + r * rs : NULL, kbufs[r], vbufs[r], caps[r], ats[r], L->scale,
+                         sin ? (const char *)sin + r * rs : NULL, kbufs[r], vbufs[r], tables[r], bss[r], ats[r], L->scale,
                          att + r * qd * xs, (float *)scratch);
     rc = project(L, L->wo, L->wo_s, L->bo, H, (int64_t)qd, R, att, y, scratch, nthreads);
     if (rc) return rc;

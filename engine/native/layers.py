@@ -184,11 +184,15 @@ class NativeSwiGLU(nn.Module):
 
 
 def verified_kernels(norm: object, x: torch.Tensor) -> NativeKernels | None:
-    """The kernels where `norm` is a NativeRMSNorm already checked against the module it replaced that
-    would run x natively: then fusing it with a neighbouring step keeps its arithmetic."""
-    if isinstance(norm, NativeRMSNorm) and norm.verified:
-        return norm.kernels_for(x)
-    return None
+    """The kernels where `norm` is a NativeRMSNorm checked against the module it replaced that would run x
+    natively: then fusing it with a neighbouring step keeps its arithmetic. A norm not yet checked is checked
+    here, on x (its forward, whose result is dropped): otherwise a fresh model's first forward would take the
+    unfused torch path and compute other bits than every later forward of the same rows."""
+    if not isinstance(norm, NativeRMSNorm):
+        return None
+    if norm.verified is None and norm.kernels_for(x) is not None:
+        norm.forward(x)
+    return norm.kernels_for(x) if norm.verified else None
 
 
 def _rmsnorm_eps(module: nn.Module) -> float | None:

@@ -25,6 +25,23 @@ def reads_weights(w: torch.dtype, x: torch.dtype) -> bool:
 
 MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
 
+# The block table of a contiguous KV buffer: its one block, holding every position (cpu_gemv.h kv_row).
+CONTIGUOUS_TABLE = torch.zeros(1, dtype=torch.int64)
+
+
+def kv_table(key_buffer: torch.Tensor, table: torch.Tensor | None, block: int) -> tuple[int, int]:
+    """(block table pointer, positions a block) for the native KV kernels: a contiguous buffer
+    [1, heads, capacity, d] is one block of `capacity` positions; a pool's table is its own (int64,
+    contiguous, covering every position the call reads or writes). Block sizes are powers of two
+    (the kernels shift, not divide, on every key): kv_cache.py's capacities are, and the pool's block."""
+    if table is None:
+        table, block = CONTIGUOUS_TABLE, key_buffer.shape[2]
+    if table.dtype != torch.int64 or not table.is_contiguous() or block & (block - 1):
+        raise ValueError(
+            "a KV cache's block size (a contiguous buffer's capacity) must be a power of two"
+        )
+    return table.data_ptr(), block
+
 
 class KernelLibrary:
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -147,11 +164,15 @@ class KernelLibrary:
         k: torch.Tensor,
         v: torch.Tensor,
         at: int,
+        table: torch.Tensor | None = None,
+        block: int = 0,
     ) -> None:
-        """Write k and v [1, heads, n, d] (d contiguous) at positions at..at+n-1 of the contiguous
-        buffers [1, heads, capacity, d] of their dtype, in one call."""
+        """Write k and v [1, heads, n, d] (d contiguous) at positions at..at+n-1 of a KV cache of their
+        dtype, in one call: contiguous buffers [1, heads, capacity, d] (table None), or a paged pool's
+        buffers [blocks, heads, block, d] read through the sequence's block `table` (int64)."""
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
+        table_ptr, bs = kv_table(key_buffer, table, block)
         self.lib.kv_append(
             key_buffer.data_ptr(),
             value_buffer.data_ptr(),
@@ -160,7 +181,8 @@ class KernelLibrary:
             heads,
             n,
             d,
-            key_buffer.shape[2],
+            table_ptr,
+            bs,
             at,
             ks[1],
             ks[2],
@@ -198,12 +220,16 @@ class KernelLibrary:
         value_buffer: torch.Tensor,
         at: int,
         scale: float,
+        table: torch.Tensor | None = None,
+        block: int = 0,
     ) -> torch.Tensor:
         """Attention for T consecutive new rows of one sequence (attention.c `attention_rows`, each row as
         attention.c's `decode_attention` computes a decode row alone): q [T, hq, d], k and v [T, hk, d]
         (contiguous, one dtype; q and k are normed and rotated in place), `norms` (q weight, k weight, q eps,
-        k eps) or None, cos/sin [T, rot] or None, the KV buffers [1, hk, capacity, d] of the same dtype with
-        room for at + T positions, the first row's position `at`. Returns [T, hq * d]. (q [hq, d] is one row.)"""
+        k eps) or None, cos/sin [T, rot] or None, the KV cache in the same dtype with room for at + T
+        positions (contiguous buffers [1, hk, capacity, d], or a pool's [blocks, hk, block, d] through the
+        block `table`: kv_append), the first row's position `at`. Returns [T, hq * d]. (q [hq, d] is one row.)"""
+        table_ptr, bs = kv_table(key_buffer, table, block)
         if q.dim() == 2:
             q, k, v = q[None], k[None], v[None]
         rows, hq, d = q.shape
@@ -229,7 +255,8 @@ class KernelLibrary:
             None if sin is None else sin.data_ptr(),
             key_buffer.data_ptr(),
             value_buffer.data_ptr(),
-            key_buffer.shape[2],
+            table_ptr,
+            bs,
             at,
             scale,
             out.data_ptr(),

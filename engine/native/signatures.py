@@ -119,7 +119,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.moe_mxfp4_rows.restype = _INT
     lib.moe_mxfp4_work_bytes.argtypes = [_I64, _I64, _I64]
     lib.moe_mxfp4_work_bytes.restype = _SIZE
-    lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 10
+    lib.kv_append.argtypes = [_P, _P, _P, _P] + [_I64] * 3 + [_P] + [_I64] * 7
     lib.kv_append.restype = None
     lib.decode_attention.argtypes = [
         _P,
@@ -137,10 +137,11 @@ def declare(lib: ctypes.CDLL) -> None:
         _I64,
         _P,
         _P,
-        _P,
-        _P,
-        _I64,
-        _I64,
+        _P,  # key buffer
+        _P,  # value buffer
+        _P,  # block table (int64)
+        _I64,  # positions a block
+        _I64,  # at
         ctypes.c_float,
         _P,
         _P,
@@ -158,7 +159,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sigmoid_gate_rows.argtypes = [_P, _P, _INT, _I64, _I64, _P]
     lib.sigmoid_gate_rows.restype = None
     # decode_layer.c: one decoder layer of a decode step (engine/worker/fused_decode.py builds the spec).
-    lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
+    lib.decode_layer.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]
     lib.decode_layer.restype = _INT
     lib.decode_layer_work_bytes.argtypes = [_P, _I64, _I64]
     lib.decode_layer_work_bytes.restype = _SIZE

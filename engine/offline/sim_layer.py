@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from engine.experts.cpu_split import split_misses
 from engine.experts.residency import INF
 from engine.offline.sim_prefetch import PrefetchReplay
-from policies.balancer import LayerCosts, choose_tau
+from policies.balancer import LayerCosts, choose_tau, fixed_tau
 from policies.base import DROPPED, ExpertPlan
 
 
@@ -209,6 +209,10 @@ class LayerReplay(PrefetchReplay):
             capacity = self.cache.n_slots - len(
                 self.cache.pins
             )  # slots less this layer's pins (the store also leaves out loads in flight)
+            if self.s.balancer_level is not None:  # the fixed-threshold ablation
+                return fixed_tau(
+                    [level(e) for e in ranked], self.s.balancer_level, capacity, tau_min
+                )
             return choose_tau([rows_of[e] for e in ranked], costs, capacity, tau_min)
 
         ranked, tau = split_misses(

@@ -72,6 +72,7 @@ class SimSettings:
     acceptance: Acceptance = field(default_factory=Acceptance)
     prefetch: str = "none"  # none | utility
     cpu_experts: str = "off"  # off | auto | all
+    balancer_level: int | None = None  # as EngineConfig.balancer_level: None, the optimized τ
     max_tokens: int | None = None  # stop after this many generated tokens (all streams)
     # Tokens per request: the streams' requests end together after this many tokens and new ones
     # start with a fresh adaptive-k state, as the benchmarks' cells do (None: one request per stream).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from engine.core.scheduler import SeqWork, StepPlan
+from engine.core.step_types import SeqWork, StepPlan
 from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loaded_model import LoadedModel

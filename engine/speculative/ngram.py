@@ -7,7 +7,7 @@ prompt, lists) is where this pays; elsewhere adaptive k turns it off.
 
 from __future__ import annotations
 
-from engine.core.scheduler import StepPlan
+from engine.core.step_types import StepPlan
 from engine.speculative.proposals import ProposerBase, history, with_drafts
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
+from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.stats import EngineStats
 from policies.adaptive_k import AdaptiveK
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.layers import verified_kernels
 from engine.worker.kv_cache import InPlaceLayer
+from engine.worker.kv_pool import NATIVE_KV_LAYERS, PagedLayer
 from engine.worker.lean_layer import LeanLayer
 from engine.worker.packed_batch import PackedBatch
 
@@ -72,7 +73,7 @@ def native_attention(
             return None
         norms = layer.native_qk_norms = (qn.weight, kn.weight, qn.eps, kn.eps)  # verified: for good
     layers = [c.layers[att.layer_idx] for c in batch.caches]
-    if not all(type(c) is InPlaceLayer for c in layers):
+    if not all(type(c) in NATIVE_KV_LAYERS for c in layers):
         return None
     outs = [
         _attend_rows(
@@ -122,7 +123,7 @@ def sdpa_decode_attention(
 
 def _attend_rows(
     kernels: NativeKernels,
-    cache: InPlaceLayer,
+    cache: InPlaceLayer | PagedLayer,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -141,6 +142,8 @@ def _attend_rows(
         kb.dtype != q.dtype
     ):  # a request's cache holds its model's dtype: this would be a bug, not an input
         raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
-    out = kernels.decode_attention(q, k, v, norms, cos, sin, kb, vb, length, scale)
+    out = kernels.decode_attention(
+        q, k, v, norms, cos, sin, kb, vb, length, scale, cache.block_table, cache.block_size
+    )
     cache.advance(length + rows)
     return out

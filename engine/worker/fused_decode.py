@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels
+from engine.native.row_ops import kv_table
 from engine.weights.moe_hook import BlockAdapter
 from engine.worker import dispatch
 from engine.worker.fused_layer_spec import (
@@ -55,7 +56,7 @@ from engine.worker.fused_layer_spec import (
     shared_expert,
     swiglu_fields,
 )
-from engine.worker.kv_cache import InPlaceLayer
+from engine.worker.kv_pool import NATIVE_KV_LAYERS
 
 
 class FusedDecode:
@@ -135,9 +136,9 @@ class FusedDecode:
             min(max_positions, self._positions),
         )  # the scratch holds scores for _positions
         for c, n in zip(caches, rows):
-            layers: list[Any] = c.layers  # InPlaceLayer, checked here
+            layers: list[Any] = c.layers  # in-place or paged, checked here
             if len(layers) < n_specs or not all(
-                type(layer) is InPlaceLayer for layer in layers[:n_specs]
+                type(layer) in NATIVE_KV_LAYERS for layer in layers[:n_specs]
             ):
                 return dispatch.NOT_PLANNED
             if layers[0].get_seq_length() + n > limit:
@@ -151,7 +152,7 @@ class FusedDecode:
             sin.data_ptr(),
             self._work.data_ptr(),
         )
-        kptrs, vptrs, caps, ats = self._row_kv
+        kptrs, vptrs, tables, blocks, ats = self._row_kv
         like = [
             self._kv_like.narrow(2, 0, n) for n in rows
         ]  # [1, hk, n, d]: what each request's rows append
@@ -164,17 +165,19 @@ class FusedDecode:
                     kb.dtype is not kv.dtype
                 ):  # a request's cache holds its model's dtype: a bug, not an input
                     raise RuntimeError(f"KV cache in {kb.dtype} for a {kv.dtype} decode step")
+                table, bs = kv_table(kb, layer.block_table, layer.block_size)
                 for j in range(n):
-                    kptrs[r], vptrs[r], caps[r], ats[r] = (
+                    kptrs[r], vptrs[r], tables[r], blocks[r], ats[r] = (
                         kb.data_ptr(),
                         vb.data_ptr(),
-                        kb.shape[2],
+                        table,
+                        bs,
                         at + j,
                     )
                     r += 1
                 ends.append((layer, at + n))
             rc = lib.decode_layer(
-                ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, caps, ats, work, nt
+                ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, tables, blocks, ats, work, nt
             )
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
@@ -223,8 +226,9 @@ class FusedDecode:
         self._work = torch.empty(nbytes, dtype=torch.uint8)
         att = self.layers[0].att
         self._kv_like = torch.zeros((1, self._specs[0].hk, MAX_ROWS, att.head_dim), dtype=x.dtype)
-        # Each row's KV buffers, their capacities and its position, filled per layer per step.
+        # Each row's KV buffers, block table, positions a block and position, filled per layer per step.
         self._row_kv = (
+            (ctypes.c_void_p * MAX_ROWS)(),
             (ctypes.c_void_p * MAX_ROWS)(),
             (ctypes.c_void_p * MAX_ROWS)(),
             (ctypes.c_int64 * MAX_ROWS)(),

@@ -21,6 +21,8 @@ The cost: up to twice the memory of the positions held, as any doubling buffer.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
@@ -41,6 +43,12 @@ class InPlaceLayer(DynamicLayer):
     # very tensors (nothing cropped or replaced them), reserve() skips re-checking they view the buffers.
     _views: tuple[torch.Tensor, torch.Tensor] | None = None
     _length: int = 0
+    # The native kernels' view of the buffers (cpu_gemv.h kv_row): one block holding every position.
+    block_table: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return 0 if self._key_buffer is None else self._key_buffer.shape[2]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -136,3 +144,21 @@ def new_kv_cache(config: PretrainedConfig) -> DynamicCache:
         if type(layer) is DynamicLayer:
             cache.layers[i] = InPlaceLayer()
     return cache
+
+
+class _CroppableLayer(Protocol):
+    """A KV layer with positions to crop: what rollback-capable models' caches hold (no linear attention)."""
+
+    def get_seq_length(self) -> int: ...
+
+    def crop(self, tokens_to_remove: int) -> None: ...
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Crop every layer of a KV cache back to `length` positions (layers may differ after a
+    forward that failed midway: the ones it reached hold the window, the others do not)."""
+    for layer in cast("list[_CroppableLayer]", cache.layers):
+        if getattr(layer, "is_initialized", False):
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)

@@ -15,19 +15,19 @@ only its request (engine/core/faults.py); a device (CUDA) fault is re-raised: th
 from __future__ import annotations
 
 import time
-from typing import Protocol, cast
 
 import torch
 from transformers import DynamicCache
 
 from engine.core.faults import request_fault
 from engine.core.messages import TokenLogprob
-from engine.core.scheduler import SeqResult, SeqWork, StepOutput, StepPlan
+from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.native.loaded import active
 from engine.structured import GrammarCompiler, TokenConstraint
-from engine.worker.kv_cache import new_kv_cache
+from engine.worker.kv_cache import new_kv_cache, truncate_cache
+from engine.worker.kv_pool import KVPool, paged_pool_for
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loaded_model import LoadedModel
 from engine.worker.packed_batch import (
@@ -82,6 +82,19 @@ class ModelRunner:
             )
         self._stats = getattr(lm, "stats", None)
         self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
+        self.pool: KVPool | None = (
+            None  # every request's KV, paged (use_kv_pool), or None: each its own
+        )
+
+    def use_kv_pool(self, total: int, block: int) -> bool:
+        """Keep every request's KV in one paged pool of `total` blocks (engine/worker/kv_pool.py), where the
+        model's cache allows it; the scheduler's block accounting then decides which blocks each request uses
+        and shares prefixes by reference, so the copying prefix cache goes. Returns whether it does."""
+        self.pool = paged_pool_for(self.lm, self._lean is not None, total, block)
+        if self.pool is None:
+            return False
+        self.prefix = None
+        return True
 
     # -- the model call ------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,13 +140,21 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> StepOutput:
         for rid in plan.free_ids:  # finished or aborted: release KV cache memory now
             self.drop(rid)
+        for rid in plan.preempted_ids:  # its KV only: it resumes with its RNG and grammar state
+            self.caches.pop(rid, None)
         out = StepOutput()
         work = list(plan.work)
         for w in work:
             if w.new_seq:
-                self.caches[w.request_id] = new_kv_cache(self.lm.config)
+                self.caches[w.request_id] = (
+                    self.pool.new_cache(w.prefix_hit)  # the matched blocks are in its table already
+                    if self.pool is not None
+                    else new_kv_cache(self.lm.config)
+                )
                 if w.prefix_hit and self.prefix is not None:
                     self.prefix.restore(w.request_id, self.caches[w.request_id])
+                if w.request_id in self.generators:  # resumed after a preemption
+                    continue
                 self.generators[w.request_id] = make_generator(w.req.params, self.lm.device)
                 if w.req.constraint is not None:
                     try:
@@ -145,6 +166,9 @@ class ModelRunner:
                             error=request_fault("the grammar", w.request_id, e)
                         )
         work = [w for w in work if w.request_id not in out.results]
+        if self.pool is not None:
+            for w in work:
+                self.pool.set_table(self.caches[w.request_id], w.block_table)
         computed = self._forward_by_kind(work, out)
         greedy = self._plain_greedy_tokens(computed)
         for w, lg in computed:
@@ -382,24 +406,6 @@ def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
     ):
         return None
     return PrefixCache(budget, getattr(lm, "stats", None))
-
-
-class _CroppableLayer(Protocol):
-    """A KV layer with keys to crop: what rollback-capable models' caches hold (no linear attention)."""
-
-    keys: torch.Tensor | None
-
-    def crop(self, tokens_to_remove: int) -> None: ...
-
-
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Crop every layer of a KV cache back to `length` positions (layers may differ after a
-    forward that failed midway: the ones it reached hold the window, the others do not)."""
-    for layer in cast("list[_CroppableLayer]", cache.layers):
-        if getattr(layer, "is_initialized", False) and layer.keys is not None:
-            extra = layer.keys.shape[-2] - length
-            if extra > 0:
-                layer.crop(-extra)
 
 
 def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.core.scheduler import StepOutput, StepPlan
+from engine.core.step_types import StepOutput, StepPlan
 from engine.experts.routing_bus import RoutingBus, RoutingEvent, WindowCounts, WindowReport
 from engine.stats import EngineStats
 

@@ -100,6 +100,7 @@ def attach_spac(
             cfg.cpu_experts,
             meter,
         )
+        om.executor.cpu_split.fixed_level = cfg.balancer_level
 
 
 def _adapter_prefetcher(

@@ -1,5 +1,5 @@
 """`moe-offload eval` (teacher-forced perplexity per policy) and `moe-offload trace` (router
-traces); `simulate` (replaying a trace) is server/cli_simulate.py."""
+traces); `simulate` (replaying a trace) is cli/simulate.py."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from cli.common import add_engine_flags, engine_config_from_args, resolve_model_dir
+from cli.simulate import add_simulate_parser
 from engine.errors import MoeOffloadError
 from engine.paths import portable_path
-from server.cli_common import add_engine_flags, engine_config_from_args, resolve_model_dir
-from server.cli_simulate import add_simulate_parser
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
@@ -35,7 +39,7 @@ def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from server.policy_sweep import POLICY_SWEEP, UNPROTECTED, pearson
+    from cli.policy_sweep import UNPROTECTED, pearson
 
     base = engine_config_from_args(args)
     if args.settle_background is None:  # eval is deterministic unless asked otherwise
@@ -45,59 +49,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MoeOffloadError(
             f"{args.data}: data file not found; pass --data with a UTF-8 text file"
         )
-    # After the checks above: these imports take seconds.
-    from engine.offline.evaluation import teacher_forced_eval
-    from engine.worker.loader import load_model
-
-    if args.policies:
-        unknown = [p for p in args.policies.split(",") if p not in POLICY_SWEEP]
-        if unknown:
-            raise MoeOffloadError(
-                f"unknown --policies entry {unknown[0]!r}; choose from: {', '.join(POLICY_SWEEP)}"
-            )
-        runs = {
-            "fetch-all": POLICY_SWEEP["fetch-all"],
-            **{p: POLICY_SWEEP[p] for p in args.policies.split(",")},
-        }
-    elif args.all_policies:
-        runs = dict(POLICY_SWEEP)
-    else:
-        runs = {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
-    if args.async_rows:
-        # The server's behaviour: background loads land whenever the link delivers them.
-        runs.update(
-            {
-                f"{label} (async)": {**overrides, "settle_background": False}
-                for label, overrides in list(runs.items())
-                if label != "fetch-all"
-            }
-        )
-    results = {}
-    prefetchers: dict[str, str] = {}
-    ids: list[int] | None = None
-    for label, overrides in runs.items():
-        om = load_model(model_dir, replace(base, **overrides))
-        try:
-            ids = ids or _read_tokens(om, args.data, args.max_tokens, args.window)
-            results[label] = teacher_forced_eval(om, ids, args.window, label)
-            prefetchers[label] = (
-                ",".join(om.prefetchers) or "none"
-            )  # what --prefetch (auto) resolved to for this row
-        finally:
-            om.close()
-    ref = results["fetch-all"].ppl
-    rows = []
-    print(
-        f"{'policy':28s} {'PPL':>9s} {'ΔPPL %':>8s} {'subst. calls':>12s} {'subst. mass':>11s} {'fetches/tok':>11s} {'admissions':>10s}"
-    )
-    for label, r in results.items():
-        d = 100.0 * (r.ppl / ref - 1.0)
-        rows.append(
-            {"label": label, "delta_ppl_pct": d, "prefetch": prefetchers[label], **r.to_dict()}
-        )
-        print(
-            f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}"
-        )
+    runs = _eval_runs(args, base)
+    results, prefetchers, ids = _evaluate(args, base, model_dir, runs)
+    rows = _print_rows(results, prefetchers)
     print(
         "prefetch (--prefetch "
         + base.prefetch
@@ -131,13 +85,84 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_runs(args: argparse.Namespace, base: EngineConfig) -> dict[str, dict[str, Any]]:
+    """The rows to evaluate, label -> EngineConfig overrides; fetch-all first (the reference)."""
+    from cli.policy_sweep import POLICY_SWEEP
+
+    if args.policies:
+        unknown = [p for p in args.policies.split(",") if p not in POLICY_SWEEP]
+        if unknown:
+            raise MoeOffloadError(
+                f"unknown --policies entry {unknown[0]!r}; choose from: {', '.join(POLICY_SWEEP)}"
+            )
+        runs = {
+            "fetch-all": POLICY_SWEEP["fetch-all"],
+            **{p: POLICY_SWEEP[p] for p in args.policies.split(",")},
+        }
+    elif args.all_policies:
+        runs = dict(POLICY_SWEEP)
+    else:
+        runs = {"fetch-all": {"policy": "fetch-all"}, base.policy: {}}
+    if args.async_rows:
+        # The server's behaviour: background loads land whenever the link delivers them.
+        runs.update(
+            {
+                f"{label} (async)": {**overrides, "settle_background": False}
+                for label, overrides in list(runs.items())
+                if label != "fetch-all"
+            }
+        )
+    return runs
+
+
+def _evaluate(
+    args: argparse.Namespace, base: EngineConfig, model_dir: str, runs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, str], list[int] | None]:
+    """Load the model once per row and evaluate the same tokens: (results, prefetchers, ids)."""
+    # After the checks in cmd_eval: these imports take seconds.
+    from engine.offline.evaluation import teacher_forced_eval
+    from engine.worker.loader import load_model
+
+    results = {}
+    prefetchers: dict[str, str] = {}
+    ids: list[int] | None = None
+    for label, overrides in runs.items():
+        om = load_model(model_dir, replace(base, **overrides))
+        try:
+            ids = ids or _read_tokens(om, args.data, args.max_tokens, args.window)
+            results[label] = teacher_forced_eval(om, ids, args.window, label)
+            # what --prefetch (auto) resolved to for this row
+            prefetchers[label] = ",".join(om.prefetchers) or "none"
+        finally:
+            om.close()
+    return results, prefetchers, ids
+
+
+def _print_rows(results: dict[str, Any], prefetchers: dict[str, str]) -> list[dict[str, Any]]:
+    """Print the table, ΔPPL against fetch-all; return its rows for --out-json."""
+    ref = results["fetch-all"].ppl
+    rows = []
+    print(
+        f"{'policy':28s} {'PPL':>9s} {'ΔPPL %':>8s} {'subst. calls':>12s} {'subst. mass':>11s} {'fetches/tok':>11s} {'admissions':>10s}"
+    )
+    for label, r in results.items():
+        d = 100.0 * (r.ppl / ref - 1.0)
+        rows.append(
+            {"label": label, "delta_ppl_pct": d, "prefetch": prefetchers[label], **r.to_dict()}
+        )
+        print(
+            f"{label:28s} {r.ppl:9.3f} {d:+8.2f} {r.substitution_rate:12.2%} {r.mean_substituted_mass:11.4f} {r.fetches_per_token:11.2f} {r.admissions:10d}"
+        )
+    return rows
+
+
 def _plot(rows: list[dict], path: Path, fraction: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from server.policy_sweep import UNPROTECTED
+    from cli.policy_sweep import UNPROTECTED
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for r in rows:
@@ -189,6 +214,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`eval`, `trace` and (cli/simulate.py) `simulate`."""
+    _add_eval_parser(sub)
+    _add_trace_parser(sub)
+    add_simulate_parser(sub)
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = sub.add_parser(
         "eval",
         help="teacher-forced perplexity per miss policy",
@@ -203,7 +235,7 @@ def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     e.add_argument(
         "--all-policies",
         action="store_true",
-        help="run every policy and preset (see server/policy_sweep.py), print one table, and check the mass hypothesis",
+        help="run every policy and preset (see cli/policy_sweep.py), print one table, and check the mass hypothesis",
     )
     e.add_argument(
         "--policies",
@@ -236,6 +268,8 @@ def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_engine_flags(e)
     e.set_defaults(func=cmd_eval)
 
+
+def _add_trace_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser(
         "trace",
         help="record router traces (top-k ids and weights per token and layer)",
@@ -272,4 +306,3 @@ def add_eval_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="record the byte size of quantized experts (default none)",
     )
     t.set_defaults(func=cmd_trace)
-    add_simulate_parser(sub)

@@ -6,72 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from engine.errors import MoeOffloadError
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.experts.link import parse_link
-    from engine.offline.hardware import ProfileError, costs_for, with_link
-    from engine.offline.projection import project_trace
-    from engine.offline.simulator import (
-        Acceptance,
-        OraclePredictor,
-        SimSettings,
-        Simulator,
-        load_trace,
-        manual_costs,
-    )
-    from server.policy_sweep import POLICY_SWEEP
+    from cli.policy_sweep import POLICY_SWEEP
+    from engine.offline.simulator import OraclePredictor
 
-    if not Path(args.trace).is_file():
-        raise MoeOffloadError(
-            f"{args.trace}: trace file not found; record one with `moe-offload trace`"
-        )
-    try:
-        trace = load_trace(args.trace)
-    except (OSError, ValueError, KeyError) as e:
-        raise MoeOffloadError(
-            f"{args.trace}: not a trace written by `moe-offload trace` ({e})"
-        ) from None
-    shape = args.project_to or "embedded"
-    if args.project_to:
-        try:
-            trace = project_trace(trace, args.project_to, seed=args.seed)
-        except ValueError as e:
-            raise MoeOffloadError(str(e)) from None
-    expert_bytes = args.expert_bytes or (
-        None if args.project_to else trace["meta"].get("expert_nbytes")
-    )
-    try:
-        if args.hardware:
-            costs = costs_for(args.hardware, shape, expert_bytes)
-            if args.link:
-                link = parse_link(args.link)
-                costs = with_link(costs, link.mb_per_s, link.latency_us)
-        else:
-            if args.project_to:
-                raise MoeOffloadError(
-                    "--project-to needs --hardware: a projected shape's expert size and compute come from the profile"
-                )
-            link = parse_link(args.link or "nvme")
-            costs = manual_costs(
-                link.mb_per_s,
-                link.latency_us,
-                int(expert_bytes or 0),
-                args.layer_compute_us * 1e-6,
-                args.expert_compute_us * 1e-6,
-                args.workers,
-            )
-    except ProfileError as e:
-        raise MoeOffloadError(str(e)) from None
+    trace, shape = _load_trace(args)
+    costs = _costs(args, trace, shape)
     runs = dict(POLICY_SWEEP) if args.all_policies else {args.policy: {"policy": args.policy}}
-    acceptance = (
-        Acceptance(tuple(float(x) for x in args.acceptance.split(",")))
-        if args.acceptance
-        else Acceptance()
-    )
     predictor = None
     if args.predictor.startswith("oracle"):
         recall = float(args.predictor.split(":", 1)[1]) if ":" in args.predictor else 1.0
@@ -85,39 +31,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(
         f"{'policy':28s} {'tok/s':>8s} {'x first':>7s} {'stall':>6s} {'hit':>5s} {'loads/tok':>9s} {'subst/tok':>9s} {'mass':>7s} {'tok/verif':>9s} {'pf prec':>7s} {'pf rec':>6s} {'cpu/tok':>7s} {'tok-layers/s':>12s}"
     )
+    settings = _settings(args, predictor)
     rows, first = [], None
     for name, overrides in runs.items():
-        overrides = dict(overrides)
-        if args.substitute:
-            overrides["substitute"] = args.substitute
-        if args.project_to and overrides.get("policy", "fetch-all") != "fetch-all":
-            overrides["substitute"] = (
-                "drop"  # a projected trace has no logits (engine/offline/projection.py)
-            )
-        if args.eviction:
-            overrides["eviction"] = args.eviction
-        settings = SimSettings(
-            cache_fraction=args.cache_fraction,
-            streams=args.streams,
-            speculative=args.speculative == "draft",
-            k=args.num_speculative_tokens,
-            adaptive=not args.fixed_k,
-            acceptance=acceptance,
-            prefetch=args.prefetch,
-            cpu_experts=args.cpu_experts,
-            max_tokens=args.max_tokens or None,
-            seed=args.seed,
-            predictor=predictor,
-            predictor_budget=args.predictor_budget,
-        )
-        try:
-            res = (
-                Simulator(trace, EngineConfig(**overrides).policies(), costs, settings)
-                .run()
-                .to_dict()
-            )
-        except ValueError as e:
-            raise MoeOffloadError(str(e)) from None
+        res = _replay(args, trace, costs, settings, overrides)
         first = first or res["tokens_per_s"]
         rows.append({"label": name, **res, "x_first": res["tokens_per_s"] / first})
         print(
@@ -143,12 +60,125 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_trace(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The trace, projected onto --project-to's shape where given, and the shape's name."""
+    from engine.offline.projection import project_trace
+    from engine.offline.simulator import load_trace
+
+    if not Path(args.trace).is_file():
+        raise MoeOffloadError(
+            f"{args.trace}: trace file not found; record one with `moe-offload trace`"
+        )
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError, KeyError) as e:
+        raise MoeOffloadError(
+            f"{args.trace}: not a trace written by `moe-offload trace` ({e})"
+        ) from None
+    shape = args.project_to or "embedded"
+    if args.project_to:
+        try:
+            trace = project_trace(trace, args.project_to, seed=args.seed)
+        except ValueError as e:
+            raise MoeOffloadError(str(e)) from None
+    return trace, shape
+
+
+def _costs(args: argparse.Namespace, trace: dict[str, Any], shape: str) -> Any:
+    """The replay's costs: a hardware profile (its link overridden by --link), or the box described
+    by --link, --layer-compute-us, --expert-compute-us and --workers."""
+    from engine.experts.link import parse_link
+    from engine.offline.hardware import ProfileError, costs_for, with_link
+    from engine.offline.simulator import manual_costs
+
+    expert_bytes = args.expert_bytes or (
+        None if args.project_to else trace["meta"].get("expert_nbytes")
+    )
+    try:
+        if args.hardware:
+            costs = costs_for(args.hardware, shape, expert_bytes)
+            if args.link:
+                link = parse_link(args.link)
+                costs = with_link(costs, link.mb_per_s, link.latency_us)
+            return costs
+        if args.project_to:
+            raise MoeOffloadError(
+                "--project-to needs --hardware: a projected shape's expert size and compute come from the profile"
+            )
+        link = parse_link(args.link or "nvme")
+        return manual_costs(
+            link.mb_per_s,
+            link.latency_us,
+            int(expert_bytes or 0),
+            args.layer_compute_us * 1e-6,
+            args.expert_compute_us * 1e-6,
+            args.workers,
+        )
+    except ProfileError as e:
+        raise MoeOffloadError(str(e)) from None
+
+
+def _settings(args: argparse.Namespace, predictor: Any) -> Any:
+    from engine.offline.simulator import Acceptance, SimSettings
+
+    acceptance = (
+        Acceptance(tuple(float(x) for x in args.acceptance.split(",")))
+        if args.acceptance
+        else Acceptance()
+    )
+    return SimSettings(
+        cache_fraction=args.cache_fraction,
+        streams=args.streams,
+        speculative=args.speculative == "draft",
+        k=args.num_speculative_tokens,
+        adaptive=not args.fixed_k,
+        acceptance=acceptance,
+        prefetch=args.prefetch,
+        cpu_experts=args.cpu_experts,
+        max_tokens=args.max_tokens or None,
+        seed=args.seed,
+        predictor=predictor,
+        predictor_budget=args.predictor_budget,
+    )
+
+
+def _replay(
+    args: argparse.Namespace, trace: dict[str, Any], costs: Any, settings: Any, overrides: dict
+) -> dict[str, Any]:
+    """One policy's replay, with --substitute and --eviction applied over its settings."""
+    from engine.config import EngineConfig
+    from engine.offline.simulator import Simulator
+
+    overrides = dict(overrides)
+    if args.substitute:
+        overrides["substitute"] = args.substitute
+    if args.project_to and overrides.get("policy", "fetch-all") != "fetch-all":
+        overrides["substitute"] = (
+            "drop"  # a projected trace has no logits (engine/offline/projection.py)
+        )
+    if args.eviction:
+        overrides["eviction"] = args.eviction
+    try:
+        return (
+            Simulator(trace, EngineConfig(**overrides).policies(), costs, settings).run().to_dict()
+        )
+    except ValueError as e:
+        raise MoeOffloadError(str(e)) from None
+
+
 def add_simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m = sub.add_parser(
         "simulate",
         help="replay a router trace under a policy and a hardware profile (simulated figures)",
         description="Replay a trace from `moe-offload trace` through the same policy objects the engine uses (miss, eviction, admission, the speculative utility estimator, adaptive k, the CPU/GPU balancer) against a model of the fast tier, the link, the compute device and CPU workers, with costs from a hardware profile (configs/hardware/*.yaml), and estimate tokens/s, stall share, hits, loads and prefetch precision. All figures are simulated; with --project-to they are also projections onto a real model's shape (engine/offline/projection.py states the assumptions). The exact routing is replayed even for substituting policies.",
     )
+    _add_trace_and_policy_flags(m)
+    _add_replay_flags(m)
+    _add_cost_and_output_flags(m)
+    m.set_defaults(func=cmd_simulate)
+
+
+def _add_trace_and_policy_flags(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--trace",
         required=True,
@@ -201,6 +231,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="N",
         help="concurrent requests, each replaying its own stretch of the trace; their rows share each step (default 1)",
     )
+
+
+def _add_replay_flags(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--speculative",
         choices=("off", "draft"),
@@ -255,6 +288,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="N",
         help="stop after N generated tokens over all streams (default 0 = the whole trace)",
     )
+
+
+def _add_cost_and_output_flags(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--seed",
         type=int,
@@ -295,4 +331,3 @@ def add_simulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="without --hardware: transfers in flight at once, as the engine's --transfer-workers (default 2)",
     )
     m.add_argument("--out-json", metavar="PATH", help="write the numbers as JSON")
-    m.set_defaults(func=cmd_simulate)

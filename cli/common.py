@@ -1,5 +1,5 @@
 """What every model-loading command shares: engine flags (generated from EngineConfig), the
-engine settings they produce, and the default model. Imported by cli.py and cli_eval.py."""
+engine settings they produce, and the default model. Imported by every command module here."""
 
 from __future__ import annotations
 
@@ -77,6 +77,6 @@ def resolve_model_dir(arg: str | None) -> str:
 
     if not (EMBEDDED_TARGET / "config.json").exists():
         raise MoeOffloadError(
-            f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run models/embedded/train.py"
+            f"{EMBEDDED_TARGET}: the embedded model is missing; pass --model DIR or run `python -m models.embedded.train`"
         )
     return str(EMBEDDED_TARGET)

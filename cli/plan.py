@@ -16,7 +16,7 @@ from engine.budget import fmt_bytes
 from engine.config import EngineConfig
 from engine.core.limits import CoreLimits
 from engine.errors import ConfigError
-from engine.settings_file import overrides_from_args
+from engine.settings_file import add_flags, overrides_from_args
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -259,6 +259,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# EngineConfig fields that change a memory plan; `plan` takes them as serve does.
+PLAN_SETTINGS = (
+    "cache_fraction",
+    "offload",
+    "device_memory",
+    "host_memory",
+    "device",
+    "dtype",
+    "expert_quant",
+    "dense_quant",
+    "quant_cache_dir",
+)
+
+
 def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan",
@@ -272,16 +286,6 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         metavar="DIR",
         help="Hugging Face model directory (config.json + *.safetensors)",
-    )
-    p.add_argument(
-        "--device-memory",
-        metavar="BYTES|FRACTION",
-        help="GPU memory to plan for, with a CUDA --device: bytes (24GiB) or a fraction of the free memory (0.9, 90%%). Default: this machine's free memory",
-    )
-    p.add_argument(
-        "--host-memory",
-        metavar="BYTES|FRACTION",
-        help="host RAM to plan for: bytes (64GiB) or a fraction of what is available. Default: this machine's (MemAvailable, or the memory cgroup's limit if tighter)",
     )
     p.add_argument(
         "--hardware",
@@ -302,89 +306,30 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="NPZ",
         help=f"router trace (`moe-offload trace`) projected onto the checkpoint's shape; its first {SIM_TOKENS} tokens are replayed per preset (default: the embedded model's test-set trace)",
     )
-    for flag, kw in (
-        (
-            "--device",
-            {
-                "default": "auto",
-                "metavar": "DEV",
-                "help": "device to plan for: auto (default), cpu, cuda, cuda:N",
-            },
-        ),
-        (
-            "--dtype",
-            {
-                "default": "auto",
-                "choices": ("auto", "float32", "bfloat16", "float16"),
-                "help": "compute dtype to plan for (default auto: the checkpoint's)",
-            },
-        ),
-        (
-            "--expert-quant",
-            {
-                "default": "none",
-                "choices": ("none", "int8", "int4"),
-                "help": "routed experts quantized as serve --expert-quant would (default none)",
-            },
-        ),
-        (
-            "--dense-quant",
-            {
-                "default": "none",
-                "choices": ("none", "int8"),
-                "help": "dense linears (attention, dense and shared-expert MLPs, LM head) quantized as serve --dense-quant would; the dense pool shrinks by their codes (default none)",
-            },
-        ),
-        (
-            "--quant-cache-dir",
-            {
-                "metavar": "DIR",
-                "help": "where serve --quant-cache-dir keeps quantized experts: with --expert-quant, --hardware measured "
-                "times the disk on that file once it exists (default: the engine's cache directory)",
-            },
-        ),
-        (
-            "--offload",
-            {
-                "default": "auto",
-                "choices": ("auto", "ram", "disk"),
-                "help": "slow tier as serve --offload (default auto: the plan's choice)",
-            },
-        ),
-        (
-            "--cache-fraction",
-            {
-                "type": float,
-                "metavar": "F",
-                "help": "share of all routed experts in the fast tier, in (0, 1], as serve --cache-fraction (default: the plan's choice)",
-            },
-        ),
-        (
-            "--max-model-len",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "context length as serve --max-model-len: the KV reservation covers N tokens per sequence "
-                "(default: min(the model's context, 8192))",
-            },
-        ),
-        (
-            "--max-running",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "sequences decoded together as serve --max-running: the KV reservation covers N of them "
-                f"(default: 4, not serve's scheduling default of {CoreLimits.max_running})",
-            },
-        ),
-        (
-            "--kv-tokens",
-            {
-                "type": int,
-                "metavar": "N",
-                "help": "KV-cache tokens to reserve in all, instead of --max-model-len x --max-running",
-            },
-        ),
-    ):
-        p.add_argument(flag, **kw)
+    # The engine settings a plan depends on: EngineConfig's own flags, as serve takes them.
+    add_flags(
+        p.add_argument_group("engine settings (as serve takes them)"),
+        EngineConfig,
+        only=PLAN_SETTINGS,
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length as serve --max-model-len: the KV reservation covers N tokens per sequence "
+        "(default: min(the model's context, 8192))",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="sequences decoded together as serve --max-running: the KV reservation covers N of them "
+        f"(default: 4, not serve's scheduling default of {CoreLimits.max_running})",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="N",
+        help="KV-cache tokens to reserve in all, instead of --max-model-len x --max-running",
+    )
     p.set_defaults(func=cmd_plan)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
+from cli.common import resolve_model_dir
 from engine.errors import MoeOffloadError
 from engine.paths import portable_path
-from server.cli_common import resolve_model_dir
 
 
 def cmd_train_prefetcher(args: argparse.Namespace) -> int:
@@ -15,7 +16,6 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     import torch
 
     from engine.config import EngineConfig
-    from engine.offline.trace import record_trace
     from engine.prefetch.adapter import FILE_NAME, save_adapter
     from engine.prefetch.training import (
         data_from_trace,
@@ -25,7 +25,6 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
         train_adapter,
     )
     from engine.worker.loader import load_model
-    from server.cli_eval import _read_tokens
 
     torch.set_num_threads(args.threads)
     model_dir = Path(resolve_model_dir(args.model))
@@ -40,16 +39,7 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
             raise MoeOffloadError(
                 f"{model_dir}: the prefetcher needs at least 2 MoE layers (it predicts layer l+1 from layer l)"
             )
-        if data.suffix == ".npz":
-            trace = dict(np.load(data))
-        else:
-            trace = record_trace(
-                om,
-                _read_tokens(om, str(data), args.max_tokens, args.window),
-                args.window,
-                logits=True,
-                hidden=True,
-            )
+        trace = _trace(om, data, args)
         try:
             examples = data_from_trace(trace, om.model, om.moe_layers)
         except ValueError as e:
@@ -93,6 +83,25 @@ def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     finally:
         om.close()
     return 0
+
+
+def _trace(om: Any, data: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The training examples' source: a trace .npz as given, or one recorded from a text file
+    (with router logits and hidden states, which the adapter learns from)."""
+    import numpy as np
+
+    from cli.eval import _read_tokens
+    from engine.offline.trace import record_trace
+
+    if data.suffix == ".npz":
+        return dict(np.load(data))
+    return record_trace(
+        om,
+        _read_tokens(om, str(data), args.max_tokens, args.window),
+        args.window,
+        logits=True,
+        hidden=True,
+    )
 
 
 def add_prefetch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

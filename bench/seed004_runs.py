@@ -1,0 +1,215 @@
+"""Seed 004's MEASURED figures on the embedded pair: MoE-SpAc's configurations and ablations run by
+the engine, side by side in interleaved rounds (bench/report.py `interleaved`), one greedy stream
+(the seed's setting), decode clock after the first token (bench/spec_bench.py `run_cell`).
+
+Three runs: the main table (cache 0.25 behind the emulated link, every configuration; the same
+pair at cache 1.0 in RAM beside llama-server with and without its draft), the cache-ratio sweep,
+and long generations. Speculative cells use a fixed k = 4 (so the sensor sees 5-row windows)
+unless named "adaptive" (the engine's default rule, which turns speculation off where a window
+costs more than it saves)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.report import interleaved, summarize
+from bench.spac_bench import spac_figures
+from bench.spec_bench import run_cell
+from engine.config import EngineConfig
+from engine.speculative.config import SpecConfig
+from engine.worker.loader import load_model
+
+OFF = SpecConfig(speculative="off")
+K4 = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False)
+ADAPTIVE = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=True)
+UTILITY = {"prefetch": "utility", "eviction": "utility"}
+CPU = {**UTILITY, "cpu_experts": "auto"}
+# label -> (speculation, EngineConfig overrides); the simulator's labels (bench/seed004_sim.py) match.
+CONFIGS: dict[str, tuple[SpecConfig, dict[str, Any]]] = {
+    "plain": (OFF, {"eviction": "lru"}),
+    "plain reuse": (OFF, {}),
+    "plain+cpu": (OFF, {"cpu_experts": "auto"}),
+    "spec adaptive+utility+cpu": (ADAPTIVE, CPU),
+    "spec": (K4, {"eviction": "lru"}),
+    "spec+utility": (K4, UTILITY),
+    "spec+utility prefetch only": (K4, {"prefetch": "utility", "eviction": "lru"}),
+    "spec+utility eviction only": (K4, {"eviction": "utility"}),
+    "spec+utility+cpu": (K4, CPU),
+    "spec+utility+cpu fixed level 2": (K4, {**CPU, "balancer_level": 2}),
+}
+RAM_CONFIGS = ("plain", "spec", "spec adaptive+utility+cpu")
+SWEEP_CONFIGS = ("plain", "plain reuse", "spec+utility+cpu", "spec adaptive+utility+cpu")
+LONG_CONFIGS = ("plain reuse", "spec", "spec+utility+cpu")
+KEYS = (
+    "tok_s",
+    "tokens_per_verification",
+    "stall_share",
+    "hit_rate",
+    "precision",
+    "recall",
+    "bytes_per_token",
+    "cpu_calls_per_token",
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where the experts live: the fast tier's share, the slow tier, the emulated link."""
+
+    cache: float
+    offload: str = "disk"
+    link: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"cache {self.cache:g} ({self.offload}{' + ' + self.link if self.link else ''})"
+
+
+def engine(setting: Setting, label: str) -> Any:
+    _, over = CONFIGS[label]
+    cfg = EngineConfig(
+        cache_fraction=setting.cache,
+        offload=setting.offload,
+        link=setting.link,
+        **{"prefetch": "none", **over},
+    )
+    return load_model(Path(_target()), cfg)
+
+
+def _target() -> str:
+    from models import EMBEDDED_TARGET
+
+    return str(EMBEDDED_TARGET)
+
+
+def engine_figures(om: Any, label: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    fig = spac_figures(run_cell(om, CONFIGS[label][0], [prompt], tokens))
+    return fig
+
+
+def measure(
+    cells: Sequence[tuple[Any, str]],
+    engines: dict[tuple[Any, str], Any],
+    prompts: list[list[int]],
+    tokens: Callable[[tuple[Any, str]], int],
+    rounds: int,
+    other: Callable[[tuple[Any, str], list[int], int], dict[str, Any]] | None = None,
+) -> dict[tuple[Any, str], list[dict[str, Any]]]:
+    """Every cell once per round (after a warm-up round), round r on prompts[r]: engine cells
+    through `engines`, the rest (llama-server) through `other`."""
+    turn = dict.fromkeys(cells, 0)
+
+    def one(cell: tuple[Any, str]) -> dict[str, Any]:
+        prompt = prompts[turn[cell] % len(prompts)]
+        turn[cell] += 1
+        if cell in engines:
+            return engine_figures(engines[cell], cell[1], prompt, tokens(cell))
+        assert other is not None
+        return other(cell, prompt, tokens(cell))
+
+    return interleaved(cells, rounds, one)
+
+
+def table(
+    res: dict[tuple[Any, str], list[dict[str, Any]]],
+    baseline: Callable[[tuple[Any, str]], tuple[Any, str]],
+    extra: Callable[[tuple[Any, str]], tuple[Any, str] | None] = lambda c: None,
+) -> list[dict[str, Any]]:
+    """Medians per cell, its ratio to `baseline(cell)` in the same round, and to `extra(cell)`."""
+    rows = []
+    for cell, runs in res.items():
+        keys = [k for k in KEYS if k in runs[0]]
+        row = {"where": cell[0], "config": cell[1], **summarize(res, cell, baseline(cell), keys)}
+        if (x := extra(cell)) is not None:
+            row["ratio_extra"] = summarize(res, cell, x, [])["ratio"]
+        if "draft_acceptance" in runs[0]:
+            row["draft_acceptance"] = runs[0]["draft_acceptance"]
+        rows.append(row)
+    return rows
+
+
+def close(engines: dict) -> None:
+    for om in engines.values():
+        om.close()
+
+
+def _llama_runner(llama: Any) -> Callable[[tuple[Any, str], list[int], int], dict[str, Any]]:
+    def run(cell: tuple[Any, str], prompt: list[int], tokens: int) -> dict[str, Any]:
+        r = llama.run(cell[1], prompt, tokens)
+        r.pop("tokens", None)
+        return r
+
+    return run
+
+
+def main_table(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str, Any]]:
+    """Every configuration at --cache behind --link; the pair at cache 1.0 in RAM beside
+    llama-server (when given): ratios to the setting's `plain` and to llama-server -md."""
+    link, ram = Setting(args.cache, "disk", args.link), Setting(1.0, "ram")
+    engines = {(link.name, c): engine(link, c) for c in CONFIGS}
+    engines |= {(ram.name, c): engine(ram, c) for c in RAM_CONFIGS}
+    cells = list(engines)
+    if llama is not None:
+        cells += [(ram.name, c) for c in llama.CELLS]
+    try:
+        res = measure(
+            cells,
+            engines,
+            prompts,
+            lambda c: args.tokens,
+            args.rounds,
+            _llama_runner(llama) if llama else None,
+        )
+    finally:
+        close(engines)
+    peer = (ram.name, "llama-server -md")
+    return table(
+        res,
+        lambda c: (c[0], "plain"),
+        lambda c: peer if llama is not None else None,
+    )
+
+
+def sweep_table(args: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """The cache-ratio sweep behind --link: ratios to `plain` at the same cache fraction."""
+    settings = {
+        Setting(c, "disk", args.link).name: Setting(c, "disk", args.link) for c in args.caches
+    }
+    engines = {(name, c): engine(s, c) for name, s in settings.items() for c in SWEEP_CONFIGS}
+    try:
+        res = measure(list(engines), engines, prompts, lambda c: args.sweep_tokens, args.rounds)
+    finally:
+        close(engines)
+    rows = table(res, lambda c: (c[0], "plain"))
+    for r in rows:
+        r["cache"] = settings[r["where"]].cache
+    return rows
+
+
+def long_runs(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str, Any]]:
+    """Each of --long generation lengths at --cache behind --link (and llama-server -md in RAM):
+    ratios to the same configuration at the shortest length, in the same round."""
+    link = Setting(args.cache, "disk", args.link)
+    engines = {(n, c): engine(link, c) for n in args.long for c in LONG_CONFIGS}
+    cells = list(engines)
+    if llama is not None:
+        cells += [(n, "llama-server -md") for n in args.long]
+    try:
+        res = measure(
+            cells,
+            engines,
+            prompts,
+            lambda c: c[0],
+            args.long_rounds,
+            _llama_runner(llama) if llama else None,
+        )
+    finally:
+        close(engines)
+    short = min(args.long)
+    rows = table(res, lambda c: (short, c[1]))
+    for r in rows:
+        r["tokens"] = r.pop("where")
+    return rows
