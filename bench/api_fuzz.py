@@ -19,10 +19,16 @@ LEAKS = re.compile(
 
 
 def run_schemathesis(
-    base_url: str, examples: int, har: Path, seed: int = 1, timeout: float | None = None
+    base_url: str,
+    examples: int,
+    har: Path,
+    seed: int = 1,
+    timeout: float | None = None,
+    request_timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """The Schemathesis CLI over the server's own document: all checks, seeded, bounded; every
-    exchange written to the HAR report `har`."""
+    exchange written to the HAR report `har`. `timeout` bounds the whole run, `request_timeout`
+    each request (Schemathesis's default: 10 s)."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,6 +53,8 @@ def run_schemathesis(
         "--report-har-path",
         str(har),
     ]
+    if request_timeout is not None:
+        cmd += ["--request-timeout", str(request_timeout)]
     # cwd: Schemathesis keeps a cache directory where it runs; not in the repository.
     return subprocess.run(
         cmd, cwd=har.parent, capture_output=True, text=True, timeout=timeout, check=False

@@ -62,6 +62,26 @@ class MemoryCgroup:
     def _set_limit(self, limit: int) -> None:
         self._limit_file().write_text(str(limit))
 
+    def set_limit(self, limit: int) -> None:
+        """Change the limit of a running group. v1 refuses (EBUSY, an OSError) a limit below what
+        it cannot reclaim; v2 then lets its OOM killer act."""
+        self._set_limit(limit)
+        self.limit = limit
+
+    def usage(self) -> int:
+        """Bytes charged to the group now (anonymous memory and page cache)."""
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        return int((self.path / name).read_text())
+
+    def anon(self) -> int:
+        """Bytes of anonymous memory charged to the group (what reclaim cannot drop without swap)."""
+        key = "anon" if self.version == 2 else "total_rss"
+        for line in (self.path / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+        return 0
+
     def drop_charged_pages(self) -> None:
         """Reclaim the page cache charged to this group, so the next run starts cold."""
         if self.version == 1:

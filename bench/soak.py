@@ -26,12 +26,17 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.report import machine_line
 from bench.serve_process import REPO, RunningServer, serve, server_parser
+from bench.soak_agents import AGENT_CONTEXT, agent_session, long_context_copy
+from bench.soak_agents import install as install_agent_clis
 from bench.soak_clients import CLIENTS, Ctx
+from bench.soak_faults import DiskFault, FaultSchedule, MemoryFault
+from bench.soak_generated import schemathesis_round
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
 from bench.soak_summary import summarize
@@ -41,6 +46,7 @@ from engine.paths import portable_path
 # ~27 s under the soak's load on 2 shared cores, and it must be done before the drain.
 KILL_MARGIN_S = 40.0
 MAX_BODY = 1024 * 1024  # the server's --max-body-bytes in the soak: oversized bodies stay cheap
+DEFAULT_MAX_TOKENS = 64  # the server's --default-max-tokens in the soak
 MAX_SAMPLES = 300  # samples kept in soak.json (the summary and plots use all of them)
 # --read-faults without a value: an EIO every 20 s, a short read every 7 s, a 3 s spike every 30 s.
 DEFAULT_READ_FAULTS = "eio:period=20,short:period=7,delay:period=30:secs=3"
@@ -68,6 +74,36 @@ def _parser() -> argparse.ArgumentParser:
         "(an EIO every 20 s, a short read every 7 s, a 3 s latency spike every 30 s). Default: none",
     )
     ap.add_argument(
+        "--memory-fault-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="every S s (first at S/2), shrink the server's memory cgroup to its anonymous memory plus "
+        "48 MiB for 10 s (bench/soak_faults.py; root and a memory cgroup controller); 0: never (default)",
+    )
+    ap.add_argument(
+        "--disk-full-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="every S s (first at 0.8 S), empty and fill the quant cache's tmpfs (the server then runs "
+        "--expert-quant int8 with its cache there) and SIGKILL the engine, for 10 s (bench/soak_faults.py; "
+        "root: mount); 0: never (default)",
+    )
+    ap.add_argument(
+        "--schemathesis",
+        action="store_true",
+        help="add a client of Schemathesis rounds generated from the server's /openapi.json "
+        "(bench/soak_generated.py)",
+    )
+    ap.add_argument(
+        "--agent-clis",
+        action="store_true",
+        help="add a client of real Claude Code and Codex CLI sessions (tests/agent_clis.txt, "
+        "installed from npm on first use; bench/soak_agents.py); the server then allows 8192-token "
+        "contexts, on a copy of the model's config where its own is shorter",
+    )
+    ap.add_argument(
         "--sample-every", type=float, default=1.0, help="seconds between samples (default 1)"
     )
     ap.add_argument(
@@ -90,10 +126,22 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _client_loop(name: str, ctx: Ctx, seed: int, stop: threading.Event) -> None:
+def _clients(args: argparse.Namespace) -> dict[str, Callable[[Ctx, random.Random], None]]:
+    """The SDK and HTTP clients, and those the flags add."""
+    out = dict(CLIENTS)
+    if args.schemathesis:
+        out["schemathesis"] = schemathesis_round
+    if args.agent_clis:
+        out["agent_cli"] = agent_session
+    return out
+
+
+def _client_loop(
+    step: Callable[[Ctx, random.Random], None], ctx: Ctx, seed: int, stop: threading.Event
+) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        CLIENTS[name](ctx, rng)
+        step(ctx, rng)
 
 
 def _progress(clock: Clock, duration: float, ctx: Ctx, quiet: bool) -> None:
@@ -111,29 +159,50 @@ def _progress(clock: Clock, duration: float, ctx: Ctx, quiet: bool) -> None:
             bar.refresh()
 
 
-def run_soak(srv: RunningServer, args: argparse.Namespace) -> dict[str, Any]:
-    """The load, the faults and the drain against the running server `srv`."""
+def run_soak(
+    srv: RunningServer,
+    args: argparse.Namespace,
+    disk: DiskFault | None = None,
+    memory: MemoryFault | None = None,
+) -> dict[str, Any]:
+    """The load, the faults and the drain against the running server `srv` (whose quant cache is
+    on `disk` where --disk-full-every is set, in the cgroup of `memory` where
+    --memory-fault-every is)."""
     clock = Clock()
     ctx = Ctx(srv.base_url, "soak", clock, MAX_BODY)
     last_kill = args.duration - min(KILL_MARGIN_S, args.duration / 2)
     mon = Monitor(srv, clock, args.sample_every, args.kill_every or None, last_kill)
+    faults = FaultSchedule(clock, srv.base_url, last_kill)
+    if memory is not None:
+        memory.srv = srv
+        every = args.memory_fault_every
+        faults.add(every, every / 2, lambda hc: memory.run(clock, hc))
+    if disk is not None:
+        every = args.disk_full_every
+        faults.add(every, 0.8 * every, lambda hc: disk.run(srv, clock, hc))
     stop = threading.Event()
     workers = [
         threading.Thread(
-            target=_client_loop, args=(n, ctx, args.seed + i, stop), daemon=True, name=f"soak-{n}"
+            target=_client_loop,
+            args=(step, ctx, args.seed + i, stop),
+            daemon=True,
+            name=f"soak-{n}",
         )
-        for i, n in enumerate(CLIENTS)
+        for i, (n, step) in enumerate(_clients(args).items())
     ]
     mon.start()
+    faults.start()
     for w in workers:
         w.start()
     _progress(clock, args.duration, ctx, args.no_progress)
     clock.draining = True  # the clients go on: the drain meets them busy
+    faults.stop()  # a fault still running finishes first: the drain meets a whole server
     t_term = clock.now()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.proc.wait(120)
     drain_s = clock.now() - t_term
     stop.set()
+    ctx.stopped.set()
     for w in workers:
         w.join(70)
     mon.stop()
@@ -144,25 +213,49 @@ def run_soak(srv: RunningServer, args: argparse.Namespace) -> dict[str, Any]:
         "drain": {"t": t_term, "seconds": drain_s, "exit_code": code},
         "still_running": [w.name for w in workers if w.is_alive()],
         "requests": records,
+        "faults": faults.as_list(),
         **mon.as_dict(),
     }
+
+
+def _server_args(args: argparse.Namespace, tmp: Path, disk: DiskFault | None) -> list[str]:
+    """`moe-offload serve` flags for this soak (a long-context copy of the model goes to tmp)."""
+    # Enough restarts for every scheduled kill: the soak tests recovery, not the restart budget.
+    kills = int(args.duration // args.kill_every) + 1 if args.kill_every else 0
+    # A shrunk cgroup or a full disk may cost several failed starts each (the supervisor's backoff).
+    for every in (args.memory_fault_every, args.disk_full_every):
+        kills += 6 * (int(args.duration // every) + 1) if every else 0
+    model, max_len = args.model, args.max_model_len
+    if args.agent_clis:  # their first prompt is ~5,200 tokens: a context that holds it
+        install_agent_clis()
+        model = str(long_context_copy(Path(args.model), tmp))
+        max_len = max(max_len, AGENT_CONTEXT)
+    server_args = ["--model", model, "--served-model-name", "soak"]
+    server_args += ["--max-model-len", str(max_len)]
+    server_args += ["--max-body-bytes", str(MAX_BODY), "--engine-restarts", str(kills + 3)]
+    # A request without max_tokens (Codex's, many of Schemathesis's) stops here, not at the context.
+    server_args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS)]
+    if args.read_faults:
+        server_args += ["--expert-read-faults", args.read_faults, *READ_FAULT_SERVER_ARGS]
+    return server_args + (disk.server_args() if disk is not None else [])
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     """Start the server, soak it, and return the raw record with its summary (and write it)."""
     out = args.out or Path(tempfile.mkdtemp(prefix="soak-"))
     out.mkdir(parents=True, exist_ok=True)
-    # Enough restarts for every scheduled kill: the soak tests recovery, not the restart budget.
-    kills = int(args.duration // args.kill_every) + 1 if args.kill_every else 0
-    server_args = ["--model", args.model, "--served-model-name", "soak"]
-    server_args += ["--max-model-len", str(args.max_model_len)]
-    server_args += ["--max-body-bytes", str(MAX_BODY), "--engine-restarts", str(kills + 3)]
-    if args.read_faults:
-        server_args += ["--expert-read-faults", args.read_faults, *READ_FAULT_SERVER_ARGS]
+    disk = DiskFault() if args.disk_full_every else None
+    memory = MemoryFault(args.max_model_len) if args.memory_fault_every else None
+    enter = memory.enter if memory is not None else None
     with tempfile.TemporaryDirectory(prefix="soak-log-") as tmp:
         log = Path(tmp) / "server.log"
-        with serve(server_args, log, ready_timeout=300) as srv:
-            raw = run_soak(srv, args)
+        try:
+            with serve(_server_args(args, Path(tmp), disk), log, 300, enter) as srv:
+                raw = run_soak(srv, args, disk, memory)
+        finally:
+            for fault in (disk, memory):
+                if fault is not None:
+                    fault.close()
         text = log.read_text(errors="replace")
         raw["read_faults"] = {"spec": args.read_faults, "injected": injected_read_faults(text)}
         tail = text[-3000:]  # no machine paths in a committed record

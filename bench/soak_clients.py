@@ -53,6 +53,8 @@ class Ctx:
     clock: Clock
     max_body_bytes: int
     records: list[Outcome] = field(default_factory=list)
+    # Set when the soak stops (after the drain): a client's long session ends then.
+    stopped: threading.Event = field(default_factory=threading.Event)
     _local: threading.local = field(default_factory=threading.local)
 
     def openai(self) -> openai.OpenAI:
@@ -77,8 +79,9 @@ class Ctx:
 
 
 def backoff(o: Outcome) -> None:
-    """After a 503/529/429, wait before the next request as a polite client does."""
-    if o.status in (429, 503, 529) or o.outcome == "fault":
+    """After a 503/529/429, a fault, or no answer at all, wait before the next request as a
+    polite client does (a client that met a dead server must not spin on connection errors)."""
+    if o.status in (429, 503, 529) or o.outcome in ("fault", "lost", "refused"):
         time.sleep(0.5)
 
 

@@ -24,6 +24,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve_process import RunningServer
+from bench.soak_faults import FAULT_LOCK
 from bench.soak_health import HealthProbe, probe
 from bench.soak_outcomes import Clock
 
@@ -135,20 +136,24 @@ class Monitor:
             while not self._stop.wait(self.kill_every):
                 if self.clock.draining or self.clock.now() > self.last_kill:
                     return
-                pid = self.srv.engine_pid()
-                if pid is None:
-                    continue
-                kill = Kill(self.clock.now(), pid)
-                os.kill(pid, signal.SIGKILL)
-                self.kills.append(kill)
-                # The supervisor notices within its 0.1 s poll: wait until /health says so.
-                while probe(hc, self.srv.base_url)[1] == "ready" and self.clock.now() - kill.t < 3:
-                    time.sleep(0.05)
-                while self.clock.now() - kill.t < 60 and not self._stop.is_set():
-                    if probe(hc, self.srv.base_url)[1] == "ready":
-                        kill.restart_s = self.clock.now() - kill.t
-                        break
-                    time.sleep(0.1)
+                with FAULT_LOCK:  # never during another fault (bench/soak_faults.py)
+                    self._kill(hc)
+
+    def _kill(self, hc: httpx.Client) -> None:
+        pid = self.srv.engine_pid()
+        if pid is None:
+            return
+        kill = Kill(self.clock.now(), pid)
+        os.kill(pid, signal.SIGKILL)
+        self.kills.append(kill)
+        # The supervisor notices within its 0.1 s poll: wait until /health says so.
+        while probe(hc, self.srv.base_url)[1] == "ready" and self.clock.now() - kill.t < 3:
+            time.sleep(0.05)
+        while self.clock.now() - kill.t < 60 and not self._stop.is_set():
+            if probe(hc, self.srv.base_url)[1] == "ready":
+                kill.restart_s = self.clock.now() - kill.t
+                break
+            time.sleep(0.1)
 
     def as_dict(self) -> dict[str, Any]:
         start = self.clock.start

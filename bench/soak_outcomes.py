@@ -34,6 +34,9 @@ KILL_CODES = frozenset({"engine_restarted", "engine_restarting"})
 DRAIN_CODES = frozenset({"shutting_down", "aborted"})
 READ_CODES = frozenset({"expert_read_failed"})  # an injected EIO (--read-faults)
 FAULT_CODES = KILL_CODES | DRAIN_CODES | READ_CODES
+# An agent CLI that gave up on a 5xx shows the status, not the fault class (bench/soak_agents.py):
+# explained only by the time it ended (bench/soak_summary.py), so not one of FAULT_CODES.
+CLI_FAULT = "agent_cli_api_error"
 OUTCOMES = ("complete", "error", "fault", "refused", "disconnected", "lost")
 
 

@@ -20,14 +20,15 @@ PLOTS = (  # (file, title, sample keys, y label)
 NOT_COVERED = (  # the end of the page: what issue 53 asks that the soak does not do yet
     "## What the soak does not cover yet",
     "",
-    "- A memory cgroup shrunk under load, a full disk for the quant cache, real Claude Code "
-    "and Codex CLI sessions, Schemathesis-generated requests (bench/fuzz_release.py runs "
-    "those on their own), Ray Serve and the Kubernetes manifests (kubeconform).",
     "- fast-tier slots and KV in use over time: /metrics exports "
     "`moe_offload_memory_used_bytes` by kind (recorded in soak.json), not slot or KV "
     "occupancy as such.",
+    "- Ray Serve and the Kubernetes manifests are checked by tests, not soaked: "
+    "tests/test_ray_serve.py (slow set: two replicas behind Ray's proxy, the OpenAI SDK through "
+    "it) and tests/test_k8s_manifests.py (every manifest against the Kubernetes schemas, strict).",
     "",
 )
+FAULT_COLOURS = {"memory_cgroup": "orange", "disk_full": "purple"}
 
 
 def plot(raw: dict[str, Any], out: Path) -> list[str]:
@@ -46,8 +47,14 @@ def plot(raw: dict[str, Any], out: Path) -> list[str]:
             ax.plot([t for t, _ in pts], [y for _, y in pts], label=key, linewidth=1)
         for k in raw["kills"]:
             ax.axvline(k["t"], color="red", linestyle=":", linewidth=1)
+        for f in raw.get("faults", []):
+            ax.axvline(f["t"], color=FAULT_COLOURS.get(f["kind"], "grey"), linestyle=":")
         ax.axvline(raw["drain"]["t"], color="black", linestyle="--", linewidth=1)
-        ax.set(title=title, xlabel="seconds (red: engine SIGKILL, black: SIGTERM)", ylabel=unit)
+        ax.set(
+            title=title,
+            xlabel="s (red: SIGKILL, orange: cgroup shrunk, purple: disk full, black: SIGTERM)",
+            ylabel=unit,
+        )
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
         fig.savefig(out / name, dpi=80)
@@ -123,6 +130,47 @@ def _kills(raw: dict[str, Any]) -> list[str]:
     return out + [f"| {_fmt(k['t'])} | {_fmt(k['restart_s'])} |" for k in raw["kills"]]
 
 
+def _faults(raw: dict[str, Any]) -> list[str]:
+    """The memory-cgroup and full-disk faults (bench/soak_faults.py), one row each."""
+    rows = raw.get("faults", [])
+    if not rows:
+        return ["No memory-cgroup or full-disk fault was injected."]
+    out = [
+        "| fault | at (s) | lifted after (s) | serving again after (s) | what happened |",
+        "|---|---|---|---|---|",
+    ]
+    for f in rows:
+        d = f["detail"]
+        if f["kind"] == "memory_cgroup":
+            what = (
+                f"limit {d['usage_mib']} -> {d['limit_mib']} MiB (usage -> limit); context-filling "
+                f"prompts' statuses {d['pressure']}; OOM kills {d['oom_kills']}; front end "
+                f"{'survived' if d['front_end_survived'] else '**killed**'}; engine "
+                f"{'replaced' if d['engine_replaced'] else 'kept'}"
+            )
+        else:
+            what = (
+                f"failed engine starts (ENOSPC) {d['failed_starts']}; server "
+                f"{'alive' if d['server_alive'] else '**gone**'}"
+            )
+        lifted = None if f["lifted"] is None else f["lifted"] - f["t"]
+        out.append(
+            f"| {f['kind']} | {_fmt(f['t'])} | {_fmt(lifted)} | {_fmt(f['serving_s'])} | {what} |"
+        )
+    return out
+
+
+def _per_client_fault(s: dict[str, Any]) -> list[str]:
+    """Requests each injected fault cut, per client."""
+    faults = sorted(s["per_fault"])
+    if not faults:
+        return ["No request was cut by an injected fault."]
+    out = ["| client | " + " | ".join(faults) + " |", "|---" * (len(faults) + 1) + "|"]
+    for client, row in sorted(s.get("per_client_fault", {}).items()):
+        out.append(f"| {client} | " + " | ".join(str(row.get(f, 0)) for f in faults) + " |")
+    return out
+
+
 def _read_faults(raw: dict[str, Any]) -> list[str]:
     """The expert read faults the engine injected (--read-faults), by kind, from its log."""
     rf = raw.get("read_faults") or {}
@@ -164,6 +212,17 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "",
         *_kills(raw),
         "",
+        "## Memory cgroup and full disk",
+        "",
+        "`--memory-fault-every`: the server's memory cgroup limit drops to the tightest the "
+        "kernel accepts (its anonymous memory; cgroup v1 refuses less) for 10 s, while "
+        "context-filling prompts arrive. `--disk-full-every`: the quantized-expert cache is "
+        "removed, its tmpfs filled and the engine SIGKILLed; its restarts cannot write the cache "
+        "for 10 s, or until one has failed on it (at most 60 s). Serving again counts from the "
+        "fault's start and holds the supervisor's restart backoff (bench/soak_faults.py).",
+        "",
+        *_faults(raw),
+        "",
         "## Requests per client and outcome",
         "",
         "Outcomes (bench/soak_outcomes.py): `complete` a whole answer; `error` a clear error "
@@ -172,9 +231,18 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
         "(`engine_restarted`, `engine_restarting` after a SIGKILL, `shutting_down`, `aborted` in "
         "the drain, `expert_read_failed` after an injected EIO); `refused` during the drain, the server never took the request (connection "
         "refused, or a kept-alive connection closed before any byte of a response); "
-        "`disconnected` the client left mid-stream on purpose; `lost` anything else.",
+        "`disconnected` the client left mid-stream on purpose; `lost` anything else. "
+        "`schemathesis` counts each exchange of its rounds (bench/soak_generated.py: most are "
+        "the 4xx that generated bodies earn); `agent_cli` counts whole Claude Code and Codex CLI "
+        "sessions, not their HTTP requests (bench/soak_agents.py).",
         "",
         *_table(s),
+        "",
+        "Requests cut by each injected fault, per client (a request answered "
+        "`engine_restarted` / `engine_restarting` is laid to the fault whose span, from its "
+        "start to serving again, holds the request's end; an agent CLI's 5xx likewise):",
+        "",
+        *_per_client_fault(s),
         "",
         f"Per fault: {s['per_fault'] or 'none'}. Error codes seen (status code): {s['codes']}.",
         *_read_faults(raw),

@@ -7,7 +7,14 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from bench.soak_outcomes import DRAIN_CODES, FAULT_CODES, KILL_CODES, OUTCOMES, READ_CODES
+from bench.soak_outcomes import (
+    CLI_FAULT,
+    DRAIN_CODES,
+    FAULT_CODES,
+    KILL_CODES,
+    OUTCOMES,
+    READ_CODES,
+)
 
 WARMUP_FRACTION = 0.2  # samples before this share of the run are warm-up (first loads, caches)
 
@@ -61,9 +68,30 @@ def _samples(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fault_of(r: dict[str, Any]) -> str | None:
+WINDOW_MARGIN_S = 5.0  # a request cut by a fault ends at most this long after serving resumed
+
+
+def fault_windows(raw: dict[str, Any]) -> list[tuple[float, float, str]]:
+    """(start, end, fault) of each fault that restarts the engine: the SIGKILLs and the faults of
+    bench/soak_faults.py, from their start until serving again (plus WINDOW_MARGIN_S)."""
+    out = []
+    for k in raw["kills"]:
+        out.append((k["t"], k["t"] + (k["restart_s"] or 60.0), "engine_sigkill"))
+    for f in raw.get("faults", []):
+        out.append((f["t"], f["t"] + (f["serving_s"] or 100.0), f["kind"]))
+    return sorted((t0, t1 + WINDOW_MARGIN_S, name) for t0, t1, name in out)
+
+
+def _fault_of(
+    r: dict[str, Any], windows: list[tuple[float, float, str]], drain_t: float
+) -> str | None:
+    """The injected fault that explains request `r`'s error, or None."""
+    # The latest fault that began before the request ended and whose window holds that end.
+    found = [name for t0, t1, name in windows if t0 <= r["t1"] <= t1]
     if r["code"] in KILL_CODES:
-        return "engine_sigkill"
+        return found[-1] if found else "engine_sigkill"
+    if r["code"] == CLI_FAULT:  # an agent CLI's 5xx: by its time alone
+        return found[-1] if found else "sigterm_drain" if r["t1"] >= drain_t else None
     if r["code"] in DRAIN_CODES:
         return "sigterm_drain"
     if r["code"] in READ_CODES:
@@ -73,17 +101,27 @@ def _fault_of(r: dict[str, Any]) -> str | None:
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     reqs = raw["requests"]
+    windows = fault_windows(raw)
     per_client: dict[str, dict[str, int]] = {}
     for r in reqs:
         row = per_client.setdefault(r["client"], dict.fromkeys(OUTCOMES, 0))
         row[r["outcome"]] += 1
+    drain_t = raw["drain"]["t"]
+    fault = {id(r): _fault_of(r, windows, drain_t) for r in reqs}
+    per_client_fault: dict[str, dict[str, int]] = {}
+    for r in reqs:
+        if (f := fault[id(r)]) is not None:
+            row = per_client_fault.setdefault(r["client"], {})
+            row[f] = row.get(f, 0) + 1
     unexplained = [
-        r for r in reqs if r["status"] and r["status"] >= 500 and r["code"] not in FAULT_CODES
+        r
+        for r in reqs
+        if r["status"] and r["status"] >= 500 and r["code"] not in FAULT_CODES and not fault[id(r)]
     ]
     lost = [r for r in reqs if r["outcome"] == "lost"]
     restarts = [k["restart_s"] for k in raw["kills"]]
-    # A client recovered when it completed a request after the last restart was done.
-    back = max((k["t"] + (k["restart_s"] or 0) for k in raw["kills"]), default=0.0)
+    # A client recovered when it completed a request after the last fault's restart was done.
+    back = max((t1 - WINDOW_MARGIN_S for _, t1, _ in windows), default=0.0)
     recovered = {
         c: any(
             r["client"] == c
@@ -98,7 +136,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "requests_per_second": len(reqs) / max(raw["drain"]["t"], 1e-9),
         "outcomes": dict(Counter(r["outcome"] for r in reqs)),
         "per_client": per_client,
-        "per_fault": dict(Counter(f for r in reqs if (f := _fault_of(r)) is not None)),
+        "per_fault": dict(Counter(f for f in fault.values() if f is not None)),
+        "per_client_fault": per_client_fault,
+        "faults": raw.get("faults", []),
         "codes": dict(Counter(f"{r['status']} {r['code']}" for r in reqs if r["code"])),
         "lost": len(lost),
         "lost_examples": [{k: r[k] for k in ("client", "kind", "t0", "detail")} for r in lost[:10]],

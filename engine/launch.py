@@ -51,9 +51,29 @@ def max_model_len_of(model_dir: str | Path, requested: int | None) -> int:
     return min(requested, native) if requested else native
 
 
+# The engine's /proc/self/oom_score_adj (-1000..1000; 0 is the default every process inherits).
+# When a memory limit is hit (a cgroup shrunk under load: `python -m bench soak
+# --memory-fault-every`), the kernel's OOM killer picks the process with the highest score, about
+# its share of memory plus this value in thousandths of the limit. Without it the front end,
+# usually the larger process, was killed: every client connection gone and the server exited
+# (-9). With it the engine goes first, and the front end's supervisor restarts it.
+ENGINE_OOM_SCORE_ADJ = 500
+
+
+def prefer_as_oom_victim() -> None:
+    """Make this process the OOM killer's choice before a process at the default score (raising
+    one's own score needs no privilege); where /proc is not Linux's, nothing happens."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(ENGINE_OOM_SCORE_ADJ))
+    except OSError:
+        pass
+
+
 def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    prefer_as_oom_victim()
     # The child's log (tracebacks under error ids) goes to the stderr it shares with the server.
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

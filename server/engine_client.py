@@ -6,7 +6,8 @@ request registers one asyncio.Queue that receives the RequestOutputs of all its 
 
 Supervision: when the engine process dies, every in-flight request gets an EngineFailure, the
 child is reaped, and a new engine is started: at once after a minute or more of service, else
-after a backoff (1, 2, 4 ... s), so a crash loop slows down.  Each start gets
+after a backoff (1, 2, 4 ... s, one step per death since the last engine that served a minute),
+so a crash loop slows down.  Each start gets
 fresh queues: a process killed while holding a queue's lock would leave it locked forever.
 After `max_restarts` restarts within `restart_window` seconds the client gives up and calls
 `on_fatal`, so the server exits non-zero and its own supervisor (systemd, Kubernetes) acts.
@@ -120,6 +121,10 @@ class EngineClient:
         self._engine: _Engine | None = None
         self._gen = 0
         self._restarts: list[float] = []  # monotonic times of restarts inside the window
+        # Deaths since the last engine that served STABLE_S: the backoff's step. (Counting every
+        # restart in the window instead made a server with four faults in ten minutes, each
+        # followed by minutes of service, wait 16 to 30 s to restart an engine; the soak.)
+        self._quick_deaths = 0
         self._restart_at: float | None = None  # when the pending restart spawns
         self._restart_handle: asyncio.TimerHandle | None = None
         self._load_seconds = 5.0  # last measured start-to-ready time, for Retry-After
@@ -284,7 +289,9 @@ class EngineClient:
             )  # a first load that fails will fail again
         elif len(self._restarts) < self.max_restarts:
             stable = was_ready and now - self._ready_at >= STABLE_S
-            delay = 0.0 if stable else BACKOFF_S[min(len(self._restarts), len(BACKOFF_S) - 1)]
+            self._quick_deaths = 0 if stable else self._quick_deaths + 1
+            step = min(self._quick_deaths - 1, len(BACKOFF_S) - 1)
+            delay = 0.0 if stable else BACKOFF_S[step]
             self._restarts.append(now)
             self.state, self._restart_at = EngineState.RESTARTING, now + delay
             log.error(

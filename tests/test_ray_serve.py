@@ -108,3 +108,24 @@ def test_two_replicas_stream_and_match_a_direct_run(ray_proxy: str, tmp_path: Pa
         direct = run_concurrently(srv.base_url)
     assert [t for t, _, _ in through_ray] == [t for t, _, _ in direct]
     assert all(t for t, _, _ in direct)
+
+
+def test_openai_sdk_chat_through_the_proxy(ray_proxy: str) -> None:
+    """The OpenAI SDK, as a client of the scaled-out server: chat (plain and streamed), /v1/models,
+    and an error object (an unknown model's 404) that passes Ray's proxy unchanged."""
+    import openai
+
+    c = openai.OpenAI(base_url=ray_proxy + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert [m.id for m in c.models.list()] == ["target"]
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = c.chat.completions.create(model="target", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage is not None
+    finish = None
+    for ch in c.chat.completions.create(
+        model="target", messages=msgs, max_tokens=8, temperature=0, stream=True
+    ):
+        finish = next((x.finish_reason for x in ch.choices if x.finish_reason), finish)
+    assert finish in ("stop", "length")
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4)
+    assert e.value.code == "model_not_found", e.value.body

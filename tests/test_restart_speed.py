@@ -50,6 +50,22 @@ def test_an_engine_that_served_a_while_restarts_at_once(served_s: float, delay: 
     assert client.state is EngineState.RESTARTING and loop.delay == delay
 
 
+def test_the_backoff_counts_deaths_since_the_last_engine_that_served_a_while() -> None:
+    """A crash loop backs off 1, 2, 4 s; an engine that served a minute resets it, so a quick
+    death after good service waits 1 s, however many restarts the window holds."""
+    client = EngineClient(None, ServerMetrics(), max_restarts=10)  # type: ignore[arg-type]
+    client._loop = loop = _Loop()  # type: ignore[assignment]
+    delays = []
+    for served_s in (5.0, 5.0, 5.0, STABLE_S + 5, 5.0):
+        client._engine = SimpleNamespace(release=lambda: None)  # type: ignore[assignment]
+        client.state, client.engine_pid = EngineState.READY, 1234
+        client._ready_at = time.monotonic() - served_s
+        client._on_death("engine process exited (code -9)")
+        delays.append(loop.delay)
+    assert delays == [BACKOFF_S[0], BACKOFF_S[1], BACKOFF_S[2], 0.0, BACKOFF_S[0]]
+    assert len(client._restarts) == 5  # the restart budget still counts every one
+
+
 def test_startup_objects_are_frozen_out_of_the_collector() -> None:
     import server.app  # noqa: F401  (the front end's imports: torch, transformers, fastapi)
 

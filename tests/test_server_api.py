@@ -67,6 +67,20 @@ def test_health_and_models(srv: RunningServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_the_engine_not_the_front_end_is_the_oom_victim(srv: RunningServer) -> None:
+    """Under a memory limit the kernel kills the highest oom_score: the engine, which the front
+    end restarts, never the front end with every client's connection (engine/launch.py; a soak
+    with --memory-fault-every found the front end killed)."""
+    from engine.launch import ENGINE_OOM_SCORE_ADJ
+
+    def adj(pid: int) -> int:
+        return int(open(f"/proc/{pid}/oom_score_adj").read())
+
+    engine = srv.engine_pid()
+    assert engine is not None
+    assert adj(engine) == ENGINE_OOM_SCORE_ADJ > adj(srv.proc.pid) == 0
+
+
 def test_chat_stream_equals_nonstream_with_exact_usage(client: openai.OpenAI, tok) -> None:
     full = client.chat.completions.create(
         model=MODEL, messages=MSGS, max_tokens=12, logprobs=True, **GREEDY

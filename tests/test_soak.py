@@ -79,3 +79,29 @@ def test_rss_slope_is_per_minute() -> None:
     ts = [float(t) for t in range(0, 600, 10)]
     assert abs(slope_per_minute(ts, [100 + t / 60 for t in ts]) - 1.0) < 1e-9  # type: ignore[operator]
     assert slope_per_minute([1.0, 2.0], [1.0, 2.0]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_short_soak_with_memory_and_disk_faults_schemathesis_and_agent_clis(
+    tmp_path: Path,
+) -> None:
+    """The resource faults and the generated and agent-CLI clients together (2 minutes, so slow):
+    the OOM killer takes the engine, never the front end; a full disk fails engine starts until
+    it is freed; nothing is lost and every client finishes requests after the last fault."""
+    args = _parser().parse_args(
+        ["--duration", "100", "--kill-every", "0", "--memory-fault-every", "60"]
+        + ["--disk-full-every", "60", "--schemathesis", "--agent-clis"]
+        + ["--out", str(tmp_path), "--no-progress"]
+    )
+    raw = execute(args)
+    s = raw["summary"]
+    detail = {k: s[k] for k in ("outcomes", "lost_examples", "unexplained_examples", "faults")}
+    assert passed(raw) and s["exit_code"] == 0, detail
+    memory, disk = raw["faults"]
+    assert memory["kind"] == "memory_cgroup" and memory["detail"]["front_end_survived"], detail
+    assert disk["kind"] == "disk_full" and disk["detail"]["failed_starts"] >= 1, detail
+    assert memory["serving_s"] is not None and disk["serving_s"] is not None, detail
+    assert s["per_fault"].get("disk_full", 0) >= 1, detail
+    assert s["per_client"]["schemathesis"]["complete"] > 0, s["per_client"]
+    assert s["per_client"]["agent_cli"]["complete"] > 0, s["per_client"]

@@ -45,8 +45,15 @@ def build_server_app(serve_argv: Sequence[str]) -> FastAPI:
     from server import launch
 
     built: list[FastAPI] = []
+
+    def keep_app(app: FastAPI, *args: Any, **kwargs: Any) -> int:
+        # The real run_server never returns (it ends the process); this one keeps the app and
+        # returns the CLI's success code, so the CLI's `return run_server(...)` says 0.
+        built.append(app)
+        return 0
+
     real_run_server = launch.run_server
-    launch.run_server = lambda app, *args, **kwargs: built.append(app)  # type: ignore[assignment]
+    launch.run_server = keep_app  # type: ignore[assignment]
     try:
         rc = cli_main(["serve", *serve_argv])
     finally:
