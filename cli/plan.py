@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from engine.memory.footprint import Footprint
     from engine.memory.measure import Probe
+    from engine.memory.planner import KvRequest
     from engine.offline.hardware import Costs, ModelShape
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
@@ -197,6 +198,22 @@ def project(
     return rows, how
 
 
+def _kv_pool_line(
+    fp: Footprint, cfg: EngineConfig, kv: KvRequest, max_model_len: int | None
+) -> str:
+    """What `serve` makes of the kv_cache row on the CPU: the paged pool's blocks (engine/core/kv_blocks.py)."""
+    from engine.core.kv_blocks import BLOCK_TOKENS, pool_blocks
+    from engine.memory.planner import kv_token_budget
+
+    context = min(max_model_len or fp.context, fp.context)
+    blocks = pool_blocks(kv_token_budget(fp, cfg, kv), context)
+    return (
+        f"  KV pool (CPU, native attention): {blocks} blocks of {BLOCK_TOKENS} positions, "
+        f"{fmt_bytes(blocks * BLOCK_TOKENS * fp.kv_bytes_per_token)}: the kv_cache row's positions, at least one "
+        f"{context}-token context; requests share whole prefix blocks, pages are touched as blocks are used"
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine.memory.measure import plan_checkpoint
     from engine.memory.planner import KvRequest
@@ -214,6 +231,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {str(fp.dtype).removeprefix('torch.')}"
     )
     print(plan.table())
+    print(
+        _kv_pool_line(fp, cfg, KvRequest(args.max_model_len, args.max_running), args.max_model_len)
+    )
     share = plan.n_slots / plan.total_experts
     rows, how = project(
         fp,

@@ -189,6 +189,9 @@ def test_plan_reserves_kv_for_max_model_len_x_max_running(tiny_ckpt, capsys) -> 
             assert (
                 f"--max-model-len {length} --max-running {running}" in out
             )  # the serve line plans the same
+            # The paged pool serve makes of that row: its positions, at least one whole context.
+            blocks = max(length * running, length) // 16
+            assert f"KV pool (CPU, native attention): {blocks} blocks of 16 positions" in out
         assert rows["fast_tier"][0] == min(16, (budget - fixed_but_kv - kv) // slot) * slot
         slots[(length, running)] = rows["fast_tier"][0] // slot
     assert slots == {(None, None): 4, (512, 4): 4, (256, 7): 9, (128, 2): 16}

@@ -24,7 +24,7 @@ from typing import Protocol
 from engine.core.contracts import RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.faults import log, request_fault
-from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks
+from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks, pool_blocks
 from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.core.scheduler import Scheduler
@@ -203,7 +203,7 @@ def kv_blocks_for(runner: object, kv_token_budget: int | None, one_context: int)
     its own buffer, the copying prefix cache shares prompts). None where the model has no memory plan."""
     if kv_token_budget is None:
         return None
-    total = max(-(-kv_token_budget // BLOCK_TOKENS), -(-one_context // BLOCK_TOKENS))
+    total = pool_blocks(kv_token_budget, one_context)
     use_pool = getattr(runner, "use_kv_pool", None)
     paged = bool(use_pool is not None and use_pool(total, BLOCK_TOKENS))
     lm = getattr(runner, "lm", None)

@@ -31,6 +31,12 @@ import numpy as np
 BLOCK_TOKENS = 16  # positions a block: vLLM's default; the native kernels need a power of two
 
 
+def pool_blocks(kv_token_budget: int, one_context: int, block: int = BLOCK_TOKENS) -> int:
+    """The pool's blocks: the positions the memory plan reserved, and never fewer than one request at the whole
+    context (and its lookahead), so a request alone always fits: no context cap below the model's."""
+    return max(-(-kv_token_budget // block), -(-one_context // block))
+
+
 def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
     """The hash of a block of `tokens` after the prefix whose hash is `prev`."""
     h = hashlib.blake2b(prev, digest_size=16)
