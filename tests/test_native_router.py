@@ -124,3 +124,11 @@ def test_native_sigmoid_router_matches_deepseek_v3s(
         with torch.no_grad():
             ref = router(x)
         assert got is not None and same_routing(_by_id(got), _by_id(ref), 1e-5), (got, ref)
+    # Several rows in one call: each routed with the bits it gets alone (a prompt chunk's rows).
+    rows = torch.randn(9, 96, generator=g).to(dtype)
+    args = (w, router.e_score_correction_bias.float(), 6, groups, keep, True, 2.5)
+    together = native().router_sigmoid(rows, *args)
+    alone = [native().router_sigmoid(rows[r : r + 1].clone(), *args) for r in range(9)]
+    assert together is not None and all(a is not None for a in alone)
+    for part, parts in zip(together, zip(*alone)):
+        assert torch.equal(part, torch.cat(parts))

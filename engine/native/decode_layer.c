@@ -118,6 +118,21 @@ int router_sigmoid(const void *W, int wtype, int64_t E, int64_t H, const void *x
     return 0;
 }
 
+/* router_sigmoid for R rows x [R, H] (rows H elements apart), one call: row r's outputs at logits + r E, weights +
+ * r k, ids + r k, each row routed exactly as router_sigmoid routes it alone (the same function, row by row): what a
+ * prompt chunk's rows need without a call a row from Python. Returns the first failing row's status, or 0. */
+int router_sigmoid_rows(int64_t R, const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k,
+                        int64_t n_group, int64_t topk_group, int norm, float scale, const float *bias, float *logits,
+                        float *weights, int64_t *ids, float *xf, void *work, int nthreads) {
+    size_t row = (size_t)H * (xtype == X_F32 ? 4 : 2);
+    for (int64_t r = 0; r < R; r++) {
+        int rc = router_sigmoid(W, wtype, E, H, (const char *)x + r * row, xtype, k, n_group, topk_group, norm, scale,
+                                bias, logits + r * E, weights + r * k, ids + r * k, xf, work, nthreads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 #define MAX_ROWS 16 /* gemv's and moe_swiglu_rows' limit */
 
 /* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions and `rows` rows. */

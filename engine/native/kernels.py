@@ -322,14 +322,16 @@ class NativeKernels(KernelLibrary):
         norm: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A DeepSeek-V3-style router for one row x [1, H] (f32 or bf16) with weight w [E, H] (f32 or bf16) and an f32
-        correction bias [E] or None (decode_layer.c `router_sigmoid`): (logits [1, E], weights [1, k], ids [1, k]),
-        logits and weights in f32 as transformers' Glm4Moe/DeepseekV3 TopkRouter returns them, or None where the
-        kernel does not take the shape."""
+        """A DeepSeek-V3-style router for rows x [R, H] (contiguous, f32 or bf16) with weight w [E, H] (f32 or bf16)
+        and an f32 correction bias [E] or None (decode_layer.c `router_sigmoid_rows`: each row as `router_sigmoid`
+        routes it alone): (logits [R, E], weights [R, k], ids [R, k]), logits and weights in f32 as transformers'
+        Glm4Moe/DeepseekV3 TopkRouter returns them, or None where the kernel does not take the shape."""
         E, H = w.shape
-        logits, weights = torch.empty((1, E)), torch.empty((1, k))
-        ids, xf = torch.empty((1, k), dtype=torch.int64), torch.empty(H)
-        rc = self.lib.router_sigmoid(
+        R = x.shape[0]
+        logits, weights = torch.empty((R, E)), torch.empty((R, k))
+        ids, xf = torch.empty((R, k), dtype=torch.int64), torch.empty(H)
+        rc = self.lib.router_sigmoid_rows(
+            R,
             w.data_ptr(),
             W_CODES[w.dtype],
             E,

@@ -184,3 +184,5 @@ def declare(lib: ctypes.CDLL) -> None:
         _INT,
     ]
     lib.router_sigmoid.restype = _INT
+    lib.router_sigmoid_rows.argtypes = [_I64, *lib.router_sigmoid.argtypes]
+    lib.router_sigmoid_rows.restype = _INT
