@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from engine.core.faults import describe, log, new_error_id
@@ -46,16 +47,20 @@ def run_engine(
     )
     loop.start()
     out_q.put(ready)
-    # Orphaned when the parent is gone: our parent pid changes (we are re-parented). Not
-    # mp.parent_process().is_alive(): under the forkserver its sentinel is the pipe our start
-    # data came through, closed as soon as it was read. The forkserver exits with the front end.
+    # Orphaned when the front end is gone. Under the forkserver our parent is the forkserver, which
+    # outlives a SIGKILLed front end: it exits only when every holder of its "alive" pipe has, and we
+    # hold one (as we hold the resource tracker's). So the front end itself is watched, by pid
+    # (mp.parent_process(): the process that asked for us; not its sentinel, the pipe our start data
+    # came through, closed as soon as it was read); and a changed parent pid (a plain fork's orphan).
     parent = os.getppid()
+    front = mp.parent_process()
+    front_pid = front.pid if front is not None else None
     while loop.is_alive():
         try:
             msg = in_q.get(timeout=0.5)
         except queue.Empty:
-            if os.getppid() != parent:  # orphaned: nobody will read our output
-                msg = Shutdown()
+            if os.getppid() != parent or (front_pid is not None and not _running(front_pid)):
+                msg = Shutdown()  # orphaned: nobody will read our output
             else:
                 continue
         inbox.put(msg)
@@ -66,6 +71,21 @@ def run_engine(
     # Skip interpreter teardown (issue 14): tearing down torch and the model's objects took
     # 5-15 s on a busy 2-core machine, which made every shutdown slow.
     _flush_and_exit(out_q, 0)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)  # no /proc: it exists if it can be signalled
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
 
 
 def _flush_and_exit(out_q: mp.Queue, code: int) -> None:
