@@ -127,14 +127,14 @@ class EngineCore:
         stats = getattr(getattr(self.runner, "lm", None), "stats", None)
         if blocks is None or stats is None or not hasattr(stats, "set_kv_pool"):
             return
-        pool = getattr(self.runner, "pool", None)
-        stats.set_kv_pool(
-            blocks.counts(), self.scheduler.preemptions, getattr(pool, "bytes_per_block", 0)
-        )
+        pool, counts = getattr(self.runner, "pool", None), blocks.counts()
+        stats.set_kv_pool(counts, self.scheduler.preemptions, getattr(pool, "bytes_per_block", 0))
         if pool is not None:  # the pool's cached blocks are the prefix cache
-            cached = blocks.counts().cached
             stats.set_prefix_cache(
-                blocks.hit_tokens, blocks.query_tokens, cached * pool.bytes_per_block, cached
+                blocks.hit_tokens,
+                blocks.query_tokens,
+                counts.cached * pool.bytes_per_block,
+                counts.cached,
             )
 
     def _propose(self, plan: StepPlan, failed: list[RequestOutput]) -> StepPlan:

@@ -119,7 +119,7 @@ class KVBlocks:
         self.query_tokens += len(ids)
         holder.asked = len(ids)
         if not self.cache_prefixes:
-            return 0
+            return 0  # found stays 0
         prev = b""
         for i in range((len(ids) - 1) // self.block):
             h = chain_hash(prev, ids[i * self.block : (i + 1) * self.block])
@@ -130,7 +130,7 @@ class KVBlocks:
             holder.table.append(b)
             prev = h
         holder.hashed, holder.last_hash = len(holder.table), prev
-        holder.asked, holder.found = len(ids), len(holder.table) * self.block
+        holder.found = len(holder.table) * self.block
         self.hit_tokens += holder.found
         return holder.found
 
@@ -157,21 +157,32 @@ class KVBlocks:
             holder.table.append(b)
         return True
 
+    def uncommitted(self, request_id: str, computed: int) -> int:
+        """Whole blocks among `request_id`'s first `computed` positions that commit() has not registered yet:
+        the caller builds the tokens commit() reads only when there are some."""
+        holder = self._holders.get(request_id)
+        if holder is None or not self.cache_prefixes:
+            return 0
+        return max(0, min(computed, len(holder.table) * self.block) // self.block - holder.hashed)
+
     def commit(self, request_id: str, ids: Sequence[int], computed: int) -> None:
         """Register `request_id`'s whole blocks among its first `computed` positions, whose tokens
         are ids[:computed]. A prefix some other block already holds keeps that block (this request's
         copy stays private)."""
-        holder = self._holders.get(request_id)
-        if holder is None or not self.cache_prefixes:
+        new = self.uncommitted(request_id, computed)
+        if new <= 0:
             return
-        done = min(computed, len(ids), len(holder.table) * self.block) // self.block
-        for i in range(holder.hashed, done):
+        holder = self._holders[request_id]
+        end = min(
+            holder.hashed + new, len(ids) // self.block
+        )  # only blocks whose tokens are all in ids
+        for i in range(holder.hashed, end):
             h = chain_hash(holder.last_hash, ids[i * self.block : (i + 1) * self.block])
             b = holder.table[i]
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h], self._hash_of[b] = b, h
             holder.last_hash = h
-        holder.hashed = max(holder.hashed, done)
+        holder.hashed = max(holder.hashed, end)
 
     def free(self, request_id: str) -> None:
         """The request ended or was preempted: its references go; registered blocks stay cached

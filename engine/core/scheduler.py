@@ -110,7 +110,7 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.request_id not in self.running:  # preempted for an earlier request's window
                 continue
-            if seq.num_computed < len(seq.fill_ids):  # a prompt still being prefilled in chunks
+            if seq.num_computed < seq.fill_len:  # a prompt still being prefilled in chunks
                 if budget <= 0:
                     continue
                 wanted = self._prefill_chunk(seq, budget)
@@ -192,7 +192,7 @@ class Scheduler:
                 other.num_computed // block + 1
             ) * block  # the end of its first block not yet computed
             if (
-                other.num_computed < len(other.fill_ids)
+                other.num_computed < other.fill_len
                 and len(ids) > upto
                 and ids[:upto] == other.fill_ids[:upto]
             ):
@@ -290,10 +290,7 @@ class Scheduler:
             seq.num_computed = w.start_pos + (
                 len(w.input_ids) if res.num_kept is None else res.num_kept
             )
-            if self.blocks is not None:  # its whole computed blocks become shareable
-                self.blocks.commit(
-                    w.request_id, seq.req.prompt_ids + seq.output_ids, seq.num_computed
-                )
+            self._commit(seq)  # its whole computed blocks become shareable
             if not w.samples:  # a prompt chunk short of the prompt's end: nothing to emit yet
                 continue
             new: list[int] = []
@@ -328,9 +325,7 @@ class Scheduler:
                 del self.running[w.request_id]
                 self._to_free.append(w.request_id)
                 if self.blocks is not None:
-                    self.blocks.commit(
-                        w.request_id, seq.req.prompt_ids + seq.output_ids, seq.num_computed
-                    )
+                    self._commit(seq)  # accepted proposals may have completed a block
                     self.blocks.free(w.request_id)
             ro = self._output(
                 seq,
@@ -342,6 +337,14 @@ class Scheduler:
             )
             outputs.append(replace(ro, eos_logprob=eos_lp) if eos_lp is not None else ro)
         return outputs
+
+    def _commit(self, seq: SeqState) -> None:
+        """Register `seq`'s newly completed whole blocks for sharing; its tokens are concatenated only when a
+        block completed (every 16 positions), not at every step."""
+        if self.blocks is not None and self.blocks.uncommitted(seq.request_id, seq.num_computed):
+            self.blocks.commit(
+                seq.request_id, seq.req.prompt_ids + seq.output_ids, seq.num_computed
+            )
 
     def _output(
         self,

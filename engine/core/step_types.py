@@ -43,6 +43,11 @@ class SeqState:
             return self.req.prompt_ids
         return self.req.prompt_ids + self.output_ids[:-1]
 
+    @property
+    def fill_len(self) -> int:
+        """len(fill_ids), without building them (the scheduler asks at every step)."""
+        return len(self.req.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
 
 @dataclass(frozen=True)
 class SeqWork:
