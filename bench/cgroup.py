@@ -109,6 +109,14 @@ class MemoryCgroup:
         with open(self.path / "cgroup.procs", "w") as fh:
             fh.write(str(os.getpid()))
 
+    def peak_bytes(self) -> int:
+        """The most memory the group has charged (v2 memory.peak, v1 memory.max_usage_in_bytes); 0 where unknown."""
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        try:
+            return int((self.path / name).read_text())
+        except (OSError, ValueError):
+            return 0
+
     def oom_kills(self) -> int:
         """Processes of the group the kernel killed for memory, so far (v2 memory.events, v1 memory.oom_control)."""
         events = self.path / ("memory.events" if self.version == 2 else "memory.oom_control")

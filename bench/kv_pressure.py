@@ -27,7 +27,7 @@ import torch
 
 from bench.cgroup import MemoryCgroup
 from bench.kv_sharing import long_context_checkpoint
-from bench.report import machine_line, write_report
+from bench.report import args_payload, machine_line, write_report
 from bench.serve_process import serve
 
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             preempted = _preemptions(srv.metrics())
             alone = [_complete(base, p, a.tokens) for p in prompts]
         oom = cg.oom_kills() if cg else 0
-        peak = _peak_bytes(cg)
+        peak = cg.peak_bytes() if cg else 0
     finally:
         if cg is not None:
             cg.close()
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     payload: dict[str, Any] = dict(
-        args={k: str(v) for k, v in vars(a).items()},
+        args=args_payload(a),
         completed=ok,
         statuses=statuses,
         preemptions=preempted,
@@ -156,16 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         wall_s=wall,
     )
     write_report(a.out, header, lines, payload)
-
-
-def _peak_bytes(cg: MemoryCgroup | None) -> int:
-    if cg is None:
-        return 0
-    name = "memory.peak" if cg.version == 2 else "memory.max_usage_in_bytes"
-    try:
-        return int((cg.path / name).read_text())
-    except (OSError, ValueError):
-        return 0
 
 
 if __name__ == "__main__":

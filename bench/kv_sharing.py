@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import machine_line, write_report
+from bench.report import args_payload, machine_line, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     payload = dict(
-        args={k: str(v) for k, v in vars(a).items()},
+        args=args_payload(a),
         one_peak_blocks=one_peak,
         many_peak_blocks=peak,
         bound_blocks=bound,

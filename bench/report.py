@@ -14,6 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.native.variants import cpu_model
+from engine.paths import portable_path
 
 ANALYSIS_STARTS = (
     "\nCommand:",
@@ -40,6 +41,11 @@ def opening(old: str, header: str) -> str:
     else:
         title = old.split("\n", 1)[0] if old.startswith("# ") else ""
     return "\n\n".join(part for part in (title, summary, header) if part)
+
+
+def args_payload(args: argparse.Namespace) -> dict[str, str]:
+    """A run's flags as text for its JSON, paths made portable: no machine paths in a committed report."""
+    return {k: portable_path(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()}
 
 
 def write_report(out: Path | None, header: str, lines: list[str], payload: dict[str, Any]) -> None:

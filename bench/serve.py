@@ -30,7 +30,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from bench.report import machine_line, positive_int, write_report
+from bench.report import args_payload, machine_line, positive_int, write_report
 from bench.serve_client import (
     RunSpec,
     Target,
@@ -301,10 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.slo_tpot_ms:g} ms; one pass per rate, servers alternating, after {args.warmup} warm-up "
         "requests each."
     )
-    args_text = {
-        k: portable_path(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()
-    }  # no machine paths in a committed report
-    payload = {"args": args_text, "rows": json_safe(rows)}
+    payload = {"args": args_payload(args), "rows": json_safe(rows)}
     write_report(args.out, header, table_lines(rows), payload)
     if args.out is not None:
         png = plot_curves(rows, args.out.with_suffix(".png"))
