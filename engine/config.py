@@ -214,6 +214,11 @@ class EngineConfig(YamlSection):
         "prompt (prefix) cache: a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; 0 turns it off. On the CPU, where the KV lives in one paged pool, whole blocks are shared by reference and kept in the pool's unused blocks (least recently used evicted first) and this only switches it; elsewhere it bounds the bytes of copied prompt blocks. Hybrid linear-attention, sliding-window and multi-head-latent models are not cached (default 256 MiB)",
         metavar="N",
     )
+    route_log: str | None = setting(
+        None,
+        "write the experts each MoE layer calls, one line a layer and step, to this file (engine/experts/route_log.py), for offline replay such as Belady's MIN in `bench serve`; the tokens are the same (a diagnostic)",
+        metavar="FILE",
+    )
     quant_cache_dir: str | None = setting(
         None,
         "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)",
