@@ -79,7 +79,9 @@ def run_cell(
     sessions = build_sessions(args, workload, text_seed)
     n = sum(len(s.users) for s in sessions)
     times = schedule(sessions, arrivals(n, rate, args.arrivals, args.seed))
-    spec = RunSpec(args.output_tokens, ignore_eos=args.ignore_eos)
+    spec = RunSpec(
+        args.output_tokens, ignore_eos=args.ignore_eos, count_logprobs=args.count_logprobs
+    )
     cpu0 = tree_cpu_seconds(target.pid) if target.pid else math.nan
     loads0 = target.loads.mark() if target.loads else None
     with (
@@ -253,6 +255,12 @@ def _load_flags(ap: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="ask for exactly --output-tokens (default on)",
+    )
+    w.add_argument(
+        "--count-logprobs",
+        action="store_true",
+        help="ask for logprobs and count each streamed token by its logprobs entry, not its text: for "
+        "random-weight checkpoints whose sampled ids decode to no text (bench/real_shapes.py)",
     )
     w.add_argument(
         "--warmup", type=int, default=4, help="chat requests per server before timing (default 4)"

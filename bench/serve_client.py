@@ -49,6 +49,9 @@ class RunSpec:
 
     output_tokens: int
     ignore_eos: bool = True
+    # Count streamed tokens by their logprobs entries, not by text: a random-weight checkpoint with a small
+    # tokenizer (bench/real_shapes.py) samples ids that decode to no text, whose chunks carry no content.
+    count_logprobs: bool = False
     timeout_s: float = 600.0
 
 
@@ -70,6 +73,7 @@ async def stream_one(
         "stream": True,
         "stream_options": {"include_usage": True},
         **({"ignore_eos": True} if spec.ignore_eos else {}),
+        **({"logprobs": True} if spec.count_logprobs else {}),
         **target.extra_body,
     }
     t0 = time.perf_counter()
@@ -90,7 +94,12 @@ async def stream_one(
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                    if piece:
+                    tokens = (
+                        ((choice.get("logprobs") or {}).get("content") or [])
+                        if spec.count_logprobs
+                        else []
+                    )
+                    if piece or tokens:
                         stamps.append(time.perf_counter())
                         text.append(piece)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
