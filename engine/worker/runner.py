@@ -20,7 +20,6 @@ import torch
 from transformers import DynamicCache
 
 from engine.core.faults import request_fault
-from engine.core.messages import TokenLogprob
 from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
@@ -42,7 +41,9 @@ from engine.worker.sampling import (
     greedy_tokens,
     make_generator,
     process_logits,
+    token_logprob,
 )
+from engine.worker.session_cache import SessionCache, prompt_cache_for
 from engine.worker.verify import verify_window
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
@@ -81,7 +82,9 @@ class ModelRunner:
                 else None
             )
         self._stats = getattr(lm, "stats", None)
-        self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
+        # Prompt KV kept across requests: blocks, or conversation snapshots where the model's cache has
+        # recurrent state or a sliding window (engine/worker/session_cache.py); None when off.
+        self.prefix: PrefixCache | SessionCache | None = prompt_cache_for(lm)
         self.pool: KVPool | None = (
             None  # every request's KV, paged (use_kv_pool), or None: each its own
         )
@@ -139,9 +142,9 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         for rid in plan.free_ids:  # finished or aborted: release KV cache memory now
-            self.drop(rid)
+            self.drop(rid, reusable=True)
         for rid in plan.preempted_ids:  # its KV only: it resumes with its RNG and grammar state
-            self.caches.pop(rid, None)
+            self._drop_kv(rid, reusable=False)
         out = StepOutput()
         work = list(plan.work)
         for w in work:
@@ -151,7 +154,7 @@ class ModelRunner:
                     if self.pool is not None
                     else new_kv_cache(self.lm.config)
                 )
-                if w.prefix_hit and self.prefix is not None:
+                if self.prefix is not None:  # what its admission matched (nothing on a miss)
                     self.prefix.restore(w.request_id, self.caches[w.request_id])
                 if w.request_id in self.generators:  # resumed after a preemption
                     continue
@@ -182,7 +185,11 @@ class ModelRunner:
                         self.caches[w.request_id],
                         w.start_pos + len(w.input_ids),
                     )
-                out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
+                res = out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
+                if isinstance(
+                    self.prefix, SessionCache
+                ):  # its cache's tokens, for the snapshot at its end
+                    self.prefix.ran(w, res.num_kept)
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
                 out.results[w.request_id] = SeqResult(
                     error=request_fault("sampling", w.request_id, e)
@@ -257,12 +264,19 @@ class ModelRunner:
                 return []
         return []
 
-    def drop(self, request_id: str) -> None:
-        if self.prefix is not None:
-            self.prefix.release(request_id)
-        self.caches.pop(request_id, None)
+    def drop(self, request_id: str, reusable: bool = False) -> None:
+        """Forget a request. `reusable`: it finished or was aborted between steps, so its KV is sound and
+        may be kept as a snapshot; not after a failure."""
+        self._drop_kv(request_id, reusable)
         self.generators.pop(request_id, None)
         self.constraints.pop(request_id, None)
+
+    def _drop_kv(self, request_id: str, reusable: bool) -> None:
+        cache = self.caches.pop(request_id, None)
+        if isinstance(self.prefix, SessionCache):
+            self.prefix.release(request_id, cache if reusable else None)
+        elif self.prefix is not None:
+            self.prefix.release(request_id)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammar is None:
@@ -326,7 +340,7 @@ class ModelRunner:
         if w.is_prefill and w.req.prompt_logprobs is not None:
             lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i+1
             res.prompt_logprobs = [None] + [
-                _token_logprob(lp[i], t, w.req.prompt_logprobs)
+                token_logprob(lp[i], t, w.req.prompt_logprobs)
                 for i, t in enumerate(w.input_ids[1:])
             ]
             logits = logits[-1:]
@@ -363,7 +377,7 @@ class ModelRunner:
         if w.req.logprobs is not None:
             # Logprobs of the model's raw distribution (before penalties/temperature), as vLLM does.
             lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-            res.logprobs = [_token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
+            res.logprobs = [token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
         return res
 
     def _process(
@@ -394,27 +408,6 @@ class ModelRunner:
                 else logits.masked_fill(~allowed, float("-inf"))
             )
         return banned
-
-
-def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
-    """A prefix cache sized by --prefix-cache-bytes, for models whose cache it can hold."""
-    budget = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0)
-    if (
-        not budget
-        or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES
-        or not PrefixCache.supports(new_kv_cache(lm.config))
-    ):
-        return None
-    return PrefixCache(budget, getattr(lm, "stats", None))
-
-
-def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-    """lp: [V] log-probabilities."""
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
-        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    return TokenLogprob(token_id, float(lp[token_id]), top)
 
 
 def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:

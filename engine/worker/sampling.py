@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.core.messages import TokenLogprob
 from engine.core.sampling_params import (
     SamplingParams,  # re-exported: its home is core (plain data)
 )
@@ -182,3 +183,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return greedy_token(logits)
     return draw(target_probs(logits, params), generator)
+
+
+def token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """The logprob of `token_id` and the top `k`. lp: [V] log-probabilities."""
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
+        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return TokenLogprob(token_id, float(lp[token_id]), top)
