@@ -139,8 +139,9 @@ class PrefixCache:
             held.append(key)
         self._publish()
 
-    def release(self, request_id: str) -> None:
-        """The request ended: its blocks become evictable (least recently used first)."""
+    def release(self, request_id: str, cache: object = None) -> None:
+        """The request ended: its blocks become evictable (least recently used first). `cache`: its KV,
+        unused here (its prompt blocks were stored as they ran; engine/worker/session_cache.py keeps it)."""
         for key in self.held.pop(request_id, []):
             b = self.blocks.get(key)
             if b is not None:

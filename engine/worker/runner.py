@@ -38,6 +38,7 @@ from engine.worker.packed_batch import (
 from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import (
     eos_ban_applies,
+    grammar_masked,
     greedy_tokens,
     make_generator,
     process_logits,
@@ -82,12 +83,10 @@ class ModelRunner:
                 else None
             )
         self._stats = getattr(lm, "stats", None)
-        # Prompt KV kept across requests: blocks, or conversation snapshots where the model's cache has
-        # recurrent state or a sliding window (engine/worker/session_cache.py); None when off.
+        # Prompt KV kept across requests: blocks, or snapshots (recurrent or sliding caches); None: off.
         self.prefix: PrefixCache | SessionCache | None = prompt_cache_for(lm)
-        self.pool: KVPool | None = (
-            None  # every request's KV, paged (use_kv_pool), or None: each its own
-        )
+        # Every request's KV, paged (use_kv_pool), or None: each its own.
+        self.pool: KVPool | None = None
 
     def use_kv_pool(self, total: int, block: int) -> bool:
         """Keep every request's KV in one paged pool of `total` blocks (engine/worker/kv_pool.py), where the
@@ -176,9 +175,8 @@ class ModelRunner:
         greedy = self._plain_greedy_tokens(computed)
         for w, lg in computed:
             try:
-                if (
-                    w.is_prefill and self.prefix is not None
-                ):  # before _finish: its rollback never reaches the prompt
+                # Before _finish: its rollback never reaches the prompt.
+                if w.is_prefill and self.prefix is not None:
                     self.prefix.store(
                         w.request_id,
                         w.req.prompt_ids,
@@ -186,9 +184,7 @@ class ModelRunner:
                         w.start_pos + len(w.input_ids),
                     )
                 res = out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
-                if isinstance(
-                    self.prefix, SessionCache
-                ):  # its cache's tokens, for the snapshot at its end
+                if isinstance(self.prefix, SessionCache):  # the tokens its cache holds now
                     self.prefix.ran(w, res.num_kept)
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
                 out.results[w.request_id] = SeqResult(
@@ -265,18 +261,15 @@ class ModelRunner:
         return []
 
     def drop(self, request_id: str, reusable: bool = False) -> None:
-        """Forget a request. `reusable`: it finished or was aborted between steps, so its KV is sound and
-        may be kept as a snapshot; not after a failure."""
+        """Forget a request. `reusable`: it finished or was aborted, so its KV may be kept (not on a failure)."""
         self._drop_kv(request_id, reusable)
         self.generators.pop(request_id, None)
         self.constraints.pop(request_id, None)
 
     def _drop_kv(self, request_id: str, reusable: bool) -> None:
         cache = self.caches.pop(request_id, None)
-        if isinstance(self.prefix, SessionCache):
+        if self.prefix is not None:
             self.prefix.release(request_id, cache if reusable else None)
-        elif self.prefix is not None:
-            self.prefix.release(request_id)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammar is None:
@@ -358,9 +351,8 @@ class ModelRunner:
                 advanced[0] = len(accepted)
             return self._process(row, w, accepted, grammar)
 
-        first = (
-            w.start_pos + len(w.input_ids) - 1 - w.num_draft
-        )  # the first verified row's position
+        # The first verified row's position.
+        first = w.start_pos + len(w.input_ids) - 1 - w.num_draft
         tokens = verify_window(
             logits, drafts, w.req.params, self.generators[w.request_id], process, probs, first
         )
@@ -369,9 +361,8 @@ class ModelRunner:
                 grammar.advance(t)
         accepted = len(tokens) - 1
         res.sampled = tokens
-        res.num_kept = (
-            len(w.input_ids) - w.num_draft + accepted
-        )  # the rejected tail leaves the cache
+        # The rejected tail leaves the cache.
+        res.num_kept = len(w.input_ids) - w.num_draft + accepted
         if res.num_kept < len(w.input_ids):
             truncate_cache(self.caches[w.request_id], w.start_pos + res.num_kept)
         if w.req.logprobs is not None:
@@ -398,16 +389,9 @@ class ModelRunner:
             req.frequency_penalty,
             self.eos_ids,
         )
-        if grammar is not None:
-            allowed = grammar.allowed().to(logits.device)  # [V] bool
-            masked = banned.masked_fill(~allowed, float("-inf"))
-            # The grammar outranks min_tokens: if only EOS may follow, let it.
-            banned = (
-                masked
-                if bool(torch.isfinite(masked).any())
-                else logits.masked_fill(~allowed, float("-inf"))
-            )
-        return banned
+        if grammar is None:
+            return banned
+        return grammar_masked(logits, banned, grammar.allowed().to(logits.device))
 
 
 def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
