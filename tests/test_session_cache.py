@@ -125,24 +125,10 @@ def test_models_get_the_cache_that_holds_their_kv() -> None:
             config=cfg, engine_config=EngineConfig(prefix_cache_bytes=1 << 20), stats=None
         )
 
-    hybrid = lm(
-        "qwen3_next",
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    sliding = lm(
-        "mistral",
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=64,
-    )
-    full = lm("qwen3", num_hidden_layers=2, hidden_size=32, num_attention_heads=2)
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2)
+    hybrid = lm("qwen3_next", layer_types=["linear_attention", "full_attention"], **small)
+    sliding = lm("mistral", sliding_window=64, **small)
+    full = lm("qwen3", **small)
     assert isinstance(prompt_cache_for(hybrid), SessionCache)  # type: ignore[arg-type]
     assert isinstance(prompt_cache_for(sliding), SessionCache)  # type: ignore[arg-type]
     assert isinstance(prompt_cache_for(full), PrefixCache)  # type: ignore[arg-type]
