@@ -62,19 +62,22 @@ class _Snapshot:
     tokens: np.ndarray  # int64 [n]: the tokens whose positions `cache` holds, in order
     cache: DynamicCache  # frozen: nothing writes it; restore copies it
     nbytes: int
-    holders: set[str] = field(
-        default_factory=set
-    )  # requests that matched it and have not restored it
+    # Requests that matched it and have not restored it yet: it is not evicted under them.
+    holders: set[str] = field(default_factory=set)
 
 
 @dataclass
 class _Ask:
+    """A request's match, held from admission to its first window (the same step)."""
+
     key: bytes | None  # the snapshot matched, None on a miss
-    hit: int
-    asked: int
+    hit: int  # positions it holds
+    asked: int  # the request's tokens
 
 
 class SessionCache:
+    """Whole-cache snapshots keyed by their exact tokens, bounded in bytes, least recently used evicted."""
+
     def __init__(self, max_bytes: int, stats: Any = None) -> None:
         self.max_bytes, self.stats = max_bytes, stats
         self.snapshots: OrderedDict[bytes, _Snapshot] = OrderedDict()  # least recently used first
@@ -142,6 +145,7 @@ class SessionCache:
             self.query_tokens -= ask.asked
             if ask.key is not None and ask.key in self.snapshots:
                 self.snapshots[ask.key].holders.discard(request_id)
+            self._publish()
         last = self.last.pop(request_id, None)
         if cache is None or last is None:
             return
