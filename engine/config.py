@@ -211,7 +211,7 @@ class EngineConfig(YamlSection):
     )
     prefix_cache_bytes: int = setting(
         256 * 1024 * 1024,
-        "prompt (prefix) cache: a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; 0 turns it off. On the CPU, where the KV lives in one paged pool, whole blocks are shared by reference and kept in the pool's unused blocks (least recently used evicted first) and this only switches it; elsewhere it bounds the bytes of copied prompt blocks. Hybrid linear-attention, sliding-window and multi-head-latent models are not cached (default 256 MiB)",
+        "prompt (prefix) cache: a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; 0 turns it off. On the CPU, where the KV lives in one paged pool, whole blocks are shared by reference and kept in the pool's unused blocks (least recently used evicted first) and this only switches it; elsewhere it bounds the bytes of copied prompt blocks. Hybrid linear-attention (qwen3_next, qwen3_5_moe) and sliding-window models, whose recurrent state or window cannot be cut into blocks, keep whole-conversation snapshots instead (the cache at each prompt's end and at each request's end; a later request that extends one prefills only the rest), bounded by the same bytes (default 256 MiB)",
         metavar="N",
     )
     route_log: str | None = setting(

@@ -69,6 +69,9 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens of the requests that looked it up
     prefix_bytes: int = 0  # bytes of KV it holds now
     prefix_blocks: int = 0  # blocks it holds now
+    prefix_snapshots: int = (
+        0  # conversation snapshots it holds now (engine/worker/session_cache.py)
+    )
     # The paged KV pool (engine/core/kv_blocks.py): blocks in use, cached (unreferenced prefixes) and
     # total, its bytes a block (0 where requests keep their own buffers), preemptions since start.
     kv_blocks: tuple[int, int, int] = (0, 0, 0)
@@ -179,6 +182,10 @@ class EngineStats:
                 self.prefix_blocks,
             ) = hit_tokens, query_tokens, nbytes, blocks
 
+    def set_prefix_snapshots(self, snapshots: int) -> None:
+        with self._lock:
+            self.prefix_snapshots = snapshots
+
     def set_kv_pool(self, counts: Any, preemptions: int, block_bytes: int) -> None:
         with self._lock:
             self.kv_blocks = (counts.in_use, counts.cached, counts.total)
@@ -244,6 +251,7 @@ class EngineStats:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_bytes": self.prefix_bytes,
                 "prefix_blocks": self.prefix_blocks,
+                "prefix_snapshots": self.prefix_snapshots,
                 "kv_blocks": self.kv_blocks,
                 "kv_block_bytes": self.kv_block_bytes,
                 "preemptions": self.preemptions,

@@ -236,6 +236,11 @@ class EngineStatsCollector(Collector):
             "Prompt blocks (16 tokens each) the prefix cache holds.",
             value=s.get("prefix_blocks", 0),
         )
+        yield GaugeMetricFamily(
+            P + "prefix_cache_snapshots",
+            "Conversation snapshots the prefix cache holds (hybrid and sliding-window models).",
+            value=s.get("prefix_snapshots", 0),
+        )
         kv = GaugeMetricFamily(
             P + "kv_blocks",
             "KV pool blocks (16 positions each) by state: in use by requests, cached (a prefix no running "

@@ -66,7 +66,9 @@ class Scheduler:
         self.waiting: deque[SeqState] = deque()
         self.running: dict[str, SeqState] = {}  # in admission order
         self._to_free: list[str] = []
-        self.prefix = prefix  # the copying prefix cache (engine/worker/prefix_cache.py) where no pool shares blocks
+        # The runner's own prompt cache where no pool shares blocks: copied blocks (engine/worker/prefix_cache.py)
+        # or conversation snapshots (engine/worker/session_cache.py).
+        self.prefix = prefix
         self.blocks = blocks
         self.lookahead = lookahead
         self.preemptions = 0  # all requests, since start
@@ -150,15 +152,17 @@ class Scheduler:
         rid = seq.request_id
         hit = 0
         if seq.req.prompt_logprobs is None or seq.output_ids:  # prompt logprobs need every position
-            if self.blocks is not None:
+            if self.blocks is not None:  # a paged pool shares blocks; counting only, it finds none
                 hit = self.blocks.match(rid, seq.fill_ids)
-            elif self.prefix is not None:
+            if not hit and self.prefix is not None:
                 hit = self.prefix.match(rid, seq.fill_ids)
         seq.num_computed = seq.num_cached = hit
         work = self._prefill_chunk(seq, budget)
         if self.blocks is not None and not self._room_to_start(
             rid, work.start_pos + len(work.input_ids)
         ):
+            if self.prefix is not None:
+                self.prefix.release(rid)  # not admitted now: what it matched is not held for it
             if (
                 not self.running
             ):  # alone, the pool still cannot hold it: the pool is smaller than a context

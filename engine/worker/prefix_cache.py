@@ -17,9 +17,9 @@ that cannot fit is not stored.  The stored numbers are those the first request c
 hit gives the logits a chunked prefill starting at that block would (fp32: equal within
 rounding of the matmuls' row counts, tests/test_prefix_cache.py).
 
-Only caches made entirely of plain full-attention layers are cached: hybrid models
-(qwen3_next's linear attention keeps recurrent state, not per-position keys) and sliding-window
-layers are not, and `supports` says so.  The draft model of speculative decoding keeps its own
+Only caches made entirely of plain full-attention layers are cut into blocks (`supports`): hybrid
+models (qwen3_next's linear attention keeps recurrent state, not per-position keys) and
+sliding-window layers keep whole conversation snapshots instead (engine/worker/session_cache.py).  The draft model of speculative decoding keeps its own
 cache and recomputes the prompt (it is small and fully resident).
 """
 
@@ -139,8 +139,9 @@ class PrefixCache:
             held.append(key)
         self._publish()
 
-    def release(self, request_id: str) -> None:
-        """The request ended: its blocks become evictable (least recently used first)."""
+    def release(self, request_id: str, cache: object = None) -> None:
+        """The request ended: its blocks become evictable (least recently used first). `cache`: its KV,
+        unused here (its prompt blocks were stored as they ran; engine/worker/session_cache.py keeps it)."""
         for key in self.held.pop(request_id, []):
             b = self.blocks.get(key)
             if b is not None:

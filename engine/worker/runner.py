@@ -20,7 +20,6 @@ import torch
 from transformers import DynamicCache
 
 from engine.core.faults import request_fault
-from engine.core.messages import TokenLogprob
 from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
@@ -39,10 +38,13 @@ from engine.worker.packed_batch import (
 from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import (
     eos_ban_applies,
+    grammar_masked,
     greedy_tokens,
     make_generator,
     process_logits,
+    token_logprob,
 )
+from engine.worker.session_cache import SessionCache, prompt_cache_for
 from engine.worker.verify import verify_window
 
 # A faulted device context fails every later call: that is the engine's fault, not a request's.
@@ -81,10 +83,10 @@ class ModelRunner:
                 else None
             )
         self._stats = getattr(lm, "stats", None)
-        self.prefix = _prefix_cache_for(lm)  # KV of prompt blocks kept across requests, or None
-        self.pool: KVPool | None = (
-            None  # every request's KV, paged (use_kv_pool), or None: each its own
-        )
+        # Prompt KV kept across requests: blocks, or snapshots (recurrent or sliding caches); None: off.
+        self.prefix: PrefixCache | SessionCache | None = prompt_cache_for(lm)
+        # Every request's KV, paged (use_kv_pool), or None: each its own.
+        self.pool: KVPool | None = None
 
     def use_kv_pool(self, total: int, block: int) -> bool:
         """Keep every request's KV in one paged pool of `total` blocks (engine/worker/kv_pool.py), where the
@@ -139,9 +141,9 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         for rid in plan.free_ids:  # finished or aborted: release KV cache memory now
-            self.drop(rid)
+            self.drop(rid, reusable=True)
         for rid in plan.preempted_ids:  # its KV only: it resumes with its RNG and grammar state
-            self.caches.pop(rid, None)
+            self._drop_kv(rid, reusable=False)
         out = StepOutput()
         work = list(plan.work)
         for w in work:
@@ -151,7 +153,7 @@ class ModelRunner:
                     if self.pool is not None
                     else new_kv_cache(self.lm.config)
                 )
-                if w.prefix_hit and self.prefix is not None:
+                if self.prefix is not None:  # what its admission matched (nothing on a miss)
                     self.prefix.restore(w.request_id, self.caches[w.request_id])
                 if w.request_id in self.generators:  # resumed after a preemption
                     continue
@@ -173,16 +175,17 @@ class ModelRunner:
         greedy = self._plain_greedy_tokens(computed)
         for w, lg in computed:
             try:
-                if (
-                    w.is_prefill and self.prefix is not None
-                ):  # before _finish: its rollback never reaches the prompt
+                # Before _finish: its rollback never reaches the prompt.
+                if w.is_prefill and self.prefix is not None:
                     self.prefix.store(
                         w.request_id,
                         w.req.prompt_ids,
                         self.caches[w.request_id],
                         w.start_pos + len(w.input_ids),
                     )
-                out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
+                res = out.results[w.request_id] = self._finish(w, lg, greedy.get(w.request_id))
+                if isinstance(self.prefix, SessionCache):  # the tokens its cache holds now
+                    self.prefix.ran(w, res.num_kept)
             except Exception as e:  # noqa: BLE001 - sampling, grammar: this request's fault only
                 out.results[w.request_id] = SeqResult(
                     error=request_fault("sampling", w.request_id, e)
@@ -257,12 +260,16 @@ class ModelRunner:
                 return []
         return []
 
-    def drop(self, request_id: str) -> None:
-        if self.prefix is not None:
-            self.prefix.release(request_id)
-        self.caches.pop(request_id, None)
+    def drop(self, request_id: str, reusable: bool = False) -> None:
+        """Forget a request. `reusable`: it finished or was aborted, so its KV may be kept (not on a failure)."""
+        self._drop_kv(request_id, reusable)
         self.generators.pop(request_id, None)
         self.constraints.pop(request_id, None)
+
+    def _drop_kv(self, request_id: str, reusable: bool) -> None:
+        cache = self.caches.pop(request_id, None)
+        if self.prefix is not None:
+            self.prefix.release(request_id, cache if reusable else None)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammar is None:
@@ -326,7 +333,7 @@ class ModelRunner:
         if w.is_prefill and w.req.prompt_logprobs is not None:
             lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i+1
             res.prompt_logprobs = [None] + [
-                _token_logprob(lp[i], t, w.req.prompt_logprobs)
+                token_logprob(lp[i], t, w.req.prompt_logprobs)
                 for i, t in enumerate(w.input_ids[1:])
             ]
             logits = logits[-1:]
@@ -344,9 +351,8 @@ class ModelRunner:
                 advanced[0] = len(accepted)
             return self._process(row, w, accepted, grammar)
 
-        first = (
-            w.start_pos + len(w.input_ids) - 1 - w.num_draft
-        )  # the first verified row's position
+        # The first verified row's position.
+        first = w.start_pos + len(w.input_ids) - 1 - w.num_draft
         tokens = verify_window(
             logits, drafts, w.req.params, self.generators[w.request_id], process, probs, first
         )
@@ -355,15 +361,14 @@ class ModelRunner:
                 grammar.advance(t)
         accepted = len(tokens) - 1
         res.sampled = tokens
-        res.num_kept = (
-            len(w.input_ids) - w.num_draft + accepted
-        )  # the rejected tail leaves the cache
+        # The rejected tail leaves the cache.
+        res.num_kept = len(w.input_ids) - w.num_draft + accepted
         if res.num_kept < len(w.input_ids):
             truncate_cache(self.caches[w.request_id], w.start_pos + res.num_kept)
         if w.req.logprobs is not None:
             # Logprobs of the model's raw distribution (before penalties/temperature), as vLLM does.
             lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-            res.logprobs = [_token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
+            res.logprobs = [token_logprob(lp[i], t, w.req.logprobs) for i, t in enumerate(tokens)]
         return res
 
     def _process(
@@ -384,37 +389,9 @@ class ModelRunner:
             req.frequency_penalty,
             self.eos_ids,
         )
-        if grammar is not None:
-            allowed = grammar.allowed().to(logits.device)  # [V] bool
-            masked = banned.masked_fill(~allowed, float("-inf"))
-            # The grammar outranks min_tokens: if only EOS may follow, let it.
-            banned = (
-                masked
-                if bool(torch.isfinite(masked).any())
-                else logits.masked_fill(~allowed, float("-inf"))
-            )
-        return banned
-
-
-def _prefix_cache_for(lm: LoadedModel) -> PrefixCache | None:
-    """A prefix cache sized by --prefix-cache-bytes, for models whose cache it can hold."""
-    budget = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0)
-    if (
-        not budget
-        or lm.config.model_type in NO_ROLLBACK_MODEL_TYPES
-        or not PrefixCache.supports(new_kv_cache(lm.config))
-    ):
-        return None
-    return PrefixCache(budget, getattr(lm, "stats", None))
-
-
-def _token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-    """lp: [V] log-probabilities."""
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
-        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
-    return TokenLogprob(token_id, float(lp[token_id]), top)
+        if grammar is None:
+            return banned
+        return grammar_masked(logits, banned, grammar.allowed().to(logits.device))
 
 
 def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.core.messages import TokenLogprob
 from engine.core.sampling_params import (
     SamplingParams,  # re-exported: its home is core (plain data)
 )
@@ -182,3 +183,26 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return greedy_token(logits)
     return draw(target_probs(logits, params), generator)
+
+
+def token_logprob(lp: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """The logprob of `token_id` and the top `k`. lp: [V] log-probabilities."""
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
+        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return TokenLogprob(token_id, float(lp[token_id]), top)
+
+
+def grammar_masked(
+    logits: torch.Tensor, banned: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """`banned` (the [V] logits after penalties and the min_tokens EOS ban) with the tokens a grammar does
+    not allow (`allowed`: [V] bool) set to -inf. The grammar outranks min_tokens: if only EOS may follow,
+    the unbanned `logits` are masked instead."""
+    masked = banned.masked_fill(~allowed, float("-inf"))
+    return (
+        masked
+        if bool(torch.isfinite(masked).any())
+        else logits.masked_fill(~allowed, float("-inf"))
+    )
