@@ -74,6 +74,10 @@ class EngineStats:
     kv_blocks: tuple[int, int, int] = (0, 0, 0)
     kv_block_bytes: int = 0
     preemptions: int = 0
+    # The KV/expert split (engine/memory/split.py): bytes of the KV pool's blocks and of the fast tier's slots
+    # in use now, and how many times memory moved between them.
+    memory_split: tuple[int, int] = (0, 0)
+    memory_split_moves: int = 0
     memory_probe: Any = field(
         default=None, repr=False, compare=False
     )  # engine/memory/measure.py memory_probe
@@ -184,6 +188,10 @@ class EngineStats:
             self.kv_blocks = (counts.in_use, counts.cached, counts.total)
             self.preemptions, self.kv_block_bytes = preemptions, block_bytes
 
+    def set_memory_split(self, kv_bytes: int, expert_bytes: int, moves: int) -> None:
+        with self._lock:
+            self.memory_split, self.memory_split_moves = (kv_bytes, expert_bytes), moves
+
     def record_eviction(self) -> None:
         with self._lock:
             self.evictions += 1
@@ -245,6 +253,8 @@ class EngineStats:
                 "prefix_bytes": self.prefix_bytes,
                 "prefix_blocks": self.prefix_blocks,
                 "kv_blocks": self.kv_blocks,
+                "memory_split": self.memory_split,
+                "memory_split_moves": self.memory_split_moves,
                 "kv_block_bytes": self.kv_block_bytes,
                 "preemptions": self.preemptions,
                 "memory": self.memory_probe() if self.memory_probe is not None else {},

@@ -93,7 +93,9 @@ def test_re_loads_of_lent_experts_stop_further_lending() -> None:
     s = replace(BASE, lent=4, demand_blocks=140, miss_share=0.4)
     split = policy.decide(s)
     assert split.lent == 4 and "re-loaded" in split.reason
-    assert policy.decide(replace(s, miss_share=0.1)).lent == 16  # cheap slots: lend what covers 40 blocks
+    assert (
+        policy.decide(replace(s, miss_share=0.1)).lent == 16
+    )  # cheap slots: lend what covers 40 blocks
 
 
 def test_fixed_split_moves_nothing_and_says_why() -> None:

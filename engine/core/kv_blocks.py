@@ -198,6 +198,28 @@ class KVBlocks:
                 else:
                     self._free.append(b)
 
+    def resize(self, total: int) -> int:
+        """Grow or shrink the pool to `total` blocks (the KV/expert split, engine/memory/split.py); returns the
+        size it has now. New blocks are the highest ids, taken after the lower free ones. Shrinking drops the
+        blocks from `total` up, evicting the cached prefixes among them, and stops above the highest one a
+        request holds (so it may shrink less than asked). The storage is the caller's (it may release the pages)."""
+        if total >= self.total:
+            self._refs += [0] * (total - self.total)
+            self._free[:0] = range(
+                total - 1, self.total - 1, -1
+            )  # pop() takes the end: these come last
+        else:
+            held = [b for b in range(total, self.total) if self._refs[b] > 0]
+            total = max(total, held[-1] + 1) if held else max(total, 1)
+            for b in range(total, self.total):
+                if b in self._cached:
+                    del self._cached[b]
+                    del self._block_of[self._hash_of.pop(b)]
+            self._free = [b for b in self._free if b < total]
+            del self._refs[total:]
+        self.total = total
+        return total
+
     def _ref(self, b: int) -> None:
         if self._refs[b] == 0:
             self._cached.pop(b, None)
