@@ -199,16 +199,20 @@ def memory_split_for(lm: Any, base_blocks: int, block_bytes: int) -> MemorySplit
         return None
     share = getattr(getattr(lm, "engine_config", None), "kv_borrow_share", 0.0)
     floor = min(getattr(lm, "top_k", 1), store.capacity)  # the plan's minimum: one token's top-k
-    fixed = ""
+    policy = MemorySplitPolicy(max_share=share)
+    return MemorySplit(
+        policy, store, base_blocks, block_bytes, floor, getattr(lm, "stats", None), fixed_why(plan)
+    )
+
+
+def fixed_why(plan: Any) -> str:
+    """Why the split of a memory plan (planner.py MemoryPlan) cannot move, or "" where it can."""
     if plan.n_slots >= plan.total_experts:
-        fixed = (
+        return (
             "every expert is the RAM tier's buffer (zero-copy): the fast tier cannot shrink"
             if plan.zero_copy
             else "the fast tier holds every expert, which the execution plan's complete-tier paths count on"
         )
-    elif str(plan.device) != "cpu":
-        fixed = "only on the CPU, where the KV pool is paged"
-    policy = MemorySplitPolicy(max_share=share)
-    return MemorySplit(
-        policy, store, base_blocks, block_bytes, floor, getattr(lm, "stats", None), fixed
-    )
+    if str(plan.device) != "cpu":
+        return "only on the CPU, where the KV pool is paged"
+    return ""
