@@ -8,10 +8,14 @@ from __future__ import annotations
 import torch
 
 from engine.core.kv_blocks import KVBlocks
+from engine.core.kv_demand import KvDemand
+from engine.core.messages import GenerateRequest
+from engine.core.step_types import SeqState
 from engine.experts.residency import LANDED, Residency
 from engine.huge_pages import PAGE, release_pages
 from engine.memory.split import MemorySplit, split_line
 from engine.stats import EngineStats
+from engine.worker.sampling import SamplingParams
 from policies.lru import LRUEviction
 from policies.memory_split import MemorySplitPolicy
 
@@ -143,3 +147,27 @@ def test_the_line_states_the_movable_range() -> None:
     assert (
         "up to 10 expert slots" in line and "30 blocks" in line and "--kv-borrow-share 0.5" in line
     )
+
+
+def _waiting(rid: str, ids: list[int]) -> SeqState:
+    return SeqState(GenerateRequest(rid, ids, SamplingParams(max_tokens=4)), None)  # type: ignore[arg-type]
+
+
+def test_demand_counts_a_registered_prefix_once() -> None:
+    kv = KVBlocks(64, 16)
+    prefix = list(range(1, 65))  # 4 blocks
+    assert kv.allocate("a", 64)
+    demand = KvDemand()
+    waiting = [_waiting(r, prefix + [500 + i, 600 + i]) for i, r in enumerate("bc")]
+    # Not registered yet (a's prefill is under way): each waiting request counts its 5 blocks.
+    assert demand(kv, 1, waiting, max_running=8) == 4 + 2 * 5
+    kv.commit("a", prefix, 64)
+    assert kv.peek(prefix + [500]) == 64
+    # Registered: each waiting request wants only its own fifth block.
+    assert demand(kv, 1, waiting, max_running=8) == 4 + 2 * 1
+    # Only those that could start count (--max-running): one more here.
+    assert demand(kv, 1, waiting, max_running=2) == 4 + 1
+    kv.free("a")
+    kv.resize(2)  # the cached prefix above block 2 is evicted: the lookup is made again
+    assert kv.peek(prefix + [500]) == 32
+    assert demand(kv, 0, waiting, max_running=8) == 0 + 2 * 3

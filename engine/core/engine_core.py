@@ -19,13 +19,13 @@ in-process through `generate()`. The runner and the model are seen through engin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice
 from typing import Protocol
 
 from engine.core.contracts import MemorySplitter, RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.faults import log, request_fault
 from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks, pool_blocks
+from engine.core.kv_demand import KvDemand
 from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.core.scheduler import Scheduler
@@ -59,6 +59,7 @@ class EngineCore:
         self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
         # The KV/expert split (engine/memory/split.py), where the runner's paged pool has one.
         self.split: MemorySplitter | None = getattr(getattr(runner, "pool", None), "split", None)
+        self._demand = KvDemand()
 
     @classmethod
     def for_model(
@@ -131,7 +132,9 @@ class EngineCore:
         """Let the KV/expert split move memory, between steps, by the KV blocks the requests hold and want."""
         blocks = self.scheduler.blocks
         if self.split is not None and blocks is not None:
-            self.split.rebalance(blocks, kv_demand(self.scheduler), not self.scheduler.has_work())
+            sched = self.scheduler
+            demand = self._demand(blocks, len(sched.running), sched.waiting, sched.max_running)
+            self.split.rebalance(blocks, demand, not sched.has_work())
 
     def _publish_kv(self) -> None:
         """The KV pool's blocks and the preemptions so far, to the model's stats (/metrics)."""
@@ -221,16 +224,3 @@ def kv_blocks_for(runner: object, kv_token_budget: int | None, one_context: int)
     lm = getattr(runner, "lm", None)
     sharing = getattr(getattr(lm, "engine_config", None), "prefix_cache_bytes", 0) > 0
     return KVBlocks(total, BLOCK_TOKENS, cache_prefixes=paged and sharing)
-
-
-def kv_demand(sched: Scheduler) -> int:
-    """The KV blocks running requests hold plus those the waiting ones that could run next want for their
-    tokens so far (an upper bound: a prefix they share with others is counted again)."""
-    blocks = sched.blocks
-    assert blocks is not None
-    room = max(0, sched.max_running - len(sched.running))
-    waiting = sum(
-        blocks.blocks_for(len(s.req.prompt_ids) + len(s.output_ids) + 1)
-        for s in islice(sched.waiting, room)
-    )
-    return blocks.counts().in_use + waiting

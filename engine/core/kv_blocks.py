@@ -86,6 +86,9 @@ class KVBlocks:
             OrderedDict()
         )  # unreferenced registered blocks, LRU first
         self._holders: dict[str, _Holder] = {}
+        self.version = (
+            0  # moves whenever a prefix is registered or evicted: what peek() finds may change
+        )
         self.hit_tokens = 0  # prompt positions served by matched blocks, all requests
         self.query_tokens = 0  # prompt positions of the requests that asked
 
@@ -100,6 +103,18 @@ class KVBlocks:
     def available(self) -> int:
         """Blocks an allocation can take now: free ones and cached ones (evicted as needed)."""
         return len(self._free) + len(self._cached)
+
+    def peek(self, ids: Sequence[int]) -> int:
+        """The positions match() would find for `ids` now (whole registered blocks), taking nothing."""
+        if not self.cache_prefixes:
+            return 0
+        prev, found = b"", 0
+        for i in range((len(ids) - 1) // self.block):
+            prev = chain_hash(prev, ids[i * self.block : (i + 1) * self.block])
+            if prev not in self._block_of:
+                break
+            found += self.block
+        return found
 
     def needs(self, request_id: str, positions: int) -> int:
         """New blocks `request_id` needs to cover `positions` positions."""
@@ -181,6 +196,7 @@ class KVBlocks:
             b = holder.table[i]
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h], self._hash_of[b] = b, h
+                self.version += 1
             holder.last_hash = h
         holder.hashed = max(holder.hashed, end)
 
@@ -215,6 +231,7 @@ class KVBlocks:
                 if b in self._cached:
                     del self._cached[b]
                     del self._block_of[self._hash_of.pop(b)]
+                    self.version += 1
             self._free = [b for b in self._free if b < total]
             del self._refs[total:]
         self.total = total
@@ -228,4 +245,5 @@ class KVBlocks:
     def _evict_cached(self) -> int:
         b, _ = self._cached.popitem(last=False)
         del self._block_of[self._hash_of.pop(b)]
+        self.version += 1
         return b
