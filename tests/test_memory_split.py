@@ -171,3 +171,45 @@ def test_demand_counts_a_registered_prefix_once() -> None:
     kv.resize(2)  # the cached prefix above block 2 is evicted: the lookup is made again
     assert kv.peek(prefix + [500]) == 32
     assert demand(kv, 0, waiting, max_running=8) == 0 + 2 * 3
+
+
+def test_metrics_show_the_split() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.metrics import EngineStatsCollector
+
+    stats = EngineStats(num_layers=1)
+    stats.set_memory_split(19 * 4096, 17 * 12288, 1)
+    collector = EngineStatsCollector()
+    collector.snapshot = stats.snapshot()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'moe_offload_memory_split_bytes{part="kv"} 77824.0' in text
+    assert 'moe_offload_memory_split_bytes{part="experts"} 208896.0' in text
+    assert "moe_offload_memory_split_moves_total 1.0" in text
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def test_lent_slots_give_their_memory_back_to_the_os() -> None:
+    from engine.experts.expert_store import ExpertStore
+
+    store = ExpertStore(
+        16, 1 << 18, torch.float32, torch.device("cpu"), LRUEviction(), EngineStats(1)
+    )
+    for key in range(16):  # every slot written: 1 MiB each, resident
+        slot = store.reserve(key)
+        assert slot is not None
+        store.slots[slot].fill_(1.0)
+        store.commit(key)
+        store.unpin(key)
+    before = _rss()
+    assert store.withdraw(8) == 8 and store.capacity == 8
+    assert (
+        before - _rss() >= 7 << 20
+    )  # 8 MiB of slots, less what else the process touched meanwhile
+    assert store.restore(8) == 8 and store.capacity == 16
