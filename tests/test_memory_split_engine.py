@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from engine_helpers import tokens_and_logprobs
 
 from engine.config import EngineConfig
 from engine.core.completion import request
@@ -22,19 +23,15 @@ LIMITS = CoreLimits(max_running=8, prefill_token_budget=256, max_model_len=128)
 def _generate(om, prompts: list[list[int]], seen: list[tuple[int, int, int]] | None = None):
     """Each prompt's (token, logprob) pairs; `seen` gets (KV blocks, fast-tier slots, moves) after each step."""
     core = EngineCore.for_model(om, LIMITS)
-    reqs = [request(p, dataclasses.replace(PARAMS), logprobs=0) for p in prompts]
-    for r in reqs:
-        core.add(r)
-    out: dict[str, list[tuple[int, float]]] = {r.request_id: [] for r in reqs}
-    while core.has_work():
-        for o in core.step():
-            assert o.error is None
-            out[o.request_id] += [(t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
+
+    def watch() -> None:
+        blocks = core.scheduler.blocks
+        assert blocks is not None
         if seen is not None:
-            blocks = core.scheduler.blocks
-            assert blocks is not None
             seen.append((blocks.total, om.store.capacity, om.stats.memory_split_moves))
-    return [out[r.request_id] for r in reqs], core
+
+    reqs = [request(p, dataclasses.replace(PARAMS), logprobs=0) for p in prompts]
+    return tokens_and_logprobs(core, reqs, watch), core
 
 
 @pytest.mark.parametrize("offload", ["ram", "disk"])
