@@ -213,3 +213,54 @@ def test_lent_slots_give_their_memory_back_to_the_os() -> None:
         before - _rss() >= 7 << 20
     )  # 8 MiB of slots, less what else the process touched meanwhile
     assert store.restore(8) == 8 and store.capacity == 16
+
+
+def test_cached_prefixes_move_below_a_shrink() -> None:
+    kv = KVBlocks(2, 16)
+    kv.resize(6)
+    a, b = list(range(100, 132)), list(range(200, 232))
+    assert kv.allocate("x", 32)  # blocks 0, 1: held
+    assert kv.allocate("a", 32) and kv.allocate("b", 32)  # 2, 3 and 4, 5
+    kv.commit("a", a, 32)
+    kv.commit("b", b, 32)
+    kv.free("a")
+    kv.free("b")  # b is the most recently used
+    kv.free("x")  # 0, 1 free again (never registered)
+    pairs = kv.relocate(2)
+    assert sorted(src for src, _ in pairs) == [4, 5] and sorted(dst for _, dst in pairs) == [0, 1]
+    assert kv.resize(2) == 2 and kv.counts().cached == 2
+    assert kv.match("r", b + [1]) == 32 and sorted(kv.table("r")) == [
+        0,
+        1,
+    ]  # b's prefix, now in 0 and 1
+    assert kv.match("s", a + [1]) == 0  # a's went: no room below
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.copied: list[tuple[int, int]] = []
+        self.released: list[tuple[int, int]] = []
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.copied += pairs
+
+    def release(self, first: int, last: int) -> int:
+        self.released.append((first, last))
+        return 0
+
+
+def test_giving_back_copies_the_prefixes_it_keeps_and_releases_the_rest() -> None:
+    store = _Store(20, slot_bytes=4096)
+    split = MemorySplit(MemorySplitPolicy(max_share=0.5), store, 4, 4096, 2)
+    split.pool = pool = _Pool()
+    kv = KVBlocks(4, 16)
+    split.rebalance(kv, demand_blocks=8, idle=False)
+    assert kv.total == 8
+    ids = list(range(100, 164))
+    assert kv.allocate("filler", 64) and kv.allocate("a", 64)  # a in 4..7
+    kv.commit("a", ids, 64)
+    kv.free("a")
+    kv.free("filler")
+    split.rebalance(kv, demand_blocks=0, idle=True)
+    assert kv.total == 4 and sorted(d for _, d in pool.copied) == [0, 1, 2, 3]
+    assert pool.released == [(4, 8)] and kv.match("r", ids + [1]) == 64

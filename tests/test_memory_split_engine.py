@@ -82,3 +82,33 @@ def test_every_expert_in_ram_keeps_the_split_fixed(tiny_ckpt) -> None:
         assert om.stats.memory_split_moves == 0 and core.scheduler.preemptions > 0
     finally:
         om.close()
+
+
+def test_a_returning_session_finds_its_history_after_the_give_back(tiny_ckpt) -> None:
+    """A prefix cached in borrowed blocks is copied into free base blocks when they go back; a returning
+    request reads it there and gets the bits it gets alone."""
+    cfg = EngineConfig(device="cpu", kv_tokens=60, cache_fraction=0.5, offload="ram")
+    om = load_model(tiny_ckpt("qwen3_moe"), cfg)
+    prompt = [(5 * j) % 200 + 3 for j in range(40)]
+    one = [request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
+    try:
+        first, _ = _generate(om, [prompt])  # alone, in a core of its own
+        core = EngineCore.for_model(om, LIMITS)
+        blocks, split = core.scheduler.blocks, core.split
+        assert blocks is not None and split is not None
+        split.rebalance(blocks, 18, False)  # borrow: 4 slots, 12 blocks past the base's 8
+        assert blocks.total == 20
+        assert blocks.allocate("filler", 8 * 16) and blocks.table("filler") == list(range(8))
+        core.split = None  # held still while the request runs in borrowed blocks
+        assert tokens_and_logprobs(core, one) == first
+        assert blocks.counts().cached == 3  # 52 positions: 3 whole blocks, all at 8 and above
+        blocks.free("filler")
+        core.split = split
+        split.rebalance(blocks, 0, True)  # idle: the blocks go back, the prefix moves into the base
+        assert blocks.total == 8 and blocks.counts().cached == 3
+        hit = blocks.hit_tokens
+        again = [request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
+        assert tokens_and_logprobs(core, again) == first  # read from the copied blocks, same bits
+        assert blocks.hit_tokens - hit == 32  # the prompt's whole blocks short of its last token
+    finally:
+        om.close()

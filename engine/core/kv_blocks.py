@@ -237,6 +237,27 @@ class KVBlocks:
         self.total = total
         return total
 
+    def relocate(self, limit: int) -> list[tuple[int, int]]:
+        """Before a shrink to `limit` blocks: move the cached prefixes at or above it into free blocks below
+        it, most recently used first, so the prefix cache outlives the shrink where there is room. Returns
+        the (from, to) pairs whose contents the caller copies before anything reads them."""
+        below = [b for b in self._free if b < limit]
+        moved: dict[int, int] = {}
+        for src in reversed(self._cached):  # most recently used first
+            if not below:
+                break
+            if src >= limit:
+                moved[src] = below.pop()
+        if not moved:
+            return []
+        for src, dst in moved.items():
+            h = self._hash_of.pop(src)
+            self._hash_of[dst], self._block_of[h] = h, dst
+        self._cached = OrderedDict((moved.get(b, b), None) for b in self._cached)  # same LRU order
+        taken = set(moved.values())
+        self._free = [b for b in self._free if b not in taken] + list(moved)
+        return list(moved.items())
+
     def _ref(self, b: int) -> None:
         if self._refs[b] == 0:
             self._cached.pop(b, None)

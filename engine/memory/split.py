@@ -11,9 +11,11 @@ between steps (EngineCore.step calls `rebalance`), so no forward runs while it d
   grows by the whole blocks those bytes hold. The pool's tensors were allocated at the most it may
   reach with torch.empty, so blocks never used cost no memory, and a new block's pages are touched
   only when a request writes it.
-- give back: the block accounting shrinks (its cached prefixes up there are evicted; it stops above a
-  block a request holds), the released blocks' pages go back to the OS, and the fast tier takes the
-  slots back as free slots, which misses and prefetches fill the usual way.
+- give back: the cached prefixes in the blocks that go move into free blocks below (copied, most
+  recently used first: a returning session's history survives where there is room; the rest is
+  evicted), the block accounting shrinks (it stops above a block a request holds), the released
+  blocks' pages go back to the OS, and the fast tier takes the slots back as free slots, which misses
+  and prefetches fill the usual way.
 
 Exactness does not depend on it: which experts are resident never changes what a row computes (a miss
 loads the same weights), and a block's id never changes what attention reads.
@@ -131,6 +133,9 @@ class MemorySplit:
 
     def _give_back(self, blocks: KVBlocks, lent: int) -> None:
         old = blocks.total
+        if self.pool is not None:  # cached prefixes up there move into free blocks below first
+            target = self.base_blocks + blocks_for_slots(lent, self.slot_bytes, self.block_bytes)
+            self.pool.copy_blocks(blocks.relocate(target))
         now = blocks.resize(
             self.base_blocks + blocks_for_slots(lent, self.slot_bytes, self.block_bytes)
         )

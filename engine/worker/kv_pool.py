@@ -130,6 +130,14 @@ class KVPool:
         layers, heads, d = _geometry(config)
         return 2 * layers * heads * block * d * torch.finfo(dtype).bits // 8
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (from, to) block's keys and values, every layer (a cached prefix moved before a shrink)."""
+        if pairs:
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+            for buf in self.keys + self.values:
+                buf[dst] = buf[src]
+
     def release(self, first: int, last: int) -> int:
         """Give the OS back the pages of blocks first..last-1, which no request holds (the memory split
         shrank the pool); returns the bytes. The next write to such a block faults a fresh page in."""
