@@ -15,6 +15,10 @@ Three things keep a resident expert from being evicted:
 - protection: it was prefetched and has not been used yet, until it is used or `protect_ticks`
   MoE layer runs (ticks) pass;
 - the eviction policy's ranking among everything else.
+
+Slots can be lent out (withdraw/restore: the KV/expert split, engine/memory/split.py): a lent slot is in
+no list, so the tier's capacity is n_slots less the lent ones; the experts evicted to lend it are ghosts,
+and loading one again is counted (what the lent slots cost).
 """
 
 from __future__ import annotations

@@ -87,8 +87,7 @@ class MemorySplit:
         """The most blocks the pool may reach: its base and the bytes of every movable slot."""
         if self.fixed:
             return self.base_blocks
-        cap = self.policy.cap(self.state())
-        return self.base_blocks + blocks_for_slots(cap, self.slot_bytes, self.block_bytes)
+        return self._blocks(self.policy.cap(self.state()))
 
     def line(self) -> str:
         """The split and its movable range, for the start-up line."""
@@ -125,30 +124,26 @@ class MemorySplit:
         self._publish(blocks)
 
     def _lend(self, blocks: KVBlocks, n: int) -> None:
-        got = self.store.withdraw(n)
-        self.lent += got
-        blocks.resize(
-            self.base_blocks + blocks_for_slots(self.lent, self.slot_bytes, self.block_bytes)
-        )
+        self.lent += self.store.withdraw(n)
+        blocks.resize(self._blocks(self.lent))
 
     def _give_back(self, blocks: KVBlocks, lent: int) -> None:
         old = blocks.total
         if self.pool is not None:  # cached prefixes up there move into free blocks below first
-            target = self.base_blocks + blocks_for_slots(lent, self.slot_bytes, self.block_bytes)
-            self.pool.copy_blocks(blocks.relocate(target))
-        now = blocks.resize(
-            self.base_blocks + blocks_for_slots(lent, self.slot_bytes, self.block_bytes)
-        )
+            self.pool.copy_blocks(blocks.relocate(self._blocks(lent)))
+        now = blocks.resize(self._blocks(lent))
         # A block a request holds stops the shrink: keep the slots whose bytes cover the blocks still there.
         keep = max(
             lent, slots_for_blocks(now - self.base_blocks, self.slot_bytes, self.block_bytes)
         )
-        now = blocks.resize(
-            self.base_blocks + blocks_for_slots(keep, self.slot_bytes, self.block_bytes)
-        )
+        now = blocks.resize(self._blocks(keep))
         if now < old and self.pool is not None:
             self.pool.release(now, old)
         self.lent -= self.store.restore(self.lent - keep)
+
+    def _blocks(self, lent: int) -> int:
+        """The pool's blocks with `lent` slots lent: its base and the whole blocks their bytes hold."""
+        return self.base_blocks + blocks_for_slots(lent, self.slot_bytes, self.block_bytes)
 
     def _miss_share(self) -> float:
         """Of the expert lookups since the last decision, the share that loaded a lent-away expert again."""
