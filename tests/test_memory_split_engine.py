@@ -112,3 +112,18 @@ def test_a_returning_session_finds_its_history_after_the_give_back(tiny_ckpt) ->
         assert blocks.hit_tokens - hit == 32  # the prompt's whole blocks short of its last token
     finally:
         om.close()
+
+
+def test_the_split_is_published_before_the_first_step(tiny_ckpt) -> None:
+    om = load_model(
+        tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", kv_tokens=60, cache_fraction=0.5)
+    )
+    try:
+        core = EngineCore.for_model(om, LIMITS)
+        assert core.split is not None
+        assert om.stats.memory_split == (
+            8 * core.split.block_bytes,
+            om.store.capacity * om.store.slot_bytes,
+        )  # type: ignore[attr-defined]
+    finally:
+        om.close()

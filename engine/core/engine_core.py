@@ -60,6 +60,7 @@ class EngineCore:
         # The KV/expert split (engine/memory/split.py), where the runner's paged pool has one.
         self.split: MemorySplitter | None = getattr(getattr(runner, "pool", None), "split", None)
         self._demand = KvDemand()
+        self._rebalance()  # idle: moves nothing, shows the split on /metrics from the start
 
     @classmethod
     def for_model(
