@@ -28,6 +28,7 @@ from bench.report import args_payload, machine_line, write_report
 from engine.config import EngineConfig
 from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
+from engine.paths import portable_path
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 from models.tiny import make_tiny_checkpoint
@@ -65,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--work", type=Path, default=Path(".cache/kv_sharing"), help="where the checkpoint goes"
     )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a checkpoint to run instead of the tiny long-context one, e.g. the 8-layer Qwen3-30B-A3B "
+        "shape of `python -m bench.real_shapes --model qwen3-30b-a3b --layers 8` (prompt ids stay below 250)",
+    )
     p.add_argument("--out", type=Path, default=None, help="Markdown page to write (JSON beside it)")
     return p.parse_args(argv)
 
@@ -92,7 +100,7 @@ def _run(
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    ckpt = long_context_checkpoint(a.work)
+    ckpt = a.model if a.model is not None else long_context_checkpoint(a.work)
     per_session = a.prefix + a.suffix + a.tokens
     om = load_model(ckpt, EngineConfig(device="cpu", kv_tokens=per_session * a.sessions + 4096))
     limits = CoreLimits(max_running=a.sessions, prefill_token_budget=1024, max_model_len=32768)
@@ -112,6 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     block, nbytes = many.scheduler.blocks.block, pool.bytes_per_block
     distinct = -(-(a.suffix + a.tokens + a.prefix % block) // block)  # a session's own blocks
     bound = one_peak + (a.sessions - 1) * distinct
+    c = om.config
+    shape = (
+        f"random-weight {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"{c.num_key_value_heads} KV heads of {c.head_dim} ({nbytes // block // 1024} KiB of bf16 KV a token), "
+        f"{c.max_position_embeddings // 1024}k context (random weights: the text is noise)"
+    )
     om.close()
     mib = nbytes / 2**20
     lines = [
@@ -136,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             f"({peak / bound:.2f}x the bound of one session plus the others' distinct blocks; "
             f"{peak / (a.sessions * one_peak):.2f}x their own copies); a returning turn's TTFT is "
             f"{return_ttft / cold_ttft:.3f}x a cold one's.",
-            "- **Command:** `python -m bench kv-sharing --out docs/benchmarks/kv_sharing.md`",
-            f"- **Machine:** {machine_line(torch.get_num_threads()).removeprefix('Machine: ').rstrip('.')}; random-weight qwen3_moe, 8 layers, hidden 512, 4 KV heads "
-            "of 128 (16 KiB of bf16 KV a token), 32k context (random weights: the text is noise).",
+            "- **Command:** `python -m bench kv-sharing "
+            + ("--model MODEL " if a.model is not None else "")
+            + f"--out {portable_path(a.out) if a.out else 'PAGE'}`",
+            f"- **Machine:** {machine_line(torch.get_num_threads()).removeprefix('Machine: ').rstrip('.')}; {shape}.",
             "- **Limit:** memory: the distinct positions (each shared block held once); time: a cold "
             "prefill of the prefix against the prefill of the new tokens only.",
         ]

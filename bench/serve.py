@@ -31,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from bench.report import args_payload, machine_line, positive_int, write_report
+from bench.serve_belady import belady_lines
 from bench.serve_client import (
     RunSpec,
     Target,
@@ -80,6 +81,7 @@ def run_cell(
     times = schedule(sessions, arrivals(n, rate, args.arrivals, args.seed))
     spec = RunSpec(args.output_tokens, ignore_eos=args.ignore_eos)
     cpu0 = tree_cpu_seconds(target.pid) if target.pid else math.nan
+    loads0 = target.loads.mark() if target.loads else None
     with (
         tqdm(total=n, desc=desc or f"{target.name} {workload} {rate}", leave=False) as bar,
         Watcher(target) as watch,
@@ -94,6 +96,10 @@ def run_cell(
         row |= {"cpu_s": cpu, "output_tok_per_cpu_s": row["output_tokens"] / max(cpu, 1e-9)}
         row["peak_rss_bytes"] = watch.peak_rss
     row["gauges_peak"] = watch.gauges
+    if loads0 is not None:
+        row["belady"] = target.loads.compare(
+            loads0, target.loads.mark(), row["output_tokens"], duration
+        )
     row["errors"] = sorted({r.error for r in results if not r.ok})[:5]
     return row
 
@@ -108,7 +114,12 @@ def start_targets(args: argparse.Namespace, stack: ExitStack) -> list[Target]:
     if not args.base_url or args.engine:
         targets.append(
             stack.enter_context(
-                engine_target(args.model, args.engine_args, args.work / "engine.log")
+                engine_target(
+                    args.model,
+                    args.engine_args,
+                    args.work / "engine.log",
+                    args.work / "routes.log" if args.belady else None,
+                )
             )
         )
     if args.llama_server:
@@ -178,6 +189,13 @@ def _server_flags(ap: argparse.ArgumentParser) -> None:
         "--engine-args",
         default="",
         help="extra `serve` flags for the engine, one quoted string (e.g. '--cache-fraction 0.25')",
+    )
+    s.add_argument(
+        "--belady",
+        action="store_true",
+        help="with the engine started here on a partial fast tier (--engine-args '--cache-fraction 0.25 "
+        "--offload disk'): log its experts' calls (--route-log) and set its loads beside Belady's MIN "
+        "on the same accesses, with the rate MIN's loads would project to (bench/serve_belady.py)",
     )
     s.add_argument("--llama-server", type=Path, help="a llama-server binary: start it beside")
     s.add_argument("--gguf", type=Path, help="GGUF for llama-server (default: convert --model)")
@@ -302,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests each."
     )
     payload = {"args": args_payload(args), "rows": json_safe(rows)}
-    write_report(args.out, header, table_lines(rows), payload)
+    write_report(args.out, header, table_lines(rows) + belady_lines(rows), payload)
     if args.out is not None:
         png = plot_curves(rows, args.out.with_suffix(".png"))
         print(f"curve: {png}" if png else "curve: not drawn (matplotlib is not installed)")

@@ -40,6 +40,7 @@ class Target:
     model: str = ""
     pid: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    loads: Any = None  # bench/serve_belady.py's BeladyProbe, for an engine started with --belady
 
 
 @dataclass

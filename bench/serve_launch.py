@@ -10,17 +10,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.serve_belady import BeladyProbe
 from bench.serve_client import Target
 from bench.serve_process import serve
 from bench.streams_vs_llama import convert, llama_server
 
 
 @contextmanager
-def engine_target(model_dir: Path, engine_args: str, log: Path) -> Iterator[Target]:
-    """This engine serving `model_dir` (plus `engine_args`, a shell-quoted string of serve flags)."""
+def engine_target(
+    model_dir: Path, engine_args: str, log: Path, route_log: Path | None = None
+) -> Iterator[Target]:
+    """This engine serving `model_dir` (plus `engine_args`, a shell-quoted string of serve flags);
+    with `route_log`, it logs its experts' calls there and the target measures loads against
+    Belady's MIN (bench/serve_belady.py)."""
     args = ["--model", str(model_dir), *shlex.split(engine_args)]
+    if route_log is not None:
+        args += ["--route-log", str(route_log)]
     with serve(args, log, ready_timeout=300) as srv:
-        yield Target("engine", srv.base_url, pid=srv.proc.pid)
+        target = Target("engine", srv.base_url, pid=srv.proc.pid)
+        if route_log is not None:
+            target.loads = BeladyProbe(route_log, srv.base_url)
+        yield target
 
 
 def model_context(model_dir: Path) -> int:

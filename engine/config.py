@@ -219,6 +219,11 @@ class EngineConfig(YamlSection):
         "share of the experts' fast-tier slots the KV pool may borrow under load, in [0, 1]: with more sessions than the planned KV holds, the least useful experts' slots become KV blocks (never below one token's top-k), and go back when idle. Applies on the CPU with the paged KV pool and a fast tier smaller than every expert; 0 keeps the split fixed (default 0.5)",
         metavar="F",
     )
+    route_log: str | None = setting(
+        None,
+        "write the experts each MoE layer calls, one line a layer and step, to this file (engine/experts/route_log.py), for offline replay such as Belady's MIN in `bench serve`; the tokens are the same (a diagnostic)",
+        metavar="FILE",
+    )
     quant_cache_dir: str | None = setting(
         None,
         "where quantized experts are cached between starts (default: $XDG_CACHE_HOME/moe-offload/experts)",

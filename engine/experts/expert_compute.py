@@ -8,7 +8,7 @@ matches the reference within float rounding (see engine/experts/moe_executor.py)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -111,6 +111,30 @@ class ExpertCompute:
             y = (expert(layer * E + e, x) * w[slot_of[e]]).to(x.dtype)
             out = y if out is None else out.add_(y)
         return out if out is not None else torch.zeros_like(x)  # every expert dropped by the policy
+
+    def resident_rows(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        experts: list[int],
+        rows: Sequence[Sequence[int]],
+        weight_rows: list[list[float]],
+    ) -> torch.Tensor | None:
+        """Rows x [T, H] (native rows) through their resident experts in one native call: row t takes
+        the distinct experts rows[t], scaled by weight_rows[t], summed in ascending id (transformers'
+        order). `experts`: every expert the rows name, all pinned. Each row's bits are those of the row
+        alone (decode's moe_swiglu is the same kernel with one row), so this replaces one call per
+        expert for a prompt chunk or a batched step: a short prompt on a small model paid about 100
+        ctypes calls a layer. None where the slots take no native kernel."""
+        if self.native is None:
+            return None
+        order = sorted(experts)
+        index = {e: i for i, e in enumerate(order)}
+        E = self.num_experts
+        table = [self.pointers[self.store.slot_index(layer * E + e)] for e in order]
+        ids = [index[e] for row in rows for e in row]
+        weights = [w for row in weight_rows for w in row]
+        return self.native.rows_routed(x, table, ids, weights)
 
     def grouped(
         self,

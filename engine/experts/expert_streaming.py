@@ -91,6 +91,13 @@ class ExpertStreamer:
                 meter,
                 cpu,
             )
+        if not to_load and not on_cpu and meter is None and self.compute.native_rows(x):
+            rows = plan.experts
+            if all(DROPPED not in row and len(set(row)) == len(row) for row in rows):
+                # Every expert of the step resident: one native call for all rows and experts.
+                out = self.compute.resident_rows(layer, x, ready, rows, weight_rows)
+                if out is not None:
+                    return out
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)

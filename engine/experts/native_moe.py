@@ -125,6 +125,17 @@ class NativeMoe:
             )
         return self.kernels.expert_rows(x, self.weight_dtype, self.hidden, self.intermediate, slot)
 
+    def rows_routed(
+        self, x: torch.Tensor, slots: list[SlotPointers], ids: list[int], weights: list[float]
+    ) -> torch.Tensor:
+        """Rows x [R, H] (accepted) through k experts each: row r takes slots[ids[r * k + j]], scaled
+        by weights[r * k + j], summed in ascending slot index -> [R, H] (each row as it computes alone)."""
+        if self.int4:
+            return self.kernels.moe_q4(x, self.hidden, self.intermediate, slots, ids, weights)
+        return self.kernels.moe_rows(
+            x, self.weight_dtype, self.hidden, self.intermediate, slots, ids, weights
+        )
+
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""
         if self.int4:

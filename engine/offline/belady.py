@@ -26,6 +26,14 @@ def flatten(accesses: Iterable[Iterable[int]]) -> list[int]:
 
 def min_loads(sequence: Sequence[int], capacity: int, resident: Iterable[int] = ()) -> int:
     """Loads Belady's MIN makes on `sequence` with `capacity` slots, starting from `resident`."""
+    return len(min_load_positions(sequence, capacity, resident))
+
+
+def min_load_positions(
+    sequence: Sequence[int], capacity: int, resident: Iterable[int] = ()
+) -> list[int]:
+    """The positions in `sequence` where Belady's MIN loads (see min_loads): a part of a longer
+    recording (one load pass of a server) counts the loads of the whole recording's best schedule."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     next_use = [NEVER] * len(sequence)
@@ -38,10 +46,10 @@ def min_loads(sequence: Sequence[int], capacity: int, resident: Iterable[int] = 
     cached: dict[int, int] = {k: last.get(k, NEVER) for k in start}  # key -> its next use
     heap = [(-nu, k) for k, nu in cached.items()]  # max-heap on next use, stale entries skipped
     heapq.heapify(heap)
-    loads = 0
+    loads: list[int] = []
     for i, key in enumerate(sequence):
         if key not in cached:
-            loads += 1
+            loads.append(i)
             if len(cached) >= capacity:
                 while True:
                     nu, victim = heapq.heappop(heap)

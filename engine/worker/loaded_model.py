@@ -87,6 +87,7 @@ class OffloadedModel(LoadedModel):
     plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
     memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
     kv_token_budget: int | None = None  # KV positions the plan reserved; the scheduler admits by it
+    route_log: Any = None  # --route-log's writer (engine/experts/route_log.py), when asked for
 
     def parameter_count(self) -> int:
         """Dense parameters on the device plus every routed expert's (counted as weights, whatever
@@ -105,3 +106,5 @@ class OffloadedModel(LoadedModel):
         self.transfers.close()
         if self.cpu_experts is not None:
             self.cpu_experts.close()
+        if self.route_log is not None:
+            self.route_log.close()

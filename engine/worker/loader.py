@@ -37,6 +37,7 @@ from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.moe_executor import MoeExecutor
 from engine.experts.read_faults import ReadFaults
+from engine.experts.route_log import RouteLog
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.transfers import TransferEngine
@@ -319,6 +320,8 @@ def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> Of
         mplan, om.model, store, tier
     )  # planned and used bytes per pool, for /metrics
     attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
+    if cfg.route_log is not None:
+        om.route_log = RouteLog(cfg.route_log, bus, n_slots, E)
     om.plan = _plan(om, cfg, native.line, complete=n_slots == len(moe_layers) * E)
     if cfg.warm_start:
         _warm(om)
