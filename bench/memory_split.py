@@ -25,21 +25,13 @@ from typing import Any
 import httpx
 import torch
 
+from bench.kv_sharing import SHAPE as KV_SHAPE
 from bench.report import args_payload, interleaved, machine_line, write_report
 from bench.serve_process import serve
 from models.tiny import make_tiny_checkpoint
 
-SHAPE = dict(
-    num_layers=8,
-    hidden=512,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_attention_heads=8,
-    max_position_embeddings=32768,
-    num_experts=32,
-    num_experts_per_tok=4,
-    moe_intermediate_size=512,
-)
+# bench/kv_sharing.py's long-context shape (16 KiB of bf16 KV a token) with bigger experts: 1.5 MiB each in bf16.
+SHAPE = {**KV_SHAPE, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 512}
 SPLIT = "moe_offload_memory_split_bytes"
 
 
