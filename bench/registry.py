@@ -155,6 +155,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("kv_pressure.md",),
     ),
     Benchmark(
+        "memory-split",
+        "memory_split",
+        "KV and experts share one budget: the split moving under many sessions on serve (/metrics), "
+        "and back when idle; bitwise equal to a fixed split",
+        ("memory_split.md",),
+    ),
+    Benchmark(
         "quant",
         "quant_bench",
         "quantized experts on the embedded model: perplexity, bytes and decode speed",

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from engine.memory.footprint import Footprint
     from engine.memory.measure import Probe
-    from engine.memory.planner import KvRequest
+    from engine.memory.planner import KvRequest, MemoryPlan
     from engine.offline.hardware import Costs, ModelShape
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
@@ -199,7 +199,7 @@ def project(
 
 
 def _kv_pool_line(
-    fp: Footprint, cfg: EngineConfig, kv: KvRequest, max_model_len: int | None
+    fp: Footprint, cfg: EngineConfig, kv: KvRequest, max_model_len: int | None, plan: MemoryPlan
 ) -> str:
     """What `serve` makes of the kv_cache row on the CPU: the paged pool's blocks (engine/core/kv_blocks.py)."""
     from engine.core.kv_blocks import BLOCK_TOKENS, pool_blocks
@@ -210,7 +210,23 @@ def _kv_pool_line(
     return (
         f"  KV pool (CPU, native attention): {blocks} blocks of {BLOCK_TOKENS} positions, "
         f"{fmt_bytes(blocks * BLOCK_TOKENS * fp.kv_bytes_per_token)}: the kv_cache row's positions, at least one "
-        f"{context}-token context; requests share whole prefix blocks, pages are touched as blocks are used"
+        f"{context}-token context; requests share whole prefix blocks, pages are touched as blocks are used\n"
+        + _split_line(fp, cfg, plan, blocks * BLOCK_TOKENS * fp.kv_bytes_per_token)
+    )
+
+
+def _split_line(fp: Footprint, cfg: EngineConfig, plan: MemoryPlan, kv_bytes: int) -> str:
+    """The KV/expert split `serve` starts with beside that pool, and how far it may move (engine/memory/split.py)."""
+    from engine.core.kv_blocks import BLOCK_TOKENS
+    from engine.memory.split import fixed_why, split_line
+    from policies.memory_split import movable_slots
+
+    n, floor = plan.n_slots, min(fp.top_k, plan.n_slots)
+    movable = movable_slots(n, floor, cfg.kv_borrow_share)
+    block_bytes = BLOCK_TOKENS * fp.kv_bytes_per_token
+    why = fixed_why(plan)
+    return "  " + split_line(
+        kv_bytes, n, plan.slot_bytes, movable, block_bytes, cfg.kv_borrow_share, why
     )
 
 
@@ -232,7 +248,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     print(
-        _kv_pool_line(fp, cfg, KvRequest(args.max_model_len, args.max_running), args.max_model_len)
+        _kv_pool_line(
+            fp, cfg, KvRequest(args.max_model_len, args.max_running), args.max_model_len, plan
+        )
     )
     share = plan.n_slots / plan.total_experts
     rows, how = project(

@@ -214,6 +214,11 @@ class EngineConfig(YamlSection):
         "prompt (prefix) cache: a later request starting with the same tokens (an agent's system prompt, tools and history) skips their prefill; 0 turns it off. On the CPU, where the KV lives in one paged pool, whole blocks are shared by reference and kept in the pool's unused blocks (least recently used evicted first) and this only switches it; elsewhere it bounds the bytes of copied prompt blocks. Hybrid linear-attention (qwen3_next, qwen3_5_moe) and sliding-window models, whose recurrent state or window cannot be cut into blocks, keep whole-conversation snapshots instead (the cache at each prompt's end and at each request's end; a later request that extends one prefills only the rest), bounded by the same bytes (default 256 MiB)",
         metavar="N",
     )
+    kv_borrow_share: float = setting(
+        0.5,
+        "share of the experts' fast-tier slots the KV pool may borrow under load, in [0, 1]: with more sessions than the planned KV holds, the least useful experts' slots become KV blocks (never below one token's top-k), and go back when idle. Applies on the CPU with the paged KV pool and a fast tier smaller than every expert; 0 keeps the split fixed (default 0.5)",
+        metavar="F",
+    )
     route_log: str | None = setting(
         None,
         "write the experts each MoE layer calls, one line a layer and step, to this file (engine/experts/route_log.py), for offline replay such as Belady's MIN in `bench serve`; the tokens are the same (a diagnostic)",
@@ -256,6 +261,8 @@ class EngineConfig(YamlSection):
             raise ConfigError(
                 f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}"
             )
+        if not 0.0 <= self.kv_borrow_share <= 1.0:
+            raise ConfigError(f"kv_borrow_share must be in [0, 1], got {self.kv_borrow_share}")
         if self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.transfer_workers < 1:

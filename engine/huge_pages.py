@@ -77,3 +77,24 @@ def rehome_untouched(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES:
         return t
     return huge_empty(tuple(t.shape), t.dtype)
+
+
+MADV_DONTNEED = 4  # linux/mman.h
+PAGE = 4096
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Give the OS back the memory of the whole pages inside `t`, a contiguous CPU tensor whose values are
+    no longer needed (a KV block or an expert slot the memory split took out of use): madvise(MADV_DONTNEED)
+    on private anonymous memory, so the next read of such a page sees zeros and the next write faults in a
+    fresh one. The partial pages at either end are left alone (a neighbour may live there). Returns the
+    bytes released (0 where the call does not exist or fails)."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last <= first or madvise(first, last - first, MADV_DONTNEED) != 0:
+        return 0
+    return last - first

@@ -77,6 +77,10 @@ class EngineStats:
     kv_blocks: tuple[int, int, int] = (0, 0, 0)
     kv_block_bytes: int = 0
     preemptions: int = 0
+    # The KV/expert split (engine/memory/split.py): bytes of the KV pool's blocks and of the fast tier's slots
+    # in use now, and how many times memory moved between them.
+    memory_split: tuple[int, int] = (0, 0)
+    memory_split_moves: int = 0
     memory_probe: Any = field(
         default=None, repr=False, compare=False
     )  # engine/memory/measure.py memory_probe
@@ -191,6 +195,10 @@ class EngineStats:
             self.kv_blocks = (counts.in_use, counts.cached, counts.total)
             self.preemptions, self.kv_block_bytes = preemptions, block_bytes
 
+    def set_memory_split(self, kv_bytes: int, expert_bytes: int, moves: int) -> None:
+        with self._lock:
+            self.memory_split, self.memory_split_moves = (kv_bytes, expert_bytes), moves
+
     def record_eviction(self) -> None:
         with self._lock:
             self.evictions += 1
@@ -253,6 +261,8 @@ class EngineStats:
                 "prefix_blocks": self.prefix_blocks,
                 "prefix_snapshots": self.prefix_snapshots,
                 "kv_blocks": self.kv_blocks,
+                "memory_split": self.memory_split,
+                "memory_split_moves": self.memory_split_moves,
                 "kv_block_bytes": self.kv_block_bytes,
                 "preemptions": self.preemptions,
                 "memory": self.memory_probe() if self.memory_probe is not None else {},

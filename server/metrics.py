@@ -255,6 +255,20 @@ class EngineStatsCollector(Collector):
             "Bytes of one KV pool block, every layer's keys and values (0: requests keep their own buffers).",
             value=s.get("kv_block_bytes", 0),
         )
+        split = GaugeMetricFamily(
+            P + "memory_split_bytes",
+            "One budget split between the KV pool's blocks and the experts' fast-tier slots, in bytes; under load "
+            "the KV pool borrows expert slots, idle they go back (--kv-borrow-share).",
+            labels=["part"],
+        )
+        for part, n in zip(("kv", "experts"), s.get("memory_split", (0, 0))):
+            split.add_metric([part], n)
+        yield split
+        yield CounterMetricFamily(
+            P + "memory_split_moves",
+            "Times memory moved between the KV pool and the experts' fast tier (lends and give-backs).",
+            value=s.get("memory_split_moves", 0),
+        )
         yield CounterMetricFamily(
             P + "preemptions",
             "Requests whose KV blocks were taken back when the pool ran out; each resumed by recomputing.",

@@ -22,3 +22,18 @@ def chi2_pvalue(observed: list[int], expected: list[float]) -> float:
     return float(
         torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0))
     )
+
+
+def tokens_and_logprobs(core, reqs, after_step=None) -> list[list[tuple[int, float]]]:
+    """Run `reqs` on an EngineCore to the end: each request's (token, logprob) pairs, in order; none may
+    fail. `after_step()` runs after every step (to watch the engine's state)."""
+    for r in reqs:
+        core.add(r)
+    out: dict[str, list[tuple[int, float]]] = {r.request_id: [] for r in reqs}
+    while core.has_work():
+        for o in core.step():
+            assert o.error is None
+            out[o.request_id] += [(t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
+        if after_step is not None:
+            after_step()
+    return [out[r.request_id] for r in reqs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from cli.main import build_parser, main
+from engine.budget import fmt_bytes
 
 
 def test_plan_prints_the_placement_a_projection_and_a_recommendation(tiny_ckpt, capsys) -> None:
@@ -193,7 +194,15 @@ def test_plan_reserves_kv_for_max_model_len_x_max_running(tiny_ckpt, capsys) -> 
             blocks = max(length * running, length) // 16
             assert f"KV pool (CPU, native attention): {blocks} blocks of 16 positions" in out
         assert rows["fast_tier"][0] == min(16, (budget - fixed_but_kv - kv) // slot) * slot
-        slots[(length, running)] = rows["fast_tier"][0] // slot
+        slots[(length, running)] = n = rows["fast_tier"][0] // slot
+        # The KV/expert split serve starts with, and how far it may move (half the slots, by default).
+        assert (
+            f"memory split: KV {fmt_bytes(kv)} + experts {fmt_bytes(n * slot)} ({n} slots)" in out
+        )
+        if n < 16:
+            assert f"the KV pool may borrow up to {n // 2} expert slots" in out, out
+        else:
+            assert "fixed: the fast tier holds every expert" in out or "zero-copy" in out, out
     assert slots == {(None, None): 4, (512, 4): 4, (256, 7): 9, (128, 2): 16}
     assert main(["plan", "--model", model, "--max-running", "0"]) == 2
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from engine_helpers import tokens_and_logprobs
 
 from engine.config import EngineConfig
 from engine.core.completion import request
@@ -181,16 +182,7 @@ def test_preempted_requests_get_the_tokens_and_logprobs_they_get_alone(tiny_ckpt
     def generate(ps: list[list[int]], limits: CoreLimits) -> tuple[list[list[int]], int]:
         core = EngineCore.for_model(om, limits)
         reqs = [request(p, dataclasses.replace(params), logprobs=0) for p in ps]
-        for r in reqs:
-            core.add(r)
-        out: dict[str, list[tuple[int, float]]] = {r.request_id: [] for r in reqs}
-        while core.has_work():
-            for o in core.step():
-                assert o.error is None
-                out[o.request_id] += [
-                    (t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs or [])
-                ]
-        return [out[r.request_id] for r in reqs], core.scheduler.preemptions
+        return tokens_and_logprobs(core, reqs), core.scheduler.preemptions
 
     # The pool: 60 positions planned, raised to one whole context (128) so a request alone always fits:
     # 8 blocks of 16. Each request starts with 2 blocks and needs a third at position 32.

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from engine.core.kv_blocks import KVBlocks
     from engine.core.step_types import StepOutput, StepPlan
 
 
@@ -59,3 +60,11 @@ class RunnableModel(Protocol):
     def eos_token_ids(self) -> set[int]: ...
 
     def make_runner(self) -> Runner: ...
+
+
+class MemorySplitter(Protocol):
+    """Moves memory between the KV pool and the experts' fast tier between steps (MemorySplit,
+    engine/memory/split.py): `demand_blocks` are the blocks running requests hold and waiting ones want,
+    `idle` says nothing runs or waits. It grows or shrinks `blocks` itself."""
+
+    def rebalance(self, blocks: KVBlocks, demand_blocks: int, idle: bool) -> None: ...

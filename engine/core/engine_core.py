@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.core.contracts import RunnableModel, Runner
+from engine.core.contracts import MemorySplitter, RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.faults import log, request_fault
 from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks, pool_blocks
+from engine.core.kv_demand import KvDemand
 from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
 from engine.core.scheduler import Scheduler
@@ -56,6 +57,10 @@ class EngineCore:
         self.runner = runner
         self.proposer = proposer
         self.observers = ((proposer,) if proposer is not None else ()) + tuple(observers)
+        # The KV/expert split (engine/memory/split.py), where the runner's paged pool has one.
+        self.split: MemorySplitter | None = getattr(getattr(runner, "pool", None), "split", None)
+        self._demand = KvDemand()
+        self._rebalance()  # idle: moves nothing, shows the split on /metrics from the start
 
     @classmethod
     def for_model(
@@ -105,6 +110,7 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._rebalance()
         plan = self.scheduler.schedule()
         failed: list[RequestOutput] = []
         if self.proposer is not None:
@@ -118,8 +124,18 @@ class EngineCore:
                     "step observer %s failed; the step's tokens stand", type(obs).__name__
                 )
         outputs = failed + self._update(plan, out)
+        if not self.scheduler.has_work():
+            self._rebalance()  # idle now: the experts take back what the KV pool borrowed
         self._publish_kv()
         return outputs
+
+    def _rebalance(self) -> None:
+        """Let the KV/expert split move memory, between steps, by the KV blocks the requests hold and want."""
+        blocks = self.scheduler.blocks
+        if self.split is not None and blocks is not None:
+            sched = self.scheduler
+            demand = self._demand(blocks, len(sched.running), sched.waiting, sched.max_running)
+            self.split.rebalance(blocks, demand, not sched.has_work())
 
     def _publish_kv(self) -> None:
         """The KV pool's blocks and the preemptions so far, to the model's stats (/metrics)."""

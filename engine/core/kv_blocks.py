@@ -86,6 +86,9 @@ class KVBlocks:
             OrderedDict()
         )  # unreferenced registered blocks, LRU first
         self._holders: dict[str, _Holder] = {}
+        self.version = (
+            0  # moves whenever a prefix is registered or evicted: what peek() finds may change
+        )
         self.hit_tokens = 0  # prompt positions served by matched blocks, all requests
         self.query_tokens = 0  # prompt positions of the requests that asked
 
@@ -100,6 +103,18 @@ class KVBlocks:
     def available(self) -> int:
         """Blocks an allocation can take now: free ones and cached ones (evicted as needed)."""
         return len(self._free) + len(self._cached)
+
+    def peek(self, ids: Sequence[int]) -> int:
+        """The positions match() would find for `ids` now (whole registered blocks), taking nothing."""
+        if not self.cache_prefixes:
+            return 0
+        prev, found = b"", 0
+        for i in range((len(ids) - 1) // self.block):
+            prev = chain_hash(prev, ids[i * self.block : (i + 1) * self.block])
+            if prev not in self._block_of:
+                break
+            found += self.block
+        return found
 
     def needs(self, request_id: str, positions: int) -> int:
         """New blocks `request_id` needs to cover `positions` positions."""
@@ -181,6 +196,7 @@ class KVBlocks:
             b = holder.table[i]
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h], self._hash_of[b] = b, h
+                self.version += 1
             holder.last_hash = h
         holder.hashed = max(holder.hashed, end)
 
@@ -198,6 +214,50 @@ class KVBlocks:
                 else:
                     self._free.append(b)
 
+    def resize(self, total: int) -> int:
+        """Grow or shrink the pool to `total` blocks (the KV/expert split, engine/memory/split.py); returns the
+        size it has now. New blocks are the highest ids, taken after the lower free ones. Shrinking drops the
+        blocks from `total` up, evicting the cached prefixes among them, and stops above the highest one a
+        request holds (so it may shrink less than asked). The storage is the caller's (it may release the pages)."""
+        if total >= self.total:
+            self._refs += [0] * (total - self.total)
+            self._free[:0] = range(
+                total - 1, self.total - 1, -1
+            )  # pop() takes the end: these come last
+        else:
+            held = [b for b in range(total, self.total) if self._refs[b] > 0]
+            total = max(total, held[-1] + 1) if held else max(total, 1)
+            for b in range(total, self.total):
+                if b in self._cached:
+                    del self._cached[b]
+                    del self._block_of[self._hash_of.pop(b)]
+                    self.version += 1
+            self._free = [b for b in self._free if b < total]
+            del self._refs[total:]
+        self.total = total
+        return total
+
+    def relocate(self, limit: int) -> list[tuple[int, int]]:
+        """Before a shrink to `limit` blocks: move the cached prefixes at or above it into free blocks below
+        it, most recently used first, so the prefix cache outlives the shrink where there is room. Returns
+        the (from, to) pairs whose contents the caller copies before anything reads them."""
+        below = [b for b in self._free if b < limit]
+        moved: dict[int, int] = {}
+        for src in reversed(self._cached):  # most recently used first
+            if not below:
+                break
+            if src >= limit:
+                moved[src] = below.pop()
+        if not moved:
+            return []
+        for src, dst in moved.items():
+            h = self._hash_of.pop(src)
+            self._hash_of[dst], self._block_of[h] = h, dst
+        self._cached = OrderedDict((moved.get(b, b), None) for b in self._cached)  # same LRU order
+        taken = set(moved.values())
+        self._free = [b for b in self._free if b not in taken] + list(moved)
+        return list(moved.items())
+
     def _ref(self, b: int) -> None:
         if self._refs[b] == 0:
             self._cached.pop(b, None)
@@ -206,4 +266,5 @@ class KVBlocks:
     def _evict_cached(self) -> int:
         b, _ = self._cached.popitem(last=False)
         del self._block_of[self._hash_of.pop(b)]
+        self.version += 1
         return b

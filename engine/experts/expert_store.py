@@ -23,7 +23,7 @@ from typing import cast
 import torch
 
 from engine.experts.residency import INF, LANDED, EvictableView, Residency
-from engine.huge_pages import empty
+from engine.huge_pages import empty, release_pages
 from engine.stats import EngineStats
 from policies.base import EvictionPolicy
 
@@ -238,8 +238,30 @@ class ExpertStore:
         every slot holds a resident one (a fast tier as big as the model, filled). Returns it."""
         with self.lock:
             resident = sum(t <= 0.0 for t in self._ready.values())
-            self.complete = self.n_slots >= keys and resident == keys
+            self.complete = self.res.capacity >= keys and resident == keys
             return self.complete
+
+    # -- lending slots to the KV pool (engine/memory/split.py) -------------------------------------
+    def withdraw(self, n: int) -> int:
+        """Take up to `n` slots out of use (free ones, then the eviction policy's victims, evicted the normal
+        way) and give their pages back to the OS; returns how many. Nothing in use is touched: pinned and
+        loading experts keep their slots."""
+        with self.lock:
+            taken = self.res.withdraw(n)
+            if taken:
+                self.complete = False
+        for slot in taken:  # out of every list: no thread reads or writes these rows now
+            release_pages(self.slots[slot])
+        return len(taken)
+
+    def restore(self, n: int) -> int:
+        """Put up to `n` lent slots back (free: misses and prefetches fill them as usual); returns how many."""
+        with self.lock:
+            return len(self.res.restore(n))
+
+    @property
+    def capacity(self) -> int:
+        return self.res.capacity
 
     # -- slot lifecycle (called by the transfer engine) -------------------------
     def reserve(self, key: int, may_evict_protected: bool = True) -> int | None:

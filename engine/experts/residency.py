@@ -15,6 +15,10 @@ Three things keep a resident expert from being evicted:
 - protection: it was prefetched and has not been used yet, until it is used or `protect_ticks`
   MoE layer runs (ticks) pass;
 - the eviction policy's ranking among everything else.
+
+Slots can be lent out (withdraw/restore: the KV/expert split, engine/memory/split.py): a lent slot is in
+no list, so the tier's capacity is n_slots less the lent ones; the experts evicted to lend it are ghosts,
+and loading one again is counted (what the lent slots cost).
 """
 
 from __future__ import annotations
@@ -80,10 +84,20 @@ class Residency:
         # evicted before anything used them (wasted).
         self.evictions = self.wasted = 0
         self._on_evict, self._on_waste = on_evict, on_waste
+        # Slots lent to the KV pool (withdraw/restore: engine/memory/split.py), out of use; the experts they
+        # held (ghosts) and how many of those were loaded again since (what the lent slots cost).
+        self.withdrawn: list[int] = []
+        self.ghosts: set[int] = set()
+        self.ghost_loads = 0
 
     # -- queries -------------------------------------------------------------------------------
     def is_resident(self, key: int, now: float = 0.0) -> bool:
         return self.ready.get(key, INF) <= now
+
+    @property
+    def capacity(self) -> int:
+        """Slots in use or free to use: the fast tier's size less what it lent."""
+        return self.n_slots - len(self.withdrawn)
 
     def evictable(self, now: float = 0.0, protected: bool = False) -> EvictableView:
         return EvictableView(self, now, protected)
@@ -166,6 +180,9 @@ class Residency:
         asked for it; `candidates`: an evictable_set the caller keeps across one layer's
         reservations (the victim leaves it). Returns the slot, or None if nothing can be evicted."""
         assert key not in self.ready, f"expert key {key} already has a slot"
+        if self.ghosts and key in self.ghosts:
+            self.ghosts.discard(key)
+            self.ghost_loads += 1
         if not self.free:
             if victim is None:
                 victim = cast(
@@ -180,10 +197,7 @@ class Residency:
                 victim = cast("int | None", self.eviction.victim(self.evictable(now, True)))
             if victim is None:
                 return None
-            self.drop(victim)
-            self.evictions += 1
-            if self._on_evict is not None:
-                self._on_evict()
+            self._evict(victim)
         slot = self.free.pop()
         self.slot_of[key] = slot
         self.ready[key] = INF
@@ -193,6 +207,40 @@ class Residency:
         # ranking then depends on the order of requests only, never on transfer timing.
         self.eviction.on_insert(key)
         return slot
+
+    def _evict(self, key: int) -> None:
+        self.drop(key)
+        self.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict()
+
+    # -- lending slots (the KV/expert split) -----------------------------------------------------
+    def withdraw(self, n: int, now: float = 0.0) -> list[int]:
+        """Take up to `n` slots out of use, for the KV pool: free ones first, then the eviction policy's
+        victims (unprotected first), evicted as any eviction is. Pinned and loading experts stay. Returns
+        the slots taken; their experts become ghosts (a later load of one is counted in ghost_loads)."""
+        taken: list[int] = []
+        while len(taken) < n and self.capacity - len(taken) > 1:
+            if not self.free:
+                victim = self.eviction.victim(self.evictable(now, False))
+                if victim is None:
+                    victim = self.eviction.victim(self.evictable(now, True))
+                if victim is None:
+                    break
+                self._evict(cast(int, victim))
+                self.ghosts.add(cast(int, victim))
+            taken.append(self.free.pop())
+        self.withdrawn += taken
+        return taken
+
+    def restore(self, n: int) -> list[int]:
+        """Put the last `n` lent slots back in use (free: the normal admission refills them). Returns them."""
+        back = self.withdrawn[len(self.withdrawn) - min(n, len(self.withdrawn)) :]
+        del self.withdrawn[len(self.withdrawn) - len(back) :]
+        self.free.extend(back)
+        if not self.withdrawn:
+            self.ghosts.clear()
+        return back
 
     def land(self, key: int, at: float = LANDED) -> None:
         """The expert is (or will be, at `at`) resident."""

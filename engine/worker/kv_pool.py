@@ -27,6 +27,8 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from engine.budget import fmt_bytes
+from engine.huge_pages import release_pages
+from engine.memory.split import MemorySplit, memory_split_for
 from engine.native.loaded import active, native
 from engine.worker.kv_cache import InPlaceLayer, new_kv_cache
 
@@ -112,15 +114,34 @@ class KVPool:
     def __init__(
         self, config: PretrainedConfig, total: int, block: int, dtype: torch.dtype
     ) -> None:
-        text = config.get_text_config()
-        heads = text.num_key_value_heads or text.num_attention_heads
-        d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layers, heads, d = _geometry(config)
         self.config, self.total, self.block = config, total, block
-        layers = len(new_kv_cache(config).layers)
         shape = (total, heads, block, d)
         self.keys = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
-        self.bytes_per_block = 2 * layers * heads * block * d * torch.finfo(dtype).bits // 8
+        self.bytes_per_block = self.block_bytes(config, block, dtype)
+        self.split: MemorySplit | None = (
+            None  # the KV/expert split that may grow and shrink its use
+        )
+
+    @staticmethod
+    def block_bytes(config: PretrainedConfig, block: int, dtype: torch.dtype) -> int:
+        """Bytes of one block, every layer's keys and values."""
+        layers, heads, d = _geometry(config)
+        return 2 * layers * heads * block * d * torch.finfo(dtype).bits // 8
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (from, to) block's keys and values, every layer (a cached prefix moved before a shrink)."""
+        if pairs:
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+            for buf in self.keys + self.values:
+                buf[dst] = buf[src]
+
+    def release(self, first: int, last: int) -> int:
+        """Give the OS back the pages of blocks first..last-1, which no request holds (the memory split
+        shrank the pool); returns the bytes. The next write to such a block faults a fresh page in."""
+        return sum(release_pages(buf[first:last]) for buf in self.keys + self.values)
 
     @staticmethod
     def supports(config: PretrainedConfig, device: torch.device | str) -> bool:
@@ -156,19 +177,34 @@ class KVPool:
             layer._table.ids = torch.tensor(table, dtype=torch.int64)
 
 
+def _geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a model's KV cache."""
+    text = config.get_text_config()
+    heads = text.num_key_value_heads or text.num_attention_heads
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return len(new_kv_cache(config).layers), heads, d
+
+
 def paged_pool_for(lm: Any, lean: bool, total: int, block: int) -> KVPool | None:
     """A pool of `total` blocks for a loaded model whose every row attends natively (the lean forward,
     native kernels, native attention; else the torch path would gather the blocks every step, and each
-    request keeps its own buffer), with a start-up line beside the memory plan's table; None where not."""
+    request keeps its own buffer), with a start-up line beside the memory plan's table; None where not.
+    Its tensors have room for the blocks the memory split may borrow from the experts (`pool.split`,
+    engine/memory/split.py); untouched, they cost nothing."""
     plan = getattr(lm, "plan", None)
     with active(lm.native):
         native_rows = native() is not None and (plan is None or plan.native_attention)
     if not (native_rows and lean and KVPool.supports(lm.config, lm.device)):
         return None
-    pool = KVPool(lm.config, total, block, lm.model.dtype)
+    split = memory_split_for(lm, total, KVPool.block_bytes(lm.config, block, lm.model.dtype))
+    pool = KVPool(lm.config, split.max_blocks() if split else total, block, lm.model.dtype)
+    pool.split = split
+    if split is not None:
+        split.pool = pool
     print(
         f"KV pool: {total} blocks of {block} positions, {fmt_bytes(total * pool.bytes_per_block)} "
-        f"({lm.model.dtype}); requests share whole prefix blocks; pages are touched as blocks are used",
+        f"({lm.model.dtype}); requests share whole prefix blocks; pages are touched as blocks are used"
+        + (f"\n{split.line()}" if split is not None else ""),
         file=sys.stderr,
         flush=True,
     )
