@@ -103,6 +103,22 @@ class NativeMxfp4Moe(NativeMoe):
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""
         return self._call(x, slots, list(range(len(slots))), weights)
 
+    def rows_routed(
+        self, x: torch.Tensor, slots: list[SlotPointers], ids: list[int], weights: list[float]
+    ) -> torch.Tensor:
+        """NativeMoe.rows_routed, 16 rows a call (the MXFP4 kernel's limit; each row computes alone)."""
+        k = len(ids) // x.shape[0]
+        parts = [
+            self._call(
+                x[i : i + MAX_ROWS],
+                slots,
+                ids[i * k : (i + MAX_ROWS) * k],
+                weights[i * k : (i + MAX_ROWS) * k],
+            )
+            for i in range(0, x.shape[0], MAX_ROWS)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
 
 def native_experts(fmt: ExpertFormat, hidden: int, intermediate: int) -> NativeMoe | None:
     """The native kernel for slots of `fmt` (MXFP4 gpt-oss here, SwiGLU formats in NativeMoe), or None."""
