@@ -5,7 +5,10 @@ and CPU-run experts are collected last.
 
 Two shapes of step: one row (plain decode: no grouping) and several rows (prefill, batched
 decode, verification windows: rows grouped per expert, each expert over all its rows at once,
-the resident ones in one grouped GEMM where the format allows). Either way each row's
+the resident ones in one grouped GEMM where the format allows). When every expert a native-row
+step needs is resident, all its rows and experts go to the native kernel in one call a layer
+(ExpertCompute.resident_rows): the same kernel and order as one row alone, without the Python and
+ctypes call per expert that took half of a short prompt's prefill. Either way each row's
 contributions are summed in ascending expert order, transformers' order.
 """
 
