@@ -25,6 +25,9 @@ static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
     int64_t i = 0;
     __m512 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
+    /* Unrolled: the same FMAs in the same order (each accumulator still sums its lanes in key order), fewer loop
+     * branches between loads, so the memory stream keeps more loads in flight (about 4 % on an Intel Xeon, 1 thread). */
+#pragma GCC unroll 4
     for (; i + 64 <= n; i += 64)
         for (int q = 0; q < 4; q++) acc[q] = _mm512_fmadd_ps(load16(w, wtype, i + 16 * q), _mm512_loadu_ps(x + i + 16 * q), acc[q]);
     for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(load16(w, wtype, i), _mm512_loadu_ps(x + i), acc[0]);
@@ -82,6 +85,7 @@ static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
     __m512 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm512_setzero_ps();
     int64_t i = 0;
+#pragma GCC unroll 4
     for (; i + 128 <= n; i += 128)
         for (int q = 0; q < 4; q++)
             acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)_mm512_loadu_si512(w + i + 32 * q), (__m512bh)_mm512_loadu_si512(a.b + i + 32 * q));
