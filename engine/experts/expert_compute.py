@@ -119,15 +119,14 @@ class ExpertCompute:
         experts: list[int],
         rows: Sequence[Sequence[int]],
         weight_rows: list[list[float]],
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Rows x [T, H] (native rows) through their resident experts in one native call: row t takes
         the distinct experts rows[t], scaled by weight_rows[t], summed in ascending id (transformers'
         order). `experts`: every expert the rows name, all pinned. Each row's bits are those of the row
         alone (decode's moe_swiglu is the same kernel with one row), so this replaces one call per
         expert for a prompt chunk or a batched step: a short prompt on a small model paid about 100
-        ctypes calls a layer. None where the slots take no native kernel."""
-        if self.native is None:
-            return None
+        ctypes calls a layer. Only where native_rows(x) holds."""
+        assert self.native is not None
         order = sorted(experts)
         index = {e: i for i, e in enumerate(order)}
         E = self.num_experts

@@ -98,9 +98,7 @@ class ExpertStreamer:
             rows = plan.experts
             if all(DROPPED not in row and len(set(row)) == len(row) for row in rows):
                 # Every expert of the step resident: one native call for all rows and experts.
-                out = self.compute.resident_rows(layer, x, ready, rows, weight_rows)
-                if out is not None:
-                    return out
+                return self.compute.resident_rows(layer, x, ready, rows, weight_rows)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # row-slots grouped by expert
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)

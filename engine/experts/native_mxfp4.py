@@ -91,13 +91,9 @@ class NativeMxfp4Moe(NativeMoe):
         )
 
     def rows(self, x: torch.Tensor, slot: SlotPointers) -> torch.Tensor:
-        """Rows x [n, H] through the one expert at `slot`, unscaled -> [n, H]; 16 rows a call (each row
-        computes as it would alone, so the split changes nothing)."""
-        parts = []
-        for i in range(0, x.shape[0], MAX_ROWS):
-            n = min(MAX_ROWS, x.shape[0] - i)
-            parts.append(self._call(x[i : i + n], [slot], [0] * n, [1.0] * n))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """Rows x [n, H] through the one expert at `slot`, unscaled -> [n, H] (rows_routed with one slot)."""
+        n = x.shape[0]
+        return self.rows_routed(x, [slot], [0] * n, [1.0] * n)
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
         """x [1, H] through the experts in `slots`, scaled by `weights`, summed in that order -> [1, H]."""
@@ -106,7 +102,8 @@ class NativeMxfp4Moe(NativeMoe):
     def rows_routed(
         self, x: torch.Tensor, slots: list[SlotPointers], ids: list[int], weights: list[float]
     ) -> torch.Tensor:
-        """NativeMoe.rows_routed, 16 rows a call (the MXFP4 kernel's limit; each row computes alone)."""
+        """NativeMoe.rows_routed, 16 rows a call (the MXFP4 kernel's limit; each row computes as it would
+        alone, so the split changes nothing)."""
         k = len(ids) // x.shape[0]
         parts = [
             self._call(
