@@ -4,9 +4,10 @@ With a partial fast tier, how good is the engine's cache under load? The physica
 expert resident" (the tier cannot hold them) but the fewest loads any eviction policy could make on the
 same accesses: Belady's MIN (engine/offline/belady.py). The engine writes every MoE layer call's experts to
 a route log (--route-log, engine/experts/route_log.py); each pass marks where its calls start and end in
-the log, and reads the engine's load counters from /metrics before and after. MIN runs once over the whole
-log from an empty tier (its first loads fall in the warm-up), and each pass counts the loads of that best
-schedule inside its own calls.
+the log, and reads the engine's load counters from /metrics before and after. At the end of each pass MIN
+runs over the log so far (everything up to the pass's last call, from an empty tier: its first loads fall in
+the warm-up), and the pass counts the loads of that best schedule inside its own calls; later passes' accesses
+do not reach back into it.
 
 The projected rate is labelled so wherever it appears: the pass's wall time less the stall the engine's
 extra loads cost, assuming each load stalls the compute thread as much as the pass's average load did
@@ -88,7 +89,7 @@ def belady_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Expert loads beside Belady's MIN on the same accesses (the engine's route log; MIN from an "
-        "empty tier over the whole log). The last column is projected, not measured: the pass's wall "
+        "empty tier over the log up to the pass's end). The last column is projected, not measured: the pass's wall "
         "time less the stall of the engine's extra loads at its own average stall per load.",
         "",
         "| workload | rate (req/s) | fast-tier slots | loads / token: engine | Belady's MIN | engine / MIN | "

@@ -33,7 +33,7 @@ def min_load_positions(
     sequence: Sequence[int], capacity: int, resident: Iterable[int] = ()
 ) -> list[int]:
     """The positions in `sequence` where Belady's MIN loads (see min_loads): a part of a longer
-    recording (one load pass of a server) counts the loads of the whole recording's best schedule."""
+    recording (one load pass of a server) counts the loads of the recording's best schedule inside it."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     next_use = [NEVER] * len(sequence)
