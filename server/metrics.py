@@ -7,7 +7,7 @@ sent, exported by a custom Collector, so they are exactly the engine's own count
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -241,29 +241,25 @@ class EngineStatsCollector(Collector):
             "Conversation snapshots the prefix cache holds (hybrid and sliding-window models).",
             value=s.get("prefix_snapshots", 0),
         )
-        kv = GaugeMetricFamily(
-            P + "kv_blocks",
+        yield _labelled_gauge(
+            "kv_blocks",
             "KV pool blocks (16 positions each) by state: in use by requests, cached (a prefix no running "
             "request holds, reusable until evicted), total.",
-            labels=["state"],
+            "state",
+            zip(("in_use", "cached", "total"), s.get("kv_blocks", (0, 0, 0))),
         )
-        for state, n in zip(("in_use", "cached", "total"), s.get("kv_blocks", (0, 0, 0))):
-            kv.add_metric([state], n)
-        yield kv
         yield GaugeMetricFamily(
             P + "kv_block_bytes",
             "Bytes of one KV pool block, every layer's keys and values (0: requests keep their own buffers).",
             value=s.get("kv_block_bytes", 0),
         )
-        split = GaugeMetricFamily(
-            P + "memory_split_bytes",
+        yield _labelled_gauge(
+            "memory_split_bytes",
             "One budget split between the KV pool's blocks and the experts' fast-tier slots, in bytes; under load "
             "the KV pool borrows expert slots, idle they go back (--kv-borrow-share).",
-            labels=["part"],
+            "part",
+            zip(("kv", "experts"), s.get("memory_split", (0, 0))),
         )
-        for part, n in zip(("kv", "experts"), s.get("memory_split", (0, 0))):
-            split.add_metric([part], n)
-        yield split
         yield CounterMetricFamily(
             P + "memory_split_moves",
             "Times memory moved between the KV pool and the experts' fast tier (lends and give-backs).",
@@ -353,3 +349,13 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+
+def _labelled_gauge(
+    name: str, doc: str, label: str, values: Iterable[tuple[str, float]]
+) -> GaugeMetricFamily:
+    """A gauge family with one sample per (label value, value)."""
+    family = GaugeMetricFamily(P + name, doc, labels=[label])
+    for value_label, value in values:
+        family.add_metric([value_label], value)
+    return family
