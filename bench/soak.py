@@ -7,8 +7,10 @@
 Starts `moe-offload serve` on loopback (bench/serve_process.py), runs the clients of
 bench/soak_clients.py in threads (OpenAI chat and completions, Anthropic messages and
 count_tokens, Responses chains, mid-stream disconnects, slow readers, oversized bodies),
-SIGKILLs the engine every --kill-every seconds, and at --duration sends the server SIGTERM
-while the clients are still busy (the drain), then stops.  Every request ends in an Outcome
+SIGKILLs the engine every --kill-every seconds; at --duration pauses the clients until the server
+is idle and compares its KV blocks in use and KV/expert split with their level before the load
+(bench/soak_idle.py), lets the clients go on for a few seconds, and sends the server SIGTERM
+while they are busy (the drain), then stops.  Every request ends in an Outcome
 (bench/soak_outcomes.py); the server is sampled over time (bench/soak_monitor.py).  Writes
 soak.json and, with --page, soak.md and its plots (bench/soak_page.py).  Exits 1 if any
 request was lost or any 5xx was not explained by an injected fault.
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.report import machine_line
 from bench.serve_process import REPO, RunningServer, serve, server_parser
 from bench.soak_agents import AGENT_CONTEXT, agent_session, long_context_copy
@@ -37,6 +41,7 @@ from bench.soak_agents import install as install_agent_clis
 from bench.soak_clients import CLIENTS, Ctx
 from bench.soak_faults import DiskFault, FaultSchedule, MemoryFault
 from bench.soak_generated import schemathesis_round
+from bench.soak_idle import back_to_idle, read_levels, wait_idle
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
 from bench.soak_summary import summarize
@@ -47,6 +52,7 @@ from engine.paths import portable_path
 KILL_MARGIN_S = 40.0
 MAX_BODY = 1024 * 1024  # the server's --max-body-bytes in the soak: oversized bodies stay cheap
 DEFAULT_MAX_TOKENS = 64  # the server's --default-max-tokens in the soak
+RESUME_S = 5.0  # load again after the idle check, before the SIGTERM drain
 MAX_SAMPLES = 300  # samples kept in soak.json (the summary and plots use all of them)
 # --read-faults without a value: an EIO every 20 s, a short read every 7 s, a 3 s spike every 30 s.
 DEFAULT_READ_FAULTS = "eio:period=20,short:period=7,delay:period=30:secs=3"
@@ -62,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="SIGKILL the engine every S seconds, none in the last 40 s (or half the run); 0: never (default 120)",
+    )
+    ap.add_argument(
+        "--max-kills",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N SIGKILLs of --kill-every (default: no limit)",
     )
     ap.add_argument(
         "--read-faults",
@@ -137,10 +150,16 @@ def _clients(args: argparse.Namespace) -> dict[str, Callable[[Ctx, random.Random
 
 
 def _client_loop(
-    step: Callable[[Ctx, random.Random], None], ctx: Ctx, seed: int, stop: threading.Event
+    step: Callable[[Ctx, random.Random], None],
+    ctx: Ctx,
+    seed: int,
+    stop: threading.Event,
+    go: threading.Event,
 ) -> None:
+    """Steps until `stop`; while `go` is clear (the idle check) it starts none."""
     rng = random.Random(seed)
     while not stop.is_set():
+        go.wait()
         step(ctx, rng)
 
 
@@ -171,7 +190,7 @@ def run_soak(
     clock = Clock()
     ctx = Ctx(srv.base_url, "soak", clock, MAX_BODY)
     last_kill = args.duration - min(KILL_MARGIN_S, args.duration / 2)
-    mon = Monitor(srv, clock, args.sample_every, args.kill_every or None, last_kill)
+    mon = Monitor(srv, clock, args.sample_every, args.kill_every or None, last_kill, args.max_kills)
     faults = FaultSchedule(clock, srv.base_url, last_kill)
     if memory is not None:
         memory.srv = srv
@@ -180,21 +199,25 @@ def run_soak(
     if disk is not None:
         every = args.disk_full_every
         faults.add(every, 0.8 * every, lambda hc: disk.run(srv, clock, hc))
-    stop = threading.Event()
+    stop, go = threading.Event(), threading.Event()
+    go.set()
     workers = [
         threading.Thread(
             target=_client_loop,
-            args=(step, ctx, args.seed + i, stop),
+            args=(step, ctx, args.seed + i, stop, go),
             daemon=True,
             name=f"soak-{n}",
         )
         for i, (n, step) in enumerate(_clients(args).items())
     ]
+    with httpx.Client() as hc:
+        before = read_levels(hc, srv.base_url)
     mon.start()
     faults.start()
     for w in workers:
         w.start()
     _progress(clock, args.duration, ctx, args.no_progress)
+    idle = _idle_check(srv, before, go)
     clock.draining = True  # the clients go on: the drain meets them busy
     faults.stop()  # a fault still running finishes first: the drain meets a whole server
     t_term = clock.now()
@@ -214,14 +237,29 @@ def run_soak(
         "still_running": [w.name for w in workers if w.is_alive()],
         "requests": records,
         "faults": faults.as_list(),
+        "idle": idle,
         **mon.as_dict(),
     }
+
+
+def _idle_check(
+    srv: RunningServer, before: dict[str, Any] | None, go: threading.Event
+) -> dict[str, Any]:
+    """Pause the clients until the server is idle, compare its KV and split with `before`
+    (bench/soak_idle.py), then let them go on for RESUME_S so the drain meets them busy."""
+    go.clear()
+    with httpx.Client() as hc:
+        idle = back_to_idle(before, wait_idle(hc, srv.base_url))
+    go.set()
+    time.sleep(RESUME_S)
+    return idle
 
 
 def _server_args(args: argparse.Namespace, tmp: Path, disk: DiskFault | None) -> list[str]:
     """`moe-offload serve` flags for this soak (a long-context copy of the model goes to tmp)."""
     # Enough restarts for every scheduled kill: the soak tests recovery, not the restart budget.
     kills = int(args.duration // args.kill_every) + 1 if args.kill_every else 0
+    kills = min(kills, args.max_kills) if args.max_kills is not None else kills
     # A shrunk cgroup or a full disk may cost several failed starts each (the supervisor's backoff).
     for every in (args.memory_fault_every, args.disk_full_every):
         kills += 6 * (int(args.duration // every) + 1) if every else 0

@@ -41,6 +41,8 @@ class Sample:
     running: float | None = None
     waiting: float | None = None
     memory_used: dict[str, float] = field(default_factory=dict)
+    kv_blocks: dict[str, float] = field(default_factory=dict)  # in_use, cached, total
+    memory_split: dict[str, float] = field(default_factory=dict)  # bytes: kv, experts
 
 
 @dataclass
@@ -50,17 +52,26 @@ class Kill:
     restart_s: float | None = None  # until /health said ready again; None: not within 60 s
 
 
-def _metrics(hc: httpx.Client, url: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"memory_used": {}}
+# /metrics gauges a sample keeps by one label: {family: (sample field, label)}.
+_LABELLED = {
+    "moe_offload_memory_used_bytes": ("memory_used", "pool"),
+    "moe_offload_kv_blocks": ("kv_blocks", "state"),
+    "moe_offload_memory_split_bytes": ("memory_split", "part"),
+}
+
+
+def metrics(hc: httpx.Client, url: str) -> dict[str, Any]:
+    """The sample's fields read from the server's /metrics."""
+    out: dict[str, Any] = {name: {} for name, _ in _LABELLED.values()}
     for fam in text_string_to_metric_families(hc.get(url + "/metrics", timeout=5).text):
         for s in fam.samples:
             if s.name == "moe_offload_requests_running":
                 out["running"] = s.value
             elif s.name == "moe_offload_requests_waiting":
                 out["waiting"] = s.value
-            elif s.name == "moe_offload_memory_used_bytes":
-                key = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) or "all"
-                out["memory_used"][key] = s.value
+            elif s.name in _LABELLED:
+                name, label = _LABELLED[s.name]
+                out[name][s.labels.get(label, "all")] = s.value
     return out
 
 
@@ -74,9 +85,11 @@ class Monitor:
         period: float,
         kill_every: float | None,
         last_kill: float = float("inf"),
+        max_kills: int | None = None,
     ) -> None:
         self.srv, self.clock, self.period, self.kill_every = srv, clock, period, kill_every
         self.last_kill = last_kill  # no kill after this (soak seconds): its restart must finish
+        self.max_kills = max_kills  # None: no limit
         self.samples: list[Sample] = []
         self.kills: list[Kill] = []
         self._stop = threading.Event()
@@ -120,7 +133,7 @@ class Monitor:
                 assert self._probe is not None
                 ms, status = self._probe.latest()
                 try:
-                    m = _metrics(hc, self.srv.base_url)
+                    m = metrics(hc, self.srv.base_url)
                 except httpx.HTTPError:
                     m = {}
                 try:
@@ -135,6 +148,8 @@ class Monitor:
         with httpx.Client() as hc:
             while not self._stop.wait(self.kill_every):
                 if self.clock.draining or self.clock.now() > self.last_kill:
+                    return
+                if self.max_kills is not None and len(self.kills) >= self.max_kills:
                     return
                 with FAULT_LOCK:  # never during another fault (bench/soak_faults.py)
                     self._kill(hc)

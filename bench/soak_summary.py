@@ -1,5 +1,6 @@
 """The soak's numbers from its raw record: counts per client and outcome, per fault, lost
-requests, unexplained 5xx, RSS slope, fd and thread ranges, /health latency, restart times."""
+requests, unexplained 5xx, RSS slope, fd and thread ranges and growth, /health latency, restart
+times."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def _range(xs: list[Any]) -> list[Any] | None:
     return [min(xs), max(xs)] if xs else None
 
 
+def _growth(steady: list[dict[str, Any]], key: str) -> float | None:
+    """How much `key` grew over the steady samples' span, by its least-squares slope."""
+    pts = [(s["t"], s[key]) for s in steady if s[key] is not None]
+    slope = slope_per_minute([t for t, _ in pts], [y for _, y in pts])
+    if slope is None:
+        return None
+    return slope * (pts[-1][0] - pts[0][0]) / 60.0
+
+
 def _samples(raw: dict[str, Any]) -> dict[str, Any]:
     """Over-time figures: after warm-up and before the drain (the server is exiting then)."""
     end = raw["drain"]["t"]
@@ -59,6 +69,9 @@ def _samples(raw: dict[str, Any]) -> dict[str, Any]:
         "rss_slope_mib_per_min": slope_per_minute([t for t, _ in rss], [y for _, y in rss]),
         "fds_range": _range([s["fds"] for s in steady]),
         "threads_range": _range([s["threads"] for s in steady]),
+        # Fitted growth over the steady span: a leak of one fd or thread a run shows as >= 1.
+        "fds_growth": _growth(steady, "fds"),
+        "threads_growth": _growth(steady, "threads"),
         "engine_rss_mib_range": _range([s["engine_rss_mib"] for s in steady]),
         "waiting_max": max((s["waiting"] or 0 for s in steady), default=None),
         "health_p50_ms": percentile(answered, 0.5),
