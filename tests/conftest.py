@@ -26,6 +26,15 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Files that start first: with `--dist loadfile` a file is one worker's, and the two-minute CI
+# soak (tests/test_soak.py) handed out last would run alone at the end while the other worker idles.
+START_FIRST = ("test_soak.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in START_FIRST)  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Factory: tiny_ckpt(arch, layout) -> directory, built once per session."""

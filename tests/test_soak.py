@@ -1,8 +1,9 @@
-"""A short soak (issue 53): the real server under every soak client at once, an engine SIGKILL
-and expert read faults (EIO, short reads, latency spikes) while they are busy, and the SIGTERM
-drain at the end.  No request may be lost (each gets a
-whole answer or a clear error object in its API's shape), no 5xx may be unexplained by the
-injected faults, and every client completes requests again after the engine came back."""
+"""A two-minute soak (issue 53): the real server under every soak client at once (the SDKs,
+Schemathesis, the real Claude Code and Codex CLIs), with engine SIGKILLs, expert read faults
+(EIO, short reads, latency spikes), a shrunk memory cgroup and a full quant-cache disk while
+they are busy, an idle check when the load stops and the SIGTERM drain at the end. No request
+may be lost (each gets a whole answer or a clear error object in its API's shape), no 5xx may be
+unexplained by the injected faults, and every client completes requests again after the faults."""
 
 from __future__ import annotations
 
@@ -11,33 +12,57 @@ from pathlib import Path
 import pytest
 
 from bench.soak import _parser, execute, passed
+from bench.soak_idle import back_to_idle
 from bench.soak_outcomes import Clock, Outcome, from_exception, settle
 from bench.soak_summary import slope_per_minute
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
+
+# The CI soak (issue 53: "a 2-minute soak runs in CI"): every client and every fault of the
+# 30-minute run in docs/benchmarks/soak.md, packed into two minutes one after another: an engine
+# SIGKILL at 15 s, the memory cgroup shrunk at 30 s, the quant cache's disk full at 48 s, expert
+# read faults all along. Each death within a minute of the last lengthens the supervisor's
+# restart backoff (1, 2, 4, 8, 16 s), so the faults are one each, the slowest to recover last,
+# and none starts after 80 s: every client must finish requests again before the idle check
+# and the SIGTERM drain.
+CI_SOAK = [
+    "--duration", "120", "--kill-every", "15", "--max-kills", "1",
+    "--read-faults", "eio:period=4,short:period=3,delay:period=10:secs=2",
+    "--memory-fault-every", "60", "--disk-full-every", "60", "--schemathesis", "--agent-clis",
+]  # fmt: skip
 
 
-def test_short_soak_with_an_engine_sigkill_and_read_faults(tmp_path: Path) -> None:
-    faults = "eio:period=4,short:period=3,delay:period=10:secs=2"
-    args = _parser().parse_args(
-        ["--duration", "35", "--kill-every", "10", "--out", str(tmp_path), "--no-progress"]
-        + ["--read-faults", faults]
-    )
-    raw = execute(args)
+def test_two_minute_soak_with_every_fault_and_client(tmp_path: Path) -> None:
+    raw = execute(_parser().parse_args([*CI_SOAK, "--out", str(tmp_path), "--no-progress"]))
     s = raw["summary"]
-    detail = {k: s[k] for k in ("outcomes", "lost_examples", "unexplained_examples", "restart_s")}
-    assert s["kills"] >= 1 and all(x is not None for x in s["restart_s"]), detail
+    detail = {
+        k: s[k]
+        for k in ("outcomes", "lost_examples", "unexplained_examples", "restart_s", "faults")
+    }
     assert s["lost"] == 0 and s["unexplained_5xx"] == 0, detail
     assert passed(raw) and s["exit_code"] == 0, detail
-    assert s["per_fault"].get("engine_sigkill", 0) >= 1, detail  # the kill met requests in flight
+    # Each SIGKILL met requests in flight, and the engine served again after each.
+    assert s["kills"] >= 1 and all(x is not None for x in s["restart_s"]), detail
+    assert s["per_fault"].get("engine_sigkill", 0) >= 1, detail
     # Every kind of read fault fired; an EIO failed the requests that needed its expert with a
     # clear `expert_read_failed` error (counted as explained above), a short read or a spike none.
     injected = raw["read_faults"]["injected"]
     assert all(injected.get(k, 0) >= 1 for k in ("eio", "short", "delay")), injected
     assert s["per_fault"].get("expert_read_eio", 0) >= 1, detail
+    # The OOM killer takes the engine, never the front end; a full disk fails engine starts
+    # until it is freed; the server serves again after both.
+    memory, disk = (
+        next(f for f in raw["faults"] if f["kind"] == k) for k in ("memory_cgroup", "disk_full")
+    )
+    assert memory["detail"]["front_end_survived"], detail
+    assert disk["detail"]["failed_starts"] >= 1, detail
+    assert memory["serving_s"] is not None and disk["serving_s"] is not None, detail
+    # Every client, the generated requests and the real agent CLIs included, completed requests
+    # after the last fault; when the load stopped, KV blocks and the expert slots were back to idle.
     assert all(s["recovered_after_last_kill"].values()), s["recovered_after_last_kill"]
-    sdk = ("openai_chat", "openai_completions", "anthropic", "responses")
-    assert all(s["per_client"][c]["complete"] > 0 for c in sdk), s["per_client"]
+    assert s["per_client"]["schemathesis"]["complete"] > 0, s["per_client"]
+    assert s["per_client"]["agent_cli"]["complete"] > 0, s["per_client"]
+    assert raw["idle"]["back"], raw["idle"]
     assert (tmp_path / "soak.json").is_file()
 
 
@@ -81,27 +106,19 @@ def test_rss_slope_is_per_minute() -> None:
     assert slope_per_minute([1.0, 2.0], [1.0, 2.0]) is None
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_short_soak_with_memory_and_disk_faults_schemathesis_and_agent_clis(
-    tmp_path: Path,
-) -> None:
-    """The resource faults and the generated and agent-CLI clients together (2 minutes, so slow):
-    the OOM killer takes the engine, never the front end; a full disk fails engine starts until
-    it is freed; nothing is lost and every client finishes requests after the last fault."""
-    args = _parser().parse_args(
-        ["--duration", "100", "--kill-every", "0", "--memory-fault-every", "60"]
-        + ["--disk-full-every", "60", "--schemathesis", "--agent-clis"]
-        + ["--out", str(tmp_path), "--no-progress"]
-    )
-    raw = execute(args)
-    s = raw["summary"]
-    detail = {k: s[k] for k in ("outcomes", "lost_examples", "unexplained_examples", "faults")}
-    assert passed(raw) and s["exit_code"] == 0, detail
-    memory, disk = raw["faults"]
-    assert memory["kind"] == "memory_cgroup" and memory["detail"]["front_end_survived"], detail
-    assert disk["kind"] == "disk_full" and disk["detail"]["failed_starts"] >= 1, detail
-    assert memory["serving_s"] is not None and disk["serving_s"] is not None, detail
-    assert s["per_fault"].get("disk_full", 0) >= 1, detail
-    assert s["per_client"]["schemathesis"]["complete"] > 0, s["per_client"]
-    assert s["per_client"]["agent_cli"]["complete"] > 0, s["per_client"]
+def test_idle_check_compares_kv_in_use_and_the_split() -> None:
+    before = {
+        "kv_blocks": {"in_use": 0.0, "cached": 0.0},
+        "memory_split": {"kv": 4.0, "experts": 12.0},
+    }
+    same = {
+        "kv_blocks": {"in_use": 0.0, "cached": 96.0},
+        "memory_split": {"kv": 4.0, "experts": 12.0},
+    }
+    assert back_to_idle(before, {"levels": same, "waited_s": 1.0, "idle": True})["back"]
+    held = {**same, "kv_blocks": {"in_use": 3.0, "cached": 96.0}}  # a request's blocks not freed
+    assert not back_to_idle(before, {"levels": held, "waited_s": 1.0, "idle": True})["back"]
+    lent = {**same, "memory_split": {"kv": 8.0, "experts": 8.0}}  # slots still lent to the KV pool
+    assert not back_to_idle(before, {"levels": lent, "waited_s": 1.0, "idle": True})["back"]
+    assert not back_to_idle(before, {"levels": same, "waited_s": 150.0, "idle": False})["back"]
+    assert not back_to_idle(None, {"levels": same, "waited_s": 1.0, "idle": True})["back"]
