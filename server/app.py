@@ -6,7 +6,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server import messages_api, responses_api, routes, tokenize_api
+from server import chat_route, messages_api, responses_api, routes, tokenize_api
 from server.engine_client import EngineState
 from server.errors import ApiError, install_error_handlers
 from server.limits import BodyLimitMiddleware, RequestCounter
@@ -30,6 +30,23 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
     """One app per server; all state hangs off the app (no module-level singletons)."""
     st = ServerState(settings, tokenizer)
     requests = RequestCounter()
+    app = FastAPI(title="moe-offload", lifespan=_lifespan(st), docs_url=None, redoc_url=None)
+    app.state.server = st
+    app.state.requests = requests
+    install_error_handlers(app)
+    install_openapi(app)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes, counter=requests
+    )
+    require_api_key = _api_key_check(settings)
+    app.include_router(_v1_router(st, require_api_key))
+    app.include_router(tokenize_api.router(st), dependencies=[Depends(require_api_key)])
+    app.include_router(_operations_router(st))
+    return app
+
+
+def _lifespan(st: ServerState) -> Any:
+    """Start the engine with the app, and at its end abort what runs and stop the engine."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -41,14 +58,11 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
             await st.client.close()
             st.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = st
-    app.state.requests = requests
-    install_error_handlers(app)
-    install_openapi(app)
-    app.add_middleware(
-        BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes, counter=requests
-    )
+    return lifespan
+
+
+def _api_key_check(settings: ServeSettings) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that refuses a request without one of --api-key's keys (none: all pass)."""
 
     async def require_api_key(request: Request) -> None:
         if not settings.server.api_keys:
@@ -66,8 +80,13 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
                 code="invalid_api_key",
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    return require_api_key
 
+
+def _v1_router(st: ServerState, require_api_key: Any) -> APIRouter:
+    """/v1: chat and text completions, models, Responses and Anthropic Messages."""
+    settings = st.settings
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     generation_errors = error_responses(400, 401, 404, 413, 500, 503)
 
     @v1.post(
@@ -78,7 +97,7 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         },
     )
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await routes.chat_completions(st, body, raw)
+        return await chat_route.chat_completions(st, body, raw)
 
     @v1.post(
         "/completions",
@@ -114,10 +133,14 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
         )
     )
     v1.include_router(messages_api.router(st))
-    app.include_router(v1)
-    app.include_router(tokenize_api.router(st), dependencies=[Depends(require_api_key)])
+    return v1
 
-    @app.get(
+
+def _operations_router(st: ServerState) -> APIRouter:
+    """/health and /metrics, open without an API key (probes and Prometheus)."""
+    ops = APIRouter()
+
+    @ops.get(
         "/health",
         response_model=Health,
         response_model_exclude_none=True,
@@ -138,11 +161,11 @@ def create_app(settings: ServeSettings, tokenizer: Any) -> FastAPI:
             headers = {"Retry-After": st.client.retry_after()}
         return JSONResponse(body, status_code=200 if status == "ready" else 503, headers=headers)
 
-    @app.get("/metrics", response_class=Response, responses=PROMETHEUS)
+    @ops.get("/metrics", response_class=Response, responses=PROMETHEUS)
     async def metrics() -> Response:
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return ops
 
 
 async def drain(st: ServerState, requests: RequestCounter, timeout: float) -> None:

@@ -16,11 +16,12 @@ from typing import Any, Literal
 
 from fastapi import Request
 
+from server.chat_route import chat_constraint, check_messages
 from server.engine_client import EngineFailure
 from server.formatting import failure_of
 from server.protocol import ChatCompletionRequest, new_id
 from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole
-from server.routes import _chat_constraint, _check_messages, collect
+from server.routes import collect
 from server.state import Choices, ServerState
 from server.tools import ToolMode, ToolStream, forced_body, parse_calls, tool_mode
 
@@ -88,13 +89,13 @@ async def start_chat(
     """Validate, template and submit `body` exactly as /v1/chat/completions does (n must be 1)."""
     assert body.n == 1
     st.check_model(body.model)
-    _check_messages(st, body)
+    check_messages(st, body)
     st.check_accepting(1)
     mode = tool_mode(body)
     # The prompt shows the tools as sent; a forced call only changes what the output may be.
     if (forced := forced_body(body, st.settings.forced_tools)) is not None:
         mode = tool_mode(forced)
-    constraint = await _chat_constraint(st, forced or body, mode)
+    constraint = await chat_constraint(st, forced or body, mode)
     prompt, reasoning, inside = await reasoning_prompt(st, body, thinking)
     rid = new_id(id_prefix)
     choices = st.submit(

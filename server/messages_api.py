@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.anthropic_errors import AnthropicRoute
 from server.chat_bridge import finish_chat, start_chat
+from server.chat_route import check_messages
 from server.messages_request import CountTokensRequest, MessagesRequest, to_chat
 from server.messages_stream import stream_events, whole_message
 from server.openapi import AnthropicErrorResponse, error_responses, json_or_stream
 from server.reasoning import reasoning_prompt
-from server.routes import _check_messages
 from server.state import ServerState
 from server.tools import tool_mode
 
@@ -57,7 +57,7 @@ def router(st: ServerState) -> APIRouter:
     async def count_tokens(body: CountTokensRequest) -> Any:
         chat = to_chat(body)
         st.check_model(chat.model)
-        _check_messages(st, chat)  # the same limits as a real call
+        check_messages(st, chat)  # the same limits as a real call
         tool_mode(chat)  # and the same tool checks
         prompt, _, _ = await reasoning_prompt(st, chat, body.thinking_switch())
         return {"input_tokens": len(prompt)}
