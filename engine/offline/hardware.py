@@ -286,13 +286,17 @@ def resolve_costs(
     return _derived_costs(profile, shape, nbytes, bpp)
 
 
-def _link_costs(link: dict, name: str) -> tuple[float, float, int]:
-    """The link's (MB/s, per-transfer latency in seconds, transfer workers)."""
-    return (
-        _num(link["mb_per_s"], f"{name}.link.mb_per_s"),
-        _num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
-        int(_num(link["workers"], f"{name}.link.workers")),
-    )
+def _costs_header(name: str, shape: ModelShape, nbytes: int, link: dict) -> dict[str, Any]:
+    """The fields of Costs that measured and derived costs share: what they are for, the expert's
+    bytes and the link (MB/s, per-transfer latency in seconds, transfer workers)."""
+    return {
+        "profile": name,
+        "shape": shape.name,
+        "expert_bytes": nbytes,
+        "link_mb_per_s": _num(link["mb_per_s"], f"{name}.link.mb_per_s"),
+        "link_latency_s": _num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
+        "transfer_workers": int(_num(link["workers"], f"{name}.link.workers")),
+    }
 
 
 def _measured_costs(
@@ -300,14 +304,9 @@ def _measured_costs(
 ) -> Costs:
     """The costs profile `name` measured for `shape` (its `measured:` entry for the shape)."""
     m = lambda key: _num(measured[key], f"{name}.measured.{shape.name}.{key}")  # noqa: E731
-    link_mb_per_s, link_latency_s, transfer_workers = _link_costs(link, name)
+    header = _costs_header(name, shape, nbytes, link)
     return Costs(
-        profile=name,
-        shape=shape.name,
-        expert_bytes=nbytes,
-        link_mb_per_s=link_mb_per_s,
-        link_latency_s=link_latency_s,
-        transfer_workers=transfer_workers,
+        **header,
         fast=(m("expert_a_us") * 1e-6, m("expert_b_us") * 1e-6),
         cpu=(m("cpu_expert_a_us") * 1e-6, m("cpu_expert_b_us") * 1e-6),
         cpu_workers=int(m("cpu_workers")),
@@ -344,14 +343,9 @@ def _derived_costs(profile: dict[str, Any], shape: ModelShape, nbytes: int, bpp:
     h = _device_expert(cpu, f"{name}.cpu", shape.expert_params, shape.expert_params * cpu_bpp)
     dense = _dense_costs(profile, shape)
     draft = profile.get("draft_token_us")
-    link_mb_per_s, link_latency_s, transfer_workers = _link_costs(profile["link"], name)
+    header = _costs_header(name, shape, nbytes, profile["link"])
     return Costs(
-        profile=name,
-        shape=shape.name,
-        expert_bytes=nbytes,
-        link_mb_per_s=link_mb_per_s,
-        link_latency_s=link_latency_s,
-        transfer_workers=transfer_workers,
+        **header,
         fast=g,
         cpu=h,
         cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")),
