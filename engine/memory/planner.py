@@ -201,7 +201,7 @@ class _Budgets:
 
     @property
     def headroom_floor(self) -> int:
-        """The least headroom kept in `fixed`."""
+        """The least headroom kept out of the `fixed` budget."""
         return DEVICE_HEADROOM_MIN if self.on_gpu else HOST_HEADROOM_MIN
 
 
