@@ -233,98 +233,14 @@ class EngineConfig(YamlSection):
     def __post_init__(self) -> None:
         # Everything that can be checked without a model is checked here, so every front end
         # (serve before it listens, generate, eval) fails with one line before any work.
-        if self.cache_fraction is not None and not 0.0 < self.cache_fraction <= 1.0:
-            raise ConfigError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
-        if self.cache_bytes is not None and self.cache_bytes <= 0:
-            raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes}")
-        if self.offload not in ("auto", "ram", "disk"):
-            raise ConfigError(f"offload must be 'auto', 'ram' or 'disk', got {self.offload!r}")
-        from engine.budget import parse_budget
-
-        for flag, value in (
-            ("--device-memory", self.device_memory),
-            ("--host-memory", self.host_memory),
-        ):
-            if value is not None:
-                parse_budget(str(value), flag)
-        if self.kv_tokens is not None and self.kv_tokens < 0:
-            raise ConfigError(f"kv_tokens must be >= 0, got {self.kv_tokens}")
-        if self.expert_quant not in ("none", "int8", "int4"):
-            raise ConfigError(
-                f"expert_quant must be 'none', 'int8' or 'int4', got {self.expert_quant!r}"
-            )
-        if self.dense_quant not in ("none", "int8"):
-            raise ConfigError(f"dense_quant must be 'none' or 'int8', got {self.dense_quant!r}")
-        if self.expert_quant_group not in (None, 0) and (
-            self.expert_quant_group < 2 or self.expert_quant_group % 2
-        ):
-            raise ConfigError(
-                f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {self.expert_quant_group}"
-            )
-        if not 0.0 <= self.kv_borrow_share <= 1.0:
-            raise ConfigError(f"kv_borrow_share must be in [0, 1], got {self.kv_borrow_share}")
-        if self.prefix_cache_bytes < 0:
-            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        if self.transfer_workers < 1:
-            raise ConfigError(f"transfer_workers must be >= 1, got {self.transfer_workers}")
-        if self.cpu_workers < 1:
-            raise ConfigError(f"cpu_workers must be >= 1, got {self.cpu_workers}")
-        if self.balancer_level is not None and not 0 <= self.balancer_level <= 3:
-            raise ConfigError(f"balancer_level must be 0-3, got {self.balancer_level}")
-        kinds = self.prefetch_kinds
-        if self.prefetch != "auto" and (
-            not kinds <= {"utility", "adapter"} or (self.prefetch != "none" and not kinds)
-        ):
-            raise ConfigError(
-                f"prefetch must be auto, none, utility, adapter or adapter,utility; got {self.prefetch!r}"
-            )
-        if self.cpu_experts not in ("off", "auto", "all"):
-            raise ConfigError(
-                f"cpu_experts must be 'off', 'auto' or 'all', got {self.cpu_experts!r}"
-            )
-        for name, allowed in (
-            ("forward", FORWARDS),
-            ("native_kernels", ("auto", "on", "off")),
-            ("native_build", BUILDS),
-            ("native_build_limit", BUILDS),
-            ("decode_attention", ("auto", "native", "sdpa")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(
-                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
-        if "auto" not in (self.native_build, self.native_build_limit) and BUILDS.index(
-            self.native_build
-        ) < BUILDS.index(self.native_build_limit):
-            raise ConfigError(
-                f"--native-build {self.native_build} is wider than --native-build-limit {self.native_build_limit}; drop one of them"
-            )
-        if self.native_kernels == "off" and (
-            self.forward == "fused" or self.decode_attention == "native"
-        ):
-            raise ConfigError(
-                "--forward fused and --decode-attention native need the native kernels; drop --native-kernels off"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"bad device {self.device!r}; use auto, cpu, cuda or cuda:N")
-        if (
-            not 0.0 <= self.threshold <= 1.0
-            or self.admission_beta <= 0
-            or not 0.0 < self.frequency_decay <= 1.0
-        ):
-            raise ConfigError(
-                "threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]"
-            )
-        if self.link:
-            from engine.link_spec import parse_link
-
-            parse_link(self.link)
-        if self.expert_read_faults is not None:
-            from engine.read_fault_spec import parse_read_faults
-
-            parse_read_faults(self.expert_read_faults)
+        # The checks run in this order, so of several bad settings the first named fails.
+        _check_memory(self)
+        _check_quant(self)
+        _check_kv_sharing(self)
+        _check_background(self)
+        _check_compute(self)
+        _check_policy_numbers(self)
+        _check_specs(self)
         self.policies()
 
     @property
@@ -359,3 +275,119 @@ class EngineConfig(YamlSection):
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_memory(cfg: EngineConfig) -> None:
+    """The fast tier's size, the slow tier, the memory budgets and the KV reservation."""
+    if cfg.cache_fraction is not None and not 0.0 < cfg.cache_fraction <= 1.0:
+        raise ConfigError(f"cache_fraction must be in (0, 1], got {cfg.cache_fraction}")
+    if cfg.cache_bytes is not None and cfg.cache_bytes <= 0:
+        raise ConfigError(f"cache_bytes must be > 0, got {cfg.cache_bytes}")
+    if cfg.offload not in ("auto", "ram", "disk"):
+        raise ConfigError(f"offload must be 'auto', 'ram' or 'disk', got {cfg.offload!r}")
+    from engine.budget import parse_budget
+
+    for flag, value in (
+        ("--device-memory", cfg.device_memory),
+        ("--host-memory", cfg.host_memory),
+    ):
+        if value is not None:
+            parse_budget(str(value), flag)
+    if cfg.kv_tokens is not None and cfg.kv_tokens < 0:
+        raise ConfigError(f"kv_tokens must be >= 0, got {cfg.kv_tokens}")
+
+
+def _check_quant(cfg: EngineConfig) -> None:
+    """The routed experts' and the dense weights' quantization."""
+    if cfg.expert_quant not in ("none", "int8", "int4"):
+        raise ConfigError(
+            f"expert_quant must be 'none', 'int8' or 'int4', got {cfg.expert_quant!r}"
+        )
+    if cfg.dense_quant not in ("none", "int8"):
+        raise ConfigError(f"dense_quant must be 'none' or 'int8', got {cfg.dense_quant!r}")
+    if cfg.expert_quant_group not in (None, 0) and (
+        cfg.expert_quant_group < 2 or cfg.expert_quant_group % 2
+    ):
+        raise ConfigError(
+            f"expert_quant_group must be 0 (whole rows) or an even number >= 2, got {cfg.expert_quant_group}"
+        )
+
+
+def _check_kv_sharing(cfg: EngineConfig) -> None:
+    """What the KV pool may borrow from the fast tier, and the prefix cache's bytes."""
+    if not 0.0 <= cfg.kv_borrow_share <= 1.0:
+        raise ConfigError(f"kv_borrow_share must be in [0, 1], got {cfg.kv_borrow_share}")
+    if cfg.prefix_cache_bytes < 0:
+        raise ConfigError(f"prefix_cache_bytes must be >= 0, got {cfg.prefix_cache_bytes}")
+
+
+def _check_background(cfg: EngineConfig) -> None:
+    """The transfer threads, the CPU-run experts (workers, balancer) and the prefetchers."""
+    if cfg.transfer_workers < 1:
+        raise ConfigError(f"transfer_workers must be >= 1, got {cfg.transfer_workers}")
+    if cfg.cpu_workers < 1:
+        raise ConfigError(f"cpu_workers must be >= 1, got {cfg.cpu_workers}")
+    if cfg.balancer_level is not None and not 0 <= cfg.balancer_level <= 3:
+        raise ConfigError(f"balancer_level must be 0-3, got {cfg.balancer_level}")
+    kinds = cfg.prefetch_kinds
+    if cfg.prefetch != "auto" and (
+        not kinds <= {"utility", "adapter"} or (cfg.prefetch != "none" and not kinds)
+    ):
+        raise ConfigError(
+            f"prefetch must be auto, none, utility, adapter or adapter,utility; got {cfg.prefetch!r}"
+        )
+    if cfg.cpu_experts not in ("off", "auto", "all"):
+        raise ConfigError(f"cpu_experts must be 'off', 'auto' or 'all', got {cfg.cpu_experts!r}")
+
+
+def _check_compute(cfg: EngineConfig) -> None:
+    """The forward path, the native kernels and their build, attention, the dtype and the device."""
+    for name, allowed in (
+        ("forward", FORWARDS),
+        ("native_kernels", ("auto", "on", "off")),
+        ("native_build", BUILDS),
+        ("native_build_limit", BUILDS),
+        ("decode_attention", ("auto", "native", "sdpa")),
+    ):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(
+                f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+            )
+    if "auto" not in (cfg.native_build, cfg.native_build_limit) and BUILDS.index(
+        cfg.native_build
+    ) < BUILDS.index(cfg.native_build_limit):
+        raise ConfigError(
+            f"--native-build {cfg.native_build} is wider than --native-build-limit {cfg.native_build_limit}; drop one of them"
+        )
+    if cfg.native_kernels == "off" and (cfg.forward == "fused" or cfg.decode_attention == "native"):
+        raise ConfigError(
+            "--forward fused and --decode-attention native need the native kernels; drop --native-kernels off"
+        )
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {cfg.dtype!r}; use {', '.join(DTYPES)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"bad device {cfg.device!r}; use auto, cpu, cuda or cuda:N")
+
+
+def _check_policy_numbers(cfg: EngineConfig) -> None:
+    """The miss policy's cut-off, the admission trigger and the frequency decay."""
+    if (
+        not 0.0 <= cfg.threshold <= 1.0
+        or cfg.admission_beta <= 0
+        or not 0.0 < cfg.frequency_decay <= 1.0
+    ):
+        raise ConfigError(
+            "threshold must be in [0, 1], admission_beta > 0 and frequency_decay in (0, 1]"
+        )
+
+
+def _check_specs(cfg: EngineConfig) -> None:
+    """The emulated link and the injected read faults: each spec parses (or raises ConfigError)."""
+    if cfg.link:
+        from engine.link_spec import parse_link
+
+        parse_link(cfg.link)
+    if cfg.expert_read_faults is not None:
+        from engine.read_fault_spec import parse_read_faults
+
+        parse_read_faults(cfg.expert_read_faults)

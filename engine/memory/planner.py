@@ -1,7 +1,8 @@
 """Where each part of a model goes, sized to the machine: the memory plan.
 
 Inputs: the model's Footprint, what the machine has free (machine.py), and the settings. Open
-choices (no --cache-fraction / --cache-bytes, --offload auto) are made here:
+choices (no --cache-fraction / --cache-bytes, --offload auto) are made here (the expert tiers'
+in tier_sizing.py):
 - the fast tier holds every expert when they fit beside the dense part, the KV reservation,
   the scratch and the headroom; else what is left of the budget;
 - the slow tier is host RAM when every expert fits in the host budget, else the checkpoint on disk.
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 
 from engine.budget import fmt_bytes, resolve_budget
 from engine.config import EngineConfig
-from engine.errors import ConfigError
 from engine.memory.footprint import Footprint, MiB
 from engine.memory.machine import HostMemory
+from engine.memory.tier_sizing import cpu_tiers, gpu_tiers, is_explicit, short_of
 
 # Where --max-running / --max-model-len are open, the KV reservation covers this many sequences
 # of this many tokens each (or of the model's context, if shorter):
@@ -135,13 +136,6 @@ def _headroom(budget: int, floor: int) -> int:
     return max(floor, int(HEADROOM_SHARE * budget))
 
 
-def _short(what: str, need: int, have: int, hint: str) -> ConfigError:
-    return ConfigError(
-        f"memory plan: {what} needs {fmt_bytes(need)} but the budget leaves {fmt_bytes(max(0, have))} "
-        f"(short by {fmt_bytes(need - max(0, have))}); {hint}"
-    )
-
-
 def plan_memory(
     fp: Footprint,
     cfg: EngineConfig,
@@ -158,6 +152,61 @@ def plan_memory(
     `runtime_bytes`: what the process holds before loading (Python, torch), already outside the
     measured budget, listed so the plan's host total is comparable with the process's RSS;
     `kv_request`: the context length and sequences the KV reservation covers."""
+    budgets = _budgets(cfg, device, host, device_free)
+    fixed = _fixed_pools(fp, cfg, kv_request, budgets)
+    left = _room_left(fixed, budgets)  # for the fast tier (and, on a CPU, a RAM tier)
+    total, slot = fp.total_experts, fp.slot_bytes
+    if budgets.on_gpu:
+        host_left = budgets.host - _headroom(budgets.host, HOST_HEADROOM_MIN)
+        offload, n = gpu_tiers(cfg, total, slot, left, host_left)
+    else:
+        offload, n = cpu_tiers(cfg, total, slot, left)
+    _check_min_slots(fp, cfg, n, left, budgets.on_gpu)
+    pools = _runtime_pools(runtime_bytes) + fixed
+    pools += _tier_pools(fp, cfg, offload, n, budgets.on_gpu)
+    pools += _sidecar_pools(sidecar_bytes, sidecar_disk_free)
+    return MemoryPlan(
+        offload=offload,
+        n_slots=int(n),
+        total_experts=total,
+        slot_bytes=slot,
+        device=device,
+        host_budget=budgets.host,
+        host_source=budgets.host_source,
+        device_budget=budgets.device,
+        pools=tuple(pools),
+    )
+
+
+@dataclass(frozen=True)
+class _Budgets:
+    """The budgets a plan fits in: the host's (and what set it) and, computing on CUDA, the device's."""
+
+    on_gpu: bool
+    host: int
+    host_source: str  # "--host-memory" or what HostMemory measured
+    device: int | None  # None on a CPU
+
+    @property
+    def where(self) -> str:
+        """Where the dense part, the KV cache, the scratch and the fast tier live."""
+        return "device" if self.on_gpu else "host"
+
+    @property
+    def fixed(self) -> int:
+        """The budget the dense part, the KV reservation, the scratch and the headroom come out of."""
+        budget = self.device if self.on_gpu else self.host
+        assert budget is not None
+        return budget
+
+    @property
+    def headroom_floor(self) -> int:
+        """The least headroom kept out of the `fixed` budget."""
+        return DEVICE_HEADROOM_MIN if self.on_gpu else HOST_HEADROOM_MIN
+
+
+def _budgets(cfg: EngineConfig, device: str, host: HostMemory, device_free: int | None) -> _Budgets:
+    """The budgets --host-memory / --device-memory give, else what the machine has free."""
     on_gpu = device.startswith("cuda")
     host_budget = resolve_budget(cfg.host_memory, "--host-memory", host.available)
     host_source = (
@@ -168,160 +217,111 @@ def plan_memory(
     dev_budget = (
         resolve_budget(cfg.device_memory, "--device-memory", device_free or 0) if on_gpu else None
     )
-    dense_where = "device" if on_gpu else "host"
-    total, slot = fp.total_experts, fp.slot_bytes
+    return _Budgets(on_gpu, host_budget, host_source, dev_budget)
 
-    kv, kv_why = kv_reservation(fp, cfg, kv_request)
-    scratch = fp.scratch_bytes()
-    budget_fixed = dev_budget if on_gpu else host_budget
-    assert budget_fixed is not None
-    headroom = _headroom(budget_fixed, DEVICE_HEADROOM_MIN if on_gpu else HOST_HEADROOM_MIN)
-    fixed = [
-        Pool(
-            "dense",
-            dense_where,
-            fp.dense_bytes,
-            f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"
-            + (
-                f"; {fmt_bytes(fp.dense_on_disk_bytes)} of the input embedding stay in the checkpoint, rows read per step"
-                if fp.dense_on_disk_bytes
-                else ""
-            )
-            + (
-                f"; {fmt_bytes(fp.dense_saved_bytes)} less for linears held as int8 (--dense-quant) or bf16"
-                if fp.dense_saved_bytes > 0
-                else ""
-            ),
-        ),
-        Pool("kv_cache", dense_where, kv, kv_why),
+
+def _fixed_pools(fp: Footprint, cfg: EngineConfig, req: KvRequest, budgets: _Budgets) -> list[Pool]:
+    """The pools taken before the expert tiers, where the model computes: the dense part, the KV
+    reservation, the scratch and the headroom."""
+    kv, kv_why = kv_reservation(fp, cfg, req)
+    where, floor = budgets.where, budgets.headroom_floor
+    return [
+        Pool("dense", where, fp.dense_bytes, _dense_why(fp)),
+        Pool("kv_cache", where, kv, kv_why),
         Pool(
             "scratch",
-            dense_where,
-            scratch,
+            where,
+            fp.scratch_bytes(),
             "activations of a 1024-token prefill chunk and kernel workspaces (estimate)",
         ),
         Pool(
             "headroom",
-            dense_where,
-            headroom,
-            f"{HEADROOM_SHARE:.0%} of the budget, at least {fmt_bytes(DEVICE_HEADROOM_MIN if on_gpu else HOST_HEADROOM_MIN)}",
+            where,
+            _headroom(budgets.fixed, floor),
+            f"{HEADROOM_SHARE:.0%} of the budget, at least {fmt_bytes(floor)}",
         ),
     ]
+
+
+def _dense_why(fp: Footprint) -> str:
+    """What the dense pool holds, in which dtype, and what of it is elsewhere or smaller."""
+    return (
+        f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"
+        + (
+            f"; {fmt_bytes(fp.dense_on_disk_bytes)} of the input embedding stay in the checkpoint, rows read per step"
+            if fp.dense_on_disk_bytes
+            else ""
+        )
+        + (
+            f"; {fmt_bytes(fp.dense_saved_bytes)} less for linears held as int8 (--dense-quant) or bf16"
+            if fp.dense_saved_bytes > 0
+            else ""
+        )
+    )
+
+
+def _room_left(fixed: list[Pool], budgets: _Budgets) -> int:
+    """Bytes the budget leaves the expert tiers after the `fixed` pools; raises where nothing is left."""
     fixed_bytes = sum(p.nbytes for p in fixed)
-    left = budget_fixed - fixed_bytes  # for the fast tier (and, on a CPU, a RAM tier)
+    left = budgets.fixed - fixed_bytes
     if left <= 0:
-        raise _short(
+        raise short_of(
             "the dense part, KV reservation, scratch and headroom",
             fixed_bytes,
-            budget_fixed,
+            budgets.fixed,
             "raise --device-memory / --host-memory or lower --max-model-len / --max-running / --kv-tokens"
-            if on_gpu
+            if budgets.on_gpu
             else "raise --host-memory or lower --max-model-len / --max-running / --kv-tokens",
         )
-    explicit = cfg.cache_bytes is not None or cfg.cache_fraction is not None
-    offload = cfg.offload
-    min_slots = min(total, fp.top_k)
-    if on_gpu:
-        if explicit:
-            n = _explicit_slots(cfg, total, slot)
-            if n * slot > left:
-                raise _short(
-                    f"the fast tier ({n} experts)",
-                    n * slot,
-                    left,
-                    "lower --cache-fraction / --cache-bytes or raise --device-memory",
-                )
-        else:
-            n = min(total, left // slot)
-        host_left = host_budget - _headroom(host_budget, HOST_HEADROOM_MIN)
-        if offload == "auto":
-            offload = "ram" if total * slot <= host_left else "disk"
-        elif offload == "ram" and total * slot > host_left:
-            raise _short(
-                "the RAM tier (every expert, pinned)",
-                total * slot,
-                host_left,
-                "use --offload disk or raise --host-memory",
-            )
-    else:
-        all_ram = total * slot
-        if explicit:
-            n = _explicit_slots(cfg, total, slot)
-            ram_need = all_ram + (0 if n == total else n * slot)
-            if offload == "auto":
-                offload = "ram" if ram_need <= left else "disk"
-            need = ram_need if offload == "ram" else n * slot
-            if need > left:
-                what = (
-                    f"the RAM tier and a {n}-expert fast tier"
-                    if offload == "ram"
-                    else f"the fast tier ({n} experts)"
-                )
-                raise _short(
-                    what,
-                    need,
-                    left,
-                    "lower --cache-fraction / --cache-bytes, use --offload disk, or raise --host-memory",
-                )
-        elif offload in ("auto", "ram") and all_ram <= left:
-            offload, n = "ram", total
-        elif offload == "ram":
-            raise _short(
-                "every expert in RAM",
-                all_ram,
-                left,
-                "use --offload disk (the fast tier is then sized to the budget) or raise --host-memory",
-            )
-        else:
-            offload, n = "disk", min(total, left // slot)
-    if (
-        n < min_slots and not explicit
+    return left
+
+
+def _check_min_slots(fp: Footprint, cfg: EngineConfig, n: int, left: int, on_gpu: bool) -> None:
+    """Raises where the planner's own fast tier of `n` slots holds less than one token's top-k."""
+    min_slots = min(fp.total_experts, fp.top_k)
+    if n < min_slots and not is_explicit(
+        cfg
     ):  # an explicit size below one token's top-k streams; the planner never picks one
-        raise _short(
+        raise short_of(
             f"the fast tier's minimum ({min_slots} experts: one token's top-k)",
-            min_slots * slot,
+            min_slots * fp.slot_bytes,
             left,
             "raise --device-memory / --host-memory" if on_gpu else "raise --host-memory",
         )
-    share = n / total
-    why_n = f"{n} of {total} experts ({share:.0%}): " + (
-        "--cache-bytes"
-        if cfg.cache_bytes is not None
-        else f"--cache-fraction {cfg.cache_fraction}"
-        if explicit
-        else "every expert fits"
-        if n == total
-        else "what the budget leaves after the rows above"
-    )
+
+
+def _runtime_pools(runtime_bytes: int) -> list[Pool]:
+    """The process's own bytes before loading, listed where measured (none where 0)."""
+    if not runtime_bytes:
+        return []
+    return [
+        Pool(
+            "runtime",
+            "host",
+            runtime_bytes,
+            "this process before loading: Python, torch, transformers (measured; not taken from the budget)",
+        )
+    ]
+
+
+def _tier_pools(fp: Footprint, cfg: EngineConfig, offload: str, n: int, on_gpu: bool) -> list[Pool]:
+    """The fast tier's pool (`n` slots) and the slow tier's (`offload`: "ram" or "disk")."""
+    total, slot = fp.total_experts, fp.slot_bytes
+    why_n = _fast_tier_why(cfg, n, total)
     fast_where = "device" if on_gpu else "host"
-    pools = (
-        [
-            Pool(
-                "runtime",
-                "host",
-                runtime_bytes,
-                "this process before loading: Python, torch, transformers (measured; not taken from the budget)",
-            )
-        ]
-        if runtime_bytes
-        else []
-    )
-    pools += fixed
     if not on_gpu and offload == "ram" and n == total:
-        pools.append(
-            Pool("fast_tier", fast_where, 0, why_n + "; the RAM tier's buffer itself (zero-copy)")
+        fast = Pool(
+            "fast_tier", fast_where, 0, why_n + "; the RAM tier's buffer itself (zero-copy)"
         )
     else:
-        pools.append(Pool("fast_tier", fast_where, n * slot, why_n))
+        fast = Pool("fast_tier", fast_where, n * slot, why_n)
     if offload == "ram":
-        pools.append(
-            Pool(
-                "slow_tier",
-                "host",
-                total * slot,
-                "every expert in host RAM: they fit the host budget"
-                + (" (pinned, in chunks)" if on_gpu else ""),
-            )
+        slow = Pool(
+            "slow_tier",
+            "host",
+            total * slot,
+            "every expert in host RAM: they fit the host budget"
+            + (" (pinned, in chunks)" if on_gpu else ""),
         )
     else:
         why = (
@@ -329,39 +329,46 @@ def plan_memory(
             if cfg.offload == "disk"
             else f"every expert ({fmt_bytes(total * slot)}) exceeds the host budget: read from the checkpoint with uncached I/O"
         )
-        pools.append(Pool("slow_tier", "disk", total * fp.expert_disk_bytes, why))
-    if sidecar_bytes:
-        if sidecar_disk_free is not None and sidecar_bytes > sidecar_disk_free:
-            raise _short(
-                "the quantized-expert cache file",
-                sidecar_bytes,
-                sidecar_disk_free,
-                "free disk space or set --quant-cache-dir",
-            )
-        pools.append(
-            Pool(
-                "quant_sidecar",
-                "disk",
-                sidecar_bytes,
-                "quantized experts written once to --quant-cache-dir",
-            )
-        )
-    return MemoryPlan(
-        offload, int(n), total, slot, device, host_budget, host_source, dev_budget, tuple(pools)
+        slow = Pool("slow_tier", "disk", total * fp.expert_disk_bytes, why)
+    return [fast, slow]
+
+
+def _fast_tier_why(cfg: EngineConfig, n: int, total: int) -> str:
+    """Why the fast tier holds `n` of `total` experts: a flag, or what the budget allows."""
+    share = n / total
+    return f"{n} of {total} experts ({share:.0%}): " + (
+        "--cache-bytes"
+        if cfg.cache_bytes is not None
+        else f"--cache-fraction {cfg.cache_fraction}"
+        if is_explicit(cfg)
+        else "every expert fits"
+        if n == total
+        else "what the budget leaves after the rows above"
     )
+
+
+def _sidecar_pools(sidecar_bytes: int, sidecar_disk_free: int | None) -> list[Pool]:
+    """The quantized-expert file still to be written (none where 0); raises where the disk lacks room."""
+    if not sidecar_bytes:
+        return []
+    if sidecar_disk_free is not None and sidecar_bytes > sidecar_disk_free:
+        raise short_of(
+            "the quantized-expert cache file",
+            sidecar_bytes,
+            sidecar_disk_free,
+            "free disk space or set --quant-cache-dir",
+        )
+    return [
+        Pool(
+            "quant_sidecar",
+            "disk",
+            sidecar_bytes,
+            "quantized experts written once to --quant-cache-dir",
+        )
+    ]
 
 
 def _is_fraction(text: str) -> bool:
     from engine.budget import parse_budget
 
     return parse_budget(text, "")[1] is not None
-
-
-def _explicit_slots(cfg: EngineConfig, total: int, slot_bytes: int) -> int:
-    """Fast-tier slots --cache-bytes or --cache-fraction ask for (at least 1, at most every expert)."""
-    n = (
-        cfg.cache_bytes // slot_bytes
-        if cfg.cache_bytes is not None
-        else round((cfg.cache_fraction or 1.0) * total)
-    )
-    return int(min(total, max(1, n)))

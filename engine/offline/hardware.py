@@ -237,17 +237,28 @@ def check_sources(node: Any, where: str) -> int:
     return 0
 
 
-def _device_expert(dev: dict, where: str, params: int, nbytes: float) -> tuple[float, float]:
-    bw = (
+def _mem_bw(dev: dict, where: str) -> float:
+    """The device's effective memory bandwidth in bytes/s: GB/s x the profile's efficiency."""
+    return (
         _num(dev["mem_gb_s"], f"{where}.mem_gb_s")
         * 1e9
         * _num(dev["mem_efficiency"], f"{where}.mem_efficiency")
     )
-    flops = (
+
+
+def _flops(dev: dict, where: str) -> float:
+    """The device's effective FLOP/s: TFLOP/s x the profile's efficiency."""
+    return (
         _num(dev["tflops"], f"{where}.tflops")
         * 1e12
         * _num(dev["flop_efficiency"], f"{where}.flop_efficiency")
     )
+
+
+def _device_expert(dev: dict, where: str, params: int, nbytes: float) -> tuple[float, float]:
+    """(a, b) of one expert on `dev`: t(rows) = a + b·rows (reading `nbytes`, then `params` per row)."""
+    bw = _mem_bw(dev, where)
+    flops = _flops(dev, where)
     over = _num(dev["expert_overhead_us"], f"{where}.expert_overhead_us") * 1e-6
     return over + nbytes / bw, 2.0 * params / flops
 
@@ -267,38 +278,60 @@ def resolve_costs(
     nbytes = int(expert_bytes or math.ceil(shape.expert_params * bpp))
     measured = (profile.get("measured") or {}).get(shape.name)
     if measured is not None:
-        m = lambda key: _num(measured[key], f"{name}.measured.{shape.name}.{key}")  # noqa: E731
-        costs = Costs(
-            profile=name,
-            shape=shape.name,
-            expert_bytes=nbytes,
-            link_mb_per_s=_num(link["mb_per_s"], f"{name}.link.mb_per_s"),
-            link_latency_s=_num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
-            transfer_workers=int(_num(link["workers"], f"{name}.link.workers")),
-            fast=(m("expert_a_us") * 1e-6, m("expert_b_us") * 1e-6),
-            cpu=(m("cpu_expert_a_us") * 1e-6, m("cpu_expert_b_us") * 1e-6),
-            cpu_workers=int(m("cpu_workers")),
-            dense=(m("dense_a_us") * 1e-6, m("dense_b_us") * 1e-6),
-            cpu_reads_over_link=bool(measured.get("cpu_reads_over_link", False)),
-            per_load_s=m("per_load_us") * 1e-6 if "per_load_us" in measured else 0.0,
-            draft_token_s=m("draft_token_us") * 1e-6 if "draft_token_us" in measured else 0.0,
-            dense_extra_row=m("dense_extra_row_us") * 1e-6
-            if "dense_extra_row_us" in measured
-            else None,
-            dense_points=_points(
-                measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows"
-            )
-            if "dense_us_by_rows" in measured
-            else None,
-            cpu_is_fast_device=bool(measured.get("cpu_is_fast_device", False)),
-            utility_step_s=m("utility_step_us") * 1e-6 if "utility_step_us" in measured else 0.0,
-            notes=("measured",),
-        )
-        return costs
+        return _measured_costs(name, link, shape, nbytes, measured)
     if "fast" not in profile or "cpu" not in profile:
         raise ProfileError(
             f"{name}: no measured costs for shape {shape.name!r} and no fast/cpu datasheet figures to derive them"
         )
+    return _derived_costs(profile, shape, nbytes, bpp)
+
+
+def _costs_header(name: str, shape: ModelShape, nbytes: int, link: dict) -> dict[str, Any]:
+    """The fields of Costs that measured and derived costs share: what they are for, the expert's
+    bytes and the link (MB/s, per-transfer latency in seconds, transfer workers)."""
+    return {
+        "profile": name,
+        "shape": shape.name,
+        "expert_bytes": nbytes,
+        "link_mb_per_s": _num(link["mb_per_s"], f"{name}.link.mb_per_s"),
+        "link_latency_s": _num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
+        "transfer_workers": int(_num(link["workers"], f"{name}.link.workers")),
+    }
+
+
+def _measured_costs(
+    name: str, link: dict, shape: ModelShape, nbytes: int, measured: dict[str, Any]
+) -> Costs:
+    """The costs profile `name` measured for `shape` (its `measured:` entry for the shape)."""
+    m = lambda key: _num(measured[key], f"{name}.measured.{shape.name}.{key}")  # noqa: E731
+    header = _costs_header(name, shape, nbytes, link)
+    return Costs(
+        **header,
+        fast=(m("expert_a_us") * 1e-6, m("expert_b_us") * 1e-6),
+        cpu=(m("cpu_expert_a_us") * 1e-6, m("cpu_expert_b_us") * 1e-6),
+        cpu_workers=int(m("cpu_workers")),
+        dense=(m("dense_a_us") * 1e-6, m("dense_b_us") * 1e-6),
+        cpu_reads_over_link=bool(measured.get("cpu_reads_over_link", False)),
+        per_load_s=m("per_load_us") * 1e-6 if "per_load_us" in measured else 0.0,
+        draft_token_s=m("draft_token_us") * 1e-6 if "draft_token_us" in measured else 0.0,
+        dense_extra_row=m("dense_extra_row_us") * 1e-6
+        if "dense_extra_row_us" in measured
+        else None,
+        dense_points=_points(
+            measured["dense_us_by_rows"], f"{name}.measured.{shape.name}.dense_us_by_rows"
+        )
+        if "dense_us_by_rows" in measured
+        else None,
+        cpu_is_fast_device=bool(measured.get("cpu_is_fast_device", False)),
+        utility_step_s=m("utility_step_us") * 1e-6 if "utility_step_us" in measured else 0.0,
+        notes=("measured",),
+    )
+
+
+def _derived_costs(profile: dict[str, Any], shape: ModelShape, nbytes: int, bpp: float) -> Costs:
+    """The costs derived for `shape` from the profile's fast/cpu datasheet figures (the module
+    docstring gives the formulas); `bpp`: bytes per expert parameter on the link."""
+    name = profile["name"]
     fast, cpu = profile["fast"], profile["cpu"]
     g = _device_expert(fast, f"{name}.fast", shape.expert_params, nbytes)
     # The CPU computes from host memory in the checkpoint's precision (bf16) unless it says otherwise.
@@ -308,16 +341,28 @@ def resolve_costs(
         else bpp
     )
     h = _device_expert(cpu, f"{name}.cpu", shape.expert_params, shape.expert_params * cpu_bpp)
-    bw = (
-        _num(fast["mem_gb_s"], f"{name}.fast.mem_gb_s")
-        * 1e9
-        * _num(fast["mem_efficiency"], f"{name}.fast.mem_efficiency")
+    dense = _dense_costs(profile, shape)
+    draft = profile.get("draft_token_us")
+    header = _costs_header(name, shape, nbytes, profile["link"])
+    return Costs(
+        **header,
+        fast=g,
+        cpu=h,
+        cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")),
+        dense=dense,
+        cpu_reads_over_link=bool(cpu.get("reads_over_link", False)),
+        cpu_is_fast_device=bool(cpu.get("is_fast_device", False)),
+        draft_token_s=_num(draft, f"{name}.draft_token_us") * 1e-6 if draft else 0.0,
+        notes=("derived",),
     )
-    flops = (
-        _num(fast["tflops"], f"{name}.fast.tflops")
-        * 1e12
-        * _num(fast["flop_efficiency"], f"{name}.fast.flop_efficiency")
-    )
+
+
+def _dense_costs(profile: dict[str, Any], shape: ModelShape) -> tuple[float, float]:
+    """(d0, d1) of the dense part of one layer on the fast device, the LM head spread over the layers:
+    d0 reads the weights once per step, d1 computes one row."""
+    name, fast = profile["name"], profile["fast"]
+    bw = _mem_bw(fast, f"{name}.fast")
+    flops = _flops(fast, f"{name}.fast")
     dense_bpp = _num(
         profile.get("dense_bytes_per_param", {"value": 2, "source": "bf16"}),
         f"{name}.dense_bytes_per_param",
@@ -328,23 +373,7 @@ def resolve_costs(
         + params * dense_bpp / bw
     )
     d1 = 2.0 * params / flops
-    draft = profile.get("draft_token_us")
-    return Costs(
-        profile=name,
-        shape=shape.name,
-        expert_bytes=nbytes,
-        link_mb_per_s=_num(link["mb_per_s"], f"{name}.link.mb_per_s"),
-        link_latency_s=_num(link["latency_us"], f"{name}.link.latency_us") * 1e-6,
-        transfer_workers=int(_num(link["workers"], f"{name}.link.workers")),
-        fast=g,
-        cpu=h,
-        cpu_workers=int(_num(cpu["workers"], f"{name}.cpu.workers")),
-        dense=(d0, d1),
-        cpu_reads_over_link=bool(cpu.get("reads_over_link", False)),
-        cpu_is_fast_device=bool(cpu.get("is_fast_device", False)),
-        draft_token_s=_num(draft, f"{name}.draft_token_us") * 1e-6 if draft else 0.0,
-        notes=("derived",),
-    )
+    return d0, d1
 
 
 def costs_for(

@@ -113,29 +113,7 @@ class Simulator(LayerReplay):
                 cell, cells, prefilled = [0] * S, cells + 1, False
                 self.k_policy = AdaptiveK(s.k, adaptive=s.adaptive)
                 continue
-            windows: list[tuple[int, list[int], int]] = []  # (stream, rows, kept rows)
-            deepest = 0
-            for i in live:
-                left = ends[i] - pos[i] - 1
-                if s.request_tokens:
-                    left = min(left, s.request_tokens - cell[i] - 1)
-                k = min(self.k_policy.k_for(f"{cells}.{i}") if s.speculative else 0, left)
-                # A rejected proposal's row routes like the true token at its position: the trace has
-                # no routing for tokens the target did not produce. Routing such rows like random
-                # tokens instead made speculation behind disk 0.35-0.65x of off against 0.82-1.0x
-                # measured (docs/benchmarks/simulator.md): real proposals share most experts with
-                # the true tokens, so this errs on the optimistic side.
-                rows = list(range(pos[i], pos[i] + k + 1))
-                kept = s.acceptance.draw(k, self.rng) if k else 0
-                if k:
-                    self.k_policy.observe(f"{cells}.{i}", k, kept)
-                    r.verifications += 1
-                    r.verified_tokens += kept + 1
-                deepest = max(deepest, k)
-                windows.append((i, rows, kept + 1))
-                pos[i] += kept + 1
-                cell[i] += kept + 1
-                r.tokens += kept + 1
+            windows, deepest = self._windows(live, pos, ends, cell, cells)
             if deepest:
                 draft = (
                     deepest * self.costs.draft_token_s
@@ -162,6 +140,39 @@ class Simulator(LayerReplay):
             r.minus(before, after)
         r.replay_s = time.perf_counter() - t_wall
         return r
+
+    def _windows(
+        self, live: list[int], pos: list[int], ends: list[int], cell: list[int], cells: int
+    ) -> tuple[list[tuple[int, list[int], int]], int]:
+        """This step's rows of each `live` stream: one (plain decode) or a verification window of
+        k+1 (speculative), of which the acceptance model keeps some. Advances `pos` and `cell` (the
+        tokens of each stream's current request, in cell `cells`) by the kept rows. Returns the
+        windows, (stream, rows, kept rows), and the deepest k."""
+        s, r = self.s, self.r
+        windows: list[tuple[int, list[int], int]] = []  # (stream, rows, kept rows)
+        deepest = 0
+        for i in live:
+            left = ends[i] - pos[i] - 1
+            if s.request_tokens:
+                left = min(left, s.request_tokens - cell[i] - 1)
+            k = min(self.k_policy.k_for(f"{cells}.{i}") if s.speculative else 0, left)
+            # A rejected proposal's row routes like the true token at its position: the trace has
+            # no routing for tokens the target did not produce. Routing such rows like random
+            # tokens instead made speculation behind disk 0.35-0.65x of off against 0.82-1.0x
+            # measured (docs/benchmarks/simulator.md): real proposals share most experts with
+            # the true tokens, so this errs on the optimistic side.
+            rows = list(range(pos[i], pos[i] + k + 1))
+            kept = s.acceptance.draw(k, self.rng) if k else 0
+            if k:
+                self.k_policy.observe(f"{cells}.{i}", k, kept)
+                r.verifications += 1
+                r.verified_tokens += kept + 1
+            deepest = max(deepest, k)
+            windows.append((i, rows, kept + 1))
+            pos[i] += kept + 1
+            cell[i] += kept + 1
+            r.tokens += kept + 1
+        return windows, deepest
 
     def _snapshot(self) -> SimResult:
         return replace(self.r, evictions=self.cache.evictions, prefetch_wasted=self.cache.wasted)
