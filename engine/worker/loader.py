@@ -124,13 +124,13 @@ def load_dense_model(
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(
-        model,
-        model.config,
-        tokenizer,
-        gen_cfg,
-        model_dir,
-        dev,
-        packed,
+        model=model,
+        config=model.config,
+        tokenizer=tokenizer,
+        generation_config=gen_cfg,
+        model_dir=model_dir,
+        device=dev,
+        packed=packed,
         runner_factory=ModelRunner,
         native=native,
     )
