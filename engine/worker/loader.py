@@ -236,8 +236,8 @@ def _memory_plan(
 
 
 def _finish_dense(model: PreTrainedModel, cfg: EngineConfig, device: torch.device) -> None:
-    """The filled dense weights as the flags ask them run: quantized (--dense-quant), f32 read as
-    bf16 (--bf16-dense), and on the CPU through the native kernels."""
+    """The filled dense weights as the settings ask them run: quantized (--dense-quant), f32 linears
+    holding bf16 values read as bf16 (unless --no-bf16-dense), and on the CPU the native kernels."""
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
     quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
     if narrows_dense(cfg.bf16_dense, device):
