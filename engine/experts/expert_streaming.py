@@ -129,13 +129,7 @@ class ExpertStreamer:
         self._stream(
             layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu, meter, cpu
         )
-        # Sum each row's k contributions in ascending expert order (transformers' order).
-        perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
-        c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
-        out = c[:, 0].clone()
-        for j in range(1, k):
-            out += c[:, j]
-        return out
+        return _ascending_sum(ids, contrib, T, k)
 
     def _single_row(
         self,
@@ -276,3 +270,14 @@ class ExpertStreamer:
                 return to_load[i:]  # every slot is pinned; retry after computing something
             waiting[e] = t
         return []
+
+
+def _ascending_sum(ids: torch.Tensor, contrib: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """Each row's k contributions (contrib [T*k, H], row-slot order) summed in ascending expert order
+    of `ids` [T, k] (transformers' order). Returns [T, H]."""
+    perm = torch.argsort(ids, dim=1, stable=True)  # [T, k]
+    c = contrib.view(T, k, -1).gather(1, perm.unsqueeze(-1).expand(-1, -1, contrib.shape[1]))
+    out = c[:, 0].clone()
+    for j in range(1, k):
+        out += c[:, j]
+    return out

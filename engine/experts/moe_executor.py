@@ -26,7 +26,7 @@ from engine.experts.cpu_split import CpuSplit
 from engine.experts.device_lane import DeviceLane
 from engine.experts.executor_api import ExecutorCapabilities
 from engine.experts.expert_compute import ExpertCompute
-from engine.experts.expert_store import ExpertStore
+from engine.experts.expert_store import ExpertLease, ExpertStore
 from engine.experts.expert_streaming import ExpertLoadError, ExpertStreamer
 from engine.experts.native_moe import NativeMoe, SlotPointers
 from engine.experts.quant import ExpertFormat
@@ -138,7 +138,6 @@ class MoeExecutor:
         pick (its logits, or sigmoid + bias), read by policies that choose stand-ins. Returns [T, H]."""
         if ids.shape[0] == 1 and self.store.complete and self.lane_open():
             return self._resident_lane(layer, x, ids, weights)
-        E = self.num_experts
         ids_list = ids.tolist()
         weight_rows = weights.tolist()
         logit_rows = scores.tolist() if self.policy.needs_logits else None
@@ -146,29 +145,9 @@ class MoeExecutor:
             self.transfers.settle(layer)
         self.store.begin_layer(layer)
         with self.store.lease() as lease:
-            # Plan and pin under the store lock: no thread can evict an expert between the
-            # policy counting it as a hit (or choosing it as a stand-in) and this layer using it.
-            with self.store.lock:
-                plan = self.policy.plan(
-                    layer,
-                    ids_list,
-                    weight_rows,
-                    lambda e: self.store.is_resident(layer * E + e),
-                    logit_rows,
-                )
-                fetch = set(plan.fetch)
-                needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
-                if plan.experts is ids_list and not fetch:
-                    ready = needed  # the router's own choice, every expert found resident by the plan under this lock
-                else:
-                    ready = [
-                        e
-                        for e in needed
-                        if e not in fetch and self.store.is_resident(layer * E + e)
-                    ]
-                keys = [layer * E + e for e in ready]
-                lease.pin_all(keys)
-                self.store.touch_all(keys)
+            plan, needed, ready = self._plan_and_pin(
+                layer, lease, ids_list, weight_rows, logit_rows
+            )
             self.store.tick()
             self.stats.record_lookups(layer, len(ready), len(needed) - len(ready))
             self._account(plan)
@@ -216,6 +195,40 @@ class MoeExecutor:
                 layer
             )  # this layer's slots are unpinned now: room for the next layer's prefetches
         return out
+
+    def _plan_and_pin(
+        self,
+        layer: int,
+        lease: ExpertLease,
+        ids_list: list,
+        weight_rows: list[list[float]],
+        logit_rows: list[list[float]] | None,
+    ) -> tuple[ExpertPlan, list[int], list[int]]:
+        """The policy's plan for `layer`, the experts it needs (ascending) and those of them resident,
+        which are pinned by `lease` and touched. Plan and pin under the store lock: no thread can evict
+        an expert between the policy counting it as a hit (or choosing it as a stand-in) and this
+        layer using it."""
+        E = self.num_experts
+        with self.store.lock:
+            plan = self.policy.plan(
+                layer,
+                ids_list,
+                weight_rows,
+                lambda e: self.store.is_resident(layer * E + e),
+                logit_rows,
+            )
+            fetch = set(plan.fetch)
+            needed = sorted({e for row in plan.experts for e in row if e != DROPPED})
+            if plan.experts is ids_list and not fetch:
+                ready = needed  # the router's own choice, every expert found resident by the plan under this lock
+            else:
+                ready = [
+                    e for e in needed if e not in fetch and self.store.is_resident(layer * E + e)
+                ]
+            keys = [layer * E + e for e in ready]
+            lease.pin_all(keys)
+            self.store.touch_all(keys)
+        return plan, needed, ready
 
     def _resident_lane(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

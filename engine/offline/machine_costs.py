@@ -219,7 +219,7 @@ def kernel_speeds(
     from engine.native.build import compiler, library_path
     from engine.native.loaded import _builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
-    from engine.worker.loader import decode_shapes
+    from engine.worker.expert_setup import decode_shapes
 
     shapes = decode_shapes(config, dtype, H, I, top_k)
     mxfp4 = expert_format == "mxfp4" and expert_quant == "none"  # gpt-oss's experts as shipped

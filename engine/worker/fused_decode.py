@@ -131,18 +131,9 @@ class FusedDecode:
             or not (cos.is_contiguous() and sin.is_contiguous())
         ):
             return dispatch.NOT_PLANNED
-        n_specs, limit = (
-            len(self._specs),
-            min(max_positions, self._positions),
-        )  # the scratch holds scores for _positions
-        for c, n in zip(caches, rows):
-            layers: list[Any] = c.layers  # in-place or paged, checked here
-            if len(layers) < n_specs or not all(
-                type(layer) in NATIVE_KV_LAYERS for layer in layers[:n_specs]
-            ):
-                return dispatch.NOT_PLANNED
-            if layers[0].get_seq_length() + n > limit:
-                return dispatch.OUT_OF_RANGE
+        declined = self._caches_decline(caches, rows, max_positions)
+        if declined is not None:
+            return declined
         lib, nt, R = self.kernels.lib, torch.get_num_threads(), x.shape[0]
         assert self._work is not None and self._kv_like is not None  # built
         xp, hp, cp, sp, work = (
@@ -187,6 +178,25 @@ class FusedDecode:
             block.executor.stats.record_all_hits(block.layer, calls * R)
         if self._blocks and self._blocks[0].bus.active:
             self._publish_routing(R)
+        return None
+
+    def _caches_decline(
+        self, caches: list[DynamicCache], rows: tuple[int, ...], max_positions: int
+    ) -> str | None:
+        """Why the requests' caches cannot take this step (one of dispatch's reasons: a cache layer
+        the native call cannot write, or rows past the scratch's positions), or None."""
+        n_specs, limit = (
+            len(self._specs),
+            min(max_positions, self._positions),
+        )  # the scratch holds scores for _positions
+        for c, n in zip(caches, rows):
+            layers: list[Any] = c.layers  # in-place or paged, checked here
+            if len(layers) < n_specs or not all(
+                type(layer) in NATIVE_KV_LAYERS for layer in layers[:n_specs]
+            ):
+                return dispatch.NOT_PLANNED
+            if layers[0].get_seq_length() + n > limit:
+                return dispatch.OUT_OF_RANGE
         return None
 
     def _publish_routing(self, R: int) -> None:

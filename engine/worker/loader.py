@@ -2,10 +2,11 @@
 
 Steps: read config.json -> build the transformers model on the meta device (nothing is
 allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert
-parameters) -> plan memory, build slow tier, fast tier and transfer engine -> materialize the
-rest on the compute device and fill it from the safetensors files by name -> on the CPU, replace
-the norms and bf16 linears with their native counterparts (engine/native/layers.py) -> attach
-MoE-SpAc's parts (engine/worker/spac_setup.py) -> resolve the dispatcher's plan -> warm start.
+parameters) -> plan memory, build slow tier, fast tier and transfer engine (the routed experts'
+steps: engine/worker/expert_setup.py) -> materialize the rest on the compute device and fill it
+from the safetensors files by name -> on the CPU, replace the norms and bf16 linears with their
+native counterparts (engine/native/layers.py) -> attach MoE-SpAc's parts
+(engine/worker/spac_setup.py) -> resolve the dispatcher's plan -> warm start.
 What a load returns: engine/worker/loaded_model.py.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +23,23 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    PretrainedConfig,
     PreTrainedModel,
 )
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
-from engine.experts.cost_meter import CostMeter
-from engine.experts.expert_kernels import make_kernel
-from engine.experts.expert_source import expert_source, native_slot_dtype, read_dense
-from engine.experts.expert_store import ExpertStore
-from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.moe_block import OffloadedMoeBlock
-from engine.experts.moe_executor import MoeExecutor
-from engine.experts.read_faults import ReadFaults
+from engine.experts.expert_source import read_dense
 from engine.experts.route_log import RouteLog
-from engine.experts.routing_bus import RoutingBus
-from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
-from engine.experts.transfers import TransferEngine
+from engine.experts.slow_tier import SlowTier
 from engine.huge_pages import rehome_untouched
+from engine.memory.footprint import Footprint
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.memory.planner import KvRequest, kv_token_budget
-from engine.native.autotune import DecodeShapes
+from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget
 from engine.native.layers import accelerate
-from engine.native.loaded import NativeChoice, activate, active, resolve_native_kernels
+from engine.native.loaded import NativeChoice, active
 from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
-from engine.read_fault_spec import parse_read_faults
 from engine.stats import EngineStats
 from engine.weights.arch import arch_for, disk_names, text_config, unsupported
-from engine.weights.arch_adapters import adapter_for
 from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import (
     DiskEmbedding,
@@ -59,16 +47,22 @@ from engine.weights.disk_embedding import (
     input_embedding_name,
     resident_bytes,
 )
-from engine.weights.expert_layout import ExpertShape
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
-from engine.weights.moe_hook import decoder_layers, expert_geometry, find_moe_sites, verify_block
+from engine.weights.moe_hook import MoeSite, decoder_layers, find_moe_sites
 from engine.worker.dispatch import ExecutionPlan, resolve_plan
+from engine.worker.expert_setup import (
+    Checkpoint,
+    ExpertRuntime,
+    RoutedExperts,
+    expert_runtime,
+    routed_experts,
+    warm,
+)
 from engine.worker.loaded_model import LoadedModel, OffloadedModel
 from engine.worker.packed_batch import use_packed_attention
 from engine.worker.runner import ModelRunner
-from engine.worker.spac_setup import attach_spac, prefetch_kinds
-from policies.miss import SubstitutingPolicy
-from policies.utility import protect_ticks
+from engine.worker.spac_setup import attach_spac
+from policies.registry import PolicyBundle
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +124,13 @@ def load_dense_model(
     packed = use_packed_attention(model)
     tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
     return LoadedModel(
-        model,
-        model.config,
-        tokenizer,
-        gen_cfg,
-        model_dir,
-        dev,
-        packed,
+        model=model,
+        config=model.config,
+        tokenizer=tokenizer,
+        generation_config=gen_cfg,
+        model_dir=model_dir,
+        device=dev,
+        packed=packed,
         runner_factory=ModelRunner,
         native=native,
     )
@@ -153,180 +147,137 @@ def load_model(
 
 
 def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> OffloadedModel:
+    """The load's steps (the module docstring outlines them), in load_model's copy of the context."""
+    ck, policies = _read_checkpoint(model_dir, cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(ck.config, dtype=ck.dtype)
+    layers = decoder_layers(model)
+    ex = routed_experts(ck, _moe_sites(model, ck), cfg)
+    stats = EngineStats(num_layers=len(layers))
+    # The input embedding's rows stay in the checkpoint where they can (engine/weights/disk_embedding.py).
+    embedding = disk_embedding_source(
+        model, ck.config, ck.spec, ck.tensors, ck.dtype, ck.device, enabled=cfg.embedding_on_disk
+    )
+    fp, mplan = _memory_plan(model, ck, ex, cfg, kv_request, embedding)
+    rt = expert_runtime(ck, ex, cfg, mplan, policies, stats)
+    _materialize(model, ck, cfg.huge_pages, embedding)
+    _finish_dense(model, cfg, ck.device)
+    om = _offloaded_model(model, ck, cfg, ex, rt, stats)
+    om.memory_plan = mplan
+    om.kv_token_budget = kv_token_budget(fp, cfg, kv_request)  # the scheduler admits against it
+    # Planned and used bytes per pool, for /metrics.
+    stats.memory_probe = memory_probe(mplan, om.model, rt.store, rt.tier)
+    attach_spac(om, cfg, rt.kinds, policies.eviction, rt.tier, ex.fmt, meter=rt.meter)
+    if cfg.route_log is not None:
+        om.route_log = RouteLog(cfg.route_log, rt.bus, mplan.n_slots, ex.E)
+    complete = mplan.n_slots == len(ex.moe_layers) * ex.E
+    om.plan = _plan(om, cfg, ex.native.line, complete=complete)
+    if cfg.warm_start:
+        warm(om)
+    _arm_faults(rt.tier, rt.zero_copy)
+    return om
+
+
+def _read_checkpoint(model_dir: Path, cfg: EngineConfig) -> tuple[Checkpoint, PolicyBundle]:
+    """config.json, the architecture, the tensor index, the policies `cfg` names, and the device and
+    dtype the model runs in: what fails with one line before any weight is read."""
     config = read_config(model_dir)
     spec = arch_for(config.model_type)
-    config = text_config(
-        spec, config
-    )  # multimodal wrappers (qwen3_5_moe, llama4): we run the text model
+    # Multimodal wrappers (qwen3_5_moe, llama4): we run the text model.
+    config = text_config(spec, config)
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, config, device)
+    return Checkpoint(model_dir, config, spec, tensors, device, dtype), policies
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = decoder_layers(model)
-    sites = find_moe_sites(model)  # sparse blocks found by structure (engine/weights/moe_hook.py)
-    moe_layers = [s.layer for s in sites]
-    if not moe_layers:
-        if spec.by_structure:
-            raise unsupported(spec.model_type, str(model_dir / "config.json"))
+
+def _moe_sites(model: PreTrainedModel, ck: Checkpoint) -> list[MoeSite]:
+    """The meta model's sparse MoE blocks, found by structure (engine/weights/moe_hook.py); fails with
+    one line where there are none."""
+    sites = find_moe_sites(model)
+    if not sites:
+        if ck.spec.by_structure:
+            raise unsupported(ck.spec.model_type, str(ck.model_dir / "config.json"))
         raise CheckpointError(
-            f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration"
+            f"{ck.model_dir / 'config.json'}: no sparse MoE layers in this configuration"
         )
-    native0 = sites[0].block
-    E, H, I, top_k = expert_geometry(native0, transposed=spec.kernel != "swiglu")
-    shape = ExpertShape(hidden=H, intermediate=I)
-    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
-    kernel = make_kernel(spec.kernel, native0.experts, H, I)
-    slots = native_slot_dtype(
-        spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype, device
-    )  # what the native kernels would read the experts in: their measurement times that
-    native = resolve_native_kernels(
-        cfg.native_kernels if device.type == "cpu" else "off",
-        decode_shapes(config, dtype, H, I, top_k, slots),
-        cfg.native_build,
-        cfg.native_build_limit,
-    )
-    activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
-    if (
-        spec.by_structure
-    ):  # not in the table: each kind of block is checked once against its own forward
-        for block in {type(s.block): s.block for s in sites}.values():
-            verify_block(block, adapter_for(spec.model_type, block), kernel, spec.model_type)
-    fmt, locator = expert_source(
-        spec, config, tensors, moe_layers, E, shape, kernel, cfg, dtype, device
-    )
+    return sites
 
-    stats = EngineStats(num_layers=len(layers))
-    # The input embedding's rows stay in the checkpoint where they can (engine/weights/disk_embedding.py).
-    embedding = disk_embedding_source(
-        model, config, spec, tensors, dtype, device, cfg.embedding_on_disk
-    )
-    # The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them open.
-    _fp, mplan = plan_for_model(
-        model,
-        [s.block.get_submodule("experts") for s in sites],
-        config,
-        dtype,
-        fmt.slot_bytes,
-        locator.nbytes_on_disk(moe_layers[0], 0),
-        E,
-        I,
-        top_k,
-        tensors,
-        cfg,
-        device,
-        kv_request,
-        embedding.nbytes - resident_bytes(embedding) if embedding else 0,
+
+def _memory_plan(
+    model: PreTrainedModel,
+    ck: Checkpoint,
+    ex: RoutedExperts,
+    cfg: EngineConfig,
+    kv_request: KvRequest,
+    embedding: TensorLocation | None,
+) -> tuple[Footprint, MemoryPlan]:
+    """The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them
+    open, printed; and the footprint it was planned from."""
+    fp, mplan = plan_for_model(
+        model=model,
+        experts=[s.block.get_submodule("experts") for s in ex.sites],
+        config=ck.config,
+        dtype=ck.dtype,
+        slot_bytes=ex.fmt.slot_bytes,
+        expert_disk_bytes=ex.locator.nbytes_on_disk(ex.moe_layers[0], 0),
+        E=ex.E,
+        I=ex.I,
+        top_k=ex.top_k,
+        tensors=ck.tensors,
+        cfg=cfg,
+        device=ck.device,
+        kv_request=kv_request,
+        dense_on_disk_bytes=embedding.nbytes - resident_bytes(embedding) if embedding else 0,
     )
     print_plan(mplan)
-    link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
-    tier: SlowTier
-    if mplan.offload == "ram":
-        tier = RamTier(
-            locator,
-            moe_layers,
-            fmt.slot_dtype,
-            pin=device.type == "cuda",
-            link=link,
-            huge_pages=cfg.huge_pages,
-        )
-    else:
-        tier = DiskTier(locator, link=link, prefer_direct=cfg.direct_io)
-    if cfg.expert_read_faults:
-        tier.set_faults(ReadFaults(parse_read_faults(cfg.expert_read_faults)))
-    n_slots = mplan.n_slots
-    # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
-    # fast tier (zero-copy), instead of a second copy of every expert.
-    ram = (
-        tier
-        if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
-        else None
-    )
-    policies.eviction.bind(moe_layers, E)
-    store = ExpertStore(
-        n_slots,
-        fmt.slot_numel,
-        fmt.slot_dtype,
-        device,
-        policies.eviction,
-        stats,
-        protect_ticks=protect_ticks(len(moe_layers)),
-        slots=ram.buffer if ram is not None else None,
-        huge_pages=cfg.huge_pages,
-    )
-    if ram is not None:
-        store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
-    kinds = prefetch_kinds(
-        cfg,
-        model_dir,
-        partial=n_slots < len(moe_layers) * E,
-        moe_layers=len(moe_layers),
-        pays=isinstance(policies.miss, SubstitutingPolicy) or device.type == "cuda",
-    )
-    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
-    transfers = TransferEngine(store, tier, stats, E, workers=cfg.transfer_workers, meter=meter)
-    act_fn = getattr(native0.experts, "act_fn", None)
-    executor = MoeExecutor(
-        store, transfers, policies.miss, policies.admission, stats, shape, E, act_fn, fmt
-    )
-    executor.settle_background = cfg.settle_background
-    executor.resident_lane = cfg.resident_lane
-    bus = RoutingBus()
-    for s in sites:
-        setattr(
-            s.parent,
-            s.attr,
-            OffloadedMoeBlock(
-                s.block, s.layer, executor, bus, adapter_for(spec.model_type, s.block)
-            ),
-        )
+    return fp, mplan
 
-    _materialize(model, config, spec, tensors, device, model_dir, cfg.huge_pages, embedding)
+
+def _finish_dense(model: PreTrainedModel, cfg: EngineConfig, device: torch.device) -> None:
+    """The filled dense weights as the settings ask them run: quantized (--dense-quant), f32 linears
+    holding bf16 values read as bf16 (unless --no-bf16-dense), and on the CPU the native kernels."""
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
     quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
     if narrows_dense(cfg.bf16_dense, device):
         narrow_dense(model, cfg.huge_pages)  # f32 linears holding bf16 values: read as bf16
     if device.type == "cpu":
-        accelerate(
-            model
-        )  # norms (and bf16 linears) through the native kernels (engine/native/layers.py)
+        # Norms (and bf16 linears) through the native kernels (engine/native/layers.py).
+        accelerate(model)
+
+
+def _offloaded_model(
+    model: PreTrainedModel,
+    ck: Checkpoint,
+    cfg: EngineConfig,
+    ex: RoutedExperts,
+    rt: ExpertRuntime,
+    stats: EngineStats,
+) -> OffloadedModel:
+    """The loaded model: its module, tokenizer and generation config, and its experts' runtime."""
     packed = use_packed_attention(model)
-    tokenizer, gen_cfg = _tokenizer_and_generation_config(model_dir)
-    om = OffloadedModel(
-        model,
-        config,
-        tokenizer,
-        gen_cfg,
-        model_dir,
-        device,
-        packed,
-        cfg,
-        store,
-        transfers,
-        executor,
-        stats,
-        bus,
-        moe_layers,
-        E,
-        top_k,
+    tokenizer, gen_cfg = _tokenizer_and_generation_config(ck.model_dir)
+    return OffloadedModel(
+        model=model,
+        config=ck.config,
+        tokenizer=tokenizer,
+        generation_config=gen_cfg,
+        model_dir=ck.model_dir,
+        device=ck.device,
+        packed=packed,
+        engine_config=cfg,
+        store=rt.store,
+        transfers=rt.transfers,
+        executor=rt.executor,
+        stats=stats,
+        bus=rt.bus,
+        moe_layers=ex.moe_layers,
+        num_experts=ex.E,
+        top_k=ex.top_k,
         runner_factory=ModelRunner,
-        native=native,
+        native=ex.native,
     )
-    om.memory_plan = mplan
-    om.kv_token_budget = kv_token_budget(_fp, cfg, kv_request)  # the scheduler admits against it
-    stats.memory_probe = memory_probe(
-        mplan, om.model, store, tier
-    )  # planned and used bytes per pool, for /metrics
-    attach_spac(om, cfg, kinds, policies.eviction, tier, fmt, meter)
-    if cfg.route_log is not None:
-        om.route_log = RouteLog(cfg.route_log, bus, n_slots, E)
-    om.plan = _plan(om, cfg, native.line, complete=n_slots == len(moe_layers) * E)
-    if cfg.warm_start:
-        _warm(om)
-    _arm_faults(tier, ram is not None)
-    return om
 
 
 def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -> ExecutionPlan:
@@ -382,17 +333,14 @@ def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
 
 def _materialize(
     model: PreTrainedModel,
-    config: PretrainedConfig,
-    spec,
-    tensors,
-    device: torch.device,
-    model_dir: Path,
+    ck: Checkpoint,
     huge_pages: bool = False,
     embedding: TensorLocation | None = None,
 ) -> None:
-    """Allocate the non-expert weights on `device` and fill them from the checkpoint (on the CPU, large
+    """Allocate the non-expert weights on `ck.device` and fill them from `ck` (on the CPU, large
     ones in huge pages where `huge_pages`: engine/huge_pages.py); `embedding`: where the input
     embedding's rows are read from instead of a copy (a DiskEmbedding), or None."""
+    config, spec, tensors, device = ck.config, ck.spec, ck.tensors, ck.device
     on_disk = input_embedding_name(model) if embedding is not None else None
     model.to_empty(device=device)
     if huge_pages and device.type == "cpu":
@@ -410,7 +358,7 @@ def _materialize(
             if loc is None:
                 if tied and name == "lm_head.weight":
                     continue  # shares storage with the input embedding
-                raise CheckpointError(f"{model_dir}: checkpoint is missing tensor {key}")
+                raise CheckpointError(f"{ck.model_dir}: checkpoint is missing tensor {key}")
             if tuple(loc.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"{loc.path}: tensor {key} has shape {tuple(loc.shape)}, model expects {tuple(param.shape)}"
@@ -445,48 +393,3 @@ def _arm_faults(tier: SlowTier, zero_copy: bool) -> None:
             "and no fault can fire; give --offload disk or a smaller --cache-fraction"
         )
     tier.faults.arm()
-
-
-def _warm(om: OffloadedModel) -> None:
-    """Fill the fast tier round-robin across layers so the first tokens do not all miss."""
-    per_layer = math.ceil(om.store.n_slots / len(om.moe_layers))
-    pending = []
-    order = [(layer, e) for e in range(min(per_layer, om.num_experts)) for layer in om.moe_layers][
-        : om.store.n_slots
-    ]
-    for layer, e in order:
-        t = om.transfers.submit(layer, e, "prefetch")
-        if t is not None:
-            pending.append(t)
-    for t in tqdm(pending, desc="warming expert cache", unit="expert", leave=False):
-        t.done.wait()
-        if t.error is not None:
-            raise t.error
-    om.store.mark_complete(
-        len(om.moe_layers) * om.num_experts
-    )  # a fast tier as big as the model, now full
-    om.stats.reset()  # warm-up transfers are not part of any run
-
-
-def decode_shapes(
-    config: Any,
-    dtype: torch.dtype,
-    H: int,
-    I: int,
-    top_k: int,
-    expert_dtype: torch.dtype | None = None,
-) -> DecodeShapes | None:
-    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
-    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a
-    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
-    from `dtype` (bf16 slots of an f32 model)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return None
-    heads = getattr(config, "num_attention_heads", 0) or 1
-    head_dim = getattr(config, "head_dim", None) or H // heads
-    return DecodeShapes(
-        str(dtype).removeprefix("torch."),
-        ((2 * I, H), (H, I), (heads * head_dim, H)),
-        top_k,
-        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
-    )

@@ -1,0 +1,305 @@
+"""The routed experts' part of an offloaded load (engine/worker/loader.py runs the steps in order):
+their geometry, kernel and slot format, the native kernels chosen for the load, and what they run
+through once the memory plan sizes it (slow tier, fast tier, transfer engine, executor); after the
+load, the fast tier's warm start."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PretrainedConfig
+
+from engine.config import EngineConfig
+from engine.experts.cost_meter import CostMeter
+from engine.experts.expert_kernels import make_kernel
+from engine.experts.expert_source import expert_source, native_slot_dtype
+from engine.experts.expert_store import ExpertStore
+from engine.experts.link import EmulatedLink, parse_link
+from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.moe_executor import MoeExecutor
+from engine.experts.quant import ExpertFormat
+from engine.experts.read_faults import ReadFaults
+from engine.experts.routing_bus import RoutingBus
+from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
+from engine.experts.transfers import TransferEngine
+from engine.memory.planner import MemoryPlan
+from engine.native.autotune import DecodeShapes
+from engine.native.loaded import NativeChoice, activate, resolve_native_kernels
+from engine.read_fault_spec import parse_read_faults
+from engine.stats import EngineStats
+from engine.weights.arch import ArchSpec
+from engine.weights.arch_adapters import adapter_for
+from engine.weights.checkpoint import TensorLocation
+from engine.weights.expert_layout import ExpertShape, SegmentLocator
+from engine.weights.moe_hook import MoeSite, expert_geometry, verify_block
+from engine.worker.loaded_model import OffloadedModel
+from engine.worker.spac_setup import prefetch_kinds
+from policies.base import EvictionPolicy
+from policies.miss import SubstitutingPolicy
+from policies.registry import PolicyBundle
+from policies.utility import protect_ticks
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a load reads and where it runs: found by its first step (engine/worker/loader.py
+    `_read_checkpoint`), read by the others."""
+
+    model_dir: Path
+    config: PretrainedConfig  # the text model's (multimodal wrappers: text_config)
+    spec: ArchSpec
+    tensors: dict[str, TensorLocation]
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The model's routed experts: their sparse blocks and geometry, and the format and locator
+    its slots are filled from; `native`: the native kernels the load chose for them (and the rest)."""
+
+    sites: list[MoeSite]
+    moe_layers: list[int]
+    E: int
+    I: int
+    top_k: int
+    shape: ExpertShape
+    fmt: ExpertFormat
+    locator: SegmentLocator
+    native: NativeChoice
+
+
+@dataclass(frozen=True)
+class ExpertRuntime:
+    """What the routed experts run through, built to the memory plan; `zero_copy`: the RAM tier's
+    buffer is the fast tier. `kinds` and `meter` are what MoE-SpAc's parts are attached with."""
+
+    tier: SlowTier
+    store: ExpertStore
+    zero_copy: bool
+    kinds: set[str]
+    meter: CostMeter | None
+    transfers: TransferEngine
+    executor: MoeExecutor
+    bus: RoutingBus
+
+
+def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> RoutedExperts:
+    """The experts' geometry and kernel, the native kernels the rest of the load runs (chosen and made
+    active here), blocks run by structure checked, and the format and locator of the experts' slots."""
+    moe_layers = [s.layer for s in sites]
+    native0 = sites[0].block
+    E, H, I, top_k = expert_geometry(native0, transposed=ck.spec.kernel != "swiglu")
+    shape = ExpertShape(hidden=H, intermediate=I)
+    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
+    kernel = make_kernel(ck.spec.kernel, native0.experts, H, I)
+    # What the native kernels would read the experts in: their measurement times that.
+    slots = native_slot_dtype(
+        spec=ck.spec,
+        config=ck.config,
+        tensors=ck.tensors,
+        moe_layers=moe_layers,
+        num_experts=E,
+        shape=shape,
+        kernel=kernel,
+        cfg=cfg,
+        dtype=ck.dtype,
+        device=ck.device,
+    )
+    native = resolve_native_kernels(
+        cfg.native_kernels if ck.device.type == "cpu" else "off",
+        decode_shapes(ck.config, ck.dtype, H, I, top_k, slots),
+        cfg.native_build,
+        cfg.native_build_limit,
+    )
+    activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
+    if ck.spec.by_structure:
+        # Not in the table: each kind of block is checked once against its own forward.
+        for block in {type(s.block): s.block for s in sites}.values():
+            verify_block(block, adapter_for(ck.spec.model_type, block), kernel, ck.spec.model_type)
+    fmt, locator = expert_source(
+        spec=ck.spec,
+        config=ck.config,
+        tensors=ck.tensors,
+        moe_layers=moe_layers,
+        num_experts=E,
+        shape=shape,
+        kernel=kernel,
+        cfg=cfg,
+        dtype=ck.dtype,
+        device=ck.device,
+    )
+    return RoutedExperts(
+        sites=sites,
+        moe_layers=moe_layers,
+        E=E,
+        I=I,
+        top_k=top_k,
+        shape=shape,
+        fmt=fmt,
+        locator=locator,
+        native=native,
+    )
+
+
+def expert_runtime(
+    ck: Checkpoint,
+    ex: RoutedExperts,
+    cfg: EngineConfig,
+    mplan: MemoryPlan,
+    policies: PolicyBundle,
+    stats: EngineStats,
+) -> ExpertRuntime:
+    """Slow tier, fast tier, transfer engine and executor, as `mplan` sizes them; every sparse block
+    of the model swapped for an OffloadedMoeBlock that runs through them."""
+    tier = _slow_tier(ex, cfg, mplan.offload, ck.device)
+    store, zero_copy = _fast_tier(
+        ex, cfg, mplan.n_slots, tier, ck.device, eviction=policies.eviction, stats=stats
+    )
+    kinds = prefetch_kinds(
+        cfg,
+        ck.model_dir,
+        partial=mplan.n_slots < len(ex.moe_layers) * ex.E,
+        moe_layers=len(ex.moe_layers),
+        pays=isinstance(policies.miss, SubstitutingPolicy) or ck.device.type == "cuda",
+    )
+    meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
+    transfers = TransferEngine(store, tier, stats, ex.E, workers=cfg.transfer_workers, meter=meter)
+    executor = MoeExecutor(
+        store=store,
+        transfers=transfers,
+        policy=policies.miss,
+        admission=policies.admission,
+        stats=stats,
+        shape=ex.shape,
+        num_experts=ex.E,
+        act_fn=getattr(ex.sites[0].block.experts, "act_fn", None),
+        fmt=ex.fmt,
+    )
+    executor.settle_background = cfg.settle_background
+    executor.resident_lane = cfg.resident_lane
+    bus = RoutingBus()
+    for s in ex.sites:
+        block = OffloadedMoeBlock(
+            s.block, s.layer, executor, bus, adapter_for(ck.spec.model_type, s.block)
+        )
+        setattr(s.parent, s.attr, block)
+    return ExpertRuntime(
+        tier=tier,
+        store=store,
+        zero_copy=zero_copy,
+        kinds=kinds,
+        meter=meter,
+        transfers=transfers,
+        executor=executor,
+        bus=bus,
+    )
+
+
+def _slow_tier(
+    ex: RoutedExperts, cfg: EngineConfig, offload: str, device: torch.device
+) -> SlowTier:
+    """Where every expert is read from (`offload`: the plan's ram or disk), behind the emulated link
+    and with the injected read faults the flags ask for (armed once the load is done)."""
+    link = EmulatedLink(parse_link(cfg.link)) if cfg.link else None
+    tier: SlowTier
+    if offload == "ram":
+        tier = RamTier(
+            ex.locator,
+            ex.moe_layers,
+            ex.fmt.slot_dtype,
+            pin=device.type == "cuda",
+            link=link,
+            huge_pages=cfg.huge_pages,
+        )
+    else:
+        tier = DiskTier(ex.locator, link=link, prefer_direct=cfg.direct_io)
+    if cfg.expert_read_faults:
+        tier.set_faults(ReadFaults(parse_read_faults(cfg.expert_read_faults)))
+    return tier
+
+
+def _fast_tier(
+    ex: RoutedExperts,
+    cfg: EngineConfig,
+    n_slots: int,
+    tier: SlowTier,
+    device: torch.device,
+    eviction: EvictionPolicy,
+    stats: EngineStats,
+) -> tuple[ExpertStore, bool]:
+    """The expert store of `n_slots` slots, `eviction` bound to the MoE layers; and whether
+    it is zero-copy (it adopted every row of the RAM tier)."""
+    E, moe_layers = ex.E, ex.moe_layers
+    # Both tiers in host memory and every expert in the fast tier: the RAM tier's buffer *is* the
+    # fast tier (zero-copy), instead of a second copy of every expert.
+    ram = (
+        tier
+        if isinstance(tier, RamTier) and device.type == "cpu" and n_slots == len(moe_layers) * E
+        else None
+    )
+    eviction.bind(moe_layers, E)
+    store = ExpertStore(
+        n_slots,
+        ex.fmt.slot_numel,
+        ex.fmt.slot_dtype,
+        device,
+        eviction,
+        stats,
+        protect_ticks=protect_ticks(len(moe_layers)),
+        slots=ram.buffer if ram is not None else None,
+        huge_pages=cfg.huge_pages,
+    )
+    if ram is not None:
+        store.adopt({layer * E + e: ram.row(layer, e) for layer in moe_layers for e in range(E)})
+    return store, ram is not None
+
+
+def warm(om: OffloadedModel) -> None:
+    """Fill the fast tier round-robin across layers so the first tokens do not all miss."""
+    per_layer = math.ceil(om.store.n_slots / len(om.moe_layers))
+    pending = []
+    order = [(layer, e) for e in range(min(per_layer, om.num_experts)) for layer in om.moe_layers][
+        : om.store.n_slots
+    ]
+    for layer, e in order:
+        t = om.transfers.submit(layer, e, "prefetch")
+        if t is not None:
+            pending.append(t)
+    for t in tqdm(pending, desc="warming expert cache", unit="expert", leave=False):
+        t.done.wait()
+        if t.error is not None:
+            raise t.error
+    om.store.mark_complete(
+        len(om.moe_layers) * om.num_experts
+    )  # a fast tier as big as the model, now full
+    om.stats.reset()  # warm-up transfers are not part of any run
+
+
+def decode_shapes(
+    config: Any,
+    dtype: torch.dtype,
+    H: int,
+    I: int,
+    top_k: int,
+    expert_dtype: torch.dtype | None = None,
+) -> DecodeShapes | None:
+    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
+    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a
+    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
+    from `dtype` (bf16 slots of an f32 model)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or H // heads
+    return DecodeShapes(
+        str(dtype).removeprefix("torch."),
+        ((2 * I, H), (H, I), (heads * head_dim, H)),
+        top_k,
+        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
+    )
