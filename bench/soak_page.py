@@ -243,8 +243,8 @@ def page(raw: dict[str, Any], plots: list[str]) -> str:
     lines = [
         "# Soak: mixed traffic with faults on one server",
         "",
-        f"- **Result:** {_fmt(raw['duration_s'] / 60)} min of load on the embedded random-weight "
-        f"model (unless the command names another): {s['requests']} requests "
+        f"- **Result:** {_fmt(raw['duration_s'] / 60)} min of load on the embedded model (a tiny "
+        f"MoE trained here, unless the command names another): {s['requests']} requests "
         f"({_fmt(s['requests_per_second'])}/s), {s['lost']} lost, {s['unexplained_5xx']} "
         f"unexplained 5xx; {s['kills']} engine SIGKILL(s), serving again after {restarts} s; "
         f"front-end RSS slope after warm-up {_fmt(s['rss_slope_mib_per_min'], 2)} MiB/min; "
