@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import PretrainedConfig
 
@@ -59,31 +61,52 @@ class RawLocator:
         return sum(s.nbytes for s in self._segments[(layer, expert)])
 
 
+@dataclass(frozen=True)
+class CheckpointExperts:
+    """A checkpoint's routed experts: where their tensors are and what they compute. What
+    expert_source and native_slot_dtype both decide from."""
+
+    spec: ArchSpec
+    config: PretrainedConfig
+    tensors: dict[str, TensorLocation]
+    moe_layers: list[int]
+    num_experts: int
+    shape: ExpertShape
+    kernel: ExpertKernel
+    dtype: torch.dtype
+    device: torch.device
+
+    def shipped(self) -> tuple[RawPartsFormat, RawLocator] | None:
+        """The format and locator of experts quantized in the checkpoint; None: float experts."""
+        return _native(self)
+
+    def float_locator(self) -> ExpertLocator:
+        return ExpertLocator(
+            self.spec,
+            self.tensors,
+            self.moe_layers,
+            self.num_experts,
+            self.shape,
+            self.kernel.views,
+        )
+
+
 def expert_source(
-    spec: ArchSpec,
-    config: PretrainedConfig,
-    tensors: dict[str, TensorLocation],
-    moe_layers: list[int],
-    num_experts: int,
-    shape: ExpertShape,
-    kernel: ExpertKernel,
-    cfg: EngineConfig,
-    dtype: torch.dtype,
-    device: torch.device,
+    experts: CheckpointExperts, cfg: EngineConfig
 ) -> tuple[ExpertFormat, SegmentLocator]:
-    shipped = _native(spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype)
+    shipped = experts.shipped()
     if shipped is not None:
         if cfg.expert_quant != "none":
             raise ConfigError(
                 f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({shipped[0].name})"
             )
         return shipped
-    locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
-    fmt = float_expert_format(kernel, cfg, dtype, locator, device)
+    locator = experts.float_locator()
+    fmt = float_expert_format(experts.kernel, cfg, experts.dtype, locator, experts.device)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
         return fmt, quantized_locator(
-            locator, fmt, moe_layers, cfg.quant_cache_dir
+            locator, fmt, experts.moe_layers, cfg.quant_cache_dir
         )  # sidecar, built once
     return fmt, locator
 
@@ -117,27 +140,13 @@ def plain_slot_dtype(
     return _bf16_slots(cfg, dtype, locator, device) if native() is not None else None
 
 
-def native_slot_dtype(
-    spec: ArchSpec,
-    config: PretrainedConfig,
-    tensors: dict[str, TensorLocation],
-    moe_layers: list[int],
-    num_experts: int,
-    shape: ExpertShape,
-    kernel: ExpertKernel,
-    cfg: EngineConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.dtype | None:
+def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dtype | None:
     """The float slots' dtype if the native kernels run (plain_slot_dtype's choice then), before they are
     chosen: what their measurement (engine/native/autotune.py) must time the experts in. None: the
     compute dtype, or experts that are not float (quantized, or shipped quantized)."""
-    if cfg.expert_quant != "none" or _native(
-        spec, config, tensors, moe_layers, num_experts, shape, kernel, dtype
-    ):
+    if cfg.expert_quant != "none" or experts.shipped():
         return None
-    locator = ExpertLocator(spec, tensors, moe_layers, num_experts, shape, kernel.views)
-    return _bf16_slots(cfg, dtype, locator, device)
+    return _bf16_slots(cfg, experts.dtype, experts.float_locator(), experts.device)
 
 
 def _bf16_slots(
@@ -153,10 +162,15 @@ def _bf16_slots(
     return torch.bfloat16 if locator.dtypes() == {torch.bfloat16} else None
 
 
-def _native(
-    spec, config, tensors, moe_layers, E, shape, kernel, dtype
-) -> tuple[RawPartsFormat, RawLocator] | None:
-    H, I = shape.hidden, shape.intermediate
+def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | None:
+    spec, config, tensors = experts.spec, experts.config, experts.tensors
+    moe_layers, E, kernel, dtype = (
+        experts.moe_layers,
+        experts.num_experts,
+        experts.kernel,
+        experts.dtype,
+    )
+    H, I = experts.shape.hidden, experts.shape.intermediate
     first = block_prefixes(spec, moe_layers[0])
     if spec.kernel == "gpt_oss" and any(
         f"{b}.experts.gate_up_proj_blocks" in tensors for b in first

@@ -118,11 +118,11 @@ class Probe:
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
     from engine.experts.expert_kernels import make_kernel
-    from engine.experts.expert_source import _native, float_expert_format
+    from engine.experts.expert_source import CheckpointExperts, float_expert_format
     from engine.weights.arch import arch_for, text_config
     from engine.weights.checkpoint import index_checkpoint
     from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
-    from engine.weights.expert_layout import ExpertLocator, ExpertShape
+    from engine.weights.expert_layout import ExpertShape
     from engine.weights.model_config import read_config, resolve_device, resolve_dtype
     from engine.weights.moe_hook import expert_geometry, find_moe_sites
 
@@ -147,14 +147,25 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     shape = ExpertShape(hidden=H, intermediate=I)
     experts: list[nn.Module] = [s.block.get_submodule("experts") for s in sites]
     kernel = make_kernel(spec.kernel, experts[0], H, I)
-    native = _native(spec, config, tensors, layers, E, shape, kernel, dtype)
+    source = CheckpointExperts(
+        spec=spec,
+        config=config,
+        tensors=tensors,
+        moe_layers=layers,
+        num_experts=E,
+        shape=shape,
+        kernel=kernel,
+        dtype=dtype,
+        device=device,
+    )
+    native = source.shipped()
     sidecar = 0
     fmt: Any
     locator: Any
     if native is not None:
         fmt, locator = native
     else:
-        locator = ExpertLocator(spec, tensors, layers, E, shape, kernel.views)
+        locator = source.float_locator()
         fmt = float_expert_format(kernel, cfg, dtype, locator, device)
         if cfg.expert_quant != "none":
             sidecar = len(layers) * E * fmt.slot_bytes

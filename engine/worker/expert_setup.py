@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from engine.config import EngineConfig
 from engine.experts.cost_meter import CostMeter
 from engine.experts.expert_kernels import make_kernel
-from engine.experts.expert_source import expert_source, native_slot_dtype
+from engine.experts.expert_source import CheckpointExperts, expert_source, native_slot_dtype
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
 from engine.experts.moe_block import OffloadedMoeBlock
@@ -99,7 +99,7 @@ def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> R
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     kernel = make_kernel(ck.spec.kernel, native0.experts, H, I)
     # What the native kernels would read the experts in: their measurement times that.
-    slots = native_slot_dtype(
+    experts = CheckpointExperts(
         spec=ck.spec,
         config=ck.config,
         tensors=ck.tensors,
@@ -107,10 +107,10 @@ def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> R
         num_experts=E,
         shape=shape,
         kernel=kernel,
-        cfg=cfg,
         dtype=ck.dtype,
         device=ck.device,
     )
+    slots = native_slot_dtype(experts, cfg)
     native = resolve_native_kernels(
         cfg.native_kernels if ck.device.type == "cpu" else "off",
         decode_shapes(ck.config, ck.dtype, H, I, top_k, slots),
@@ -122,18 +122,7 @@ def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> R
         # Not in the table: each kind of block is checked once against its own forward.
         for block in {type(s.block): s.block for s in sites}.values():
             verify_block(block, adapter_for(ck.spec.model_type, block), kernel, ck.spec.model_type)
-    fmt, locator = expert_source(
-        spec=ck.spec,
-        config=ck.config,
-        tensors=ck.tensors,
-        moe_layers=moe_layers,
-        num_experts=E,
-        shape=shape,
-        kernel=kernel,
-        cfg=cfg,
-        dtype=ck.dtype,
-        device=ck.device,
-    )
+    fmt, locator = expert_source(experts, cfg)
     return RoutedExperts(
         sites=sites,
         moe_layers=moe_layers,
