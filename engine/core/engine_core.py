@@ -81,11 +81,11 @@ class EngineCore:
             lm.tokenizer,
             lm.eos_token_ids,
             limits.max_running,
-            limits.prefill_token_budget,
-            limits.max_model_len,
-            getattr(runner, "prefix", None),
-            blocks,
-            lookahead,
+            prefill_token_budget=limits.prefill_token_budget,
+            max_model_len=limits.max_model_len,
+            prefix=getattr(runner, "prefix", None),
+            blocks=blocks,
+            lookahead=lookahead,
         )
         # The model's own observers (the sensor feeding the utility estimator) run in every core.
         observers = tuple(observers) + tuple(

@@ -85,14 +85,14 @@ class ExpertStreamer:
                 layer,
                 x,
                 plan.experts[0],
-                weights,
-                lease,
-                ready,
-                to_load,
-                on_cpu,
-                weight_rows[0],
-                meter,
-                cpu,
+                weights=weights,
+                lease=lease,
+                ready=ready,
+                to_load=to_load,
+                on_cpu=on_cpu,
+                w_list=weight_rows[0],
+                meter=meter,
+                cpu=cpu,
             )
         if not to_load and not on_cpu and meter is None and self.compute.native_rows(x):
             rows = plan.experts
@@ -111,7 +111,9 @@ class ExpertStreamer:
             # Every resident expert of the step in one batched GEMM per projection: the per-expert
             # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
             t0 = time.perf_counter()
-            self.compute.grouped(layer, x, groups, w_flat, ready, contrib, k)
+            self.compute.grouped(
+                layer, x, groups, w_flat=w_flat, experts=ready, contrib=contrib, k=k
+            )
             if meter is not None:
                 meter.record_fast(
                     round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready)
@@ -127,7 +129,15 @@ class ExpertStreamer:
             )  # sigmoid routers' weights are f32: as transformers, cast after
 
         self._stream(
-            layer, lease, ready, to_load, lambda e: x[groups[e] // k], finish, on_cpu, meter, cpu
+            layer,
+            lease,
+            ready,
+            pending=to_load,
+            inputs=lambda e: x[groups[e] // k],
+            finish=finish,
+            on_cpu=on_cpu,
+            meter=meter,
+            cpu=cpu,
         )
         return _ascending_sum(ids, contrib, T, k)
 
@@ -154,14 +164,26 @@ class ExpertStreamer:
             # Every expert resident (cache 1.0, or all hits): nothing to interleave with loads, so
             # no scheduling loop and no early unpinning (the lease unpins all at once on exit).
             # `ready` is in ascending expert order, transformers' summation order.
-            return self.compute.resident(layer, x, ready, slot_of, weights, w_list, self.expert)
+            return self.compute.resident(
+                layer, x, ready, slot_of=slot_of, weights=weights, w_list=w_list, expert=self.expert
+            )
         results: dict[int, torch.Tensor] = {}
         row = weights[0]
 
         def finish(e: int, y: torch.Tensor) -> None:
             results[e] = (y * row[slot_of[e]]).to(y.dtype)
 
-        self._stream(layer, lease, ready, to_load, lambda e: x, finish, on_cpu, meter, cpu)
+        self._stream(
+            layer,
+            lease,
+            ready,
+            pending=to_load,
+            inputs=lambda e: x,
+            finish=finish,
+            on_cpu=on_cpu,
+            meter=meter,
+            cpu=cpu,
+        )
         ordered = [results[e] for e in sorted(results)]
         out = ordered[0].clone()
         for y in ordered[1:]:

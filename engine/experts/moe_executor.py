@@ -92,10 +92,10 @@ class MoeExecutor:
             self.store.complete,
             lane,
             self.store.complete and lane,
-            self.compute.native is not None,
-            self.compute.grouped_ok,
-            self.cpu is not None,
-            self.cpu_mode,
+            native_lane=self.compute.native is not None,
+            grouped=self.compute.grouped_ok,
+            cpu_experts=self.cpu is not None,
+            cpu_mode=self.cpu_mode,
         )
 
     def lane_open(self) -> bool:
@@ -157,11 +157,11 @@ class MoeExecutor:
                     layer,
                     plan,
                     ready,
-                    to_load,
-                    self.cpu_mode,
-                    self.meter,
-                    self.utility,
-                    self.cpu.workers,
+                    to_load=to_load,
+                    mode=self.cpu_mode,
+                    meter=self.meter,
+                    utility=self.utility,
+                    cpu_workers=self.cpu.workers,
                 )
                 if self.cpu is not None and to_load
                 else []
@@ -171,16 +171,16 @@ class MoeExecutor:
                     layer,
                     x,
                     ids,
-                    weights,
-                    ids_list,
-                    plan,
-                    lease,
-                    ready,
-                    [e for e in to_load if e not in on_cpu],
-                    on_cpu,
-                    weight_rows,
-                    self.meter,
-                    self.cpu,
+                    weights=weights,
+                    ids_list=ids_list,
+                    plan=plan,
+                    lease=lease,
+                    ready=ready,
+                    to_load=[e for e in to_load if e not in on_cpu],
+                    on_cpu=on_cpu,
+                    weight_rows=weight_rows,
+                    meter=self.meter,
+                    cpu=self.cpu,
                 )
             except ExpertLoadError as err:
                 # Which rows needed the expert that failed: the runner fails only their requests.
@@ -248,10 +248,10 @@ class MoeExecutor:
             layer,
             x,
             sorted(row),
-            {e: j for j, e in enumerate(row)},
-            weights,
-            weights.tolist()[0],
-            self.expert,
+            slot_of={e: j for j, e in enumerate(row)},
+            weights=weights,
+            w_list=weights.tolist()[0],
+            expert=self.expert,
         )
 
     def _account(self, plan: ExpertPlan) -> None:

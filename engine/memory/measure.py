@@ -42,15 +42,15 @@ def plan_for_model(
         model,
         experts,
         config,
-        dtype,
-        slot_bytes,
-        expert_disk_bytes,
-        E,
-        top_k,
-        I,
-        tensors,
-        dense_on_disk_bytes,
-        dense_saved(model, tensors, cfg, device),
+        dtype=dtype,
+        slot_bytes=slot_bytes,
+        expert_disk_bytes=expert_disk_bytes,
+        experts_per_layer=E,
+        top_k=top_k,
+        moe_intermediate=I,
+        tensors=tensors,
+        dense_on_disk_bytes=dense_on_disk_bytes,
+        dense_saved_bytes=dense_saved(model, tensors, cfg, device),
     )
     dev = str(device) if device.type == "cuda" else "cpu"
     free = device_memory(dev if device.index is not None or dev == "cpu" else "cuda:0")
@@ -170,21 +170,27 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         if cfg.expert_quant != "none":
             sidecar = len(layers) * E * fmt.slot_bytes
     embedding = disk_embedding_source(
-        model, config, spec, tensors, dtype, device, cfg.embedding_on_disk
+        model,
+        config,
+        spec,
+        tensors=tensors,
+        dtype=dtype,
+        device=device,
+        enabled=cfg.embedding_on_disk,
     )
     fp = footprint(
         model,
         experts,
         config,
-        dtype,
-        fmt.slot_bytes,
-        locator.nbytes_on_disk(layers[0], 0),
-        E,
-        top_k,
-        I,
-        tensors,
-        embedding.nbytes - resident_bytes(embedding) if embedding else 0,
-        dense_saved(model, tensors, cfg, device),
+        dtype=dtype,
+        slot_bytes=fmt.slot_bytes,
+        expert_disk_bytes=locator.nbytes_on_disk(layers[0], 0),
+        experts_per_layer=E,
+        top_k=top_k,
+        moe_intermediate=I,
+        tensors=tensors,
+        dense_on_disk_bytes=embedding.nbytes - resident_bytes(embedding) if embedding else 0,
+        dense_saved_bytes=dense_saved(model, tensors, cfg, device),
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -95,10 +95,10 @@ class MemorySplit:
             self.base_blocks * self.block_bytes,
             self.base_slots,
             self.slot_bytes,
-            self.policy.cap(self.state()) if not self.fixed else 0,
-            self.block_bytes,
-            self.policy.max_share,
-            self.fixed,
+            movable=self.policy.cap(self.state()) if not self.fixed else 0,
+            block_bytes=self.block_bytes,
+            share=self.policy.max_share,
+            fixed=self.fixed,
         )
 
     # -- between steps --------------------------------------------------------------------------
@@ -201,7 +201,13 @@ def memory_split_for(lm: Any, base_blocks: int, block_bytes: int) -> MemorySplit
     floor = min(getattr(lm, "top_k", 1), store.capacity)  # the plan's minimum: one token's top-k
     policy = MemorySplitPolicy(max_share=share)
     return MemorySplit(
-        policy, store, base_blocks, block_bytes, floor, getattr(lm, "stats", None), fixed_why(plan)
+        policy,
+        store,
+        base_blocks,
+        block_bytes=block_bytes,
+        floor_slots=floor,
+        stats=getattr(lm, "stats", None),
+        fixed=fixed_why(plan),
     )
 
 

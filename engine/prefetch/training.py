@@ -163,7 +163,9 @@ def train_adapter(
     torch.manual_seed(seed)
     N, A, D = data.x.shape
     adapter = RouterAdapter(D, data.teacher.shape[-1], rank, A, bias, fate_base)
-    fit_predictor(adapter, data, steps, batch, lr, seed, valid, desc="training prefetcher")
+    fit_predictor(
+        adapter, data, steps, batch=batch, lr=lr, seed=seed, valid=valid, desc="training prefetcher"
+    )
     return adapter
 
 

@@ -107,10 +107,10 @@ class DraftProposer(ProposerBase):
             logits,
             req.params,
             w.output_ids,
-            proposed,
-            req.presence_penalty,
-            req.frequency_penalty,
-            self.eos_ids,
+            extra=proposed,
+            presence=req.presence_penalty,
+            frequency=req.frequency_penalty,
+            eos_ids=self.eos_ids,
         )
         if req.params.greedy:
             return int(torch.argmax(logits)), None

@@ -80,12 +80,12 @@ def native_attention(
             kernels,
             c,
             q[s:e].view(e - s, hq, d),
-            k[s:e].view(e - s, hk, d),
-            v[s:e].view(e - s, hk, d),
-            norms,
-            cos[0, s:e],
-            sin[0, s:e],
-            att.scaling,
+            k=k[s:e].view(e - s, hk, d),
+            v=v[s:e].view(e - s, hk, d),
+            norms=norms,
+            cos=cos[0, s:e],
+            sin=sin[0, s:e],
+            scale=att.scaling,
         )
         for (s, e), c in zip(batch.spans, layers, strict=True)
     ]

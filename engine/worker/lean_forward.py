@@ -235,7 +235,7 @@ class LeanForward:
             layer.v_proj.forward(h),
         )  # [N, heads * d]
         if self._native_attention:  # every row: decode, window or prompt (batch-invariant)
-            out = native_attention(self.kernels, layer, q, k, v, cos_sin, batch)
+            out = native_attention(self.kernels, layer, q, k=k, v=v, cos_sin=cos_sin, batch=batch)
             if out is not None:
                 return layer.o_proj.forward(out)
         shape = (

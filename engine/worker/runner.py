@@ -354,7 +354,13 @@ class ModelRunner:
         # The first verified row's position.
         first = w.start_pos + len(w.input_ids) - 1 - w.num_draft
         tokens = verify_window(
-            logits, drafts, w.req.params, self.generators[w.request_id], process, probs, first
+            logits,
+            drafts,
+            w.req.params,
+            generator=self.generators[w.request_id],
+            process=process,
+            draft_probs=probs,
+            first_position=first,
         )
         if grammar is not None:
             for t in tokens[advanced[0] :]:
@@ -384,10 +390,10 @@ class ModelRunner:
             logits,
             req.params,
             w.output_ids,
-            accepted,
-            req.presence_penalty,
-            req.frequency_penalty,
-            self.eos_ids,
+            extra=accepted,
+            presence=req.presence_penalty,
+            frequency=req.frequency_penalty,
+            eos_ids=self.eos_ids,
         )
         if grammar is None:
             return banned

@@ -120,11 +120,11 @@ def _adapter_prefetcher(
         adapter,
         moe_blocks(om.model),
         om.store,
-        om.transfers,
-        om.moe_layers,
-        om.top_k,
-        meter,
-        om.stats,
+        transfers=om.transfers,
+        moe_layers=om.moe_layers,
+        top_k=om.top_k,
+        meter=meter,
+        stats=om.stats,
     )
     prefetcher.settled = cfg.settle_background
     prefetcher.attach(om.bus)
