@@ -85,7 +85,7 @@ def run(s: Setting, prompts: list[list[int]], tokens: int) -> tuple[float, list[
 
 
 def served(args: argparse.Namespace, lines: list[str]) -> None:
-    """1 stream against 8, with serve's defaults (max_running 64, prefill budget 1024) at cache 1.0."""
+    """1 stream against 8, with serve's defaults (CoreLimits' max_running and prefill budget) at cache 1.0."""
     s = build("default", CELLS["cache 1.0 (ram)"], {}, max_len=4096)
     core = EngineCore.for_model(
         s.om,

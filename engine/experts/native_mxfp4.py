@@ -102,7 +102,7 @@ class NativeMxfp4Moe(NativeMoe):
     def rows_routed(
         self, x: torch.Tensor, slots: list[SlotPointers], ids: list[int], weights: list[float]
     ) -> torch.Tensor:
-        """NativeMoe.rows_routed, 16 rows a call (the MXFP4 kernel's limit; each row computes as it would
+        """NativeMoe.rows_routed, MAX_ROWS rows a call (the MXFP4 kernel's limit; each row computes as it would
         alone, so the split changes nothing)."""
         k = len(ids) // x.shape[0]
         parts = [

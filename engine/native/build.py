@@ -1,7 +1,7 @@
 """Builds the native kernels (engine/native/cpu_gemv.c, gemm.c, decode_layer.c, mxfp4_moe.c) into one
 shared library per variant (engine/native/variants.py), once per machine, and loads them.
 
-A variant is built on first use, into a cache folder keyed by the sources, the compiler and the
+A variant is built on first use, into a cache folder keyed by the sources, the compiler, the defines and the
 variant's flags (`$MOE_OFFLOAD_CACHE/native`, else `$XDG_CACHE_HOME/moe-offload/native`, default
 `~/.cache/moe-offload/native`); a build takes about two seconds. Where no C compiler is found
 (`$CC`, else `gcc` or `cc`), or the build fails, the engine says why once and keeps torch's
@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from engine import env
+from engine.native.limits import MAX_ROWS
 from engine.native.variants import Variant, runnable
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ HEADERS = [
     *sorted(HERE.glob("simd_*.h")),
 ]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The limits the C sources take from Python (engine/native/limits.py), so the two cannot disagree; part of
+# the cache key, so a library built with other values is not reused.
+DEFINES = [f"-DMAX_ROWS={MAX_ROWS}"]
 
 
 def cache_dir() -> Path:
@@ -60,6 +64,7 @@ def library_path(cc: str, variant: Variant) -> Path:
                 cc,
                 version,
                 " ".join(FLAGS),
+                " ".join(DEFINES),
                 " ".join(variant.flags),
             ]
         ).encode()
@@ -85,7 +90,7 @@ def build(variant: Variant | None = None) -> tuple[ctypes.CDLL | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         res = subprocess.run(
-            [cc, *FLAGS, *variant.flags, "-o", tmp, *map(str, SOURCES), "-lm"],
+            [cc, *FLAGS, *DEFINES, *variant.flags, "-o", tmp, *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,

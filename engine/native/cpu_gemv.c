@@ -23,7 +23,7 @@
  * The fused MoE call runs all of a token's resident experts in one call: on small models the Python
  * and dispatch of five torch calls per expert cost more than the arithmetic.
  *
- * More than 16 activation rows (a prompt) go to engine/native/gemm.c's register tiles, which give each row the
+ * More than MAX_ROWS activation rows (a prompt) go to engine/native/gemm.c's register tiles, which give each row the
  * bits this file's one-row dot gives it.
  *
  * Called through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning
@@ -199,8 +199,8 @@ size_t gemv_work_bytes(int64_t rows, int64_t cols, int64_t m) {
     return (size_t)m * (act_bytes(cols) + (size_t)rows * 4) + 64;
 }
 
-/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), any m >= 1 (more than 16
- * rows: gemm.c's gemm, each row's bits the same). X and Y in `xtype`. Returns 0, or -1 when m < 1. */
+/* Y[m][rows] = X[m][cols] W^T, W: [rows, cols] in `wtype` (int8: fp16 row scales), any m >= 1 (more than
+ * MAX_ROWS rows: gemm.c's gemm, each row's bits the same). X and Y in `xtype`. Returns 0, or -1 when m < 1. */
 int gemv(const void *W, const uint16_t *scale, int wtype, int64_t rows, int64_t cols,
          const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
     if (m < 1) return -1;
@@ -291,7 +291,7 @@ static int by_id_then_row(const void *a, const void *b) {
 
 /* R rows' k routes (ids[r*k + j], weights w[r*k + j]) sorted by expert then row into `routes`, grouped: group g
  * is routes[starts[g] .. starts[g+1]), one expert's; first[i] says whether route i is its row's first term.
- * Returns the number of groups, or -1 where memory for more than 16 rows' marks ran out. k <= 64. */
+ * Returns the number of groups, or -1 where memory for more than MAX_ROWS rows' marks ran out. k <= 64. */
 int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, route_t *routes,
                             int64_t *starts, int *first) {
     int64_t n = R * k, groups = 0;
@@ -311,7 +311,7 @@ int64_t group_routes(int64_t R, int64_t k, const int64_t *ids, const float *w, r
 }
 
 /* The down projection of one expert's m rows over this thread's output slice [h0, h1), each row's result scaled by
- * its routing weight and added to its row's sum in acc (rounded as the bf16 reference rounds). Up to 16 rows: 4
+ * its routing weight and added to its row's sum in acc (rounded as the bf16 reference rounds). Up to MAX_ROWS rows: 4
  * outputs at a time into t, as a decode step; more: all of the slice at once into dn ([m, H]), gemm's tiles. */
 static void down_rows(int wtype, int64_t H, int64_t I, const void *dw, const uint16_t *ds, const act_t *ah, int64_t m,
                       const route_t *rt, const int *first, int64_t h0, int64_t h1, int xtype, float *dn, float *acc) {
@@ -482,7 +482,7 @@ static void q4_prepare(const float *x, int64_t n, int8_t *xq, float *xs, int32_t
 
 
 /* Y[m][rows] = X[m][cols] W^T for int4 W (packed [rows, cols/2], scale and zero [rows, cols/64] fp16),
- * X and Y bf16, m <= 16. Returns 0, or -1 where this kernel does not apply (the caller dequantizes). */
+ * X and Y bf16, m <= MAX_ROWS. Returns 0, or -1 where this kernel does not apply (the caller dequantizes). */
 int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t rows, int64_t cols,
             const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads) {
     if (m < 1 || m > MAX_ROWS || xtype != X_BF16 || cols % Q4_GROUP) return -1;

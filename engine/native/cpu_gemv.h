@@ -23,6 +23,13 @@
 #define BARRIER()
 #endif
 
+/* Activation rows a call takes (a decode batch or a speculative window): gemv's, the experts' (moe_swiglu_rows,
+ * moe_q4_rows, moe_mxfp4_rows) and decode_layer's limit. Defined once, in engine/native/limits.py; engine/native/build.py
+ * passes it as -DMAX_ROWS, so C and Python cannot disagree. */
+#ifndef MAX_ROWS
+#error "MAX_ROWS is passed at build time: -DMAX_ROWS (engine/native/build.py, from engine/native/limits.py)"
+#endif
+
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4 = 3 }; /* W_Q4: int4 groups of 64 (moe_q4_rows), experts only */
 enum { X_F32 = 0, X_BF16 = 1 };
 

@@ -133,8 +133,6 @@ int router_sigmoid_rows(int64_t R, const void *W, int wtype, int64_t E, int64_t 
     return 0;
 }
 
-#define MAX_ROWS 16 /* gemv's and moe_swiglu_rows' limit */
-
 /* The scratch bytes decode_layer needs for this layer with up to `positions` cached positions and `rows` rows. */
 size_t decode_layer_work_bytes(const layer_spec_t *L, int64_t positions, int64_t rows) {
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d), R = (size_t)rows;
@@ -213,7 +211,7 @@ static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, vo
     return 0;
 }
 
-/* The layer above for R rows (R <= 16): x and h [R, H] in place; cos/sin [R, rot] of the rows' positions (NULL when
+/* The layer above for R rows (R <= MAX_ROWS): x and h [R, H] in place; cos/sin [R, rot] of the rows' positions (NULL when
  * rot is 0). Row r's KV cache (buffers kbufs[r], vbufs[r], block table tables[r] of blocks of bss[r] positions:
  * cpu_gemv.h kv_row) holds ats[r] positions, and its new key
  * and value go to position ats[r]: a verification window's rows share one request's buffers at consecutive

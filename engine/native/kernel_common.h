@@ -10,7 +10,6 @@
 #include "cpu_gemv.h"
 
 #define QBLOCK 64 /* activation quantization block of the int8 path */
-#define MAX_ROWS 16 /* activation rows a call takes (a decode batch or a speculative window) */
 #define Q4_GROUP 64 /* int4 weight group (below) */
 /* The activation form the variant's bf16 dot product reads (BF16_FORM, set by the simd header that defines it). */
 enum { BF16_FORM_NONE = 0, BF16_FORM_BF16 = 1, BF16_FORM_PAIRS = 2 };

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.native.row_ops import MAX_ROWS, W_CODES, X_CODES, KernelLibrary
+from engine.native.limits import MAX_ROWS
+from engine.native.row_ops import W_CODES, X_CODES, KernelLibrary
 
 __all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
@@ -60,7 +61,7 @@ class NativeKernels(KernelLibrary):
     ) -> torch.Tensor:
         """x [m, cols] (any m >= 1) times w [rows, cols]^T -> [m, rows] in x's dtype. w in f32, bf16, or
         int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU. Each row's
-        result is bit for bit the one that row gets alone (m = 1): up to 16 rows share each weight row's
+        result is bit for bit the one that row gets alone (m = 1): up to MAX_ROWS rows share each weight row's
         loads (a decode batch, a window), more go through gemm.c's register tiles (a prompt)."""
         m, cols = x.shape
         rows = w.shape[0]
@@ -193,7 +194,7 @@ class NativeKernels(KernelLibrary):
     def gemv_q4(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     ) -> torch.Tensor | None:
-        """x [m, cols] bf16 (m <= 16) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
+        """x [m, cols] bf16 (m <= MAX_ROWS) times an int4 weight in groups of 64 (packed [rows, cols/2] uint8, low
         nibble first; fp16 scale and zero [rows, cols/64]: w = s * (q - z)) -> [m, rows] bf16, or None where
         the kernel does not apply (another dtype, cols not a multiple of 64): then dequantize."""
         m, cols = x.shape
@@ -259,7 +260,7 @@ class NativeKernels(KernelLibrary):
         alpha: float,
         limit: float,
     ) -> torch.Tensor:
-        """Rows x [R, H] (R <= 16, f32 or bf16) through gpt-oss MXFP4 experts (mxfp4_moe.c's moe_mxfp4_rows):
+        """Rows x [R, H] (R <= MAX_ROWS, f32 or bf16) through gpt-oss MXFP4 experts (mxfp4_moe.c's moe_mxfp4_rows):
         row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
         scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
         index -> [R, H] in x's dtype."""

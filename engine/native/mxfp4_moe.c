@@ -34,7 +34,6 @@
 #endif
 
 #define MX_GROUP 32 /* weights a scale covers */
-#define MX_MAX_ROWS 16
 #define MX_ROWS_BLOCK 4 /* rows decoded together: 4 accumulators a row beside the weight registers */
 
 /* e2m1 code -> value (transformers.integrations.mxfp4.FP4_VALUES). */
@@ -181,7 +180,7 @@ size_t moe_mxfp4_work_bytes(int64_t H, int64_t I, int64_t R) {
     return (size_t)(256 + R * (H + I + 2 * I + H)) * 4 + 64;
 }
 
-/* R rows x [R, H] (R <= 16, in `xtype`) through their k gpt-oss experts each (row r: experts ids[r*k + j] with
+/* R rows x [R, H] (R <= MAX_ROWS, in `xtype`) through their k gpt-oss experts each (row r: experts ids[r*k + j] with
  * weights w[r*k + j]); expert e: gate_up blocks gu_blocks[e] [2I, H/32, 16] and scales gu_scales[e] [2I, H/32],
  * bias gu_bias[e] [2I], down d_blocks[e] [H, I/32, 16], d_scales[e] [H, I/32], d_bias[e] [H]; biases in `btype`
  * (W_BF16 or W_F32). The experts run in ascending id, each on every row routed to it, and each row's sum runs
@@ -192,10 +191,10 @@ int moe_mxfp4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *id
                    const uint8_t *const *d_blocks, const uint8_t *const *d_scales, const void *const *d_bias,
                    int btype, float alpha, float limit, const void *x, int xtype, void *out, void *work,
                    int nthreads) {
-    route_t routes[MX_MAX_ROWS * 64];
-    int64_t starts[MX_MAX_ROWS * 64 + 1];
-    int first[MX_MAX_ROWS * 64];
-    if (R < 1 || R > MX_MAX_ROWS || k < 1 || k > 64 || H % MX_GROUP || I % MX_GROUP) return -1;
+    route_t routes[MAX_ROWS * 64];
+    int64_t starts[MAX_ROWS * 64 + 1];
+    int first[MAX_ROWS * 64];
+    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64 || H % MX_GROUP || I % MX_GROUP) return -1;
     if (btype != W_F32 && btype != W_BF16) return -1;
     int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
     for (int64_t g = 0; g < groups; g++)
@@ -214,8 +213,8 @@ int moe_mxfp4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *id
         share(2 * I, tid, nt, &a0, &a1);
         share(I, tid, nt, &i0, &i1);
         share(H, tid, nt, &h0, &h1);
-        const float *X[MX_MAX_ROWS];
-        float t[MX_MAX_ROWS];
+        const float *X[MAX_ROWS];
+        float t[MAX_ROWS];
         for (int64_t g = 0; g < groups; g++) {
             int64_t s0 = starts[g], m = starts[g + 1] - s0, e = routes[s0].id;
             for (int64_t j = 0; j < m; j++) X[j] = xp + routes[s0 + j].row * H;

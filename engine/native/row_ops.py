@@ -23,8 +23,6 @@ def reads_weights(w: torch.dtype, x: torch.dtype) -> bool:
     return w == x or (w == torch.bfloat16 and x == torch.float32)
 
 
-MAX_ROWS = 16  # gemv's limit on activation rows (a decode step or a speculative window)
-
 # The block table of a contiguous KV buffer: its one block, holding every position (cpu_gemv.h kv_row).
 CONTIGUOUS_TABLE = torch.zeros(1, dtype=torch.int64)
 

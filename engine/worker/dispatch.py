@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.native.limits import MAX_ROWS
 
-MAX_FUSED_ROWS = 16  # rows of one fused step (engine/native/decode_layer.c)
+MAX_FUSED_ROWS = MAX_ROWS  # rows of one fused step (engine/native/decode_layer.c)
 
 # Why a step did not take the fused path: a fixed vocabulary (they are metric labels).
-TOO_MANY_ROWS = "more than 16 rows"  # a long prefill chunk, or many requests at once
+TOO_MANY_ROWS = f"more than {MAX_FUSED_ROWS} rows"  # a long prefill chunk, or many requests at once
 PROMPT_START = (
     "a prompt's first rows"  # a request with nothing cached yet: its prompt goes layer by layer
 )
@@ -190,7 +191,7 @@ def resolve_plan(
         forward, why = (
             "fused",
             (
-                "one native call a layer for steps of up to 16 rows after cached positions (decode rows"
+                f"one native call a layer for steps of up to {MAX_FUSED_ROWS} rows after cached positions (decode rows"
                 " of a batch, verification windows) whose experts are all resident; the others layer by layer"
             ),
         )

@@ -41,11 +41,11 @@ from transformers import DynamicCache
 
 from engine.experts.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels
+from engine.native.limits import MAX_ROWS
 from engine.native.row_ops import kv_table
 from engine.weights.moe_hook import BlockAdapter
 from engine.worker import dispatch
 from engine.worker.fused_layer_spec import (
-    MAX_ROWS,
     ROUTER_NONE,
     LayerSpec,
     NotYet,

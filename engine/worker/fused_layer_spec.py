@@ -19,8 +19,7 @@ from engine.native.router import NativeSigmoidRouter, NativeTopKRouter
 from engine.native.row_ops import reads_weights
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-MAX_TOPK = 64  # decode_layer.c's limits: experts a row, and rows a step
-MAX_ROWS = 16
+MAX_TOPK = 64  # decode_layer.c's limit on experts a row (its rows a step: MAX_ROWS)
 
 
 class LayerSpec(ctypes.Structure):
