@@ -31,12 +31,9 @@ SOURCES = [
     HERE / "decode_layer.c",
     HERE / "mxfp4_moe.c",
 ]
-HEADERS = [
-    HERE / "cpu_gemv.h",
-    HERE / "kernel_common.h",
-    HERE / "gemm_kernels.h",
-    *sorted(HERE.glob("simd_*.h")),
-]
+# Every header beside the sources (cpu_gemv.h, kernel_common.h, simd.h, simd_*.h, gemm_kernels.h, ...), so a new
+# or changed one is part of the cache key (library_path) and a stale build is never reused.
+HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
