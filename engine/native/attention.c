@@ -1,7 +1,7 @@
 /* Attention on the CPU, after the q/k/v projections: a decode row (decode_attention) and any number of
  * consecutive rows of one sequence (attention_rows: a verification window, a prompt chunk), each row with the bits
  * it gets decoded alone. Called through ctypes (engine/native/row_ops.py) and by decode_layer.c. */
-#include "kernel_common.h"
+#include "simd.h"
 
 /* The f32 queries of KV head g's query heads for rows r0..r0 + nb - 1 (q rows qd bytes apart), into qf [nb * group, d]. */
 static void load_rows_q(const void *q, int wt, int64_t nb, int64_t group, int64_t d, int64_t g, int64_t r0, size_t qd,

@@ -32,12 +32,9 @@ SOURCES = [
     HERE / "decode_layer.c",
     HERE / "mxfp4_moe.c",
 ]
-HEADERS = [
-    HERE / "cpu_gemv.h",
-    HERE / "kernel_common.h",
-    HERE / "gemm_kernels.h",
-    *sorted(HERE.glob("simd_*.h")),
-]
+# Every header beside the sources (cpu_gemv.h, kernel_common.h, simd.h, simd_*.h, gemm_kernels.h, ...), so a new
+# or changed one is part of the cache key (library_path) and a stale build is never reused.
+HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # The limits the C sources take from Python (engine/native/limits.py), so the two cannot disagree; part of
 # the cache key, so a library built with other values is not reused.

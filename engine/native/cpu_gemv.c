@@ -7,8 +7,8 @@
  * thread): widening each narrow weight to f32 costs more instructions than its bytes save.
  *
  * One source, several builds (engine/native/build.py compiles each variant with its own -march and
- * engine/native/variants.py picks the fastest one the CPU runs, by measuring). The dot products
- * live in three headers (included by kernel_common.h), each defining only what its instruction set
+ * engine/native/loaded.py runs the widest one the CPU runs, engine/native/variants.py). The dot products
+ * live in three headers (included by simd.h, which states the rule), each defining only what its instruction set
  * speeds up, the first definition winning:
  *  - simd_avx512.h: 16 f32 lanes; the AVX-512 BF16 dot (vdpbf16ps: exact products of two bf16
  *    operands, f32 sums) and the VNNI int8 dot (vpdpbusd) where the variant has them;
@@ -29,7 +29,7 @@
  * Called through ctypes (engine/native/kernels.py). Threads: OpenMP, at most `nthreads`, each owning
  * a contiguous range of output rows, so a result does not depend on the thread count.
  */
-#include "kernel_common.h"
+#include "simd.h"
 
 size_t act_bytes(int64_t n) {
     size_t blocks = (size_t)((n + QBLOCK - 1) / QBLOCK), un = (size_t)n;

@@ -17,43 +17,11 @@
  */
 #include <stdlib.h>
 #include "cpu_gemv.h"
+#include "gemm_kernels.h"
 
 #define GEMM_MB 128 /* activation rows prepared at a time by gemm() */
 #define GEMM_XB 128 /* activation rows packed at a time by gemm_tiles */
 #define GEMM_NB 48  /* weight rows packed per panel: [48, 1024] f32 is 192 KB, in L2 while the rows pass over it */
-
-/* The tile families (gemm_kernels.h says which dot product each mirrors). */
-enum { FAM_NONE = 0, FAM_W512, FAM_DPBF, FAM_VNNI, FAM_P256, FAM_W256, FAM_I8 };
-
-/* What a tile reads: rows packed in chain order (chain q's chunks at chunk pos[q], cnt[q] of them, V elements
- * each), and the unpacked rows for the scalar tails and the int8 block scales. */
-typedef struct {
-    int fam, V, wtype;
-    int64_t n, tail; /* row length; where the one-row dot's scalar tail starts */
-    int64_t pos[4], cnt[4];
-    const char *wp, *xp, *xa; /* packed weight rows of the panel, activation rows, |x| codes (FAM_I8) */
-    size_t ldwp, ldxp;        /* their row strides in bytes */
-    const char *w;            /* the panel's unpacked weight rows, ldw bytes apart */
-    size_t ldw;
-    const act_t *X; /* the unpacked activation rows of the packed block */
-} ctx_t;
-
-/* A tile: out[r * TILE_LD + c] = the one-row dot of panel weight row c0 + c with packed activation row j0 + r. */
-#define TILE_LD 8
-typedef void (*tile_fn)(const ctx_t *k, int64_t c0, int64_t j0, float *out, int mr, int nr);
-typedef struct {
-    int fam, V, esize; /* family, elements a chunk, bytes a packed element */
-    tile_fn fn;
-    int mr, nr; /* the full tile's shape */
-} tile_t;
-
-static inline float w_at(const char *w, int wt, int64_t i) {
-    if (wt == W_F32) return ((const float *)w)[i];
-    if (wt == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
-    return (float)((const int8_t *)w)[i];
-}
-
-#include "gemm_kernels.h"
 
 /* One weight row at a time through dot_rows, 16 activation rows a call: for a dot product without a tile. */
 static void rows_by_dot(const char *W, size_t ldw, const uint16_t *scale, int wtype, int64_t n, int64_t r0,

@@ -18,7 +18,44 @@
  *    row: the codes w + 128 (unsigned, packed so) times the signed activation codes, minus 128 times the
  *    activation codes' lane sum;
  *  - FAM_I8: simd_avx2.h dot_i8 (avx512, avx2), the same instructions per output.
- * tests/test_gemm_invariant.py checks every build this CPU runs against the one-row calls, bit for bit. */
+ * tests/test_gemm_invariant.py checks every build this CPU runs against the one-row calls, bit for bit.
+ * Self-contained: it defines what a tile reads (ctx_t) and is (tile_t) for gemm.c, which includes it. */
+#ifndef MOE_OFFLOAD_GEMM_KERNELS_H
+#define MOE_OFFLOAD_GEMM_KERNELS_H
+#include "cpu_gemv.h"
+
+/* The tile families (above: which dot product each mirrors). */
+enum { FAM_NONE = 0, FAM_W512, FAM_DPBF, FAM_VNNI, FAM_P256, FAM_W256, FAM_I8 };
+
+/* What a tile reads: rows packed in chain order (chain q's chunks at chunk pos[q], cnt[q] of them, V elements
+ * each), and the unpacked rows for the scalar tails and the int8 block scales. */
+typedef struct {
+    int fam, V, wtype;
+    int64_t n, tail; /* row length; where the one-row dot's scalar tail starts */
+    int64_t pos[4], cnt[4];
+    const char *wp, *xp, *xa; /* packed weight rows of the panel, activation rows, |x| codes (FAM_I8) */
+    size_t ldwp, ldxp;        /* their row strides in bytes */
+    const char *w;            /* the panel's unpacked weight rows, ldw bytes apart */
+    size_t ldw;
+    const act_t *X; /* the unpacked activation rows of the packed block */
+} ctx_t;
+
+/* A tile: out[r * TILE_LD + c] = the one-row dot of panel weight row c0 + c with packed activation row j0 + r. */
+#define TILE_LD 8
+typedef void (*tile_fn)(const ctx_t *k, int64_t c0, int64_t j0, float *out, int mr, int nr);
+typedef struct {
+    int fam, V, esize; /* family, elements a chunk, bytes a packed element */
+    tile_fn fn;
+    int mr, nr; /* the full tile's shape */
+} tile_t;
+
+/* Element i of a weight row as a float: the scalar tails of the tiles, as the one-row dots' load1. */
+static inline float w_at(const char *w, int wt, int64_t i) {
+    if (wt == W_F32) return ((const float *)w)[i];
+    if (wt == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    return (float)((const int8_t *)w)[i];
+}
+
 #define AI static inline __attribute__((always_inline))
 #define MAXR 4 /* tile rows, at most */
 #define MAXC 6 /* tile columns, at most */
@@ -246,3 +283,5 @@ static tile_t pick_tile(int mode, int wtype) {
 #endif
     return (tile_t){FAM_NONE, 1, 1, NULL, 1, 1};
 }
+
+#endif

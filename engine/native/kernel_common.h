@@ -1,8 +1,8 @@
-/* What every kernel source (cpu_gemv.c, attention.c) shares, in one place (beside cpu_gemv.h): the activation
- * block sizes, the dtype loads, and the dot products of this build's instruction set. The dot products live in three
- * headers, each defining only what its instruction set speeds up, included widest first so that the first
- * definition wins (the SIMD_HAVE_* guards): simd_avx512.h, simd_avx2.h, simd_portable.h. They use what this
- * header defines above their includes (act_t, QBLOCK, load1, ...). */
+/* What every kernel source (cpu_gemv.c, attention.c) and every instruction-set header (simd_*.h) shares, in one
+ * place (beside cpu_gemv.h, which it includes for act_t, the dtype codes and the bf16 helpers): the activation block
+ * sizes and row limits, the dtype loads, and the row-blocking macros of the dot products. The dot products
+ * themselves are chosen in simd.h, which includes this header and then the instruction-set headers in the order of
+ * its dispatch rule; each of those headers includes this one itself, so it compiles on its own. */
 #ifndef MOE_OFFLOAD_KERNEL_COMMON_H
 #define MOE_OFFLOAD_KERNEL_COMMON_H
 #include <math.h>
@@ -66,12 +66,4 @@ static inline float load1(const void *w, int wtype, int64_t i) {
     static void name(wptr w, int64_t n, const act_t *X, int64_t m, float *out) {          \
         for (int64_t j = 0; j < m; j++) out[j] = dot(w, n, X[j]);                         \
     }
-#if defined(__AVX512F__)
-#include "simd_avx512.h"
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#include "simd_avx2.h"
-#endif
-#include "simd_portable.h"
-
 #endif

@@ -7,8 +7,15 @@
  *    with vpmaddubsw (|x| unsigned times the weight carrying x's sign) and summed exactly in int32
  *    per block of 64, as llama.cpp's AVX2 Q8_0 dot product does;
  *  - int4 weights: the nibbles unpacked in registers, the same vpmaddubsw products.
- * Defined only where simd_avx512.h did not define it already (SIMD_HAVE_* guards). */
+ * Defined only where simd_avx512.h did not define it already (SIMD_HAVE_* guards; simd.h states the rule).
+ * Self-contained: it includes kernel_common.h, and needs AVX2 and FMA (-march=x86-64-v3). */
+#ifndef MOE_OFFLOAD_SIMD_AVX2_H
+#define MOE_OFFLOAD_SIMD_AVX2_H
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "simd_avx2.h needs AVX2 and FMA (-march=x86-64-v3): simd.h includes it only then"
+#endif
 #include <immintrin.h>
+#include "kernel_common.h"
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -260,4 +267,6 @@ static void exp_inplace(float *x, int64_t n) {
     }
     for (; j < n; j++) x[j] = expf(x[j]);
 }
+#endif
+
 #endif

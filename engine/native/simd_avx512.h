@@ -1,9 +1,15 @@
 /* AVX-512 dot products for engine/native/cpu_gemv.c: 16 f32 lanes (the x86-64-v4 variant), plus the
  * AVX-512 BF16 dot (vdpbf16ps) and VNNI int8 dot (vpdpbusd) where the variant is built with them.
  * Each function is defined here only for what AVX-512 speeds up; simd_avx2.h and simd_portable.h
- * define the rest (the first definition wins: see the SIMD_HAVE_* guards). Included by cpu_gemv.c
- * after act_t and the dtype helpers. */
+ * define the rest (the first definition wins: simd.h states the rule and applies it). Self-contained: it
+ * includes kernel_common.h for act_t, the limits and the dtype helpers, and needs AVX-512 (-march=x86-64-v4). */
+#ifndef MOE_OFFLOAD_SIMD_AVX512_H
+#define MOE_OFFLOAD_SIMD_AVX512_H
+#if !defined(__AVX512F__)
+#error "simd_avx512.h needs AVX-512 (-march=x86-64-v4): simd.h includes it only then"
+#endif
 #include <immintrin.h>
+#include "kernel_common.h"
 
 static inline __m512 load16(const void *w, int wtype, int64_t i) {
     if (wtype == W_F32) return _mm512_loadu_ps((const float *)w + i);
@@ -288,3 +294,5 @@ static void exp_inplace(float *x, int64_t n) {
     }
     for (; j < n; j++) x[j] = expf(x[j]);
 }
+
+#endif

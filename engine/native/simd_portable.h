@@ -2,7 +2,11 @@
  * x86-64 it vectorises to SSE2, on AArch64 to NEON), and whatever a wider variant did not define (SIMD_HAVE_*
  * guards). Eight independent partial sums per dot product: each lane is its own chain, so the compiler may
  * vectorise the lanes without reordering any sum (ISO C, no -ffast-math), and the sums do not form one long
- * chain of dependent adds. */
+ * chain of dependent adds. Self-contained (it includes kernel_common.h); simd.h includes it last, in every build. */
+#ifndef MOE_OFFLOAD_SIMD_PORTABLE_H
+#define MOE_OFFLOAD_SIMD_PORTABLE_H
+#include "kernel_common.h"
+
 #define LANES 8
 
 #ifndef SIMD_HAVE_DOT_WIDEN
@@ -132,4 +136,6 @@ static inline void axpy_row(float *acc, float p, const void *row, int wtype, int
 static void exp_inplace(float *x, int64_t n) {
     for (int64_t j = 0; j < n; j++) x[j] = expf(x[j]);
 }
+#endif
+
 #endif
