@@ -47,6 +47,7 @@ def test_every_header_compiles_on_its_own(name: str) -> None:
             [
                 cc,
                 *native_build.FLAGS,
+                *native_build.DEFINES,
                 *variant.flags,
                 "-fsyntax-only",
                 "-x",
