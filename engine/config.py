@@ -268,10 +268,10 @@ class EngineConfig(YamlSection):
                 self.policy,
                 self.eviction,
                 self.admission,
-                self.substitute,
-                self.threshold,
-                self.admission_beta,
-                self.frequency_decay,
+                substitute=self.substitute,
+                threshold=self.threshold,
+                beta=self.admission_beta,
+                decay=self.frequency_decay,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -63,11 +63,27 @@ class CpuExperts:
         if x.device.type == "cpu":  # a CPU box: the slot's own dtype and kernel, so the same result
             native = self.native is not None and self.native.accepts(x)
             return self._pool.submit(
-                ctx.run, self._run, layer, expert, x, x.device, x.dtype, self.fmt.slot_dtype, native
+                ctx.run,
+                self._run,
+                layer,
+                expert,
+                x,
+                device=x.device,
+                dtype=x.dtype,
+                weight_dtype=self.fmt.slot_dtype,
+                native=native,
             )
         x_host = x.to("cpu", torch.float32)
         return self._pool.submit(
-            ctx.run, self._run, layer, expert, x_host, x.device, x.dtype, self.weight_dtype, False
+            ctx.run,
+            self._run,
+            layer,
+            expert,
+            x_host,
+            device=x.device,
+            dtype=x.dtype,
+            weight_dtype=self.weight_dtype,
+            native=False,
         )
 
     def _run(

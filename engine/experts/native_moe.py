@@ -133,7 +133,13 @@ class NativeMoe:
         if self.int4:
             return self.kernels.moe_q4(x, self.hidden, self.intermediate, slots, ids, weights)
         return self.kernels.moe_rows(
-            x, self.weight_dtype, self.hidden, self.intermediate, slots, ids, weights
+            x,
+            self.weight_dtype,
+            self.hidden,
+            intermediate=self.intermediate,
+            slots=slots,
+            ids=ids,
+            weights=weights,
         )
 
     def run(self, x: torch.Tensor, slots: list[SlotPointers], weights: list[float]) -> torch.Tensor:
@@ -146,10 +152,10 @@ class NativeMoe:
             x,
             self.weight_dtype,
             self.hidden,
-            self.intermediate,
-            [p[0] for p in slots],
-            [p[2] for p in slots],
-            weights,
-            [p[1] for p in slots] if self.quantized else None,
-            [p[3] for p in slots] if self.quantized else None,
+            intermediate=self.intermediate,
+            gate_up=[p[0] for p in slots],
+            down=[p[2] for p in slots],
+            weights=weights,
+            gate_up_scale=[p[1] for p in slots] if self.quantized else None,
+            down_scale=[p[3] for p in slots] if self.quantized else None,
         )

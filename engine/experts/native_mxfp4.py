@@ -82,12 +82,12 @@ class NativeMxfp4Moe(NativeMoe):
             x,
             self.hidden,
             self.intermediate,
-            slots,
-            ids,
-            weights,
-            self.bias_dtype,
-            self.alpha,
-            self.limit,
+            slots=slots,
+            ids=ids,
+            weights=weights,
+            bias_dtype=self.bias_dtype,
+            alpha=self.alpha,
+            limit=self.limit,
         )
 
     def rows(self, x: torch.Tensor, slot: SlotPointers) -> torch.Tensor:

@@ -74,13 +74,13 @@ class MemorySplit:
             self.block_bytes,
             self.slot_bytes,
             self.base_blocks,
-            self.base_slots,
-            self.floor_slots,
-            self.lent,
-            demand_blocks,
-            idle,
-            miss_share,
-            self.fixed,
+            base_slots=self.base_slots,
+            floor_slots=self.floor_slots,
+            lent=self.lent,
+            demand_blocks=demand_blocks,
+            idle=idle,
+            miss_share=miss_share,
+            fixed=self.fixed,
         )
 
     def max_blocks(self) -> int:

@@ -154,7 +154,15 @@ class NativeKernels(KernelLibrary):
         its scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives
         that row alone with weight 1: a window's or a prompt's rows compute as single decode rows do."""
         n = x.shape[0]  # every row to expert 0 of a one-expert table, weight 1
-        return self.moe_rows(x, weight_dtype, hidden, intermediate, [slot], [0] * n, [1.0] * n)
+        return self.moe_rows(
+            x,
+            weight_dtype,
+            hidden,
+            intermediate=intermediate,
+            slots=[slot],
+            ids=[0] * n,
+            weights=[1.0] * n,
+        )
 
     def moe_rows(
         self,

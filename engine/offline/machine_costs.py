@@ -146,12 +146,16 @@ def time_expert_kernel(
                 x,
                 wdtype,
                 H,
-                I,
-                gu_ptr[sl],
-                dn_ptr[sl],
-                weights,
-                None if scales is None else [scales[0][j].data_ptr() for j in range(i, i + top_k)],
-                None if scales is None else [scales[1][j].data_ptr() for j in range(i, i + top_k)],
+                intermediate=I,
+                gate_up=gu_ptr[sl],
+                down=dn_ptr[sl],
+                weights=weights,
+                gate_up_scale=None
+                if scales is None
+                else [scales[0][j].data_ptr() for j in range(i, i + top_k)],
+                down_scale=None
+                if scales is None
+                else [scales[1][j].data_ptr() for j in range(i, i + top_k)],
             )
 
     return n * per / _best_one_thread_seconds(sweep) / 1e9
