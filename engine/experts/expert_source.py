@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.experts.expert_kernels import ExpertKernel
+from engine.experts.expert_kernels import ExpertKernel, make_kernel
 from engine.experts.native_quant import (
     Fp8BlockSwiGLUFormat,
     Mxfp4GptOssFormat,
@@ -28,6 +28,7 @@ from engine.native.loaded import native
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
+from engine.weights.moe_hook import MoeSite, expert_geometry
 
 _MXFP4 = (
     "gate_up_proj_bias",
@@ -75,6 +76,34 @@ class CheckpointExperts:
     kernel: ExpertKernel
     dtype: torch.dtype
     device: torch.device
+    top_k: int = 0  # experts a token routes to
+
+    @classmethod
+    def of_sites(
+        cls,
+        spec: ArchSpec,
+        config: PretrainedConfig,
+        tensors: dict[str, TensorLocation],
+        sites: list[MoeSite],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> CheckpointExperts:
+        """The experts of a model's sparse blocks `sites`: their geometry, read off the first block,
+        and what an expert computes (the architecture's kernel)."""
+        block = sites[0].block
+        E, H, I, top_k = expert_geometry(block, transposed=spec.kernel != "swiglu")
+        return cls(
+            spec=spec,
+            config=config,
+            tensors=tensors,
+            moe_layers=[s.layer for s in sites],
+            num_experts=E,
+            shape=ExpertShape(hidden=H, intermediate=I),
+            kernel=make_kernel(spec.kernel, block.get_submodule("experts"), H, I),
+            dtype=dtype,
+            device=device,
+            top_k=top_k,
+        )
 
     def shipped(self) -> tuple[RawPartsFormat, RawLocator] | None:
         """The format and locator of experts quantized in the checkpoint; None: float experts."""

@@ -117,14 +117,12 @@ class Probe:
 
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
-    from engine.experts.expert_kernels import make_kernel
     from engine.experts.expert_source import CheckpointExperts, float_expert_format
     from engine.weights.arch import arch_for, text_config
     from engine.weights.checkpoint import index_checkpoint
     from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
-    from engine.weights.expert_layout import ExpertShape
     from engine.weights.model_config import read_config, resolve_device, resolve_dtype
-    from engine.weights.moe_hook import expert_geometry, find_moe_sites
+    from engine.weights.moe_hook import find_moe_sites
 
     model_dir = Path(model_dir)
     config = read_config(model_dir)
@@ -142,22 +140,10 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
         raise CheckpointError(
             f"{model_dir / 'config.json'}: no sparse MoE layers in this configuration"
         )
-    layers = [s.layer for s in sites]
-    E, H, I, top_k = expert_geometry(sites[0].block, transposed=spec.kernel != "swiglu")
-    shape = ExpertShape(hidden=H, intermediate=I)
+    source = CheckpointExperts.of_sites(spec, config, tensors, sites, dtype, device)
+    layers, E, top_k = source.moe_layers, source.num_experts, source.top_k
+    I, kernel = source.shape.intermediate, source.kernel
     experts: list[nn.Module] = [s.block.get_submodule("experts") for s in sites]
-    kernel = make_kernel(spec.kernel, experts[0], H, I)
-    source = CheckpointExperts(
-        spec=spec,
-        config=config,
-        tensors=tensors,
-        moe_layers=layers,
-        num_experts=E,
-        shape=shape,
-        kernel=kernel,
-        dtype=dtype,
-        device=device,
-    )
     native = source.shipped()
     sidecar = 0
     fmt: Any

@@ -16,7 +16,6 @@ from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.experts.cost_meter import CostMeter
-from engine.experts.expert_kernels import make_kernel
 from engine.experts.expert_source import CheckpointExperts, expert_source, native_slot_dtype
 from engine.experts.expert_store import ExpertStore
 from engine.experts.link import EmulatedLink, parse_link
@@ -36,7 +35,7 @@ from engine.weights.arch import ArchSpec
 from engine.weights.arch_adapters import adapter_for
 from engine.weights.checkpoint import TensorLocation
 from engine.weights.expert_layout import ExpertShape, SegmentLocator
-from engine.weights.moe_hook import MoeSite, expert_geometry, verify_block
+from engine.weights.moe_hook import MoeSite, verify_block
 from engine.worker.loaded_model import OffloadedModel
 from engine.worker.spac_setup import prefetch_kinds
 from policies.base import EvictionPolicy
@@ -92,24 +91,16 @@ class ExpertRuntime:
 def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> RoutedExperts:
     """The experts' geometry and kernel, the native kernels the rest of the load runs (chosen and made
     active here), blocks run by structure checked, and the format and locator of the experts' slots."""
-    moe_layers = [s.layer for s in sites]
-    native0 = sites[0].block
-    E, H, I, top_k = expert_geometry(native0, transposed=ck.spec.kernel != "swiglu")
-    shape = ExpertShape(hidden=H, intermediate=I)
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
-    kernel = make_kernel(ck.spec.kernel, native0.experts, H, I)
-    # What the native kernels would read the experts in: their measurement times that.
-    experts = CheckpointExperts(
-        spec=ck.spec,
-        config=ck.config,
-        tensors=ck.tensors,
-        moe_layers=moe_layers,
-        num_experts=E,
-        shape=shape,
-        kernel=kernel,
-        dtype=ck.dtype,
-        device=ck.device,
+    experts = CheckpointExperts.of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
+    moe_layers, E, top_k, kernel = (
+        experts.moe_layers,
+        experts.num_experts,
+        experts.top_k,
+        experts.kernel,
     )
+    H, I, shape = experts.shape.hidden, experts.shape.intermediate, experts.shape
+    # What the native kernels would read the experts in: their measurement times that.
     slots = native_slot_dtype(experts, cfg)
     native = resolve_native_kernels(
         cfg.native_kernels if ck.device.type == "cpu" else "off",
