@@ -197,17 +197,16 @@ class _ChatStream:
             finish = None
         else:
             self.n_out[i], self.n_cached[i] = o.num_output_tokens, o.num_cached_tokens
-            finish = o.finish_reason
-            delta, finish = self._delta(i, o, finish)
+            delta, finish = self._delta(i, o)
             if not delta and not finish and not (lp is not None and o.token_ids):
                 return None
             lps = chat_logprobs(o.logprobs or [], self.st.token_text) if lp is not None else None
         c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
         return {**self._envelope(), "choices": [c], **self.extra}
 
-    def _delta(self, i: int, o: Any, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    def _delta(self, i: int, o: Any) -> tuple[dict[str, Any], str | None]:
         """Choice i's delta for output `o` (text, reasoning, tool calls) and its finish reason."""
-        text, thought = o.text, ""
+        finish, text, thought = o.finish_reason, o.text, ""
         if self.thinks is not None:  # the <think> section's text goes to delta.reasoning_content
             thought, text = self.thinks[i].feed(o.text)
             if finish is not None:
