@@ -29,6 +29,18 @@ static inline float block_scale(const float *x, int n, float *inv) {
     return s;
 }
 
+/* The dot products' software prefetch: each loop step asks for the weight bytes PREFETCH_AHEAD past the ones it
+ * loads, into L2 (prefetcht1). Why: an f32 row of 1024 is exactly one 4 KiB page, and the hardware prefetchers stop
+ * at a page's end, so each row began cold; the rows of one matrix lie back to back, so a prefetch this far ahead
+ * runs into the next row. On an Intel Xeon (Sapphire Rapids), 1 thread, 8 random experts of the peers 'mid' shape
+ * a layer, an ad hoc C loop of dot_widen's form streamed 14.0 GB/s without it, 17.5 into L1 and 18.0 into L2 at
+ * 3-4 KiB ahead (6 KiB: no better). It reads nothing the sums use, so no result changes; past a buffer's end a
+ * prefetch cannot fault. */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_ahead(const void *p, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + b, 0, 2);
+}
+
 static inline float load1(const void *w, int wtype, int64_t i) {
     if (wtype == W_F32) return ((const float *)w)[i];
     if (wtype == W_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);

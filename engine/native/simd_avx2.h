@@ -47,6 +47,7 @@ static float dot_widen(const void *w, int wtype, int64_t n, const float *x) {
     int64_t i = 0;
 #define WIDEN_LOOP(T)                                                                    \
     for (; i + 32 <= n; i += 32) {                                                       \
+        prefetch_ahead((const char *)w + i * wsize(T), 32 * wsize(T));                   \
         a0 = _mm256_fmadd_ps(load8(w, T, i), _mm256_loadu_ps(x + i), a0);                \
         a1 = _mm256_fmadd_ps(load8(w, T, i + 8), _mm256_loadu_ps(x + i + 8), a1);        \
         a2 = _mm256_fmadd_ps(load8(w, T, i + 16), _mm256_loadu_ps(x + i + 16), a2);      \
@@ -79,6 +80,7 @@ static inline __attribute__((always_inline)) void widen_rows_blk(const void *w, 
     }
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead((const char *)w + i * wsize(wtype), 32 * wsize(wtype));
         __m256 v[4];
         for (int q = 0; q < 4; q++) v[q] = load8(w, wtype, i + 8 * q);
         for (int r = 0; r < R; r++)
@@ -118,6 +120,7 @@ static float dot_bf16(const uint16_t *w, int64_t n, act_t a) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead(w + i, 64);
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i)), v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
         a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_loadu_ps(a.p + i), a0);
         a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v0, high)), _mm256_loadu_ps(a.p + i + 8), a1);
@@ -149,6 +152,7 @@ static inline __attribute__((always_inline)) void bf16_rows_blk(const uint16_t *
     }
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead(w + i, 64);
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i)), v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
         __m256 v[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_castsi256_ps(_mm256_and_si256(v0, high)),
                        _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
@@ -187,6 +191,7 @@ static inline __m256i madd_u8s8(__m256i u, __m256i s) {
 static float dot_i8(const int8_t *w, int64_t n, act_t a) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0, b = 0; i < n; i += QBLOCK, b++) {
+        prefetch_ahead(w + i, QBLOCK);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)(a.q8 + i)), x1 = _mm256_loadu_si256((const __m256i *)(a.q8 + i + 32));
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + i)), w1 = _mm256_loadu_si256((const __m256i *)(w + i + 32));
         __m256i u0 = _mm256_loadu_si256((const __m256i *)(a.qa + i)), u1 = _mm256_loadu_si256((const __m256i *)(a.qa + i + 32));
