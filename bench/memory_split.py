@@ -8,7 +8,13 @@ arrive at once. Each run is one server: `--kv-borrow-share` at `--share` (the sp
 `moe_offload_memory_split_bytes{part}` (its peak KV, its lowest experts), the moves, the preemptions; and
 the split after the load (idle). Every run's tokens and logprobs are compared, bitwise, with the first.
 
+`--prefix N` makes it an agent's workload: every prompt is one shared N-token prefix followed by its own
+`--prompt` tokens, the prefix is served once first (so the sessions find it in the prefix cache), and the
+pool is planned for `--pool-sessions` whole contexts (prefix included). `--model DIR` serves an existing
+checkpoint instead (the real shape from `python -m bench.real_shapes`).
+
     python -m bench memory-split --out docs/benchmarks/memory_split.md
+    python -m bench memory-split --prefix 8192 --prompt 256 --pool-sessions 1 --out PAGE
 """
 
 from __future__ import annotations
@@ -42,7 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sessions", type=int, default=8, help="distinct prompts sent at once (default 8)"
     )
-    p.add_argument("--prompt", type=int, default=1000, help="tokens a prompt (default 1000)")
+    p.add_argument(
+        "--prompt", type=int, default=1000, help="distinct tokens a prompt (default 1000)"
+    )
+    p.add_argument(
+        "--prefix",
+        type=int,
+        default=0,
+        help="shared prefix tokens before every prompt: an agent's workload (default 0: none)",
+    )
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens a request (default 16)")
     p.add_argument(
         "--pool-sessions", type=int, default=2, help="prompts the planned KV pool holds (default 2)"
@@ -61,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--work", type=Path, default=Path(".cache/memory_split"), help="where the checkpoint goes"
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="serve this checkpoint instead of building the random one (default: build it)",
     )
     p.add_argument("--out", type=Path, default=None, help="Markdown page to write (JSON beside it)")
     return p.parse_args(argv)
@@ -91,13 +111,16 @@ def _run(
     a: argparse.Namespace, ckpt: Path, prompts: list[list[int]], share: float
 ) -> dict[str, Any]:
     """One server, the prompts at once, /metrics watched."""
-    kv_tokens = a.pool_sessions * (a.prompt + a.tokens)
+    context = a.prefix + a.prompt + a.tokens
+    kv_tokens = a.pool_sessions * context
     args = ["--model", str(ckpt), "--kv-tokens", str(kv_tokens), "--max-running", str(a.sessions)]
-    args += ["--max-model-len", "2048", "--cache-fraction", str(a.cache_fraction)]
+    args += ["--max-model-len", str(max(2048, context))]
+    args += ["--cache-fraction", str(a.cache_fraction)]
     args += ["--offload", "disk", "--kv-borrow-share", str(share)]
     log = Path(tempfile.mkdtemp()) / "serve.log"
-    with serve(args, log, ready_timeout=300) as srv:
-        _complete(srv.base_url, prompts[0][:64], 2)  # warm-up
+    with serve(args, log, ready_timeout=600) as srv:
+        # Warm-up: the shared prefix where there is one (now cached), else a short prompt.
+        _complete(srv.base_url, prompts[0][: a.prefix or 64], 2)
         start = _split(srv.metrics())
         samples: list[dict[str, float]] = []
         stop = threading.Event()
@@ -139,11 +162,14 @@ def _mib(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    ckpt = a.work / "model"
+    ckpt = a.model or a.work / "model"
     if not (ckpt / "config.json").exists():
         make_tiny_checkpoint(ckpt, "qwen3_moe", dtype=torch.bfloat16, **SHAPE)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 250, (a.prompt,), generator=g).tolist() for _ in range(a.sessions)]
+    prefix = torch.randint(3, 250, (a.prefix,), generator=g).tolist()
+    prompts = [
+        prefix + torch.randint(3, 250, (a.prompt,), generator=g).tolist() for _ in range(a.sessions)
+    ]
     res = interleaved((a.share, 0.0), a.rounds, lambda share: _run(a, ckpt, prompts, share))
     runs = [r for cell in res.values() for r in cell]
     same = sum(r["out"] == runs[0]["out"] for r in runs)
@@ -171,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
             f"Median wall time, split moving / fixed, same round: {ratio:.2f} (a shared 2-core machine: noisy). "
             f"{same} of {len(runs)} runs give the first run's tokens and logprobs, bit for bit.",
             "",
-            f"{machine_line(1)} The server runs 1 thread; {a.sessions} prompts of {a.prompt} tokens, {a.tokens} "
-            f"output tokens each, a KV pool planned for {a.pool_sessions}, --cache-fraction {a.cache_fraction:g} "
-            "with the disk tier; random weights.",
+            f"{machine_line(1)} The server runs 1 thread; {a.sessions} prompts of {a.prompt} tokens"
+            + (f" after one shared {a.prefix}-token prefix (served once first)" if a.prefix else "")
+            + f", {a.tokens} output tokens each, a KV pool planned for {a.pool_sessions} whole context(s), "
+            f"--cache-fraction {a.cache_fraction:g} with the disk tier; checkpoint {ckpt.name}, random weights.",
         ]
     )
     payload = dict(
