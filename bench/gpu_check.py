@@ -6,7 +6,7 @@ CUDA device, and writes one markdown page (+ JSON):
 
 1. **Transfers.** Host-to-device GB/s of 64 MiB copies from pinned and from pageable memory, timed
    with CUDA events (the link's peak is the pinned figure), and overlap: a copy on a side stream
-   (as engine/experts/transfers.py issues them) next to a matmul loop on the default stream,
+   (as engine/experts/tiers/transfers.py issues them) next to a matmul loop on the default stream,
    against each alone. Overlap 1.0 means the shorter one was fully hidden.
 2. **The engine's own transfers**: bytes moved over transfer seconds in a cache-0.25 decode with the
    host-memory tier (pinned), against the pinned peak.

@@ -47,7 +47,7 @@ from bench.real_shapes import TINY_WIDTHS
 from bench.report import cut_prompts, interleaved, positive_int
 from bench.spac_bench import SPEC
 from engine.config import EngineConfig
-from engine.experts.device_lane import DeviceLane
+from engine.experts.compute.device_lane import DeviceLane
 from engine.paths import portable_path
 from engine.speculative.config import SpecConfig
 from engine.worker.loader import load_model

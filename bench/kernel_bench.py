@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from bench.prefill_cells import prefill_cells, prefill_lines
 from bench.report import interleaved, machine_line, write_report
-from engine.experts.quant import _int4
+from engine.experts.formats.quant import _int4
 from engine.native.loaded import native
 from engine.native.variants import runnable
 
@@ -51,7 +51,7 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int4 expert format's encoding (engine/experts/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
+    """The int4 expert format's encoding (engine/experts/formats/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
     packed, s, z = _int4(w, 64)
     return packed.reshape(w.shape[0], -1).contiguous(), s.half().contiguous(), z.half().contiguous()
 

@@ -37,7 +37,7 @@ import torch
 from bench.report import cut_prompts
 from bench.spec_bench import run_cell
 from engine.config import EngineConfig
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.experts.routing_bus import RoutingEvent
 from engine.speculative.config import SpecConfig
 from engine.speculative.draft import DraftProposer
@@ -89,7 +89,7 @@ def time_gemms(hidden: int, inter: int, rows: int, repeats: int = 20) -> float:
 
 def seq_read_mb_s(model_dir: Path, chunk: int = 1 << 20, n: int = 32) -> float:
     """Sequential O_DIRECT reads of `chunk` bytes from the checkpoint, as the disk tier reads (MB/s)."""
-    from engine.experts.uncached_io import UncachedReader
+    from engine.experts.tiers.uncached_io import UncachedReader
 
     path = next(Path(model_dir).glob("*.safetensors"))
     reader = UncachedReader(True)

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from engine.experts.expert_kernels import GptOssKernel
-from engine.experts.native_mxfp4 import NativeMxfp4Moe
-from engine.experts.native_quant import Mxfp4GptOssFormat
+from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe
+from engine.experts.formats.expert_kernels import GptOssKernel
+from engine.experts.formats.native_quant import Mxfp4GptOssFormat
 from engine.native.loaded import load_build
 from engine.native.variants import runnable
 

@@ -315,7 +315,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def injected_read_faults(log: str) -> dict[str, int]:
-    """Read faults the engine injected, by kind, from its log lines (engine/experts/read_faults.py);
+    """Read faults the engine injected, by kind, from its log lines (engine/experts/tiers/read_faults.py);
     every engine process of the run counts, a restarted one too."""
     found = re.findall(r"injected expert read fault: (\w+)", log)
     return dict(Counter(found))

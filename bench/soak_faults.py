@@ -10,7 +10,7 @@ is lifted. Counted: the OOM kills in the group, whether the front end (which
 holds every client's connection) survived, and how long until /health says ready again.
 
 Disk (`--disk-full-every S`): the server runs with `--expert-quant int8` and its quantized-expert
-cache (engine/experts/quant_cache.py) on a small tmpfs of its own (root: mount). The cache is
+cache (engine/experts/formats/quant_cache.py) on a small tmpfs of its own (root: mount). The cache is
 written only when an engine starts, so the fault is what an operator meets after a disk filled up
 and a cache cleaner ran: the sidecar is removed, the tmpfs filled to the last byte, and the engine
 SIGKILLed; its restarts cannot write the sidecar (ENOSPC) until, HOLD_S s later, the filler is

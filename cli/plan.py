@@ -149,7 +149,7 @@ def project(
 ) -> tuple[list[tuple[str, float]], str]:
     """[(preset, projected decode tok/s)] and a one-line description of the projection (or why there
     is none). `measured`: the costs of `--hardware measured` (called only for it)."""
-    from engine.experts.link import parse_link
+    from engine.experts.tiers.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
     from engine.offline.projection import project_trace
     from engine.offline.simulator import load_trace, simulate

@@ -87,7 +87,7 @@ def _load_trace(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _costs(args: argparse.Namespace, trace: dict[str, Any], shape: str) -> Any:
     """The replay's costs: a hardware profile (its link overridden by --link), or the box described
     by --link, --layer-compute-us, --expert-compute-us and --workers."""
-    from engine.experts.link import parse_link
+    from engine.experts.tiers.link import parse_link
     from engine.offline.hardware import ProfileError, costs_for, with_link
     from engine.offline.simulator import manual_costs
 

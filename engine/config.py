@@ -59,7 +59,7 @@ class EngineConfig(YamlSection):
         "emulate a slower link in front of the slow tier: a name (pcie4, pcie3, nvme, sata-ssd, ufs, usb3, sdcard, hdd) or bandwidth in MB/s with optional latency in µs, e.g. 200:500",
         metavar="NAME|MBPS[:US]",
     )
-    # A fault-injection hook of the slow tier, for soaks and tests (engine/experts/read_faults.py).
+    # A fault-injection hook of the slow tier, for soaks and tests (engine/experts/tiers/read_faults.py).
     expert_read_faults: str | None = setting(
         None,
         "inject faults into the slow tier's expert reads, for soaks and tests: a comma-separated list of eio (the read fails with EIO: the requests that needed the expert get an expert_read_failed error), short (the read returns part of the bytes; the rest is read again) or delay (the read waits secs=S seconds, default 2), each with when it fires: :p=F (probability per read), :every=N (every Nth read) or :period=S (once every S seconds), optionally :after=N and :seed=N; e.g. eio:every=50,delay:period=30:secs=3. Default: none",
@@ -163,7 +163,7 @@ class EngineConfig(YamlSection):
         flag="--no-direct-io",
     )
     # Routed experts as stored, moved and cached: quantizing happens once, into a sidecar file in
-    # quant_cache_dir, reused on the next start (engine/experts/quant.py documents the formats).
+    # quant_cache_dir, reused on the next start (engine/experts/formats/quant.py documents the formats).
     expert_quant: str = setting(
         "none",
         "routed experts as stored, moved and cached: none (checkpoint weights in the compute dtype), int8 or int4 (group-wise round-to-nearest, dequantized on compute)",

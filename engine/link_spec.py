@@ -1,5 +1,5 @@
 """A link's description, parsed from --link: a named medium or MBPS[:LATENCY_US]. Plain data, so
-the configuration can validate it without importing the engine's experts (engine/experts/link.py
+the configuration can validate it without importing the engine's experts (engine/experts/tiers/link.py
 emulates the link)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The --expert-read-faults spec (EngineConfig.expert_read_faults): which faults engine/experts/read_faults.py
+"""The --expert-read-faults spec (EngineConfig.expert_read_faults): which faults engine/experts/tiers/read_faults.py
 injects into the slow tier's expert reads, and when. Parsed here, below the engine's packages, so the
 config checks it at start (as engine/link_spec.py does for --link). The grammar is in read_faults.py."""
 

@@ -14,7 +14,7 @@ from tiny_models import ARCHS, NEW_ARCHS, load_reference
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import CheckpointError
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.weights.arch_adapters import adapter_for
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits

@@ -78,7 +78,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_gpu(tiny_ckpt, arch:
 def test_misses_cross_the_link_from_pinned_memory_on_a_side_stream(tiny_ckpt, offload) -> None:
     """The RAM tier is pinned (so a copy can be asynchronous), the disk tier assembles each expert in
     a pinned staging row, and loads are issued on the transfer manager's own stream, so they
-    overlap the default stream's compute (engine/experts/device_copy.py)."""
+    overlap the default stream's compute (engine/experts/tiers/device_copy.py)."""
     om = load_model(
         tiny_ckpt("qwen3_moe"),
         EngineConfig(cache_fraction=0.25, offload=offload, device="cuda", dtype="float32"),

@@ -2,7 +2,7 @@
 values to the host (item, tolist, int, bool, ...) is a synchronization. A CPU cannot show them in a
 profile, so engine/worker/host_reads.py counts them through torch's function hooks, on the path a
 GPU decode takes (the lean forward with torch's kernels; the native CPU kernels are off there) and
-with the device lane a CUDA executor uses (engine/experts/device_lane.py), forced on here.
+with the device lane a CUDA executor uses (engine/experts/compute/device_lane.py), forced on here.
 
 The bound: one read per decode step, the sampled token (greedy_token), and none in any MoE layer."""
 
@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.experts.device_lane import DeviceLane
+from engine.experts.compute.device_lane import DeviceLane
 from engine.worker.host_reads import HostReads
 from engine.worker.loader import load_model
 from engine.worker.runner import prompt_logits

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.quant import _int4
+from engine.experts.formats.quant import _int4
 from engine.native import build as native_build
 from engine.native.loaded import load_build
 from engine.native.variants import runnable

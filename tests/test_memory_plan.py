@@ -12,7 +12,7 @@ from engine.budget import parse_budget, resolve_budget
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import ConfigError
-from engine.experts.slow_tier import DiskTier, RamTier
+from engine.experts.tiers.slow_tier import DiskTier, RamTier
 from engine.memory.footprint import Footprint
 from engine.memory.machine import HostMemory, cgroup_headroom, host_memory
 from engine.memory.planner import KvRequest, plan_memory

@@ -1,6 +1,6 @@
 """The KV/expert split's moving parts (engine/memory/split.py): the block accounting grows and shrinks
 (engine/core/kv_blocks.py `resize`), the fast tier lends slots through its eviction path and takes them
-back (engine/experts/residency.py `withdraw` / `restore`), freed pages go back to the OS
+back (engine/experts/tiers/residency.py `withdraw` / `restore`), freed pages go back to the OS
 (engine/huge_pages.py `release_pages`), and MemorySplit keeps the two sides in step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from engine.core.kv_blocks import KVBlocks
 from engine.core.kv_demand import KvDemand
 from engine.core.messages import GenerateRequest
 from engine.core.step_types import SeqState
-from engine.experts.residency import LANDED, Residency
+from engine.experts.tiers.residency import LANDED, Residency
 from engine.huge_pages import PAGE, release_pages
 from engine.memory.split import MemorySplit, split_line
 from engine.stats import EngineStats
@@ -196,7 +196,7 @@ def _rss() -> int:
 
 
 def test_lent_slots_give_their_memory_back_to_the_os() -> None:
-    from engine.experts.expert_store import ExpertStore
+    from engine.experts.tiers.expert_store import ExpertStore
 
     store = ExpertStore(
         16, 1 << 18, torch.float32, torch.device("cpu"), LRUEviction(), EngineStats(1)

@@ -5,7 +5,7 @@ run their own kernels whatever the order they were loaded in and however their s
 one's logits equal the same engine's loaded alone, bit for bit. Why it can fail: a choice kept per
 process (the last load's) runs the first engine's ops on the second one's kernels; the two families
 round differently in bf16, so the leak shows in the logits, and the native library's calls are counted
-per engine and per thread besides. CPU-run experts compute on pool threads (engine/experts/cpu_experts.py):
+per engine and per thread besides. CPU-run experts compute on pool threads (engine/experts/compute/cpu_experts.py):
 those must see their engine's choice too, not the widest build a thread without one would get.
 """
 

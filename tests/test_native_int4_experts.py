@@ -1,5 +1,5 @@
-"""int4 experts (groups of 64) through one native call a layer (cpu_gemv.c's moe_q4_rows, engine/experts/
-native_moe.py): the arithmetic of the expert-by-expert gemv_q4 path, each row as it computes alone, in every
+"""int4 experts (groups of 64) through one native call a layer (cpu_gemv.c's moe_q4_rows,
+engine/experts/compute/native_moe.py): the arithmetic of the expert-by-expert gemv_q4 path, each row as it computes alone, in every
 build this CPU runs; the fused decode step takes int4 experts; speculation and batching stay exact."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.experts.native_moe import INT4
+from engine.experts.compute.native_moe import INT4
 from engine.native.loaded import load_build, native
 from engine.native.variants import runnable
 from engine.worker.lean_forward import LeanForward

@@ -15,7 +15,7 @@ from tiny_models import load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.experts.native_moe import NativeMoe
+from engine.experts.compute.native_moe import NativeMoe
 from engine.native import build as native_build
 from engine.native.kernels import MAX_ROWS
 from engine.native.layers import NativeLinear, NativeRMSNorm, accelerate
@@ -93,7 +93,7 @@ def test_gemv_int8_rows(nk) -> None:
 
 
 def test_gemv_int4_groups(nk) -> None:
-    from engine.experts.quant import _int4
+    from engine.experts.formats.quant import _int4
 
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(72, 256, generator=g), torch.randn(3, 256, generator=g).bfloat16()
@@ -119,8 +119,8 @@ def test_gemv_int4_groups(nk) -> None:
 
 
 def test_int4_expert_format_runs_natively_in_bf16(engine_nk) -> None:
-    from engine.experts.expert_kernels import SwiGLUKernel
-    from engine.experts.quant import make_format
+    from engine.experts.formats.expert_kernels import SwiGLUKernel
+    from engine.experts.formats.quant import make_format
 
     H, I = 128, 64
     fmt = make_format(SwiGLUKernel(H, I, torch.nn.SiLU()), "int4", 64, torch.bfloat16)

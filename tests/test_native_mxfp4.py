@@ -1,4 +1,4 @@
-"""gpt-oss's MXFP4 experts through the native kernel (engine/native/mxfp4_moe.c, engine/experts/native_mxfp4.py):
+"""gpt-oss's MXFP4 experts through the native kernel (engine/native/mxfp4_moe.c, engine/experts/compute/native_mxfp4.py):
 the torch path's arithmetic (dequantize, then GptOssKernel) within float rounding in every build this CPU runs,
 each row's result bit for bit the one it gets alone, and the engine's tokens independent of where an expert was
 (resident, fetched into a slot, or run from the host tier by a CPU worker)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.expert_kernels import GptOssKernel
-from engine.experts.native_mxfp4 import NativeMxfp4Moe, native_experts
-from engine.experts.native_quant import Mxfp4GptOssFormat
+from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe, native_experts
+from engine.experts.formats.expert_kernels import GptOssKernel
+from engine.experts.formats.native_quant import Mxfp4GptOssFormat
 from engine.native.loaded import load_build, native
 from engine.native.row_kernels import native_rows
 from engine.native.variants import runnable

@@ -145,7 +145,7 @@ def test_deepseek_fp8_block(tiny_ckpt, tmp_path) -> None:
 def test_mxfp4_dequant_is_each_code_times_its_power_of_two() -> None:
     """The table dequant equals e2m1 value x 2^(scale - 127) computed directly, for every code and
     every finite scale (255 is NaN in the OCP MX spec), in bf16 and f32."""
-    from engine.experts.native_quant import _FP4, dequant_mxfp4
+    from engine.experts.formats.native_quant import _FP4, dequant_mxfp4
 
     blocks = torch.arange(256, dtype=torch.uint8).repeat(255, 1).view(255, 16, 16)  # every byte
     scales = torch.arange(255, dtype=torch.uint8).view(255, 1).expand(255, 16).contiguous()

@@ -10,8 +10,8 @@ from tiny_models import load_reference
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import ConfigError
-from engine.experts.expert_kernels import SwiGLUKernel, make_kernel
-from engine.experts.quant import GroupQuantFormat, make_format
+from engine.experts.formats.expert_kernels import SwiGLUKernel, make_kernel
+from engine.experts.formats.quant import GroupQuantFormat, make_format
 from engine.weights.arch import arch_for
 from engine.weights.moe_hook import expert_geometry, find_moe_sites
 from engine.worker.loader import load_model

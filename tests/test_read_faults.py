@@ -1,4 +1,4 @@
-"""Injected expert read faults (engine/experts/read_faults.py, --expert-read-faults): EIO fails only
+"""Injected expert read faults (engine/experts/tiers/read_faults.py, --expert-read-faults): EIO fails only
 the requests that needed the expert, with an `expert_read_failed` error; a short read is read to its
 end and changes nothing; a latency spike only slows. The tiny checkpoint, a quarter of its experts
 in the fast tier and the rest read from disk on every miss."""
@@ -18,8 +18,8 @@ from engine.core.completion import Completion, complete, generate, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.faults import fault_class
 from engine.errors import ConfigError
-from engine.experts.read_faults import ReadFaults
-from engine.experts.uncached_io import UncachedReader
+from engine.experts.tiers.read_faults import ReadFaults
+from engine.experts.tiers.uncached_io import UncachedReader
 from engine.read_fault_spec import FaultRule, parse_read_faults
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""The tensor-free residency core (engine/experts/residency.py) that ExpertStore and the simulator
+"""The tensor-free residency core (engine/experts/tiers/residency.py) that ExpertStore and the simulator
 share: which expert a reservation evicts, what pins and protection keep, what is counted."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Hashable
 
-from engine.experts.residency import INF, LANDED, Residency
+from engine.experts.tiers.residency import INF, LANDED, Residency
 from policies.base import EvictionPolicy
 from policies.lru import LRUEviction
 
@@ -105,7 +105,7 @@ def test_the_simulated_clock_decides_residency() -> None:
 
 def test_the_replays_tensor_free_modules_import_no_torch() -> None:
     code = (
-        "import sys, engine.experts.residency, engine.experts.cpu_split, engine.offline.simulator; "
+        "import sys, engine.experts.tiers.residency, engine.experts.compute.cpu_split, engine.offline.simulator; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.experts.moe_executor import MoeExecutor
+from engine.experts.compute.moe_executor import MoeExecutor
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, prompt_logits

@@ -2,8 +2,8 @@
 
 A prompt chunk or a batched decode step names most of a layer's experts. They ran one native call an
 expert (plus the Python around each), which took about half of an 80-token prefill of the embedded
-model. With every expert the step needs resident, engine/experts/expert_streaming.py now hands all rows
-and their experts to one moe_swiglu_rows call (engine/experts/expert_compute.py `resident_rows`). These
+model. With every expert the step needs resident, engine/experts/compute/expert_streaming.py now hands all rows
+and their experts to one moe_swiglu_rows call (engine/experts/compute/expert_compute.py `resident_rows`). These
 tests pin both halves: the call count, and that a row's logits are those it gets alone."""
 
 from __future__ import annotations

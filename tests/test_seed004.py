@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.experts.cpu_split import CpuSplit
+from engine.experts.compute.cpu_split import CpuSplit
 from engine.offline.sim_settings import manual_costs
 from engine.offline.simulator import simulate
 from policies.balancer import fixed_tau

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.experts.expert_store import ExpertStore
-from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.transfers import TransferEngine
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.link import EmulatedLink, parse_link
+from engine.experts.tiers.transfers import TransferEngine
 from engine.stats import EngineStats
 from policies.lru import LRUEviction
 

@@ -1,5 +1,5 @@
 """Coalesced host-to-device copies (issue 40 §4): on CUDA every expert load is one copy, from pinned
-memory, into its slot (engine/experts/device_copy.py). A CPU has no CUDA stream to run that code
+memory, into its slot (engine/experts/tiers/device_copy.py). A CPU has no CUDA stream to run that code
 on, so these tests run it with a recording stand-in for the CUDA calls (the real ones run in
 tests/test_cuda.py on a GPU): it counts the copies and where each one read from."""
 
@@ -13,7 +13,7 @@ from engine_helpers import settle
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.experts.device_copy import CudaOps, SlotCopier
+from engine.experts.tiers.device_copy import CudaOps, SlotCopier
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from engine.errors import CheckpointError
-from engine.experts.uncached_io import UncachedReader
+from engine.experts.tiers.uncached_io import UncachedReader
 
 
 def _supports_o_direct(path) -> bool:
@@ -43,7 +43,7 @@ def test_read_clock_counts_overlapping_reads_once() -> None:
     """Two reads in flight at once add their overlap to the busy time once, not twice."""
     import time
 
-    from engine.experts.uncached_io import ReadClock
+    from engine.experts.tiers.uncached_io import ReadClock
 
     clock = ReadClock()
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def test_an_expert_is_read_in_one_span_and_packed_like_segment_by_segment(tiny_c
     import torch
 
     from engine.config import EngineConfig
-    from engine.experts.slow_tier import _one_span, _pack
+    from engine.experts.tiers.slow_tier import _one_span, _pack
     from engine.worker.loader import load_model
 
     om = load_model(tiny_ckpt("qwen3_moe"), EngineConfig(cache_fraction=0.5, offload="disk"))

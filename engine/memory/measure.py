@@ -117,7 +117,7 @@ class Probe:
 
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
-    from engine.experts.expert_source import CheckpointExperts, float_expert_format
+    from engine.experts.formats.expert_source import CheckpointExperts, float_expert_format
     from engine.weights.arch import arch_for, text_config
     from engine.weights.checkpoint import index_checkpoint
     from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
@@ -182,7 +182,11 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embed = 0 if tied else fp.vocab * fp.hidden * itemsize
     if cfg.expert_quant != "none" and native is None:
-        from engine.experts.quant_cache import SidecarLocator, default_cache_dir, sidecar_path
+        from engine.experts.formats.quant_cache import (
+            SidecarLocator,
+            default_cache_dir,
+            sidecar_path,
+        )
 
         path = sidecar_path(locator, fmt, layers, Path(cfg.quant_cache_dir or default_cache_dir()))
         if path.exists():
@@ -203,7 +207,7 @@ def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
 def _expert_reads(locator: Any, layers: list[int], E: int, n: int = 128) -> tuple[ExpertRead, ...]:
     """`n` experts' byte ranges (each expert's segments in its first segment's file, first to last
     byte), layer by layer and spread over the experts, as the disk tier reads them."""
-    from engine.experts.slow_tier import _one_span
+    from engine.experts.tiers.slow_tier import _one_span
 
     out = []
     for i in range(min(n, len(layers) * E)):
@@ -228,7 +232,7 @@ def plan_checkpoint(
     probe = probe_checkpoint(model_dir, cfg)
     dev = str(probe.device) if probe.device.type == "cuda" else "cpu"
     free = device_memory("cuda:0" if dev == "cuda" else dev)
-    from engine.experts.quant_cache import default_cache_dir
+    from engine.experts.formats.quant_cache import default_cache_dir
     from engine.memory.machine import disk_free
 
     quant_dir = cfg.quant_cache_dir or default_cache_dir()

@@ -11,7 +11,7 @@ CPU runs. `usable` and `row_gemv` say where an activation can take them.
 
 A context variable, not a module flag: a thread sees the choice of the context it runs in. Pool
 threads start with an empty one, so whoever hands them tensor work submits it in a copy of its own
-(`contextvars.copy_context().run`, as engine/experts/cpu_experts.py does).
+(`contextvars.copy_context().run`, as engine/experts/compute/cpu_experts.py does).
 """
 
 from __future__ import annotations

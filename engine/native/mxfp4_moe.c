@@ -6,7 +6,7 @@
  * cost more than reading the 4.25 bits a weight. Here each weight is decoded in registers and
  * multiplied in f32.
  *
- * The format (engine/experts/native_quant.py): a projection [rows, cols] is `blocks` [rows, cols/32, 16]
+ * The format (engine/experts/formats/native_quant.py): a projection [rows, cols] is `blocks` [rows, cols/32, 16]
  * uint8, two FP4 e2m1 codes a byte, low nibble first, and `scales` [rows, cols/32] uint8 e8m0, one
  * power of two 2^(s - 127) per 32 weights. A group's 16 bytes widen to 16 int32 lanes; the low 4 bits
  * of each lane index a 16-entry table of the e2m1 values (vpermps), the lane shifted right by 4 the

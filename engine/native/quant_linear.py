@@ -33,7 +33,7 @@ FLOAT_WEIGHTS = (
 )  # the weights quantize_dense quantizes
 # The nn.Linear names --dense-quant int8 quantizes: attention projections, SwiGLU MLPs (dense layers' and
 # shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
-# their weights: the router's kernels and the expert formats are their own (engine/experts/quant.py).
+# their weights: the router's kernels and the expert formats are their own (engine/experts/formats/quant.py).
 QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

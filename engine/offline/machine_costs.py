@@ -61,7 +61,7 @@ def read_gb_s(reads: Sequence[ExpertRead], budget: int = DISK_SAMPLE_BYTES) -> t
     DISK_READS_MIN transfers): bytes over the wall time the transfers took."""
     import numpy as np
 
-    from engine.experts.uncached_io import UncachedReader
+    from engine.experts.tiers.uncached_io import UncachedReader
 
     reader = UncachedReader()
     slot = np.empty(max((r.nbytes for r in reads), default=0), dtype=np.uint8)
@@ -164,9 +164,9 @@ def time_expert_kernel(
 def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k: int) -> float:
     """GB/s of slot bytes of the native MXFP4 expert kernel (mxfp4_moe.c, gpt-oss's experts as shipped)
     running one decode token through `top_k` experts, as time_expert_kernel times moe_swiglu."""
-    from engine.experts.expert_kernels import GptOssKernel
-    from engine.experts.native_mxfp4 import NativeMxfp4Moe
-    from engine.experts.native_quant import Mxfp4GptOssFormat
+    from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe
+    from engine.experts.formats.expert_kernels import GptOssKernel
+    from engine.experts.formats.native_quant import Mxfp4GptOssFormat
 
     fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, dtype, dtype)
     per = fmt.slot_numel  # bytes: the slot is uint8

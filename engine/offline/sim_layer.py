@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from engine.experts.cpu_split import split_misses
-from engine.experts.residency import INF
+from engine.experts.compute.cpu_split import split_misses
+from engine.experts.tiers.residency import INF
 from engine.offline.sim_prefetch import PrefetchReplay
 from policies.balancer import LayerCosts, choose_tau, fixed_tau
 from policies.base import DROPPED, ExpertPlan
@@ -190,7 +190,7 @@ class LayerReplay(PrefetchReplay):
     def _cpu_split(
         self, li: int, fetch: Sequence[int], ready: list[int], rows_of: dict[int, int], now: float
     ) -> list[int]:
-        """The engine's split (engine/experts/cpu_split.py split_misses), with τ from
+        """The engine's split (engine/experts/compute/cpu_split.py split_misses), with τ from
         policies.balancer.choose_tau on the profile's costs instead of the engine's online meter."""
         c, base = self.costs, li * self.E
         util = self.utility

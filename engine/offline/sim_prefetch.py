@@ -27,7 +27,7 @@ class PrefetchReplay(ReplayState):
         self.r.prefetch_issued += 1
 
     def _top_up(self, layer: int) -> bool:
-        """engine/experts/utility_prefetch.py UtilityPrefetcher.top_up, over the simulated store:
+        """engine/experts/tiers/utility_prefetch.py UtilityPrefetcher.top_up, over the simulated store:
         the hottest missing experts, into a free slot or over a victim worth displacing."""
         est, cache, E = self.utility, self.cache, self.E
         assert est is not None

@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 
-from engine.experts.residency import Residency
+from engine.experts.tiers.residency import Residency
 from engine.offline.hardware import Costs
 from engine.offline.sim_settings import SimResult, SimSettings
 from policies.adaptive_k import AdaptiveK
@@ -19,7 +19,7 @@ from policies.utility import SpeculativeUtilityEstimator, UtilityEviction, prote
 
 class SimLink:
     """The engine's link: bandwidth is one serial pipe; each of the `workers` transfer threads
-    waits out its own transfer's latency, so latencies overlap (engine/experts/link.py).
+    waits out its own transfer's latency, so latencies overlap (engine/experts/tiers/link.py).
     Queued prefetches start only when a worker is idle (demand loads jump the queue, as the
     transfer engine's priority queue does; a started transfer is never preempted)."""
 
@@ -73,7 +73,7 @@ class ReplayState:
         # Python lists once: the replay loop is per (row, layer) and numpy scalars are slow there.
         self.ids = ids.astype(np.int64).tolist()
         self.weights = weights.astype(np.float64).tolist()
-        # The engine's residency rules (engine/experts/residency.py) on the simulated clock: ready[key] is
+        # The engine's residency rules (engine/experts/tiers/residency.py) on the simulated clock: ready[key] is
         # when the expert landed (or will land; INF while its prefetch is queued). No pin on reserve:
         # the replay pins the current layer's experts itself (pin_only).
         self.cache = Residency(

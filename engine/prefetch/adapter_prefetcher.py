@@ -11,7 +11,7 @@ adapter and start their transfers, so they load while layer l computes.
 - Predictions never change which experts run: layer l+1's native router still decides, and a
   missed prediction falls back to a demand load. When layer l+1 routes, its queued (not yet
   started) prefetches that it did not pick are cancelled; predicted experts that landed but go
-  unused expire and count as wasted (engine/experts/expert_store.py).
+  unused expire and count as wasted (engine/experts/tiers/expert_store.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.experts.cost_meter import CostMeter
-from engine.experts.expert_store import ExpertStore
-from engine.experts.moe_block import OffloadedMoeBlock
 from engine.experts.routing_bus import RoutingBus, RoutingEvent
-from engine.experts.transfers import TransferEngine
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.transfers import TransferEngine
 from engine.prefetch.adapter import RouterAdapter
 from engine.stats import EngineStats
 from policies.prefetch_window import PrefetchCandidate, schedule_prefetches

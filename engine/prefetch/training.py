@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.prefetch.adapter import RouterAdapter, router_fingerprint
 from engine.weights.moe_hook import router_ranking
 

@@ -9,7 +9,7 @@ would otherwise hide from us, because we read the safetensors files ourselves:
 - the per-expert projection names, or the fused tensor names;
 - dense weights renamed between disk and memory (a router called `gate` on disk, ...);
 - multimodal wrappers whose text model sits under another prefix on disk;
-- the expert kernel (engine/experts/expert_kernels.py).
+- the expert kernel (engine/experts/formats/expert_kernels.py).
 The on-disk names of real checkpoints come from their published model.safetensors.index.json
 files; tests/test_architectures.py builds tiny checkpoints with those names.
 """

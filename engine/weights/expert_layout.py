@@ -1,7 +1,7 @@
 """Locates each routed expert's bytes in the checkpoint and defines its packed buffer.
 
 Every expert becomes one contiguous buffer laid out in the order of its kernel's views
-(engine/experts/expert_kernels.py). For the SwiGLU families that is
+(engine/experts/formats/expert_kernels.py). For the SwiGLU families that is
 `[gate (I*H) | up (I*H) | down (H*I)]`, so `buf[:2IH].view(2I, H)` is exactly the row of
 transformers' fused `gate_up_proj` and `buf[2IH:].view(H, I)` is `down_proj`.
 A load into the fast tier is therefore a single copy.

@@ -15,17 +15,17 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
+from engine.experts.compute.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_executor import MoeExecutor
 from engine.experts.cost_meter import CostMeter
-from engine.experts.expert_source import CheckpointExperts, expert_source, native_slot_dtype
-from engine.experts.expert_store import ExpertStore
-from engine.experts.link import EmulatedLink, parse_link
-from engine.experts.moe_block import OffloadedMoeBlock
-from engine.experts.moe_executor import MoeExecutor
-from engine.experts.quant import ExpertFormat
-from engine.experts.read_faults import ReadFaults
+from engine.experts.formats.expert_source import CheckpointExperts, expert_source, native_slot_dtype
+from engine.experts.formats.quant import ExpertFormat
 from engine.experts.routing_bus import RoutingBus
-from engine.experts.slow_tier import DiskTier, RamTier, SlowTier
-from engine.experts.transfers import TransferEngine
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.link import EmulatedLink, parse_link
+from engine.experts.tiers.read_faults import ReadFaults
+from engine.experts.tiers.slow_tier import DiskTier, RamTier, SlowTier
+from engine.experts.tiers.transfers import TransferEngine
 from engine.memory.planner import MemoryPlan
 from engine.native.autotune import DecodeShapes
 from engine.native.loaded import NativeChoice, activate, resolve_native_kernels

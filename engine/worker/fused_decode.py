@@ -10,7 +10,7 @@ bookkeeping and the hit counters. Rows that route to one expert share one read o
 
 When: the dispatcher (engine/worker/dispatch.py) sends a step here when it runs on the CPU's native
 kernels, its cache lies within the native attention's range, every expert is resident for good
-(`ExpertStore.complete`, the resident lane of engine/experts/moe_executor.py) and nothing plans
+(`ExpertStore.complete`, the resident lane of engine/experts/compute/moe_executor.py) and nothing plans
 around misses (CPU experts, the utility estimator) and no live routing listener must see a layer
 before its experts run (a predictor starting transfers); deferred listeners (statistics, traces, the
 speculative sensor) get the step's routing after the call, from buffers it writes. The model's every layer
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.limits import MAX_ROWS
 from engine.native.row_ops import kv_table

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import W_CODES, X_CODES
 from engine.native.layers import NativeLinear, NativeRMSNorm
 from engine.native.quant_linear import QuantLinear

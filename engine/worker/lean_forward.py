@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.experts.moe_block import OffloadedMoeBlock
+from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES
 from engine.native.layers import NativeRMSNorm, verified_kernels
 from engine.native.loaded import native

@@ -16,10 +16,10 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.core.contracts import Runner
-from engine.experts.expert_store import ExpertStore
-from engine.experts.moe_executor import MoeExecutor
+from engine.experts.compute.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
-from engine.experts.transfers import TransferEngine
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.transfers import TransferEngine
 from engine.native.loaded import NativeChoice
 from engine.stats import EngineStats
 
@@ -76,8 +76,12 @@ class OffloadedModel(LoadedModel):
     sensor: Any = (
         None  # the speculative sensor (engine/worker/sensor.py), shared by speculation and utility
     )
-    utility: Any = None  # the utility prefetcher (engine/experts/utility_prefetch.py), when enabled
-    cpu_experts: Any = None  # CPU worker threads for missed experts (engine/experts/cpu_experts.py)
+    utility: Any = (
+        None  # the utility prefetcher (engine/experts/tiers/utility_prefetch.py), when enabled
+    )
+    cpu_experts: Any = (
+        None  # CPU worker threads for missed experts (engine/experts/compute/cpu_experts.py)
+    )
     adapter_prefetcher: Any = (
         None  # SpecPrefetch (engine/prefetch/adapter_prefetcher.py), when enabled
     )

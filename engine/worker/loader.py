@@ -28,9 +28,9 @@ from transformers import (
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError
-from engine.experts.expert_source import read_dense
+from engine.experts.formats.expert_source import read_dense
 from engine.experts.route_log import RouteLog
-from engine.experts.slow_tier import SlowTier
+from engine.experts.tiers.slow_tier import SlowTier
 from engine.huge_pages import rehome_untouched
 from engine.memory.footprint import Footprint
 from engine.memory.measure import memory_probe, plan_for_model, print_plan
@@ -322,7 +322,7 @@ def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -
 
 
 def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
-    """The plan's line for what multiplies a decode row's routed experts (engine/experts/expert_compute.py)."""
+    """The plan's line for what multiplies a decode row's routed experts (engine/experts/compute/expert_compute.py)."""
     fmt, moe = om.executor.fmt, om.executor.native_moe
     if moe is not None:
         return moe.describe(), f"{fmt.name} slots, every row: decode, verification and prompt"

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from engine.core.faults import request_fault
 from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
-from engine.experts.moe_executor import ExpertLoadError
+from engine.experts.compute.moe_executor import ExpertLoadError
 from engine.experts.routing_bus import StepContext
 from engine.native.loaded import active
 from engine.structured import GrammarCompiler, TokenConstraint

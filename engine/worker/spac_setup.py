@@ -9,11 +9,11 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.experts.compute.cpu_experts import CpuExperts
 from engine.experts.cost_meter import CostMeter
-from engine.experts.cpu_experts import CpuExperts
-from engine.experts.quant import ExpertFormat
-from engine.experts.slow_tier import SlowTier
-from engine.experts.utility_prefetch import UtilityPrefetcher
+from engine.experts.formats.quant import ExpertFormat
+from engine.experts.tiers.slow_tier import SlowTier
+from engine.experts.tiers.utility_prefetch import UtilityPrefetcher
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.worker.loaded_model import OffloadedModel
 from engine.worker.sensor import sensor_for

@@ -1,6 +1,6 @@
 """gpt-oss's MXFP4 experts through the native kernel (engine/native/mxfp4_moe.c), from the slot's own bytes.
 
-The slot keeps the checkpoint's blocks and scales (engine/experts/native_quant.py `Mxfp4GptOssFormat`);
+The slot keeps the checkpoint's blocks and scales (engine/experts/formats/native_quant.py `Mxfp4GptOssFormat`);
 the kernel decodes each FP4 code in registers and multiplies in f32, where the torch path dequantizes
 the whole expert to the compute dtype and runs a bf16 matmul. It is used for every CPU row the native
 kernels take (decode and verification rows), for a resident slot, a freshly fetched one and a CPU
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.expert_kernels import GptOssKernel
-from engine.experts.native_moe import NativeMoe, SlotPointers
-from engine.experts.native_quant import Mxfp4GptOssFormat
-from engine.experts.quant import ExpertFormat
+from engine.experts.compute.native_moe import NativeMoe, SlotPointers
+from engine.experts.formats.expert_kernels import GptOssKernel
+from engine.experts.formats.native_quant import Mxfp4GptOssFormat
+from engine.experts.formats.quant import ExpertFormat
 from engine.native.kernels import MAX_ROWS, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed

@@ -20,11 +20,11 @@ from concurrent.futures import Future
 
 import torch
 
+from engine.experts.compute.cpu_experts import CpuExperts
+from engine.experts.compute.expert_compute import ExpertCompute, ExpertFn
 from engine.experts.cost_meter import CostMeter
-from engine.experts.cpu_experts import CpuExperts
-from engine.experts.expert_compute import ExpertCompute, ExpertFn
-from engine.experts.expert_store import ExpertLease, ExpertStore
-from engine.experts.transfers import Transfer, TransferEngine
+from engine.experts.tiers.expert_store import ExpertLease, ExpertStore
+from engine.experts.tiers.transfers import Transfer, TransferEngine
 from engine.stats import EngineStats
 from policies.base import DROPPED, ExpertPlan
 
@@ -156,7 +156,7 @@ class ExpertStreamer:
         cpu: CpuExperts | None,
     ) -> torch.Tensor:
         """Plain decode (T=1): no grouping needed. The same summation order as the general path; on the
-        CPU the experts run through the native kernels (engine/experts/native_moe.py). weights: [1, k]
+        CPU the experts run through the native kernels (engine/experts/compute/native_moe.py). weights: [1, k]
         (indexed only off the native path: each torch call here runs with a cache the previous
         layer's experts have just flushed); w_list: its row as floats."""
         slot_of = {e: j for j, e in enumerate(experts) if e != DROPPED}

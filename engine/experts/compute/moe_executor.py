@@ -1,5 +1,5 @@
 """Runs the routed experts of one MoE layer for the T token rows of a step: planning, leases and
-dispatch. The strategies: engine/experts/expert_compute.py (what the slots compute), expert_streaming.py
+dispatch. The strategies: engine/experts/compute/expert_compute.py (what the slots compute), expert_streaming.py
 (a plan through loads), cpu_split.py (which misses run on the CPU).
 
 Order of work per layer:
@@ -20,17 +20,17 @@ from collections.abc import Callable
 
 import torch
 
+from engine.experts.compute.cpu_experts import CpuExperts
+from engine.experts.compute.cpu_split import CpuSplit
+from engine.experts.compute.device_lane import DeviceLane
+from engine.experts.compute.executor_api import ExecutorCapabilities
+from engine.experts.compute.expert_compute import ExpertCompute
+from engine.experts.compute.expert_streaming import ExpertLoadError, ExpertStreamer
+from engine.experts.compute.native_moe import NativeMoe, SlotPointers
 from engine.experts.cost_meter import CostMeter
-from engine.experts.cpu_experts import CpuExperts
-from engine.experts.cpu_split import CpuSplit
-from engine.experts.device_lane import DeviceLane
-from engine.experts.executor_api import ExecutorCapabilities
-from engine.experts.expert_compute import ExpertCompute
-from engine.experts.expert_store import ExpertLease, ExpertStore
-from engine.experts.expert_streaming import ExpertLoadError, ExpertStreamer
-from engine.experts.native_moe import NativeMoe, SlotPointers
-from engine.experts.quant import ExpertFormat
-from engine.experts.transfers import TransferEngine
+from engine.experts.formats.quant import ExpertFormat
+from engine.experts.tiers.expert_store import ExpertLease, ExpertStore
+from engine.experts.tiers.transfers import TransferEngine
 from engine.stats import EngineStats
 from engine.weights.expert_layout import ExpertShape
 from policies.base import DROPPED, AdmissionPolicy, ExpertPlan, MissPolicy

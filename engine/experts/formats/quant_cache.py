@@ -1,7 +1,7 @@
 """Quantized experts, built once into a sidecar safetensors file and read from there.
 
 `--expert-quant int8|int4` is applied when the slow tier is built: every routed expert is read
-from the checkpoint, encoded into its quantized slot row (engine/experts/quant.py) and written
+from the checkpoint, encoded into its quantized slot row (engine/experts/formats/quant.py) and written
 to a sidecar file, one U8 tensor `layers.{l}.experts` [E, slot_bytes] per MoE layer, so each
 expert is one contiguous run of bytes. Both slow tiers then read the sidecar instead of the
 checkpoint, so every transfer, slot and byte counter sees the quantized size.
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from engine import env
 from engine.errors import ConfigError
-from engine.experts.quant import GroupQuantFormat, PlainFormat
+from engine.experts.formats.quant import GroupQuantFormat, PlainFormat
 from engine.weights.checkpoint import TensorLocation, read_header, read_tensor
 from engine.weights.expert_layout import ExpertLocator
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from engine.errors import CheckpointError
-from engine.experts.read_faults import ReadFaults
+from engine.experts.tiers.read_faults import ReadFaults
 
 _ALIGN = 4096
 

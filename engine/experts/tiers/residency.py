@@ -2,7 +2,7 @@
 which prefetched ones are protected, and what the eviction policy is told. Tensor-free.
 
 Two users drive this one copy of the rules:
-- engine/experts/expert_store.py wraps it with the slot tensor and a lock (the engine);
+- engine/experts/tiers/expert_store.py wraps it with the slot tensor and a lock (the engine);
 - engine/offline/simulator.py replays router traces against it on a simulated clock.
 
 Keys are ints (layer * num_experts + expert). `ready[key]` says when a reserved expert is resident:

@@ -17,8 +17,8 @@ from policies.base import DROPPED, ExpertPlan
 
 if TYPE_CHECKING:  # annotations only: this module imports no torch
     from engine.experts.cost_meter import CostMeter
-    from engine.experts.expert_store import ExpertStore
-    from engine.experts.transfers import TransferEngine
+    from engine.experts.tiers.expert_store import ExpertStore
+    from engine.experts.tiers.transfers import TransferEngine
     from engine.stats import EngineStats
     from policies.utility import SpeculativeUtilityEstimator
 

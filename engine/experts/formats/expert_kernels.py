@@ -2,7 +2,7 @@
 
 Every expert is one contiguous buffer (see engine/weights/expert_layout.py). A kernel names
 the weights in that buffer, in order, with their shapes (`views`), and computes the expert
-from float tensors of exactly those shapes. Storage formats (engine/experts/quant.py) decide
+from float tensors of exactly those shapes. Storage formats (engine/experts/formats/quant.py) decide
 how each weight is encoded in the slot and hand the kernel dequantized float tensors.
 
 Three kernels cover the architectures we run:

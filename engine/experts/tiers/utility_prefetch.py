@@ -15,14 +15,14 @@ busy link delays the next demand load by a whole transfer (8 ms behind the hdd l
 the link is the bottleneck that costs more than a right guess saves (8 streams behind hdd: 1.45x
 plain LRU with a deep prefetch queue, 1.66x with this rule; docs/benchmarks/spac.md). Transfers go through the
 transfer engine at prefetch priority (behind every demand load), are protected once they land
-until used or expired, and are counted as issued, used and wasted (engine/experts/expert_store.py).
+until used or expired, and are counted as issued, used and wasted (engine/experts/tiers/expert_store.py).
 """
 
 from __future__ import annotations
 
-from engine.experts.expert_store import ExpertStore
 from engine.experts.routing_bus import RoutingBus, WindowReport
-from engine.experts.transfers import TransferEngine
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.transfers import TransferEngine
 from engine.stats import EngineStats
 from policies.utility import PREFETCH_MIN_LEVEL, SpeculativeUtilityEstimator, worth_displacing
 

@@ -10,7 +10,7 @@ parallel with the compute thread, but the benefit MoE-SpAc reports needs a real 
 Exactness: on a CPU box the weights are converted to the slot's dtype exactly as a copy into a
 slot would (or used in place when the host tier already holds them in that dtype), and the same
 kernel runs as for a slot: the native one for decode and verification rows where it applies
-(engine/experts/native_moe.py; decided on the scheduler thread, whose step sets which rows take
+(engine/experts/compute/native_moe.py; decided on the scheduler thread, whose step sets which rows take
 it), else the format's torch path. So the result is bit-identical to the copied path. On a GPU
 box plain float experts compute in f32 on the CPU (bf16 matmuls are slow there), then the result
 is cast back: close to the GPU's result, not equal to it. The disk tier's reads go
@@ -26,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.experts.compute.native_moe import NativeMoe
+from engine.experts.compute.native_mxfp4 import native_experts
 from engine.experts.cost_meter import CostMeter
-from engine.experts.native_moe import NativeMoe
-from engine.experts.native_mxfp4 import native_experts
-from engine.experts.quant import ExpertFormat, PlainFormat
-from engine.experts.slow_tier import SlowTier
+from engine.experts.formats.quant import ExpertFormat, PlainFormat
+from engine.experts.tiers.slow_tier import SlowTier
 from engine.stats import EngineStats
 
 

@@ -9,7 +9,7 @@ given, from the slots' own memory (no copy, no per-expert tensor).
 Which slots it reads: float slots (f32 or bf16: the compute dtype, or bf16 slots of an f32 model,
 widened as they are read), whole-row int8 slots and int4
 slots in groups of 64 with a bf16 compute dtype (`moe_q4_rows`: nibbles unpacked in registers, int8
-dot products), SwiGLU only. gpt-oss's MXFP4 slots take engine/experts/native_mxfp4.py's kernel; everything
+dot products), SwiGLU only. gpt-oss's MXFP4 slots take engine/experts/compute/native_mxfp4.py's kernel; everything
 else (Llama 4, FP8 blocks, gpt-oss in floats) keeps the torch path.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.expert_kernels import SwiGLUKernel
-from engine.experts.quant import ExpertFormat, GroupQuantFormat, PlainFormat
+from engine.experts.formats.expert_kernels import SwiGLUKernel
+from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, PlainFormat
 from engine.native.kernels import W_CODES, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
@@ -103,7 +103,7 @@ class NativeMoe:
         )
 
     def pointers(self, views: list) -> SlotPointers:
-        """Addresses of one slot's weights, from its views (engine/experts/quant.py); stable while the slot lives."""
+        """Addresses of one slot's weights, from its views (engine/experts/formats/quant.py); stable while the slot lives."""
         if self.int4:
             (p_gu, s_gu, z_gu), (p_d, s_d, z_d) = views
             return tuple(

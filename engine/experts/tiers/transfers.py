@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from engine.experts.cost_meter import CostMeter
-from engine.experts.device_copy import CudaOps, SlotCopier
-from engine.experts.expert_store import ExpertStore
-from engine.experts.slow_tier import SlowTier
+from engine.experts.tiers.device_copy import CudaOps, SlotCopier
+from engine.experts.tiers.expert_store import ExpertStore
+from engine.experts.tiers.slow_tier import SlowTier
 from engine.stats import EngineStats
 
 PRIORITY = {"demand": 0, "admission": 1, "prefetch": 2}  # lower runs first
@@ -78,7 +78,7 @@ class TransferEngine:
         )  # one lock for residency + queue: no lock-order bugs
         self._closed = False
         self._landed = 0  # finished transfers, for waiters that need any slot to free up
-        # On CUDA: one pinned copy per expert on a side stream (engine/experts/device_copy.py).
+        # On CUDA: one pinned copy per expert on a side stream (engine/experts/tiers/device_copy.py).
         slots = store.slots
         self.copier: SlotCopier | None = (
             SlotCopier(CudaOps(), slots.device, slots.shape[1], slots.dtype)

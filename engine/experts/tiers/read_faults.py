@@ -6,7 +6,7 @@ The spec is a comma-separated list of faults, each `KIND[:KEY=VALUE]...`:
 - `eio`: the read fails with EIO (OSError errno 5), as a failing disk's would. The requests that
   needed the expert end with a `expert_read_failed` error; the others go on (engine/worker/runner.py).
 - `short`: the read's first pread returns only part of the bytes asked (aligned for O_DIRECT), as
-  a signal or a network filesystem may cause; the reader reads the rest (engine/experts/uncached_io.py),
+  a signal or a network filesystem may cause; the reader reads the rest (engine/experts/tiers/uncached_io.py),
   so the request completes. Only the disk tier makes reads; on the RAM tier a `short` fault is a no-op.
 - `delay`: the read waits `secs` seconds first (a latency spike): the request only slows.
 
@@ -27,7 +27,8 @@ import time
 
 from engine.read_fault_spec import KINDS, FaultRule
 
-log = logging.getLogger(__name__)
+# Named as before the move into tiers/ (issue 52): the engine's log lines print the logger's name.
+log = logging.getLogger("engine.experts.read_faults")
 
 
 class ReadFaults:

@@ -3,7 +3,7 @@ resident experts (one native call on the CPU, else a loop of torch calls), and t
 of a batched step's resident experts.
 
 Every result keeps transformers' summation order (ascending expert ids), so the exact policy
-matches the reference within float rounding (see engine/experts/moe_executor.py).
+matches the reference within float rounding (see engine/experts/compute/moe_executor.py).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from itertools import accumulate
 
 import torch
 
-from engine.experts.expert_kernels import SwiGLUKernel
-from engine.experts.expert_store import ExpertStore
-from engine.experts.native_moe import NativeMoe, SlotPointers
-from engine.experts.native_mxfp4 import native_experts
-from engine.experts.quant import ExpertFormat, PlainFormat
+from engine.experts.compute.native_moe import NativeMoe, SlotPointers
+from engine.experts.compute.native_mxfp4 import native_experts
+from engine.experts.formats.expert_kernels import SwiGLUKernel
+from engine.experts.formats.quant import ExpertFormat, PlainFormat
+from engine.experts.tiers.expert_store import ExpertStore
 from engine.weights.expert_layout import ExpertShape
 
 GROUPED_MAX_SLOT_BYTES = (
@@ -39,7 +39,7 @@ class ExpertCompute:
         fmt: ExpertFormat | None = None,
     ) -> None:
         self.store, self.shape, self.num_experts = store, shape, num_experts
-        # What an expert computes and how a slot encodes it (engine/experts/quant.py); default: SwiGLU in
+        # What an expert computes and how a slot encodes it (engine/experts/formats/quant.py); default: SwiGLU in
         # floats, with the experts' act_fn (None only where a format is given).
         if fmt is None:
             assert act_fn is not None, "the default SwiGLU format needs the experts' act_fn"
@@ -49,7 +49,7 @@ class ExpertCompute:
         self.fmt = fmt
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).
         self.views = [self.fmt.views(row) for row in store.slots]
-        # One-token steps on the CPU run their experts in one native call (engine/experts/native_moe.py)
+        # One-token steps on the CPU run their experts in one native call (engine/experts/compute/native_moe.py)
         # from each slot's memory; None where the format or machine does not allow it.
         on_cpu = store.slots.device.type == "cpu"
         self.native: NativeMoe | None = (

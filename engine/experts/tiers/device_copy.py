@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.experts.slow_tier import SlowTier
+from engine.experts.tiers.slow_tier import SlowTier
 
 
 class CudaOps:

@@ -6,7 +6,7 @@ device, so loading an expert is one copy and nothing is allocated on the hot pat
 Keys are ints (layer * num_experts + expert) to keep the per-layer bookkeeping cheap.
 A key is in one of two states: LOADING (slot reserved, copy in flight) or RESIDENT.
 
-The rules (reserve, evict, pin, protect, tick) are engine/experts/residency.py's, tensor-free,
+The rules (reserve, evict, pin, protect, tick) are engine/experts/tiers/residency.py's, tensor-free,
 which the router-trace simulator replays too; this class adds the slot tensor, the lock and the
 engine's counters. Every method takes `lock`, which is also the transfer engine's queue lock, so
 a plan that reads residency and pins what it uses is atomic with respect to every thread that evicts.
@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from engine.experts.residency import INF, LANDED, EvictableView, Residency
+from engine.experts.tiers.residency import INF, LANDED, EvictableView, Residency
 from engine.huge_pages import empty, release_pages
 from engine.stats import EngineStats
 from policies.base import EvictionPolicy

@@ -9,7 +9,7 @@
   scale per B x B block (B = 128 in every released checkpoint).
 
 The slot is the checkpoint's own bytes, concatenated (see NativeLayout in
-engine/experts/expert_source.py), so reads, transfers and the fast tier all carry the
+engine/experts/formats/expert_source.py), so reads, transfers and the fast tier all carry the
 quantized size; dequantization happens per expert call, on the compute device.
 """
 
@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from engine.experts.expert_kernels import ExpertKernel
-from engine.experts.quant import ExpertFormat
+from engine.experts.formats.expert_kernels import ExpertKernel
+from engine.experts.formats.quant import ExpertFormat
 
 # FP4 e2m1 code -> value (the same table as transformers.integrations.mxfp4.FP4_VALUES).
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

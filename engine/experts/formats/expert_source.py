@@ -1,9 +1,9 @@
 """Where the routed experts come from and how their slots are encoded: one decision per model.
 
 1. Experts quantized in the checkpoint (gpt-oss MXFP4, FP8 block-quantized DeepSeek / MiniMax /
-   Qwen-FP8): read as their raw bytes, back to back, one slot per expert (engine/experts/native_quant.py).
+   Qwen-FP8): read as their raw bytes, back to back, one slot per expert (engine/experts/formats/native_quant.py).
 2. Otherwise the checkpoint's float experts (ExpertLocator), either as they are or, with
-   --expert-quant int8|int4, through a quantized sidecar file (engine/experts/quant_cache.py).
+   --expert-quant int8|int4, through a quantized sidecar file (engine/experts/formats/quant_cache.py).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.experts.expert_kernels import ExpertKernel, make_kernel
-from engine.experts.native_quant import (
+from engine.experts.formats.expert_kernels import ExpertKernel, make_kernel
+from engine.experts.formats.native_quant import (
     Fp8BlockSwiGLUFormat,
     Mxfp4GptOssFormat,
     RawPartsFormat,
     dequant_fp8_block,
 )
-from engine.experts.quant import ExpertFormat, GroupQuantFormat, make_format
-from engine.experts.quant_cache import PackedShape, quantized_locator
+from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
+from engine.experts.formats.quant_cache import PackedShape, quantized_locator
 from engine.native.loaded import native
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.expert_kernels import SwiGLUKernel
-from engine.experts.expert_store import ExpertStore
-from engine.experts.quant import ExpertFormat, PlainFormat
+from engine.experts.formats.expert_kernels import SwiGLUKernel
+from engine.experts.formats.quant import ExpertFormat, PlainFormat
+from engine.experts.tiers.expert_store import ExpertStore
 
 
 class DeviceLane:

@@ -14,14 +14,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.experts.link import EmulatedLink
-from engine.experts.read_faults import ReadFaults
-from engine.experts.uncached_io import UncachedReader
+from engine.experts.tiers.link import EmulatedLink
+from engine.experts.tiers.read_faults import ReadFaults
+from engine.experts.tiers.uncached_io import UncachedReader
 from engine.huge_pages import empty
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import SegmentLocator
 
-log = logging.getLogger(__name__)
+# Named as before the move into tiers/ (issue 52): the engine's log lines print the logger's name.
+log = logging.getLogger("engine.experts.slow_tier")
 
 
 class SlowTier(ABC):
@@ -33,7 +34,7 @@ class SlowTier(ABC):
         self.faults: ReadFaults | None = None  # injected read faults (set_faults), off by default
 
     def set_faults(self, faults: ReadFaults | None) -> None:
-        """Route every fetch through `faults` (engine/experts/read_faults.py): --expert-read-faults."""
+        """Route every fetch through `faults` (engine/experts/tiers/read_faults.py): --expert-read-faults."""
         self.faults = faults
 
     def fetch(

@@ -1,6 +1,6 @@
 """Storage formats of a routed expert in its fast-tier slot, and dequant-on-compute.
 
-A format decides how the kernel's weights (engine/experts/expert_kernels.py) are encoded in
+A format decides how the kernel's weights (engine/experts/formats/expert_kernels.py) are encoded in
 one slot row, and turns a slot back into float weights right before the matmuls. The slot is
 what the slow tier stores and what a transfer copies, so a smaller encoding means fewer bytes
 on every link and more experts per byte of fast tier.
@@ -37,7 +37,7 @@ from typing import cast
 
 import torch
 
-from engine.experts.expert_kernels import ExpertKernel, SwiGLUKernel
+from engine.experts.formats.expert_kernels import ExpertKernel, SwiGLUKernel
 from engine.native.loaded import usable
 
 QUANT_KINDS = ("none", "int8", "int4")
@@ -291,7 +291,7 @@ def make_format(
     plain_slot_dtype: torch.dtype | None = None,
 ) -> ExpertFormat:
     """The format of `kind` ("none", "int8", "int4"); `plain_slot_dtype`: the slots' dtype of the
-    "none" format where it differs from the compute dtype (engine/experts/expert_source.py decides)."""
+    "none" format where it differs from the compute dtype (engine/experts/formats/expert_source.py decides)."""
     if kind == "none":
         return PlainFormat(kernel, compute_dtype, plain_slot_dtype)
     return GroupQuantFormat(kernel, kind, group, compute_dtype)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.experts.moe_executor import MoeExecutor
+from engine.experts.compute.moe_executor import MoeExecutor
 from engine.experts.routing_bus import RoutingBus
 from engine.weights.moe_hook import BlockAdapter, router_ranking
 
