@@ -41,8 +41,8 @@ def expert_share(work: Path, device_memory: str) -> dict[str, Any]:
     full 48-layer model in bf16 (headers-only checkpoint: no weight written or read), with the host
     taken as the GPU machine's 128 GiB. The same share applies at any depth."""
     from engine.memory.machine import HostMemory
-    from engine.memory.measure import probe_checkpoint
     from engine.memory.planner import plan_memory
+    from engine.plan.probe import probe_checkpoint
 
     sparse = work / "q30-48l-headers"
     if not (sparse / ".complete").exists():
@@ -67,7 +67,7 @@ def expert_share(work: Path, device_memory: str) -> dict[str, Any]:
 def weights_on_device(model_dir: Path, share: float) -> int:
     """Bytes of weights the engine holds on the device at `share`: dense part + that share of the
     experts (the budget accelerate's offload gets, so both hold the same bytes of weights there)."""
-    from engine.memory.measure import probe_checkpoint
+    from engine.plan.probe import probe_checkpoint
 
     fp = probe_checkpoint(model_dir, EngineConfig(dtype="bfloat16", device="cpu")).footprint
     return fp.dense_bytes + round(share * fp.total_experts) * fp.slot_bytes

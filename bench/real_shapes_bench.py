@@ -117,15 +117,14 @@ def full_depth_share(work: Path, host_memory: str | None) -> dict[str, Any]:
     headers-only checkpoint, so no disk space): the share of all experts its fast tier holds."""
     from bench.real_shapes import write_checkpoint
     from engine.config import EngineConfig
-    from engine.memory.measure import plan_checkpoint
+    from engine.plan.resolve import machine_ahead, resolve
 
     path = work / f"{MODEL}-sparse"
     if not (path / ".complete").exists():
         write_checkpoint(path, MODEL, sparse=True, progress=False)
         (path / ".complete").write_text("")
-    _, plan = plan_checkpoint(
-        path, EngineConfig(offload="disk", dtype="bfloat16", host_memory=host_memory)
-    )
+    cfg = EngineConfig(offload="disk", dtype="bfloat16", host_memory=host_memory)
+    plan = resolve(path, cfg, machine_ahead(cfg)).memory
     return {
         "share": plan.n_slots / plan.total_experts,
         "n_slots": plan.n_slots,

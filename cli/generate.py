@@ -83,8 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)
     om = load_model(model_dir, ecfg, KvRequest(opts.max_model_len, max_running=1))
-    plan = om.plan.with_speculation(spec.speculative, spec_why)
-    print("engine plan:\n  " + "\n  ".join(plan.lines()), file=sys.stderr, flush=True)
+    plan = om.load_plan.with_speculation(spec.speculative, spec_why)
+    print(plan.describe(), file=sys.stderr, flush=True)  # the start-up line: serve logs the same
     try:
         ids = _prompt_ids(om, opts, max_len)
         proposer, observers = make_speculation(spec, om)
@@ -102,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         out = _stream(core, req, echo=not opts.json)
         if opts.json:
-            print(json.dumps(_report(out, ids, opts, om, plan.to_dict()), indent=2))
+            print(json.dumps(_report(out, ids, opts, om, plan.execution.to_dict()), indent=2))
         else:
             print()
     finally:

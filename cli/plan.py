@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from engine.memory.footprint import Footprint
-    from engine.memory.measure import Probe
     from engine.memory.planner import KvRequest, MemoryPlan
     from engine.offline.hardware import Costs, ModelShape
+    from engine.plan.load_plan import LoadPlan
+    from engine.plan.probe import Probe
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
@@ -230,8 +231,18 @@ def _split_line(fp: Footprint, cfg: EngineConfig, plan: MemoryPlan, kv_bytes: in
     )
 
 
+def plan_ahead(model: str | Path, cfg: EngineConfig, kv: KvRequest) -> tuple[Probe, LoadPlan]:
+    """The load plan `serve` would make for `model` on this machine (engine/plan/; ConfigError where it
+    cannot run or fit), and the checkpoint's probe for the projection: one survey for both."""
+    from engine.plan.probe import probe_of
+    from engine.plan.resolve import decide, machine_ahead
+    from engine.plan.survey import survey
+
+    sv = survey(model, cfg)
+    return probe_of(sv, cfg), decide(sv, cfg, machine_ahead(cfg), kv)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.memory.measure import plan_checkpoint
     from engine.memory.planner import KvRequest
 
     t0 = time.perf_counter()
@@ -239,19 +250,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for flag in ("max_model_len", "max_running"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
-    probe, plan = plan_checkpoint(args.model, cfg, KvRequest(args.max_model_len, args.max_running))
-    fp = probe.footprint
+    kv = KvRequest(args.max_model_len, args.max_running)
+    probe, load_plan = plan_ahead(args.model, cfg, kv)
+    plan, fp = load_plan.memory, probe.footprint
     print(
         f"{args.model}: {probe.model_type}, {fp.moe_layers} MoE layers x {fp.experts_per_layer} experts (top-{fp.top_k}), "
         f"experts {probe.expert_format} at {fmt_bytes(fp.slot_bytes)} each ({fmt_bytes(fp.experts_bytes)} in all), "
         f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {str(fp.dtype).removeprefix('torch.')}"
     )
-    print(plan.table())
-    print(
-        _kv_pool_line(
-            fp, cfg, KvRequest(args.max_model_len, args.max_running), args.max_model_len, plan
-        )
-    )
+    print(load_plan.describe())
+    print(_kv_pool_line(fp, cfg, kv, args.max_model_len, plan))
     share = plan.n_slots / plan.total_experts
     rows, how = project(
         fp,

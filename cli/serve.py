@@ -50,11 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.state import ServeSettings
 
     check_model_dir(model_dir, need_tokenizer=True)
-    from engine.memory.measure import plan_checkpoint
+    from engine.plan.resolve import machine_ahead, resolve
 
     kv = _kv_request(args, scfg)
-    # A combination that cannot fit fails here, before anything listens.
-    plan_checkpoint(model_dir, engine_config, kv)
+    # A combination that cannot run or fit fails here, before anything listens (the engine resolves
+    # its own plan again as it loads, on the machine as it is then).
+    resolve(model_dir, engine_config, machine_ahead(engine_config), kv)
     spec, spec_why = spec_choice_from_args(args, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scfg.core_limits(max_model_len_of(model_dir, scfg.max_model_len))

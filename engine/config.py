@@ -181,7 +181,7 @@ class EngineConfig(YamlSection):
         "dense weights (attention projections, dense and shared-expert MLPs, lm_head): none (checkpoint weights in the compute dtype) or int8 (per output channel, one fp16 scale, round-to-nearest at load; multiplied as int8 by the native kernels)",
         choices=("none", "int8"),
     )
-    # The paths a step may take (engine/worker/dispatch.py resolves them once at load and logs the plan).
+    # The paths a step may take (engine/plan/execution.py resolves them once, in the load plan, logged at start).
     forward: str = setting(
         "auto",
         "model forward: auto (default: the fastest this model and device allow), fused (one native call per decoder layer for decode steps whose experts are all resident, else lean), lean (the same sublayers without transformers' wrappers, layer by layer), or transformers (transformers' own forward). Every path computes the same tokens; `generate --json` and /metrics count the steps each took",
@@ -245,7 +245,7 @@ class EngineConfig(YamlSection):
 
     @property
     def prefetch_kinds(self) -> set[str]:
-        """The prefetchers --prefetch names (empty for none; for auto, the loader decides: engine/worker/spac_setup.py
+        """The prefetchers --prefetch names (empty for none; for auto, the load plan decides: engine/plan/prefetch.py
         `prefetch_kinds`)."""
         return (
             set()

@@ -107,7 +107,8 @@ def engine_main(args: EngineArgs, in_q: mp.Queue, out_q: mp.Queue) -> None:
     # No gc.collect() first: it took 256-300 ms of each restart, for the 19 objects of cyclic
     # garbage the imports leave.
     gc.freeze()
-    plan = om.plan.with_speculation(
+    # The start-up line: the load plan, with the speculation the front end resolved.
+    plan = om.load_plan.with_speculation(
         args.spec.speculative,
         args.spec_why or f"--speculative {args.spec.speculative}",
     )

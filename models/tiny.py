@@ -7,12 +7,14 @@ and the tokenizer is a byte-level BPE trained on a few sentences.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers.core_model_loading import revert_weight_conversion
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Families opened by the generic MoE hook (engine/weights/moe_hook.py); tests/test_architectures.py.
@@ -178,6 +180,73 @@ def make_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     return fast
 
 
+def tiny_config(
+    arch: str,
+    *,
+    num_layers: int = 2,
+    hidden: int = 64,
+    vocab: int = 256,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    **overrides: object,
+) -> PretrainedConfig:
+    """The tiny `arch` model's config (`overrides` replace the architecture's settings)."""
+    kw = {**_ARCH_KW[arch], **overrides}
+    return AutoConfig.for_model(
+        arch,
+        hidden_size=hidden,
+        intermediate_size=kw.pop("intermediate_size", 48),
+        num_hidden_layers=kw.pop("num_hidden_layers", num_layers),
+        num_attention_heads=kw.pop("num_attention_heads", 4),
+        num_key_value_heads=kw.pop("num_key_value_heads", 2),
+        vocab_size=vocab,
+        max_position_embeddings=kw.pop("max_position_embeddings", 512),
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=pad_token_id,
+        **kw,
+    )
+
+
+def write_tiny_headers(
+    path: str | Path,
+    arch: str = "qwen3_moe",
+    dtype: torch.dtype = torch.float32,
+    **overrides: object,
+) -> Path:
+    """config.json and one safetensors file of the tiny `arch` model's tensors (names, shapes, `dtype`,
+    as save_pretrained names them: the "per-expert" layout) with no data: holes of the right size. The
+    model is built on the meta device, so no weight is made; for what reads headers only (a load plan)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(arch, **overrides)
+    if dtype != torch.float32:
+        cfg.dtype = dtype  # config.json says what the checkpoint stores
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    # The names and shapes save_pretrained writes (per-expert tensors where it splits them), on meta tensors.
+    state = revert_weight_conversion(model, model.state_dict())
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    cfg.save_pretrained(path)
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": {torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # 8-byte aligned data, as safetensors writes it
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return path
+
+
 def make_tiny_checkpoint(
     path: str | Path,
     arch: str = "qwen3_moe",
@@ -202,21 +271,14 @@ def make_tiny_checkpoint(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(tokenizer_vocab) if with_tokenizer else None
-    vocab = len(tok) if tok is not None else 256
-    kw = {**_ARCH_KW[arch], **overrides}
-    cfg = AutoConfig.for_model(
+    cfg = tiny_config(
         arch,
-        hidden_size=hidden,
-        intermediate_size=kw.pop("intermediate_size", 48),
-        num_hidden_layers=kw.pop("num_hidden_layers", num_layers),
-        num_attention_heads=kw.pop("num_attention_heads", 4),
-        num_key_value_heads=kw.pop("num_key_value_heads", 2),
-        vocab_size=vocab,
-        max_position_embeddings=kw.pop("max_position_embeddings", 512),
+        num_layers=num_layers,
+        hidden=hidden,
+        vocab=len(tok) if tok is not None else 256,
         eos_token_id=tok.eos_token_id if tok is not None else None,
-        bos_token_id=None,
         pad_token_id=tok.pad_token_id if tok is not None else None,
-        **kw,
+        **overrides,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -258,7 +258,7 @@ class EngineClient:
                 msg.max_model_len,
                 self._load_seconds,
             )
-            log.info("engine plan:\n  %s", "\n  ".join(msg.plan))
+            log.info("%s", "\n".join(msg.plan))  # the load plan (engine/plan/load_plan.py)
         elif isinstance(msg, EngineDead):
             self._on_death(msg.error)
 

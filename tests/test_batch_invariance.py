@@ -215,7 +215,7 @@ def test_seeded_sampling_is_the_same_alone_batched_and_speculated() -> None:
 
 def test_the_plan_names_the_numeric_family() -> None:
     """The plan line says whether rows are batch-invariant, and why not where they are not."""
-    from engine.worker.dispatch import exactness
+    from engine.plan.execution import exactness
 
     assert exactness("fused", True, True)[0] == "batch-invariant"
     assert exactness("lean", True, True)[0] == "batch-invariant"

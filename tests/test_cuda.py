@@ -16,7 +16,7 @@ from engine.core.completion import complete, generate, request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
-from engine.worker.lean_forward import LEAN_MODEL_TYPES
+from engine.weights.forward_support import LEAN_MODEL_TYPES
 from engine.worker.loader import load_model
 from engine.worker.runner import ModelRunner, prompt_logits
 from engine.worker.sampling import SamplingParams

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.memory.measure import probe_checkpoint
 from engine.native.loaded import native
 from engine.native.quant_linear import QUANTIZED_NAMES, QuantLinear
+from engine.plan.probe import probe_checkpoint
 from engine.worker.loader import load_model
 
 

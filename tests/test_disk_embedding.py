@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import CheckpointError
-from engine.memory.measure import probe_checkpoint
+from engine.plan.probe import probe_checkpoint
 from engine.weights.checkpoint import index_checkpoint, read_tensor
 from engine.weights.disk_embedding import DiskEmbedding, resident_bytes
 from engine.worker.loader import load_model

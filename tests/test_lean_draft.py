@@ -18,8 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engine.native.loaded import native
 from engine.speculative.draft import DraftProposer
+from engine.weights.forward_support import DENSE_LEAN_MODEL_TYPES
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.lean_forward import DENSE_LEAN_MODEL_TYPES, LeanForward
+from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_dense_model
 from engine.worker.packed_batch import packed_forward
 from engine.worker.runner import ModelRunner, truncate_cache

@@ -10,8 +10,9 @@ from transformers import DynamicCache
 
 from engine.config import EngineConfig
 from engine.native.kernels import NativeKernels
+from engine.weights.forward_support import MOE_LEAN_MODEL_TYPES
 from engine.worker.kv_cache import new_kv_cache
-from engine.worker.lean_forward import MOE_LEAN_MODEL_TYPES, LeanForward
+from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model
 from engine.worker.packed_batch import packed_forward
 

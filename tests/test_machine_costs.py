@@ -97,8 +97,8 @@ def test_with_every_expert_resident_the_disk_does_not_matter() -> None:
 def test_a_cuda_plan_names_a_profile_instead(tiny_ckpt) -> None:
     from cli.plan import measured_costs
     from engine.config import EngineConfig
-    from engine.memory.measure import probe_checkpoint
     from engine.offline.hardware import ProfileError
+    from engine.plan.probe import probe_checkpoint
 
     probe = probe_checkpoint(tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu"))
     with pytest.raises(ProfileError, match="CUDA"):
@@ -107,7 +107,7 @@ def test_a_cuda_plan_names_a_profile_instead(tiny_ckpt) -> None:
 
 def test_the_probe_lists_expert_reads_the_disk_tier_makes(tiny_ckpt) -> None:
     from engine.config import EngineConfig
-    from engine.memory.measure import probe_checkpoint
+    from engine.plan.probe import probe_checkpoint
 
     model = tiny_ckpt("qwen3_moe")
     probe = probe_checkpoint(model, EngineConfig(device="cpu"))
@@ -120,7 +120,7 @@ def test_the_probe_lists_expert_reads_the_disk_tier_makes(tiny_ckpt) -> None:
 
 
 def test_read_rate_counts_every_byte(tmp_path: Path) -> None:
-    from engine.memory.measure import ExpertRead
+    from engine.plan.probe import ExpertRead
 
     f = tmp_path / "blob"
     f.write_bytes(bytes(range(256)) * 4096 * 12)
@@ -136,9 +136,9 @@ def test_an_mxfp4_expert_is_read_as_its_tensors_and_timed_on_its_kernel(
     apart: the probe lists those ranges (not the bytes between them), and the plan's expert cost is
     the MXFP4 kernel's, not moe_swiglu's."""
     from engine.config import EngineConfig
-    from engine.memory.measure import probe_checkpoint
     from engine.native.loaded import native
     from engine.offline.machine_costs import kernel_speeds
+    from engine.plan.probe import probe_checkpoint
     from tests.test_native_quant import mxfp4_checkpoints
 
     qdir, _ = mxfp4_checkpoints(tiny_ckpt, tmp_path)
@@ -164,9 +164,9 @@ def test_int8_experts_are_timed_on_the_int8_kernel(tiny_ckpt) -> None:
     """With --expert-quant int8 the probe names the experts' format "int8": the plan still finds the
     native kernel's measurement for it (it once answered "no native kernel measurement")."""
     from engine.config import EngineConfig
-    from engine.memory.measure import probe_checkpoint
     from engine.native.loaded import native
     from engine.offline.machine_costs import kernel_speeds
+    from engine.plan.probe import probe_checkpoint
 
     probe = probe_checkpoint(
         tiny_ckpt("qwen3_moe"), EngineConfig(device="cpu", expert_quant="int8")
@@ -188,7 +188,7 @@ def test_int8_experts_are_timed_on_the_int8_kernel(tiny_ckpt) -> None:
 
 
 def test_read_rate_reads_every_part(tmp_path: Path) -> None:
-    from engine.memory.measure import ExpertRead
+    from engine.plan.probe import ExpertRead
 
     f = tmp_path / "blob"
     f.write_bytes(bytes(range(256)) * 4096 * 12)

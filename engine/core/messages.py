@@ -78,7 +78,7 @@ class EngineReady:
     pid: int
     plan: tuple[
         str, ...
-    ] = ()  # the resolved execution plan, one line a choice (engine/worker/dispatch.py)
+    ] = ()  # the load plan's text, a line each (engine/plan/load_plan.py LoadPlan.lines)
 
 
 @dataclass(frozen=True)

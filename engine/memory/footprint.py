@@ -66,7 +66,7 @@ class Footprint:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -153,3 +153,32 @@ def rss_bytes(status: Path = Path("/proc/self/status")) -> int:
     except OSError:
         pass
     return 0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a load plan is made against (engine/plan/resolve.py): the host's memory, the free bytes of
+    the CUDA device the model computes on (None on a CPU), and the process's own bytes before loading
+    (listed by a load's plan; 0 in a plan made ahead of it). `ahead`: a plan made before any load (serve's
+    check, `moe-offload plan`), which lists the quantized-expert file still to be written and checks it
+    against `quant_disk_free`; a load writes that file and plans none."""
+
+    host: HostMemory
+    device_free: int | None = None
+    runtime_bytes: int = 0
+    quant_disk_free: int | None = None
+    ahead: bool = False
+
+
+def this_machine(device: str, at_load: bool, quant_dir: str | Path | None = None) -> Machine:
+    """This machine, measured now, for a model computing on `device` ("cpu", "cuda" or "cuda:N"):
+    `at_load`, the load's own plan (its runtime measured); else a plan ahead of it, with the free
+    disk of `quant_dir` where a quantized-expert file would be written (None: none will be)."""
+    free = device_memory("cuda:0" if device == "cuda" else device)
+    return Machine(
+        host_memory(),
+        device_free=free[0] if free else None,
+        runtime_bytes=rss_bytes() if at_load else 0,
+        quant_disk_free=disk_free(quant_dir) if quant_dir is not None and not at_load else None,
+        ahead=not at_load,
+    )

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,30 @@ class DecodeShapes:
         time, about 370 small calls' worth (module calls, norms, rotary, attention, router, and each
         expert's activation, product, scale and sum)."""
         return 50 + 40 * self.top_k
+
+
+def decode_shapes(
+    config: Any,
+    dtype: torch.dtype,
+    H: int,
+    I: int,
+    top_k: int,
+    expert_dtype: torch.dtype | None = None,
+) -> DecodeShapes | None:
+    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
+    and its experts a token, for the native kernels' measurement (`measured`); None for a
+    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
+    from `dtype` (bf16 slots of an f32 model)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or H // heads
+    return DecodeShapes(
+        str(dtype).removeprefix("torch."),
+        ((2 * I, H), (H, I), (heads * head_dim, H)),
+        top_k,
+        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
+    )
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,12 @@ def resolve_native_kernels(
     return NativeChoice(kernels, f"{line}; {m.line()}")
 
 
+def chosen(build_name: str | None, line: str) -> NativeChoice:
+    """The choice a load plan recorded (engine/plan/load_plan.py KernelBuild): the build it named, loaded
+    (once per process), with the plan's line; None: torch's kernels."""
+    return NativeChoice(load_build(build_name)[0] if build_name is not None else None, line)
+
+
 def _widest_build(build_name: str, limit: str) -> tuple[NativeKernels | None, str]:
     """The build an engine runs: the one named, else the widest this CPU runs (no wider than `limit`) that
     builds; or None and why. Never chosen by timing: builds differ in lane counts and dot products, so

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from engine import env
-from engine.memory.measure import ExpertRead
 from engine.offline.hardware import Costs
+from engine.plan.probe import ExpertRead
 
 STREAM_BYTES = 96 << 20  # expert weights cycled per timing: well past the last-level cache
 ROUNDS = 4
@@ -219,11 +219,10 @@ def kernel_speeds(
     """The dispatcher's measurement for this model's decode shapes (the engine's own call, so its cache
     answers when the engine has loaded this shape here) and the expert kernel's speed for its format;
     None where the native kernels do not build here, or the format has no measured kernel (int4)."""
-    from engine.native.autotune import TORCH, measured
+    from engine.native.autotune import TORCH, decode_shapes, measured
     from engine.native.build import compiler, library_path
     from engine.native.loaded import _builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
-    from engine.worker.expert_setup import decode_shapes
 
     shapes = decode_shapes(config, dtype, H, I, top_k)
     mxfp4 = expert_format == "mxfp4" and expert_quant == "none"  # gpt-oss's experts as shipped

@@ -1,24 +1,20 @@
 """The routed experts' part of an offloaded load (engine/worker/loader.py runs the steps in order):
-their geometry, kernel and slot format, the native kernels chosen for the load, and what they run
-through once the memory plan sizes it (slow tier, fast tier, transfer engine, executor); after the
-load, the fast tier's warm start."""
+their slot format and locator, and what they run through as the load plan sizes it (slow tier, fast
+tier, transfer engine, executor); after the load, the fast tier's warm start."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.experts.compute.moe_executor import MoeExecutor
 from engine.experts.cost_meter import CostMeter
-from engine.experts.formats.expert_source import CheckpointExperts, expert_source, native_slot_dtype
+from engine.experts.formats.expert_source import expert_source
 from engine.experts.formats.quant import ExpertFormat
 from engine.experts.routing_bus import RoutingBus
 from engine.experts.tiers.expert_store import ExpertStore
@@ -26,35 +22,18 @@ from engine.experts.tiers.link import EmulatedLink, parse_link
 from engine.experts.tiers.read_faults import ReadFaults
 from engine.experts.tiers.slow_tier import DiskTier, RamTier, SlowTier
 from engine.experts.tiers.transfers import TransferEngine
-from engine.memory.planner import MemoryPlan
-from engine.native.autotune import DecodeShapes
-from engine.native.loaded import NativeChoice, activate, resolve_native_kernels
+from engine.native.loaded import NativeChoice
+from engine.plan.load_plan import LoadPlan
+from engine.plan.survey import Checkpoint, Survey
 from engine.read_fault_spec import parse_read_faults
 from engine.stats import EngineStats
-from engine.weights.arch import ArchSpec
 from engine.weights.arch_adapters import adapter_for
-from engine.weights.checkpoint import TensorLocation
 from engine.weights.expert_layout import ExpertShape, SegmentLocator
 from engine.weights.moe_hook import MoeSite, verify_block
 from engine.worker.loaded_model import OffloadedModel
-from engine.worker.spac_setup import prefetch_kinds
 from policies.base import EvictionPolicy
-from policies.miss import SubstitutingPolicy
 from policies.registry import PolicyBundle
 from policies.utility import protect_ticks
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What a load reads and where it runs: found by its first step (engine/worker/loader.py
-    `_read_checkpoint`), read by the others."""
-
-    model_dir: Path
-    config: PretrainedConfig  # the text model's (multimodal wrappers: text_config)
-    spec: ArchSpec
-    tensors: dict[str, TensorLocation]
-    device: torch.device
-    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -88,39 +67,33 @@ class ExpertRuntime:
     bus: RoutingBus
 
 
-def routed_experts(ck: Checkpoint, sites: list[MoeSite], cfg: EngineConfig) -> RoutedExperts:
-    """The experts' geometry and kernel, the native kernels the rest of the load runs (chosen and made
-    active here), blocks run by structure checked, and the format and locator of the experts' slots."""
-    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
-    experts = CheckpointExperts.of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
-    moe_layers, E, top_k, kernel = (
-        experts.moe_layers,
-        experts.num_experts,
-        experts.top_k,
-        experts.kernel,
-    )
-    H, I, shape = experts.shape.hidden, experts.shape.intermediate, experts.shape
-    # What the native kernels would read the experts in: their measurement times that.
-    slots = native_slot_dtype(experts, cfg)
-    native = resolve_native_kernels(
-        cfg.native_kernels if ck.device.type == "cpu" else "off",
-        decode_shapes(ck.config, ck.dtype, H, I, top_k, slots),
-        cfg.native_build,
-        cfg.native_build_limit,
-    )
-    activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
+def routed_experts(
+    sv: Survey, cfg: EngineConfig, plan: LoadPlan, native: NativeChoice
+) -> RoutedExperts:
+    """The experts' geometry and kernel, blocks run by structure checked, and the format and locator of
+    the experts' slots (a quantized sidecar written once where --expert-quant asks), as `plan` sized
+    them; `native`: the plan's native kernels, active for the rest of the load."""
+    ck, experts = sv.ck, sv.experts
     if ck.spec.by_structure:
         # Not in the table: each kind of block is checked once against its own forward.
-        for block in {type(s.block): s.block for s in sites}.values():
-            verify_block(block, adapter_for(ck.spec.model_type, block), kernel, ck.spec.model_type)
+        for block in {type(s.block): s.block for s in sv.sites}.values():
+            verify_block(
+                block, adapter_for(ck.spec.model_type, block), experts.kernel, ck.spec.model_type
+            )
+    # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
     fmt, locator = expert_source(experts, cfg)
+    planned = plan.experts
+    # The plan decided the format from the same headers: the slots it sized are the ones built.
+    built = (fmt.name, str(fmt.slot_dtype).removeprefix("torch."), fmt.slot_bytes)
+    assert built == (planned.format, planned.slot_dtype, planned.slot_bytes), (built, planned)
+    assert locator.nbytes_on_disk(experts.moe_layers[0], 0) == planned.disk_bytes
     return RoutedExperts(
-        sites=sites,
-        moe_layers=moe_layers,
-        E=E,
-        I=I,
-        top_k=top_k,
-        shape=shape,
+        sites=sv.sites,
+        moe_layers=experts.moe_layers,
+        E=experts.num_experts,
+        I=experts.shape.intermediate,
+        top_k=experts.top_k,
+        shape=experts.shape,
         fmt=fmt,
         locator=locator,
         native=native,
@@ -131,23 +104,18 @@ def expert_runtime(
     ck: Checkpoint,
     ex: RoutedExperts,
     cfg: EngineConfig,
-    mplan: MemoryPlan,
+    plan: LoadPlan,
     policies: PolicyBundle,
     stats: EngineStats,
 ) -> ExpertRuntime:
-    """Slow tier, fast tier, transfer engine and executor, as `mplan` sizes them; every sparse block
-    of the model swapped for an OffloadedMoeBlock that runs through them."""
+    """Slow tier, fast tier, transfer engine and executor, as `plan`'s memory plan sizes them; every
+    sparse block of the model swapped for an OffloadedMoeBlock that runs through them."""
+    mplan = plan.memory
     tier = _slow_tier(ex, cfg, mplan.offload, ck.device)
     store, zero_copy = _fast_tier(
         ex, cfg, mplan.n_slots, tier, ck.device, eviction=policies.eviction, stats=stats
     )
-    kinds = prefetch_kinds(
-        cfg,
-        ck.model_dir,
-        partial=mplan.n_slots < len(ex.moe_layers) * ex.E,
-        moe_layers=len(ex.moe_layers),
-        pays=isinstance(policies.miss, SubstitutingPolicy) or ck.device.type == "cuda",
-    )
+    kinds = set(plan.prefetch)
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None
     transfers = TransferEngine(store, tier, stats, ex.E, workers=cfg.transfer_workers, meter=meter)
     executor = MoeExecutor(
@@ -259,27 +227,3 @@ def warm(om: OffloadedModel) -> None:
         len(om.moe_layers) * om.num_experts
     )  # a fast tier as big as the model, now full
     om.stats.reset()  # warm-up transfers are not part of any run
-
-
-def decode_shapes(
-    config: Any,
-    dtype: torch.dtype,
-    H: int,
-    I: int,
-    top_k: int,
-    expert_dtype: torch.dtype | None = None,
-) -> DecodeShapes | None:
-    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
-    and its experts a token, for the native kernels' measurement (engine/native/autotune.py); None for a
-    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
-    from `dtype` (bf16 slots of an f32 model)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return None
-    heads = getattr(config, "num_attention_heads", 0) or 1
-    head_dim = getattr(config, "head_dim", None) or H // heads
-    return DecodeShapes(
-        str(dtype).removeprefix("torch."),
-        ((2 * I, H), (H, I), (heads * head_dim, H)),
-        top_k,
-        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
-    )

@@ -16,7 +16,7 @@ bookkeeping (engine/worker/decode_attention.py).
 Scope: the architectures whose decoder layer is exactly "norm, attention, residual, norm, MLP,
 residual" (the MLP an offloaded MoE block or a dense one: the MoE targets' dense layers, the dense
 drafts' every layer, engine/speculative/draft.py) and whose attention is "q/k/v projections, optional per-head q/k norm, rotary, cache
-update, attention function, o projection" in transformers 5 (`LEAN_MODEL_TYPES`), without a
+update, attention function, o projection" in transformers 5 (engine/weights/forward_support.py), without a
 sliding window. Everything else keeps transformers' forward; so does `--forward transformers`.
 """
 
@@ -33,6 +33,7 @@ from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES
 from engine.native.layers import NativeRMSNorm, verified_kernels
 from engine.native.loaded import native
+from engine.weights.forward_support import lean_structure
 from engine.worker import dispatch
 from engine.worker.decode_attention import native_attention, sdpa_decode_attention
 from engine.worker.fused_decode import FusedDecode
@@ -45,14 +46,6 @@ from engine.worker.packed_batch import (
     positions,
 )
 
-# Checked against each architecture's modeling code (decoder layer and attention forward) in
-# transformers 5; a new architecture joins only with a parity test in tests/test_lean_forward.py
-# (MoE) or tests/test_lean_draft.py (dense).
-MOE_LEAN_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "qwen2_moe"})  # targets
-# Drafts (engine/speculative/draft.py): qwen3's q/k norms, qwen2's q/k/v biases; mistral only
-# without a sliding window (`supports`).
-DENSE_LEAN_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
-LEAN_MODEL_TYPES = MOE_LEAN_MODEL_TYPES | DENSE_LEAN_MODEL_TYPES
 # The fused step's attention workspace covers this many cached positions; past it the step goes layer
 # by layer, through the same native attention (engine/worker/decode_attention.py): the same bits.
 NATIVE_ATTENTION_MAX_POSITIONS = 1024
@@ -63,30 +56,15 @@ class LeanForward:
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
-        cfg = model.config
-        if cfg.model_type not in LEAN_MODEL_TYPES or cfg._attn_implementation != PACKED_ATTENTION:
-            return False
-        if getattr(cfg, "sliding_window", None) is not None and getattr(
-            cfg, "use_sliding_window", True
-        ):
-            return False
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(model, "lm_head"):
-            return False
-        need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-        return all(
-            all(hasattr(layer, n) for n in need)
-            and all(hasattr(layer.self_attn, p) for p in projections)
-            for layer in layers
-        )
+        """An architecture and structure the lean forward runs (engine/weights/forward_support.py),
+        its attention routed through the packed attention."""
+        return model.config._attn_implementation == PACKED_ATTENTION and lean_structure(model)
 
     def __init__(
         self, model: PreTrainedModel, fused: bool = True, native_attention: bool = True
     ) -> None:
         """fused: decode steps may take the fused native step; native_attention: a decode row's attention in
-        one native call (the fused step needs it). Both as the plan resolved them (engine/worker/dispatch.py)."""
+        one native call (the fused step needs it). Both as the plan resolved them (engine/plan/execution.py)."""
         assert self.supports(model), f"no lean forward for {model.config.model_type}"
         self.model = model
         self.inner = model.model

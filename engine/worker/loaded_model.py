@@ -88,7 +88,12 @@ class OffloadedModel(LoadedModel):
     prefetchers: tuple[
         str, ...
     ] = ()  # the prefetchers running (--prefetch resolved: auto's choice, for reports)
-    plan: Any = None  # the paths its steps may take (engine/worker/dispatch.py ExecutionPlan), resolved at load
+    load_plan: Any = (
+        None  # every decision of its load, with reasons (engine/plan/load_plan.py LoadPlan)
+    )
+    plan: Any = (
+        None  # the paths its steps may take: load_plan's ExecutionPlan (engine/plan/execution.py)
+    )
     memory_plan: Any = None  # the memory plan it was built to (engine/memory/planner.py MemoryPlan)
     kv_token_budget: int | None = None  # KV positions the plan reserved; the scheduler admits by it
     route_log: Any = None  # --route-log's writer (engine/experts/route_log.py), when asked for

@@ -1,12 +1,13 @@
 """Builds a transformers model whose routed experts live in the tiered expert store.
 
-Steps: read config.json -> build the transformers model on the meta device (nothing is
-allocated) -> swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert
-parameters) -> plan memory, build slow tier, fast tier and transfer engine (the routed experts'
-steps: engine/worker/expert_setup.py) -> materialize the rest on the compute device and fill it
-from the safetensors files by name -> on the CPU, replace the norms and bf16 linears with their
-native counterparts (engine/native/layers.py) -> attach MoE-SpAc's parts
-(engine/worker/spac_setup.py) -> resolve the dispatcher's plan -> warm start.
+Steps: survey the checkpoint (config.json and the safetensors headers, the transformers model built
+on the meta device: nothing is allocated) and resolve its load plan (engine/plan/: architecture,
+expert format, native kernels, memory split, execution path, prefetchers) -> `build` to the plan:
+swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert parameters), build slow
+tier, fast tier and transfer engine (the routed experts' steps: engine/worker/expert_setup.py) ->
+materialize the rest on the compute device and fill it from the safetensors files by name -> on the
+CPU, replace the norms and bf16 linears with their native counterparts (engine/native/layers.py) ->
+attach MoE-SpAc's parts (engine/worker/spac_setup.py) -> warm start.
 What a load returns: engine/worker/loaded_model.py.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +34,23 @@ from engine.experts.formats.expert_source import read_dense
 from engine.experts.route_log import RouteLog
 from engine.experts.tiers.slow_tier import SlowTier
 from engine.huge_pages import rehome_untouched
-from engine.memory.footprint import Footprint
-from engine.memory.measure import memory_probe, plan_for_model, print_plan
-from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget
+from engine.memory.machine import this_machine
+from engine.memory.measure import memory_probe
+from engine.memory.planner import KvRequest
 from engine.native.layers import accelerate
-from engine.native.loaded import NativeChoice, active
+from engine.native.loaded import NativeChoice, activate, active, chosen
 from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
+from engine.plan.execution import prefetch_choice
+from engine.plan.load_plan import LoadPlan
+from engine.plan.resolve import decide
+from engine.plan.survey import Checkpoint, Survey, survey
 from engine.stats import EngineStats
-from engine.weights.arch import arch_for, disk_names, text_config, unsupported
+from engine.weights.arch import disk_names
 from engine.weights.checkpoint import TensorLocation, index_checkpoint
-from engine.weights.disk_embedding import (
-    DiskEmbedding,
-    disk_embedding_source,
-    input_embedding_name,
-    resident_bytes,
-)
+from engine.weights.disk_embedding import DiskEmbedding, input_embedding_name
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
-from engine.weights.moe_hook import MoeSite, decoder_layers, find_moe_sites
-from engine.worker.dispatch import ExecutionPlan, resolve_plan
+from engine.weights.moe_hook import decoder_layers
 from engine.worker.expert_setup import (
-    Checkpoint,
     ExpertRuntime,
     RoutedExperts,
     expert_runtime,
@@ -62,7 +61,6 @@ from engine.worker.loaded_model import LoadedModel, OffloadedModel
 from engine.worker.packed_batch import use_packed_attention
 from engine.worker.runner import ModelRunner
 from engine.worker.spac_setup import attach_spac
-from policies.registry import PolicyBundle
 
 log = logging.getLogger(__name__)
 
@@ -147,92 +145,51 @@ def load_model(
 
 
 def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> OffloadedModel:
-    """The load's steps (the module docstring outlines them), in load_model's copy of the context."""
-    ck, policies = _read_checkpoint(model_dir, cfg)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(ck.config, dtype=ck.dtype)
-    layers = decoder_layers(model)
-    ex = routed_experts(ck, _moe_sites(model, ck), cfg)
-    stats = EngineStats(num_layers=len(layers))
-    # The input embedding's rows stay in the checkpoint where they can (engine/weights/disk_embedding.py).
-    embedding = disk_embedding_source(
-        model, ck.config, ck.spec, ck.tensors, ck.dtype, ck.device, enabled=cfg.embedding_on_disk
-    )
-    fp, mplan = _memory_plan(model, ck, ex, cfg, kv_request, embedding)
-    rt = expert_runtime(ck, ex, cfg, mplan, policies, stats)
-    _materialize(model, ck, cfg.huge_pages, embedding)
+    """The checkpoint surveyed, its plan resolved on this machine as it is now (engine/plan/), and the
+    model built to it, in load_model's copy of the context."""
+    sv = survey(model_dir, cfg)
+    plan = decide(sv, cfg, this_machine(str(sv.ck.device), at_load=True), kv_request)
+    return build(plan, sv, cfg)
+
+
+def build(plan: LoadPlan, sv: Survey, cfg: EngineConfig) -> OffloadedModel:
+    """Allocate and fill the surveyed model `sv` as `plan` decided, in one pass (the module docstring
+    outlines the steps); nothing here decides again."""
+    ck, model = sv.ck, sv.model
+    native = chosen(plan.kernels.build, plan.kernels.line)
+    activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
+    ex = routed_experts(sv, cfg, plan, native)
+    stats = EngineStats(num_layers=len(decoder_layers(model)))
+    rt = expert_runtime(ck, ex, cfg, plan, sv.policies, stats)
+    _materialize(model, ck, cfg.huge_pages, sv.embedding)
     _finish_dense(model, cfg, ck.device)
     om = _offloaded_model(model, ck, cfg, ex, rt, stats)
-    om.memory_plan = mplan
-    om.kv_token_budget = kv_token_budget(fp, cfg, kv_request)  # the scheduler admits against it
+    om.memory_plan = plan.memory
+    om.kv_token_budget = plan.kv_token_budget  # the scheduler admits against it
     # Planned and used bytes per pool, for /metrics.
-    stats.memory_probe = memory_probe(mplan, om.model, rt.store, rt.tier)
-    attach_spac(om, cfg, rt.kinds, policies.eviction, rt.tier, ex.fmt, meter=rt.meter)
+    stats.memory_probe = memory_probe(plan.memory, om.model, rt.store, rt.tier)
+    attach_spac(om, cfg, set(plan.prefetch), sv.policies.eviction, rt.tier, ex.fmt, meter=rt.meter)
     if cfg.route_log is not None:
-        om.route_log = RouteLog(cfg.route_log, rt.bus, mplan.n_slots, ex.E)
-    complete = mplan.n_slots == len(ex.moe_layers) * ex.E
-    om.plan = _plan(om, cfg, ex.native.line, complete=complete)
+        om.route_log = RouteLog(cfg.route_log, rt.bus, plan.memory.n_slots, ex.E)
+    om.load_plan = _as_built(plan, om, cfg)
+    om.plan = om.load_plan.execution
     if cfg.warm_start:
         warm(om)
     _arm_faults(rt.tier, rt.zero_copy)
     return om
 
 
-def _read_checkpoint(model_dir: Path, cfg: EngineConfig) -> tuple[Checkpoint, PolicyBundle]:
-    """config.json, the architecture, the tensor index, the policies `cfg` names, and the device and
-    dtype the model runs in: what fails with one line before any weight is read."""
-    config = read_config(model_dir)
-    spec = arch_for(config.model_type)
-    # Multimodal wrappers (qwen3_5_moe, llama4): we run the text model.
-    config = text_config(spec, config)
-    tensors = index_checkpoint(model_dir)
-    policies = cfg.policies()  # bad policy names fail here, before any weights are read
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, config, device)
-    return Checkpoint(model_dir, config, spec, tensors, device, dtype), policies
-
-
-def _moe_sites(model: PreTrainedModel, ck: Checkpoint) -> list[MoeSite]:
-    """The meta model's sparse MoE blocks, found by structure (engine/weights/moe_hook.py); fails with
-    one line where there are none."""
-    sites = find_moe_sites(model)
-    if not sites:
-        if ck.spec.by_structure:
-            raise unsupported(ck.spec.model_type, str(ck.model_dir / "config.json"))
-        raise CheckpointError(
-            f"{ck.model_dir / 'config.json'}: no sparse MoE layers in this configuration"
-        )
-    return sites
-
-
-def _memory_plan(
-    model: PreTrainedModel,
-    ck: Checkpoint,
-    ex: RoutedExperts,
-    cfg: EngineConfig,
-    kv_request: KvRequest,
-    embedding: TensorLocation | None,
-) -> tuple[Footprint, MemoryPlan]:
-    """The memory plan (engine/memory/): fast-tier size and slow tier where the flags leave them
-    open, printed; and the footprint it was planned from."""
-    fp, mplan = plan_for_model(
-        model=model,
-        experts=[s.block.get_submodule("experts") for s in ex.sites],
-        config=ck.config,
-        dtype=ck.dtype,
-        slot_bytes=ex.fmt.slot_bytes,
-        expert_disk_bytes=ex.locator.nbytes_on_disk(ex.moe_layers[0], 0),
-        E=ex.E,
-        I=ex.I,
-        top_k=ex.top_k,
-        tensors=ck.tensors,
-        cfg=cfg,
-        device=ck.device,
-        kv_request=kv_request,
-        dense_on_disk_bytes=embedding.nbytes - resident_bytes(embedding) if embedding else 0,
+def _as_built(plan: LoadPlan, om: OffloadedModel, cfg: EngineConfig) -> LoadPlan:
+    """`plan` as the load built it: where SpecPrefetch's adapter was declined as it was attached (a
+    file for another model, logged as a warning), the prefetch line says what runs instead."""
+    if om.prefetchers == plan.prefetch:
+        return plan
+    ex = plan.execution
+    execution = replace(ex, choices=tuple(c for c in ex.choices if c.what != "prefetch"))
+    line = prefetch_choice(cfg, om.prefetchers, plan.complete, om.device.type == "cpu")
+    return replace(
+        plan, execution=execution.with_choice("prefetch", *line), prefetch=om.prefetchers
     )
-    print_plan(mplan)
-    return fp, mplan
 
 
 def _finish_dense(model: PreTrainedModel, cfg: EngineConfig, device: torch.device) -> None:
@@ -278,57 +235,6 @@ def _offloaded_model(
         runner_factory=ModelRunner,
         native=ex.native,
     )
-
-
-def _plan(om: OffloadedModel, cfg: EngineConfig, kernels: str, complete: bool) -> ExecutionPlan:
-    """The paths this model's steps may take (engine/worker/dispatch.py), with the reasons."""
-    from engine.worker.lean_forward import LeanForward
-
-    if not om.packed:
-        lean_ok: str | None = (
-            f"{om.config.model_type} runs one forward per request (no packed attention)"
-        )
-    elif not LeanForward.supports(om.model):
-        lean_ok = f"{om.config.model_type} is not among the lean forward's architectures"
-    else:
-        lean_ok = None
-    on_cpu = om.device.type == "cpu"
-    router = (
-        "native: softmax top-k routers in C once their first call matches the module's (others: the module's own)"
-        if on_cpu and kernels.startswith("on")
-        else "module: the model's own router"
-    )
-    plan = resolve_plan(
-        cfg, lean_ok=lean_ok, kernels=kernels, on_cpu=on_cpu, complete=complete, router=router
-    )
-    plan = plan.with_choice("expert kernel", *_expert_kernel(om))
-    running = ",".join(om.prefetchers) or "none"
-    if cfg.prefetch != "auto":
-        why = f"--prefetch {cfg.prefetch}"
-    elif om.prefetchers:
-        why = "auto: a partial fast tier, a SpecPrefetch adapter beside the model, and a substituting policy or a GPU"
-    elif complete:
-        why = "auto: every routed expert is resident, nothing to prefetch"
-    else:
-        why = (
-            (
-                "auto: on a CPU with an exact policy the adapter measured slower than none (docs/benchmarks/policies.md);"
-                " or no adapter file"
-            )
-            if on_cpu
-            else "auto: no SpecPrefetch adapter file beside the model"
-        )
-    return plan.with_choice("prefetch", running, why)
-
-
-def _expert_kernel(om: OffloadedModel) -> tuple[str, str]:
-    """The plan's line for what multiplies a decode row's routed experts (engine/experts/compute/expert_compute.py)."""
-    fmt, moe = om.executor.fmt, om.executor.native_moe
-    if moe is not None:
-        return moe.describe(), f"{fmt.name} slots, every row: decode, verification and prompt"
-    off = om.native is None or om.native.kernels is None
-    why = "the native kernels are off" if off else "no native kernel reads these slots"
-    return "torch", f"{fmt.name} slots through the format's torch path ({why})"
 
 
 def _materialize(

@@ -28,32 +28,10 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from engine.weights.forward_support import PACKED_MODEL_TYPES
+
 PACKED_ATTENTION = "moe_offload_packed"
 
-# Architectures whose attention is plain `cache.update` + an attention function, verified
-# token-exact in packed steps (tests/test_architectures.py, tests/test_engine_core.py). The
-# others run each request's window as its own forward with transformers' native attention:
-# hybrid linear attention (qwen3_next, qwen3_5_moe) keeps recurrent state the packed cache
-# does not carry, gpt-oss adds attention sinks that SDPA does not take, and deepseek_v3's MLA
-# fails in packed mode (a head-count mismatch, not investigated yet).
-PACKED_MODEL_TYPES = frozenset(
-    {
-        "qwen3_moe",
-        "qwen2_moe",
-        "mixtral",
-        "olmoe",
-        "glm4_moe",
-        "minimax_m2",
-        "llama4_text",
-        "phimoe",
-        "ernie4_5_moe",
-        "granitemoe",
-        "qwen3",
-        "qwen2",
-        "llama",
-        "mistral",  # dense drafts
-    }
-)
 # Caches with recurrent (linear-attention) state cannot be cropped back after a rejected
 # speculative window.
 NO_ROLLBACK_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})

@@ -63,7 +63,7 @@ class ModelRunner:
         # (proposals are checked by the target's masked distribution, so rejections never touch it).
         self.constraints: dict[str, TokenConstraint] = {}
         self._grammar: GrammarCompiler | None = None  # built on first use
-        # The same packed forward without transformers' wrappers, where the plan has it (engine/worker/dispatch.py;
+        # The same packed forward without transformers' wrappers, where the plan has it (engine/plan/execution.py;
         # engine/worker/lean_forward.py): a decode step's Python is most of a small model's time.
         plan = getattr(lm, "plan", None)
         lean = (

@@ -1,11 +1,10 @@
 """The prefetchers and MoE-SpAc parts a load attaches to an OffloadedModel, as the settings ask:
-`prefetch_kinds` resolves --prefetch, `attach_spac` builds the utility estimator, the prefetchers and
-the CPU expert workers (engine/worker/loader.py calls both)."""
+`attach_spac` builds the utility estimator, the prefetchers the load plan names (engine/plan/prefetch.py)
+and the CPU expert workers (engine/worker/loader.py calls it)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
@@ -14,6 +13,7 @@ from engine.experts.cost_meter import CostMeter
 from engine.experts.formats.quant import ExpertFormat
 from engine.experts.tiers.slow_tier import SlowTier
 from engine.experts.tiers.utility_prefetch import UtilityPrefetcher
+from engine.plan.prefetch import adapter_file
 from engine.prefetch.adapter_prefetcher import AdapterPrefetcher
 from engine.worker.loaded_model import OffloadedModel
 from engine.worker.sensor import sensor_for
@@ -21,31 +21,6 @@ from policies.base import EvictionPolicy
 from policies.utility import SpeculativeUtilityEstimator, UtilityEviction
 
 log = logging.getLogger(__name__)
-
-
-def prefetch_kinds(
-    cfg: EngineConfig, model_dir: Path, partial: bool, moe_layers: int, pays: bool
-) -> set[str]:
-    """The prefetchers to run. --prefetch auto turns on SpecPrefetch's adapter where it has something to do and pays
-    for itself: the fast tier misses experts (partial), the model has a layer l+1 to predict, an adapter file is
-    there, and either the miss policy substitutes (an expert that landed in time is not substituted: quality-first's
-    ΔPPL on the embedded model falls about threefold) or the experts compute on a GPU (where the adapter's matmul
-    and the copies do not take the decode's CPU cores). On a CPU with an exact policy it measured 0.89-0.96x on
-    disk, so it stays off there (docs/benchmarks/policies.md section 1b). Predictions only start transfers."""
-    if cfg.prefetch != "auto":
-        return cfg.prefetch_kinds
-    return (
-        {"adapter"}
-        if partial and pays and moe_layers >= 2 and _adapter_file(cfg, model_dir).is_file()
-        else set()
-    )
-
-
-def _adapter_file(cfg: EngineConfig, model_dir: Path) -> Path:
-    """The SpecPrefetch adapter file: --prefetcher, or prefetcher.safetensors beside the model."""
-    from engine.prefetch.adapter import FILE_NAME
-
-    return Path(cfg.prefetcher) if cfg.prefetcher else model_dir / FILE_NAME
 
 
 def attach_spac(
@@ -59,7 +34,7 @@ def attach_spac(
 ) -> None:
     """MoE-SpAc's parts, when the settings ask for them: one utility estimator fed by the
     speculative sensor, shared by utility prefetch, utility eviction and the CPU/GPU balancer's
-    ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: `prefetch_kinds`)."""
+    ranking; CPU workers for missed experts; and SpecPrefetch's adapter (`kinds`: the load plan's, engine/plan/prefetch.py)."""
     wants_utility = (
         "utility" in kinds or isinstance(eviction, UtilityEviction) or cfg.cpu_experts != "off"
     )
@@ -114,7 +89,7 @@ def _adapter_prefetcher(
         raise ConfigError(
             f"{om.model_dir}: --prefetch adapter needs at least 2 MoE layers (it predicts layer l+1 from layer l)"
         )
-    adapter = load_adapter(_adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
+    adapter = load_adapter(adapter_file(cfg, om.model_dir), model_fingerprint(om.model))
     adapter.to(om.device)
     prefetcher = AdapterPrefetcher(
         adapter,

@@ -120,9 +120,11 @@ class CheckpointExperts:
         )
 
 
-def expert_source(
+def slot_format(
     experts: CheckpointExperts, cfg: EngineConfig
 ) -> tuple[ExpertFormat, SegmentLocator]:
+    """The experts' slot format and where the checkpoint holds their bytes, before any quantized sidecar
+    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's)."""
     shipped = experts.shipped()
     if shipped is not None:
         if cfg.expert_quant != "none":
@@ -131,9 +133,16 @@ def expert_source(
             )
         return shipped
     locator = experts.float_locator()
-    fmt = float_expert_format(experts.kernel, cfg, experts.dtype, locator, experts.device)
+    return float_expert_format(experts.kernel, cfg, experts.dtype, locator, experts.device), locator
+
+
+def expert_source(
+    experts: CheckpointExperts, cfg: EngineConfig
+) -> tuple[ExpertFormat, SegmentLocator]:
+    fmt, locator = slot_format(experts, cfg)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
+        assert isinstance(locator, ExpertLocator)
         return fmt, quantized_locator(
             locator, fmt, experts.moe_layers, cfg.quant_cache_dir
         )  # sidecar, built once

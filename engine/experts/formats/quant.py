@@ -52,7 +52,7 @@ class ExpertFormat(ABC):
 
     @property
     def slot_bytes(self) -> int:
-        return self.slot_numel * torch.empty((), dtype=self.slot_dtype).element_size()
+        return self.slot_numel * self.slot_dtype.itemsize
 
     @abstractmethod
     def views(self, row: torch.Tensor) -> list:
@@ -123,7 +123,7 @@ class GroupQuantFormat(ExpertFormat):
         for _, shape in kernel.views:
             parts = []
             for dtype, pshape in self._parts(shape):
-                nbytes = math.prod(pshape) * torch.empty((), dtype=dtype).element_size()
+                nbytes = math.prod(pshape) * dtype.itemsize
                 parts.append((at, nbytes, dtype, pshape))
                 at = _aligned(at + nbytes)
             self._layout.append(parts)

@@ -1,0 +1,188 @@
+"""`resolve`: every decision of a load, with its reason, before anything is allocated.
+
+From config.json, the safetensors headers (the model built on the meta device: engine/plan/survey.py)
+and the machine (engine/memory/machine.py `Machine`): the architecture, the experts' format and slot
+dtype, the native kernels' build (the widest this CPU runs; its speed beside torch's measured once per
+CPU and shape, and cached), the memory split (fast tier, slow tier, dense, KV), the execution path and
+the prefetchers. A combination that cannot run or fit fails here in one line. The loader builds to the
+plan (engine/worker/loader.py `build`); `moe-offload plan` prints it and `serve` checks with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.experts.compute.native_mxfp4 import native_experts
+from engine.experts.formats.expert_source import native_slot_dtype, slot_format
+from engine.experts.formats.quant import ExpertFormat
+from engine.memory.footprint import Footprint
+from engine.memory.machine import Machine, this_machine
+from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget, plan_memory
+from engine.native.autotune import decode_shapes
+from engine.native.loaded import NativeChoice, active, resolve_native_kernels
+from engine.plan.execution import (
+    ExecutionPlan,
+    expert_kernel,
+    lean_declined,
+    prefetch_choice,
+    resolve_plan,
+    router_line,
+)
+from engine.plan.load_plan import ArchChoice, ExpertSlots, KernelBuild, LoadPlan
+from engine.plan.prefetch import prefetch_kinds
+from engine.plan.survey import Survey, survey, survey_footprint
+from engine.weights.forward_support import PACKED_MODEL_TYPES, lean_structure
+from engine.weights.model_config import resolve_device
+from policies.miss import SubstitutingPolicy
+
+
+def resolve(
+    model_dir: str | Path, cfg: EngineConfig, machine: Machine, kv_request: KvRequest = KvRequest()
+) -> LoadPlan:
+    """The plan of loading `model_dir` as `cfg` says on `machine`; `kv_request`: the context length and
+    sequences the KV reservation covers (the stated defaults where open)."""
+    return decide(survey(model_dir, cfg), cfg, machine, kv_request)
+
+
+def machine_ahead(cfg: EngineConfig) -> Machine:
+    """This machine, measured now, for a plan made ahead of the load of `cfg` (serve's check before it
+    listens, `moe-offload plan`): no runtime listed; the free disk where --expert-quant writes its file."""
+    from engine.experts.formats.quant_cache import default_cache_dir
+
+    quant_dir = (cfg.quant_cache_dir or default_cache_dir()) if cfg.expert_quant != "none" else None
+    return this_machine(str(resolve_device(cfg.device)), at_load=False, quant_dir=quant_dir)
+
+
+def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvRequest) -> LoadPlan:
+    """The plan for the surveyed checkpoint `sv` (resolve's second half; the loader surveys once for both)."""
+    ck, ex = sv.ck, sv.experts
+    native = kernel_choice(sv, cfg)
+    on_cpu = ck.device.type == "cpu"
+    with active(native):  # the slots' dtype and the native expert path follow the chosen kernels
+        fmt, locator = slot_format(ex, cfg)
+        moe = native_experts(fmt, ex.shape.hidden, ex.shape.intermediate) if on_cpu else None
+    quantizes = cfg.expert_quant != "none"
+    # The disk tier reads a quantized sidecar's rows (one slot each), else the checkpoint's bytes.
+    disk = fmt.slot_bytes if quantizes else locator.nbytes_on_disk(ex.moe_layers[0], 0)
+    fp = survey_footprint(sv, cfg, fmt.slot_bytes, disk)
+    sidecar = len(ex.moe_layers) * ex.num_experts * fmt.slot_bytes if quantizes else 0
+    memory = _memory(fp, cfg, str(ck.device), machine, kv_request, sidecar)
+    complete = memory.n_slots == len(ex.moe_layers) * ex.num_experts
+    kinds = prefetch_kinds(
+        cfg,
+        ck.model_dir,
+        partial=not complete,
+        moe_layers=len(ex.moe_layers),
+        pays=isinstance(sv.policies.miss, SubstitutingPolicy) or ck.device.type == "cuda",
+    )
+    prefetch = tuple(sorted(kinds))
+    execution = _execution(sv, cfg, native, complete).with_choice(
+        "expert kernel",
+        *expert_kernel(
+            fmt.name, moe.describe() if moe is not None else None, native.kernels is not None
+        ),
+    )
+    return LoadPlan(
+        model_dir=str(ck.model_dir),
+        device=str(ck.device),
+        dtype=str(ck.dtype).removeprefix("torch."),
+        arch=_arch(sv),
+        experts=_slots(sv, cfg, fmt, disk),
+        kernels=KernelBuild(native.kernels.variant if native.kernels else None, native.line),
+        memory=memory,
+        kv_token_budget=kv_token_budget(fp, cfg, kv_request),
+        execution=execution.with_choice(
+            "prefetch", *prefetch_choice(cfg, prefetch, complete, on_cpu)
+        ),
+        prefetch=prefetch,
+    )
+
+
+def kernel_choice(sv: Survey, cfg: EngineConfig) -> NativeChoice:
+    """--native-kernels, --native-build and --native-build-limit resolved for this model (the CPU's widest
+    build; never on a GPU), measured beside torch's kernels at its decode shapes for the plan line."""
+    ck, ex = sv.ck, sv.experts
+    # What the native kernels would read the experts in: their measurement times that.
+    slots = native_slot_dtype(ex, cfg)
+    return resolve_native_kernels(
+        cfg.native_kernels if ck.device.type == "cpu" else "off",
+        decode_shapes(ck.config, ck.dtype, ex.shape.hidden, ex.shape.intermediate, ex.top_k, slots),
+        cfg.native_build,
+        cfg.native_build_limit,
+    )
+
+
+def _memory(
+    fp: Footprint,
+    cfg: EngineConfig,
+    device: str,
+    machine: Machine,
+    kv_request: KvRequest,
+    sidecar: int,
+) -> MemoryPlan:
+    """The memory plan (engine/memory/planner.py) on `machine`: a plan ahead of the load lists the
+    quantized-expert file (`sidecar` bytes) still to be written; a load's lists the process's runtime."""
+    sidecar = sidecar if machine.ahead else 0
+    return plan_memory(
+        fp,
+        cfg,
+        device if device.startswith("cuda") else "cpu",
+        machine.host,
+        device_free=machine.device_free,
+        sidecar_bytes=sidecar,
+        sidecar_disk_free=machine.quant_disk_free if sidecar else None,
+        runtime_bytes=machine.runtime_bytes,
+        kv_request=kv_request,
+    )
+
+
+def _execution(
+    sv: Survey, cfg: EngineConfig, native: NativeChoice, complete: bool
+) -> ExecutionPlan:
+    """The paths this model's steps may take (engine/plan/execution.py), with the reasons."""
+    model_type, on_cpu = sv.ck.config.model_type, sv.ck.device.type == "cpu"
+    lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, lean_structure(sv.model))
+    return resolve_plan(
+        cfg,
+        lean_ok=lean_ok,
+        kernels=native.line,
+        on_cpu=on_cpu,
+        complete=complete,
+        router=router_line(on_cpu, native.line),
+    )
+
+
+def _arch(sv: Survey) -> ArchChoice:
+    spec = sv.ck.spec
+    if spec.by_structure:
+        why = "outside the architecture table: its MoE blocks matched by structure, each kind checked against its own forward at load"
+    else:
+        why = "in the architecture table (engine/weights/arch.py)" + (
+            "; config.json is a multimodal wrapper: its text model runs" if spec.text_config else ""
+        )
+    return ArchChoice(str(sv.ck.config.model_type), spec.by_structure, why)
+
+
+def _slots(sv: Survey, cfg: EngineConfig, fmt: ExpertFormat, disk: int) -> ExpertSlots:
+    """The experts' slots as the plan holds them, and why that format."""
+    ck, ex = sv.ck, sv.experts
+    if ex.shipped() is not None:
+        why = "quantized in the checkpoint: slots hold the shipped bytes"
+    elif cfg.expert_quant != "none":
+        why = f"--expert-quant {cfg.expert_quant}: quantized once into a sidecar file (--quant-cache-dir), read from it"
+    elif fmt.slot_dtype != ck.dtype:
+        why = "every expert is bf16 in the checkpoint: bf16 slots, widened exactly as the native kernels read them"
+    else:
+        why = "float experts in the compute dtype (--expert-quant none)"
+    return ExpertSlots(
+        format=fmt.name,
+        slot_dtype=str(fmt.slot_dtype).removeprefix("torch."),
+        slot_bytes=fmt.slot_bytes,
+        disk_bytes=disk,
+        moe_layers=tuple(ex.moe_layers),
+        num_experts=ex.num_experts,
+        top_k=ex.top_k,
+        hidden=ex.shape.hidden,
+        intermediate=ex.shape.intermediate,
+        why=why,
+    )
