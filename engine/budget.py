@@ -45,6 +45,11 @@ def parse_budget(text: str, flag: str) -> tuple[int | None, float | None]:
     return n, None
 
 
+def is_fraction(text: str) -> bool:
+    """Whether a budget's text is a share of what is measured ("0.8", "80%") rather than a size."""
+    return parse_budget(text, "")[1] is not None
+
+
 def resolve_budget(text: str | None, flag: str, measured: int) -> int:
     """The budget in bytes: given bytes as they are, a fraction of `measured`, or `measured` when unset."""
     if text is None:

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.budget import fmt_bytes, resolve_budget
+from engine.budget import fmt_bytes, is_fraction, resolve_budget
 from engine.config import EngineConfig
 from engine.memory.footprint import Footprint, MiB
 from engine.memory.machine import HostMemory
-from engine.memory.tier_sizing import cpu_tiers, gpu_tiers, is_explicit, short_of
+from engine.memory.tier_sizing import (
+    check_min_slots,
+    cpu_tiers,
+    gpu_tiers,
+    is_explicit,
+    room_left,
+    short_of,
+)
 
 # Where --max-running / --max-model-len are open, the KV reservation covers this many sequences
 # of this many tokens each (or of the model's context, if shorter):
@@ -154,14 +161,15 @@ def plan_memory(
     `kv_request`: the context length and sequences the KV reservation covers."""
     budgets = _budgets(cfg, device, host, device_free)
     fixed = _fixed_pools(fp, cfg, kv_request, budgets)
-    left = _room_left(fixed, budgets)  # for the fast tier (and, on a CPU, a RAM tier)
+    # for the fast tier (and, on a CPU, a RAM tier)
+    left = room_left(sum(p.nbytes for p in fixed), budgets.fixed, budgets.on_gpu)
     total, slot = fp.total_experts, fp.slot_bytes
     if budgets.on_gpu:
         host_left = budgets.host - _headroom(budgets.host, HOST_HEADROOM_MIN)
         offload, n = gpu_tiers(cfg, total, slot, left, host_left)
     else:
         offload, n = cpu_tiers(cfg, total, slot, left)
-    _check_min_slots(fp, cfg, n, left, budgets.on_gpu)
+    check_min_slots(fp, cfg, n, left, budgets.on_gpu)
     pools = _runtime_pools(runtime_bytes) + fixed
     pools += _tier_pools(fp, cfg, offload, n, budgets.on_gpu)
     pools += _sidecar_pools(sidecar_bytes, sidecar_disk_free)
@@ -211,7 +219,7 @@ def _budgets(cfg: EngineConfig, device: str, host: HostMemory, device_free: int 
     host_budget = resolve_budget(cfg.host_memory, "--host-memory", host.available)
     host_source = (
         "--host-memory"
-        if cfg.host_memory is not None and not _is_fraction(cfg.host_memory)
+        if cfg.host_memory is not None and not is_fraction(cfg.host_memory)
         else host.source
     )
     dev_budget = (
@@ -258,36 +266,6 @@ def _dense_why(fp: Footprint) -> str:
             else ""
         )
     )
-
-
-def _room_left(fixed: list[Pool], budgets: _Budgets) -> int:
-    """Bytes the budget leaves the expert tiers after the `fixed` pools; raises where nothing is left."""
-    fixed_bytes = sum(p.nbytes for p in fixed)
-    left = budgets.fixed - fixed_bytes
-    if left <= 0:
-        raise short_of(
-            "the dense part, KV reservation, scratch and headroom",
-            fixed_bytes,
-            budgets.fixed,
-            "raise --device-memory / --host-memory or lower --max-model-len / --max-running / --kv-tokens"
-            if budgets.on_gpu
-            else "raise --host-memory or lower --max-model-len / --max-running / --kv-tokens",
-        )
-    return left
-
-
-def _check_min_slots(fp: Footprint, cfg: EngineConfig, n: int, left: int, on_gpu: bool) -> None:
-    """Raises where the planner's own fast tier of `n` slots holds less than one token's top-k."""
-    min_slots = min(fp.total_experts, fp.top_k)
-    if n < min_slots and not is_explicit(
-        cfg
-    ):  # an explicit size below one token's top-k streams; the planner never picks one
-        raise short_of(
-            f"the fast tier's minimum ({min_slots} experts: one token's top-k)",
-            min_slots * fp.slot_bytes,
-            left,
-            "raise --device-memory / --host-memory" if on_gpu else "raise --host-memory",
-        )
 
 
 def _runtime_pools(runtime_bytes: int) -> list[Pool]:
@@ -366,9 +344,3 @@ def _sidecar_pools(sidecar_bytes: int, sidecar_disk_free: int | None) -> list[Po
             "quantized experts written once to --quant-cache-dir",
         )
     ]
-
-
-def _is_fraction(text: str) -> bool:
-    from engine.budget import parse_budget
-
-    return parse_budget(text, "")[1] is not None

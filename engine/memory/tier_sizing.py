@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.budget import fmt_bytes
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.memory.footprint import Footprint
 
 
 def short_of(what: str, need: int, have: int, hint: str) -> ConfigError:
@@ -100,3 +101,33 @@ def cpu_tiers(cfg: EngineConfig, total: int, slot: int, left: int) -> tuple[str,
     else:
         offload, n = "disk", min(total, left // slot)
     return offload, n
+
+
+def room_left(fixed_bytes: int, budget: int, on_gpu: bool) -> int:
+    """Bytes `budget` leaves the expert tiers after the fixed pools' `fixed_bytes` (the dense part, the KV
+    reservation, the scratch and the headroom); raises where nothing is left."""
+    left = budget - fixed_bytes
+    if left <= 0:
+        raise short_of(
+            "the dense part, KV reservation, scratch and headroom",
+            fixed_bytes,
+            budget,
+            "raise --device-memory / --host-memory or lower --max-model-len / --max-running / --kv-tokens"
+            if on_gpu
+            else "raise --host-memory or lower --max-model-len / --max-running / --kv-tokens",
+        )
+    return left
+
+
+def check_min_slots(fp: Footprint, cfg: EngineConfig, n: int, left: int, on_gpu: bool) -> None:
+    """Raises where the planner's own fast tier of `n` slots holds less than one token's top-k."""
+    min_slots = min(fp.total_experts, fp.top_k)
+    if n < min_slots and not is_explicit(
+        cfg
+    ):  # an explicit size below one token's top-k streams; the planner never picks one
+        raise short_of(
+            f"the fast tier's minimum ({min_slots} experts: one token's top-k)",
+            min_slots * fp.slot_bytes,
+            left,
+            "raise --device-memory / --host-memory" if on_gpu else "raise --host-memory",
+        )
