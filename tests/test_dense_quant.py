@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import prompt_logits
 from torch import nn
 
 from engine.config import EngineConfig
@@ -20,7 +21,6 @@ from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model
-from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 needs_native = pytest.mark.skipif(

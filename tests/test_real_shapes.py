@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from engine_helpers import prompt_logits
 from transformers import AutoModelForCausalLM
 
 from bench.real_shapes import RELEASED, TINY_WIDTHS, config_for, entries, write_checkpoint
@@ -14,7 +15,6 @@ from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.weights.checkpoint import index_checkpoint
 from engine.worker.loader import load_model
-from engine.worker.runner import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 

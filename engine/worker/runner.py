@@ -398,9 +398,3 @@ class ModelRunner:
         if grammar is None:
             return banned
         return grammar_masked(logits, banned, grammar.allowed().to(logits.device))
-
-
-def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Full-prompt logits [S, V] from one forward through the runner (parity checks)."""
-    runner = ModelRunner(lm)
-    return runner.forward([list(ids)], [0], [new_kv_cache(lm.config)], [list(range(len(ids)))])[0]

@@ -71,7 +71,6 @@ class ExpertStreamer:
     ) -> torch.Tensor:
         """x [T, H] through `plan`: `ready` experts are resident and pinned by `lease`, `to_load` ones are
         loaded on demand, `on_cpu` ones run on `cpu`'s workers. Returns [T, H]."""
-        E = self.E
         if plan.experts is not ids_list:
             ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
         if plan.weights is not None:
@@ -108,18 +107,16 @@ class ExpertStreamer:
             contrib[groups.pop(DROPPED)] = 0.0
         w_flat = weights.reshape(-1)
         if len(ready) >= 2 and self.compute.grouped_ok and not self.compute.native_rows(x):
-            # Every resident expert of the step in one batched GEMM per projection: the per-expert
-            # Python and dispatch cost, not arithmetic, dominates small experts and batched steps.
-            t0 = time.perf_counter()
-            self.compute.grouped(
-                layer, x, groups, w_flat=w_flat, experts=ready, contrib=contrib, k=k
+            self._run_grouped(
+                layer,
+                x,
+                groups,
+                w_flat=w_flat,
+                ready=ready,
+                contrib=contrib,
+                lease=lease,
+                meter=meter,
             )
-            if meter is not None:
-                meter.record_fast(
-                    round(len(flat) / len(groups)), (time.perf_counter() - t0) / len(ready)
-                )
-            for e in ready:
-                lease.release(layer * E + e)
             ready = []
 
         def finish(e: int, y: torch.Tensor) -> None:
@@ -140,6 +137,30 @@ class ExpertStreamer:
             cpu=cpu,
         )
         return _ascending_sum(ids, contrib, T, k)
+
+    def _run_grouped(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        groups: dict[int, torch.Tensor],
+        *,
+        w_flat: torch.Tensor,
+        ready: list[int],
+        contrib: torch.Tensor,
+        lease: ExpertLease,
+        meter: CostMeter | None,
+    ) -> None:
+        """Every resident expert of the step in one batched GEMM per projection (the per-expert Python
+        and dispatch cost, not arithmetic, dominates small experts and batched steps), then their pins
+        back to `lease`. `contrib` holds T * k rows."""
+        k = contrib.shape[0] // x.shape[0]
+        t0 = time.perf_counter()
+        self.compute.grouped(layer, x, groups, w_flat=w_flat, experts=ready, contrib=contrib, k=k)
+        if meter is not None:
+            rows_per_expert = round(contrib.shape[0] / len(groups))
+            meter.record_fast(rows_per_expert, (time.perf_counter() - t0) / len(ready))
+        for e in ready:
+            lease.release(layer * self.E + e)
 
     def _single_row(
         self,
