@@ -26,7 +26,6 @@ import torch
 
 from bench.report import args_payload, machine_line, write_report
 from engine.config import EngineConfig
-from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.paths import portable_path
 from engine.worker.loader import load_model
@@ -81,7 +80,9 @@ def _run(
     core: EngineCore, prompts: list[list[int]], tokens: int
 ) -> tuple[list[float], list[list[int]], int]:
     """Generate for all prompts at once: (each one's TTFT in s, its tokens, the pool's peak blocks in use)."""
-    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    reqs = [
+        core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts
+    ]
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}

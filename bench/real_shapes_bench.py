@@ -152,7 +152,7 @@ def engine_cell(
 
     from bench.peers import engine_tps
     from engine.config import EngineConfig
-    from engine.core.completion import complete, generate, request
+    from engine.core.completion import complete, generate
     from engine.core.engine_core import CoreLimits, EngineCore
     from engine.worker.loader import load_model
     from engine.worker.sampling import SamplingParams
@@ -184,9 +184,9 @@ def engine_cell(
                     om, CoreLimits(max_running=1, prefill_token_budget=budget, max_model_len=4096)
                 )
                 om.stats.reset()
-                c = complete(core, [request(long, SamplingParams(max_tokens=1, ignore_eos=True))])[
-                    0
-                ]
+                c = complete(
+                    core, [core.local_request(long, SamplingParams(max_tokens=1, ignore_eos=True))]
+                )[0]
                 s = om.stats.snapshot()
                 out["prefill"][t] = prefill_tokens / c.prefill_seconds
                 out.setdefault("prefill_read", {})[t] = {

@@ -30,7 +30,6 @@ from bench.report import (
     write_report,
 )
 from engine.config import EngineConfig
-from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.paths import portable_path
 from engine.speculative.config import SpecConfig
@@ -80,7 +79,7 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         observers,
     )
     for p in prompts:
-        core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
+        core.add(core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {o.request_id for o in _checked(core.step()) if o.token_ids}

@@ -50,7 +50,6 @@ from bench.report import (
 from bench.serve_process import free_port
 from cli.common import resolve_model_dir
 from engine.config import EngineConfig
-from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.paths import portable_path
 from engine.worker.loader import load_model
@@ -170,7 +169,9 @@ def engine_cell(om, prompts: list[list[int]], tokens: int) -> dict:
     core = EngineCore.for_model(
         om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096)
     )
-    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    reqs = [
+        core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts
+    ]
     for r in reqs:
         core.add(r)
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
