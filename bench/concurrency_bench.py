@@ -28,13 +28,18 @@ import torch
 
 from bench.report import add_run_flags, cut_prompts, interleaved, write_report
 from cli.common import resolve_model_dir
-from engine.config import EngineConfig
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.experts.routing_bus import RoutingEvent
-from engine.offline.belady import flatten, lru_loads, min_loads
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    RoutingEvent,
+    SamplingParams,
+    flatten,
+    load_model,
+    lru_loads,
+    min_loads,
+    portable_path,
+)
 
 STREAMS = (1, 4, 8, 16)
 

@@ -26,13 +26,16 @@ import torch
 
 from bench.cgroup import MemoryCgroup
 from bench.report import machine_line, positive_int, write_report
-from engine.config import EngineConfig
-from engine.core.completion import complete
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.speculative.config import SpecConfig
-from engine.speculative.factory import make_speculation
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    SpecConfig,
+    complete,
+    load_model,
+    make_speculation,
+)
 from models import EMBEDDED_TARGET
 
 PROMPTS = (

@@ -25,11 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.report import args_payload, machine_line, write_report
-from engine.config import EngineConfig
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, load_model, portable_path
 from models.tiny import make_tiny_checkpoint
 
 SHAPE = dict(  # the shape: 16 KiB of bf16 KV a token

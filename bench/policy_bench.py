@@ -19,13 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.report import add_common_flags, machine_line, write_report
-from engine.config import EngineConfig
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.offline.evaluation import score_window
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    ModelRunner,
+    SamplingParams,
+    load_model,
+    portable_path,
+    score_window,
+)
 
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
 COUNTERS = (

@@ -25,11 +25,7 @@ from bench.report import machine_line, positive_int, write_report
 
 CHILD = """
 import json, sys, time, torch
-from engine.config import EngineConfig
-from engine.core.completion import complete
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, complete, load_model
 ckpt, quant, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(1)
 extra = dict(expert_quant="int8", dense_quant="int8") if quant == "int8" else {}

@@ -116,8 +116,7 @@ def full_depth_share(work: Path, host_memory: str | None) -> dict[str, Any]:
     """The memory plan for the full-depth checkpoint on this machine with --offload disk (from a
     headers-only checkpoint, so no disk space): the share of all experts its fast tier holds."""
     from bench.real_shapes import write_checkpoint
-    from engine.config import EngineConfig
-    from engine.memory.measure import plan_checkpoint
+    from engine import EngineConfig, plan_checkpoint
 
     path = work / f"{MODEL}-sparse"
     if not (path / ".complete").exists():
@@ -151,11 +150,15 @@ def engine_cell(
     import torch
 
     from bench.peers import engine_tps
-    from engine.config import EngineConfig
-    from engine.core.completion import complete, generate
-    from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import (
+        CoreLimits,
+        EngineConfig,
+        EngineCore,
+        SamplingParams,
+        complete,
+        generate,
+        load_model,
+    )
 
     torch.set_num_threads(threads[0])
     gen = torch.Generator().manual_seed(0)

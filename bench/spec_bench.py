@@ -29,13 +29,16 @@ from bench.report import (
     summarize,
     write_report,
 )
-from engine.config import EngineConfig
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.speculative.config import SpecConfig
-from engine.speculative.factory import make_speculation
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    SpecConfig,
+    load_model,
+    make_speculation,
+    portable_path,
+)
 from models import EMBEDDED_TARGET
 
 CONFIGS = {

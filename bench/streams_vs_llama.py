@@ -49,11 +49,7 @@ from bench.report import (
 )
 from bench.serve_process import free_port
 from cli.common import resolve_model_dir
-from engine.config import EngineConfig
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, load_model, portable_path
 
 # llama.cpp's converter, with an unknown BPE pre-tokenizer mapped to gpt-2 and GLM's vocabulary writer
 # (which needs GLM's special tokens) replaced by the generic BPE one.

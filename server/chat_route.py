@@ -10,8 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine.structured.constraint import check_spec
-from engine.structured.spec import ConstraintSpec
+from engine import ConstraintSpec, check_spec
 from server.errors import ApiError
 from server.formatting import Accumulated, chat_logprobs
 from server.protocol import ChatCompletionRequest, new_id, now, usage
