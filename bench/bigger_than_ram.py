@@ -49,12 +49,16 @@ def engine_cell(spec: dict[str, Any]) -> dict[str, Any]:
     spec["tokens"] greedy tokens with the accesses recorded."""
     import torch
 
-    from engine.config import EngineConfig
-    from engine.core.completion import generate
-    from engine.memory.planner import KvRequest
-    from engine.offline.belady import flatten, lru_loads, min_loads
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import (
+        EngineConfig,
+        KvRequest,
+        SamplingParams,
+        flatten,
+        generate,
+        load_model,
+        lru_loads,
+        min_loads,
+    )
 
     def SAMPLED(n: int) -> SamplingParams:  # noqa: N802 (reads as a constant)
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=0)
@@ -143,7 +147,7 @@ def save_decode_trace(path: str, routes: list[tuple[list[int], list[float]]], om
     plan --trace` projects the accesses this run made instead of the embedded model's."""
     import numpy as np
 
-    from engine.offline.trace import save_trace
+    from engine import save_trace
 
     L = len(om.moe_layers)
     n = len(routes) // L

@@ -28,14 +28,18 @@ import torch
 
 from bench.report import add_run_flags, cut_prompts, interleaved, write_report
 from cli.common import resolve_model_dir
-from engine.config import EngineConfig
-from engine.core.completion import request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.experts.routing_bus import RoutingEvent
-from engine.offline.belady import flatten, lru_loads, min_loads
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    RoutingEvent,
+    SamplingParams,
+    flatten,
+    load_model,
+    lru_loads,
+    min_loads,
+    portable_path,
+)
 
 STREAMS = (1, 4, 8, 16)
 
@@ -44,7 +48,9 @@ def run_cell(om, prompts: list[list[int]], tokens: int) -> dict[str, float]:
     core = EngineCore.for_model(
         om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096)
     )
-    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    reqs = [
+        core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts
+    ]
     for r in reqs:
         core.add(r)
     started: set[str] = set()

@@ -84,10 +84,7 @@ def worker(
             "plan": {},
             "torch_isa": torch.backends.cpu.get_cpu_capability(),
         }
-    from engine.config import EngineConfig
-    from engine.core.completion import generate
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import EngineConfig, SamplingParams, generate, load_model
 
     limit = {"native_build_limit": emulate} if emulate else {}
     om = load_model(ckpt, EngineConfig(cache_fraction=1.0, dtype="float32", **limit, **CELLS[cell]))
@@ -184,7 +181,7 @@ def main() -> None:
         return
 
     from bench.peers import SHAPES, checkpoint
-    from engine.native.variants import cpu_flags, cpu_model, runnable
+    from engine import cpu_flags, cpu_model, runnable
 
     stored = torch.bfloat16 if args.stored == "bf16" else torch.float32
     ckpt = checkpoint(args.work, "mid", stored)

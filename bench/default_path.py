@@ -26,13 +26,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.core.completion import complete, request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.speculative.config import SpecConfig
-from engine.speculative.factory import make_speculation
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    SpecConfig,
+    complete,
+    load_model,
+    make_speculation,
+)
 from models import EMBEDDED_TARGET
 
 PROMPTS = (
@@ -77,7 +80,7 @@ def run(s: Setting, prompts: list[list[int]], tokens: int) -> tuple[float, list[
     decode_s, n, outs = 0.0, 0, []
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for ids in prompts:
-        (c,) = complete(s.core, [request(ids, params)])
+        (c,) = complete(s.core, [s.core.local_request(ids, params)])
         decode_s += c.decode_seconds
         n += len(c.token_ids) - 1
         outs.append(c.token_ids)
@@ -97,13 +100,13 @@ def served(args: argparse.Namespace, lines: list[str]) -> None:
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
 
     def streams(n: int) -> tuple[float, list[list[int]]]:
-        done = complete(core, [request(p, params) for p in prompts[:n]])
+        done = complete(core, [core.local_request(p, params) for p in prompts[:n]])
         start, end = max(c.t_first or c.t_end for c in done), max(c.t_end for c in done)
         decoded = sum(len(c.token_ids) - 1 for c in done)
         return decoded / (end - start), [c.token_ids for c in done]
 
     streams(1), streams(8)  # warm-up
-    solo = [complete(core, [request(p, params)])[0].token_ids for p in prompts]
+    solo = [complete(core, [core.local_request(p, params)])[0].token_ids for p in prompts]
     s.om.stats.reset()
     speeds: dict[int, list[float]] = {1: [], 8: []}
     same = True

@@ -22,10 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.report import add_common_flags, machine_line, write_report
-from engine.config import EngineConfig
-from engine.core.completion import generate
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import EngineConfig, SamplingParams, generate, load_model
 from models.tiny import load_reference, make_tiny_checkpoint
 
 

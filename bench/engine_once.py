@@ -15,7 +15,7 @@ import resource
 
 import torch
 
-from engine.config import EngineConfig
+from engine import EngineConfig
 
 
 def rss_mib() -> float:
@@ -40,9 +40,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.core.completion import generate
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import SamplingParams, generate, load_model
 
     om = load_model(args.model, EngineConfig(**json.loads(args.config)))
     loaded = rss_mib()

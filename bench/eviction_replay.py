@@ -16,8 +16,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from engine.offline.belady import min_loads
-from engine.offline.sim_settings import load_trace
+from engine import load_trace, min_loads
 from policies.base import EvictionPolicy
 from policies.frequency import FrequencyEviction
 from policies.lru import LRUEviction

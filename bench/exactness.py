@@ -26,13 +26,16 @@ import torch
 
 from bench.cgroup import MemoryCgroup
 from bench.report import machine_line, positive_int, write_report
-from engine.config import EngineConfig
-from engine.core.completion import complete, request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.speculative.config import SpecConfig
-from engine.speculative.factory import make_speculation
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    SpecConfig,
+    complete,
+    load_model,
+    make_speculation,
+)
 from models import EMBEDDED_TARGET
 
 PROMPTS = (
@@ -64,7 +67,7 @@ def decode(cell: dict, spec: str, prompts: list[str], tokens: int, batched: bool
             limits = CoreLimits(max_running=len(group), max_model_len=512)
             core = EngineCore.for_model(om, limits, proposer, observers)
             params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            for c in complete(core, [request(g, params, logprobs=0) for g in group]):
+            for c in complete(core, [core.local_request(g, params, logprobs=0) for g in group]):
                 assert c.error is None, c.error
                 out.append((c.token_ids, [lp.logprob for lp in c.logprobs]))
         return out
@@ -82,7 +85,9 @@ def prompt_logprobs(cell: dict, texts: list[str], budget: int) -> list[list[floa
                 om, CoreLimits(max_running=1, prefill_token_budget=budget, max_model_len=1024)
             )
             ids = list(om.tokenizer(t)["input_ids"])
-            c = complete(core, [request(ids, SamplingParams(max_tokens=1), prompt_logprobs=0)])[0]
+            c = complete(
+                core, [core.local_request(ids, SamplingParams(max_tokens=1), prompt_logprobs=0)]
+            )[0]
             assert c.error is None, c.error
             out.append([lp.logprob for lp in c.prompt_logprobs if lp is not None])
         return out

@@ -37,11 +37,7 @@ from bench.cuda_graphs import attention_graph_figures
 from bench.engine_bench import hf_decode
 from bench.peers import checkpoint
 from bench.report import add_common_flags, write_report
-from engine.config import EngineConfig
-from engine.core.completion import generate
-from engine.worker.loader import load_model
-from engine.worker.runner import prompt_logits
-from engine.worker.sampling import SamplingParams
+from engine import EngineConfig, SamplingParams, generate, load_model, prompt_logits
 
 ENGINE_CELLS: dict[str, dict[str, Any]] = {
     "engine cache 1.0": dict(cache_fraction=1.0, offload="ram"),

@@ -26,10 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_check import add_gpu_args, gpu_device
 from bench.peers import checkpoint
 from bench.report import write_report
-from engine.config import EngineConfig
-from engine.core.completion import generate
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import EngineConfig, SamplingParams, generate, load_model
 
 # CUDA runtime calls that move data between host and device or wait for the device.
 HOST_DEVICE_CALLS = (

@@ -46,11 +46,7 @@ from bench.gpu_check import copy_figures
 from bench.real_shapes import TINY_WIDTHS
 from bench.report import cut_prompts, interleaved, positive_int
 from bench.spac_bench import SPEC
-from engine.config import EngineConfig
-from engine.experts.compute.device_lane import DeviceLane
-from engine.paths import portable_path
-from engine.speculative.config import SpecConfig
-from engine.worker.loader import load_model
+from engine import DeviceLane, EngineConfig, SpecConfig, load_model, portable_path
 from models import EMBEDDED_TARGET
 
 GPU_OUT = Path("docs/benchmarks/gpu_real.json")

@@ -15,11 +15,7 @@ import torch
 
 from bench.engine_bench import hf_decode
 from bench.real_shapes import write_checkpoint
-from engine.config import EngineConfig
-from engine.core.completion import generate
-from engine.speculative.config import SpecConfig
-from engine.worker.host_reads import HostReads
-from engine.worker.sampling import SamplingParams
+from engine import EngineConfig, HostReads, SamplingParams, SpecConfig, generate
 
 MODEL = "qwen3-30b-a3b"
 FULL_LAYERS = 48  # Qwen3-30B-A3B's depth
@@ -40,9 +36,7 @@ def expert_share(work: Path, device_memory: str) -> dict[str, Any]:
     """The share of routed experts the engine's memory plan keeps on a GPU of `device_memory` for the
     full 48-layer model in bf16 (headers-only checkpoint: no weight written or read), with the host
     taken as the GPU machine's 128 GiB. The same share applies at any depth."""
-    from engine.memory.machine import HostMemory
-    from engine.memory.planner import plan_memory
-    from engine.plan.probe import probe_checkpoint
+    from engine import HostMemory, plan_memory, probe_checkpoint
 
     sparse = work / "q30-48l-headers"
     if not (sparse / ".complete").exists():
@@ -67,7 +61,7 @@ def expert_share(work: Path, device_memory: str) -> dict[str, Any]:
 def weights_on_device(model_dir: Path, share: float) -> int:
     """Bytes of weights the engine holds on the device at `share`: dense part + that share of the
     experts (the budget accelerate's offload gets, so both hold the same bytes of weights there)."""
-    from engine.plan.probe import probe_checkpoint
+    from engine import probe_checkpoint
 
     fp = probe_checkpoint(model_dir, EngineConfig(dtype="bfloat16", device="cpu")).footprint
     return fp.dense_bytes + round(share * fp.total_experts) * fp.slot_bytes
@@ -75,7 +69,7 @@ def weights_on_device(model_dir: Path, share: float) -> int:
 
 def engine_flags(model: Path, cfg: EngineConfig, spec: SpecConfig) -> str:
     """The `moe-offload generate` command line equivalent to these settings (non-default fields)."""
-    from engine.paths import portable_path
+    from engine import portable_path
 
     parts = [f"moe-offload generate --model {portable_path(model)}"]
     for obj in (cfg, spec):

@@ -23,10 +23,9 @@ import torch
 
 def head_gemv(vocab: int, hidden: int) -> dict[str, float]:
     """GB/s of the native bf16 gemv over a [vocab, hidden] weight in 4 KiB and in huge pages."""
-    from engine.huge_pages import huge_empty
-    from engine.native.loaded import _builds
+    from engine import huge_empty, load_builds
 
-    builds, _ = _builds("auto")
+    builds, _ = load_builds("auto")
     kernels = next(iter(builds.values()))
     x = torch.randn(1, hidden, dtype=torch.bfloat16)
     small = torch.randn(vocab, hidden, dtype=torch.bfloat16)
@@ -42,10 +41,7 @@ def head_gemv(vocab: int, hidden: int) -> dict[str, float]:
 
 def one(model: str, config: dict, tokens: int) -> tuple[float, int]:
     """(tok/s, AnonHugePages MiB) of one decode in this process."""
-    from engine.config import EngineConfig
-    from engine.core.completion import generate
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import EngineConfig, SamplingParams, generate, load_model
 
     torch.set_num_threads(1)
     om = load_model(model, EngineConfig(prefix_cache_bytes=0, **config))

@@ -14,7 +14,7 @@ import time
 import torch
 
 from bench.kernel_bench import _int4_groups, _int8_rows
-from engine.native.loaded import load_build
+from engine import load_build
 
 SHAPES = ((768, 2048), (2048, 768))
 

@@ -31,9 +31,7 @@ import torch.nn.functional as F
 
 from bench.prefill_cells import prefill_cells, prefill_lines
 from bench.report import interleaved, machine_line, write_report
-from engine.experts.formats.quant import _int4
-from engine.native.loaded import native
-from engine.native.variants import runnable
+from engine import native_kernels, quantize_int4, runnable
 
 GB = 1e9
 
@@ -51,8 +49,8 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int4 expert format's encoding (engine/experts/formats/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
-    packed, s, z = _int4(w, 64)
+    """The int4 expert format's encoding (engine/experts/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
+    packed, s, z = quantize_int4(w, 64)
     return packed.reshape(w.shape[0], -1).contiguous(), s.half().contiguous(), z.half().contiguous()
 
 
@@ -66,7 +64,7 @@ def _int4_dequant_linear(
 
 def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], object], int]]:
     """name -> (call on matrix i, weight bytes per call)."""
-    nk = native()
+    nk = native_kernels()
     g = torch.Generator().manual_seed(0)
     f32 = [torch.randn(rows, cols, generator=g) for _ in range(n)]
     bf16 = [w.bfloat16() for w in f32]
@@ -111,7 +109,7 @@ def gemv_cells(rows: int, cols: int, n: int) -> dict[str, tuple[Callable[[int], 
 
 def moe_cells(H: int, I: int, k: int = 8, pool: int = 64) -> dict[str, Callable[[], object]]:
     """One token through k of `pool` experts: torch expert by expert vs the fused native call."""
-    nk = native()
+    nk = native_kernels()
     g = torch.Generator().manual_seed(1)
     experts = [
         (
@@ -210,7 +208,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.prefill_only and args.out:
         ap.error("--prefill-only prints; run every section to write --out")
-    nk = native()
+    nk = native_kernels()
     builds = _prefill_builds(args.prefill_builds, nk.variant if nk is not None else None)
     prows = [int(m) for m in args.prefill_rows.split(",")]
     prefill = prefill_cells(builds, prows)

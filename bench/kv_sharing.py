@@ -25,12 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.report import args_payload, machine_line, write_report
-from engine.config import EngineConfig
-from engine.core.completion import request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, load_model, portable_path
 from models.tiny import make_tiny_checkpoint
 
 SHAPE = dict(  # the issue's shape: 16 KiB of bf16 KV a token
@@ -81,7 +76,9 @@ def _run(
     core: EngineCore, prompts: list[list[int]], tokens: int
 ) -> tuple[list[float], list[list[int]], int]:
     """Generate for all prompts at once: (each one's TTFT in s, its tokens, the pool's peak blocks in use)."""
-    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    reqs = [
+        core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts
+    ]
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}

@@ -36,12 +36,14 @@ import torch
 
 from bench.report import cut_prompts
 from bench.spec_bench import run_cell
-from engine.config import EngineConfig
-from engine.experts.compute.moe_block import OffloadedMoeBlock
-from engine.experts.routing_bus import RoutingEvent
-from engine.speculative.config import SpecConfig
-from engine.speculative.draft import DraftProposer
-from engine.worker.loader import load_model
+from engine import (
+    DraftProposer,
+    EngineConfig,
+    OffloadedMoeBlock,
+    RoutingEvent,
+    SpecConfig,
+    load_model,
+)
 from models import EMBEDDED_TARGET
 
 OFF = SpecConfig(speculative="off")
@@ -89,7 +91,7 @@ def time_gemms(hidden: int, inter: int, rows: int, repeats: int = 20) -> float:
 
 def seq_read_mb_s(model_dir: Path, chunk: int = 1 << 20, n: int = 32) -> float:
     """Sequential O_DIRECT reads of `chunk` bytes from the checkpoint, as the disk tier reads (MB/s)."""
-    from engine.experts.tiers.uncached_io import UncachedReader
+    from engine import UncachedReader
 
     path = next(Path(model_dir).glob("*.safetensors"))
     reader = UncachedReader(True)
@@ -133,7 +135,7 @@ def utility_step_s(
 def measure_shapes() -> dict:
     """Per-expert and dense-layer GEMM time of the projected shapes on this CPU (1 thread): what the
     profile charges when the embedded model's engine overheads are not measurable for a shape."""
-    from engine.offline.hardware import SHAPES
+    from engine import SHAPES
 
     out = {}
     for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):

@@ -12,11 +12,7 @@ import time
 
 import torch
 
-from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe
-from engine.experts.formats.expert_kernels import GptOssKernel
-from engine.experts.formats.native_quant import Mxfp4GptOssFormat
-from engine.native.loaded import load_build
-from engine.native.variants import runnable
+from engine import GptOssKernel, Mxfp4GptOssFormat, NativeMxfp4Moe, load_build, runnable
 
 H = I = 2880
 TOPK = 4

@@ -43,10 +43,7 @@ import torch
 
 from bench.engine_bench import hf_decode_tps
 from bench.report import write_report
-from engine.config import EngineConfig
-from engine.core.completion import generate
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import EngineConfig, SamplingParams, generate, load_model
 
 # The mid-size shape of issue 15's first measurement (843M parameters there; ours has a 512-token
 # vocabulary, so a few million fewer) and a tiny one where per-call overhead dominates.
@@ -277,10 +274,9 @@ def layer_profile(om, prompt: list[int], tokens: int) -> dict[str, float]:
     calls made there, per decoder layer ("python in layers"), from the run without the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.native.loaded import native
-    from engine.worker.fused_decode import FusedDecode
+    from engine import FusedDecode, native_kernels
 
-    kernels = native()
+    kernels = native_kernels()
     native_s = [0.0]
 
     class TimedLib:

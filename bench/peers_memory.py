@@ -117,7 +117,7 @@ def run(
     cold = [model] + ([gguf_bf16] if gguf_bf16 is not None else [])
 
     # The engine's fixed memory: a process holding the smallest fast tier (one layer's top-k experts).
-    from engine.weights.model_config import read_config
+    from engine import read_config
 
     cfg = read_config(model)
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2

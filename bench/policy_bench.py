@@ -19,14 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.report import add_common_flags, machine_line, write_report
-from engine.config import EngineConfig
-from engine.core.completion import request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.offline.evaluation import score_window
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    ModelRunner,
+    SamplingParams,
+    load_model,
+    portable_path,
+    score_window,
+)
 
 POLICIES = ("fetch-all", "threshold", "first-choice", "quality-first", "speed-first")
 COUNTERS = (
@@ -92,7 +94,7 @@ def run_teacher_forced(om, chunk: list[int], tally: Tally) -> None:
 
 def run_generate(om, prompt: list[int], tokens: int, tally: Tally) -> None:
     core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=1 << 20))
-    core.add(request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)))
+    core.add(core.local_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)))
     core.step()  # the prefill gives the first token: start the decode clock here
     before, t0 = _counters(om), time.perf_counter()
     while core.has_work():

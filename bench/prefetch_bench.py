@@ -37,13 +37,19 @@ from bench.report import (
     write_report,
 )
 from bench.spec_bench import run_cell
-from engine.config import EngineConfig
-from engine.offline.trace import record_trace
-from engine.paths import portable_path
-from engine.prefetch.adapter import FILE_NAME, load_adapter
-from engine.prefetch.training import data_from_trace, model_fingerprint, predict, recall_at_k
-from engine.speculative.config import SpecConfig
-from engine.worker.loader import load_model
+from engine import (
+    FILE_NAME,
+    EngineConfig,
+    SpecConfig,
+    data_from_trace,
+    load_adapter,
+    load_model,
+    model_fingerprint,
+    portable_path,
+    predict,
+    recall_at_k,
+    record_trace,
+)
 from models import EMBEDDED_TARGET
 from policies.utility import SpeculativeUtilityEstimator
 

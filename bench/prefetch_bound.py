@@ -28,19 +28,19 @@ from torch import nn
 from bench.report import add_common_flags, machine_line, write_report
 from cli.common import resolve_model_dir
 from cli.eval import _read_tokens
-from engine.config import EngineConfig
-from engine.offline.trace import record_trace
-from engine.paths import portable_path
-from engine.prefetch.predictors import PerLayerPredictor
-from engine.prefetch.training import (
+from engine import (
     AdapterData,
+    EngineConfig,
+    PerLayerPredictor,
     data_from_trace,
     evaluate,
     evaluate_base,
     fit_predictor,
+    load_model,
+    portable_path,
+    record_trace,
     train_adapter,
 )
-from engine.worker.loader import load_model
 
 
 def examples(om, path: str, tokens: int) -> AdapterData:

@@ -15,8 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.native.kernels import NativeKernels
-from engine.native.loaded import load_build
+from engine import NativeKernels, load_build
 
 # (label, K in, N out): a square [1024, 1024] layer (attention projections, the mid model's gate_up [2I, H]), an
 # expert's gate or up (1024 -> 512) and its down projection (512 -> 1024).

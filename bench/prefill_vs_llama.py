@@ -25,11 +25,7 @@ from bench.report import machine_line, positive_int, write_report
 
 CHILD = """
 import json, sys, time, torch
-from engine.config import EngineConfig
-from engine.core.completion import complete, request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, complete, load_model
 ckpt, quant, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(1)
 extra = dict(expert_quant="int8", dense_quant="int8") if quant == "int8" else {}
@@ -37,7 +33,7 @@ om = load_model(ckpt, EngineConfig(prefetch="none", **extra))
 ids = torch.randint(3, om.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 def once(k):
     core = EngineCore.for_model(om, CoreLimits(max_running=1, prefill_token_budget=k, max_model_len=k + 8))
-    c = complete(core, [request(ids[:k], SamplingParams(max_tokens=1))])[0]
+    c = complete(core, [core.local_request(ids[:k], SamplingParams(max_tokens=1))])[0]
     assert c.error is None, c.error
     return k / c.prefill_seconds
 once(n)  # warm-up at the measured length (as llama-bench warms up): first-call checks, buffers of n rows

@@ -23,10 +23,7 @@ import time
 import torch
 
 from cli.eval import _read_tokens
-from engine.config import EngineConfig
-from engine.offline.evaluation import score_window, teacher_forced_eval, windows
-from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner
+from engine import EngineConfig, ModelRunner, load_model, score_window, teacher_forced_eval, windows
 from models import EMBEDDED_TARGET
 
 FORMATS = ("none", "int8", "int4")

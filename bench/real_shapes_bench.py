@@ -116,8 +116,7 @@ def full_depth_share(work: Path, host_memory: str | None) -> dict[str, Any]:
     """The memory plan for the full-depth checkpoint on this machine with --offload disk (from a
     headers-only checkpoint, so no disk space): the share of all experts its fast tier holds."""
     from bench.real_shapes import write_checkpoint
-    from engine.config import EngineConfig
-    from engine.plan.resolve import machine_ahead, resolve
+    from engine import EngineConfig, machine_ahead, resolve
 
     path = work / f"{MODEL}-sparse"
     if not (path / ".complete").exists():
@@ -150,11 +149,15 @@ def engine_cell(
     import torch
 
     from bench.peers import engine_tps
-    from engine.config import EngineConfig
-    from engine.core.completion import complete, generate, request
-    from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.worker.loader import load_model
-    from engine.worker.sampling import SamplingParams
+    from engine import (
+        CoreLimits,
+        EngineConfig,
+        EngineCore,
+        SamplingParams,
+        complete,
+        generate,
+        load_model,
+    )
 
     torch.set_num_threads(threads[0])
     gen = torch.Generator().manual_seed(0)
@@ -183,9 +186,9 @@ def engine_cell(
                     om, CoreLimits(max_running=1, prefill_token_budget=budget, max_model_len=4096)
                 )
                 om.stats.reset()
-                c = complete(core, [request(long, SamplingParams(max_tokens=1, ignore_eos=True))])[
-                    0
-                ]
+                c = complete(
+                    core, [core.local_request(long, SamplingParams(max_tokens=1, ignore_eos=True))]
+                )[0]
                 s = om.stats.snapshot()
                 out["prefill"][t] = prefill_tokens / c.prefill_seconds
                 out.setdefault("prefill_read", {})[t] = {

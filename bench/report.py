@@ -13,8 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.native.variants import cpu_model
-from engine.paths import portable_path
+from engine import cpu_model, portable_path
 
 ANALYSIS_STARTS = (
     "\nCommand:",
@@ -134,7 +133,7 @@ def machine_line(threads: int, device: str = "") -> str:
 
 
 def prompts_line(prompt_tokens: int, data: str | Path, tokens: int, rounds: int, link: str) -> str:
-    from engine.paths import portable_path
+    from engine import portable_path
 
     return (
         f"Prompts: {prompt_tokens} tokens cut from {portable_path(data)}; {tokens} greedy tokens per request; medians of "

@@ -31,9 +31,9 @@ from tqdm.auto import tqdm
 from bench.peers import SHAPES, checkpoint
 
 CHILD = """
-import inspect, json, sys, time, torch
+import importlib, inspect, json, sys, time, torch
 from engine.config import EngineConfig
-from engine.core.completion import complete, generate, request
+from engine.core.completion import complete, generate
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import load_model
@@ -50,7 +50,9 @@ def decode(n):
 
 def batch(n, streams=8):  # aggregate decode tok/s of 8 requests decoding together
     core = EngineCore.for_model(om, CoreLimits(max_running=streams, prefill_token_budget=4096, max_model_len=4096))
-    done = complete(core, [request([5 + i] + prompt, SamplingParams(max_tokens=n + 1, ignore_eos=True)) for i in range(streams)])
+    # The core names its requests; a revision before EngineCore.local_request had a module-level request().
+    make = getattr(core, "local_request", None) or importlib.import_module("engine.core.completion").request
+    done = complete(core, [make([5 + i] + prompt, SamplingParams(max_tokens=n + 1, ignore_eos=True)) for i in range(streams)])
     start, end = max(c.t_first for c in done), max(c.t_end for c in done)
     return sum(len(c.token_ids) - 1 for c in done) / (end - start)
 

@@ -16,10 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.offline.evaluation import score_window
-from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner
+from engine import EngineConfig, ModelRunner, load_model, score_window
 from policies.composition import CompositionPolicy
 
 COUNTERS = ("calls_hit", "calls_fetched", "substitutions", "substituted_mass", "admissions")

@@ -9,12 +9,16 @@ from typing import Any
 
 from bench.policy_bench import Tally, run_generate, run_teacher_forced
 from bench.report import interleaved, summarize
-from engine.config import EngineConfig
-from engine.offline.hardware import SHAPES, costs_for
-from engine.offline.projection import project_trace
-from engine.offline.sim_settings import SimSettings, trace_from_arrays
-from engine.offline.simulator import Simulator
-from engine.worker.loader import load_model
+from engine import (
+    SHAPES,
+    EngineConfig,
+    SimSettings,
+    Simulator,
+    costs_for,
+    load_model,
+    project_trace,
+    trace_from_arrays,
+)
 
 # label -> EngineConfig overrides: the presets, the plain rules, and each preset without admission.
 SPEED_POLICIES: dict[str, dict[str, Any]] = {

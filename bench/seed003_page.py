@@ -211,7 +211,7 @@ def simulated_section(d: dict[str, Any], stem: str) -> list[str]:
 
 def summary(d: dict[str, Any]) -> list[str]:
     """The page's opening: result, command, machine, limit."""
-    from engine.offline.hardware import costs_for
+    from engine import costs_for
 
     n, rec = names(d), by_name(d["rows"])
     sweep = d["sweep"]["phone (UFS 3.1)"]

@@ -21,17 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.prefetch.adapter import FILE_NAME, load_adapter
-from engine.prefetch.predictors import (
-    PerLayerPredictor,
-    draft_hidden_states,
-    fate_predictor,
-)
-from engine.prefetch.training import (
+from engine import (
+    FILE_NAME,
     AdapterData,
+    PerLayerPredictor,
     data_from_trace,
+    draft_hidden_states,
     evaluate,
+    fate_predictor,
     fit_predictor,
+    load_adapter,
     model_fingerprint,
     predict,
     train_adapter,
@@ -61,7 +60,7 @@ class RecallSetup:
 def traced(om: Any, path: str, tokens: int, window: int) -> tuple[dict, AdapterData, list]:
     """Router trace (hidden states, logits) of `tokens` tokens of `path`, windows of `window`."""
     from cli.eval import _read_tokens
-    from engine.offline.trace import record_trace
+    from engine import record_trace
 
     ids = _read_tokens(om, path, tokens, window)
     trace = record_trace(om, ids, window, logits=True, hidden=True)
@@ -123,8 +122,7 @@ def fit_all(s: RecallSetup, fit: AdapterData, draft_fit: AdapterData, shipped: A
 
 def recall_run(s: RecallSetup) -> dict[str, Any]:
     """Fit, score, and keep every predictor's ranked held-out predictions for the simulator."""
-    from engine.config import EngineConfig
-    from engine.worker.loader import load_model
+    from engine import EngineConfig, load_model
 
     om = load_model(s.model_dir, EngineConfig())
     try:

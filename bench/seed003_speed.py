@@ -23,11 +23,16 @@ import numpy as np
 import torch
 
 from bench.report import interleaved, summarize
-from engine.config import EngineConfig
-from engine.link_spec import NAMED_LINKS
-from engine.offline.hardware import Costs, costs_for
-from engine.offline.sim_settings import SimSettings, TablePredictor, trace_from_arrays
-from engine.offline.simulator import Simulator
+from engine import (
+    NAMED_LINKS,
+    Costs,
+    EngineConfig,
+    SimSettings,
+    Simulator,
+    TablePredictor,
+    costs_for,
+    trace_from_arrays,
+)
 
 NONE = "no prefetch"
 COLD_1 = "cold, 1-token prompt"
@@ -48,7 +53,7 @@ class SpeedSetup:
 
 
 def _engine(s: SpeedSetup, link: str, module: torch.nn.Module | None, warm: bool) -> Any:
-    from engine.worker.loader import load_model
+    from engine import load_model
 
     om = load_model(
         s.model_dir,
@@ -68,7 +73,7 @@ def _engine(s: SpeedSetup, link: str, module: torch.nn.Module | None, warm: bool
 def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
     """Decode tok/s per (link, cache, predictor), ratios to no prefetch within each round."""
     from bench.spec_bench import run_cell
-    from engine.speculative.config import SpecConfig
+    from engine import SpecConfig
 
     named: dict[str, torch.nn.Module | None] = {NONE: None, **modules}
     warm = {(link, n): _engine(s, link, m, True) for link in s.links for n, m in named.items()}

@@ -18,9 +18,7 @@ from typing import Any
 from bench.report import interleaved, summarize
 from bench.spac_bench import spac_figures
 from bench.spec_bench import run_cell
-from engine.config import EngineConfig
-from engine.speculative.config import SpecConfig
-from engine.worker.loader import load_model
+from engine import EngineConfig, SpecConfig, load_model
 
 OFF = SpecConfig(speculative="off")
 K4 = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False)

@@ -13,11 +13,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.offline.hardware import SHAPES, Costs, costs_for
-from engine.offline.projection import project_trace
-from engine.offline.sim_settings import Acceptance, SimSettings
-from engine.offline.simulator import Simulator
+from engine import (
+    SHAPES,
+    Acceptance,
+    Costs,
+    EngineConfig,
+    SimSettings,
+    Simulator,
+    costs_for,
+    project_trace,
+)
 
 UTILITY = {"prefetch": "utility", "eviction": "utility"}
 SPEC = {"speculative": True, "adaptive": False, "k": 4}

@@ -34,7 +34,7 @@ from bench.seed000_page import render, write_plots
 from bench.seed000_runs import Setup, shift_windows, spread_windows, tokenize
 from bench.seed000_speed import measured_speed, projected_speed
 from bench.seed000_stats import normalized_gates
-from engine.paths import portable_path
+from engine import portable_path
 
 DATA = Path("models/embedded/data")
 
@@ -163,9 +163,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def quality(args: argparse.Namespace, setup: Setup) -> dict:
-    from engine.config import EngineConfig
-    from engine.offline.trace import record_trace
-    from engine.worker.loader import load_model
+    from engine import EngineConfig, load_model, record_trace
 
     ids = tokenize(setup.model_dir, args.data)
     chunks = spread_windows(ids, args.tokens, args.window)

@@ -29,7 +29,7 @@ from bench.seed003_speed import (
     sim_profiles,
     simulated,
 )
-from engine.paths import portable_path
+from engine import portable_path
 
 DATA = Path("models/embedded/data")
 SWEEP_MB_S = (25.0, 80.0, 250.0, 800.0, 2500.0, 8000.0)  # SD card .. NVMe

@@ -22,8 +22,7 @@ import torch
 
 from bench.report import add_common_flags, cut_prompts, machine_line, positive_int
 from bench.seed004_page import render, write_plots
-from engine.offline.hardware import costs_for
-from engine.offline.sim_settings import load_trace
+from engine import costs_for, load_trace
 
 OUT = Path("docs/seeds/004-spac.md")
 

@@ -52,7 +52,7 @@ from bench.serve_workload import (
     parse_rates,
     schedule,
 )
-from engine.paths import portable_path
+from engine import portable_path
 from models import EMBEDDED_TARGET
 
 WORKLOADS = ("chat", "agent")

@@ -25,8 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.experts.route_log import read_route_log
-from engine.offline.belady import min_load_positions
+from engine import min_load_positions, read_route_log
 
 
 @dataclass(frozen=True)

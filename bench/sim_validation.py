@@ -30,17 +30,19 @@ from tqdm.auto import tqdm
 from bench.policy_bench import PROMPT_TOKENS
 from bench.report import add_common_flags, write_report
 from bench.spac_bench import CONFIGS as SPAC_CONFIGS
-from engine.config import EngineConfig
-from engine.offline.hardware import SHAPES, costs_for, list_profiles
-from engine.offline.projection import project_trace
-from engine.offline.simulator import (
+from engine import (
+    SHAPES,
     Acceptance,
+    EngineConfig,
     SimSettings,
     Simulator,
+    SpecConfig,
+    costs_for,
+    list_profiles,
     load_trace,
+    project_trace,
     trace_from_arrays,
 )
-from engine.speculative.config import SpecConfig
 
 DOCS = Path("docs/benchmarks")
 HEADER = (
@@ -88,9 +90,7 @@ def generate_trace(data: str, windows: int, window: int, prompts: int, tokens: i
     from bench.engine_bench import hf_decode
     from bench.policy_bench import workload
     from cli.common import resolve_model_dir
-    from engine.native.loaded import active
-    from engine.offline.trace import record_trace
-    from engine.worker.loader import load_model
+    from engine import active, load_model, record_trace
 
     om = load_model(resolve_model_dir(None), EngineConfig(cache_fraction=1.0))
     try:
@@ -281,7 +281,7 @@ def projections(trace: dict, max_tokens: int) -> list[dict]:
         ),
         "oracle next-layer prefetch (bound)": ({"predictor": "oracle"}, {}),
     }
-    from engine.offline.simulator import OraclePredictor
+    from engine import OraclePredictor
 
     cells = [(p, sh) for sh in ("qwen3-30b-a3b", "qwen3-next-80b-a3b") for p in list_profiles()]
     for prof, shape in tqdm(cells, desc="projections"):

@@ -45,7 +45,7 @@ from bench.soak_idle import back_to_idle, read_levels, wait_idle
 from bench.soak_monitor import Monitor
 from bench.soak_outcomes import Clock
 from bench.soak_summary import summarize
-from engine.paths import portable_path
+from engine import portable_path
 
 # No SIGKILL this close to the drain (or in a short run's second half): a restart took up to
 # ~27 s under the soak's load on 2 shared cores, and it must be done before the drain.

@@ -37,10 +37,7 @@ from bench.report import (
     write_report,
 )
 from bench.spec_bench import run_cell
-from engine.config import EngineConfig
-from engine.paths import portable_path
-from engine.speculative.config import SpecConfig
-from engine.worker.loader import load_model
+from engine import EngineConfig, SpecConfig, load_model, portable_path
 from models import EMBEDDED_TARGET
 
 SPEC = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=True)

@@ -29,14 +29,16 @@ from bench.report import (
     summarize,
     write_report,
 )
-from engine.config import EngineConfig
-from engine.core.completion import request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.speculative.config import SpecConfig
-from engine.speculative.factory import make_speculation
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import (
+    CoreLimits,
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    SpecConfig,
+    load_model,
+    make_speculation,
+    portable_path,
+)
 from models import EMBEDDED_TARGET
 
 CONFIGS = {
@@ -80,7 +82,7 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         observers,
     )
     for p in prompts:
-        core.add(request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
+        core.add(core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {o.request_id for o in _checked(core.step()) if o.token_ids}

@@ -49,12 +49,7 @@ from bench.report import (
 )
 from bench.serve_process import free_port
 from cli.common import resolve_model_dir
-from engine.config import EngineConfig
-from engine.core.completion import request
-from engine.core.engine_core import CoreLimits, EngineCore
-from engine.paths import portable_path
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine import CoreLimits, EngineConfig, EngineCore, SamplingParams, load_model, portable_path
 
 # llama.cpp's converter, with an unknown BPE pre-tokenizer mapped to gpt-2 and GLM's vocabulary writer
 # (which needs GLM's special tokens) replaced by the generic BPE one.
@@ -170,7 +165,9 @@ def engine_cell(om, prompts: list[list[int]], tokens: int) -> dict:
     core = EngineCore.for_model(
         om, CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=4096)
     )
-    reqs = [request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+    reqs = [
+        core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts
+    ]
     for r in reqs:
         core.add(r)
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}

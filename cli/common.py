@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.errors import CheckpointError, MoeOffloadError
-from engine.settings_file import add_flags, overrides_from_args
-from engine.speculative.config import SpecConfig
+from engine import (
+    CheckpointError,
+    EngineConfig,
+    MoeOffloadError,
+    SpecConfig,
+    add_flags,
+    overrides_from_args,
+)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -45,7 +49,7 @@ def spec_config_from_args(args: argparse.Namespace, model_dir: str) -> SpecConfi
 
 def spec_choice_from_args(args: argparse.Namespace, model_dir: str) -> tuple[SpecConfig, str]:
     """spec_config_from_args and why that mode, for the plan's log line."""
-    from engine.speculative.factory import check_draft
+    from engine import check_draft
 
     base = SpecConfig.from_yaml(args.config) if getattr(args, "config", None) else SpecConfig()
     device = engine_config_from_args(args).device

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from cli.common import add_engine_flags, engine_config_from_args, resolve_model_dir
 from cli.simulate import add_simulate_parser
-from engine.errors import MoeOffloadError
-from engine.paths import portable_path
+from engine import MoeOffloadError, portable_path
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine import EngineConfig
 
 
 def _read_tokens(om, data: str, max_tokens: int, window: int = 0) -> list[int]:
@@ -120,8 +119,7 @@ def _evaluate(
 ) -> tuple[dict[str, Any], dict[str, str], list[int] | None]:
     """Load the model once per row and evaluate the same tokens: (results, prefetchers, ids)."""
     # After the checks in cmd_eval: these imports take seconds.
-    from engine.offline.evaluation import teacher_forced_eval
-    from engine.worker.loader import load_model
+    from engine import load_model, teacher_forced_eval
 
     results = {}
     prefetchers: dict[str, str] = {}
@@ -193,9 +191,7 @@ def _plot(rows: list[dict], path: Path, fraction: float | None) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.offline.trace import record_trace, save_trace
-    from engine.worker.loader import load_model
+    from engine import EngineConfig, load_model, record_trace, save_trace
 
     # With --expert-quant the trace records the quantized expert size, which `simulate` then charges per transfer.
     om = load_model(

@@ -10,13 +10,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cli.common import engine_config_from_args, resolve_model_dir, spec_choice_from_args
-from engine.core.sampling_params import SamplingParams
-from engine.errors import MoeOffloadError
-from engine.settings_file import overrides_from_args, setting
+from engine import MoeOffloadError, SamplingParams, overrides_from_args, setting
 
 if TYPE_CHECKING:
-    from engine.core.messages import GenerateRequest
-    from engine.worker.loaded_model import OffloadedModel
+    from engine import GenerateRequest, OffloadedModel
 
 
 @dataclass(frozen=True)
@@ -73,12 +70,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model)
     ecfg = engine_config_from_args(args)
     # After the checks above, which fail in a blink: these imports take seconds.
-    from engine.core.engine_core import CoreLimits, EngineCore
-    from engine.core.messages import GenerateRequest
-    from engine.launch import max_model_len_of
-    from engine.memory.planner import KvRequest
-    from engine.speculative.factory import make_speculation
-    from engine.worker.loader import load_model
+    from engine import (
+        CoreLimits,
+        EngineCore,
+        GenerateRequest,
+        KvRequest,
+        load_model,
+        make_speculation,
+        max_model_len_of,
+    )
 
     spec, spec_why = spec_choice_from_args(args, model_dir)
     max_len = max_model_len_of(model_dir, opts.max_model_len)

@@ -13,9 +13,7 @@ from cli.generate import GenerateOptions, cmd_generate
 from cli.plan import add_plan_parser
 from cli.prefetch import add_prefetch_parser
 from cli.serve import cmd_serve
-from engine.core.sampling_params import SamplingParams
-from engine.errors import MoeOffloadError
-from engine.settings_file import add_flags
+from engine import MoeOffloadError, SamplingParams, add_flags
 from server.config import ServerConfig
 
 

@@ -12,20 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.budget import fmt_bytes
-from engine.config import EngineConfig
-from engine.core.limits import CoreLimits
-from engine.errors import ConfigError
-from engine.settings_file import add_flags, overrides_from_args
+from engine import ConfigError, CoreLimits, EngineConfig, add_flags, fmt_bytes, overrides_from_args
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from engine.memory.footprint import Footprint
-    from engine.memory.planner import KvRequest, MemoryPlan
-    from engine.offline.hardware import Costs, ModelShape
-    from engine.plan.load_plan import LoadPlan
-    from engine.plan.probe import Probe
+    from engine import Costs, Footprint, KvRequest, LoadPlan, MemoryPlan, ModelShape, Probe
 
 PRESETS = ("fetch-all", "quality-first", "speed-first")  # exact, then the seed's two presets
 DEFAULT_TRACE = (
@@ -40,7 +32,7 @@ SIM_TOKENS = 128  # trace tokens replayed per preset: a stable mean in a few sec
 def _shape(fp: Footprint, model_type: str):
     """The simulator's ModelShape for this checkpoint: a named one (with the profile's measured
     costs) when the routing shape matches, else one derived from the footprint."""
-    from engine.offline.hardware import SHAPES, ModelShape
+    from engine import SHAPES, ModelShape
 
     for s in SHAPES.values():
         if (s.experts, s.top_k, s.hidden) == (fp.experts_per_layer, fp.top_k, fp.hidden):
@@ -67,7 +59,7 @@ def depth_scaled(costs: Costs, shape: ModelShape) -> Costs:
     """`costs` for `shape` when it is a named shape at another depth: a profile's measured dense cost
     per layer spreads the LM head over the released depth (dense + head / released layers), so at
     `shape.layers` layers it is scaled by (dense + head / layers) / (dense + head / released)."""
-    from engine.offline.hardware import SHAPES
+    from engine import SHAPES
 
     named = SHAPES.get(shape.name)
     if named is None or named.layers == shape.layers or not shape.dense_params_per_layer:
@@ -101,8 +93,7 @@ def _head(trace: dict, n: int) -> dict:
 def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
     """The costs of `--hardware measured`: this CPU's kernels for the model's dtype and expert format
     (the dispatcher's measurement, cached per CPU) and the disk's O_DIRECT rate at expert-sized reads."""
-    from engine.offline.hardware import ProfileError
-    from engine.offline.machine_costs import core_share, kernel_speeds, machine_costs, read_gb_s
+    from engine import ProfileError, core_share, kernel_speeds, machine_costs, read_gb_s
 
     fp = probe.footprint
     if probe.device.type != "cpu":
@@ -150,10 +141,15 @@ def project(
 ) -> tuple[list[tuple[str, float]], str]:
     """[(preset, projected decode tok/s)] and a one-line description of the projection (or why there
     is none). `measured`: the costs of `--hardware measured` (called only for it)."""
-    from engine.experts.tiers.link import parse_link
-    from engine.offline.hardware import ProfileError, costs_for, with_link
-    from engine.offline.projection import project_trace
-    from engine.offline.simulator import load_trace, simulate
+    from engine import (
+        ProfileError,
+        costs_for,
+        load_trace,
+        parse_link,
+        project_trace,
+        simulate,
+        with_link,
+    )
 
     shape = _shape(fp, model_type)
     try:
@@ -203,8 +199,7 @@ def _kv_pool_line(
     fp: Footprint, cfg: EngineConfig, kv: KvRequest, max_model_len: int | None, plan: MemoryPlan
 ) -> str:
     """What `serve` makes of the kv_cache row on the CPU: the paged pool's blocks (engine/core/kv_blocks.py)."""
-    from engine.core.kv_blocks import BLOCK_TOKENS, pool_blocks
-    from engine.memory.planner import kv_token_budget
+    from engine import BLOCK_TOKENS, kv_token_budget, pool_blocks
 
     context = min(max_model_len or fp.context, fp.context)
     blocks = pool_blocks(kv_token_budget(fp, cfg, kv), context)
@@ -218,8 +213,7 @@ def _kv_pool_line(
 
 def _split_line(fp: Footprint, cfg: EngineConfig, plan: MemoryPlan, kv_bytes: int) -> str:
     """The KV/expert split `serve` starts with beside that pool, and how far it may move (engine/memory/split.py)."""
-    from engine.core.kv_blocks import BLOCK_TOKENS
-    from engine.memory.split import fixed_why, split_line
+    from engine import BLOCK_TOKENS, fixed_why, split_line
     from policies.memory_split import movable_slots
 
     n, floor = plan.n_slots, min(fp.top_k, plan.n_slots)
@@ -234,16 +228,14 @@ def _split_line(fp: Footprint, cfg: EngineConfig, plan: MemoryPlan, kv_bytes: in
 def plan_ahead(model: str | Path, cfg: EngineConfig, kv: KvRequest) -> tuple[Probe, LoadPlan]:
     """The load plan `serve` would make for `model` on this machine (engine/plan/; ConfigError where it
     cannot run or fit), and the checkpoint's probe for the projection: one survey for both."""
-    from engine.plan.probe import probe_of
-    from engine.plan.resolve import decide, machine_ahead
-    from engine.plan.survey import survey
+    from engine import decide, machine_ahead, probe_of, survey
 
     sv = survey(model, cfg)
     return probe_of(sv, cfg), decide(sv, cfg, machine_ahead(cfg), kv)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.memory.planner import KvRequest
+    from engine import KvRequest
 
     t0 = time.perf_counter()
     cfg = EngineConfig().with_overrides(**overrides_from_args(args, EngineConfig))

@@ -7,24 +7,24 @@ from pathlib import Path
 from typing import Any
 
 from cli.common import resolve_model_dir
-from engine.errors import MoeOffloadError
-from engine.paths import portable_path
+from engine import MoeOffloadError, portable_path
 
 
 def cmd_train_prefetcher(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from engine.config import EngineConfig
-    from engine.prefetch.adapter import FILE_NAME, save_adapter
-    from engine.prefetch.training import (
+    from engine import (
+        FILE_NAME,
+        EngineConfig,
         data_from_trace,
         evaluate,
         evaluate_base,
+        load_model,
         model_fingerprint,
+        save_adapter,
         train_adapter,
     )
-    from engine.worker.loader import load_model
 
     torch.set_num_threads(args.threads)
     model_dir = Path(resolve_model_dir(args.model))
@@ -91,7 +91,7 @@ def _trace(om: Any, data: Path, args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from cli.eval import _read_tokens
-    from engine.offline.trace import record_trace
+    from engine import record_trace
 
     if data.suffix == ".npz":
         return dict(np.load(data))

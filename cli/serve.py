@@ -8,17 +8,17 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from cli.common import engine_config_from_args, resolve_model_dir, spec_choice_from_args
-from engine.settings_file import overrides_from_args
+from engine import overrides_from_args
 from server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from engine.memory.planner import KvRequest
+    from engine import KvRequest
 
 
 def _kv_request(args: argparse.Namespace, scfg: ServerConfig) -> KvRequest:
     """--max-model-len and --max-running where a flag or the --config file gives them (None where
     open: the memory plan then reserves KV for its stated defaults, not for 64 full contexts)."""
-    from engine.memory.planner import KvRequest
+    from engine import KvRequest
 
     in_file: set[str] = set()
     if args.config:
@@ -43,14 +43,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.launch import EngineArgs, max_model_len_of
-    from engine.worker.loader import check_model_dir
+    from engine import EngineArgs, check_model_dir, max_model_len_of
     from server.app import create_app
     from server.launch import run_server
     from server.state import ServeSettings
 
     check_model_dir(model_dir, need_tokenizer=True)
-    from engine.plan.resolve import machine_ahead, resolve
+    from engine import machine_ahead, resolve
 
     kv = _kv_request(args, scfg)
     # A combination that cannot run or fit fails here, before anything listens (the engine resolves

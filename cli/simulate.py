@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.errors import MoeOffloadError
+from engine import MoeOffloadError
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from cli.policy_sweep import POLICY_SWEEP
-    from engine.offline.simulator import OraclePredictor
+    from engine import OraclePredictor
 
     trace, shape = _load_trace(args)
     costs = _costs(args, trace, shape)
@@ -62,8 +62,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _load_trace(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The trace, projected onto --project-to's shape where given, and the shape's name."""
-    from engine.offline.projection import project_trace
-    from engine.offline.simulator import load_trace
+    from engine import load_trace, project_trace
 
     if not Path(args.trace).is_file():
         raise MoeOffloadError(
@@ -87,9 +86,7 @@ def _load_trace(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _costs(args: argparse.Namespace, trace: dict[str, Any], shape: str) -> Any:
     """The replay's costs: a hardware profile (its link overridden by --link), or the box described
     by --link, --layer-compute-us, --expert-compute-us and --workers."""
-    from engine.experts.tiers.link import parse_link
-    from engine.offline.hardware import ProfileError, costs_for, with_link
-    from engine.offline.simulator import manual_costs
+    from engine import ProfileError, costs_for, manual_costs, parse_link, with_link
 
     expert_bytes = args.expert_bytes or (
         None if args.project_to else trace["meta"].get("expert_nbytes")
@@ -119,7 +116,7 @@ def _costs(args: argparse.Namespace, trace: dict[str, Any], shape: str) -> Any:
 
 
 def _settings(args: argparse.Namespace, predictor: Any) -> Any:
-    from engine.offline.simulator import Acceptance, SimSettings
+    from engine import Acceptance, SimSettings
 
     acceptance = (
         Acceptance(tuple(float(x) for x in args.acceptance.split(",")))
@@ -146,8 +143,7 @@ def _replay(
     args: argparse.Namespace, trace: dict[str, Any], costs: Any, settings: Any, overrides: dict
 ) -> dict[str, Any]:
     """One policy's replay, with --substitute and --eviction applied over its settings."""
-    from engine.config import EngineConfig
-    from engine.offline.simulator import Simulator
+    from engine import EngineConfig, Simulator
 
     overrides = dict(overrides)
     if args.substitute:

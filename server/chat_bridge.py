@@ -16,30 +16,14 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from server.chat_route import chat_constraint, check_messages
+from server.chat_route import ChatRun, OutputSplit, submit_chat, whole_output
 from server.engine_client import EngineFailure
 from server.formatting import failure_of
-from server.protocol import ChatCompletionRequest, new_id
-from server.reasoning import ReasoningSplitter, reasoning_prompt, split_whole
+from server.protocol import ChatCompletionRequest
 from server.routes import collect
-from server.state import Choices, ServerState
-from server.tools import ToolMode, ToolStream, forced_body, parse_calls, tool_mode
+from server.state import ServerState
 
 PING_S = 10.0  # a stream that has produced nothing for this long gets a keep-alive (Anthropic ping)
-
-
-@dataclass
-class ChatRun:
-    """One submitted chat request (always a single choice)."""
-
-    rid: str
-    choices: Choices
-    prompt: list[int]
-    mode: ToolMode
-    tool_names: list[str]
-    reasoning: bool = False  # the template has <think> sections: split them out of the output
-    inside: bool = False  # the output starts inside one (the prompt opened it)
-    cached: int = 0  # prompt tokens read from the prefix cache (known from the first output on)
 
 
 @dataclass
@@ -88,28 +72,7 @@ async def start_chat(
 ) -> ChatRun:
     """Validate, template and submit `body` exactly as /v1/chat/completions does (n must be 1)."""
     assert body.n == 1
-    st.check_model(body.model)
-    check_messages(st, body)
-    st.check_accepting(1)
-    mode = tool_mode(body)
-    # The prompt shows the tools as sent; a forced call only changes what the output may be.
-    if (forced := forced_body(body, st.settings.forced_tools)) is not None:
-        mode = tool_mode(forced)
-    constraint = await chat_constraint(st, forced or body, mode)
-    prompt, reasoning, inside = await reasoning_prompt(st, body, thinking)
-    rid = new_id(id_prefix)
-    choices = st.submit(
-        st.make_requests(rid, [prompt], body, body.token_limit(), None, None, constraint)
-    )
-    return ChatRun(
-        rid,
-        choices,
-        prompt,
-        mode,
-        [t.function.name for t in body.tools or []],
-        reasoning and constraint is None,
-        inside,
-    )
+    return await submit_chat(st, body, id_prefix, thinking, forced_tools=True)
 
 
 async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
@@ -119,13 +82,9 @@ async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
         return None
     a = accs[0]
     finish = a.finish_reason or "stop"
-    reasoning, text = split_whole(a.text, run.inside) if run.reasoning else ("", a.text)
-    content: str | None = text
-    calls: list[dict[str, Any]] = []
-    if run.mode.kind != "none":
-        content, calls = parse_calls(text, run.mode, run.tool_names)
-        if calls and finish == "stop":
-            finish = "tool_calls"
+    reasoning, content, calls = whole_output(run, a.text)
+    if calls and finish == "stop":
+        finish = "tool_calls"
     return ChatResult(
         content,
         calls,
@@ -141,8 +100,7 @@ async def finish_chat(run: ChatRun, raw: Request) -> ChatResult | None:
 async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
     """Stream pieces in order; raises StreamFailed if the engine fails.  Closing the generator
     (client gone) aborts the sequence."""
-    stream = ToolStream(run.mode, run.tool_names) if run.mode.kind != "none" else None
-    think = ReasoningSplitter(run.inside) if run.reasoning else None
+    split = OutputSplit(run)
     n_calls = 0
     try:
         while not run.choices.done:
@@ -157,21 +115,9 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
             run.cached = o.num_cached_tokens
             if (f := failure_of(o.finish_reason, o.error)) is not None:
                 raise StreamFailed(*f)
-            text = o.text
-            if think is not None:
-                r, text = think.feed(o.text)
-                if o.finish_reason is not None:
-                    r2, c2 = think.finish()
-                    r, text = r + r2, text + c2
-                if r:
-                    yield Piece("reasoning", r)
-            deltas: list[dict[str, Any]] = (
-                [stream.feed(text)] if stream is not None else [{"content": text}]
-            )
-            has_calls = False
-            if stream is not None and o.finish_reason is not None:
-                last, has_calls = stream.finish()
-                deltas.append(last)
+            r, deltas, has_calls = split.feed(o.text, o.finish_reason is not None)
+            if r:
+                yield Piece("reasoning", r)
             for d in deltas:
                 if d.get("content"):
                     yield Piece("text", d["content"])

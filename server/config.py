@@ -6,9 +6,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.core.limits import CoreLimits
-from engine.errors import ConfigError
-from engine.settings_file import YamlSection, setting
+from engine import ConfigError, CoreLimits, YamlSection, setting
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.core.faults import new_error_id
-from engine.core.messages import (
+from engine import (
     AbortRequest,
+    EngineArgs,
     EngineDead,
     EngineOutput,
     EngineReady,
@@ -38,8 +38,9 @@ from engine.core.messages import (
     RequestOutput,
     Shutdown,
     StatsUpdate,
+    engine_main,
+    new_error_id,
 )
-from engine.launch import EngineArgs, engine_main
 from server.engine_spawn import engine_context
 from server.metrics import ServerMetrics
 

@@ -27,7 +27,7 @@ except ImportError:  # older FastAPI: app.routes is already flat
         return routes
 
 
-from engine.core.faults import new_error_id, redact
+from engine import new_error_id, redact
 
 log = logging.getLogger("moe_offload.server")
 

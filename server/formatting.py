@@ -7,8 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.faults import fault_class
-from engine.core.messages import RequestOutput, TokenLogprob
+from engine import RequestOutput, TokenLogprob, fault_class
 from server.errors import error_body
 
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from server.anthropic_errors import anthropic_sse_error
-from server.chat_bridge import ChatResult, ChatRun, StreamFailed, chat_pieces
+from server.chat_bridge import ChatResult, StreamFailed, chat_pieces
+from server.chat_route import ChatRun
 from server.errors import internal_error
 
 

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.chat_bridge import ChatResult, ChatRun, StreamFailed, chat_pieces
+from server.chat_bridge import ChatResult, StreamFailed, chat_pieces
+from server.chat_route import ChatRun
 from server.errors import internal_error
 from server.responses_request import NamedFunction, ResponsesRequest
 

@@ -12,10 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.core.messages import GenerateRequest, RequestOutput
-from engine.launch import EngineArgs
-from engine.structured.spec import ConstraintSpec
-from engine.worker.sampling import SamplingParams
+from engine import ConstraintSpec, EngineArgs, GenerateRequest, RequestOutput, SamplingParams
 from server.config import ServerConfig
 from server.engine_client import EngineClient, EngineFailure, EngineState
 from server.errors import ApiError, client_line

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured.spec import ConstraintSpec
+from engine import ConstraintSpec
 from server.errors import ApiError
 from server.protocol import ChatCompletionRequest, FunctionName, NamedToolChoice, Tool
 

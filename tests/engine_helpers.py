@@ -6,10 +6,6 @@ import time
 
 import torch
 
-from engine.worker.kv_cache import new_kv_cache
-from engine.worker.loaded_model import LoadedModel
-from engine.worker.runner import ModelRunner
-
 
 def settle(om, seconds: float = 10.0) -> None:
     """Let transfers still in flight land: a load that was started keeps its slot pinned until it
@@ -41,9 +37,3 @@ def tokens_and_logprobs(core, reqs, after_step=None) -> list[list[tuple[int, flo
         if after_step is not None:
             after_step()
     return [out[r.request_id] for r in reqs]
-
-
-def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Full-prompt logits [S, V] from one forward through the runner (parity checks)."""
-    runner = ModelRunner(lm)
-    return runner.forward([list(ids)], [0], [new_kv_cache(lm.config)], [list(range(len(ids)))])[0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 from engine.config import EngineConfig
@@ -18,6 +17,7 @@ from engine.errors import CheckpointError
 from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.weights.arch_adapters import adapter_for
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 SETTINGS = [(off, cf) for off in ("ram", "disk") for cf in (1.0, 0.5, 0.1)]

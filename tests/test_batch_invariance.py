@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.core.completion import Completion, complete, request
+from engine.core.completion import Completion, complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.native.loaded import native
 from engine.speculative.config import SpecConfig
@@ -91,7 +91,7 @@ def _run(om, case: Case) -> list[Result]:
     limits = CoreLimits(max_running=4, prefill_token_budget=case.budget, max_model_len=512)
     core = EngineCore.for_model(om, limits, proposer, observers)
     params = SamplingParams(max_tokens=case.max_tokens, ignore_eos=True)
-    reqs = [request(_ids(om, PROMPTS[p]), params, logprobs=0) for p in case.prompts]
+    reqs = [core.local_request(_ids(om, PROMPTS[p]), params, logprobs=0) for p in case.prompts]
     done = {r.request_id: Completion(r.request_id, len(r.prompt_ids)) for r in reqs}
     pending = sorted(zip(case.arrivals, range(len(reqs))))
     step = 0
@@ -192,7 +192,7 @@ def test_seeded_sampling_is_the_same_alone_batched_and_speculated() -> None:
             )
             core = EngineCore.for_model(om, CoreLimits(max_running=8), proposer, observers)
             reqs = [
-                request(
+                core.local_request(
                     _ids(om, PROMPTS[i % len(PROMPTS)]),
                     SamplingParams(max_tokens=24, temperature=0.8, seed=7 + i, ignore_eos=True),
                     logprobs=0,

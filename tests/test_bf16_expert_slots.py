@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 from tiny_models import load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.native.loaded import native
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 CELLS = [

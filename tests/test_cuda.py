@@ -12,7 +12,7 @@ from engine_helpers import settle
 from tiny_models import ARCHS, NEW_ARCHS, load_reference
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, generate, request
+from engine.core.completion import complete, generate
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
@@ -104,7 +104,11 @@ def _core_run(om, spec: SpecConfig, prompts: list[list[int]], max_tokens: int) -
         om, CoreLimits(max_running=len(prompts), max_model_len=2048), proposer, observers
     )
     outs = complete(
-        core, [request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+        core,
+        [
+            core.local_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for p in prompts
+        ],
     )
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     settle(om)

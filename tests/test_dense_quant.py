@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.native.loaded import native
@@ -21,6 +20,7 @@ from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
 from engine.worker.lean_forward import LeanForward
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 needs_native = pytest.mark.skipif(
@@ -170,7 +170,8 @@ def _core(om, spec: str, running: int) -> EngineCore:  # noqa: ANN001
 
 def _tokens(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
     outs = complete(
-        core, [request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+        core,
+        [core.local_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts],
     )
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs]

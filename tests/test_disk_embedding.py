@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
@@ -21,6 +20,7 @@ from engine.plan.probe import probe_checkpoint
 from engine.weights.checkpoint import index_checkpoint, read_tensor
 from engine.weights.disk_embedding import DiskEmbedding, resident_bytes
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 IDS = [5, 6, 7, 9, 11, 13]

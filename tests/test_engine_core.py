@@ -15,8 +15,9 @@ from engine_helpers import settle
 from tiny_models import ARCHS
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, generate, request
+from engine.core.completion import complete, generate
 from engine.core.engine_core import CoreLimits, EngineCore
+from engine.core.messages import GenerateRequest
 from engine.core.step_types import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
@@ -44,7 +45,7 @@ def _batched_equals_alone(om, n: int = 8) -> None:
     together = complete(
         core,
         [
-            request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+            core.local_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, max_tokens)
         ],
     )
@@ -80,7 +81,7 @@ def test_batched_step_loads_each_expert_once(tiny_ckpt) -> None:
         )[1]  # type: ignore[method-assign]
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
         for p in _prompts(om.config.vocab_size, [1] * 8):
-            core.add(request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
+            core.add(core.local_request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
         core.step()  # one step: the 8 one-token prompts run as one packed forward
         assert loads and len(loads) == len(set(loads))
     finally:
@@ -119,7 +120,7 @@ def test_rollback_with_partial_acceptance(tiny_ckpt, offload: str, fraction: flo
     try:
         prompts = _prompts(om.config.vocab_size, [4, 9, 6, 12])
         reqs = [
-            request(p, SamplingParams(max_tokens=10 + i, ignore_eos=True))
+            GenerateRequest(f"local-{i}", p, SamplingParams(max_tokens=10 + i, ignore_eos=True))
             for i, p in enumerate(prompts)
         ]
         plain = {r.request_id: generate(om, r.prompt_ids, r.params).token_ids for r in reqs}
@@ -165,7 +166,8 @@ def test_failed_read_fails_only_its_requests_and_frees_every_slot(tiny_ckpt) -> 
         core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
         prompts = _prompts(om.config.vocab_size, [5, 7, 9, 11])
         outs = complete(
-            core, [request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+            core,
+            [core.local_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts],
         )
         failed = [c for c in outs if c.finish_reason == "error"]
         assert failed and all(
@@ -289,7 +291,7 @@ def test_routing_bus_has_many_listeners(tiny_ckpt) -> None:
         om.bus.subscribe(lambda ev: seen_b.append(ev.layer))
         core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=256))
         for p in _prompts(om.config.vocab_size, [3, 4]):
-            core.add(request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
+            core.add(core.local_request(p, SamplingParams(max_tokens=2, ignore_eos=True)))
         core.step()
         assert [layer for layer, _, _ in seen_a] == om.moe_layers == seen_b
         assert all(rows == 7 and spans == ((0, 3), (3, 7)) for _, rows, spans in seen_a)
@@ -326,9 +328,9 @@ def test_a_prompt_longer_than_the_prefill_budget_runs_in_chunks(tiny_ckpt, arch:
         core = EngineCore.for_model(
             om, CoreLimits(max_running=1, prefill_token_budget=8, max_model_len=1024)
         )
-        chunked = complete(core, [request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])[
-            0
-        ]
+        chunked = complete(
+            core, [core.local_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))]
+        )[0]
         assert chunked.error is None, chunked.error
         assert chunked.token_ids == whole
     finally:
@@ -352,12 +354,12 @@ def test_output_independent_of_when_other_prompts_join() -> None:
         alone = generate(om, prompt, params()).token_ids
         for delay in range(1, 9):
             core = EngineCore.for_model(om, CoreLimits(max_running=4, max_model_len=512))
-            first = request(prompt, params())
+            first = core.local_request(prompt, params())
             tokens: list[int] = []
             core.add(first)
             for n in range(100):
                 if n == delay:
-                    core.add(request(other, params()))
+                    core.add(core.local_request(other, params()))
                 for o in core.step():
                     if o.request_id == first.request_id:
                         tokens += o.token_ids

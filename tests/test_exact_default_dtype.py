@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import settle
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.native.loaded import native
 from engine.speculative.config import SpecConfig
@@ -35,7 +35,11 @@ def _tokens(om, spec: SpecConfig, prompts: list[list[int]], max_tokens: int) -> 
         om, CoreLimits(max_running=len(prompts), max_model_len=512), proposer, observers
     )
     outs = complete(
-        core, [request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+        core,
+        [
+            core.local_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for p in prompts
+        ],
     )
     assert all(o.error is None for o in outs), [o.error for o in outs]
     settle(om)

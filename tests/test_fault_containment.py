@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, generate, request
+from engine.core.completion import complete, generate
 from engine.core.engine_core import CoreLimits, EngineCore
+from engine.core.messages import GenerateRequest
 from engine.core.step_types import StepPlan
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams, apply_penalties, sample, target_probs
@@ -175,7 +176,7 @@ def _eight(om, core: EngineCore) -> tuple[list, list[list[int]]]:
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = _prompts(om.config.vocab_size, 8)
     alone = [generate(om, p, params).token_ids for p in prompts]
-    reqs = [request(p, params) for p in prompts]
+    reqs = [core.local_request(p, params) for p in prompts]
     return reqs, alone
 
 
@@ -297,7 +298,7 @@ def test_proposer_fault_fails_only_its_window(om) -> None:
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = _prompts(om.config.vocab_size, 8)
     alone = [generate(om, p, params).token_ids for p in prompts]
-    reqs = [request(p, params) for p in prompts]
+    reqs = [GenerateRequest(f"local-{i}", p, params) for i, p in enumerate(prompts)]
     core = EngineCore.for_model(
         om, CoreLimits(max_running=8, max_model_len=512), _FailingProposer(reqs[6].request_id)
     )

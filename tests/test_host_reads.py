@@ -12,13 +12,13 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.experts.compute.device_lane import DeviceLane
 from engine.worker.host_reads import HostReads
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 # A GPU keeps the input embedding in its memory: the CPU's table on disk (engine/weights/disk_embedding.py),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.formats.quant import _int4
+from engine.experts.formats.quant import quantize_int4
 from engine.native import build as native_build
 from engine.native.loaded import load_build
 from engine.native.variants import runnable
@@ -21,7 +21,7 @@ BUILDS = [v.name for v in runnable()]
 def _weight(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * torch.linspace(0.2, 2.0, cols)  # uneven group scales
-    packed, s, z = _int4(w, 64)
+    packed, s, z = quantize_int4(w, 64)
     packed = packed.reshape(rows, -1).contiguous()
     s, z = s.to(torch.float16).contiguous(), z.to(torch.float16).contiguous()
     q = (

@@ -15,7 +15,6 @@ import torch
 from engine_helpers import tokens_and_logprobs
 
 from engine.config import EngineConfig
-from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.kv_blocks import KVBlocks
 from engine.core.messages import GenerateRequest
@@ -181,7 +180,7 @@ def test_preempted_requests_get_the_tokens_and_logprobs_they_get_alone(tiny_ckpt
 
     def generate(ps: list[list[int]], limits: CoreLimits) -> tuple[list[list[int]], int]:
         core = EngineCore.for_model(om, limits)
-        reqs = [request(p, dataclasses.replace(params), logprobs=0) for p in ps]
+        reqs = [core.local_request(p, dataclasses.replace(params), logprobs=0) for p in ps]
         return tokens_and_logprobs(core, reqs), core.scheduler.preemptions
 
     # The pool: 60 positions planned, raised to one whole context (128) so a request alone always fits:

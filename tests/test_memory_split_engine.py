@@ -10,7 +10,6 @@ import pytest
 from engine_helpers import tokens_and_logprobs
 
 from engine.config import EngineConfig
-from engine.core.completion import request
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
@@ -30,7 +29,7 @@ def _generate(om, prompts: list[list[int]], seen: list[tuple[int, int, int]] | N
         if seen is not None:
             seen.append((blocks.total, om.store.capacity, om.stats.memory_split_moves))
 
-    reqs = [request(p, dataclasses.replace(PARAMS), logprobs=0) for p in prompts]
+    reqs = [core.local_request(p, dataclasses.replace(PARAMS), logprobs=0) for p in prompts]
     return tokens_and_logprobs(core, reqs, watch), core
 
 
@@ -90,10 +89,10 @@ def test_a_returning_session_finds_its_history_after_the_give_back(tiny_ckpt) ->
     cfg = EngineConfig(device="cpu", kv_tokens=60, cache_fraction=0.5, offload="ram")
     om = load_model(tiny_ckpt("qwen3_moe"), cfg)
     prompt = [(5 * j) % 200 + 3 for j in range(40)]
-    one = [request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
     try:
         first, _ = _generate(om, [prompt])  # alone, in a core of its own
         core = EngineCore.for_model(om, LIMITS)
+        one = [core.local_request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
         blocks, split = core.scheduler.blocks, core.split
         assert blocks is not None and split is not None
         split.rebalance(blocks, 18, False)  # borrow: 4 slots, 12 blocks past the base's 8
@@ -107,7 +106,7 @@ def test_a_returning_session_finds_its_history_after_the_give_back(tiny_ckpt) ->
         split.rebalance(blocks, 0, True)  # idle: the blocks go back, the prefix moves into the base
         assert blocks.total == 8 and blocks.counts().cached == 3
         hit = blocks.hit_tokens
-        again = [request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
+        again = [core.local_request(prompt, dataclasses.replace(PARAMS), logprobs=0)]
         assert tokens_and_logprobs(core, again) == first  # read from the copied blocks, same bits
         assert blocks.hit_tokens - hit == 32  # the prompt's whole blocks short of its last token
     finally:

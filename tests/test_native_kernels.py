@@ -93,11 +93,11 @@ def test_gemv_int8_rows(nk) -> None:
 
 
 def test_gemv_int4_groups(nk) -> None:
-    from engine.experts.formats.quant import _int4
+    from engine.experts.formats.quant import quantize_int4
 
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(72, 256, generator=g), torch.randn(3, 256, generator=g).bfloat16()
-    packed, s, z = _int4(w, 64)  # [72, 4, 32] codes, [72, 4, 1] scales and zeros
+    packed, s, z = quantize_int4(w, 64)  # [72, 4, 32] codes, [72, 4, 1] scales and zeros
     packed, s, z = (
         packed.reshape(72, -1).contiguous(),
         s.to(torch.float16).contiguous(),

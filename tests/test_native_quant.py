@@ -8,13 +8,13 @@ import json
 import math
 
 import torch
-from engine_helpers import prompt_logits
 from safetensors.torch import load_file, save_file
 from tiny_models import load_reference
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 

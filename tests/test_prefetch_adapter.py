@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.offline.trace import record_trace
@@ -163,7 +163,8 @@ def _outputs(om, spec: SpecConfig) -> list[list[int]]:
         om, CoreLimits(max_running=6, max_model_len=512), proposer, observers
     )
     outs = complete(
-        core, [request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        core,
+        [core.local_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts],
     )
     assert all(o.error is None for o in outs)
     return [o.token_ids for o in outs]
@@ -349,7 +350,7 @@ def test_confidence_is_the_measured_precision_per_rank() -> None:
         core = EngineCore.for_model(
             om, CoreLimits(max_running=1, max_model_len=512), proposer, observers
         )
-        complete(core, [request(ids, SamplingParams(max_tokens=64, ignore_eos=True))])
+        complete(core, [core.local_request(ids, SamplingParams(max_tokens=64, ignore_eos=True))])
         p = pf.precision_at_rank
         assert all(0.0 <= v <= 1.0 for v in p) and p[0] > p[-1] + 0.1, p
     finally:
@@ -442,7 +443,7 @@ def test_settled_prefetch_does_not_depend_on_transfer_timing() -> None:
             complete(
                 core,
                 [
-                    request(
+                    core.local_request(
                         om.tokenizer(ids)["input_ids"][:16],
                         SamplingParams(max_tokens=40, ignore_eos=True),
                     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 from tiny_models import load_reference
 
 from engine.config import EngineConfig
@@ -16,6 +15,7 @@ from engine.experts.formats.quant import GroupQuantFormat, make_format
 from engine.weights.arch import arch_for
 from engine.weights.moe_hook import expert_geometry, find_moe_sites
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 # Kernel weight name -> the transformers experts parameter holding it (row e is expert e).

@@ -14,7 +14,7 @@ import pytest
 from engine_helpers import settle
 
 from engine.config import EngineConfig
-from engine.core.completion import Completion, complete, generate, request
+from engine.core.completion import Completion, complete, generate
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.faults import fault_class
 from engine.errors import ConfigError
@@ -42,7 +42,7 @@ def _run(ckpt: Path, faults: str, n: int = 4):
     core = EngineCore.for_model(om, CoreLimits(max_running=8, max_model_len=512))
     prompts = _prompts(om.config.vocab_size, n)
     t0 = time.perf_counter()
-    outs = complete(core, [request(p, PARAMS) for p in prompts])
+    outs = complete(core, [core.local_request(p, PARAMS) for p in prompts])
     return om, prompts, outs, time.perf_counter() - t0
 
 

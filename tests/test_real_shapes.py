@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 from transformers import AutoModelForCausalLM
 
 from bench.real_shapes import RELEASED, TINY_WIDTHS, config_for, entries, write_checkpoint
@@ -15,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.weights.checkpoint import index_checkpoint
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.offline.sim_settings import TablePredictor, manual_costs
 from engine.offline.simulator import simulate
@@ -125,7 +125,11 @@ def test_any_predictor_drives_the_engines_prefetches_and_never_the_output(
                 torch.randint(3, om.config.vocab_size, (9,), generator=g).tolist() for _ in range(2)
             ]
             outs = complete(
-                core, [request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+                core,
+                [
+                    core.local_request(p, SamplingParams(max_tokens=10, ignore_eos=True))
+                    for p in prompts
+                ],
             )
             return [o.token_ids for o in outs], om.stats.snapshot()
         finally:

@@ -11,7 +11,7 @@ from engine_helpers import settle
 from tiny_models import ARCHS
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
@@ -187,7 +187,9 @@ def _run(om, prompts: list[list[int]], spec: SpecConfig, max_tokens: int) -> lis
     outs = complete(
         core,
         [
-            request(p, SamplingParams(max_tokens=max_tokens + 2 * (i % 3), ignore_eos=True))
+            core.local_request(
+                p, SamplingParams(max_tokens=max_tokens + 2 * (i % 3), ignore_eos=True)
+            )
             for i, p in enumerate(prompts)
         ],
     )
@@ -360,14 +362,16 @@ def test_cpu_expert_failure_fails_only_that_request_and_frees_slots(tiny_ckpt) -
         outs = complete(
             core,
             [
-                request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+                core.local_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
                 for p in _prompts(om.config.vocab_size, 4)
             ],
         )
         assert any(o.error and "expert 1" in o.error for o in outs)
         assert om.store.pinned_count() == 0
         om.transfers.tier._fetch = fetch  # type: ignore[method-assign]
-        ok = complete(core, [request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))])
+        ok = complete(
+            core, [core.local_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
+        )
         assert ok[0].error is None and len(ok[0].token_ids) == 4
     finally:
         om.close()
@@ -442,7 +446,9 @@ def test_cpu_run_experts_take_bf16_rows_on_a_cpu(tiny_ckpt) -> None:
     )
     try:
         core = EngineCore.for_model(om, CoreLimits(max_running=1, max_model_len=256))
-        (out,) = complete(core, [request(list(range(3, 19)), SamplingParams(max_tokens=6))])
+        (out,) = complete(
+            core, [core.local_request(list(range(3, 19)), SamplingParams(max_tokens=6))]
+        )
         assert out.error is None and len(out.token_ids) == 6
         assert om.stats.snapshot()["cpu_expert_calls"] > 0
     finally:

@@ -12,7 +12,7 @@ from tiny_models import ARCHS, make_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.core.completion import complete, request
+from engine.core.completion import complete
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.errors import ConfigError
 from engine.speculative.config import SpecConfig
@@ -127,7 +127,7 @@ def _run(om, spec: SpecConfig, prompts: list[list[int]], params: SamplingParams)
     core = EngineCore.for_model(
         om, CoreLimits(max_running=8, max_model_len=2048), proposer, observers
     )
-    outs = complete(core, [request(p, params) for p in prompts])
+    outs = complete(core, [core.local_request(p, params) for p in prompts])
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     return [o.token_ids for o in outs]
 
@@ -290,9 +290,9 @@ def test_structured_output_with_speculation_equals_without() -> None:
             core = EngineCore.for_model(
                 om, CoreLimits(max_running=2, max_model_len=2048), proposer, observers
             )
-            out = complete(core, [request(ids, SamplingParams(max_tokens=48), constraint=spec_c)])[
-                0
-            ]
+            out = complete(
+                core, [core.local_request(ids, SamplingParams(max_tokens=48), constraint=spec_c)]
+            )[0]
             assert out.error is None, out.error
             return out.token_ids, out.text
 

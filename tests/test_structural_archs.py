@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import prompt_logits
 
 from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import CheckpointError
 from engine.weights.arch import ARCHS
 from engine.worker.loader import load_model
+from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
 from models.tiny import STRUCTURAL_ARCHS, load_reference
 

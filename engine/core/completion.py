@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +9,6 @@ from typing import Any
 from engine.core.engine_core import CoreLimits, EngineCore
 from engine.core.messages import GenerateRequest, TokenLogprob
 from engine.core.sampling_params import SamplingParams
-
-_ids = itertools.count()
 
 
 @dataclass
@@ -49,10 +46,6 @@ class Completion:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
-def request(prompt_ids: list[int], params: SamplingParams, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(f"local-{next(_ids)}", list(prompt_ids), params, **kw)
-
-
 def complete(core: EngineCore, reqs: list[GenerateRequest]) -> list[Completion]:
     """Submit all requests at once (they share steps) and return their completions in order."""
     now = time.perf_counter()
@@ -78,4 +71,4 @@ def generate(
     core = EngineCore.for_model(
         lm, CoreLimits(max_running=1, prefill_token_budget=1 << 20, max_model_len=max_model_len)
     )
-    return complete(core, [request(prompt_ids, params, **kw)])[0]
+    return complete(core, [core.local_request(prompt_ids, params, **kw)])[0]

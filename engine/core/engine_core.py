@@ -18,8 +18,9 @@ in-process through `generate()`. The runner and the model are seen through engin
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.core.contracts import MemorySplitter, RunnableModel, Runner
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -28,6 +29,7 @@ from engine.core.kv_blocks import BLOCK_TOKENS, KVBlocks, pool_blocks
 from engine.core.kv_demand import KvDemand
 from engine.core.limits import CoreLimits
 from engine.core.messages import GenerateRequest, RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.step_types import SeqState, StepOutput, StepPlan
 
@@ -60,6 +62,7 @@ class EngineCore:
         # The KV/expert split (engine/memory/split.py), where the runner's paged pool has one.
         self.split: MemorySplitter | None = getattr(getattr(runner, "pool", None), "split", None)
         self._demand = KvDemand()
+        self._local_ids = itertools.count()  # local_request's names: unique within this core
         self._rebalance()  # idle: moves nothing, shows the split on /metrics from the start
 
     @classmethod
@@ -94,6 +97,13 @@ class EngineCore:
         return cls(sched, runner, proposer, observers)
 
     # -- inputs ----------------------------------------------------------------------------
+    def local_request(
+        self, prompt_ids: list[int], params: SamplingParams, **kw: Any
+    ) -> GenerateRequest:
+        """A request made in this process (`generate`, benchmarks, tests), named local-0, local-1, ...
+        in the order this core made them; `kw`: GenerateRequest's other fields. Not added yet."""
+        return GenerateRequest(f"local-{next(self._local_ids)}", list(prompt_ids), params, **kw)
+
     def add(self, req: GenerateRequest) -> None:
         self.scheduler.add(req)
 

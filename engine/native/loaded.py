@@ -134,7 +134,7 @@ def _build_names(build_name: str, limit: str) -> list[str]:
     return [build_name]
 
 
-def _builds(build_name: str, limit: str = "auto") -> tuple[dict[str, NativeKernels], str]:
+def load_builds(build_name: str, limit: str = "auto") -> tuple[dict[str, NativeKernels], str]:
     """The builds this CPU runs, widest first, no wider than `limit` (or the one named), loaded; or none
     and why."""
     names = _build_names(build_name, limit)

@@ -221,7 +221,7 @@ def kernel_speeds(
     None where the native kernels do not build here, or the format has no measured kernel (int4)."""
     from engine.native.autotune import TORCH, decode_shapes, measured
     from engine.native.build import compiler, library_path
-    from engine.native.loaded import _builds
+    from engine.native.loaded import load_builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
 
     shapes = decode_shapes(config, dtype, H, I, top_k)
@@ -233,7 +233,7 @@ def kernel_speeds(
         or expert_format not in ("none", "mxfp4", expert_quant)
     ):
         return None
-    builds, _ = _builds("auto")
+    builds, _ = load_builds("auto")
     if not builds:
         return None
     ids = {name: library_path(compiler() or "cc", by_name(name)).name for name in builds}

@@ -15,6 +15,7 @@ quantized size; dequantization happens per expert call, on the compute device.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -54,19 +55,15 @@ class RawPartsFormat(ExpertFormat):
         return [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in self._parts]
 
 
-_TABLES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.cache
 def _mxfp4_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[256, 2]: a byte's two e2m1 values (low nibble first); [256]: an e8m0 scale's 2^(s - 127)."""
-    key = (dtype, device)
-    if key not in _TABLES:
-        fp4 = torch.tensor(_FP4, dtype=torch.float32)
-        b = torch.arange(256)
-        pairs = torch.stack((fp4[b & 15], fp4[b >> 4]), dim=-1)
-        pow2 = torch.ldexp(torch.ones(256, dtype=torch.float64), b - 127)
-        _TABLES[key] = (pairs.to(dtype).to(device), pow2.to(dtype).to(device))
-    return _TABLES[key]
+    """[256, 2]: a byte's two e2m1 values (low nibble first); [256]: an e8m0 scale's 2^(s - 127).
+    Made once per (dtype, device): constants of the format, so the cache changes no result."""
+    fp4 = torch.tensor(_FP4, dtype=torch.float32)
+    b = torch.arange(256)
+    pairs = torch.stack((fp4[b & 15], fp4[b >> 4]), dim=-1)
+    pow2 = torch.ldexp(torch.ones(256, dtype=torch.float64), b - 127)
+    return pairs.to(dtype).to(device), pow2.to(dtype).to(device)
 
 
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

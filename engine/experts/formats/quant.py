@@ -172,7 +172,7 @@ class GroupQuantFormat(ExpertFormat):
                 else (
                     _int8(w, self.group_of(w.shape[1]))
                     if self.bits == 8
-                    else _int4(w, self.group_of(w.shape[1]))
+                    else quantize_int4(w, self.group_of(w.shape[1]))
                 )
             )
             for t, (off, nbytes, dtype, _pshape) in zip(encoded, parts):
@@ -261,7 +261,7 @@ def _int8(w: torch.Tensor, g: int) -> list[torch.Tensor]:
     return [q, s]
 
 
-def _int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]:
+def quantize_int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]:
     rows, cols = w.shape
     wg = w.view(rows, cols // g, g)
     lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
