@@ -49,7 +49,7 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int4 expert format's encoding (engine/experts/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
+    """The int4 expert format's encoding (engine/experts/formats/quant.py), groups of 64: packed codes, fp16 scales, zeros."""
     packed, s, z = quantize_int4(w, 64)
     return packed.reshape(w.shape[0], -1).contiguous(), s.half().contiguous(), z.half().contiguous()
 

@@ -69,7 +69,7 @@ ALLOWED = {
         "cache: the widest build this CPU runs, resolved once; it never changes within a process"
     ),
     ("huge_pages.py", "_madvise"): "cache: libc's madvise function, looked up once",
-    ("experts/native_quant.py", "_mxfp4_tables"): (
+    ("experts/formats/native_quant.py", "_mxfp4_tables"): (
         "cache: the MXFP4 decode tables per (dtype, device), constants of the format; no result "
         "depends on whether they were made before"
     ),
