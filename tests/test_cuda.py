@@ -18,7 +18,8 @@ from engine.speculative.config import SpecConfig
 from engine.speculative.factory import make_speculation
 from engine.weights.forward_support import LEAN_MODEL_TYPES
 from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner, prompt_logits
+from engine.worker.parity import prompt_logits
+from engine.worker.runner import ModelRunner
 from engine.worker.sampling import SamplingParams
 
 pytestmark = [

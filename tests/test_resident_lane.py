@@ -16,7 +16,8 @@ from engine.core.completion import generate
 from engine.experts.compute.moe_executor import MoeExecutor
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import load_model
-from engine.worker.runner import ModelRunner, prompt_logits
+from engine.worker.parity import prompt_logits
+from engine.worker.runner import ModelRunner
 from engine.worker.sampling import SamplingParams
 from policies.registry import POLICY_NAMES, SUBSTITUTES, make_miss_policy
 
