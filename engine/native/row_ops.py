@@ -12,6 +12,7 @@ import threading
 import torch
 
 from engine.native.signatures import declare
+from engine.native.structs import Attend, Heads, KVCache, KVNew, Norm, QKNorm, Rotary, Rows
 
 W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
@@ -72,16 +73,11 @@ class KernelLibrary:
         """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
         out = torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.rmsnorm(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            out.data_ptr(),
+        rows = Rows(
+            x=x.data_ptr(), out=out.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
+        norm = Norm(w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        self.lib.rmsnorm_call(ctypes.byref(rows), ctypes.byref(norm))
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,16 +86,11 @@ class KernelLibrary:
         rounding as its elementwise ops do. Returns x."""
         heads, d = x.shape[-2], x.shape[-1]
         rot = cos.shape[-1]
-        self.lib.rope(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // (heads * d),
-            heads,
-            d,
-            rot,
-            cos.data_ptr(),
-            sin.data_ptr(),
+        heads_ = Heads(
+            q=x.data_ptr(), xtype=X_CODES[x.dtype], rows=x.numel() // (heads * d), hq=heads, d=d
         )
+        rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=rot)
+        self.lib.rope_call(ctypes.byref(heads_), ctypes.byref(rotary))
         return x
 
     def qk_norm_rope(
@@ -116,23 +107,24 @@ class KernelLibrary:
         """rmsnorm of every head of q [..., rows, hq, d] and k [..., rows, hk, d] (weights [d]), then rope,
         in place: the same arithmetic as rmsnorm() and rope() one after the other, in one call."""
         hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
-        self.lib.qk_norm_rope(
-            q.data_ptr(),
-            k.data_ptr(),
-            X_CODES[q.dtype],
-            q.numel() // (hq * d),
-            hq,
-            hk,
-            d,
-            q_weight.data_ptr(),
-            k_weight.data_ptr(),
-            W_CODES[q_weight.dtype],
-            q_eps,
-            k_eps,
-            cos.shape[-1],
-            cos.data_ptr(),
-            sin.data_ptr(),
+        heads = Heads(
+            q=q.data_ptr(),
+            k=k.data_ptr(),
+            xtype=X_CODES[q.dtype],
+            rows=q.numel() // (hq * d),
+            hq=hq,
+            hk=hk,
+            d=d,
         )
+        norms = QKNorm(
+            qw=q_weight.data_ptr(),
+            kw=k_weight.data_ptr(),
+            wtype=W_CODES[q_weight.dtype],
+            q_eps=q_eps,
+            k_eps=k_eps,
+        )
+        rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=cos.shape[-1])
+        self.lib.qk_norm_rope_call(ctypes.byref(heads), ctypes.byref(norms), ctypes.byref(rotary))
 
     def add_rmsnorm(
         self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
@@ -141,17 +133,12 @@ class KernelLibrary:
         arithmetic as torch's add followed by rmsnorm()."""
         total, normed = torch.empty_like(x), torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.add_rmsnorm(
-            x.data_ptr(),
-            a.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            total.data_ptr(),
-            normed.data_ptr(),
+        rows = Rows(
+            x=x.data_ptr(), out=total.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
+        )
+        norm = Norm(w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        self.lib.add_rmsnorm_call(
+            ctypes.byref(rows), a.data_ptr(), normed.data_ptr(), ctypes.byref(norm)
         )
         return total, normed
 
@@ -171,23 +158,25 @@ class KernelLibrary:
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
         table_ptr, bs = kv_table(key_buffer, table, block)
-        self.lib.kv_append(
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            heads,
-            n,
-            d,
-            table_ptr,
-            bs,
-            at,
-            ks[1],
-            ks[2],
-            vs[1],
-            vs[2],
-            k.element_size(),
+        cache = KVCache(
+            kbuf=key_buffer.data_ptr(),
+            vbuf=value_buffer.data_ptr(),
+            blocks=table_ptr,
+            bs=bs,
+            heads=heads,
+            d=d,
         )
+        new = KVNew(
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            n=n,
+            k_head=ks[1],
+            k_pos=ks[2],
+            v_head=vs[1],
+            v_pos=vs[2],
+            elem=k.element_size(),
+        )
+        self.lib.kv_append_call(ctypes.byref(cache), ctypes.byref(new), at)
 
     def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """silu(g) * u elementwise (contiguous, one float dtype, one shape), rounded as a bf16 reference
@@ -234,30 +223,36 @@ class KernelLibrary:
         hk = k.shape[1]
         out = torch.empty((rows, hq * d), dtype=q.dtype)
         qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
-        self.lib.attention_rows(
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            X_CODES[q.dtype],
-            rows,
-            hq,
-            hk,
-            d,
-            None if qw is None else qw.data_ptr(),
-            None if kw is None else kw.data_ptr(),
-            W_CODES[qw.dtype] if qw is not None else 0,
-            q_eps,
-            k_eps,
-            0 if cos is None else cos.shape[-1],
-            None if cos is None else cos.data_ptr(),
-            None if sin is None else sin.data_ptr(),
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            table_ptr,
-            bs,
-            at,
-            scale,
-            out.data_ptr(),
-            self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at)),
+        heads = Heads(
+            q=q.data_ptr(), k=k.data_ptr(), xtype=X_CODES[q.dtype], rows=rows, hq=hq, hk=hk, d=d
+        )
+        qk = QKNorm(
+            qw=None if qw is None else qw.data_ptr(),
+            kw=None if kw is None else kw.data_ptr(),
+            wtype=W_CODES[qw.dtype] if qw is not None else 0,
+            q_eps=q_eps,
+            k_eps=k_eps,
+        )
+        rotary = Rotary(
+            cos=None if cos is None else cos.data_ptr(),
+            sin=None if sin is None else sin.data_ptr(),
+            rot=0 if cos is None else cos.shape[-1],
+        )
+        cache = KVCache(
+            kbuf=key_buffer.data_ptr(),
+            vbuf=value_buffer.data_ptr(),
+            blocks=table_ptr,
+            bs=bs,
+            heads=hk,
+            d=d,
+        )
+        work = self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at))
+        attend = Attend(v=v.data_ptr(), out=out.data_ptr(), work=work, at=at, scale=scale)
+        self.lib.attention_rows_call(
+            ctypes.byref(heads),
+            ctypes.byref(qk),
+            ctypes.byref(rotary),
+            ctypes.byref(cache),
+            ctypes.byref(attend),
         )
         return out
