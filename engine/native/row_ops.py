@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +24,9 @@ def reads_weights(w: torch.dtype, x: torch.dtype) -> bool:
     weights for f32 rows (widened exactly as they are read: an f32 model's bf16 weights)."""
     return w == x or (w == torch.bfloat16 and x == torch.float32)
 
+
+_FIXED_KEPT = 4096  # descriptors KernelLibrary._fixed keeps before it starts again
+S = TypeVar("S", bound=ctypes.Structure)
 
 # The block table of a contiguous KV buffer: its one block, holding every position (cpu_gemv.h kv_row).
 CONTIGUOUS_TABLE = torch.zeros(1, dtype=torch.int64)
@@ -52,6 +56,7 @@ class KernelLibrary:
         self._scratch_bytes: dict[
             tuple, int
         ] = {}  # each kernel's scratch size per shape, asked of the library once
+        self._fixed_structs: dict[tuple, ctypes.Structure] = {}
 
     def _scratch(self, size_fn: str, *shape: int) -> int:
         """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
@@ -62,6 +67,19 @@ class KernelLibrary:
         if nbytes is None:
             nbytes = self._scratch_bytes[key] = getattr(self.lib, size_fn)(*shape)
         return nbytes
+
+    def _fixed(self, cls: type[S], **fields: Any) -> S:
+        """The descriptor `cls` with these fields (given in its field order), built on first use
+        and kept: a decode step passes the same few (a layer's norm weights, a request's KV buffers) every
+        layer, and looking one up costs less than filling a new one. Read only once built, so threads
+        share them."""
+        key = (cls, *fields.values())
+        found = self._fixed_structs.get(key)
+        if found is None:
+            if len(self._fixed_structs) >= _FIXED_KEPT:  # buffers come and go: keep the recent ones
+                self._fixed_structs.clear()
+            found = self._fixed_structs[key] = cls(**fields)
+        return found  # type: ignore[return-value]
 
     def _work(self, nbytes: int) -> int:
         buf = getattr(self._local, "buf", None)
@@ -76,7 +94,7 @@ class KernelLibrary:
         rows = Rows(
             x=x.data_ptr(), out=out.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
-        norm = Norm(w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
         self.lib.rmsnorm_call(ctypes.byref(rows), ctypes.byref(norm))
         return out
 
@@ -117,7 +135,8 @@ class KernelLibrary:
             hk=hk,
             d=d,
         )
-        norms = QKNorm(
+        norms = self._fixed(
+            QKNorm,
             qw=q_weight.data_ptr(),
             kw=k_weight.data_ptr(),
             wtype=W_CODES[q_weight.dtype],
@@ -137,7 +156,7 @@ class KernelLibrary:
         rows = Rows(
             x=x.data_ptr(), out=total.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
-        norm = Norm(w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
         self.lib.add_rmsnorm_call(
             ctypes.byref(rows), a.data_ptr(), normed.data_ptr(), ctypes.byref(norm)
         )
@@ -159,7 +178,8 @@ class KernelLibrary:
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
         table_ptr, bs = kv_table(key_buffer, table, block)
-        cache = KVCache(
+        cache = self._fixed(
+            KVCache,
             kbuf=key_buffer.data_ptr(),
             vbuf=value_buffer.data_ptr(),
             blocks=table_ptr,
@@ -228,7 +248,8 @@ class KernelLibrary:
         heads = Heads(
             q=q.data_ptr(), k=k.data_ptr(), xtype=X_CODES[q.dtype], rows=rows, hq=hq, hk=hk, d=d
         )
-        qk = QKNorm(
+        qk = self._fixed(
+            QKNorm,
             qw=None if qw is None else qw.data_ptr(),
             kw=None if kw is None else kw.data_ptr(),
             wtype=W_CODES[qw.dtype] if qw is not None else 0,
@@ -240,7 +261,8 @@ class KernelLibrary:
             sin=None if sin is None else sin.data_ptr(),
             rot=0 if cos is None else cos.shape[-1],
         )
-        cache = KVCache(
+        cache = self._fixed(
+            KVCache,
             kbuf=key_buffer.data_ptr(),
             vbuf=value_buffer.data_ptr(),
             blocks=table_ptr,
