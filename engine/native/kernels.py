@@ -68,9 +68,9 @@ class NativeKernels(KernelLibrary):
         )
         work = self._work(self._scratch(size_fn, experts.H, experts.I, x.shape[0]))
         return getattr(self.lib, fn)(
-            ctypes.byref(experts),
-            ctypes.byref(routes),
-            ctypes.byref(rows),
+            experts,
+            routes,
+            rows,
             work,
             torch.get_num_threads(),
         )
@@ -94,9 +94,7 @@ class NativeKernels(KernelLibrary):
         )
         xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=m, n=cols, xtype=X_CODES[x.dtype])
         work = self._work(self._scratch("gemv_work_bytes", rows, cols, m))
-        rc = self.lib.gemv_call(
-            ctypes.byref(weight), ctypes.byref(xs), work, torch.get_num_threads()
-        )
+        rc = self.lib.gemv_call(weight, xs, work, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"native gemv takes at least one row, got {m}")
         return y
@@ -111,8 +109,8 @@ class NativeKernels(KernelLibrary):
         rc = self.lib.gemv_sweep_call(
             (_P * len(ws))(*(w.data_ptr() for w in ws)),
             len(ws),
-            ctypes.byref(shape),
-            ctypes.byref(xs),
+            shape,
+            xs,
             self._work(self._scratch("gemv_work_bytes", rows, cols, 1)),
             torch.get_num_threads(),
         )
@@ -150,9 +148,9 @@ class NativeKernels(KernelLibrary):
         rows = Rows(x=x.data_ptr(), out=out.data_ptr(), m=1, n=hidden, xtype=X_CODES[x.dtype])
         work = self._work(self._scratch("moe_work_bytes", hidden, intermediate))
         rc = self.lib.moe_swiglu_call(
-            ctypes.byref(experts),
-            ctypes.byref(routes),
-            ctypes.byref(rows),
+            experts,
+            routes,
+            rows,
             work,
             torch.get_num_threads(),
         )
@@ -229,9 +227,7 @@ class NativeKernels(KernelLibrary):
         )
         xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=m, n=cols, xtype=X_CODES[x.dtype])
         work = self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m))
-        rc = self.lib.gemv_q4_call(
-            ctypes.byref(weight), ctypes.byref(xs), work, torch.get_num_threads()
-        )
+        rc = self.lib.gemv_q4_call(weight, xs, work, torch.get_num_threads())
         return y if rc == 0 else None
 
     def moe_q4(
@@ -365,9 +361,9 @@ class NativeKernels(KernelLibrary):
         work = self._work(self._scratch("gemv_work_bytes", E, H, 1))
         return int(
             getattr(self.lib, fn)(
-                ctypes.byref(weight),
-                ctypes.byref(rows),
-                ctypes.byref(router),
+                weight,
+                rows,
+                router,
                 work,
                 torch.get_num_threads(),
             )

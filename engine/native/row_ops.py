@@ -95,7 +95,7 @@ class KernelLibrary:
             x=x.data_ptr(), out=out.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
         norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
-        self.lib.rmsnorm_call(ctypes.byref(rows), ctypes.byref(norm))
+        self.lib.rmsnorm_call(rows, norm)
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,7 @@ class KernelLibrary:
             q=x.data_ptr(), xtype=X_CODES[x.dtype], rows=x.numel() // (heads * d), hq=heads, d=d
         )
         rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=rot)
-        self.lib.rope_call(ctypes.byref(heads_), ctypes.byref(rotary))
+        self.lib.rope_call(heads_, rotary)
         return x
 
     def qk_norm_rope(
@@ -144,7 +144,7 @@ class KernelLibrary:
             k_eps=k_eps,
         )
         rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=cos.shape[-1])
-        self.lib.qk_norm_rope_call(ctypes.byref(heads), ctypes.byref(norms), ctypes.byref(rotary))
+        self.lib.qk_norm_rope_call(heads, norms, rotary)
 
     def add_rmsnorm(
         self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
@@ -157,9 +157,7 @@ class KernelLibrary:
             x=x.data_ptr(), out=total.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
         norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
-        self.lib.add_rmsnorm_call(
-            ctypes.byref(rows), a.data_ptr(), normed.data_ptr(), ctypes.byref(norm)
-        )
+        self.lib.add_rmsnorm_call(rows, a.data_ptr(), normed.data_ptr(), norm)
         return total, normed
 
     def kv_append(
@@ -197,7 +195,7 @@ class KernelLibrary:
             v_pos=vs[2],
             elem=k.element_size(),
         )
-        self.lib.kv_append_call(ctypes.byref(cache), ctypes.byref(new), at)
+        self.lib.kv_append_call(cache, new, at)
 
     def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """silu(g) * u elementwise (contiguous, one float dtype, one shape), rounded as a bf16 reference
@@ -273,10 +271,10 @@ class KernelLibrary:
         work = self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at))
         attend = Attend(v=v.data_ptr(), out=out.data_ptr(), work=work, at=at, scale=scale)
         self.lib.attention_rows_call(
-            ctypes.byref(heads),
-            ctypes.byref(qk),
-            ctypes.byref(rotary),
-            ctypes.byref(cache),
-            ctypes.byref(attend),
+            heads,
+            qk,
+            rotary,
+            cache,
+            attend,
         )
         return out

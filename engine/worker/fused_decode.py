@@ -148,7 +148,6 @@ class FusedDecode:
             sin.data_ptr(),
         )
         step.R, step.nthreads = R, torch.get_num_threads()
-        step_ref = ctypes.byref(step)
         kptrs, vptrs, tables, blocks, ats = self._row_kv
         like = [
             self._kv_like.narrow(2, 0, n) for n in rows
@@ -173,7 +172,7 @@ class FusedDecode:
                     )
                     r += 1
                 ends.append((layer, at + n))
-            rc = lib.decode_layer(ctypes.byref(spec), step_ref)
+            rc = lib.decode_layer(ctypes.byref(spec), step)
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
             for layer, end in ends:
