@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -88,12 +90,23 @@ def test_attention_through_a_block_table_has_the_contiguous_bits(
     k, v = (torch.randn(rows, hk, d, generator=g).to(dtype) for _ in range(2))
     angle = torch.rand(rows, d // 2, generator=g) * 3
     cos, sin = torch.cos(angle).to(dtype).contiguous(), torch.sin(angle).to(dtype).contiguous()
-    flat = nk.decode_attention(
-        q.clone(), k.clone(), v.clone(), None, cos, sin, keys, values, at, 0.1
-    )
-    paged = nk.decode_attention(
-        q.clone(), k.clone(), v.clone(), None, cos, sin, pool_k, pool_v, at, 0.1, table, block
-    )
+
+    def attend(key_buffer: torch.Tensor, value_buffer: torch.Tensor, **table: Any) -> torch.Tensor:
+        return nk.decode_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            norms=None,
+            cos=cos,
+            sin=sin,
+            key_buffer=key_buffer,
+            value_buffer=value_buffer,
+            at=at,
+            scale=0.1,
+            **table,
+        )
+
+    flat, paged = attend(keys, values), attend(pool_k, pool_v, table=table, block=block)
     assert torch.equal(flat, paged)
     for i, b in enumerate(table.tolist()):
         assert torch.equal(pool_k[b], keys[0, :, i * block : (i + 1) * block])

@@ -77,9 +77,9 @@ def test_lean_decode_steps_equal_packed_forward(tiny_ckpt, monkeypatch, dtype: s
         for name in calls:
             original = getattr(NativeKernels, name)
 
-            def counted(self, *args, _name=name, _original=original):  # noqa: ANN001, ANN202
+            def counted(self, *args, _name=name, _original=original, **kwargs):  # noqa: ANN001, ANN202, ANN003
                 calls[_name] += 1
-                return _original(self, *args)
+                return _original(self, *args, **kwargs)
 
             monkeypatch.setattr(NativeKernels, name, counted)
         lean = LeanForward(om.model)
@@ -132,9 +132,9 @@ def _count_native_attention(monkeypatch) -> list[int]:
     calls = [0]
     original = NativeKernels.decode_attention
 
-    def counted(self, *args):  # noqa: ANN001, ANN202
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN202, ANN003
         calls[0] += 1
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(NativeKernels, "decode_attention", counted)
     return calls

@@ -33,11 +33,11 @@ def test_every_build_compiles_here(name: str) -> None:
     lib, why = native_build.build(by_name(name))
     assert lib is not None, why
     for symbol in (
-        "gemv",
-        "gemv_sweep",
-        "gemv_q4",
-        "moe_swiglu_rows",
-        "decode_attention",
+        "gemv_call",
+        "gemv_sweep_call",
+        "gemv_q4_call",
+        "moe_swiglu_rows_call",
+        "attention_rows_call",
         "decode_layer",
     ):
         assert isinstance(getattr(lib, symbol), ctypes._CFuncPtr)
@@ -81,7 +81,18 @@ def test_each_build_attends_as_sdpa(name: str, dtype: torch.dtype) -> None:
     k, v = torch.randn(hk, d, generator=g).to(dtype), torch.randn(hk, d, generator=g).to(dtype)
     scale = 1 / math.sqrt(d)
     kb, vb = keys.clone(), values.clone()
-    got = nk.decode_attention(q.clone(), k.clone(), v.clone(), None, None, None, kb, vb, at, scale)
+    got = nk.decode_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        norms=None,
+        cos=None,
+        sin=None,
+        key_buffer=kb,
+        value_buffer=vb,
+        at=at,
+        scale=scale,
+    )
     kb_ref, vb_ref = keys.clone(), values.clone()
     kb_ref[0, :, at], vb_ref[0, :, at] = k, v
     assert torch.equal(kb, kb_ref) and torch.equal(
@@ -128,7 +139,18 @@ def test_each_build_attends_a_prompt_chunk_as_its_rows_alone(
     angle = torch.rand(rows, d // 2, generator=g) * 3
     cos, sin = torch.cos(angle).to(dtype).contiguous(), torch.sin(angle).to(dtype).contiguous()
     kb, vb = prefix[0].clone(), prefix[1].clone()
-    chunk = nk.decode_attention(q.clone(), k.clone(), v.clone(), norms, cos, sin, kb, vb, at, 0.1)
+    chunk = nk.decode_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        norms=norms,
+        cos=cos,
+        sin=sin,
+        key_buffer=kb,
+        value_buffer=vb,
+        at=at,
+        scale=0.1,
+    )
     kb1, vb1 = prefix[0].clone(), prefix[1].clone()
     alone = torch.cat(
         [
@@ -136,13 +158,13 @@ def test_each_build_attends_a_prompt_chunk_as_its_rows_alone(
                 q[r : r + 1].clone(),
                 k[r : r + 1].clone(),
                 v[r : r + 1].clone(),
-                norms,
-                cos[r : r + 1],
-                sin[r : r + 1],
-                kb1,
-                vb1,
-                at + r,
-                0.1,
+                norms=norms,
+                cos=cos[r : r + 1],
+                sin=sin[r : r + 1],
+                key_buffer=kb1,
+                value_buffer=vb1,
+                at=at + r,
+                scale=0.1,
             )
             for r in range(rows)
         ]

@@ -1,4 +1,4 @@
-"""Builds the native kernels (engine/native/cpu_gemv.c, gemm.c, decode_layer.c, mxfp4_moe.c) into one
+"""Builds the native kernels (engine/native/cpu_gemv.c, gemm.c, decode_layer.c, mxfp4_moe.c, entry.c) into one
 shared library per variant (engine/native/variants.py), once per machine, and loads them.
 
 A variant is built on first use, into a cache folder keyed by the sources, the compiler, the defines and the
@@ -31,6 +31,7 @@ SOURCES = [
     HERE / "gemm.c",
     HERE / "decode_layer.c",
     HERE / "mxfp4_moe.c",
+    HERE / "entry.c",
 ]
 # Every header beside the sources (cpu_gemv.h, kernel_common.h, simd.h, simd_*.h, gemm_kernels.h, ...), so a new
 # or changed one is part of the cache key (library_path) and a stale build is never reused.

@@ -175,4 +175,74 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
                       const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos, const void *sin,
                       void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale, void *out,
                       float *work);
+/* The descriptors the library's entry points (entry.c) take from Python instead of long argument lists: one struct
+ * for each fixed thing, mirrored field for field by engine/native/structs.py. Integers are int64_t and floats
+ * float so that the ctypes mirrors need no padding rules of their own. */
+typedef struct { /* a weight matrix [rows, cols] of wtype codes; int8: fp16 row scales; int4: fp16 group scales, zeros */
+    const void *w;
+    const uint16_t *scale, *zero;
+    int64_t rows, cols, wtype;
+} weight_t;
+typedef struct { /* m activation rows x [m, n] in xtype, and where their results go */
+    const void *x;
+    void *out;
+    int64_t m, n, xtype;
+} rows_t;
+typedef struct { /* a norm's weight [n] in wtype and its epsilon */
+    const void *w;
+    int64_t wtype;
+    float eps, pad_;
+} norm_t;
+typedef struct { /* routed experts' address tables, one entry per expert (NULL tables: none), and their forms */
+    const void *const *gate_up;
+    const uint16_t *const *gate_up_scale, *const *gate_up_zero;
+    const void *const *gate_up_bias;
+    const void *const *down;
+    const uint16_t *const *down_scale, *const *down_zero;
+    const void *const *down_bias;
+    int64_t wtype, bias_wtype, H, I;
+    float alpha, limit; /* gpt-oss's clamped SwiGLU (moe_mxfp4_rows) */
+} experts_t;
+typedef struct { /* R rows routed to k experts each: ids [R k] (NULL: expert j is table entry j), weights [R k] */
+    const int64_t *ids;
+    const float *w;
+    int64_t R, k;
+} routes_t;
+typedef struct { /* a router's choice rule and where its outputs go (router_topk, router_sigmoid_rows) */
+    int64_t k, norm, n_group, topk_group;
+    float scale, pad_;
+    const float *bias;
+    void *logits, *weights;
+    int64_t *ids;
+    float *xf;
+} router_t;
+typedef struct { /* rows of attention heads in place: q [rows, hq, d] and k [rows, hk, d] (k NULL: none) in xtype */
+    void *q, *k;
+    int64_t xtype, rows, hq, hk, d;
+} heads_t;
+typedef struct { /* per-head q and k RMSNorm weights [d] (NULL: none) */
+    const void *qw, *kw;
+    int64_t wtype;
+    float q_eps, k_eps;
+} qk_norm_t;
+typedef struct { /* rotary tables cos and sin [rows, rot] (rot 0: none) */
+    const void *cos, *sin;
+    int64_t rot;
+} rotary_t;
+typedef struct { /* a sequence's KV cache: key and value buffers of `heads` heads of d, read through its block table */
+    void *kbuf, *vbuf;
+    const int64_t *blocks;
+    int64_t bs, heads, d;
+} kv_cache_t;
+typedef struct { /* n new keys and values [heads, n, d], strided in elements, of elem bytes each */
+    const void *k, *v;
+    int64_t n, k_head, k_pos, v_head, v_pos, elem;
+} kv_new_t;
+typedef struct { /* an attention call's values, output [T, hq d], scratch, first position and softmax scale */
+    const void *v;
+    void *out;
+    float *work;
+    int64_t at;
+    float scale, pad_;
+} attend_t;
 #endif

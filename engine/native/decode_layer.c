@@ -218,9 +218,9 @@ static int add_shared_expert(const layer_spec_t *L, int64_t R, const void *h, vo
  * positions and run in order, so each attends to the window's rows before it (causal); a batch's rows each have
  * their own. work: decode_layer_work_bytes(L, max(ats) + 1, R) bytes or more. Returns 0, -3 for a row count out of
  * range, or the first failing kernel's status. */
-int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void *cos, const void *sin, void *const *kbufs,
-                 void *const *vbufs, const int64_t *const *tables, const int64_t *bss, const int64_t *ats, void *work,
-                 int nthreads) {
+static int layer_rows(const layer_spec_t *L, int64_t R, void *x, void *h, const void *cos, const void *sin,
+                      void *const *kbufs, void *const *vbufs, const int64_t *const *tables, const int64_t *bss,
+                      const int64_t *ats, void *work, int nthreads) {
     size_t xs = L->xtype == X_F32 ? 4 : 2, qd = (size_t)(L->hq * L->d), kd = (size_t)(L->hk * L->d);
     int64_t H = L->H, k = L->topk, E = L->E;
     int xt = (int)L->xtype;
@@ -289,4 +289,23 @@ int decode_layer(const layer_spec_t *L, int64_t R, void *x, void *h, const void 
     if (L->sh_gate != NULL && (rc = add_shared_expert(L, R, h, y, shared, scratch, nthreads)) != 0) return rc;
     add_rmsnorm(x, y, xt, R, H, L->next_norm, (int)L->norm_wtype, L->next_eps, x, h);
     return 0;
+}
+
+/* A decode step's rows and buffers, the same for every layer of the step (engine/worker/fused_decode.py fills it
+ * once per step, ctypes Structure `DecodeStep`): R rows x and h, cos/sin, scratch and threads, and each row's KV
+ * cache (kbufs, vbufs, tables, bss, ats: MAX_ROWS-entry arrays the caller refills per layer). */
+typedef struct {
+    void *x, *h;
+    const void *cos, *sin;
+    void *work;
+    void *const *kbufs, *const *vbufs;
+    const int64_t *const *tables;
+    const int64_t *bss, *ats;
+    int64_t R, nthreads;
+} decode_step_t;
+
+/* layer_rows above for layer L of step S. */
+int decode_layer(const layer_spec_t *L, const decode_step_t *S) {
+    return layer_rows(L, S->R, S->x, S->h, S->cos, S->sin, S->kbufs, S->vbufs, S->tables, S->bss, S->ats, S->work,
+                      (int)S->nthreads);
 }

@@ -14,6 +14,7 @@ import torch
 
 from engine.native.limits import MAX_ROWS
 from engine.native.row_ops import W_CODES, X_CODES, KernelLibrary
+from engine.native.structs import Experts, Router, Routes, Rows, Weight
 
 __all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
@@ -44,17 +45,35 @@ class NativeKernels(KernelLibrary):
         ids: Sequence[int],
         weights: Sequence[float],
         columns: int,
-    ) -> tuple[int, int, ctypes.Array, ctypes.Array, list[ctypes.Array]]:
-        """The routed expert kernels' common arguments: R rows, k experts a row, the ids and weights as C
-        arrays, and one address table per slot column."""
+    ) -> tuple[Routes, list[ctypes.Array]]:
+        """The routed expert kernels' common arguments: the routes (R rows, k experts a row, the ids and
+        weights as C arrays), and one address table per slot column."""
         R, n = x.shape[0], len(ids)
         tables = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(columns)]
-        return R, n // max(R, 1), (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights), tables
+        ids_c, weights_c = (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights)
+        return Routes(ids=ids_c, w=weights_c, R=R, k=n // max(R, 1)), tables
 
-    def _io(self, x: torch.Tensor, out: torch.Tensor, size_fn: str, *shape: int) -> tuple:
-        """The last arguments of every row kernel: x, its dtype code, out, scratch of `size_fn`, threads."""
-        work = self._work(self._scratch(size_fn, *shape))
-        return x.data_ptr(), X_CODES[x.dtype], out.data_ptr(), work, torch.get_num_threads()
+    def _run_experts(
+        self,
+        fn: str,
+        experts: Experts,
+        routes: Routes,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        size_fn: str,
+    ) -> int:
+        """Rows x through the library's routed-experts entry point `fn` into out, with scratch of `size_fn`."""
+        rows = Rows(
+            x=x.data_ptr(), out=out.data_ptr(), m=x.shape[0], n=x.shape[-1], xtype=X_CODES[x.dtype]
+        )
+        work = self._work(self._scratch(size_fn, experts.H, experts.I, x.shape[0]))
+        return getattr(self.lib, fn)(
+            experts,
+            routes,
+            rows,
+            work,
+            torch.get_num_threads(),
+        )
 
     def gemv(
         self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
@@ -66,19 +85,16 @@ class NativeKernels(KernelLibrary):
         m, cols = x.shape
         rows = w.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
-        rc = self.lib.gemv(
-            w.data_ptr(),
-            scale.data_ptr() if scale is not None else None,
-            W_CODES[w.dtype],
-            rows,
-            cols,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            m,
-            y.data_ptr(),
-            self._work(self._scratch("gemv_work_bytes", rows, cols, m)),
-            torch.get_num_threads(),
+        weight = Weight(
+            w=w.data_ptr(),
+            scale=scale.data_ptr() if scale is not None else None,
+            rows=rows,
+            cols=cols,
+            wtype=W_CODES[w.dtype],
         )
+        xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=m, n=cols, xtype=X_CODES[x.dtype])
+        work = self._work(self._scratch("gemv_work_bytes", rows, cols, m))
+        rc = self.lib.gemv_call(weight, xs, work, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"native gemv takes at least one row, got {m}")
         return y
@@ -88,15 +104,13 @@ class NativeKernels(KernelLibrary):
         call, results discarded: how fast gemv streams weights, with no per-call overhead."""
         rows, cols = ws[0].shape
         y = torch.empty((1, rows), dtype=x.dtype)
-        rc = self.lib.gemv_sweep(
+        shape = Weight(rows=rows, cols=cols, wtype=W_CODES[ws[0].dtype])
+        xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=1, n=cols, xtype=X_CODES[x.dtype])
+        rc = self.lib.gemv_sweep_call(
             (_P * len(ws))(*(w.data_ptr() for w in ws)),
             len(ws),
-            W_CODES[ws[0].dtype],
-            rows,
-            cols,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            y.data_ptr(),
+            shape,
+            xs,
             self._work(self._scratch("gemv_work_bytes", rows, cols, 1)),
             torch.get_num_threads(),
         )
@@ -121,21 +135,23 @@ class NativeKernels(KernelLibrary):
         m = len(gate_up)
         out = torch.empty((1, hidden), dtype=x.dtype)
         ptrs = _P * m
-        work = self._scratch("moe_work_bytes", hidden, intermediate)
-        rc = self.lib.moe_swiglu(
-            W_CODES[weight_dtype],
-            hidden,
-            intermediate,
-            m,
-            ptrs(*gate_up),
-            None if gate_up_scale is None else ptrs(*gate_up_scale),
-            ptrs(*down),
-            None if down_scale is None else ptrs(*down_scale),
-            (ctypes.c_float * m)(*weights),
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            out.data_ptr(),
-            self._work(work),
+        experts = Experts(
+            gate_up=ptrs(*gate_up),
+            gate_up_scale=None if gate_up_scale is None else ptrs(*gate_up_scale),
+            down=ptrs(*down),
+            down_scale=None if down_scale is None else ptrs(*down_scale),
+            wtype=W_CODES[weight_dtype],
+            H=hidden,
+            I=intermediate,
+        )
+        routes = Routes(w=(ctypes.c_float * m)(*weights), R=1, k=m)
+        rows = Rows(x=x.data_ptr(), out=out.data_ptr(), m=1, n=hidden, xtype=X_CODES[x.dtype])
+        work = self._work(self._scratch("moe_work_bytes", hidden, intermediate))
+        rc = self.lib.moe_swiglu_call(
+            experts,
+            routes,
+            rows,
+            work,
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -178,22 +194,20 @@ class NativeKernels(KernelLibrary):
         distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
         scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
         is the one it gets alone."""
-        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 4)
-        out = torch.empty((R, hidden), dtype=x.dtype)
+        routes, table = self._routing(x, slots, ids, weights, 4)
+        out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
         quantized = weight_dtype == torch.int8
-        rc = self.lib.moe_swiglu_rows(
-            W_CODES[weight_dtype],
-            hidden,
-            intermediate,
-            R,
-            k,
-            id_array,
-            weight_array,
-            table[0],
-            table[1] if quantized else None,
-            table[2],
-            table[3] if quantized else None,
-            *self._io(x, out, "moe_rows_work_bytes", hidden, intermediate, R),
+        experts = Experts(
+            gate_up=table[0],
+            gate_up_scale=table[1] if quantized else None,
+            down=table[2],
+            down_scale=table[3] if quantized else None,
+            wtype=W_CODES[weight_dtype],
+            H=hidden,
+            I=intermediate,
+        )
+        rc = self._run_experts(
+            "moe_swiglu_rows_call", experts, routes, x, out, "moe_rows_work_bytes"
         )
         if rc != 0:
             raise ValueError("native moe_rows takes 1 to 64 distinct experts a row")
@@ -208,19 +222,12 @@ class NativeKernels(KernelLibrary):
         m, cols = x.shape
         rows = packed.shape[0]
         y = torch.empty((m, rows), dtype=x.dtype)
-        rc = self.lib.gemv_q4(
-            packed.data_ptr(),
-            scale.data_ptr(),
-            zero.data_ptr(),
-            rows,
-            cols,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            m,
-            y.data_ptr(),
-            self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m)),
-            torch.get_num_threads(),
+        weight = Weight(
+            w=packed.data_ptr(), scale=scale.data_ptr(), zero=zero.data_ptr(), rows=rows, cols=cols
         )
+        xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=m, n=cols, xtype=X_CODES[x.dtype])
+        work = self._work(self._scratch("gemv_q4_work_bytes", rows, cols, m))
+        rc = self.lib.gemv_q4_call(weight, xs, work, torch.get_num_threads())
         return y if rc == 0 else None
 
     def moe_q4(
@@ -235,23 +242,19 @@ class NativeKernels(KernelLibrary):
         """Rows x [R, H] bf16 (any R >= 1) through int4 SwiGLU experts (groups of 64): row r takes the k experts
         slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
         scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
-        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
-        out = torch.empty((R, hidden), dtype=x.dtype)
-        rc = self.lib.moe_q4_rows(
-            hidden,
-            intermediate,
-            R,
-            k,
-            id_array,
-            weight_array,
-            table[0],
-            table[1],
-            table[4],
-            table[2],
-            table[3],
-            table[5],
-            *self._io(x, out, "moe_q4_work_bytes", hidden, intermediate, R),
+        routes, table = self._routing(x, slots, ids, weights, 6)
+        out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
+        experts = Experts(
+            gate_up=table[0],
+            gate_up_scale=table[1],
+            down=table[2],
+            down_scale=table[3],
+            gate_up_zero=table[4],
+            down_zero=table[5],
+            H=hidden,
+            I=intermediate,
         )
+        rc = self._run_experts("moe_q4_rows_call", experts, routes, x, out, "moe_q4_work_bytes")
         if rc != 0:
             raise ValueError("native moe_q4 takes bf16 rows and 1 to 64 distinct experts a row")
         return out
@@ -272,20 +275,23 @@ class NativeKernels(KernelLibrary):
         row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
         scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
         index -> [R, H] in x's dtype."""
-        R, k, id_array, weight_array, table = self._routing(x, slots, ids, weights, 6)
-        out = torch.empty((R, hidden), dtype=x.dtype)
-        rc = self.lib.moe_mxfp4_rows(
-            hidden,
-            intermediate,
-            R,
-            k,
-            id_array,
-            weight_array,
-            *table,
-            W_CODES[bias_dtype],
-            alpha,
-            limit,
-            *self._io(x, out, "moe_mxfp4_work_bytes", hidden, intermediate, R),
+        routes, table = self._routing(x, slots, ids, weights, 6)
+        out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
+        experts = Experts(
+            gate_up=table[0],
+            gate_up_scale=table[1],
+            gate_up_bias=table[2],
+            down=table[3],
+            down_scale=table[4],
+            down_bias=table[5],
+            bias_wtype=W_CODES[bias_dtype],
+            H=hidden,
+            I=intermediate,
+            alpha=alpha,
+            limit=limit,
+        )
+        rc = self._run_experts(
+            "moe_mxfp4_rows_call", experts, routes, x, out, "moe_mxfp4_work_bytes"
         )
         if rc != 0:
             raise ValueError(
@@ -303,21 +309,14 @@ class NativeKernels(KernelLibrary):
         logits = torch.empty((1, E), dtype=x.dtype)
         weights = torch.empty((1, k), dtype=x.dtype)
         ids = torch.empty((1, k), dtype=torch.int64)
-        rc = self.lib.router_topk(
-            w.data_ptr(),
-            W_CODES[w.dtype],
-            E,
-            H,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            k,
-            int(norm),
-            logits.data_ptr(),
-            weights.data_ptr(),
-            ids.data_ptr(),
-            self._work(self._scratch("gemv_work_bytes", E, H, 1)),
-            torch.get_num_threads(),
+        router = Router(
+            k=k,
+            norm=int(norm),
+            logits=logits.data_ptr(),
+            weights=weights.data_ptr(),
+            ids=ids.data_ptr(),
         )
+        rc = self._route("router_topk_call", x, w, router)
         return (logits, weights, ids) if rc == 0 else None
 
     def router_sigmoid(
@@ -339,25 +338,33 @@ class NativeKernels(KernelLibrary):
         R = x.shape[0]
         logits, weights = torch.empty((R, E)), torch.empty((R, k))
         ids, xf = torch.empty((R, k), dtype=torch.int64), torch.empty(H)
-        rc = self.lib.router_sigmoid_rows(
-            R,
-            w.data_ptr(),
-            W_CODES[w.dtype],
-            E,
-            H,
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            k,
-            n_group,
-            topk_group,
-            int(norm),
-            scale,
-            None if bias is None else bias.data_ptr(),
-            logits.data_ptr(),
-            weights.data_ptr(),
-            ids.data_ptr(),
-            xf.data_ptr(),
-            self._work(self._scratch("gemv_work_bytes", E, H, 1)),
-            torch.get_num_threads(),
+        router = Router(
+            k=k,
+            norm=int(norm),
+            n_group=n_group,
+            topk_group=topk_group,
+            scale=scale,
+            bias=None if bias is None else bias.data_ptr(),
+            logits=logits.data_ptr(),
+            weights=weights.data_ptr(),
+            ids=ids.data_ptr(),
+            xf=xf.data_ptr(),
         )
+        rc = self._route("router_sigmoid_rows_call", x, w, router)
         return (logits, weights, ids) if rc == 0 else None
+
+    def _route(self, fn: str, x: torch.Tensor, w: torch.Tensor, router: Router) -> int:
+        """Rows x through the router entry point `fn` with weight w [E, H], outputs where `router` says."""
+        E, H = w.shape
+        weight = Weight(w=w.data_ptr(), rows=E, cols=H, wtype=W_CODES[w.dtype])
+        rows = Rows(x=x.data_ptr(), m=x.shape[0], n=H, xtype=X_CODES[x.dtype])
+        work = self._work(self._scratch("gemv_work_bytes", E, H, 1))
+        return int(
+            getattr(self.lib, fn)(
+                weight,
+                rows,
+                router,
+                work,
+                torch.get_num_threads(),
+            )
+        )

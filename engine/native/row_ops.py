@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any, TypeVar
 
 import torch
 
 from engine.native.signatures import declare
+from engine.native.structs import Attend, Heads, KVCache, KVNew, Norm, QKNorm, Rotary, Rows
 
 W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
@@ -22,6 +24,9 @@ def reads_weights(w: torch.dtype, x: torch.dtype) -> bool:
     weights for f32 rows (widened exactly as they are read: an f32 model's bf16 weights)."""
     return w == x or (w == torch.bfloat16 and x == torch.float32)
 
+
+_FIXED_KEPT = 4096  # descriptors KernelLibrary._fixed keeps before it starts again
+S = TypeVar("S", bound=ctypes.Structure)
 
 # The block table of a contiguous KV buffer: its one block, holding every position (cpu_gemv.h kv_row).
 CONTIGUOUS_TABLE = torch.zeros(1, dtype=torch.int64)
@@ -51,6 +56,7 @@ class KernelLibrary:
         self._scratch_bytes: dict[
             tuple, int
         ] = {}  # each kernel's scratch size per shape, asked of the library once
+        self._fixed_structs: dict[tuple, ctypes.Structure] = {}
 
     def _scratch(self, size_fn: str, *shape: int) -> int:
         """The scratch bytes the library's `size_fn` (gemv_work_bytes, moe_work_bytes, ...) gives for this
@@ -62,6 +68,19 @@ class KernelLibrary:
             nbytes = self._scratch_bytes[key] = getattr(self.lib, size_fn)(*shape)
         return nbytes
 
+    def _fixed(self, cls: type[S], **fields: Any) -> S:
+        """The descriptor `cls` with these fields (given in its field order), built on first use
+        and kept: a decode step passes the same few (a layer's norm weights, a request's KV buffers) every
+        layer, and looking one up costs less than filling a new one. Read only once built, so threads
+        share them."""
+        key = (cls, *fields.values())
+        found = self._fixed_structs.get(key)
+        if found is None:
+            if len(self._fixed_structs) >= _FIXED_KEPT:  # buffers come and go: keep the recent ones
+                self._fixed_structs.clear()
+            found = self._fixed_structs[key] = cls(**fields)
+        return found  # type: ignore[return-value]
+
     def _work(self, nbytes: int) -> int:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
@@ -72,16 +91,11 @@ class KernelLibrary:
         """Llama-style RMSNorm of x [..., n] (contiguous, f32 or bf16) with `weight` [n] of x's dtype."""
         out = torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.rmsnorm(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            out.data_ptr(),
+        rows = Rows(
+            x=x.data_ptr(), out=out.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
+        norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        self.lib.rmsnorm_call(rows, norm)
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,22 +104,18 @@ class KernelLibrary:
         rounding as its elementwise ops do. Returns x."""
         heads, d = x.shape[-2], x.shape[-1]
         rot = cos.shape[-1]
-        self.lib.rope(
-            x.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // (heads * d),
-            heads,
-            d,
-            rot,
-            cos.data_ptr(),
-            sin.data_ptr(),
+        heads_ = Heads(
+            q=x.data_ptr(), xtype=X_CODES[x.dtype], rows=x.numel() // (heads * d), hq=heads, d=d
         )
+        rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=rot)
+        self.lib.rope_call(heads_, rotary)
         return x
 
     def qk_norm_rope(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
+        *,
         q_weight: torch.Tensor,
         k_weight: torch.Tensor,
         q_eps: float,
@@ -116,23 +126,25 @@ class KernelLibrary:
         """rmsnorm of every head of q [..., rows, hq, d] and k [..., rows, hk, d] (weights [d]), then rope,
         in place: the same arithmetic as rmsnorm() and rope() one after the other, in one call."""
         hq, d, hk = q.shape[-2], q.shape[-1], k.shape[-2]
-        self.lib.qk_norm_rope(
-            q.data_ptr(),
-            k.data_ptr(),
-            X_CODES[q.dtype],
-            q.numel() // (hq * d),
-            hq,
-            hk,
-            d,
-            q_weight.data_ptr(),
-            k_weight.data_ptr(),
-            W_CODES[q_weight.dtype],
-            q_eps,
-            k_eps,
-            cos.shape[-1],
-            cos.data_ptr(),
-            sin.data_ptr(),
+        heads = Heads(
+            q=q.data_ptr(),
+            k=k.data_ptr(),
+            xtype=X_CODES[q.dtype],
+            rows=q.numel() // (hq * d),
+            hq=hq,
+            hk=hk,
+            d=d,
         )
+        norms = self._fixed(
+            QKNorm,
+            qw=q_weight.data_ptr(),
+            kw=k_weight.data_ptr(),
+            wtype=W_CODES[q_weight.dtype],
+            q_eps=q_eps,
+            k_eps=k_eps,
+        )
+        rotary = Rotary(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=cos.shape[-1])
+        self.lib.qk_norm_rope_call(heads, norms, rotary)
 
     def add_rmsnorm(
         self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
@@ -141,18 +153,11 @@ class KernelLibrary:
         arithmetic as torch's add followed by rmsnorm()."""
         total, normed = torch.empty_like(x), torch.empty_like(x)
         n = x.shape[-1]
-        self.lib.add_rmsnorm(
-            x.data_ptr(),
-            a.data_ptr(),
-            X_CODES[x.dtype],
-            x.numel() // n,
-            n,
-            weight.data_ptr(),
-            W_CODES[weight.dtype],
-            eps,
-            total.data_ptr(),
-            normed.data_ptr(),
+        rows = Rows(
+            x=x.data_ptr(), out=total.data_ptr(), m=x.numel() // n, n=n, xtype=X_CODES[x.dtype]
         )
+        norm = self._fixed(Norm, w=weight.data_ptr(), wtype=W_CODES[weight.dtype], eps=eps)
+        self.lib.add_rmsnorm_call(rows, a.data_ptr(), normed.data_ptr(), norm)
         return total, normed
 
     def kv_append(
@@ -171,23 +176,26 @@ class KernelLibrary:
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
         table_ptr, bs = kv_table(key_buffer, table, block)
-        self.lib.kv_append(
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            heads,
-            n,
-            d,
-            table_ptr,
-            bs,
-            at,
-            ks[1],
-            ks[2],
-            vs[1],
-            vs[2],
-            k.element_size(),
+        cache = self._fixed(
+            KVCache,
+            kbuf=key_buffer.data_ptr(),
+            vbuf=value_buffer.data_ptr(),
+            blocks=table_ptr,
+            bs=bs,
+            heads=heads,
+            d=d,
         )
+        new = KVNew(
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            n=n,
+            k_head=ks[1],
+            k_pos=ks[2],
+            v_head=vs[1],
+            v_pos=vs[2],
+            elem=k.element_size(),
+        )
+        self.lib.kv_append_call(cache, new, at)
 
     def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """silu(g) * u elementwise (contiguous, one float dtype, one shape), rounded as a bf16 reference
@@ -211,6 +219,7 @@ class KernelLibrary:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
         norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
@@ -234,30 +243,38 @@ class KernelLibrary:
         hk = k.shape[1]
         out = torch.empty((rows, hq * d), dtype=q.dtype)
         qw, kw, q_eps, k_eps = norms if norms is not None else (None, None, 0.0, 0.0)
-        self.lib.attention_rows(
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            X_CODES[q.dtype],
-            rows,
-            hq,
-            hk,
-            d,
-            None if qw is None else qw.data_ptr(),
-            None if kw is None else kw.data_ptr(),
-            W_CODES[qw.dtype] if qw is not None else 0,
-            q_eps,
-            k_eps,
-            0 if cos is None else cos.shape[-1],
-            None if cos is None else cos.data_ptr(),
-            None if sin is None else sin.data_ptr(),
-            key_buffer.data_ptr(),
-            value_buffer.data_ptr(),
-            table_ptr,
-            bs,
-            at,
-            scale,
-            out.data_ptr(),
-            self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at)),
+        heads = Heads(
+            q=q.data_ptr(), k=k.data_ptr(), xtype=X_CODES[q.dtype], rows=rows, hq=hq, hk=hk, d=d
+        )
+        qk = self._fixed(
+            QKNorm,
+            qw=None if qw is None else qw.data_ptr(),
+            kw=None if kw is None else kw.data_ptr(),
+            wtype=W_CODES[qw.dtype] if qw is not None else 0,
+            q_eps=q_eps,
+            k_eps=k_eps,
+        )
+        rotary = Rotary(
+            cos=None if cos is None else cos.data_ptr(),
+            sin=None if sin is None else sin.data_ptr(),
+            rot=0 if cos is None else cos.shape[-1],
+        )
+        cache = self._fixed(
+            KVCache,
+            kbuf=key_buffer.data_ptr(),
+            vbuf=value_buffer.data_ptr(),
+            blocks=table_ptr,
+            bs=bs,
+            heads=hk,
+            d=d,
+        )
+        work = self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at))
+        attend = Attend(v=v.data_ptr(), out=out.data_ptr(), work=work, at=at, scale=scale)
+        self.lib.attention_rows_call(
+            heads,
+            qk,
+            rotary,
+            cache,
+            attend,
         )
         return out

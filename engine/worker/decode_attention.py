@@ -143,7 +143,18 @@ def _attend_rows(
     ):  # a request's cache holds its model's dtype: this would be a bug, not an input
         raise RuntimeError(f"KV cache in {kb.dtype} for a {q.dtype} attention row")
     out = kernels.decode_attention(
-        q, k, v, norms, cos, sin, kb, vb, length, scale, cache.block_table, cache.block_size
+        q,
+        k,
+        v,
+        norms=norms,
+        cos=cos,
+        sin=sin,
+        key_buffer=kb,
+        value_buffer=vb,
+        at=length,
+        scale=scale,
+        table=cache.block_table,
+        block=cache.block_size,
     )
     cache.advance(length + rows)
     return out

@@ -43,6 +43,7 @@ from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.limits import MAX_ROWS
 from engine.native.row_ops import kv_table
+from engine.native.structs import DecodeStep
 from engine.weights.moe_hook import BlockAdapter
 from engine.worker import dispatch
 from engine.worker.fused_layer_spec import (
@@ -92,6 +93,9 @@ class FusedDecode:
             None  # [1, hk, MAX_ROWS, d] rows for a cache layer's first append or growth
         )
         self._row_kv: tuple = ()
+        self._step: DecodeStep | None = (
+            None  # decode_layer's step descriptor: scratch and KV arrays set once
+        )
 
     def shape_flags(self) -> tuple[bool, bool, bool, bool]:
         """(all resident, planned per layer, live listener, wrapped) of the model's MoE blocks, for the
@@ -134,15 +138,16 @@ class FusedDecode:
         declined = self._caches_decline(caches, rows, max_positions)
         if declined is not None:
             return declined
-        lib, nt, R = self.kernels.lib, torch.get_num_threads(), x.shape[0]
-        assert self._work is not None and self._kv_like is not None  # built
-        xp, hp, cp, sp, work = (
+        lib, R, step = self.kernels.lib, x.shape[0], self._step
+        assert self._kv_like is not None and step is not None  # built
+        # The step's rows and threads (its scratch and KV arrays were set when built); each layer reads them.
+        step.x, step.h, step.cos, step.sin = (
             x.data_ptr(),
             h.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
-            self._work.data_ptr(),
         )
+        step.R, step.nthreads = R, torch.get_num_threads()
         kptrs, vptrs, tables, blocks, ats = self._row_kv
         like = [
             self._kv_like.narrow(2, 0, n) for n in rows
@@ -167,9 +172,7 @@ class FusedDecode:
                     )
                     r += 1
                 ends.append((layer, at + n))
-            rc = lib.decode_layer(
-                ctypes.byref(spec), R, xp, hp, cp, sp, kptrs, vptrs, tables, blocks, ats, work, nt
-            )
+            rc = lib.decode_layer(ctypes.byref(spec), step)
             if rc != 0:  # the specs were checked when built: a bug, not an input
                 raise RuntimeError(f"native decode_layer failed ({rc})")
             for layer, end in ends:
@@ -243,6 +246,10 @@ class FusedDecode:
             (ctypes.c_void_p * MAX_ROWS)(),
             (ctypes.c_int64 * MAX_ROWS)(),
             (ctypes.c_int64 * MAX_ROWS)(),
+        )
+        kbufs, vbufs, tables, bss, ats = (ctypes.addressof(a) for a in self._row_kv)
+        self._step = DecodeStep(
+            work=self._work.data_ptr(), kbufs=kbufs, vbufs=vbufs, tables=tables, bss=bss, ats=ats
         )
         self.state = "ready"
         return True

@@ -265,7 +265,16 @@ class LeanForward:
         kernels = verified_kernels(qn, q)
         if kernels is None or verified_kernels(kn, k) is None or not self._rope_ok(q, k, cos, sin):
             return False
-        kernels.qk_norm_rope(q, k, qn.weight, kn.weight, qn.eps, kn.eps, cos, sin)
+        kernels.qk_norm_rope(
+            q,
+            k,
+            q_weight=qn.weight,
+            k_weight=kn.weight,
+            q_eps=qn.eps,
+            k_eps=kn.eps,
+            cos=cos,
+            sin=sin,
+        )
         return True
 
     def _rope_ok(
