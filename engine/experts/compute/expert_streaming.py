@@ -71,12 +71,7 @@ class ExpertStreamer:
     ) -> torch.Tensor:
         """x [T, H] through `plan`: `ready` experts are resident and pinned by `lease`, `to_load` ones are
         loaded on demand, `on_cpu` ones run on `cpu`'s workers. Returns [T, H]."""
-        if plan.experts is not ids_list:
-            ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
-        if plan.weights is not None:
-            weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
-            weight_rows = weights.tolist()  # as rounded to the weights' dtype
-
+        ids, weights, weight_rows = _as_planned(plan, ids, weights, ids_list, weight_rows)
         T, k = ids.shape
         alive = [e for e in plan.experts[0] if e != DROPPED]
         if T == 1 and len(set(alive)) == len(alive):
@@ -121,9 +116,8 @@ class ExpertStreamer:
 
         def finish(e: int, y: torch.Tensor) -> None:
             rows = groups[e]
-            contrib[rows] = (y * w_flat[rows, None]).to(
-                contrib.dtype
-            )  # sigmoid routers' weights are f32: as transformers, cast after
+            # sigmoid routers' weights are f32: as transformers, cast after
+            contrib[rows] = (y * w_flat[rows, None]).to(contrib.dtype)
 
         self._stream(
             layer,
@@ -324,3 +318,19 @@ def _ascending_sum(ids: torch.Tensor, contrib: torch.Tensor, T: int, k: int) -> 
     for j in range(1, k):
         out += c[:, j]
     return out
+
+
+def _as_planned(
+    plan: ExpertPlan,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    ids_list: list,
+    weight_rows: list[list[float]],
+) -> tuple[torch.Tensor, torch.Tensor, list[list[float]]]:
+    """The routed ids and weights as `plan` changed them (substitutions, dropped experts, new weights)."""
+    if plan.experts is not ids_list:
+        ids = torch.tensor(plan.experts, dtype=ids.dtype, device=ids.device)
+    if plan.weights is not None:
+        weights = torch.tensor(plan.weights, dtype=weights.dtype, device=weights.device)
+        weight_rows = weights.tolist()  # as rounded to the weights' dtype
+    return ids, weights, weight_rows
