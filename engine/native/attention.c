@@ -70,7 +70,7 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
     /* The query heads of one KV head together: each cached row is read once for all of them. */
     int64_t len = at + 1, group = hq / hk;
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
-    if (group > 64 || group * hk != hq) return; /* the caller checks: never reached */
+    if (group > MAX_HEAD_GROUP || group * hk != hq) return; /* the caller checks: never reached */
     float *scores = work, *qf = work + group * len, *acc = qf + group * d; /* [group, len], [group, d], [group, d] */
     for (int64_t g = 0; g < hk; g++) {
         for (int64_t a = 0; a < group; a++)
@@ -80,8 +80,8 @@ void decode_attention(void *q, void *k, const void *v, int xtype, int64_t hq, in
             const char *kr = (const char *)kbuf + (size_t)kv_row(blocks, bs, hk, g, j) * row;
             for (int64_t a = 0; a < group; a++) scores[a * len + j] = dot_row(qf + a * d, kr, wt, d) * scale;
         }
-        float inv[64];
-        int64_t lens[64];
+        float inv[MAX_HEAD_GROUP];
+        int64_t lens[MAX_HEAD_GROUP];
         for (int64_t a = 0; a < group; a++) lens[a] = len;
         softmax_rows(scores, len, lens, group, inv);
         for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
@@ -195,7 +195,7 @@ void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64
     size_t row = (size_t)d * xs;
     int64_t group = hq / hk, span = at + T; /* a row's scores are at most span long */
     int wt = xtype == X_F32 ? W_F32 : W_BF16;
-    if (group > 64 || group * hk != hq) return; /* the caller checks: never reached */
+    if (group > MAX_HEAD_GROUP || group * hk != hq) return; /* the caller checks: never reached */
     for (int64_t r = 0; r < T; r++) { /* decode_attention's first two steps, row by row */
         qk_norm_rope((char *)q + r * qd, (char *)k + r * kd, xtype, 1, hq, hk, d, qw, kw, wtype, q_eps, k_eps, rot,
                      cos ? (const char *)cos + r * rs : NULL, sin ? (const char *)sin + r * rs : NULL);

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from engine import env
-from engine.native.limits import MAX_ROWS
+from engine.native.limits import MAX_HEAD_GROUP, MAX_ROWS, MAX_TOPK
 from engine.native.variants import Variant, runnable
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # The limits the C sources take from Python (engine/native/limits.py), so the two cannot disagree; part of
 # the cache key, so a library built with other values is not reused.
-DEFINES = [f"-DMAX_ROWS={MAX_ROWS}"]
+DEFINES = [f"-DMAX_ROWS={MAX_ROWS}", f"-DMAX_TOPK={MAX_TOPK}", f"-DMAX_HEAD_GROUP={MAX_HEAD_GROUP}"]
 
 
 def cache_dir() -> Path:

@@ -344,7 +344,7 @@ static void down_rows(int wtype, int64_t H, int64_t I, const void *dw, const uin
 int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                      const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,
                      const uint16_t *const *down_scale, const void *x, int xtype, void *out, void *work, int nthreads) {
-    if (R < 1 || k < 1 || k > 64) return -1;
+    if (R < 1 || k < 1 || k > MAX_TOPK) return -1;
     char *mem = (char *)work;
     route_tables_t rt = take_routes(&mem, R);
     int64_t groups = group_routes(R, k, ids, w, rt.routes, rt.starts, rt.first);
@@ -408,8 +408,8 @@ int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const
 int moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *gate_up, const uint16_t *const *gu_scale,
                 const void *const *down, const uint16_t *const *down_scale, const float *w,
                 const void *x, int xtype, void *out, void *work, int nthreads) {
-    int64_t ids[64];
-    if (m < 1 || m > 64) return -1;
+    int64_t ids[MAX_TOPK];
+    if (m < 1 || m > MAX_TOPK) return -1;
     for (int64_t j = 0; j < m; j++) ids[j] = j;
     return moe_swiglu_rows(wtype, H, I, 1, m, ids, w, gate_up, gu_scale, down, down_scale, x, xtype, out, work, nthreads);
 }
@@ -548,7 +548,7 @@ int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, 
                 const uint8_t *const *gate_up, const uint16_t *const *gu_scale, const uint16_t *const *gu_zero,
                 const uint8_t *const *down, const uint16_t *const *d_scale, const uint16_t *const *d_zero,
                 const void *x, int xtype, void *out, void *work, int nthreads) {
-    if (R < 1 || k < 1 || k > 64 || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
+    if (R < 1 || k < 1 || k > MAX_TOPK || xtype != X_BF16 || H % Q4_GROUP || I % Q4_GROUP) return -1;
     char *mem = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
     route_tables_t tables = take_routes(&mem, R);
     route_t *routes = tables.routes;

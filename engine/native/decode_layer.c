@@ -25,8 +25,6 @@
  */
 #include "cpu_gemv.h"
 
-#define MAX_TOPK 64
-
 /* Everything about one layer that does not change from a step to the next; engine/worker/fused_decode.py
  * fills it once (ctypes Structure `LayerSpec`, same fields in the same order). Weights in the
  * activation's dtype unless a *_wtype says otherwise; a NULL bias or q/k norm: none. */

@@ -194,7 +194,7 @@ int moe_mxfp4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *id
     route_t routes[MAX_ROWS * 64];
     int64_t starts[MAX_ROWS * 64 + 1];
     int first[MAX_ROWS * 64];
-    if (R < 1 || R > MAX_ROWS || k < 1 || k > 64 || H % MX_GROUP || I % MX_GROUP) return -1;
+    if (R < 1 || R > MAX_ROWS || k < 1 || k > MAX_TOPK || H % MX_GROUP || I % MX_GROUP) return -1;
     if (btype != W_F32 && btype != W_BF16) return -1;
     int64_t groups = group_routes(R, k, ids, w, routes, starts, first);
     for (int64_t g = 0; g < groups; g++)

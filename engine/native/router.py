@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.native.kernels import X_CODES
+from engine.native.limits import MAX_TOPK
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
 
@@ -120,7 +121,7 @@ class NativeSigmoidRouter:
             and w.dtype in (torch.float32, torch.bfloat16)
             and w.device.type == "cpu"
             and w.is_contiguous()
-            and getattr(router, "top_k", 65) <= 64
+            and getattr(router, "top_k", MAX_TOPK + 1) <= MAX_TOPK
             and native() is not None
         )
 

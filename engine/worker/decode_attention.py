@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.layers import verified_kernels
+from engine.native.limits import MAX_HEAD_GROUP
 from engine.worker.kv_cache import InPlaceLayer
 from engine.worker.kv_pool import NATIVE_KV_LAYERS, PagedLayer
 from engine.worker.lean_layer import LeanLayer
@@ -56,7 +57,7 @@ def native_attention(
         or q.device.type != "cpu"
         or d > 1024
         or hq % hk
-        or hq // hk > 64
+        or hq // hk > MAX_HEAD_GROUP
         or cos.shape[-1] % 2
         or cos.shape[-1] > d
         or not (cos.is_contiguous() and sin.is_contiguous())

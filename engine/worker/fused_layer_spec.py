@@ -14,12 +14,12 @@ from torch import nn
 from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.native.kernels import W_CODES, X_CODES
 from engine.native.layers import NativeLinear, NativeRMSNorm
+from engine.native.limits import MAX_HEAD_GROUP, MAX_TOPK
 from engine.native.quant_linear import QuantLinear
 from engine.native.router import NativeSigmoidRouter, NativeTopKRouter
 from engine.native.row_ops import reads_weights
 
 _I64, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-MAX_TOPK = 64  # decode_layer.c's limit on experts a row (its rows a step: MAX_ROWS)
 
 
 class LayerSpec(ctypes.Structure):
@@ -105,7 +105,7 @@ def attention_fields(layer: Any, next_norm: Any, x: torch.Tensor, cos: torch.Ten
     ]
     d = att.head_dim
     hq, hk = projections[0][0].shape[0] // d, projections[1][0].shape[0] // d
-    if hq % hk or hq // hk > 64 or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
+    if hq % hk or hq // hk > MAX_HEAD_GROUP or d > 1024 or cos.shape[-1] % 2 or cos.shape[-1] > d:
         raise Unsupported("an attention shape the native kernel does not take")
     norm_dtypes = {n.module.weight.dtype for n in norms + [q for q in qk if q is not None]}
     if len(norm_dtypes) != 1:
