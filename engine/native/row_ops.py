@@ -81,6 +81,28 @@ class KernelLibrary:
             found = self._fixed_structs[key] = cls(**fields)
         return found  # type: ignore[return-value]
 
+    def _kv_cache(
+        self,
+        key_buffer: torch.Tensor,
+        value_buffer: torch.Tensor,
+        table: torch.Tensor | None,
+        *,
+        block: int,
+        heads: int,
+        d: int,
+    ) -> KVCache:
+        """The KV buffers' descriptor: [blocks, heads, block, d] read through the block `table`."""
+        table_ptr, bs = kv_table(key_buffer, table, block)
+        return self._fixed(
+            KVCache,
+            kbuf=key_buffer.data_ptr(),
+            vbuf=value_buffer.data_ptr(),
+            blocks=table_ptr,
+            bs=bs,
+            heads=heads,
+            d=d,
+        )
+
     def _work(self, nbytes: int) -> int:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
@@ -175,16 +197,7 @@ class KernelLibrary:
         buffers [blocks, heads, block, d] read through the sequence's block `table` (int64)."""
         _, heads, n, d = k.shape
         ks, vs = k.stride(), v.stride()
-        table_ptr, bs = kv_table(key_buffer, table, block)
-        cache = self._fixed(
-            KVCache,
-            kbuf=key_buffer.data_ptr(),
-            vbuf=value_buffer.data_ptr(),
-            blocks=table_ptr,
-            bs=bs,
-            heads=heads,
-            d=d,
-        )
+        cache = self._kv_cache(key_buffer, value_buffer, table, block=block, heads=heads, d=d)
         new = KVNew(
             k=k.data_ptr(),
             v=v.data_ptr(),
@@ -236,7 +249,6 @@ class KernelLibrary:
         k eps) or None, cos/sin [T, rot] or None, the KV cache in the same dtype with room for at + T
         positions (contiguous buffers [1, hk, capacity, d], or a pool's [blocks, hk, block, d] through the
         block `table`: kv_append), the first row's position `at`. Returns [T, hq * d]. (q [hq, d] is one row.)"""
-        table_ptr, bs = kv_table(key_buffer, table, block)
         if q.dim() == 2:
             q, k, v = q[None], k[None], v[None]
         rows, hq, d = q.shape
@@ -259,15 +271,7 @@ class KernelLibrary:
             sin=None if sin is None else sin.data_ptr(),
             rot=0 if cos is None else cos.shape[-1],
         )
-        cache = self._fixed(
-            KVCache,
-            kbuf=key_buffer.data_ptr(),
-            vbuf=value_buffer.data_ptr(),
-            blocks=table_ptr,
-            bs=bs,
-            heads=hk,
-            d=d,
-        )
+        cache = self._kv_cache(key_buffer, value_buffer, table, block=block, heads=hk, d=d)
         work = self._work(4 * self.lib.attention_rows_work_floats(rows, hq, hk, d, at))
         attend = Attend(v=v.data_ptr(), out=out.data_ptr(), work=work, at=at, scale=scale)
         self.lib.attention_rows_call(
