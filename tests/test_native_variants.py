@@ -95,9 +95,8 @@ def test_each_build_attends_as_sdpa(name: str, dtype: torch.dtype) -> None:
     )
     kb_ref, vb_ref = keys.clone(), values.clone()
     kb_ref[0, :, at], vb_ref[0, :, at] = k, v
-    assert torch.equal(kb, kb_ref) and torch.equal(
-        vb, vb_ref
-    )  # the new key and value appended in place
+    # the new key and value appended in place
+    assert torch.equal(kb, kb_ref) and torch.equal(vb, vb_ref)
     ref = F.scaled_dot_product_attention(
         q.float().view(1, hq, 1, d),
         kb_ref[:, :, : at + 1].float(),

@@ -244,7 +244,7 @@ static void *take(char **mem, size_t bytes) {
     return p;
 }
 
-/* The route tables of R rows with up to 64 experts each (group_routes), from the work buffer. */
+/* The route tables of R rows with up to MAX_TOPK experts each (group_routes), from the work buffer. */
 typedef struct {
     route_t *routes;
     int64_t *starts;
@@ -339,7 +339,7 @@ static void down_rows(int wtype, int64_t H, int64_t I, const void *dw, const uin
  * row gets: gemv's rows share the weight row, gemm's tiles the loads, not the sums). Each row's sum runs over its
  * experts in ascending id, as one row alone would: in a bf16 model every intermediate is rounded to bf16 where
  * transformers' bf16 reference rounds it (gate and up, the SwiGLU product, the expert output, its scaled value
- * and the running sum). x and out: [R, H] in `xtype`. Returns 0, or -1 for more than 64 experts a row, one
+ * and the running sum). x and out: [R, H] in `xtype`. Returns 0, or -1 for more than MAX_TOPK experts a row, one
  * expert named twice in a row, or no memory. */
 int moe_swiglu_rows(int wtype, int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                      const void *const *gate_up, const uint16_t *const *gu_scale, const void *const *down,
@@ -543,7 +543,7 @@ size_t moe_q4_work_bytes(int64_t H, int64_t I, int64_t R) {
  * output), then each expert's output times its routing weight summed in ascending id, as moe_swiglu_rows does:
  * one call for a layer's experts, each row's activation quantized once for all of them, each expert's weights
  * read once for every row routed to it. Each row's result is the one it gets alone. H and I multiples of 64.
- * Returns 0, or -1 for a shape it does not take, more than 64 experts a row or one named twice. */
+ * Returns 0, or -1 for a shape it does not take, more than MAX_TOPK experts a row or one named twice. */
 int moe_q4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
                 const uint8_t *const *gate_up, const uint16_t *const *gu_scale, const uint16_t *const *gu_zero,
                 const uint8_t *const *down, const uint16_t *const *d_scale, const uint16_t *const *d_zero,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.native.limits import MAX_ROWS
+from engine.native.limits import MAX_ROWS, MAX_TOPK
 from engine.native.row_ops import W_CODES, X_CODES, KernelLibrary
 from engine.native.structs import Experts, Router, Routes, Rows, Weight
 
@@ -155,7 +155,7 @@ class NativeKernels(KernelLibrary):
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"native moe_swiglu takes 1 to 64 experts, got {m}")
+            raise ValueError(f"native moe_swiglu takes 1 to {MAX_TOPK} experts, got {m}")
         return out
 
     def expert_rows(
@@ -210,7 +210,7 @@ class NativeKernels(KernelLibrary):
             "moe_swiglu_rows_call", experts, routes, x, out, "moe_rows_work_bytes"
         )
         if rc != 0:
-            raise ValueError("native moe_rows takes 1 to 64 distinct experts a row")
+            raise ValueError(f"native moe_rows takes 1 to {MAX_TOPK} distinct experts a row")
         return out
 
     def gemv_q4(
@@ -256,7 +256,9 @@ class NativeKernels(KernelLibrary):
         )
         rc = self._run_experts("moe_q4_rows_call", experts, routes, x, out, "moe_q4_work_bytes")
         if rc != 0:
-            raise ValueError("native moe_q4 takes bf16 rows and 1 to 64 distinct experts a row")
+            raise ValueError(
+                f"native moe_q4 takes bf16 rows and 1 to {MAX_TOPK} distinct experts a row"
+            )
         return out
 
     def moe_mxfp4(
@@ -295,7 +297,7 @@ class NativeKernels(KernelLibrary):
         )
         if rc != 0:
             raise ValueError(
-                f"native moe_mxfp4 takes 1 to {MAX_ROWS} rows, 64 distinct experts a row, H and I multiples of 32"
+                f"native moe_mxfp4 takes 1 to {MAX_ROWS} rows, {MAX_TOPK} distinct experts a row, H and I multiples of 32"
             )
         return out
 
