@@ -154,6 +154,25 @@ int moe_swiglu(int wtype, int64_t H, int64_t I, int64_t m, const void *const *ga
                 const void *x, int xtype, void *out, void *work, int nthreads);
 void add_rmsnorm(const void *x, const void *a, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps,
                  void *sum, void *normed);
+/* Kernels only Python calls, through engine/native/entry.c (declared here so their definitions are checked). */
+int gemv_sweep(const void *const *Ws, int64_t count, int wtype, int64_t rows, int64_t cols, const void *X, int xtype,
+               void *Y, void *work, int nthreads);
+int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t rows, int64_t cols,
+            const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
+int moe_mxfp4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
+                   const uint8_t *const *gu_blocks, const uint8_t *const *gu_scales, const void *const *gu_bias,
+                   const uint8_t *const *d_blocks, const uint8_t *const *d_scales, const void *const *d_bias,
+                   int btype, float alpha, float limit, const void *x, int xtype, void *out, void *work,
+                   int nthreads);
+int router_sigmoid_rows(int64_t R, const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k,
+                        int64_t n_group, int64_t topk_group, int norm, float scale, const float *bias, float *logits,
+                        float *weights, int64_t *ids, float *xf, void *work, int nthreads);
+void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps, void *out);
+void rope(void *x, int xtype, int64_t rows, int64_t heads, int64_t d, int64_t rot, const void *cos, const void *sin);
+void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
+                    const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
+                    const void *sin, void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale,
+                    void *out, float *work);
 void topk_desc(const float *v, int64_t n, int64_t k, int64_t *ids);
 int router_topk(const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k, int norm,
                 void *logits, void *weights, int64_t *ids, void *work, int nthreads);

@@ -5,26 +5,6 @@
  * argument lists for each other (decode_layer.c calls gemv, the experts, the routers and the attention directly). */
 #include "cpu_gemv.h"
 
-/* Kernels defined in the other sources whose prototypes only this file needs. */
-int gemv_sweep(const void *const *Ws, int64_t count, int wtype, int64_t rows, int64_t cols, const void *X, int xtype,
-               void *Y, void *work, int nthreads);
-int gemv_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, int64_t rows, int64_t cols,
-            const void *X, int xtype, int64_t m, void *Y, void *work, int nthreads);
-int moe_mxfp4_rows(int64_t H, int64_t I, int64_t R, int64_t k, const int64_t *ids, const float *w,
-                   const uint8_t *const *gu_blocks, const uint8_t *const *gu_scales, const void *const *gu_bias,
-                   const uint8_t *const *d_blocks, const uint8_t *const *d_scales, const void *const *d_bias,
-                   int btype, float alpha, float limit, const void *x, int xtype, void *out, void *work,
-                   int nthreads);
-int router_sigmoid_rows(int64_t R, const void *W, int wtype, int64_t E, int64_t H, const void *x, int xtype, int64_t k,
-                        int64_t n_group, int64_t topk_group, int norm, float scale, const float *bias, float *logits,
-                        float *weights, int64_t *ids, float *xf, void *work, int nthreads);
-void rmsnorm(const void *x, int xtype, int64_t rows, int64_t n, const void *w, int wtype, float eps, void *out);
-void rope(void *x, int xtype, int64_t rows, int64_t heads, int64_t d, int64_t rot, const void *cos, const void *sin);
-void attention_rows(void *q, void *k, const void *v, int xtype, int64_t T, int64_t hq, int64_t hk, int64_t d,
-                    const void *qw, const void *kw, int wtype, float q_eps, float k_eps, int64_t rot, const void *cos,
-                    const void *sin, void *kbuf, void *vbuf, const int64_t *blocks, int64_t bs, int64_t at, float scale,
-                    void *out, float *work);
-
 /* ---- matrices: x's rows (X->m of W->cols) times W^T into X->out ------------------------------------ */
 int gemv_call(const weight_t *W, const rows_t *X, void *work, int nthreads) {
     return gemv(W->w, W->scale, (int)W->wtype, W->rows, W->cols, X->x, (int)X->xtype, X->m, X->out, work, nthreads);
