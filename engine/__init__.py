@@ -113,6 +113,7 @@ if TYPE_CHECKING:
     from engine.prefetch.adapter import FILE_NAME as FILE_NAME
     from engine.prefetch.adapter import load_adapter as load_adapter
     from engine.prefetch.adapter import save_adapter as save_adapter
+    from engine.prefetch.draft_predictor import DraftPredictor as DraftPredictor
     from engine.prefetch.predictors import PerLayerPredictor as PerLayerPredictor
     from engine.prefetch.predictors import draft_hidden_states as draft_hidden_states
     from engine.prefetch.predictors import fate_predictor as fate_predictor
@@ -245,6 +246,7 @@ _SOURCES = MappingProxyType(
         "FILE_NAME": "engine.prefetch.adapter",
         "load_adapter": "engine.prefetch.adapter",
         "save_adapter": "engine.prefetch.adapter",
+        "DraftPredictor": "engine.prefetch.draft_predictor",
         "PerLayerPredictor": "engine.prefetch.predictors",
         "draft_hidden_states": "engine.prefetch.predictors",
         "fate_predictor": "engine.prefetch.predictors",
