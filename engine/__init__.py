@@ -113,7 +113,6 @@ if TYPE_CHECKING:
     from engine.prefetch.adapter import FILE_NAME as FILE_NAME
     from engine.prefetch.adapter import load_adapter as load_adapter
     from engine.prefetch.adapter import save_adapter as save_adapter
-    from engine.prefetch.draft_predictor import DraftPredictor as DraftPredictor
     from engine.prefetch.predictors import PerLayerPredictor as PerLayerPredictor
     from engine.prefetch.predictors import draft_hidden_states as draft_hidden_states
     from engine.prefetch.predictors import fate_predictor as fate_predictor
@@ -132,6 +131,7 @@ if TYPE_CHECKING:
     from engine.settings_file import setting as setting
     from engine.speculative.config import SpecConfig as SpecConfig
     from engine.speculative.draft import DraftProposer as DraftProposer
+    from engine.speculative.draft_prefetch import draft_predictor as draft_predictor
     from engine.speculative.factory import check_draft as check_draft
     from engine.speculative.factory import make_speculation as make_speculation
     from engine.structured.constraint import check_spec as check_spec
@@ -246,7 +246,6 @@ _SOURCES = MappingProxyType(
         "FILE_NAME": "engine.prefetch.adapter",
         "load_adapter": "engine.prefetch.adapter",
         "save_adapter": "engine.prefetch.adapter",
-        "DraftPredictor": "engine.prefetch.draft_predictor",
         "PerLayerPredictor": "engine.prefetch.predictors",
         "draft_hidden_states": "engine.prefetch.predictors",
         "fate_predictor": "engine.prefetch.predictors",
@@ -265,6 +264,7 @@ _SOURCES = MappingProxyType(
         "setting": "engine.settings_file",
         "SpecConfig": "engine.speculative.config",
         "DraftProposer": "engine.speculative.draft",
+        "draft_predictor": "engine.speculative.draft_prefetch",
         "check_draft": "engine.speculative.factory",
         "make_speculation": "engine.speculative.factory",
         "check_spec": "engine.structured.constraint",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from engine.config import EngineConfig
 from engine.core.completion import complete
@@ -18,6 +18,7 @@ from engine.prefetch.draft_predictor import DraftPredictor
 from engine.prefetch.predictors import PerLayerPredictor, draft_hidden_states, fate_predictor
 from engine.prefetch.training import model_fingerprint
 from engine.speculative.config import SpecConfig
+from engine.speculative.draft_prefetch import draft_predictor
 from engine.speculative.factory import make_speculation
 from engine.worker.loader import load_model
 from engine.worker.sampling import SamplingParams
@@ -46,7 +47,8 @@ def _draft(vocab: int) -> Qwen3ForCausalLM:
 
 
 def _run(ckpt: Path, adapter: Path, prompts: list[list[int]], predictor=None):
-    """Greedy tokens and logprobs (top 3) of two concurrent requests, cache 0.25 on disk."""
+    """Greedy tokens and logprobs (top 3) of two concurrent requests, cache 0.25 on disk;
+    predictor(om) builds the prefetcher's predictor, None: no prefetch."""
     om = load_model(
         ckpt,
         EngineConfig(
@@ -58,7 +60,7 @@ def _run(ckpt: Path, adapter: Path, prompts: list[list[int]], predictor=None):
     )
     try:
         if predictor is not None:
-            om.adapter_prefetcher.use_predictor(predictor)
+            om.adapter_prefetcher.use_predictor(predictor(om))
         proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(ckpt), om)
         core = EngineCore.for_model(
             om, CoreLimits(max_running=2, max_model_len=256), proposer, observers
@@ -69,7 +71,7 @@ def _run(ckpt: Path, adapter: Path, prompts: list[list[int]], predictor=None):
         ]
         outs = complete(core, reqs)
         lps = [[(t.token_id, t.logprob, t.top) for t in o.logprobs or []] for o in outs]
-        return [o.token_ids for o in outs], lps, om.stats.snapshot()
+        return [o.token_ids for o in outs], lps, om.stats.snapshot(), om.adapter_prefetcher
     finally:
         om.close()
 
@@ -92,16 +94,20 @@ def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
     finally:
         om.close()
     draft = _draft(V)
+    draft.save_pretrained(tmp_path / "draft")
     torch.manual_seed(2)
     heads = Recorder(PerLayerPredictor(16, E, A, fate_base=False))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (9, 5)]
 
-    tokens, logprobs, _ = _run(ckpt, adapter, prompts)
-    pred = DraftPredictor(draft, heads)
-    d_tokens, d_logprobs, stats = _run(ckpt, adapter, prompts, pred)
+    tokens, logprobs, _, _ = _run(ckpt, adapter, prompts)
+
+    def build(om: object) -> DraftPredictor:
+        return draft_predictor(om, tmp_path / "draft", heads)
+
+    d_tokens, d_logprobs, stats, prefetcher = _run(ckpt, adapter, prompts, build)
     assert d_tokens == tokens and d_logprobs == logprobs  # bitwise: floats compared with ==
-    assert stats["prefetch_issued"] > 0 and pred.rows > 0
+    assert stats["prefetch_issued"] > 0 and prefetcher.adapter.rows > 0
 
     # Every row the heads saw is the draft's hidden state of that token in its request's context:
     # the same rows as the draft run over each whole sequence at once.
@@ -113,16 +119,29 @@ def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
     assert {a for _, a in heads.calls} == set(range(A))
 
 
+def _hf_predictor(draft: Qwen3ForCausalLM, heads: torch.nn.Module) -> DraftPredictor:
+    """The draft run through transformers' own forward."""
+
+    def run(window: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        pos = torch.arange(start, start + len(window))[None]
+        ids = torch.tensor([window])
+        return draft.model(input_ids=ids, position_ids=pos, cache=cache).last_hidden_state[0]
+
+    return DraftPredictor(run, lambda: DynamicCache(config=draft.config), heads)
+
+
 @torch.inference_mode()  # as the prefetcher calls it
 def test_a_step_without_tokens_is_not_predicted() -> None:
-    pred = DraftPredictor(_draft(20), PerLayerPredictor(16, 4, 1, fate_base=False))
+    draft = _draft(20)
+    pred = _hf_predictor(draft, PerLayerPredictor(16, 4, 1, fate_base=False))
     assert not pred.begin_step(StepContext(), 3)
-    assert pred.begin_step(StepContext(("a",), ((0, 3),), ([3, 4, 5],), (0,)), 3)
+    assert pred.begin_step(StepContext.of(("a",), [[3, 4, 5]], [0]), 3)
     # A window after positions the draft never saw runs from an empty cache, not on stale context.
-    assert pred.begin_step(StepContext(("b",), ((0, 2),), ([6, 7],), (40,)), 2)
-    alone = draft_hidden_states(pred.draft, [[6, 7]])
+    assert pred.begin_step(StepContext.of(("b",), [[6, 7]], [40]), 2)
+    alone = draft_hidden_states(draft, [[6, 7]])
     assert torch.allclose(pred(torch.zeros(2, 5), 0, None), pred.heads(alone, 0, None), atol=1e-5)
-    # The next window continues request a's cache where its window starts.
-    assert pred.begin_step(StepContext(("a",), ((0, 1),), ([9],), (2,)), 1)
-    ref = draft_hidden_states(pred.draft, [[3, 4, 9]])[-1:]
+    # The next window of request a continues its cache where the window starts: the token at 2
+    # replaces the 5 fed before.
+    assert pred.begin_step(StepContext.of(("a",), [[9]], [2]), 1)
+    ref = draft_hidden_states(draft, [[3, 4, 9]])[-1:]
     assert torch.allclose(pred(torch.zeros(1, 5), 0, None), pred.heads(ref, 0, None), atol=1e-5)
