@@ -46,7 +46,13 @@ def _draft(vocab: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).eval()
 
 
-def _run(ckpt: Path, adapter: Path, prompts: list[list[int]], predictor=None):
+def _run(
+    ckpt: Path,
+    adapter: Path,
+    prompts: list[list[int]],
+    predictor=None,
+    spec: SpecConfig | None = None,
+):
     """Greedy tokens and logprobs (top 3) of two concurrent requests, cache 0.25 on disk;
     predictor(om) builds the prefetcher's predictor, None: no prefetch."""
     om = load_model(
@@ -61,7 +67,8 @@ def _run(ckpt: Path, adapter: Path, prompts: list[list[int]], predictor=None):
     try:
         if predictor is not None:
             om.adapter_prefetcher.use_predictor(predictor(om))
-        proposer, observers = make_speculation(SpecConfig(speculative="off").resolve(ckpt), om)
+        spec = spec or SpecConfig(speculative="off")
+        proposer, observers = make_speculation(spec.resolve(ckpt), om)
         core = EngineCore.for_model(
             om, CoreLimits(max_running=2, max_model_len=256), proposer, observers
         )
@@ -145,3 +152,41 @@ def test_a_step_without_tokens_is_not_predicted() -> None:
     assert pred.begin_step(StepContext.of(("a",), [[9]], [2]), 1)
     ref = draft_hidden_states(draft, [[3, 4, 9]])[-1:]
     assert torch.allclose(pred(torch.zeros(1, 5), 0, None), pred.heads(ref, 0, None), atol=1e-5)
+
+
+def test_under_speculation_the_draft_predictor_follows_rollbacks_and_keeps_the_output(
+    tiny_ckpt, tmp_path: Path, monkeypatch
+) -> None:
+    """Verification windows of k + 1 rows, rejected tails cropped: the predictor's draft caches crop
+    with them, and the output is speculation's own without prefetch, bit for bit."""
+    monkeypatch.setattr("engine.prefetch.adapter_prefetcher.MIN_CONFIDENCE", 0.0)
+    ckpt = tiny_ckpt("qwen3_moe")
+    om = load_model(ckpt, EngineConfig())
+    try:
+        E, A, V = om.num_experts, len(om.moe_layers) - 1, om.config.vocab_size
+        adapter = save_adapter(
+            fate_predictor(om.config.hidden_size, E, A),
+            tmp_path / "p.safetensors",
+            model_fingerprint(om.model),
+        )
+    finally:
+        om.close()
+    _draft(V).save_pretrained(tmp_path / "draft")
+    torch.manual_seed(2)
+    heads = Recorder(PerLayerPredictor(16, E, A, fate_base=False))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (7, 11)]
+    # A fixed k: adaptive k follows the clock, and the windows must be the same in both runs.
+    spec = SpecConfig(
+        speculative="draft", draft=str(tmp_path / "draft"), num_speculative_tokens=3, adaptive=False
+    )
+
+    def build(om: object) -> DraftPredictor:
+        return draft_predictor(om, tmp_path / "draft", heads)
+
+    base = _run(ckpt, adapter, prompts, spec=spec)
+    with_draft = _run(ckpt, adapter, prompts, build, spec=spec)
+    assert with_draft[:2] == base[:2]
+    assert with_draft[2]["spec_drafts"] > 0 and with_draft[2]["prefetch_issued"] > 0
+    # Verification windows were predicted (the prompts' forward has 18 rows, a plain decode 1 or 2).
+    assert any(2 < h.shape[0] < 18 for h, _ in heads.calls)
