@@ -27,9 +27,9 @@ from engine.worker.sampling import SamplingParams
 class Recorder(torch.nn.Module):
     """The heads, recording each call's input rows and anchor."""
 
-    def __init__(self, heads: torch.nn.Module) -> None:
+    def __init__(self, heads: torch.nn.Module, anchors: int) -> None:
         super().__init__()
-        self.inner = heads
+        self.inner, self.anchors = heads, anchors
         self.calls: list[tuple[torch.Tensor, int]] = []
 
     def forward(self, h: torch.Tensor, anchor: int, base: None) -> torch.Tensor:
@@ -83,9 +83,9 @@ def _run(
         om.close()
 
 
-def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
-    tiny_ckpt, tmp_path: Path, monkeypatch
-) -> None:
+def _setup(tiny_ckpt, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Recorder, Qwen3ForCausalLM]:
+    """The tiny target, an adapter file for it (the prefetcher needs one to start), recording heads
+    and a random draft saved to tmp_path/draft."""
     # A random draft's guesses are right about top_k / E of the time: prefetch them all the same, so
     # that transfers really start.
     monkeypatch.setattr("engine.prefetch.adapter_prefetcher.MIN_CONFIDENCE", 0.0)
@@ -103,7 +103,14 @@ def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
     draft = _draft(V)
     draft.save_pretrained(tmp_path / "draft")
     torch.manual_seed(2)
-    heads = Recorder(PerLayerPredictor(16, E, A, fate_base=False))
+    return ckpt, adapter, Recorder(PerLayerPredictor(16, E, A, fate_base=False), A), draft
+
+
+def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
+    tiny_ckpt, tmp_path: Path, monkeypatch
+) -> None:
+    ckpt, adapter, heads, draft = _setup(tiny_ckpt, tmp_path, monkeypatch)
+    V = draft.config.vocab_size
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (9, 5)]
 
@@ -123,7 +130,7 @@ def test_the_draft_predictor_keeps_the_output_and_predicts_what_the_draft_says(
     assert seen.shape[0] == whole.shape[0]
     rows = sorted(seen.tolist())  # the step packs the two requests' rows in its own order
     assert torch.allclose(torch.tensor(rows), torch.tensor(sorted(whole.tolist())), atol=1e-5)
-    assert {a for _, a in heads.calls} == set(range(A))
+    assert {a for _, a in heads.calls} == set(range(heads.anchors))
 
 
 def _hf_predictor(draft: Qwen3ForCausalLM, heads: torch.nn.Module) -> DraftPredictor:
@@ -159,21 +166,8 @@ def test_under_speculation_the_draft_predictor_follows_rollbacks_and_keeps_the_o
 ) -> None:
     """Verification windows of k + 1 rows, rejected tails cropped: the predictor's draft caches crop
     with them, and the output is speculation's own without prefetch, bit for bit."""
-    monkeypatch.setattr("engine.prefetch.adapter_prefetcher.MIN_CONFIDENCE", 0.0)
-    ckpt = tiny_ckpt("qwen3_moe")
-    om = load_model(ckpt, EngineConfig())
-    try:
-        E, A, V = om.num_experts, len(om.moe_layers) - 1, om.config.vocab_size
-        adapter = save_adapter(
-            fate_predictor(om.config.hidden_size, E, A),
-            tmp_path / "p.safetensors",
-            model_fingerprint(om.model),
-        )
-    finally:
-        om.close()
-    _draft(V).save_pretrained(tmp_path / "draft")
-    torch.manual_seed(2)
-    heads = Recorder(PerLayerPredictor(16, E, A, fate_base=False))
+    ckpt, adapter, heads, draft = _setup(tiny_ckpt, tmp_path, monkeypatch)
+    V = draft.config.vocab_size
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (7, 11)]
     # A fixed k: adaptive k follows the clock, and the windows must be the same in both runs.
