@@ -291,7 +291,13 @@ def summary(d: dict[str, Any]) -> list[str]:
         f"{rec[n['plain']]['recall']:.1%}), ProMoE-style {rec[n['promoe']]['recall']:.1%}, FATE {rec[n['fate']]['recall']:.1%}, "
         f"draft model {rec[n['draft']]['recall']:.1%}. Decode speed over no prefetch: SIMULATED on a phone at SD-card bandwidth "
         f"SpecPrefetch {sweep[n['shipped']][sd]:.2f}×, ProMoE-style {sweep[n['promoe']][sd]:.2f}×; {measured}.",
-        "- **Command:** `python -m bench seed-003` (this page, its JSON and plot; `--render-only` rewrites the page from the JSON).",
+        "- **Command:** `python -m bench seed-003` (this page, its JSON and plot; `--render-only` rewrites the page from the JSON"
+        + (
+            "; `--only-draft` reran the draft-model predictor's measured rows, run 2 of section 2"
+            if d.get("draft_run")
+            else ""
+        )
+        + ").",
         f"- **Machine:** {d['machine'].removeprefix('Machine: ')} The project's shared 2-core machine.",
         f"- **Limit:** no linear predictor of layer l+1's routing from x_l passes 63.4 % on this model "
         f"([prefetch_bound.md](../benchmarks/prefetch_bound.md)); on this CPU a transfer takes {per_load * 1e3:.2f} ms of the "
