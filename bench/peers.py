@@ -502,6 +502,7 @@ def main() -> None:
         lines,
         {
             "rounds": {f"{c}|{t}": v for (c, t), v in res.items()},
+            "llama_load_mode": {f"{c}|{t}": m for (c, t), m in mode.items()},
             "layer_profile": prof,
             "disk_profile": disk,
         },
