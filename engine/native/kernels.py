@@ -44,12 +44,13 @@ class NativeKernels(KernelLibrary):
         slots: Sequence[Sequence[int]],
         ids: Sequence[int],
         weights: Sequence[float],
-        columns: int,
-    ) -> tuple[Routes, list[ctypes.Array]]:
+        columns: Sequence[int],
+    ) -> tuple[Routes, dict[int, ctypes.Array]]:
         """The routed expert kernels' common arguments: the routes (R rows, k experts a row, the ids and
-        weights as C arrays), and one address table per slot column."""
+        weights as C arrays), and an address table for each slot column in `columns` (only those the
+        kernel reads: each table is a ctypes array built per call, on the decode's path)."""
         R, n = x.shape[0], len(ids)
-        tables = [(_P * len(slots))(*(s[j] for s in slots)) for j in range(columns)]
+        tables = {j: (_P * len(slots))(*(s[j] for s in slots)) for j in columns}
         ids_c, weights_c = (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights)
         return Routes(ids=ids_c, w=weights_c, R=R, k=n // max(R, 1)), tables
 
@@ -194,14 +195,14 @@ class NativeKernels(KernelLibrary):
         distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
         scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
         is the one it gets alone."""
-        routes, table = self._routing(x, slots, ids, weights, 4)
-        out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
         quantized = weight_dtype == torch.int8
+        routes, table = self._routing(x, slots, ids, weights, (0, 1, 2, 3) if quantized else (0, 2))
+        out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
         experts = Experts(
             gate_up=table[0],
-            gate_up_scale=table[1] if quantized else None,
+            gate_up_scale=table.get(1),
             down=table[2],
-            down_scale=table[3] if quantized else None,
+            down_scale=table.get(3),
             wtype=W_CODES[weight_dtype],
             H=hidden,
             I=intermediate,
@@ -242,7 +243,7 @@ class NativeKernels(KernelLibrary):
         """Rows x [R, H] bf16 (any R >= 1) through int4 SwiGLU experts (groups of 64): row r takes the k experts
         slots[ids[r * k + j]] (each slot: gate_up codes, scales, down codes, scales, gate_up zeros, down zeros),
         scaled by weights[r * k + j], summed in ascending slot index (cpu_gemv.c's moe_q4_rows) -> [R, H]."""
-        routes, table = self._routing(x, slots, ids, weights, 6)
+        routes, table = self._routing(x, slots, ids, weights, range(6))
         out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
         experts = Experts(
             gate_up=table[0],
@@ -277,7 +278,7 @@ class NativeKernels(KernelLibrary):
         row r takes the k experts slots[ids[r * k + j]] (each slot: gate_up blocks, scales, bias, down blocks,
         scales, bias addresses; biases in `bias_dtype`), scaled by weights[r * k + j], summed in ascending slot
         index -> [R, H] in x's dtype."""
-        routes, table = self._routing(x, slots, ids, weights, 6)
+        routes, table = self._routing(x, slots, ids, weights, range(6))
         out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
         experts = Experts(
             gate_up=table[0],
