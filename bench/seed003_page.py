@@ -237,7 +237,7 @@ def simulated_section(d: dict[str, Any], stem: str) -> list[str]:
         "exact policy and the profile's costs; it does not charge the predictor's own compute. Warm: one replay of the whole "
         f"trace; cold: {a['sim_requests']} requests of {a['prompt_tokens']} + {a['tokens']} tokens (or 1 + {a['tokens']}), each "
         "from an empty fast tier, the prompt replayed untimed. Profiles: this machine's measured disk, the same behind the emulated link, the same "
-        "disk with each transfer's CPU time (O_DIRECT read and conversion, `per_load_s` of the profile) moved off the compute "
+        "disk with each transfer's CPU time (O_DIRECT read and conversion, `per_load_us` of the profile) moved off the compute "
         "thread, as a DMA copy would be, and a phone on UFS 3.1 (configs/hardware/phone-ufs31.yaml; the paper's device class, on the embedded model's shape).",
         "",
         "| profile | predictor | warm tok/s | warm × no prefetch | cold × no prefetch | cold, 1-token prompt | prefetch precision (warm) |",

@@ -99,6 +99,7 @@ def claims(d: dict[str, Any]) -> list[str]:
             f"in RAM, the engine's best ({e_lab}) {e_v:.2f}× llama-server -md; offloaded spec+utility+cpu (cache "
             f"{d['args']['cache']}, behind {d['args']['link']}) {_x(moe)} llama-server -md in RAM; llama-server -md "
             f"{ram['llama-server -md']['tok_s'] / ram['llama-server']['tok_s']:.2f}× llama-server"
+            + _drafting(ram)
         )
     else:
         meas = "not run (no --llama-cpp)"
@@ -140,6 +141,17 @@ def claims(d: dict[str, Any]) -> list[str]:
         f"{tpv if tpv is None else round(tpv, 2)}, adaptive k {tpa if tpa is None else round(tpa, 2)} | see the crossover | 5 |"
     )
     return lines if m or d["simulated"] else lines[:2]
+
+
+def _drafting(ram: dict[str, dict[str, Any]]) -> str:
+    """llama-server -md's speculation: its draft's acceptance and tokens a verification."""
+    md = ram["llama-server -md"]
+    if "draft_acceptance" not in md:
+        return " (no drafted tokens recorded)"
+    return (
+        f" ({md['draft_acceptance']:.0%} of drafted tokens accepted, "
+        f"{md['tokens_per_verification']:.2f} tokens a verification)"
+    )
 
 
 def _rel(rows: dict[str, dict[str, Any]], a: str, b: str) -> float | None:

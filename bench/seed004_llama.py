@@ -1,6 +1,7 @@
 """Seed 004's headline baseline, llama.cpp with speculative decoding, on the embedded pair: the target
 and its draft converted to bf16 GGUF with llama.cpp's own convert_hf_to_gguf.py, served by
-llama-server without and with the draft (`-md`), one slot, one thread (the engine's one torch
+llama-server without and with the draft (`-md --spec-type draft-simple`: this llama.cpp drafts
+nothing with `-md` alone), one slot, one thread (the engine's one torch
 thread), greedy with ignore_eos. The decode rate is llama-server's own: tokens predicted over
 `timings.predicted_ms` (prefill excluded, as the engine's clock starts after the first token).
 
@@ -41,12 +42,16 @@ def gguf_pair(llama_cpp: Path, target: Path, draft: Path, work: Path) -> tuple[P
 
 
 def server_flags(draft: Path | None, threads: int) -> tuple[str, ...]:
-    """llama-server's extra flags: the draft model and its window, or none."""
+    """llama-server's extra flags: the draft model, the speculation type that makes it draft (with
+    `-md` alone this build loads the draft and speculates with nothing) and its window (at most
+    DRAFT_TOKENS a verification, no minimum), or none."""
     if draft is None:
         return ()
     return (
         "-md",
         str(draft),
+        "--spec-type",
+        "draft-simple",
         "--spec-draft-n-max",
         str(DRAFT_TOKENS),
         "--spec-draft-n-min",
@@ -56,8 +61,36 @@ def server_flags(draft: Path | None, threads: int) -> tuple[str, ...]:
     )
 
 
-def completion(url: str, prompt: list[int], tokens: int) -> dict[str, Any]:
-    """One greedy /completion of `tokens` tokens: decode tok/s and, with a draft, its acceptance."""
+def figures(response: dict[str, Any], drafting: bool) -> dict[str, Any]:
+    """One /completion response's figures: decode tok/s and, with a draft, drafted and accepted
+    tokens, the acceptance (accepted / drafted) and tokens a verification, derived as produced over
+    produced - accepted (every target step yields one token of its own, and each accepted draft
+    token one more). A drafting server whose response reports no drafted tokens fails the run: its
+    rows would describe llama.cpp without speculation."""
+    t = response["timings"]
+    out: dict[str, Any] = {
+        "tok_s": t["predicted_n"] / (t["predicted_ms"] / 1e3),
+        "produced": t["predicted_n"],
+        "tokens": response.get("tokens", []),
+    }
+    if not drafting:
+        return out
+    drafted, accepted = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+    if not drafted:
+        raise RuntimeError(
+            f"llama-server with a draft drafted no tokens (timings: {t}); its flags do not make it speculate"
+        )
+    out |= {
+        "drafted": drafted,
+        "accepted": accepted,
+        "draft_acceptance": accepted / drafted,
+        "tokens_per_verification": t["predicted_n"] / max(t["predicted_n"] - accepted, 1),
+    }
+    return out
+
+
+def completion(url: str, prompt: list[int], tokens: int, drafting: bool) -> dict[str, Any]:
+    """One greedy /completion of `tokens` tokens (see `figures`)."""
     body = dict(
         prompt=prompt,
         n_predict=tokens,
@@ -66,15 +99,7 @@ def completion(url: str, prompt: list[int], tokens: int) -> dict[str, Any]:
         cache_prompt=False,
         return_tokens=True,
     )
-    r = httpx.post(url + "/completion", json=body, timeout=900).json()
-    t = r["timings"]
-    drafted, accepted = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
-    return {
-        "tok_s": t["predicted_n"] / (t["predicted_ms"] / 1e3),
-        "produced": t["predicted_n"],
-        "draft_acceptance": accepted / drafted if drafted else float("nan"),
-        "tokens": r.get("tokens", []),
-    }
+    return figures(httpx.post(url + "/completion", json=body, timeout=900).json(), drafting)
 
 
 class LlamaServers:
@@ -104,7 +129,7 @@ class LlamaServers:
         }
 
     def run(self, cell: str, prompt: list[int], tokens: int) -> dict[str, Any]:
-        return completion(self.urls[cell], prompt, tokens)
+        return completion(self.urls[cell], prompt, tokens, cell != self.CELLS[0])
 
     def close(self) -> None:
         self.stack.close()

@@ -17,6 +17,14 @@ def pct(v: float) -> str:
     return "–" if v != v else f"{v:.0%}"
 
 
+def llama_tpv(r: dict[str, Any]) -> str:
+    """A llama-server row's tokens a verification (produced / (produced - accepted)) and its draft's
+    acceptance (accepted / drafted), or – without a draft."""
+    if "draft_acceptance" not in r:
+        return "–"
+    return f"{r['tokens_per_verification']:.2f} ({r['draft_acceptance']:.0%} of drafted accepted)"
+
+
 def by(rows: list[dict[str, Any]], *keys: str) -> dict[tuple, dict[str, Any]]:
     return {tuple(r[k] for k in keys): r for r in rows}
 
@@ -52,7 +60,7 @@ def main_section(d: dict[str, Any]) -> list[str]:
             f"{r['tokens_per_verification']:.2f} | {r['stall_share']:.0%} | {r['hit_rate']:.0%} | {pct(r['precision'])} | "
             f"{pct(r['recall'])} | {r['bytes_per_token'] / 1e6:.2f} | {r['cpu_calls_per_token']:.1f} |"
             if eng
-            else "– | – | – | – | – | – | – |"
+            else f"{llama_tpv(r)} | – | – | – | – | – | – |"
         )
         ratio = f"{r['ratio']:.2f}×" if eng else "–"
         out.append(
@@ -132,7 +140,7 @@ def long_section(d: dict[str, Any]) -> list[str]:
             tail = (
                 f"{r['tokens_per_verification']:.2f} | {r['stall_share']:.0%} | {r['hit_rate']:.0%} |"
                 if eng
-                else "– | – | – |"
+                else f"{llama_tpv(r)} | – | – |"
             )
             out.append(
                 f"| {r['tokens']} | {r['config']} | {r['tok_s']:.1f} | {r['ratio']:.2f}× | {tail}"

@@ -50,6 +50,9 @@ KEYS = (
     "recall",
     "bytes_per_token",
     "cpu_calls_per_token",
+    "draft_acceptance",
+    "drafted",
+    "accepted",
 )
 
 
@@ -123,8 +126,6 @@ def table(
         row = {"where": cell[0], "config": cell[1], **summarize(res, cell, baseline(cell), keys)}
         if (x := extra(cell)) is not None:
             row["ratio_extra"] = summarize(res, cell, x, [])["ratio"]
-        if "draft_acceptance" in runs[0]:
-            row["draft_acceptance"] = runs[0]["draft_acceptance"]
         rows.append(row)
     return rows
 

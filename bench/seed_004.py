@@ -85,8 +85,9 @@ def parse_args() -> argparse.Namespace:
     add(
         "--long",
         type=ints,
-        default=[64, 512],
-        help="generation lengths measured (default 64,512; prompt + length <= 1024, the pair's context)",
+        default=[64, 512, 928],
+        help="generation lengths measured (default 64,512,928; prompt + length <= 1024, the pair's "
+        "context, with room for a last k = 4 window)",
     )
     add(
         "--long-rounds",
