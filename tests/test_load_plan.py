@@ -1,8 +1,11 @@
-"""The load plan (engine/plan/): every architecture's plan from config.json and safetensors headers alone,
-each decision with its reason; the load builds to the same plan, and `moe-offload plan` prints it."""
+"""The load plan (engine/plan/): every architecture's plan from config.json and safetensors headers alone
+(no model built, no tensor made, on the meta device included), each decision with its reason; the load
+builds the model the headers describe (engine/worker/built.py) to the same plan, and `moe-offload plan`
+prints it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,11 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from engine.memory.machine import HostMemory, Machine
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
+from engine.plan.survey import survey
 from engine.weights.forward_support import MOE_LEAN_MODEL_TYPES
+from engine.worker.built import build_meta, model_layout
 from engine.worker.loader import load_model
 from models.tiny import ARCHS, NEW_ARCHS, STRUCTURAL_ARCHS, write_tiny_headers
 
@@ -39,16 +44,16 @@ def headers(tmp_path_factory):
 
 
 class _Tensors(TorchDispatchMode):
-    """Every op whose output is a tensor off the meta device (one with storage)."""
+    """Every op whose output is a tensor, on the meta device included."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.real: list[str] = []
+        self.made: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tree_leaves(out)):
-            self.real.append(str(func))
+        if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            self.made.append(f"{func} on {[t.device.type for t in tree_leaves(out)][0]}")
         return out
 
 
@@ -65,9 +70,10 @@ def _reasons(plan: LoadPlan) -> list[str]:
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_every_architecture_plans_from_headers_without_a_tensor(headers, arch: str) -> None:
     cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
+    path = headers(arch)  # written from a model on the meta device: before the count starts
     with _Tensors() as made:
-        plan = resolve(headers(arch), cfg, ROOMY)
-    assert made.real == [], f"resolve made tensors with storage: {made.real[:5]}"
+        plan = resolve(path, cfg, ROOMY)
+    assert made.made == [], f"resolve made tensors: {made.made[:5]}"
     ex, mem = plan.experts, plan.memory
     assert (plan.arch.model_type, plan.device, plan.dtype) == (arch, "cpu", "float32")
     assert plan.arch.by_structure == (arch in STRUCTURAL_ARCHS)
@@ -104,6 +110,38 @@ def test_every_architecture_plans_from_headers_without_a_tensor(headers, arch: s
     text = plan.describe()
     assert text.splitlines()[0].startswith(f"load plan for {headers(arch)}: {arch}, ")
     assert "memory plan (" in text and "execution plan:" in text and "  expert kernel" in text
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: str) -> None:
+    """What a plan is sized from (engine/weights/header_survey.py: MoE layers, experts' geometry,
+    dense parameters and linears, input embedding, the lean forward's structure) is what the load's
+    model, built by transformers on the meta device, holds: the plan the headers give is the plan
+    the built model would give. Checkpoints in f32 and bf16; --dense-quant int8 counts the linears."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for dense_quant in ("none", "int8"):
+            cfg = EngineConfig(device="cpu", dtype="float32", dense_quant=dense_quant)
+            sv = survey(headers(arch, dtype), cfg)
+            built = build_meta(sv)  # check_built: raises where any fact differs
+            assert model_layout(built).dense_params == sv.layout.dense_params > 0
+            assert [s.layer for s in built.sites] == list(sv.layout.moe_layers)
+            geometry = (built.experts.num_experts, built.experts.shape, built.experts.top_k)
+            assert geometry == (sv.experts.num_experts, sv.experts.shape, sv.experts.top_k)
+            assert built.experts.kernel.views == sv.experts.kernel.views
+
+
+def test_a_model_unlike_its_headers_fails_the_load_in_one_line(headers) -> None:
+    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    for wrong in (
+        dict(dense_params=sv.layout.dense_params + 1),
+        dict(moe_layers=(1,)),
+        dict(lean=False),
+        dict(dense_linears=sv.layout.dense_linears[1:]),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"is not the one its safetensors headers describe"
+        ):
+            build_meta(replace(sv, layout=replace(sv.layout, **wrong)))
 
 
 def test_the_plan_follows_the_budget_and_fails_in_one_line(headers) -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 
 from engine.weights.checkpoint import TensorLocation
@@ -90,8 +89,8 @@ def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int
 
 
 def footprint(
-    model: nn.Module,
-    experts: list[nn.Module],
+    dense_params: int,
+    moe_layers: int,
     config: PretrainedConfig,
     dtype: torch.dtype,
     slot_bytes: int,
@@ -103,20 +102,11 @@ def footprint(
     dense_on_disk_bytes: int = 0,
     dense_saved_bytes: int = 0,
 ) -> Footprint:
-    """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
-    the blocks' expert modules, whose parameters the tiers hold instead; `dense_on_disk_bytes` of its dense
-    parameters stay in the checkpoint, and the load's narrower dense weights take `dense_saved_bytes` off."""
-    routed = {id(p) for m in experts for p in m.parameters()}
-    dense = (
-        sum(
-            p.numel()
-            for p in {id(p): p for p in model.parameters()}.values()
-            if id(p) not in routed
-        )
-        * _itemsize(dtype)
-        - dense_on_disk_bytes
-        - dense_saved_bytes
-    )
+    """The footprint of a model of `dense_params` parameters outside its routed experts (the text
+    model's, from the checkpoint's headers: engine/weights/header_survey.py) and `moe_layers` MoE layers,
+    whose experts the tiers hold; `dense_on_disk_bytes` of its dense parameters stay in the checkpoint,
+    and the load's narrower dense weights take `dense_saved_bytes` off."""
+    dense = dense_params * _itemsize(dtype) - dense_on_disk_bytes - dense_saved_bytes
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(
@@ -125,7 +115,7 @@ def footprint(
         dense_saved_bytes=dense_saved_bytes,
         slot_bytes=slot_bytes,
         expert_disk_bytes=expert_disk_bytes,
-        moe_layers=len(experts),
+        moe_layers=moe_layers,
         experts_per_layer=experts_per_layer,
         top_k=top_k,
         kv_bytes_per_token=full,

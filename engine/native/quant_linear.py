@@ -16,7 +16,8 @@ The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,18 @@ FLOAT_WEIGHTS = (
 # shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
 # their weights: the router's kernels and the expert formats are their own (engine/experts/formats/quant.py).
 QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    """A dense linear's weight (`dense_linears`) as a load plan counts it from the checkpoint's headers
+    (engine/weights/header_survey.py `memory_name`: in-memory, but for the sparse block's name as on disk),
+    its size and rows, and whether another module holds it too (lm_head tied to the input embedding)."""
+
+    name: str
+    numel: int
+    rows: int
+    shared: bool
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,32 +151,32 @@ def _narrowable(w: torch.Tensor, shared: set[int]) -> bool:
 
 
 def dense_bytes_saved(
-    model: nn.Module,
+    linears: Iterable[DenseLinear],
+    dtype: torch.dtype,
     checkpoint_dtypes: Mapping[str, torch.dtype],
     dense_quant: str,
     narrow: bool,
 ) -> int:
     """Bytes the load's `quantize_dense` (per `dense_quant`) and, where `narrow`, `narrow_dense` take off
-    `model`'s dense linears held in the compute dtype, for the memory plan, from the model on the meta
-    device and the checkpoint's tensor dtypes by name (`narrow`: narrows_dense's answer). narrow_dense
-    narrows an f32 weight whose values are bf16, which a bf16 checkpoint tensor's are; a weight the headers
-    do not name saves nothing. A tied weight saves nothing, and int8 codes beside it add their bytes (the
-    table keeps its float copy)."""
-    shared = _shared_weights(model)
-    names = {id(m): n for n, m in model.named_modules()}
+    the dense linears (`dense_linears`, as the checkpoint's headers name them: engine/weights/header_survey.py)
+    held in the compute `dtype`, for the memory plan; `checkpoint_dtypes`: the checkpoint's tensor dtypes
+    by name (`narrow`: narrows_dense's answer). narrow_dense narrows an f32 weight whose values are bf16,
+    which a bf16 checkpoint tensor's are; a weight whose name the checkpoint does not hold as it is (a
+    wrapper's prefix) saves nothing. A tied weight saves nothing, and int8 codes beside it add their bytes (the table keeps its
+    float copy)."""
+    if dtype not in FLOAT_WEIGHTS:
+        return 0
     saved = 0
-    for child in {id(c): c for _, _, c in dense_linears(model)}.values():
-        w = child.weight
-        if w.dtype not in FLOAT_WEIGHTS:
-            continue
-        full = w.numel() * w.element_size()
+    for w in linears:
+        full = w.numel * dtype.itemsize
         if dense_quant == "int8":
-            codes = w.numel() + 2 * w.shape[0]  # int8 a weight, an fp16 scale a row
-            saved += -codes if id(w) in shared else full - codes
+            codes = w.numel + 2 * w.rows  # int8 a weight, an fp16 scale a row
+            saved += -codes if w.shared else full - codes
         elif (
             narrow
-            and _narrowable(w, shared)
-            and checkpoint_dtypes.get(f"{names.get(id(child), '')}.weight") == torch.bfloat16
+            and dtype == torch.float32
+            and not w.shared
+            and checkpoint_dtypes.get(w.name) == torch.bfloat16
         ):
             saved += full // 2
     return saved

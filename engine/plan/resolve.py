@@ -1,6 +1,6 @@
 """`resolve`: every decision of a load, with its reason, before anything is allocated.
 
-From config.json, the safetensors headers (the model built on the meta device: engine/plan/survey.py)
+From config.json and the safetensors headers (no model built: engine/plan/survey.py)
 and the machine (engine/memory/machine.py `Machine`): the architecture, the experts' format and slot
 dtype, the native kernels' build (the widest this CPU runs; its speed beside torch's measured once per
 CPU and shape, and cached), the memory split (fast tier, slow tier, dense, KV), the execution path and
@@ -31,7 +31,7 @@ from engine.plan.execution import (
 from engine.plan.load_plan import ArchChoice, ExpertSlots, KernelBuild, LoadPlan
 from engine.plan.prefetch import prefetch_kinds
 from engine.plan.survey import Survey, survey, survey_footprint
-from engine.weights.forward_support import PACKED_MODEL_TYPES, lean_structure
+from engine.weights.forward_support import PACKED_MODEL_TYPES
 from engine.weights.model_config import resolve_device
 from policies.miss import SubstitutingPolicy
 
@@ -141,7 +141,7 @@ def _execution(
 ) -> ExecutionPlan:
     """The paths this model's steps may take (engine/plan/execution.py), with the reasons."""
     model_type, on_cpu = sv.ck.config.model_type, sv.ck.device.type == "cpu"
-    lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, lean_structure(sv.model))
+    lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, sv.layout.lean)
     return resolve_plan(
         cfg,
         lean_ok=lean_ok,

@@ -9,9 +9,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
@@ -29,6 +32,9 @@ from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
 from engine.weights.moe_hook import MoeSite, expert_geometry
+
+if TYPE_CHECKING:
+    from engine.weights.header_survey import HeaderSurvey
 
 _MXFP4 = (
     "gate_up_proj_bias",
@@ -103,6 +109,37 @@ class CheckpointExperts:
             dtype=dtype,
             device=device,
             top_k=top_k,
+        )
+
+    @classmethod
+    def of_header(
+        cls,
+        spec: ArchSpec,
+        config: PretrainedConfig,
+        tensors: dict[str, TensorLocation],
+        hs: HeaderSurvey,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> CheckpointExperts:
+        """The experts as the checkpoint's headers describe them (engine/weights/header_survey.py): what a
+        load plan sizes. Their kernel's activation is the config's, as transformers' experts take it;
+        the loader's experts are `of_sites` of the model it builds, checked equal in geometry."""
+        experts = SimpleNamespace(
+            act_fn=ACT2FN[getattr(config, "hidden_act", "silu")],
+            alpha=getattr(config, "swiglu_alpha", None),
+            limit=getattr(config, "swiglu_limit", None),
+        )
+        return cls(
+            spec=spec,
+            config=config,
+            tensors=tensors,
+            moe_layers=list(hs.moe_layers),
+            num_experts=hs.num_experts,
+            shape=ExpertShape(hidden=hs.hidden, intermediate=hs.intermediate),
+            kernel=make_kernel(spec.kernel, experts, hs.hidden, hs.intermediate),
+            dtype=dtype,
+            device=device,
+            top_k=hs.top_k,
         )
 
     def shipped(self) -> tuple[RawPartsFormat, RawLocator] | None:
