@@ -5,6 +5,9 @@ prints it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -128,6 +131,43 @@ def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: 
             geometry = (built.experts.num_experts, built.experts.shape, built.experts.top_k)
             assert geometry == (sv.experts.num_experts, sv.experts.shape, sv.experts.top_k)
             assert built.experts.kernel.views == sv.experts.kernel.views
+
+
+_WITHOUT_TORCH = """
+import json, sys
+from pathlib import Path
+sys.modules["torch"] = None  # `import torch` fails from here on
+from engine.weights.arch import arch_for, text_config
+from engine.weights.header_survey import header_survey
+from engine.weights.model_config import read_config
+from engine.weights.safetensors_index import index_entries
+out = {}
+for arch, path in json.loads(sys.argv[1]).items():
+    config = read_config(Path(path))
+    spec = arch_for(config.model_type)
+    survey = header_survey(spec, text_config(spec, config), index_entries(Path(path)), path)
+    out[arch] = repr(survey)
+print(json.dumps(out))
+"""
+
+
+def test_the_header_survey_runs_where_torch_cannot_be_imported(headers) -> None:
+    """What the plan is sized from (every architecture's MoE layers, experts' geometry, dense parameters
+    and linears, embedding and lean structure) comes from config.json and the headers in a process where
+    `import torch` fails, and equals what the load's survey holds. (The rest of resolve still needs
+    torch: its formats' bytes, device and dtype, and the native kernels' measurement.)"""
+    cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
+    paths = {arch: str(headers(arch)) for arch in ALL_ARCHS}
+    want = {arch: repr(survey(path, cfg).layout) for arch, path in paths.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(paths)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == want
 
 
 def test_a_model_unlike_its_headers_fails_the_load_in_one_line(headers) -> None:

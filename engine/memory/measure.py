@@ -14,7 +14,7 @@ from engine.memory.planner import MemoryPlan
 from engine.weights.checkpoint import TensorLocation
 
 if TYPE_CHECKING:
-    from engine.native.quant_linear import DenseLinear
+    from engine.native.dense_names import DenseLinear
 
 
 def dense_saved(

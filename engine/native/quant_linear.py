@@ -17,13 +17,13 @@ The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.huge_pages import empty, huge_empty
+from engine.native.dense_names import QUANTIZED_NAMES, DenseLinear
 from engine.native.loaded import native, usable
 
 DENSE_QUANTS = ("none", "int8")
@@ -32,22 +32,6 @@ FLOAT_WEIGHTS = (
     torch.bfloat16,
     torch.float16,
 )  # the weights quantize_dense quantizes
-# The nn.Linear names --dense-quant int8 quantizes: attention projections, SwiGLU MLPs (dense layers' and
-# shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
-# their weights: the router's kernels and the expert formats are their own (engine/experts/formats/quant.py).
-QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class DenseLinear:
-    """A dense linear's weight (`dense_linears`) as a load plan counts it from the checkpoint's headers
-    (engine/weights/header_survey.py `memory_name`: in-memory, but for the sparse block's name as on disk),
-    its size and rows, and whether another module holds it too (lm_head tied to the input embedding)."""
-
-    name: str
-    numel: int
-    rows: int
-    shared: bool
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

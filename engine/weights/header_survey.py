@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.errors import CheckpointError
-from engine.native.quant_linear import QUANTIZED_NAMES, DenseLinear
+from engine.native.dense_names import QUANTIZED_NAMES, DenseLinear
 from engine.weights.arch import ArchSpec, unsupported
-from engine.weights.checkpoint import TensorLocation
 from engine.weights.forward_support import lean_config, lean_layer_names
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -32,6 +32,17 @@ _EXPERT = re.compile(r"^(\w+)\.experts\.(.+)$")  # block . experts . rest (not s
 # (deepseek_v3, glm4_moe, minimax_m2, dots1), a buffer in memory; ernie4_5_moe's, under
 # `moe_statics`, is a parameter. FP8 scales are read with their weights, never held.
 _BUFFER_SUFFIXES = (".e_score_correction_bias", ".inv_freq", "_scale_inv")
+
+
+class Shaped(Protocol):
+    """A tensor as a header describes it: engine/weights/safetensors_index.py `HeaderEntry` (read without
+    torch) or engine/weights/checkpoint.py `TensorLocation`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -65,12 +76,10 @@ def memory_name(spec: ArchSpec, disk: str) -> str:
     return name
 
 
-def text_tensors(
-    spec: ArchSpec, config: Any, tensors: dict[str, TensorLocation]
-) -> dict[str, TensorLocation]:
+def text_tensors(spec: ArchSpec, config: Any, tensors: Mapping[str, Shaped]) -> dict[str, Shaped]:
     """The checkpoint's tensors that are parameters of the text model, by in-memory name."""
     layers = int(config.num_hidden_layers)
-    out: dict[str, TensorLocation] = {}
+    out: dict[str, Shaped] = {}
     for disk, loc in tensors.items():
         name = memory_name(spec, disk)
         if name.endswith(_BUFFER_SUFFIXES) and ".moe_statics." not in name:
@@ -89,12 +98,12 @@ def _expert_part(spec: ArchSpec, rest: str) -> bool:
 
 
 def header_survey(
-    spec: ArchSpec, config: Any, tensors: dict[str, TensorLocation], config_path: str
+    spec: ArchSpec, config: Any, tensors: Mapping[str, Shaped], config_path: str
 ) -> HeaderSurvey:
     """The survey of a checkpoint's headers (the module docstring); fails in one line where no layer
     holds routed experts."""
     text = text_tensors(spec, config, tensors)
-    experts: dict[int, dict[str, TensorLocation]] = {}
+    experts: dict[int, dict[str, Shaped]] = {}
     for name, loc in text.items():
         m = _LAYER.match(name)
         if m and _expert_part(spec, m.group(2)):
@@ -126,9 +135,7 @@ def header_survey(
     )
 
 
-def _routed(
-    text: dict[str, TensorLocation], layer: int, ex: dict[str, TensorLocation], config: Any
-) -> bool:
+def _routed(text: dict[str, Shaped], layer: int, ex: dict[str, Shaped], config: Any) -> bool:
     """A layer outside the table holds routed experts where a router weight [E, hidden] sits in the
     experts' block beside them (the structure engine/weights/moe_hook.py matches in memory)."""
     blocks = {rest.split(".experts.")[0] for rest in ex if ".experts." in rest}
@@ -146,7 +153,7 @@ def _routed(
     )
 
 
-def _geometry(spec: ArchSpec, ex: dict[str, TensorLocation]) -> tuple[int, int]:
+def _geometry(spec: ArchSpec, ex: dict[str, Shaped]) -> tuple[int, int]:
     """(experts, intermediate) of one MoE layer's expert tensors, per-expert or packed."""
     per_expert = {int(r.split(".")[2]) for r in ex if r.split(".")[2].isdigit()}
     if per_expert:
@@ -173,7 +180,7 @@ def _top_k(config: Any, layer: int) -> int:
     return int(k)
 
 
-def _dense_linears(dense: dict[str, TensorLocation], tied: bool) -> tuple[DenseLinear, ...]:
+def _dense_linears(dense: dict[str, Shaped], tied: bool) -> tuple[DenseLinear, ...]:
     """The dense linears' weights: QUANTIZED_NAMES outside the routed experts, and lm_head (tied: the
     input embedding's table, which the embedding holds too)."""
     out = [

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.errors import CheckpointError
 from engine.experts.formats.expert_source import CheckpointExperts
-from engine.native.quant_linear import DenseLinear, dense_linears
+from engine.native.dense_names import DenseLinear
+from engine.native.quant_linear import dense_linears
 from engine.plan.survey import Survey
 from engine.weights.arch import disk_names, unsupported
 from engine.weights.disk_embedding import input_embedding_name
