@@ -113,7 +113,7 @@ def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return out
 
 
-def _shared_weights(model: nn.Module) -> set[int]:
+def shared_weights(model: nn.Module) -> set[int]:
     """ids of the parameters a module other than a linear holds (an embedding table an LM head is tied to)."""
     return {
         id(p)
@@ -173,7 +173,7 @@ def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     another module shares (an LM head tied to the input embedding) stays as it is. Run after
     `quantize_dense` and before `accelerate`, where the native kernels run; returns how many narrowed."""
     linears = dense_linears(model)
-    shared = _shared_weights(model)
+    shared = shared_weights(model)
     done = 0
     for child in {id(c): c for _, _, c in linears}.values():
         w = child.weight

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine.errors import CheckpointError
 from engine.experts.formats.expert_source import CheckpointExperts
 from engine.native.dense_names import DenseLinear
-from engine.native.quant_linear import dense_linears
+from engine.native.quant_linear import dense_linears, shared_weights
 from engine.plan.survey import Survey
 from engine.weights.arch import disk_names, unsupported
 from engine.weights.disk_embedding import input_embedding_name
@@ -60,12 +60,7 @@ def model_layout(built: Built) -> HeaderSurvey:
     model, ex = built.model, built.experts
     routed = {id(p) for s in built.sites for p in s.block.get_submodule("experts").parameters()}
     params = {id(p): p for p in model.parameters()}.values()
-    shared = {
-        id(p)
-        for m in model.modules()
-        if type(m) is not torch.nn.Linear
-        for p in m.parameters(recurse=False)
-    }
+    shared = shared_weights(model)
     names = {id(m): n for n, m in model.named_modules()}
     linears = {id(c): c for _, _, c in dense_linears(model)}.values()
     return HeaderSurvey(
