@@ -219,12 +219,13 @@ def kernel_speeds(
     """The dispatcher's measurement for this model's decode shapes (the engine's own call, so its cache
     answers when the engine has loaded this shape here) and the expert kernel's speed for its format;
     None where the native kernels do not build here, or the format has no measured kernel (int4)."""
-    from engine.native.autotune import TORCH, decode_shapes, measured
+    from engine.native.autotune import TORCH, measured
     from engine.native.build import compiler, library_path
+    from engine.native.decode_shapes import decode_shapes
     from engine.native.loaded import load_builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
 
-    shapes = decode_shapes(config, dtype, H, I, top_k)
+    shapes = decode_shapes(config, str(dtype).removeprefix("torch."), H, I, top_k)
     mxfp4 = expert_format == "mxfp4" and expert_quant == "none"  # gpt-oss's experts as shipped
     if (
         shapes is None
