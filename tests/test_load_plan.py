@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.memory.machine import HostMemory, Machine
+from engine.memory.machine import HostMemory, Machine, StatedKernels
+from engine.native.loaded import probe
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
 from engine.plan.survey import survey
@@ -201,7 +202,8 @@ def test_slot_formats_and_their_reasons(headers) -> None:
     """bf16 slots of an f32 model where every expert is bf16 and the native kernels run; int8 slots
     read from a sidecar (planned ahead of the load as a file still to write); the compute dtype else."""
     bf16 = headers("qwen3_moe", torch.bfloat16)
-    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), ROOMY)
+    probed = replace(ROOMY, kernels=probe)  # this CPU's kernels, built and measured here
+    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), probed)
     if plan.kernels.build is not None:  # a compiler here: the native kernels run
         assert plan.experts.slot_dtype == "bfloat16" and "bf16 slots" in plan.experts.why
         assert plan.kernels.line.startswith("on: ") and "measured" in plan.kernels.line
@@ -215,6 +217,20 @@ def test_slot_formats_and_their_reasons(headers) -> None:
     assert "--expert-quant int8" in ex.why
     assert quant.memory.planned()["quant_sidecar"] == ex.total * ex.slot_bytes
     assert "quant_sidecar" not in resolve(headers("qwen3_moe"), cfg, ROOMY).memory.planned()
+
+
+def test_the_plan_reads_the_kernels_the_machine_states(headers) -> None:
+    """The native kernels are a fact of the machine (`Machine.kernels`), probed before resolve: a
+    stated build decides the slots' dtype and the expert kernel with no kernels loaded; off stays off."""
+    stated = replace(ROOMY, kernels=StatedKernels("avx2", "on: stated"))
+    bf16 = headers("qwen3_moe", torch.bfloat16)
+    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), stated)
+    assert (plan.kernels.build, plan.kernels.line) == ("avx2", "on: stated")
+    assert plan.experts.slot_dtype == "bfloat16"
+    steps = plan.execution.to_dict()
+    assert steps["expert kernel"]["chosen"] == "native SwiGLU, one call a layer (bfloat16 weights)"
+    off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
+    assert off.kernels.build is None and off.experts.slot_dtype == "float32"
 
 
 def test_the_load_builds_the_plan_and_plan_prints_it(tiny_ckpt, capsys) -> None:

@@ -81,7 +81,7 @@ def routed_experts(
                 block, adapter_for(ck.spec.model_type, block), experts.kernel, ck.spec.model_type
             )
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
-    fmt, locator = expert_source(experts, cfg)
+    fmt, locator = expert_source(experts, cfg, native.kernels is not None)
     planned = plan.experts
     # The plan decided the format from the same headers: the slots it sized are the ones built.
     built = (fmt.name, str(fmt.slot_dtype).removeprefix("torch."), fmt.slot_bytes)

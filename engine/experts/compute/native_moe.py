@@ -54,36 +54,15 @@ class NativeMoe:
     @classmethod
     def for_format(cls, fmt: ExpertFormat, hidden: int, intermediate: int) -> NativeMoe | None:
         """The fused path for slots of `fmt`, or None where it does not apply (then torch runs the experts)."""
-        if type(fmt.kernel) is not SwiGLUKernel:
-            return None
-        if isinstance(fmt, PlainFormat) and fmt.slot_dtype in (torch.float32, torch.bfloat16):
-            weight_dtype = fmt.slot_dtype
-        elif (
-            isinstance(fmt, GroupQuantFormat)
-            and fmt.bits == 8
-            and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
-        ):
-            weight_dtype = torch.int8
-        elif (
-            isinstance(fmt, GroupQuantFormat)
-            and fmt.bits == 4
-            and fmt.compute_dtype == torch.bfloat16
-            and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
-            and hidden % 64 == 0
-            and intermediate % 64 == 0
-        ):
-            weight_dtype = INT4
-        else:
-            return None
+        weight_dtype = fused_weight_dtype(fmt, hidden, intermediate)
         kernels = native()
-        return (
-            cls(kernels, fmt, weight_dtype, hidden, intermediate) if kernels is not None else None
-        )
+        if weight_dtype is None or kernels is None:
+            return None
+        return cls(kernels, fmt, weight_dtype, hidden, intermediate)
 
     def describe(self) -> str:
         """The plan's name for this path."""
-        what = "int4" if self.int4 else "int8" if self.quantized else str(self.weight_dtype)[6:]
-        return f"native SwiGLU, one call a layer ({what} weights)"
+        return swiglu_line(self.weight_dtype)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels
@@ -159,3 +138,40 @@ class NativeMoe:
             gate_up_scale=[p[1] for p in slots] if self.quantized else None,
             down_scale=[p[3] for p in slots] if self.quantized else None,
         )
+
+
+def fused_weight_dtype(fmt: ExpertFormat, hidden: int, intermediate: int) -> torch.dtype | None:
+    """The weights NativeMoe reads slots of `fmt` as (INT4: int4 groups), or None where it does not take
+    them (then torch runs the experts); what a load plan names before any kernel is loaded."""
+    if type(fmt.kernel) is not SwiGLUKernel:
+        return None
+    if isinstance(fmt, PlainFormat) and fmt.slot_dtype in (torch.float32, torch.bfloat16):
+        return fmt.slot_dtype
+    if (
+        isinstance(fmt, GroupQuantFormat)
+        and fmt.bits == 8
+        and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
+    ):
+        return torch.int8
+    if (
+        isinstance(fmt, GroupQuantFormat)
+        and fmt.bits == 4
+        and fmt.compute_dtype == torch.bfloat16
+        and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
+        and hidden % 64 == 0
+        and intermediate % 64 == 0
+    ):
+        return INT4
+    return None
+
+
+def swiglu_line(weight_dtype: torch.dtype) -> str:
+    """The plan's name for NativeMoe reading `weight_dtype` weights (fused_weight_dtype)."""
+    what = (
+        "int4"
+        if weight_dtype == INT4
+        else "int8"
+        if weight_dtype == torch.int8
+        else str(weight_dtype)[6:]
+    )
+    return f"native SwiGLU, one call a layer ({what} weights)"

@@ -27,7 +27,6 @@ from engine.experts.formats.native_quant import (
 )
 from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.formats.quant_cache import PackedShape, quantized_locator
-from engine.native.loaded import native
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
@@ -158,10 +157,11 @@ class CheckpointExperts:
 
 
 def slot_format(
-    experts: CheckpointExperts, cfg: EngineConfig
+    experts: CheckpointExperts, cfg: EngineConfig, native: bool
 ) -> tuple[ExpertFormat, SegmentLocator]:
     """The experts' slot format and where the checkpoint holds their bytes, before any quantized sidecar
-    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's)."""
+    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's).
+    `native`: whether the native kernels run (a load plan's choice, engine/plan/resolve.py)."""
     shipped = experts.shipped()
     if shipped is not None:
         if cfg.expert_quant != "none":
@@ -170,13 +170,16 @@ def slot_format(
             )
         return shipped
     locator = experts.float_locator()
-    return float_expert_format(experts.kernel, cfg, experts.dtype, locator, experts.device), locator
+    fmt = float_expert_format(
+        experts.kernel, cfg, experts.dtype, locator, experts.device, native=native
+    )
+    return fmt, locator
 
 
 def expert_source(
-    experts: CheckpointExperts, cfg: EngineConfig
+    experts: CheckpointExperts, cfg: EngineConfig, native: bool
 ) -> tuple[ExpertFormat, SegmentLocator]:
-    fmt, locator = slot_format(experts, cfg)
+    fmt, locator = slot_format(experts, cfg, native)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
         assert isinstance(locator, ExpertLocator)
@@ -192,14 +195,17 @@ def float_expert_format(
     dtype: torch.dtype,
     locator: ExpertLocator,
     device: torch.device,
+    *,
+    native: bool,
 ) -> ExpertFormat:
-    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says."""
+    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says
+    (`native`: whether the native kernels run)."""
     return make_format(
         kernel,
         cfg.expert_quant,
         cfg.quant_group(),
         dtype,
-        plain_slot_dtype(cfg, dtype, locator, device),
+        plain_slot_dtype(cfg, dtype, locator, device) if native else None,
     )
 
 
@@ -211,8 +217,9 @@ def plain_slot_dtype(
     lose nothing, since bf16 widens to f32 exactly. Only with the native kernels, which widen each
     weight as they read it; torch's path would widen a whole expert per call (`moe-offload plan`
     resolves them without this model's measurement, so on a CPU where torch measures faster the plan
-    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype."""
-    return _bf16_slots(cfg, dtype, locator, device) if native() is not None else None
+    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype. Asked only where the
+    native kernels run (float_expert_format)."""
+    return _bf16_slots(cfg, dtype, locator, device)
 
 
 def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dtype | None:
