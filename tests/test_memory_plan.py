@@ -25,7 +25,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def _fp(slot: int = 4 * MiB, layers: int = 4, experts: int = 16) -> Footprint:
     return Footprint(
-        dtype=torch.bfloat16,
+        dtype="bfloat16",
         dense_bytes=100 * MiB,
         slot_bytes=slot,
         expert_disk_bytes=slot,

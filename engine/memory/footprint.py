@@ -1,23 +1,28 @@
 """What a model needs, in bytes, from its config and safetensors headers alone (nothing is read
 but the headers, so this takes seconds for a 160 GB checkpoint): the dense part in the compute
-dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch."""
+dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch. Plain numbers: the
+compute dtype is torch's name for it ("bfloat16"), sized by engine/native/decode_shapes.py `ITEMSIZE`, so
+a plan is sized with torch not imported."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from transformers import PretrainedConfig
 
-from engine.weights.checkpoint import TensorLocation
+from engine.native.decode_shapes import ITEMSIZE
+
+if TYPE_CHECKING:
+    from engine.weights.checkpoint import TensorLocation
 
 MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Footprint:
-    dtype: torch.dtype  # compute dtype
+    dtype: str  # compute dtype, torch's name for it ("bfloat16")
     # Parameters outside the routed experts, held in memory: in the compute dtype, less what --dense-quant
     # and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved).
     dense_bytes: int
@@ -64,11 +69,7 @@ class Footprint:
         return chunk_tokens * per_token + 8 * self.vocab * 4 + 64 * MiB
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+def kv_per_token(config: PretrainedConfig, dtype: str) -> tuple[int, int, int]:
     """(full-attention bytes per token, sliding-window bytes per token, window) for KV in `dtype`.
     Linear-attention layers (gated delta-net) keep a fixed state per sequence, counted in scratch."""
     L = int(config.num_hidden_layers)
@@ -81,7 +82,7 @@ def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int
         v = heads * int(config.v_head_dim)
     else:
         k = v = kv_heads * head_dim
-    per_layer = (k + v) * _itemsize(dtype)
+    per_layer = (k + v) * ITEMSIZE[dtype]
     full = sum(t in ("full_attention", "attention") for t in types)
     sliding = sum(t in ("sliding_attention", "chunked_attention") for t in types)
     window = int(getattr(config, "sliding_window", None) or 0) if sliding else 0
@@ -92,7 +93,7 @@ def footprint(
     dense_params: int,
     moe_layers: int,
     config: PretrainedConfig,
-    dtype: torch.dtype,
+    dtype: str,
     slot_bytes: int,
     expert_disk_bytes: int,
     experts_per_layer: int,
@@ -106,7 +107,7 @@ def footprint(
     model's, from the checkpoint's headers: engine/weights/header_survey.py) and `moe_layers` MoE layers,
     whose experts the tiers hold; `dense_on_disk_bytes` of its dense parameters stay in the checkpoint,
     and the load's narrower dense weights take `dense_saved_bytes` off."""
-    dense = dense_params * _itemsize(dtype) - dense_on_disk_bytes - dense_saved_bytes
+    dense = dense_params * ITEMSIZE[dtype] - dense_on_disk_bytes - dense_saved_bytes
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(

@@ -209,7 +209,7 @@ def _cached(key: list[str], cache: Path, measure: Callable[[], float]) -> tuple[
 
 def kernel_speeds(
     config: object,
-    dtype: torch.dtype,
+    dtype: str,
     expert_quant: str,
     H: int,
     I: int,
@@ -225,7 +225,7 @@ def kernel_speeds(
     from engine.native.loaded import load_builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
 
-    shapes = decode_shapes(config, str(dtype).removeprefix("torch."), H, I, top_k)
+    shapes = decode_shapes(config, dtype, H, I, top_k)
     mxfp4 = expert_format == "mxfp4" and expert_quant == "none"  # gpt-oss's experts as shipped
     if (
         shapes is None
@@ -254,16 +254,20 @@ def kernel_speeds(
         " ".join(sorted(cpu_flags())),
         torch.__version__,
         ids[build],
-        str(dtype),
+        f"torch.{dtype}",  # as str(torch.dtype) spelled it: caches written before still answer
         expert_quant,
         f"{H}x{I}x{top_k}",
     ]
     expert, cached = _cached(
         key,
         root / "expert_kernel.json",
-        (lambda: time_mxfp4_kernel(builds[build], dtype, H, I, top_k))
+        (lambda: time_mxfp4_kernel(builds[build], getattr(torch, dtype), H, I, top_k))
         if mxfp4
-        else (lambda: time_expert_kernel(builds[build], dtype, expert_quant, H, I, top_k)),
+        else (
+            lambda: time_expert_kernel(
+                builds[build], getattr(torch, dtype), expert_quant, H, I, top_k
+            )
+        ),
     )
     return KernelSpeeds(chosen, gbps, overhead, expert, cached, key[0])
 

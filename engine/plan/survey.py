@@ -91,7 +91,7 @@ def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes:
         layout.dense_params,
         len(layout.moe_layers),
         ck.config,
-        dtype=ck.dtype,
+        dtype=str(ck.dtype).removeprefix("torch."),
         slot_bytes=slot_bytes,
         expert_disk_bytes=disk_bytes,
         experts_per_layer=ex.num_experts,
