@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.memory.machine import HostMemory, Machine, StatedKernels
+from engine.native.decode_shapes import decode_shapes
 from engine.native.loaded import probe
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
@@ -138,30 +139,61 @@ _WITHOUT_TORCH = """
 import json, sys
 from pathlib import Path
 sys.modules["torch"] = None  # `import torch` fails from here on
+from engine.config import EngineConfig
+from engine.memory.footprint import footprint
+from engine.memory.machine import HostMemory, StatedKernels
+from engine.memory.planner import KvRequest, kv_token_budget, plan_memory
+from engine.native.decode_shapes import decode_shapes
 from engine.weights.arch import arch_for, text_config
 from engine.weights.header_survey import header_survey
 from engine.weights.model_config import read_config
 from engine.weights.safetensors_index import index_entries
+cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
 out = {}
-for arch, path in json.loads(sys.argv[1]).items():
-    config = read_config(Path(path))
-    spec = arch_for(config.model_type)
-    survey = header_survey(spec, text_config(spec, config), index_entries(Path(path)), path)
-    out[arch] = repr(survey)
+for arch, (path, slot, disk, on_disk, saved) in json.loads(sys.argv[1]).items():
+    spec = arch_for(read_config(Path(path)).model_type)
+    config = text_config(spec, read_config(Path(path)))
+    entries = index_entries(Path(path))
+    hs = header_survey(spec, config, entries, path)
+    fp = footprint(
+        hs.dense_params, len(hs.moe_layers), config, dtype="float32", slot_bytes=slot,
+        expert_disk_bytes=disk, experts_per_layer=hs.num_experts, top_k=hs.top_k,
+        moe_intermediate=hs.intermediate, tensors=entries, dense_on_disk_bytes=on_disk,
+        dense_saved_bytes=saved,
+    )
+    memory = plan_memory(fp, cfg, "cpu", HostMemory(8 << 30, "stated", None, None))
+    shapes = decode_shapes(config, "float32", hs.hidden, hs.intermediate, hs.top_k)
+    kernels = StatedKernels()("auto", shapes, "auto", "auto")
+    out[arch] = [repr(hs), repr(memory), kv_token_budget(fp, cfg, KvRequest()), repr(shapes), kernels]
 print(json.dumps(out))
 """
 
 
-def test_the_header_survey_runs_where_torch_cannot_be_imported(headers) -> None:
+def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) -> None:
     """What the plan is sized from (every architecture's MoE layers, experts' geometry, dense parameters
-    and linears, embedding and lean structure) comes from config.json and the headers in a process where
-    `import torch` fails, and equals what the load's survey holds. (The rest of resolve still needs
-    torch: its formats' bytes, device and dtype, and the native kernels' measurement.)"""
+    and linears, embedding and lean structure), its footprint, memory plan and KV budget, the kernels'
+    decode shapes and a stated kernel probe come from config.json and the headers in a process where
+    `import torch` fails, and equal what resolve gives. Given from here: the experts' slot and disk bytes
+    and the dense bytes a load keeps on disk or narrower (the formats and embedding still need torch)."""
+    from engine.memory.planner import KvRequest, kv_token_budget
+    from engine.plan.survey import survey_footprint
+
     cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
-    paths = {arch: str(headers(arch)) for arch in ALL_ARCHS}
-    want = {arch: repr(survey(path, cfg).layout) for arch, path in paths.items()}
+    given, want = {}, {}
+    for arch in ALL_ARCHS:
+        path = headers(arch)
+        sv, plan = survey(path, cfg), resolve(path, cfg, ROOMY)
+        ex = plan.experts
+        fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes)
+        given[arch] = [str(path), ex.slot_bytes, ex.disk_bytes]
+        given[arch] += [fp.dense_on_disk_bytes, fp.dense_saved_bytes]
+        shapes = decode_shapes(sv.ck.config, "float32", ex.hidden, ex.intermediate, ex.top_k)
+        budget = kv_token_budget(fp, cfg, KvRequest())
+        assert budget == plan.kv_token_budget
+        kernels = [plan.kernels.build, "off: no native kernels stated for this machine"]
+        want[arch] = [repr(sv.layout), repr(plan.memory), budget, repr(shapes), kernels]
     done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(paths)],
+        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(given)],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
