@@ -40,6 +40,17 @@ def spread(r: dict[str, Any]) -> str:
     return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
+def speed_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured rows: the full run's, and the draft model's from an `--only-draft` run (marked
+    run 2; their ratios are to that run's own no-prefetch cells) where the full run has none."""
+    rows = list(d["speed"])
+    extra = (d.get("draft_run") or {}).get("speed") or []
+    have = {r["predictor"] for r in rows}
+    return rows + [
+        {**r, "run": 2} for r in extra if r["predictor"] not in have and "draft" in r["predictor"]
+    ]
+
+
 def names(d: dict[str, Any]) -> dict[str, str]:
     """role -> the predictor's full name, found by its leading words."""
     out = {}
@@ -59,7 +70,7 @@ def names(d: dict[str, Any]) -> dict[str, str]:
 def claims(d: dict[str, Any]) -> list[str]:
     n, rec = names(d), by_name(d["rows"])
     link = d["args"]["link"]
-    sp, sim = d["speed"], d["simulated"]
+    sp, sim = speed_rows(d), d["simulated"]
     slow = f"this machine, disk + {link}"
 
     def recall(role: str) -> str:
@@ -69,13 +80,17 @@ def claims(d: dict[str, Any]) -> list[str]:
         return f"{rec[n[role]]['parameters'] / rec[n[of]][key]:.1%}"
 
     def both(src: list[dict[str, Any]], field: str, place: str, cache: str) -> str:
-        """Each predictor's ratio to no prefetch in one setting (the draft only where it ran)."""
+        """Each predictor's ratio to no prefetch in one setting (the draft only where it ran; its
+        rows from an `--only-draft` run say so)."""
         roles = [r for r in ("shipped", "plain", "fate", "promoe", "draft") if r in n]
-        return ", ".join(
-            f"{short(n[r])} {ratio(src, **{field: place, 'cache': cache, 'predictor': n[r]})}"
-            for r in roles
-            if r != "draft" or find(src, predictor=n[r]) is not None
-        )
+        out = []
+        for r in roles:
+            row = find(src, **{field: place, "cache": cache, "predictor": n[r]})
+            if r == "draft" and row is None:
+                continue
+            label = ratio(src, **{field: place, "cache": cache, "predictor": n[r]})
+            out.append(f"{short(n[r])} {label}" + (" (run 2)" if row and row.get("run") else ""))
+        return ", ".join(out)
 
     sweep = d["sweep"]["phone (UFS 3.1)"]
     fast = f"SpecPrefetch {sweep[n['shipped']][-1]:.2f}× at {sweep['mb_per_s'][-1]:.0f} MB/s"
@@ -143,12 +158,15 @@ def measured_section(d: dict[str, Any]) -> list[str]:
         f"{a['cache_fraction']}, experts on disk (`--offload disk`), the exact policy; medians of {a['rounds']} interleaved rounds "
         "after a warm-up round, ratios taken within a round. Warm: one engine per cell kept across rounds; cold: a fresh engine "
         "per run whose fast tier starts empty (`--no-warm`), before the prompt's prefill or, with a 1-token prompt, when decode "
-        "starts. The draft-model predictor is not wired into the engine: "
-        "section 3 simulates it.",
+        "starts. The draft-model predictor runs the embedded draft on every token of the target's step before the "
+        "target's first MoE layer plans (engine/prefetch/draft_predictor.py), through transformers' modules on the "
+        "decode's own thread, so its forward is charged to the decode; its heads then predict layer l+1 from the draft's "
+        "hidden state when layer l routes, through the same scheduler as the others."
+        + (" Its rows come from a second run (run 2 below)." if d.get("draft_run") else ""),
         "",
     ]
     if not d["speed"]:
-        return out + ["Not run (`--no-speed`).", ""]
+        return out + ["Not run (`--no-speed`).", ""] + draft_run_section(d)
     load = d.get("load_average") or {}
     if load:
         out += [
@@ -164,6 +182,47 @@ def measured_section(d: dict[str, Any]) -> list[str]:
         out.append(
             f"| {r['link']} | {r['cache']} | {r['predictor']} | {r['tok_s']:.1f} | {r['vs_none']:.2f}× | {spread(r)} | {r['stall_share']:.0%} | "
             f"{r['hit_rate']:.0%} | {r['prefetch_used']:.0f} / {r['prefetch_issued']:.0f} |"
+        )
+    return out + [""] + draft_run_section(d)
+
+
+def draft_run_section(d: dict[str, Any]) -> list[str]:
+    """The `--only-draft` run's rows, with its machine and load: ratios to its own no prefetch."""
+    run = d.get("draft_run")
+    if not run:
+        return []
+    a, load = run["args"], run.get("load_average") or {}
+    rec = ", ".join(f"{r['predictor'].split(' (')[0]} {r['recall']:.1%}" for r in run["rows"])
+    cost = [r["draft_ms"] for r in run["speed"] if "draft_ms" in r]
+    out = [
+        "### Run 2: the draft-model predictor (`python -m bench seed-003 --only-draft`)",
+        "",
+        f"A second run, merged into the JSON as `draft_run`: the draft-model predictor beside no prefetch and FATE (FATE "
+        f"is in both runs, a bridge between them); its settings: {a['rounds']} rounds, {a['prompt_tokens']}-token "
+        f"prompts, {a['tokens']} tokens, cache {a['cache_fraction']}, ratios to this run's own no prefetch. The draft's heads are refitted in this run "
+        f"(held-out recall: {rec}). {run['machine']} Run time {run['seconds'] / 60:.1f} min"
+        + (
+            f"; load average {load['before']:.1f} when it started, {load['after']:.1f} when it ended"
+            if load
+            else ""
+        )
+        + "."
+        + (
+            f" The draft's own forward took {min(cost):.2f}-{max(cost):.2f} ms per target forward (cell medians; "
+            f"{int(a['tokens']) - 1} of a run's {a['tokens']} forwards are one-token decode steps, the first is the "
+            "prompt's), on the decode's thread."
+            if cost
+            else ""
+        ),
+        "",
+        "| storage | cache | predictor | decode tok/s | × no prefetch | middle half of the rounds' ratios | stall share | hit rate | prefetches used / issued | draft ms per forward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in run["speed"]:
+        ms = f"{r['draft_ms']:.2f}" if "draft_ms" in r else "–"
+        out.append(
+            f"| {r['link']} | {r['cache']} | {r['predictor']} | {r['tok_s']:.1f} | {r['vs_none']:.2f}× | {spread(r)} | "
+            f"{r['stall_share']:.0%} | {r['hit_rate']:.0%} | {r['prefetch_used']:.0f} / {r['prefetch_issued']:.0f} | {ms} |"
         )
     return out + [""]
 
@@ -218,7 +277,7 @@ def summary(d: dict[str, Any]) -> list[str]:
     sd = sweep["mb_per_s"].index(80.0) if 80.0 in sweep["mb_per_s"] else -1
     warm = [
         r["vs_none"]
-        for r in d["speed"]
+        for r in speed_rows(d)
         if r["link"] == d["args"]["link"] and r["cache"] == "warm" and r["predictor"] != NONE
     ]
     measured = (
@@ -232,7 +291,13 @@ def summary(d: dict[str, Any]) -> list[str]:
         f"{rec[n['plain']]['recall']:.1%}), ProMoE-style {rec[n['promoe']]['recall']:.1%}, FATE {rec[n['fate']]['recall']:.1%}, "
         f"draft model {rec[n['draft']]['recall']:.1%}. Decode speed over no prefetch: SIMULATED on a phone at SD-card bandwidth "
         f"SpecPrefetch {sweep[n['shipped']][sd]:.2f}×, ProMoE-style {sweep[n['promoe']][sd]:.2f}×; {measured}.",
-        "- **Command:** `python -m bench seed-003` (this page, its JSON and plot; `--render-only` rewrites the page from the JSON).",
+        "- **Command:** `python -m bench seed-003` (this page, its JSON and plot; `--render-only` rewrites the page from the JSON"
+        + (
+            "; `--only-draft` reran the draft-model predictor's measured rows, run 2 of section 2"
+            if d.get("draft_run")
+            else ""
+        )
+        + ").",
         f"- **Machine:** {d['machine'].removeprefix('Machine: ')} The project's shared 2-core machine.",
         f"- **Limit:** no linear predictor of layer l+1's routing from x_l passes 63.4 % on this model "
         f"([prefetch_bound.md](../benchmarks/prefetch_bound.md)); on this CPU a transfer takes {per_load * 1e3:.2f} ms of the "

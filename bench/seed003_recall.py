@@ -55,6 +55,7 @@ class RecallSetup:
     rank: int
     promoe_width: int
     window: int = 256
+    only: tuple[str, ...] = ()  # the predictors to fit and score (empty: every one)
 
 
 def traced(om: Any, path: str, tokens: int, window: int) -> tuple[dict, AdapterData, list]:
@@ -94,30 +95,38 @@ def ranked_ids(module: torch.nn.Module, data: AdapterData, k: int) -> np.ndarray
 
 
 def fit_all(s: RecallSetup, fit: AdapterData, draft_fit: AdapterData, shipped: Any) -> dict:
-    """name -> (module, parameters, which inputs it reads: 'target' or 'draft')."""
+    """name -> (module, parameters, which inputs it reads: 'target' or 'draft'), for the
+    predictors `s.only` names (all when empty). They are trained in one order from one seed, so a
+    subset's modules differ from the full run's."""
     torch.manual_seed(0)
     N, A, D = fit.x.shape
     E = fit.teacher.shape[-1]
-    plain = train_adapter(fit, s.rank, s.steps, bias=False, fate_base=False)
-    promoe = fit_predictor(
-        PerLayerPredictor(D, E, A, s.promoe_width, fate_base=False),
-        fit,
-        s.steps,
-        desc="ProMoE-style",
-    )
-    draft = fit_predictor(
-        PerLayerPredictor(draft_fit.x.shape[-1], E, A, 0, fate_base=False),
-        draft_fit,
-        s.steps,
-        desc="draft heads",
-    )
-    return {
-        SHIPPED: (shipped, shipped.trainable_parameters(), "target"),
-        PLAIN: (plain, plain.trainable_parameters(), "target"),
-        FATE: (fate_predictor(D, E, A), 0, "target"),
-        PROMOE: (promoe, promoe.trainable_parameters(), "target"),
-        DRAFT: (draft, draft.trainable_parameters(), "draft"),
-    }
+    out: dict[str, tuple[torch.nn.Module, int, str]] = {}
+    want = set(s.only or (SHIPPED, PLAIN, FATE, PROMOE, DRAFT))
+    if SHIPPED in want:
+        out[SHIPPED] = (shipped, shipped.trainable_parameters(), "target")
+    if PLAIN in want:
+        plain = train_adapter(fit, s.rank, s.steps, bias=False, fate_base=False)
+        out[PLAIN] = (plain, plain.trainable_parameters(), "target")
+    if PROMOE in want:
+        promoe = fit_predictor(
+            PerLayerPredictor(D, E, A, s.promoe_width, fate_base=False),
+            fit,
+            s.steps,
+            desc="ProMoE-style",
+        )
+        out[PROMOE] = (promoe, promoe.trainable_parameters(), "target")
+    if DRAFT in want:
+        draft = fit_predictor(
+            PerLayerPredictor(draft_fit.x.shape[-1], E, A, 0, fate_base=False),
+            draft_fit,
+            s.steps,
+            desc="draft heads",
+        )
+        out[DRAFT] = (draft, draft.trainable_parameters(), "draft")
+    if FATE in want:  # built after the training: its initialisation draws from the same seed
+        out[FATE] = (fate_predictor(D, E, A), 0, "target")
+    return {n: out[n] for n in (SHIPPED, PLAIN, FATE, PROMOE, DRAFT) if n in out}
 
 
 def recall_run(s: RecallSetup) -> dict[str, Any]:

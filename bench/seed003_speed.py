@@ -5,8 +5,8 @@
   emulated link, side by side in one interleaved run after a warm-up round. Warm: one engine per
   cell, kept across rounds (its fast tier holds the previous requests' experts). Cold: a fresh
   engine per run that starts with an empty fast tier (`warm_start=False`). The draft-model
-  predictor is not wired into the engine (it would run the draft before every target step), so
-  it has simulated rows only.
+  predictor runs the draft on every token of the target's step, on the decode's thread
+  (engine/prefetch/draft_predictor.py): its cells record the draft's own time per forward.
 - simulated: the router-trace simulator (engine/offline/simulator.py) replaying the held-out
   trace with each predictor's own held-out predictions (TablePredictor), on this machine's
   measured disk profile, the same with the emulated link, and a phone profile (the paper's
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,12 @@ class SpeedSetup:
     rounds: int
 
 
-def _engine(s: SpeedSetup, link: str, module: torch.nn.Module | None, warm: bool) -> Any:
+# A predictor: a module, or what builds one for a loaded engine (the draft model's, which runs the
+# draft as the engine does: engine/speculative/draft_prefetch.py).
+Predictor = torch.nn.Module | Callable[[Any], torch.nn.Module]
+
+
+def _engine(s: SpeedSetup, link: str, module: Predictor | None, warm: bool) -> Any:
     from engine import load_model
 
     om = load_model(
@@ -65,17 +71,19 @@ def _engine(s: SpeedSetup, link: str, module: torch.nn.Module | None, warm: bool
             warm_start=warm,
         ),
     )
-    if module is not None:
+    if isinstance(module, torch.nn.Module):
         om.adapter_prefetcher.use_predictor(module.to(om.device))
+    elif module is not None:
+        om.adapter_prefetcher.use_predictor(module(om))
     return om
 
 
-def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
+def measured(s: SpeedSetup, modules: Mapping[str, Predictor]) -> list[dict[str, Any]]:
     """Decode tok/s per (link, cache, predictor), ratios to no prefetch within each round."""
     from bench.spec_bench import run_cell
     from engine import SpecConfig
 
-    named: dict[str, torch.nn.Module | None] = {NONE: None, **modules}
+    named: dict[str, Predictor | None] = {NONE: None, **modules}
     warm = {(link, n): _engine(s, link, m, True) for link in s.links for n, m in named.items()}
     cells = [(link, cache, n) for link in s.links for cache in CACHES for n in named]
     turn = dict.fromkeys(cells, 0)
@@ -90,19 +98,25 @@ def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[st
                 :1
             ]  # nothing to load before decode starts: every layer's first use misses
         om = warm[(link, name)] if cache == "warm" else _engine(s, link, named[name], False)
+        module = om.adapter_prefetcher.adapter if om.adapter_prefetcher is not None else None
+        spent = (getattr(module, "seconds", 0.0), getattr(module, "calls", 0))
         try:
             r = run_cell(om, plain, [prompt], s.tokens)
         finally:
             if cache == "cold":
                 om.close()
         st = r.pop("stats")
-        return {
+        row = {
             "tok_s": r["tok_s"],
             "stall_share": r["stall_share"],
             "hit_rate": st["hit_rate"],
             "prefetch_used": st["prefetch_used"],
             "prefetch_issued": st["prefetch_issued"],
         }
+        if hasattr(module, "calls"):  # a predictor with a model of its own: what its forwards cost
+            calls = module.calls - spent[1]
+            row["draft_ms"] = 1e3 * (module.seconds - spent[0]) / max(1, calls)
+        return row
 
     try:
         res = interleaved(cells, s.rounds, one)
@@ -111,7 +125,8 @@ def measured(s: SpeedSetup, modules: dict[str, torch.nn.Module]) -> list[dict[st
             om.close()
     out = []
     for link, cache, name in cells:
-        med = summarize(res, (link, cache, name), (link, cache, NONE), KEYS)
+        keys = (*KEYS, "draft_ms") if "draft_ms" in res[(link, cache, name)][0] else KEYS
+        med = summarize(res, (link, cache, name), (link, cache, NONE), keys)
         # Every round's ratio, so the page can show the spread the shared machine leaves.
         ratios = [
             a["tok_s"] / b["tok_s"]

@@ -152,6 +152,47 @@ def parse_args() -> argparse.Namespace:
         help="skip the measured speed run (the smoke test's setting)",
     )
     ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        help="a llama.cpp source tree with build/bin/llama-server and convert_hf_to_gguf.py: adds the 0.15-rule "
+        "engine against llama-server at equal memory (without it: no llama.cpp rows)",
+    )
+    ap.add_argument(
+        "--only-llama",
+        action="store_true",
+        help="run only the llama.cpp comparison (needs --llama-cpp) and merge it into the JSON beside --out",
+    )
+    ap.add_argument(
+        "--llama-tokens",
+        type=positive_int,
+        default=64,
+        help="greedy tokens per request of the llama.cpp comparison (default 64)",
+    )
+    ap.add_argument(
+        "--llama-rounds",
+        type=positive_int,
+        default=8,
+        help="measured rounds of the llama.cpp comparison after its warm-up round (default 8)",
+    )
+    ap.add_argument(
+        "--llama-ppl-tokens",
+        type=positive_int,
+        default=384,
+        help="tokens scored for llama.cpp's perplexity, one request a token (default 384)",
+    )
+    ap.add_argument(
+        "--llama-ppl-window",
+        type=positive_int,
+        default=128,
+        help="window of the llama.cpp comparison's perplexity (default 128)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(".cache/seed000"),
+        help="where the GGUF files and llama-server logs go (default .cache/seed000)",
+    )
+    ap.add_argument(
         "--render-only",
         action="store_true",
         help="run nothing: rewrite the page and plots from the JSON beside --out (after editing the page's analysis)",
@@ -222,14 +263,55 @@ def quality(args: argparse.Namespace, setup: Setup) -> dict:
     }
 
 
+def against_llama(args: argparse.Namespace, setup: Setup) -> dict:
+    """The 0.15-rule engine against stock llama.cpp at equal memory (bench/seed000_llama.py)."""
+    from transformers import AutoTokenizer
+
+    from bench.report import cut_prompts
+    from bench.seed000_llama import LlamaSetup, run
+
+    tok = AutoTokenizer.from_pretrained(setup.model_dir)
+    prompts = cut_prompts(tok, args.data, args.llama_rounds + 1, 32)
+    windows = spread_windows(
+        tokenize(setup.model_dir, args.data), args.llama_ppl_tokens, args.llama_ppl_window
+    )
+    t0 = time.perf_counter()
+    res = run(
+        LlamaSetup(
+            args.llama_cpp,
+            setup.model_dir,
+            args.cache_fraction,
+            prompts,
+            args.llama_tokens,
+            args.llama_rounds,
+            windows,
+            args.work,
+            args.threads,
+        )  # fmt: skip
+    )
+    return {
+        **res,
+        "machine": machine_line(args.threads),
+        "args": {k: str(v) for k, v in vars(args).items() if k.startswith("llama_")}
+        | {"llama_cpp": "DIR"},  # this machine's path stays out of the JSON
+        "seconds": time.perf_counter() - t0,
+    }
+
+
 def main() -> int:
     from cli.common import resolve_model_dir
 
     args = parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path("docs/seeds/000-substitution.md")
-    if args.render_only:
+    if args.render_only or args.only_llama:
         result = json.loads(out.with_suffix(".json").read_text())
+        if args.only_llama:
+            if args.llama_cpp is None:
+                raise SystemExit("--only-llama needs --llama-cpp DIR")
+            setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
+            result["llama"] = against_llama(args, setup)
+            out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         write_plots(result, out)
         out.write_text(render(result, out))
         return 0
@@ -253,12 +335,15 @@ def main() -> int:
         "machine": machine_line(args.threads),
         "model": portable_path(setup.model_dir),
         "data": portable_path(args.data),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {k: str(v) for k, v in vars(args).items()}
+        | ({"llama_cpp": "DIR"} if args.llama_cpp else {}),  # not this machine's path
         "seconds": time.perf_counter() - t0,
         **q,
         "speed": speed,
         "projected": projected,
     }
+    if args.llama_cpp is not None:
+        result["llama"] = against_llama(args, setup)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     write_plots(result, out)

@@ -4,9 +4,14 @@
 1. Recall: every predictor the paper compares (SpecPrefetch in the shipped and in the paper's plain
    form, FATE, a ProMoE-style per-layer MLP, the draft model) fitted on the validation text and
    scored on held-out tokens, with parameter counts (bench/seed003_recall.py).
-2. Decode speed, warm and cold cache: measured with the engine for the predictors that run in it,
-   on the local disk and behind an emulated slow link, side by side in one interleaved run; and
-   simulated for all of them, the draft model included (bench/seed003_speed.py).
+2. Decode speed, warm and cold cache: measured with the engine for every predictor (the draft
+   model runs on each token of the target's step, charged to the decode), on the local disk and
+   behind an emulated slow link, side by side in one interleaved run; and simulated for all of
+   them (bench/seed003_speed.py).
+
+`--only-draft` runs the draft-model predictor's measured rows alone (no prefetch and FATE beside
+it, in one interleaved run; its heads refitted) and merges them into the JSON as `draft_run`,
+whose rows the page shows apart, with that run's machine and load.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.report import add_common_flags, cut_prompts, machine_line, positive_int
 from bench.seed003_page import render, write_plot
-from bench.seed003_recall import DRAFT, RecallSetup, recall_run
+from bench.seed003_recall import DRAFT, FATE, RecallSetup, recall_run
 from bench.seed003_speed import (
     SpeedSetup,
     bandwidth_sweep,
@@ -125,6 +131,12 @@ def parse_args() -> argparse.Namespace:
         help="skip the measured speed run (recall and simulator only)",
     )
     ap.add_argument(
+        "--only-draft",
+        action="store_true",
+        help="measure only the draft-model predictor in the engine (beside no prefetch and FATE) and merge "
+        "its rows into the JSON beside --out, then rewrite the page",
+    )
+    ap.add_argument(
         "--render-only",
         action="store_true",
         help="run nothing: rewrite the page and plot from the JSON beside --out",
@@ -133,6 +145,69 @@ def parse_args() -> argparse.Namespace:
         ap, "write the page here (default docs/seeds/003-specprefetch.md; JSON and plot beside it)"
     )
     return ap.parse_args()
+
+
+def recall_setup(
+    args: argparse.Namespace, model_dir: Path, draft_dir: Path, only: tuple[str, ...] = ()
+) -> RecallSetup:
+    return RecallSetup(
+        model_dir, draft_dir, args.train_data, args.data, args.train_tokens, args.test_tokens,
+        args.steps, args.rank, args.promoe_width, only=only,
+    )  # fmt: skip
+
+
+def engine_predictors(modules: dict[str, torch.nn.Module], draft_dir: Path) -> dict[str, Any]:
+    """The predictors as the engine runs them: the draft's heads on the draft model, loaded for each
+    engine as its speculative proposer would be (engine/speculative/draft_prefetch.py)."""
+    from engine import draft_predictor
+
+    def with_draft(heads: torch.nn.Module) -> Any:
+        return lambda om: draft_predictor(om, draft_dir, heads)
+
+    return {n: with_draft(m) if n == DRAFT else m for n, m in modules.items()}
+
+
+def speed_run(
+    args: argparse.Namespace, model_dir: Path, modules: dict[str, Any]
+) -> tuple[list[dict], dict[str, float]]:
+    """The measured rows (bench/seed003_speed.py `measured`) and the machine's load around them."""
+    from transformers import AutoTokenizer
+
+    prompts = cut_prompts(
+        AutoTokenizer.from_pretrained(model_dir), args.data, args.rounds + 1, args.prompt_tokens
+    )
+    load_before = os.getloadavg()[0]  # the machine is shared: the page says how busy it was
+    speed = measured(
+        SpeedSetup(
+            model_dir, args.cache_fraction, ("", args.link), prompts, args.tokens, args.rounds
+        ),  # fmt: skip
+        modules,
+    )
+    return speed, {"before": load_before, "after": os.getloadavg()[0]}
+
+
+def draft_only(args: argparse.Namespace, out: Path, model_dir: Path, draft_dir: Path) -> int:
+    """--only-draft: the draft-model predictor measured in the engine beside no prefetch and FATE,
+    merged into the JSON of a full run as `draft_run`; the page is rewritten from it."""
+    t0 = time.perf_counter()
+    result = json.loads(out.with_suffix(".json").read_text())
+    rec = recall_run(recall_setup(args, model_dir, draft_dir, only=(FATE, DRAFT)))
+    speed, load = speed_run(args, model_dir, engine_predictors(rec["modules"], draft_dir))
+    result["draft_run"] = {
+        "machine": machine_line(args.threads),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "seconds": time.perf_counter() - t0,
+        "rows": rec["rows"],
+        "speed": speed,
+        "load_average": load,
+    }
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    write_plot(result, out)
+    out.write_text(render(result, out))
+    print(
+        f"merged the draft run into {out.with_suffix('.json')} in {time.perf_counter() - t0:.0f} s"
+    )
+    return 0
 
 
 def main() -> int:
@@ -149,20 +224,10 @@ def main() -> int:
         return 0
     model_dir = Path(resolve_model_dir(args.model))
     draft_dir = Path(args.draft) if args.draft else EMBEDDED_DRAFT
+    if args.only_draft:
+        return draft_only(args, out, model_dir, draft_dir)
     t0 = time.perf_counter()
-    rec = recall_run(
-        RecallSetup(
-            model_dir,
-            draft_dir,
-            args.train_data,
-            args.data,
-            args.train_tokens,
-            args.test_tokens,
-            args.steps,
-            args.rank,
-            args.promoe_width,
-        )  # fmt: skip
-    )
+    rec = recall_run(recall_setup(args, model_dir, draft_dir))
     ranked, modules, trace = rec.pop("ranked"), rec.pop("modules"), rec.pop("held_trace")
     profiles = sim_profiles("embedded", args.link)
     sim = simulated(
@@ -187,20 +252,7 @@ def main() -> int:
     speed: list[dict] = []
     load: dict[str, float] = {}
     if not args.no_speed:
-        from transformers import AutoTokenizer
-
-        prompts = cut_prompts(
-            AutoTokenizer.from_pretrained(model_dir), args.data, args.rounds + 1, args.prompt_tokens
-        )
-        in_engine = {n: m for n, m in modules.items() if n != DRAFT}
-        load_before = os.getloadavg()[0]  # the machine is shared: the page says how busy it was
-        speed = measured(
-            SpeedSetup(
-                model_dir, args.cache_fraction, ("", args.link), prompts, args.tokens, args.rounds
-            ),  # fmt: skip
-            in_engine,
-        )
-        load = {"before": load_before, "after": os.getloadavg()[0]}
+        speed, load = speed_run(args, model_dir, engine_predictors(modules, draft_dir))
     result = {
         "machine": machine_line(args.threads),
         "model": portable_path(model_dir),

@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -96,14 +96,16 @@ def llama_server(
     threads: int,
     log: Path,
     extra: tuple[str, ...] = (),
+    preexec: Callable[[], None] | None = None,
 ) -> Iterator[tuple[str, int]]:
     """A ready llama-server with `slots` parallel slots of `ctx` tokens each (and `extra` flags);
-    yields its base URL and pid."""
+    yields its base URL and pid. `preexec` runs in the child before the server starts (a memory
+    cgroup's `enter`, bench/cgroup.py)."""
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots)]
     cmd += ["-c", str(slots * ctx), "--host", "127.0.0.1", "--port", str(port), *extra]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

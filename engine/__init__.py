@@ -131,6 +131,7 @@ if TYPE_CHECKING:
     from engine.settings_file import setting as setting
     from engine.speculative.config import SpecConfig as SpecConfig
     from engine.speculative.draft import DraftProposer as DraftProposer
+    from engine.speculative.draft_prefetch import draft_predictor as draft_predictor
     from engine.speculative.factory import check_draft as check_draft
     from engine.speculative.factory import make_speculation as make_speculation
     from engine.structured.constraint import check_spec as check_spec
@@ -263,6 +264,7 @@ _SOURCES = MappingProxyType(
         "setting": "engine.settings_file",
         "SpecConfig": "engine.speculative.config",
         "DraftProposer": "engine.speculative.draft",
+        "draft_predictor": "engine.speculative.draft_prefetch",
         "check_draft": "engine.speculative.factory",
         "make_speculation": "engine.speculative.factory",
         "check_spec": "engine.structured.constraint",

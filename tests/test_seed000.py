@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +148,58 @@ def test_bracketing_tries_interpolate_the_matched_row() -> None:
     assert at_share(tries, 0.286) == pytest.approx(0.82)
     assert 0.82 < at_share(tries, 0.333) < 2.05
     assert at_share(tries, 0.5) is None and bracket(tries[:1], 0.333) is None
+
+
+def test_expert_bytes_count_the_routed_experts_only(tiny_ckpt) -> None:
+    from bench.seed000_llama import expert_bytes, read_bytes
+
+    ckpt = tiny_ckpt("qwen3_moe")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    per = 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * 4  # f32: gate, up, down
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    assert expert_bytes(ckpt) == cfg["num_hidden_layers"] * experts * per
+    assert read_bytes(os.getpid()) >= 0
+
+
+def _llama(vs: float) -> dict:
+    systems = ["fetch-all", "threshold", "quality-first", "speed-first"]
+    systems += [
+        "llama-server, memory = dense + the engine's expert share",
+        "llama-server, whole model in memory",
+    ]
+    speed = [
+        {"system": n, "vs_llama_limited": vs if i < 4 else (1.0 if i == 4 else 50.0), "round_ratios": [1.0, 2.0, 3.0],
+         "tok_s": 100.0, "read_MB_per_token": 0.1 if i < 4 else 100.0}
+        for i, n in enumerate(systems)
+    ]  # fmt: skip
+    mem = {"expert_bytes": 24 << 20, "gguf_bytes": 32 << 20, "weight_budget": 14 << 20, "llama_anon": 11 << 20,
+           "limit": 27 << 20, "llama_peak": 40 << 20, "engine_fast_tier": 6 << 20}  # fmt: skip
+    return {
+        "speed": speed, "memory": mem, "machine": "Machine: test.", "seconds": 60.0, "load_average": 2.0,
+        "ppl": {"engine": {n: 50.0 + i for i, n in enumerate(systems[:4])}, "llama.cpp": 50.1, "tokens": 381},
+        "disk_mb_s": {"O_DIRECT 48 KiB": 240.0, "O_DIRECT 1024 KiB": 640.0}, "read_ahead_kb": 8192,
+        "args": {"llama_cpp": "DIR", "llama_tokens": "64", "llama_rounds": "8", "llama_ppl_window": "128"},
+    }  # fmt: skip
+
+
+def test_the_llama_cpp_run_fills_the_last_claim_and_its_section(tmp_path) -> None:
+    from bench.seed000_page import render
+
+    d = json.loads(Path("docs/seeds/000-substitution.json").read_text())
+    d.pop("llama", None)
+    page = render(d, tmp_path / "p.md")
+    assert "not run (`--llama-cpp DIR`" in page and "## 8." not in page
+    page = render({**d, "llama": _llama(25.0)}, tmp_path / "p.md")
+    claims = page[page.index("## The paper's claims") : page.index("## 1.")]
+    assert (
+        "the 0.15 rule 25.0× llama-server" in claims
+        and "+0.20 %" in claims
+        and "50× its limited self" in claims
+    )
+    section = page[page.index("## 8.") :]
+    assert "| this engine, threshold | 100.0 | 25.00× | 1.00-3.00 | 0.100 | 10 |" in section
+    assert (
+        "| llama.cpp | 50.10 | +0.20 % |" in section
+        and "640 MB/s O_DIRECT 1024 KiB" in section
+        and "(8,192 KiB" in section
+    )

@@ -218,3 +218,28 @@ def test_a_page_without_the_measured_run_says_so(tmp_path: Path, missing: str) -
     d = {**_result(), missing: []}
     page = render(d, tmp_path / "p.md")
     assert "Not run (`--no-speed`)" in page and "not run" in page
+
+
+def test_a_draft_only_run_is_shown_apart_and_named_in_the_claims(tmp_path: Path) -> None:
+    from bench.seed003_page import render
+
+    d = _result()
+    draft = d["rows"][4]["predictor"]
+    rows = [
+        {**r, "predictor": n, "draft_ms": 2.5} if n == draft else {**r, "predictor": n}
+        for r in d["speed"][:1]
+        for n in ("no prefetch", "FATE (next router on x_l)", draft)
+    ]
+    run = [
+        {**r, "link": link, "cache": c} for link in ("disk", "sdcard") for c in CACHES for r in rows
+    ]
+    d["draft_run"] = {
+        "machine": "Machine: second.", "args": {**d["args"], "rounds": "2"}, "seconds": 120.0,
+        "rows": d["rows"][2:3] + d["rows"][4:], "speed": run, "load_average": {"before": 2.0, "after": 3.0},
+    }  # fmt: skip
+    page = render(d, tmp_path / "p.md")
+    claims = page[page.index("## The paper's claims") : page.index("## 1.")]
+    assert "draft model 1.10× (run 2)" in claims
+    run2 = page[page.index("### Run 2") : page.index("## 3.")]
+    assert "Machine: second." in run2 and "| 2.50 |" in run2 and "2.50-2.50 ms" in run2
+    assert run2.count(draft) == 6  # its six cells, each beside its own no prefetch and FATE

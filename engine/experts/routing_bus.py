@@ -12,6 +12,7 @@ which request. With no subscriber, publishing costs one truth test.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,19 @@ class StepContext:
 
     request_ids: tuple[str, ...] = ()
     spans: tuple[tuple[int, int], ...] = ()  # row range of each request's window
+    # Each request's window (its input tokens) and the position of its first token: what a
+    # predictor that runs its own model on the step's tokens needs (engine/prefetch/draft_predictor.py).
+    windows: tuple[list[int], ...] = ()
+    starts: tuple[int, ...] = ()
+
+    @classmethod
+    def of(
+        cls, request_ids: tuple[str, ...], windows: list[list[int]], starts: list[int]
+    ) -> StepContext:
+        """The context of a packed step of `windows` (one per request, in row order)."""
+        ends = list(itertools.accumulate(len(w) for w in windows))
+        spans = tuple((e - len(w), e) for w, e in zip(windows, ends))
+        return cls(request_ids, spans, tuple(windows), tuple(starts))
 
 
 @dataclass(frozen=True)

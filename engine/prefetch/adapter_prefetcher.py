@@ -22,7 +22,7 @@ import torch
 
 from engine.experts.compute.moe_block import OffloadedMoeBlock
 from engine.experts.cost_meter import CostMeter
-from engine.experts.routing_bus import RoutingBus, RoutingEvent
+from engine.experts.routing_bus import RoutingBus, RoutingEvent, StepContext
 from engine.experts.tiers.expert_store import ExpertStore
 from engine.experts.tiers.transfers import TransferEngine
 from engine.prefetch.adapter import RouterAdapter
@@ -69,11 +69,21 @@ class AdapterPrefetcher:
         # next layer plans, by definition, so the scheduler must not weigh measured copy times either, or which
         # experts it prefetches (and the perplexity) would depend on the machine's timing.
         self.settled = False
+        # A predictor that runs its own model on the step's tokens (engine/prefetch/draft_predictor.py) starts each
+        # forward in `begin_step`; whether it covers the forward's rows.
+        self._step: StepContext | None = None
+        self._can_predict = True
 
     def attach(self, bus: RoutingBus) -> None:
         bus.subscribe(self.on_routing)
 
     def on_routing(self, ev: RoutingEvent) -> None:
+        if (
+            ev.step is not self._step
+        ):  # the forward's first routing event (the runner sets a new context)
+            self._step = ev.step
+            begin = getattr(self.adapter, "begin_step", None)
+            self._can_predict = begin is None or bool(begin(ev.step, ev.x.shape[0]))
         now = time.perf_counter()
         if self._last is not None and self._next.get(self._last[0]) == ev.layer:
             gap = now - self._last[1]
@@ -89,7 +99,7 @@ class AdapterPrefetcher:
         self._calibrate(ev.layer, picked)
         self._cancel_unpicked(ev.layer, set().union(*picked))
         nxt = self._next.get(ev.layer)
-        if nxt is None:
+        if nxt is None or not self._can_predict:
             return  # the last MoE layer: the next layer to run is the next step's first
         for e in self._plan(ev, nxt):
             if self.transfers.submit(nxt, e, "prefetch", protect=True) is None:
@@ -146,9 +156,11 @@ class AdapterPrefetcher:
 
     def use_predictor(self, predictor: torch.nn.Module) -> None:
         """Predict with another module of the adapter's call form (engine/prefetch/predictors.py:
-        FATE, a ProMoE-style network): the baselines measured side by side in bench/seed_003.py.
-        Calibration starts over; the folded maps of the old predictor are dropped."""
+        FATE, a ProMoE-style network; engine/prefetch/draft_predictor.py: the draft model): the
+        baselines measured side by side in bench/seed_003.py. Calibration starts over; the folded
+        maps of the old predictor are dropped."""
         self.adapter = predictor
+        self._step = None
         self._folded.clear()
         self._predicted.clear()
         self.precision_at_rank = [0.5] * self.top_k

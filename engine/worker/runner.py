@@ -114,7 +114,7 @@ class ModelRunner:
         Its ops run the model's native kernels, whoever calls (engine/native/loaded.py)."""
         bus = getattr(self.lm, "bus", None)
         if bus is not None:
-            bus.step = StepContext(request_ids, tuple(spans_of([len(w) for w in windows])))
+            bus.step = StepContext.of(request_ids, windows, starts)
         # Every row takes the native kernels where they apply, whatever its kind and whatever shares the
         # step: a request's output never depends on its batch (engine/native/row_kernels.py).
         with active(self.lm.native):
