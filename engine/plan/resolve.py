@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.experts.compute.native_mxfp4 import native_experts_line
 from engine.experts.formats.expert_source import native_slot_dtype, slot_format
+from engine.experts.formats.native_path import native_experts_line
 from engine.experts.formats.quant import ExpertFormat
 from engine.memory.footprint import Footprint
 from engine.memory.machine import Machine, this_machine

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.formats.expert_kernels import SwiGLUKernel
-from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, PlainFormat
+from engine.experts.formats.native_path import dtype_name, fused_weight_dtype, swiglu_line
+from engine.experts.formats.quant import ExpertFormat, PlainFormat
 from engine.native.kernels import W_CODES, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
@@ -26,6 +26,13 @@ from engine.native.row_kernels import native_rows_allowed
 # gate_up, gate_up scales, down, down scales (0: none); int4 slots add gate_up zeros and down zeros
 SlotPointers = tuple[int, ...]
 INT4 = torch.uint8  # NativeMoe.weight_dtype of int4 slots (two codes a byte)
+# fused_weight_dtype's names -> the weights NativeMoe reads
+WEIGHT_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": INT4,
+}
 W_Q4 = 3  # cpu_gemv.h's code for them
 
 
@@ -58,11 +65,11 @@ class NativeMoe:
         kernels = native()
         if weight_dtype is None or kernels is None:
             return None
-        return cls(kernels, fmt, weight_dtype, hidden, intermediate)
+        return cls(kernels, fmt, WEIGHT_DTYPES[weight_dtype], hidden, intermediate)
 
     def describe(self) -> str:
         """The plan's name for this path."""
-        return swiglu_line(self.weight_dtype)
+        return swiglu_line("int4" if self.int4 else dtype_name(self.weight_dtype))
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels
@@ -138,40 +145,3 @@ class NativeMoe:
             gate_up_scale=[p[1] for p in slots] if self.quantized else None,
             down_scale=[p[3] for p in slots] if self.quantized else None,
         )
-
-
-def fused_weight_dtype(fmt: ExpertFormat, hidden: int, intermediate: int) -> torch.dtype | None:
-    """The weights NativeMoe reads slots of `fmt` as (INT4: int4 groups), or None where it does not take
-    them (then torch runs the experts); what a load plan names before any kernel is loaded."""
-    if type(fmt.kernel) is not SwiGLUKernel:
-        return None
-    if isinstance(fmt, PlainFormat) and fmt.slot_dtype in (torch.float32, torch.bfloat16):
-        return fmt.slot_dtype
-    if (
-        isinstance(fmt, GroupQuantFormat)
-        and fmt.bits == 8
-        and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
-    ):
-        return torch.int8
-    if (
-        isinstance(fmt, GroupQuantFormat)
-        and fmt.bits == 4
-        and fmt.compute_dtype == torch.bfloat16
-        and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
-        and hidden % 64 == 0
-        and intermediate % 64 == 0
-    ):
-        return INT4
-    return None
-
-
-def swiglu_line(weight_dtype: torch.dtype) -> str:
-    """The plan's name for NativeMoe reading `weight_dtype` weights (fused_weight_dtype)."""
-    what = (
-        "int4"
-        if weight_dtype == INT4
-        else "int8"
-        if weight_dtype == torch.int8
-        else str(weight_dtype)[6:]
-    )
-    return f"native SwiGLU, one call a layer ({what} weights)"

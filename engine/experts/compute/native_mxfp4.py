@@ -12,23 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.compute.native_moe import (
-    NativeMoe,
-    SlotPointers,
-    fused_weight_dtype,
-    swiglu_line,
-)
+from engine.experts.compute.native_moe import NativeMoe, SlotPointers
 from engine.experts.formats.expert_kernels import GptOssKernel
+from engine.experts.formats.native_path import MXFP4_LINE, mxfp4_applies
 from engine.experts.formats.native_quant import Mxfp4GptOssFormat
 from engine.experts.formats.quant import ExpertFormat
 from engine.native.kernels import MAX_ROWS, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
-
-FLOATS = (torch.float32, torch.bfloat16)
-MXFP4_LINE = (
-    "native MXFP4 (FP4 codes decoded in registers, f32 sums)"  # the plan's name for the path
-)
 
 
 class NativeMxfp4Moe(NativeMoe):
@@ -117,26 +108,6 @@ class NativeMxfp4Moe(NativeMoe):
             for i in range(0, x.shape[0], MAX_ROWS)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def mxfp4_applies(fmt: Mxfp4GptOssFormat, hidden: int, intermediate: int) -> bool:
-    """Whether NativeMxfp4Moe takes slots of `fmt` (else torch runs them)."""
-    return not (
-        not isinstance(fmt.kernel, GptOssKernel)
-        or fmt.compute_dtype not in FLOATS
-        or fmt.bias_dtype not in FLOATS
-        or hidden % 32
-        or intermediate % 32
-    )
-
-
-def native_experts_line(fmt: ExpertFormat, hidden: int, intermediate: int) -> str | None:
-    """The plan's name for the native path `native_experts` gives slots of `fmt` where the native kernels
-    run, or None where torch runs them: decided from the format alone, no kernels loaded."""
-    if isinstance(fmt, Mxfp4GptOssFormat):
-        return MXFP4_LINE if mxfp4_applies(fmt, hidden, intermediate) else None
-    weight_dtype = fused_weight_dtype(fmt, hidden, intermediate)
-    return swiglu_line(weight_dtype) if weight_dtype is not None else None
 
 
 def native_experts(fmt: ExpertFormat, hidden: int, intermediate: int) -> NativeMoe | None:
