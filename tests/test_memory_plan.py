@@ -301,7 +301,7 @@ def test_ram_tier_pins_in_chunks_and_falls_back_to_pageable(tiny_ckpt, caplog) -
             tier = RamTier(
                 locator,
                 layers,
-                om.executor.fmt.slot_dtype,
+                getattr(torch, om.executor.fmt.slot_dtype),
                 pin=True,
                 chunk_bytes=3 * row,
                 pin_limit=None if not torch.cuda.is_available() else 0,

@@ -27,6 +27,11 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
+def dtype_name(dtype: object) -> str:
+    """`dtype`'s name without the "torch." prefix ("bfloat16"), for a torch dtype or a name alike."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class DecodeShapes:
     """What a decode step multiplies: the matrices [rows, cols] of one layer (experts' gate_up and down,

@@ -167,8 +167,11 @@ def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k
     from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe
     from engine.experts.formats.expert_kernels import GptOssKernel
     from engine.experts.formats.native_quant import Mxfp4GptOssFormat
+    from engine.native.decode_shapes import dtype_name
 
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, dtype, dtype)
+    fmt = Mxfp4GptOssFormat(
+        GptOssKernel(H, I, 1.702, 7.0), H, I, dtype_name(dtype), dtype_name(dtype)
+    )
     per = fmt.slot_numel  # bytes: the slot is uint8
     n = max(top_k, math.ceil(STREAM_BYTES / per))
     n = -(-n // top_k) * top_k

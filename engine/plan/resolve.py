@@ -18,7 +18,7 @@ from engine.experts.formats.quant import ExpertFormat
 from engine.memory.footprint import Footprint
 from engine.memory.machine import Machine, this_machine
 from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget, plan_memory
-from engine.native.decode_shapes import decode_shapes
+from engine.native.decode_shapes import decode_shapes, dtype_name
 from engine.plan.execution import (
     ExecutionPlan,
     expert_kernel,
@@ -110,7 +110,7 @@ def kernel_choice(sv: Survey, cfg: EngineConfig, machine: Machine) -> KernelBuil
         ex.shape.hidden,
         ex.shape.intermediate,
         ex.top_k,
-        str(slots).removeprefix("torch.") if slots is not None else None,
+        slots,
     )
     mode = cfg.native_kernels if ck.device.type == "cpu" else "off"
     return KernelBuild(*machine.kernels(mode, shapes, cfg.native_build, cfg.native_build_limit))
@@ -172,13 +172,13 @@ def _slots(sv: Survey, cfg: EngineConfig, fmt: ExpertFormat, disk: int) -> Exper
         why = "quantized in the checkpoint: slots hold the shipped bytes"
     elif cfg.expert_quant != "none":
         why = f"--expert-quant {cfg.expert_quant}: quantized once into a sidecar file (--quant-cache-dir), read from it"
-    elif fmt.slot_dtype != ck.dtype:
+    elif fmt.slot_dtype != dtype_name(ck.dtype):
         why = "every expert is bf16 in the checkpoint: bf16 slots, widened exactly as the native kernels read them"
     else:
         why = "float experts in the compute dtype (--expert-quant none)"
     return ExpertSlots(
         format=fmt.name,
-        slot_dtype=str(fmt.slot_dtype).removeprefix("torch."),
+        slot_dtype=fmt.slot_dtype,
         slot_bytes=fmt.slot_bytes,
         disk_bytes=disk,
         moe_layers=tuple(ex.moe_layers),

@@ -84,7 +84,7 @@ def routed_experts(
     fmt, locator = expert_source(experts, cfg, native.kernels is not None)
     planned = plan.experts
     # The plan decided the format from the same headers: the slots it sized are the ones built.
-    built = (fmt.name, str(fmt.slot_dtype).removeprefix("torch."), fmt.slot_bytes)
+    built = (fmt.name, fmt.slot_dtype, fmt.slot_bytes)
     assert built == (planned.format, planned.slot_dtype, planned.slot_bytes), (built, planned)
     assert locator.nbytes_on_disk(experts.moe_layers[0], 0) == planned.disk_bytes
     return RoutedExperts(
@@ -160,7 +160,7 @@ def _slow_tier(
         tier = RamTier(
             ex.locator,
             ex.moe_layers,
-            ex.fmt.slot_dtype,
+            getattr(torch, ex.fmt.slot_dtype),
             pin=device.type == "cuda",
             link=link,
             huge_pages=cfg.huge_pages,
@@ -195,7 +195,7 @@ def _fast_tier(
     store = ExpertStore(
         n_slots,
         ex.fmt.slot_numel,
-        ex.fmt.slot_dtype,
+        getattr(torch, ex.fmt.slot_dtype),
         device,
         eviction,
         stats,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.formats.native_path import dtype_name, fused_weight_dtype, swiglu_line
+from engine.experts.formats.native_path import fused_weight_dtype, swiglu_line
 from engine.experts.formats.quant import ExpertFormat, PlainFormat
 from engine.native.kernels import W_CODES, NativeKernels
 from engine.native.loaded import native
@@ -51,7 +51,9 @@ class NativeMoe:
         self.int4 = weight_dtype == INT4
         # The activation dtype float slots serve: the format's compute dtype (bf16 slots of an f32 model
         # take f32 rows and widen each weight as they read it).
-        self.float_x = fmt.compute_dtype if isinstance(fmt, PlainFormat) else weight_dtype
+        self.float_x = (
+            getattr(torch, fmt.compute_dtype) if isinstance(fmt, PlainFormat) else weight_dtype
+        )
 
     @property
     def wtype(self) -> int:
@@ -69,7 +71,7 @@ class NativeMoe:
 
     def describe(self) -> str:
         """The plan's name for this path."""
-        return swiglu_line("int4" if self.int4 else dtype_name(self.weight_dtype))
+        return swiglu_line("int4" if self.int4 else str(self.weight_dtype)[6:])
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels

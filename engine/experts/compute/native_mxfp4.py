@@ -32,7 +32,8 @@ class NativeMxfp4Moe(NativeMoe):
         kernel = fmt.kernel
         assert isinstance(kernel, GptOssKernel)
         self.alpha, self.limit = kernel.alpha, kernel.limit
-        self.bias_dtype, self.compute_dtype = fmt.bias_dtype, fmt.compute_dtype
+        self.bias_dtype = getattr(torch, fmt.bias_dtype)
+        self.compute_dtype = getattr(torch, fmt.compute_dtype)
 
     @property
     def wtype(self) -> int:

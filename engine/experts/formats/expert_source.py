@@ -27,6 +27,7 @@ from engine.experts.formats.native_quant import (
 )
 from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.formats.quant_cache import PackedShape, quantized_locator
+from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
@@ -204,14 +205,14 @@ def float_expert_format(
         kernel,
         cfg.expert_quant,
         cfg.quant_group(),
-        dtype,
+        dtype_name(dtype),
         plain_slot_dtype(cfg, dtype, locator, device) if native else None,
     )
 
 
 def plain_slot_dtype(
     cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> torch.dtype | None:
+) -> str | None:
     """bf16 where unquantized experts compute in f32 on the CPU from a checkpoint that stores every one
     of them in bf16 (cfg.bf16_expert_slots): the slots keep the checkpoint's bytes, half of f32's, and
     lose nothing, since bf16 widens to f32 exactly. Only with the native kernels, which widen each
@@ -222,7 +223,7 @@ def plain_slot_dtype(
     return _bf16_slots(cfg, dtype, locator, device)
 
 
-def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dtype | None:
+def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> str | None:
     """The float slots' dtype if the native kernels run (plain_slot_dtype's choice then), before they are
     chosen: what their measurement (engine/native/autotune.py) must time the experts in. None: the
     compute dtype, or experts that are not float (quantized, or shipped quantized)."""
@@ -233,7 +234,7 @@ def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dt
 
 def _bf16_slots(
     cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> torch.dtype | None:
+) -> str | None:
     if (
         not cfg.bf16_expert_slots
         or cfg.expert_quant != "none"
@@ -241,7 +242,7 @@ def _bf16_slots(
         or device.type != "cpu"
     ):
         return None
-    return torch.bfloat16 if locator.dtypes() == {torch.bfloat16} else None
+    return "bfloat16" if locator.dtypes() == {torch.bfloat16} else None
 
 
 def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | None:
@@ -262,7 +263,9 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
             for b in first
             if f"{b}.experts.gate_up_proj_blocks" in tensors
         )
-        fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype)
+        fmt: RawPartsFormat = Mxfp4GptOssFormat(
+            kernel, H, I, dtype_name(bias.dtype), dtype_name(dtype)
+        )
         names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
         probe = "experts.gate_up_proj_blocks"
     elif (
@@ -270,7 +273,7 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
         and spec.gate_up_down
         and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
     ):
-        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype)
+        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype_name(dtype))
         names = lambda b, e: (  # noqa: E731
             [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]
             + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
@@ -294,9 +297,9 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
                         f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})"
                     )
                 loc = loc.slice_first_dim(row) if row is not None else loc
-                if tuple(loc.shape) != tuple(want_shape) or loc.dtype != want_dtype:
+                if tuple(loc.shape) != tuple(want_shape) or dtype_name(loc.dtype) != want_dtype:
                     raise CheckpointError(
-                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected {want_dtype} {tuple(want_shape)}"
+                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected torch.{want_dtype} {tuple(want_shape)}"
                     )
                 segs.append(
                     TensorLocation(

@@ -13,19 +13,14 @@ MXFP4_LINE = (
 )
 
 
-def dtype_name(dtype: object) -> str:
-    """`dtype`'s name without the "torch." prefix ("bfloat16"), for a dtype or a name alike."""
-    return str(dtype).removeprefix("torch.")
-
-
 def fused_weight_dtype(fmt: ExpertFormat, hidden: int, intermediate: int) -> str | None:
     """The weights NativeMoe reads slots of `fmt` as, by name ("float32", "bfloat16", "int8"; "int4":
     int4 groups), or None where it does not take them (then torch runs the experts); what a load plan
     names before any kernel is loaded."""
     if type(fmt.kernel) is not SwiGLUKernel:
         return None
-    if isinstance(fmt, PlainFormat) and dtype_name(fmt.slot_dtype) in FLOATS:
-        return dtype_name(fmt.slot_dtype)
+    if isinstance(fmt, PlainFormat) and fmt.slot_dtype in FLOATS:
+        return fmt.slot_dtype
     if (
         isinstance(fmt, GroupQuantFormat)
         and fmt.bits == 8
@@ -35,7 +30,7 @@ def fused_weight_dtype(fmt: ExpertFormat, hidden: int, intermediate: int) -> str
     if (
         isinstance(fmt, GroupQuantFormat)
         and fmt.bits == 4
-        and dtype_name(fmt.compute_dtype) == "bfloat16"
+        and fmt.compute_dtype == "bfloat16"
         and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
         and hidden % 64 == 0
         and intermediate % 64 == 0
@@ -53,8 +48,8 @@ def mxfp4_applies(fmt: Mxfp4GptOssFormat, hidden: int, intermediate: int) -> boo
     """Whether NativeMxfp4Moe takes slots of `fmt` (else torch runs them)."""
     return not (
         not isinstance(fmt.kernel, GptOssKernel)
-        or dtype_name(fmt.compute_dtype) not in FLOATS
-        or dtype_name(fmt.bias_dtype) not in FLOATS
+        or fmt.compute_dtype not in FLOATS
+        or fmt.bias_dtype not in FLOATS
         or hidden % 32
         or intermediate % 32
     )
