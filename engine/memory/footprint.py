@@ -24,7 +24,7 @@ MiB = 1 << 20
 class Footprint:
     dtype: str  # compute dtype, torch's name for it ("bfloat16")
     # Parameters outside the routed experts, held in memory: in the compute dtype, less what --dense-quant
-    # and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved).
+    # and bf16 dense weights save (engine/native/dense_names.py dense_bytes_saved).
     dense_bytes: int
     slot_bytes: int  # one routed expert as the tiers store it
     expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)

@@ -16,21 +16,17 @@ The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.huge_pages import empty, huge_empty
-from engine.native.dense_names import QUANTIZED_NAMES, DenseLinear
+from engine.native.dense_names import FLOAT_NAMES, QUANTIZED_NAMES
 from engine.native.loaded import native, usable
 
 DENSE_QUANTS = ("none", "int8")
-FLOAT_WEIGHTS = (
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
+FLOAT_WEIGHTS = tuple(
+    getattr(torch, n) for n in FLOAT_NAMES
 )  # the weights quantize_dense quantizes
 
 
@@ -132,38 +128,6 @@ def narrows_dense(bf16_dense: bool, device: torch.device) -> bool:
 def _narrowable(w: torch.Tensor, shared: set[int]) -> bool:
     """An f32 weight no other module holds: narrow_dense's candidates (it then checks the values)."""
     return w.dtype == torch.float32 and id(w) not in shared
-
-
-def dense_bytes_saved(
-    linears: Iterable[DenseLinear],
-    dtype: torch.dtype,
-    checkpoint_dtypes: Mapping[str, torch.dtype],
-    dense_quant: str,
-    narrow: bool,
-) -> int:
-    """Bytes the load's `quantize_dense` (per `dense_quant`) and, where `narrow`, `narrow_dense` take off
-    the dense linears (`dense_linears`, as the checkpoint's headers name them: engine/weights/header_survey.py)
-    held in the compute `dtype`, for the memory plan; `checkpoint_dtypes`: the checkpoint's tensor dtypes
-    by name (`narrow`: narrows_dense's answer). narrow_dense narrows an f32 weight whose values are bf16,
-    which a bf16 checkpoint tensor's are; a weight whose name the checkpoint does not hold as it is (a
-    wrapper's prefix) saves nothing. A tied weight saves nothing, and int8 codes beside it add their bytes (the table keeps its
-    float copy)."""
-    if dtype not in FLOAT_WEIGHTS:
-        return 0
-    saved = 0
-    for w in linears:
-        full = w.numel * dtype.itemsize
-        if dense_quant == "int8":
-            codes = w.numel + 2 * w.rows  # int8 a weight, an fp16 scale a row
-            saved += -codes if w.shared else full - codes
-        elif (
-            narrow
-            and dtype == torch.float32
-            and not w.shared
-            and checkpoint_dtypes.get(w.name) == torch.bfloat16
-        ):
-            saved += full // 2
-    return saved
 
 
 def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.experts.formats.expert_source import CheckpointExperts
 from engine.memory.footprint import Footprint, footprint
 from engine.memory.measure import dense_saved
+from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec, arch_for, text_config
 from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
@@ -91,7 +92,7 @@ def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes:
         layout.dense_params,
         len(layout.moe_layers),
         ck.config,
-        dtype=str(ck.dtype).removeprefix("torch."),
+        dtype=dtype_name(ck.dtype),
         slot_bytes=slot_bytes,
         expert_disk_bytes=disk_bytes,
         experts_per_layer=ex.num_experts,
@@ -101,5 +102,7 @@ def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes:
         dense_on_disk_bytes=sv.embedding.nbytes - resident_bytes(sv.embedding)
         if sv.embedding
         else 0,
-        dense_saved_bytes=dense_saved(layout.dense_linears, ck.tensors, cfg, ck.device, ck.dtype),
+        dense_saved_bytes=dense_saved(
+            layout.dense_linears, ck.tensors, cfg, ck.device, dtype_name(ck.dtype)
+        ),
     )
