@@ -33,7 +33,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, torch.bfloat16, torch.bfloat16)
+    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, "bfloat16", "bfloat16")
     g = torch.Generator().manual_seed(0)
     slots = []
     for _ in range(TOPK):

@@ -39,7 +39,7 @@ def _shape(fp: Footprint, model_type: str):
             # The same layer shape at another depth (a checkpoint cut to fewer layers): the named
             # shape's per-layer costs, its layer count replaced (see depth_scaled for the LM head).
             return s if s.layers == fp.moe_layers else replace(s, layers=fp.moe_layers)
-    itemsize = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}.get(str(fp.dtype), 2)
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(fp.dtype, 2)
     head = fp.vocab * fp.hidden
     dense_params = max(0.0, fp.dense_bytes / itemsize - 2 * head) / max(1, fp.moe_layers)
     return ModelShape(
@@ -111,7 +111,7 @@ def measured_costs(probe: Probe, cfg: EngineConfig) -> Costs:
     )
     if speeds is None:
         raise ProfileError(
-            f"--hardware measured: no native kernel measurement for {str(fp.dtype).removeprefix('torch.')} "
+            f"--hardware measured: no native kernel measurement for {fp.dtype} "
             f"with {probe.expert_format} experts here; name a profile (--hardware this-machine-disk)"
         )
     gb_s, reads = read_gb_s(probe.expert_reads)
@@ -248,7 +248,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"{args.model}: {probe.model_type}, {fp.moe_layers} MoE layers x {fp.experts_per_layer} experts (top-{fp.top_k}), "
         f"experts {probe.expert_format} at {fmt_bytes(fp.slot_bytes)} each ({fmt_bytes(fp.experts_bytes)} in all), "
-        f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {str(fp.dtype).removeprefix('torch.')}"
+        f"dense {fmt_bytes(fp.dense_bytes)}, checkpoint {fmt_bytes(fp.checkpoint_bytes)} on disk; compute dtype {fp.dtype}"
     )
     print(load_plan.describe())
     print(_kv_pool_line(fp, cfg, kv, args.max_model_len, plan))

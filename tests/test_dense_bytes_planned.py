@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.native.dense_names import QUANTIZED_NAMES
 from engine.native.loaded import native
-from engine.native.quant_linear import QUANTIZED_NAMES, QuantLinear
+from engine.native.quant_linear import QuantLinear
 from engine.plan.probe import probe_checkpoint
 from engine.worker.loader import load_model
 

@@ -11,7 +11,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
 from engine_helpers import tokens_and_logprobs
 
 from engine.config import EngineConfig
@@ -127,7 +126,7 @@ def test_the_lookahead_takes_blocks_or_shrinks_to_what_is_left() -> None:
 
 def _fp(context: int, per_token: int = 16384) -> Footprint:
     return Footprint(
-        dtype=torch.bfloat16,
+        dtype="bfloat16",
         dense_bytes=1 << 20,
         slot_bytes=1 << 20,
         expert_disk_bytes=1 << 20,

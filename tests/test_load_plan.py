@@ -1,8 +1,14 @@
-"""The load plan (engine/plan/): every architecture's plan from config.json and safetensors headers alone,
-each decision with its reason; the load builds to the same plan, and `moe-offload plan` prints it."""
+"""The load plan (engine/plan/): every architecture's plan from config.json and safetensors headers alone
+(no model built, no tensor made, on the meta device included), each decision with its reason; the load
+builds the model the headers describe (engine/worker/built.py) to the same plan, and `moe-offload plan`
+prints it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,11 +17,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.memory.machine import HostMemory, Machine
+from engine.errors import CheckpointError, ConfigError
+from engine.memory.machine import HostMemory, Machine, StatedKernels
+from engine.native.decode_shapes import decode_shapes
+from engine.native.loaded import probe
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
+from engine.plan.survey import survey
 from engine.weights.forward_support import MOE_LEAN_MODEL_TYPES
+from engine.worker.built import build_meta, model_layout
 from engine.worker.loader import load_model
 from models.tiny import ARCHS, NEW_ARCHS, STRUCTURAL_ARCHS, write_tiny_headers
 
@@ -39,16 +49,16 @@ def headers(tmp_path_factory):
 
 
 class _Tensors(TorchDispatchMode):
-    """Every op whose output is a tensor off the meta device (one with storage)."""
+    """Every op whose output is a tensor, on the meta device included."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.real: list[str] = []
+        self.made: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tree_leaves(out)):
-            self.real.append(str(func))
+        if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            self.made.append(f"{func} on {[t.device.type for t in tree_leaves(out)][0]}")
         return out
 
 
@@ -65,9 +75,10 @@ def _reasons(plan: LoadPlan) -> list[str]:
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_every_architecture_plans_from_headers_without_a_tensor(headers, arch: str) -> None:
     cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
+    path = headers(arch)  # written from a model on the meta device: before the count starts
     with _Tensors() as made:
-        plan = resolve(headers(arch), cfg, ROOMY)
-    assert made.real == [], f"resolve made tensors with storage: {made.real[:5]}"
+        plan = resolve(path, cfg, ROOMY)
+    assert made.made == [], f"resolve made tensors: {made.made[:5]}"
     ex, mem = plan.experts, plan.memory
     assert (plan.arch.model_type, plan.device, plan.dtype) == (arch, "cpu", "float32")
     assert plan.arch.by_structure == (arch in STRUCTURAL_ARCHS)
@@ -106,6 +117,106 @@ def test_every_architecture_plans_from_headers_without_a_tensor(headers, arch: s
     assert "memory plan (" in text and "execution plan:" in text and "  expert kernel" in text
 
 
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: str) -> None:
+    """What a plan is sized from (engine/weights/header_survey.py: MoE layers, experts' geometry,
+    dense parameters and linears, input embedding, the lean forward's structure) is what the load's
+    model, built by transformers on the meta device, holds: the plan the headers give is the plan
+    the built model would give. Checkpoints in f32 and bf16; --dense-quant int8 counts the linears."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for dense_quant in ("none", "int8"):
+            cfg = EngineConfig(device="cpu", dtype="float32", dense_quant=dense_quant)
+            sv = survey(headers(arch, dtype), cfg)
+            built = build_meta(sv)  # check_built: raises where any fact differs
+            assert model_layout(built).dense_params == sv.layout.dense_params > 0
+            assert [s.layer for s in built.sites] == list(sv.layout.moe_layers)
+            geometry = (built.experts.num_experts, built.experts.shape, built.experts.top_k)
+            assert geometry == (sv.experts.num_experts, sv.experts.shape, sv.experts.top_k)
+            assert built.experts.kernel.views == sv.experts.kernel.views
+
+
+_WITHOUT_TORCH = """
+import json, sys
+from pathlib import Path
+sys.modules["torch"] = None  # `import torch` fails from here on
+from engine.config import EngineConfig
+from engine.memory.footprint import footprint
+from engine.memory.machine import HostMemory, StatedKernels
+from engine.memory.planner import KvRequest, kv_token_budget, plan_memory
+from engine.native.decode_shapes import decode_shapes
+from engine.weights.arch import arch_for, text_config
+from engine.weights.header_survey import header_survey
+from engine.weights.model_config import read_config
+from engine.weights.safetensors_index import index_entries
+cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
+out = {}
+for arch, (path, slot, disk, on_disk, saved) in json.loads(sys.argv[1]).items():
+    spec = arch_for(read_config(Path(path)).model_type)
+    config = text_config(spec, read_config(Path(path)))
+    entries = index_entries(Path(path))
+    hs = header_survey(spec, config, entries, path)
+    fp = footprint(
+        hs.dense_params, len(hs.moe_layers), config, dtype="float32", slot_bytes=slot,
+        expert_disk_bytes=disk, experts_per_layer=hs.num_experts, top_k=hs.top_k,
+        moe_intermediate=hs.intermediate, tensors=entries, dense_on_disk_bytes=on_disk,
+        dense_saved_bytes=saved,
+    )
+    memory = plan_memory(fp, cfg, "cpu", HostMemory(8 << 30, "stated", None, None))
+    shapes = decode_shapes(config, "float32", hs.hidden, hs.intermediate, hs.top_k)
+    kernels = StatedKernels()("auto", shapes, "auto", "auto")
+    out[arch] = [repr(hs), repr(memory), kv_token_budget(fp, cfg, KvRequest()), repr(shapes), kernels]
+print(json.dumps(out))
+"""
+
+
+def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) -> None:
+    """What the plan is sized from (every architecture's MoE layers, experts' geometry, dense parameters
+    and linears, embedding and lean structure), its footprint, memory plan and KV budget, the kernels'
+    decode shapes and a stated kernel probe come from config.json and the headers in a process where
+    `import torch` fails, and equal what resolve gives. Given from here: the experts' slot and disk bytes
+    and the dense bytes a load keeps on disk or narrower (the formats and embedding still need torch)."""
+    from engine.memory.planner import KvRequest, kv_token_budget
+    from engine.plan.survey import survey_footprint
+
+    cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
+    given, want = {}, {}
+    for arch in ALL_ARCHS:
+        path = headers(arch)
+        sv, plan = survey(path, cfg), resolve(path, cfg, ROOMY)
+        ex = plan.experts
+        fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes)
+        given[arch] = [str(path), ex.slot_bytes, ex.disk_bytes]
+        given[arch] += [fp.dense_on_disk_bytes, fp.dense_saved_bytes]
+        shapes = decode_shapes(sv.ck.config, "float32", ex.hidden, ex.intermediate, ex.top_k)
+        budget = kv_token_budget(fp, cfg, KvRequest())
+        assert budget == plan.kv_token_budget
+        kernels = [plan.kernels.build, "off: no native kernels stated for this machine"]
+        want[arch] = [repr(sv.layout), repr(plan.memory), budget, repr(shapes), kernels]
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(given)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == want
+
+
+def test_a_model_unlike_its_headers_fails_the_load_in_one_line(headers) -> None:
+    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    for wrong in (
+        dict(dense_params=sv.layout.dense_params + 1),
+        dict(moe_layers=(1,)),
+        dict(lean=False),
+        dict(dense_linears=sv.layout.dense_linears[1:]),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"is not the one its safetensors headers describe"
+        ):
+            build_meta(replace(sv, layout=replace(sv.layout, **wrong)))
+
+
 def test_the_plan_follows_the_budget_and_fails_in_one_line(headers) -> None:
     path = headers("qwen3_moe")
     cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
@@ -123,7 +234,8 @@ def test_slot_formats_and_their_reasons(headers) -> None:
     """bf16 slots of an f32 model where every expert is bf16 and the native kernels run; int8 slots
     read from a sidecar (planned ahead of the load as a file still to write); the compute dtype else."""
     bf16 = headers("qwen3_moe", torch.bfloat16)
-    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), ROOMY)
+    probed = replace(ROOMY, kernels=probe)  # this CPU's kernels, built and measured here
+    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), probed)
     if plan.kernels.build is not None:  # a compiler here: the native kernels run
         assert plan.experts.slot_dtype == "bfloat16" and "bf16 slots" in plan.experts.why
         assert plan.kernels.line.startswith("on: ") and "measured" in plan.kernels.line
@@ -137,6 +249,20 @@ def test_slot_formats_and_their_reasons(headers) -> None:
     assert "--expert-quant int8" in ex.why
     assert quant.memory.planned()["quant_sidecar"] == ex.total * ex.slot_bytes
     assert "quant_sidecar" not in resolve(headers("qwen3_moe"), cfg, ROOMY).memory.planned()
+
+
+def test_the_plan_reads_the_kernels_the_machine_states(headers) -> None:
+    """The native kernels are a fact of the machine (`Machine.kernels`), probed before resolve: a
+    stated build decides the slots' dtype and the expert kernel with no kernels loaded; off stays off."""
+    stated = replace(ROOMY, kernels=StatedKernels("avx2", "on: stated"))
+    bf16 = headers("qwen3_moe", torch.bfloat16)
+    plan = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), stated)
+    assert (plan.kernels.build, plan.kernels.line) == ("avx2", "on: stated")
+    assert plan.experts.slot_dtype == "bfloat16"
+    steps = plan.execution.to_dict()
+    assert steps["expert kernel"]["chosen"] == "native SwiGLU, one call a layer (bfloat16 weights)"
+    off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
+    assert off.kernels.build is None and off.experts.slot_dtype == "float32"
 
 
 def test_the_load_builds_the_plan_and_plan_prints_it(tiny_ckpt, capsys) -> None:

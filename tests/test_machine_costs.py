@@ -28,7 +28,7 @@ DENSE = 40_000_000 * LAYERS * 2
 
 def footprint() -> Footprint:
     return Footprint(
-        dtype=torch.bfloat16,
+        dtype="bfloat16",
         dense_bytes=DENSE,
         slot_bytes=SLOT,
         expert_disk_bytes=SLOT,

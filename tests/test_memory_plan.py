@@ -25,7 +25,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def _fp(slot: int = 4 * MiB, layers: int = 4, experts: int = 16) -> Footprint:
     return Footprint(
-        dtype=torch.bfloat16,
+        dtype="bfloat16",
         dense_bytes=100 * MiB,
         slot_bytes=slot,
         expert_disk_bytes=slot,
@@ -301,7 +301,7 @@ def test_ram_tier_pins_in_chunks_and_falls_back_to_pageable(tiny_ckpt, caplog) -
             tier = RamTier(
                 locator,
                 layers,
-                om.executor.fmt.slot_dtype,
+                getattr(torch, om.executor.fmt.slot_dtype),
                 pin=True,
                 chunk_bytes=3 * row,
                 pin_limit=None if not torch.cuda.is_available() else 0,

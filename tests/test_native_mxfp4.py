@@ -26,18 +26,18 @@ def _expert(fmt: Mxfp4GptOssFormat, g: torch.Generator) -> torch.Tensor:
     """One random slot: biases, then blocks and scales (scales near 2^-5 keep the clamp in play)."""
     parts = []
     for dtype, shape in [(p[2], p[3]) for p in fmt._parts]:
-        if dtype == torch.uint8 and len(shape) == 3:
+        if dtype == "uint8" and len(shape) == 3:
             parts.append(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).flatten())
-        elif dtype == torch.uint8:
+        elif dtype == "uint8":
             parts.append(torch.randint(122, 127, shape, generator=g, dtype=torch.uint8).flatten())
         else:
-            b = (torch.randn(shape, generator=g) * 0.5).to(dtype)
+            b = (torch.randn(shape, generator=g) * 0.5).to(getattr(torch, dtype))
             parts.append(b.view(torch.uint8).flatten())
     return torch.cat(parts)
 
 
 def _setup(dtype: torch.dtype, n: int = 4):  # noqa: ANN202
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, torch.bfloat16, dtype)
+    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, "bfloat16", str(dtype)[6:])
     g = torch.Generator().manual_seed(0)
     slots = [_expert(fmt, g) for _ in range(n)]
     return fmt, slots, [fmt.views(s) for s in slots], g
@@ -82,7 +82,7 @@ def test_the_clamp_and_the_biases_take_part() -> None:
     """A weight scale large enough that gate and up pass the limit: the kernel still follows the torch path."""
     kernels = native()
     assert kernels is not None
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, torch.float32, torch.float32)
+    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, "float32", "float32")
     g = torch.Generator().manual_seed(1)
     slot = _expert(fmt, g)
     views = fmt.views(slot)
@@ -97,11 +97,9 @@ def test_the_clamp_and_the_biases_take_part() -> None:
 
 
 def test_native_experts_picks_the_mxfp4_kernel_and_declines_other_shapes() -> None:
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, torch.bfloat16, torch.bfloat16)
+    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, ALPHA, LIMIT), H, I, "bfloat16", "bfloat16")
     assert isinstance(native_experts(fmt, H, I), NativeMxfp4Moe)
-    odd = Mxfp4GptOssFormat(
-        GptOssKernel(H, 48, ALPHA, LIMIT), H, 48, torch.bfloat16, torch.bfloat16
-    )
+    odd = Mxfp4GptOssFormat(GptOssKernel(H, 48, ALPHA, LIMIT), H, 48, "bfloat16", "bfloat16")
     assert native_experts(odd, H, 48) is None  # I not a multiple of 32: the torch path
     moe = native_experts(fmt, H, I)
     assert moe is not None

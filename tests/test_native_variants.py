@@ -17,7 +17,8 @@ from engine.config import BUILDS, EngineConfig
 from engine.errors import ConfigError
 from engine.native import autotune, loaded
 from engine.native import build as native_build
-from engine.native.autotune import DecodeShapes, Measurement, measure, measured
+from engine.native.autotune import Measurement, measure, measured
+from engine.native.decode_shapes import DecodeShapes
 from engine.native.loaded import load_build, native, resolve_native_kernels
 from engine.native.variants import VARIANTS, buildable, by_name, runnable
 
@@ -210,8 +211,8 @@ def test_the_measurement_times_bf16_expert_slots_where_the_native_kernels_would_
         "float32", ((128, 64), (64, 64), (64, 64)), top_k=2, expert_dtype="bfloat16"
     )
     plain = DecodeShapes("float32", mixed.mats, top_k=2)
-    assert mixed.weight_dtypes(native=True) == [torch.bfloat16, torch.bfloat16, torch.float32]
-    assert mixed.weight_dtypes(native=False) == [torch.float32] * 3
+    assert mixed.weight_dtypes(native=True) == ["bfloat16", "bfloat16", "float32"]
+    assert mixed.weight_dtypes(native=False) == ["float32"] * 3
     attention = 4 * 64 * 64 * 4
     assert mixed.layer_bytes(True) - attention == (plain.layer_bytes() - attention) // 2
     assert mixed.layer_bytes(False) == plain.layer_bytes()

@@ -37,7 +37,7 @@ def _dequantized_reference(path, kind: str, group: int) -> torch.nn.Module:
         for site in find_moe_sites(ref):
             ex = site.block.experts
             E, H, I, _ = expert_geometry(site.block, transposed=spec.kernel != "swiglu")
-            fmt = make_format(make_kernel(spec.kernel, ex, H, I), kind, group, torch.float32)
+            fmt = make_format(make_kernel(spec.kernel, ex, H, I), kind, group, "float32")
             for e in range(E):
                 weights = [getattr(ex, _PARAM[name])[e] for name, _ in fmt.kernel.views]
                 for p, w in zip(weights, fmt.weights(fmt.views(fmt.encode(weights)))):
@@ -120,8 +120,8 @@ def test_bytes_per_expert_at_real_group_sizes(inter: int) -> None:
     """The embedded models' expert shapes (H=256; I=32 in v2, I=64 in v1): int8 >= 1.7x and int4 >= 3x fewer bytes than bf16."""
     kernel = SwiGLUKernel(256, inter, torch.nn.SiLU())
     bf16 = kernel.numel * 2
-    int8 = GroupQuantFormat(kernel, "int8", 64, torch.float32).slot_bytes
-    int4 = GroupQuantFormat(kernel, "int4", 64, torch.float32).slot_bytes
+    int8 = GroupQuantFormat(kernel, "int8", 64, "float32").slot_bytes
+    int4 = GroupQuantFormat(kernel, "int4", 64, "float32").slot_bytes
     assert bf16 / int8 >= 1.7 and bf16 / int4 >= 3.0, (bf16, int8, int4)
 
 
@@ -129,7 +129,7 @@ def test_bytes_per_expert_at_real_group_sizes(inter: int) -> None:
 def test_round_trip_error_is_small(kind: str, bound: float) -> None:
     torch.manual_seed(0)
     w = torch.randn(128, 256)
-    fmt = GroupQuantFormat(SwiGLUKernel(256, 64, torch.nn.SiLU()), kind, 64, torch.float32)
+    fmt = GroupQuantFormat(SwiGLUKernel(256, 64, torch.nn.SiLU()), kind, 64, "float32")
     (wq, _) = fmt.weights(fmt.views(fmt.encode([w, torch.randn(256, 64)])))
     rel = ((wq - w).norm() / w.norm()).item()
     assert rel < bound, rel
@@ -145,7 +145,7 @@ def test_whole_row_int8_matmul_equals_the_dequantized_path(rows: int) -> None:
     dequantized path's result to bf16 rounding (both accumulate in fp32, then round once)."""
     torch.manual_seed(0)
     H, I = 256, 64
-    fmt = GroupQuantFormat(SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.bfloat16)
+    fmt = GroupQuantFormat(SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, "bfloat16")
     assert fmt._int8_rows and fmt.group_of(H) == H and fmt.group_of(I) == I
     assert fmt.slot_bytes < 2 * H * I * 3 // 1.9  # one byte a weight plus a scale per row
     views = fmt.views(fmt.encode([torch.randn(2 * I, H) * 0.05, torch.randn(H, I) * 0.05]))
@@ -157,7 +157,7 @@ def test_whole_row_int8_matmul_equals_the_dequantized_path(rows: int) -> None:
     assert not torch.equal(fast, torch.zeros_like(fast))
     # fp32 compute keeps the exact dequantize path (the fast kernel would round activations to bf16).
     assert not GroupQuantFormat(
-        SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, torch.float32
+        SwiGLUKernel(H, I, torch.nn.SiLU()), "int8", 0, "float32"
     )._int8_rows
 
 

@@ -1,26 +1,30 @@
 """What a model needs, in bytes, from its config and safetensors headers alone (nothing is read
 but the headers, so this takes seconds for a 160 GB checkpoint): the dense part in the compute
-dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch."""
+dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch. Plain numbers: the
+compute dtype is torch's name for it ("bfloat16"), sized by engine/native/decode_shapes.py `ITEMSIZE`, so
+a plan is sized with torch not imported."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
 from transformers import PretrainedConfig
 
-from engine.weights.checkpoint import TensorLocation
+from engine.native.decode_shapes import ITEMSIZE
+
+if TYPE_CHECKING:
+    from engine.weights.checkpoint import TensorLocation
 
 MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Footprint:
-    dtype: torch.dtype  # compute dtype
+    dtype: str  # compute dtype, torch's name for it ("bfloat16")
     # Parameters outside the routed experts, held in memory: in the compute dtype, less what --dense-quant
-    # and bf16 dense weights save (engine/native/quant_linear.py dense_bytes_saved).
+    # and bf16 dense weights save (engine/native/dense_names.py dense_bytes_saved).
     dense_bytes: int
     slot_bytes: int  # one routed expert as the tiers store it
     expert_disk_bytes: int  # one routed expert as the checkpoint stores it (what a disk read moves)
@@ -65,11 +69,7 @@ class Footprint:
         return chunk_tokens * per_token + 8 * self.vocab * 4 + 64 * MiB
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+def kv_per_token(config: PretrainedConfig, dtype: str) -> tuple[int, int, int]:
     """(full-attention bytes per token, sliding-window bytes per token, window) for KV in `dtype`.
     Linear-attention layers (gated delta-net) keep a fixed state per sequence, counted in scratch."""
     L = int(config.num_hidden_layers)
@@ -82,7 +82,7 @@ def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int
         v = heads * int(config.v_head_dim)
     else:
         k = v = kv_heads * head_dim
-    per_layer = (k + v) * _itemsize(dtype)
+    per_layer = (k + v) * ITEMSIZE[dtype]
     full = sum(t in ("full_attention", "attention") for t in types)
     sliding = sum(t in ("sliding_attention", "chunked_attention") for t in types)
     window = int(getattr(config, "sliding_window", None) or 0) if sliding else 0
@@ -90,10 +90,10 @@ def kv_per_token(config: PretrainedConfig, dtype: torch.dtype) -> tuple[int, int
 
 
 def footprint(
-    model: nn.Module,
-    experts: list[nn.Module],
+    dense_params: int,
+    moe_layers: int,
     config: PretrainedConfig,
-    dtype: torch.dtype,
+    dtype: str,
     slot_bytes: int,
     expert_disk_bytes: int,
     experts_per_layer: int,
@@ -103,20 +103,11 @@ def footprint(
     dense_on_disk_bytes: int = 0,
     dense_saved_bytes: int = 0,
 ) -> Footprint:
-    """The footprint of `model` (on the meta device, its sparse blocks still native): `experts` are
-    the blocks' expert modules, whose parameters the tiers hold instead; `dense_on_disk_bytes` of its dense
-    parameters stay in the checkpoint, and the load's narrower dense weights take `dense_saved_bytes` off."""
-    routed = {id(p) for m in experts for p in m.parameters()}
-    dense = (
-        sum(
-            p.numel()
-            for p in {id(p): p for p in model.parameters()}.values()
-            if id(p) not in routed
-        )
-        * _itemsize(dtype)
-        - dense_on_disk_bytes
-        - dense_saved_bytes
-    )
+    """The footprint of a model of `dense_params` parameters outside its routed experts (the text
+    model's, from the checkpoint's headers: engine/weights/header_survey.py) and `moe_layers` MoE layers,
+    whose experts the tiers hold; `dense_on_disk_bytes` of its dense parameters stay in the checkpoint,
+    and the load's narrower dense weights take `dense_saved_bytes` off."""
+    dense = dense_params * ITEMSIZE[dtype] - dense_on_disk_bytes - dense_saved_bytes
     full, sliding, window = kv_per_token(config, dtype)
     dense_i = int(getattr(config, "intermediate_size", 0) or 0)
     return Footprint(
@@ -125,7 +116,7 @@ def footprint(
         dense_saved_bytes=dense_saved_bytes,
         slot_bytes=slot_bytes,
         expert_disk_bytes=expert_disk_bytes,
-        moe_layers=len(experts),
+        moe_layers=moe_layers,
         experts_per_layer=experts_per_layer,
         top_k=top_k,
         kv_bytes_per_token=full,

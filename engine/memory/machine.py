@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from engine.native.decode_shapes import NATIVE_OFF, DecodeShapes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -155,25 +158,56 @@ def rss_bytes(status: Path = Path("/proc/self/status")) -> int:
     return 0
 
 
+class KernelProbe(Protocol):
+    """The native kernels this machine runs for a model: --native-kernels `mode` (auto, on, off), --native-build
+    and --native-build-limit resolved at the model's decode `shapes` (None: not measured), as (the build's
+    name, None for torch's kernels; the plan's line for it). Probing builds, loads and measures them on
+    this CPU (engine/native/loaded.py `probe`: torch, a compiler, a cache per CPU and shape), so it is done
+    by whoever gathers the machine's facts, not by the plan, which only reads the answer."""
+
+    def __call__(
+        self, mode: str, shapes: DecodeShapes | None, build: str, limit: str
+    ) -> tuple[str | None, str]: ...
+
+
+@dataclass(frozen=True)
+class StatedKernels:
+    """A kernel probe's answer stated, not probed (a test's machine, a plan made elsewhere): `build` (None:
+    torch's kernels) with `line`, whatever the model; --native-kernels off still turns them off."""
+
+    build: str | None = None
+    line: str = "off: no native kernels stated for this machine"
+
+    def __call__(
+        self, mode: str, shapes: DecodeShapes | None, build: str, limit: str
+    ) -> tuple[str | None, str]:
+        return (None, NATIVE_OFF) if mode == "off" else (self.build, self.line)
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a load plan is made against (engine/plan/resolve.py): the host's memory, the free bytes of
     the CUDA device the model computes on (None on a CPU), and the process's own bytes before loading
     (listed by a load's plan; 0 in a plan made ahead of it). `ahead`: a plan made before any load (serve's
     check, `moe-offload plan`), which lists the quantized-expert file still to be written and checks it
-    against `quant_disk_free`; a load writes that file and plans none."""
+    against `quant_disk_free`; a load writes that file and plans none. `kernels`: the native kernels this
+    machine runs for a model (`KernelProbe`; stated: none)."""
 
     host: HostMemory
     device_free: int | None = None
     runtime_bytes: int = 0
     quant_disk_free: int | None = None
     ahead: bool = False
+    kernels: KernelProbe = field(default_factory=StatedKernels)
 
 
 def this_machine(device: str, at_load: bool, quant_dir: str | Path | None = None) -> Machine:
     """This machine, measured now, for a model computing on `device` ("cpu", "cuda" or "cuda:N"):
     `at_load`, the load's own plan (its runtime measured); else a plan ahead of it, with the free
-    disk of `quant_dir` where a quantized-expert file would be written (None: none will be)."""
+    disk of `quant_dir` where a quantized-expert file would be written (None: none will be); its native
+    kernels probed on this CPU (engine/native/loaded.py `probe`)."""
+    from engine.native.loaded import probe
+
     free = device_memory("cuda:0" if device == "cuda" else device)
     return Machine(
         host_memory(),
@@ -181,4 +215,5 @@ def this_machine(device: str, at_load: bool, quant_dir: str | Path | None = None
         runtime_bytes=rss_bytes() if at_load else 0,
         quant_disk_free=disk_free(quant_dir) if quant_dir is not None and not at_load else None,
         ahead=not at_load,
+        kernels=probe,
     )

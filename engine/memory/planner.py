@@ -254,7 +254,7 @@ def _fixed_pools(fp: Footprint, cfg: EngineConfig, req: KvRequest, budgets: _Bud
 def _dense_why(fp: Footprint) -> str:
     """What the dense pool holds, in which dtype, and what of it is elsewhere or smaller."""
     return (
-        f"embeddings, attention, norms, routers, shared experts ({str(fp.dtype).removeprefix('torch.')})"
+        f"embeddings, attention, norms, routers, shared experts ({fp.dtype})"
         + (
             f"; {fmt_bytes(fp.dense_on_disk_bytes)} of the input embedding stay in the checkpoint, rows read per step"
             if fp.dense_on_disk_bytes

@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from engine.native.decode_shapes import DecodeShapes
 from engine.native.variants import cpu_flags, cpu_model
 
 if TYPE_CHECKING:
@@ -42,67 +43,6 @@ MAX_COPIES = (
 )
 ROUNDS = 4
 TIE = 0.95  # within 5 %: the earlier candidate (the widest build, then any build before torch)
-
-
-@dataclass(frozen=True)
-class DecodeShapes:
-    """What a decode step multiplies: the matrices [rows, cols] of one layer (experts' gate_up and down,
-    attention's q projection) in the activation dtype, and how many experts a token runs.
-    `expert_dtype`: the experts' weights under the native kernels where they differ ("" where they do
-    not): an f32 model's bf16 slots, which torch's path would hold in f32."""
-
-    dtype: str  # "float32" or "bfloat16"
-    mats: tuple[tuple[int, int], ...]
-    top_k: int = 1
-    expert_dtype: str = ""
-
-    def weight_dtypes(self, native: bool) -> list[torch.dtype]:
-        """The dtype of each of `mats` as the native kernels (`native`) or torch's path hold it."""
-        compute = getattr(torch, self.dtype)
-        experts = getattr(torch, self.expert_dtype) if native and self.expert_dtype else compute
-        return [experts] * (len(self.mats) - 1) + [compute]
-
-    def layer_bytes(self, native: bool = True) -> int:
-        """The weight bytes one decode layer streams: top_k times the expert matrices (all but the last),
-        and four attention projections of the last one's size (q, k, v, o: an upper bound for GQA)."""
-        sizes = [torch.finfo(d).bits // 8 for d in self.weight_dtypes(native)]
-        *experts, attention = self.mats
-        return (
-            self.top_k * sum(s * r * c for s, (r, c) in zip(sizes, experts))
-            + sizes[-1] * 4 * attention[0] * attention[1]
-        )
-
-    def torch_ops_per_layer(self) -> int:
-        """What torch's layer-by-layer path spends a decode layer besides streaming its matmuls, in units of
-        one small torch call. Calibrated, not counted: on the mid checkpoint (top-8, f32, an AMD EPYC with
-        AVX2, docs/benchmarks/cpu_paths.md) that path took 1.3 ms a layer beyond its matmuls' streaming
-        time, about 370 small calls' worth (module calls, norms, rotary, attention, router, and each
-        expert's activation, product, scale and sum)."""
-        return 50 + 40 * self.top_k
-
-
-def decode_shapes(
-    config: Any,
-    dtype: torch.dtype,
-    H: int,
-    I: int,
-    top_k: int,
-    expert_dtype: torch.dtype | None = None,
-) -> DecodeShapes | None:
-    """The matrices a decode step of this model streams (an expert's gate_up and down, the q projection)
-    and its experts a token, for the native kernels' measurement (`measured`); None for a
-    dtype they do not read. `expert_dtype`: the experts' slots under the native kernels where they differ
-    from `dtype` (bf16 slots of an f32 model)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return None
-    heads = getattr(config, "num_attention_heads", 0) or 1
-    head_dim = getattr(config, "head_dim", None) or H // heads
-    return DecodeShapes(
-        str(dtype).removeprefix("torch."),
-        ((2 * I, H), (H, I), (heads * head_dim, H)),
-        top_k,
-        str(expert_dtype).removeprefix("torch.") if expert_dtype else "",
-    )
 
 
 @dataclass(frozen=True)
@@ -150,9 +90,9 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
     torch to the build."""
     dtype = getattr(torch, shapes.dtype)
     xs = [torch.full((1, cols), 0.5, dtype=dtype) for _, cols in shapes.mats]
-    native_w, native_bytes = _matrices(shapes.mats, shapes.weight_dtypes(native=True))
+    native_w, native_bytes = _matrices(shapes.mats, _dtypes(shapes, native=True))
     torch_w, torch_bytes = (
-        _matrices(shapes.mats, shapes.weight_dtypes(native=False))
+        _matrices(shapes.mats, _dtypes(shapes, native=False))
         if shapes.expert_dtype
         else (native_w, native_bytes)
     )
@@ -194,6 +134,11 @@ def measure(shapes: DecodeShapes, builds: Mapping[str, NativeKernels]) -> Measur
     native_first = [n for n in builds if layer_ms[n] * TIE <= best_native]
     chosen = native_first[0] if native_first and best_native * TIE <= layer_ms[TORCH] else TORCH
     return Measurement(gbps, chosen, layer_ms=layer_ms)
+
+
+def _dtypes(shapes: DecodeShapes, native: bool) -> list[torch.dtype]:
+    """torch's dtypes of `shapes`' matrices as the native kernels (`native`) or torch's path hold them."""
+    return [getattr(torch, name) for name in shapes.weight_dtypes(native)]
 
 
 def _matrices(

@@ -28,8 +28,9 @@ import torch
 
 from engine import env
 from engine.errors import ConfigError
-from engine.native.autotune import TORCH, DecodeShapes, measured
+from engine.native.autotune import TORCH, measured
 from engine.native.build import build, compiler, library_path
+from engine.native.decode_shapes import NATIVE_OFF, DecodeShapes
 from engine.native.kernels import X_CODES, NativeKernels
 from engine.native.row_kernels import native_rows_allowed
 from engine.native.row_ops import reads_weights
@@ -62,7 +63,7 @@ def resolve_native_kernels(
     for the plan line's measurement of that build against torch's kernels (None: no measurement). `on` without the kernels (no compiler) fails with one line, and so
     does a build named that this CPU cannot run. Changes nothing: the caller makes the choice active."""
     if mode == "off":
-        return NativeChoice(None, "off: --native-kernels off (torch's kernels)")
+        return NativeChoice(None, NATIVE_OFF)
     kernels, why = _widest_build(build_name, build_limit)
     if kernels is None:
         if mode == "on" or build_name != "auto":
@@ -80,6 +81,14 @@ def resolve_native_kernels(
     if m.chosen == TORCH:
         line += " (torch's kernels measured faster, but they sum a row in another order with other rows beside it: --native-kernels off runs them)"
     return NativeChoice(kernels, f"{line}; {m.line()}")
+
+
+def probe(mode: str, shapes: DecodeShapes | None, build: str, limit: str) -> tuple[str | None, str]:
+    """This CPU's answer to a load plan's question (engine/memory/machine.py `KernelProbe`): the build
+    `resolve_native_kernels` chooses (None: torch's kernels) and its plan line, the build loaded (compiled
+    once) and measured (cached per CPU and shape) here."""
+    choice = resolve_native_kernels(mode, shapes, build, limit)
+    return (choice.kernels.variant if choice.kernels else None), choice.line
 
 
 def chosen(build_name: str | None, line: str) -> NativeChoice:

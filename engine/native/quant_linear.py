@@ -16,25 +16,18 @@ The fused decode step (engine/worker/fused_decode.py) reads `qweight` and `scale
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.huge_pages import empty, huge_empty
+from engine.native.dense_names import FLOAT_NAMES, QUANTIZED_NAMES
 from engine.native.loaded import native, usable
 
 DENSE_QUANTS = ("none", "int8")
-FLOAT_WEIGHTS = (
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
+FLOAT_WEIGHTS = tuple(
+    getattr(torch, n) for n in FLOAT_NAMES
 )  # the weights quantize_dense quantizes
-# The nn.Linear names --dense-quant int8 quantizes: attention projections, SwiGLU MLPs (dense layers' and
-# shared experts'), and the output head. Routers (`gate`, `shared_expert_gate`) and routed experts keep
-# their weights: the router's kernels and the expert formats are their own (engine/experts/formats/quant.py).
-QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +109,7 @@ def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return out
 
 
-def _shared_weights(model: nn.Module) -> set[int]:
+def shared_weights(model: nn.Module) -> set[int]:
     """ids of the parameters a module other than a linear holds (an embedding table an LM head is tied to)."""
     return {
         id(p)
@@ -137,38 +130,6 @@ def _narrowable(w: torch.Tensor, shared: set[int]) -> bool:
     return w.dtype == torch.float32 and id(w) not in shared
 
 
-def dense_bytes_saved(
-    model: nn.Module,
-    checkpoint_dtypes: Mapping[str, torch.dtype],
-    dense_quant: str,
-    narrow: bool,
-) -> int:
-    """Bytes the load's `quantize_dense` (per `dense_quant`) and, where `narrow`, `narrow_dense` take off
-    `model`'s dense linears held in the compute dtype, for the memory plan, from the model on the meta
-    device and the checkpoint's tensor dtypes by name (`narrow`: narrows_dense's answer). narrow_dense
-    narrows an f32 weight whose values are bf16, which a bf16 checkpoint tensor's are; a weight the headers
-    do not name saves nothing. A tied weight saves nothing, and int8 codes beside it add their bytes (the
-    table keeps its float copy)."""
-    shared = _shared_weights(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    saved = 0
-    for child in {id(c): c for _, _, c in dense_linears(model)}.values():
-        w = child.weight
-        if w.dtype not in FLOAT_WEIGHTS:
-            continue
-        full = w.numel() * w.element_size()
-        if dense_quant == "int8":
-            codes = w.numel() + 2 * w.shape[0]  # int8 a weight, an fp16 scale a row
-            saved += -codes if id(w) in shared else full - codes
-        elif (
-            narrow
-            and _narrowable(w, shared)
-            and checkpoint_dtypes.get(f"{names.get(id(child), '')}.weight") == torch.bfloat16
-        ):
-            saved += full // 2
-    return saved
-
-
 def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     """An f32 model's dense linears (dense_linears) whose weights are all bf16 values, as a bf16
     checkpoint's are once widened, keep bf16 weights: the native kernels widen each weight as they read
@@ -176,7 +137,7 @@ def narrow_dense(model: nn.Module, huge_pages: bool = False) -> int:
     another module shares (an LM head tied to the input embedding) stays as it is. Run after
     `quantize_dense` and before `accelerate`, where the native kernels run; returns how many narrowed."""
     linears = dense_linears(model)
-    shared = _shared_weights(model)
+    shared = shared_weights(model)
     done = 0
     for child in {id(c): c for _, _, c in linears}.values():
         w = child.weight

@@ -167,8 +167,11 @@ def time_mxfp4_kernel(kernels: object, dtype: torch.dtype, H: int, I: int, top_k
     from engine.experts.compute.native_mxfp4 import NativeMxfp4Moe
     from engine.experts.formats.expert_kernels import GptOssKernel
     from engine.experts.formats.native_quant import Mxfp4GptOssFormat
+    from engine.native.decode_shapes import dtype_name
 
-    fmt = Mxfp4GptOssFormat(GptOssKernel(H, I, 1.702, 7.0), H, I, dtype, dtype)
+    fmt = Mxfp4GptOssFormat(
+        GptOssKernel(H, I, 1.702, 7.0), H, I, dtype_name(dtype), dtype_name(dtype)
+    )
     per = fmt.slot_numel  # bytes: the slot is uint8
     n = max(top_k, math.ceil(STREAM_BYTES / per))
     n = -(-n // top_k) * top_k
@@ -209,7 +212,7 @@ def _cached(key: list[str], cache: Path, measure: Callable[[], float]) -> tuple[
 
 def kernel_speeds(
     config: object,
-    dtype: torch.dtype,
+    dtype: str,
     expert_quant: str,
     H: int,
     I: int,
@@ -219,8 +222,9 @@ def kernel_speeds(
     """The dispatcher's measurement for this model's decode shapes (the engine's own call, so its cache
     answers when the engine has loaded this shape here) and the expert kernel's speed for its format;
     None where the native kernels do not build here, or the format has no measured kernel (int4)."""
-    from engine.native.autotune import TORCH, decode_shapes, measured
+    from engine.native.autotune import TORCH, measured
     from engine.native.build import compiler, library_path
+    from engine.native.decode_shapes import decode_shapes
     from engine.native.loaded import load_builds
     from engine.native.variants import by_name, cpu_flags, cpu_model
 
@@ -253,16 +257,20 @@ def kernel_speeds(
         " ".join(sorted(cpu_flags())),
         torch.__version__,
         ids[build],
-        str(dtype),
+        f"torch.{dtype}",  # as str(torch.dtype) spelled it: caches written before still answer
         expert_quant,
         f"{H}x{I}x{top_k}",
     ]
     expert, cached = _cached(
         key,
         root / "expert_kernel.json",
-        (lambda: time_mxfp4_kernel(builds[build], dtype, H, I, top_k))
+        (lambda: time_mxfp4_kernel(builds[build], getattr(torch, dtype), H, I, top_k))
         if mxfp4
-        else (lambda: time_expert_kernel(builds[build], dtype, expert_quant, H, I, top_k)),
+        else (
+            lambda: time_expert_kernel(
+                builds[build], getattr(torch, dtype), expert_quant, H, I, top_k
+            )
+        ),
     )
     return KernelSpeeds(chosen, gbps, overhead, expert, cached, key[0])
 

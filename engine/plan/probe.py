@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine.experts.formats.expert_source import slot_format
 from engine.memory.footprint import Footprint
+from engine.native.loaded import native
 from engine.plan.survey import Survey, survey, survey_footprint
 
 
@@ -53,7 +54,9 @@ def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
     """The probe of a surveyed checkpoint (engine/plan/survey.py)."""
     ck, source = sv.ck, sv.experts
     layers, E = source.moe_layers, source.num_experts
-    fmt, locator = slot_format(source, cfg)
+    # Slots as the widest build this CPU runs would size them, whatever --native-kernels says (as before
+    # the plan held the kernel choice: the projection's footprint, not the plan's).
+    fmt, locator = slot_format(source, cfg, native() is not None)
     fp = survey_footprint(sv, cfg, fmt.slot_bytes, locator.nbytes_on_disk(layers[0], 0))
     tied = bool(getattr(ck.config, "tie_word_embeddings", False))
     embed = 0 if tied else fp.vocab * fp.hidden * ck.dtype.itemsize

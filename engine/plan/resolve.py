@@ -1,6 +1,6 @@
 """`resolve`: every decision of a load, with its reason, before anything is allocated.
 
-From config.json, the safetensors headers (the model built on the meta device: engine/plan/survey.py)
+From config.json and the safetensors headers (no model built: engine/plan/survey.py)
 and the machine (engine/memory/machine.py `Machine`): the architecture, the experts' format and slot
 dtype, the native kernels' build (the widest this CPU runs; its speed beside torch's measured once per
 CPU and shape, and cached), the memory split (fast tier, slow tier, dense, KV), the execution path and
@@ -12,14 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.experts.compute.native_mxfp4 import native_experts
 from engine.experts.formats.expert_source import native_slot_dtype, slot_format
+from engine.experts.formats.native_path import native_experts_line
 from engine.experts.formats.quant import ExpertFormat
 from engine.memory.footprint import Footprint
 from engine.memory.machine import Machine, this_machine
 from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget, plan_memory
-from engine.native.autotune import decode_shapes
-from engine.native.loaded import NativeChoice, active, resolve_native_kernels
+from engine.native.decode_shapes import decode_shapes, dtype_name
 from engine.plan.execution import (
     ExecutionPlan,
     expert_kernel,
@@ -31,7 +30,7 @@ from engine.plan.execution import (
 from engine.plan.load_plan import ArchChoice, ExpertSlots, KernelBuild, LoadPlan
 from engine.plan.prefetch import prefetch_kinds
 from engine.plan.survey import Survey, survey, survey_footprint
-from engine.weights.forward_support import PACKED_MODEL_TYPES, lean_structure
+from engine.weights.forward_support import PACKED_MODEL_TYPES
 from engine.weights.model_config import resolve_device
 from policies.miss import SubstitutingPolicy
 
@@ -56,11 +55,12 @@ def machine_ahead(cfg: EngineConfig) -> Machine:
 def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvRequest) -> LoadPlan:
     """The plan for the surveyed checkpoint `sv` (resolve's second half; the loader surveys once for both)."""
     ck, ex = sv.ck, sv.experts
-    native = kernel_choice(sv, cfg)
-    on_cpu = ck.device.type == "cpu"
-    with active(native):  # the slots' dtype and the native expert path follow the chosen kernels
-        fmt, locator = slot_format(ex, cfg)
-        moe = native_experts(fmt, ex.shape.hidden, ex.shape.intermediate) if on_cpu else None
+    native = kernel_choice(sv, cfg, machine)
+    on_cpu, runs = ck.device.type == "cpu", native.build is not None
+    # The slots' dtype and the native expert path follow the chosen kernels.
+    fmt, locator = slot_format(ex, cfg, runs)
+    shape = ex.shape
+    moe = native_experts_line(fmt, shape.hidden, shape.intermediate) if on_cpu and runs else None
     quantizes = cfg.expert_quant != "none"
     # The disk tier reads a quantized sidecar's rows (one slot each), else the checkpoint's bytes.
     disk = fmt.slot_bytes if quantizes else locator.nbytes_on_disk(ex.moe_layers[0], 0)
@@ -78,9 +78,7 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     prefetch = tuple(sorted(kinds))
     execution = _execution(sv, cfg, native, complete).with_choice(
         "expert kernel",
-        *expert_kernel(
-            fmt.name, moe.describe() if moe is not None else None, native.kernels is not None
-        ),
+        *expert_kernel(fmt.name, moe, runs),
     )
     return LoadPlan(
         model_dir=str(ck.model_dir),
@@ -88,7 +86,7 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
         dtype=str(ck.dtype).removeprefix("torch."),
         arch=_arch(sv),
         experts=_slots(sv, cfg, fmt, disk),
-        kernels=KernelBuild(native.kernels.variant if native.kernels else None, native.line),
+        kernels=native,
         memory=memory,
         kv_token_budget=kv_token_budget(fp, cfg, kv_request),
         execution=execution.with_choice(
@@ -98,18 +96,24 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     )
 
 
-def kernel_choice(sv: Survey, cfg: EngineConfig) -> NativeChoice:
+def kernel_choice(sv: Survey, cfg: EngineConfig, machine: Machine) -> KernelBuild:
     """--native-kernels, --native-build and --native-build-limit resolved for this model (the CPU's widest
-    build; never on a GPU), measured beside torch's kernels at its decode shapes for the plan line."""
+    build; never on a GPU), measured beside torch's kernels at its decode shapes for the plan line. The
+    machine answers (`Machine.kernels`: built, loaded and measured by whoever gathered its facts, cached
+    per CPU and shape); the plan only asks, with the model's decode shapes, so it loads no kernels."""
     ck, ex = sv.ck, sv.experts
     # What the native kernels would read the experts in: their measurement times that.
     slots = native_slot_dtype(ex, cfg)
-    return resolve_native_kernels(
-        cfg.native_kernels if ck.device.type == "cpu" else "off",
-        decode_shapes(ck.config, ck.dtype, ex.shape.hidden, ex.shape.intermediate, ex.top_k, slots),
-        cfg.native_build,
-        cfg.native_build_limit,
+    shapes = decode_shapes(
+        ck.config,
+        str(ck.dtype).removeprefix("torch."),
+        ex.shape.hidden,
+        ex.shape.intermediate,
+        ex.top_k,
+        slots,
     )
+    mode = cfg.native_kernels if ck.device.type == "cpu" else "off"
+    return KernelBuild(*machine.kernels(mode, shapes, cfg.native_build, cfg.native_build_limit))
 
 
 def _memory(
@@ -136,12 +140,10 @@ def _memory(
     )
 
 
-def _execution(
-    sv: Survey, cfg: EngineConfig, native: NativeChoice, complete: bool
-) -> ExecutionPlan:
+def _execution(sv: Survey, cfg: EngineConfig, native: KernelBuild, complete: bool) -> ExecutionPlan:
     """The paths this model's steps may take (engine/plan/execution.py), with the reasons."""
     model_type, on_cpu = sv.ck.config.model_type, sv.ck.device.type == "cpu"
-    lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, lean_structure(sv.model))
+    lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, sv.layout.lean)
     return resolve_plan(
         cfg,
         lean_ok=lean_ok,
@@ -170,13 +172,13 @@ def _slots(sv: Survey, cfg: EngineConfig, fmt: ExpertFormat, disk: int) -> Exper
         why = "quantized in the checkpoint: slots hold the shipped bytes"
     elif cfg.expert_quant != "none":
         why = f"--expert-quant {cfg.expert_quant}: quantized once into a sidecar file (--quant-cache-dir), read from it"
-    elif fmt.slot_dtype != ck.dtype:
+    elif fmt.slot_dtype != dtype_name(ck.dtype):
         why = "every expert is bf16 in the checkpoint: bf16 slots, widened exactly as the native kernels read them"
     else:
         why = "float experts in the compute dtype (--expert-quant none)"
     return ExpertSlots(
         format=fmt.name,
-        slot_dtype=str(fmt.slot_dtype).removeprefix("torch."),
+        slot_dtype=fmt.slot_dtype,
         slot_bytes=fmt.slot_bytes,
         disk_bytes=disk,
         moe_layers=tuple(ex.moe_layers),

@@ -1,6 +1,7 @@
-"""What a checkpoint is, from config.json and the safetensors headers, with the model built on the meta
-device (nothing is allocated, no weight is read): what a load plan is decided from
-(engine/plan/resolve.py) and the model the loader then fills to it (engine/worker/loader.py)."""
+"""What a checkpoint is, from config.json and the safetensors headers alone: no model is built, not even
+on the meta device, and no weight is read (engine/weights/header_survey.py). What a load plan is decided
+from (engine/plan/resolve.py); the loader then builds the model and checks it against this survey
+(engine/worker/built.py)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
-from engine.errors import CheckpointError
 from engine.experts.formats.expert_source import CheckpointExperts
 from engine.memory.footprint import Footprint, footprint
 from engine.memory.measure import dense_saved
-from engine.weights.arch import ArchSpec, arch_for, text_config, unsupported
+from engine.native.decode_shapes import dtype_name
+from engine.weights.arch import ArchSpec, arch_for, text_config
 from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
+from engine.weights.header_survey import HeaderSurvey, header_survey
 from engine.weights.model_config import read_config, resolve_device, resolve_dtype
-from engine.weights.moe_hook import MoeSite, find_moe_sites
 from policies.registry import PolicyBundle
 
 
@@ -37,13 +38,12 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Survey:
-    """A checkpoint surveyed: `model` on the meta device (its sparse blocks still transformers'), those
-    blocks (`sites`) and their experts, the policies the settings name, and where the input embedding's
-    rows are read from per step (None: it is copied into memory)."""
+    """A checkpoint surveyed from its headers: its MoE layers, dense parameters and structure (`layout`),
+    its experts, the policies the settings name, and where the input embedding's rows are read from per
+    step (None: it is copied into memory)."""
 
     ck: Checkpoint
-    model: PreTrainedModel
-    sites: list[MoeSite]
+    layout: HeaderSurvey
     experts: CheckpointExperts
     policies: PolicyBundle
     embedding: TensorLocation | None
@@ -64,42 +64,35 @@ def read_checkpoint(model_dir: Path, cfg: EngineConfig) -> tuple[Checkpoint, Pol
 
 
 def survey(model_dir: str | Path, cfg: EngineConfig) -> Survey:
-    """The checkpoint at `model_dir` as `cfg` runs it: its model built on the meta device, its sparse
-    MoE blocks found by structure (engine/weights/moe_hook.py) and their experts' geometry."""
+    """The checkpoint at `model_dir` as `cfg` runs it, from its headers: its sparse MoE layers, their
+    experts' geometry, its dense parameters (engine/weights/header_survey.py)."""
     ck, policies = read_checkpoint(Path(model_dir), cfg)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(ck.config, dtype=ck.dtype)
-    sites = _moe_sites(model, ck)
-    experts = CheckpointExperts.of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
+    layout = header_survey(ck.spec, ck.config, ck.tensors, str(ck.model_dir / "config.json"))
+    experts = CheckpointExperts.of_header(
+        ck.spec, ck.config, ck.tensors, layout, ck.dtype, ck.device
+    )
     # The input embedding's rows stay in the checkpoint where they can (engine/weights/disk_embedding.py).
     embedding = disk_embedding_source(
-        model, ck.config, ck.spec, ck.tensors, ck.dtype, ck.device, enabled=cfg.embedding_on_disk
+        layout.embedding,
+        ck.config,
+        ck.spec,
+        ck.tensors,
+        ck.dtype,
+        ck.device,
+        enabled=cfg.embedding_on_disk,
     )
-    return Survey(ck, model, sites, experts, policies, embedding)
-
-
-def _moe_sites(model: PreTrainedModel, ck: Checkpoint) -> list[MoeSite]:
-    """The meta model's sparse MoE blocks, found by structure (engine/weights/moe_hook.py); fails with
-    one line where there are none."""
-    sites = find_moe_sites(model)
-    if not sites:
-        if ck.spec.by_structure:
-            raise unsupported(ck.spec.model_type, str(ck.model_dir / "config.json"))
-        raise CheckpointError(
-            f"{ck.model_dir / 'config.json'}: no sparse MoE layers in this configuration"
-        )
-    return sites
+    return Survey(ck, layout, experts, policies, embedding)
 
 
 def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes: int) -> Footprint:
     """The bytes the surveyed model needs (engine/memory/footprint.py) with experts of `slot_bytes` a
     slot and `disk_bytes` a disk read: what the memory plan is sized from."""
-    ck, ex = sv.ck, sv.experts
+    ck, ex, layout = sv.ck, sv.experts, sv.layout
     return footprint(
-        sv.model,
-        [s.block.get_submodule("experts") for s in sv.sites],
+        layout.dense_params,
+        len(layout.moe_layers),
         ck.config,
-        dtype=ck.dtype,
+        dtype=dtype_name(ck.dtype),
         slot_bytes=slot_bytes,
         expert_disk_bytes=disk_bytes,
         experts_per_layer=ex.num_experts,
@@ -109,5 +102,7 @@ def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes:
         dense_on_disk_bytes=sv.embedding.nbytes - resident_bytes(sv.embedding)
         if sv.embedding
         else 0,
-        dense_saved_bytes=dense_saved(sv.model, ck.tensors, cfg, ck.device),
+        dense_saved_bytes=dense_saved(
+            layout.dense_linears, ck.tensors, cfg, ck.device, dtype_name(ck.dtype)
+        ),
     )

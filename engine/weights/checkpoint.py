@@ -1,40 +1,20 @@
-"""Reads safetensors headers so expert weights can be fetched by file offset.
-
-We parse the header ourselves (it is 8 bytes of length plus JSON) because the
-disk tier needs each tensor's absolute byte range to issue uncached reads, and
-because a truncated file must be caught at load time with a clear message
-instead of failing later inside a background transfer.
+"""Where a checkpoint's tensors are, with their torch dtypes, so expert weights can be fetched by file
+offset: the headers (engine/weights/safetensors_index.py, which parses them without torch) as
+`TensorLocation`s, and one tensor read through the page cache.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.errors import CheckpointError
+from engine.weights.safetensors_index import DTYPE_NAMES, HeaderEntry, index_entries, read_entries
 
-# safetensors dtype tags -> torch dtypes
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,  # FP8 block-quantized checkpoints (DeepSeek-V3, MiniMax-M2, Qwen *-FP8)
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-_MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors library
+# torch's dtypes by the names the headers' entries give them (safetensors_index.DTYPE_NAMES)
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES.values()}
 
 
 @dataclass(frozen=True)
@@ -47,6 +27,10 @@ class TensorLocation:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    @staticmethod
+    def of(e: HeaderEntry) -> TensorLocation:
+        return TensorLocation(e.name, e.path, e.offset, e.nbytes, _DTYPES[e.dtype], e.shape)
 
     def slice_first_dim(self, index: int) -> TensorLocation:
         """The location of `tensor[index]`, which is contiguous because storage is row-major."""
@@ -67,47 +51,7 @@ class TensorLocation:
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
     """Parse and validate one safetensors file; raise CheckpointError naming the file on any problem."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(
-                    f"{path}: truncated safetensors file ({size} bytes, no header)"
-                )
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > _MAX_HEADER or 8 + header_len > size:
-                raise CheckpointError(
-                    f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, file has {size})"
-                )
-            header = json.loads(f.read(header_len))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-
-    data_start = 8 + header_len
-    path = Path(path)  # one object shared by the file's tensors (a shard holds thousands)
-    out: dict[str, TensorLocation] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(s) for s in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                f"{path}: corrupt safetensors entry for tensor {name!r}"
-            ) from None
-        if data_start + end > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name} ends at byte {data_start + end} but the file has {size} bytes"
-            )
-        out[name] = TensorLocation(name, path, data_start + begin, end - begin, dtype, shape)
-    return out
+    return {n: TensorLocation.of(e) for n, e in read_entries(path).items()}
 
 
 def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
@@ -116,29 +60,7 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
     Accepts a single `model.safetensors`, shards listed by `model.safetensors.index.json`,
     or (as a fallback) every `*.safetensors` file in the directory.
     """
-    model_dir = Path(model_dir)
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        try:
-            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{index_file}: corrupt index (expected a JSON object with 'weight_map')"
-            ) from None
-        files = sorted(model_dir / f for f in set(weight_map.values()))
-        for f in files:
-            if not f.exists():
-                raise CheckpointError(f"{f}: missing shard listed in {index_file.name}")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(
-                f"{model_dir}: no *.safetensors weights found (expected model.safetensors or an index)"
-            )
-    out: dict[str, TensorLocation] = {}
-    for f in files:
-        out.update(read_header(f))
-    return out
+    return {n: TensorLocation.of(e) for n, e in index_entries(model_dir).items()}
 
 
 def read_tensor(loc: TensorLocation) -> torch.Tensor:

@@ -40,7 +40,7 @@ def input_embedding_name(model: nn.Module) -> str | None:
 
 
 def disk_embedding_source(
-    model: nn.Module,
+    name: str | None,
     config: PretrainedConfig,
     spec: ArchSpec,
     tensors: dict[str, TensorLocation],
@@ -49,10 +49,10 @@ def disk_embedding_source(
     enabled: bool = True,
 ) -> TensorLocation | None:
     """Where the input embedding's rows are read from when it stays on disk (`enabled`:
-    EngineConfig.embedding_on_disk), else None (it is copied into memory)."""
+    EngineConfig.embedding_on_disk), else None (it is copied into memory); `name`: the input
+    embedding's in-memory name (None: it has none)."""
     if not enabled or device.type != "cpu" or getattr(config, "tie_word_embeddings", False):
         return None
-    name = input_embedding_name(model)
     if name is None:
         return None
     loc = next((tensors[n] for n in disk_names(spec, name) if n in tensors), None)

@@ -1,6 +1,6 @@
 """Which architectures take the packed attention and the lean forward: by model_type, and for the
 lean forward by the structure of their decoder layers. What the load plan decides the execution path
-from (engine/plan/resolve.py, on the model still on the meta device) and what the worker's packed
+from (engine/plan/resolve.py, on the checkpoint's tensor names: `lean_layer_names`) and what the worker's packed
 batches (engine/worker/packed_batch.py) and lean forward (engine/worker/lean_forward.py) run by."""
 
 from __future__ import annotations
@@ -41,24 +41,41 @@ DENSE_LEAN_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
 LEAN_MODEL_TYPES = MOE_LEAN_MODEL_TYPES | DENSE_LEAN_MODEL_TYPES
 
 
+def lean_config(cfg: Any) -> bool:
+    """Whether the config is one the lean forward runs: its architecture, and no sliding window."""
+    if cfg.model_type not in LEAN_MODEL_TYPES:
+        return False
+    return not (
+        getattr(cfg, "sliding_window", None) is not None
+        and getattr(cfg, "use_sliding_window", True)
+    )
+
+
+_NEED = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def lean_structure(model: Any) -> bool:
     """Whether `model`'s architecture and decoder layers are the lean forward's: "norm, attention,
     residual, norm, MLP, residual" with q/k/v/o projections, and no sliding window."""
-    cfg = model.config
-    if cfg.model_type not in LEAN_MODEL_TYPES:
-        return False
-    if getattr(cfg, "sliding_window", None) is not None and getattr(
-        cfg, "use_sliding_window", True
-    ):
+    if not lean_config(model.config):
         return False
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "lm_head"):
         return False
-    need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     return all(
-        all(hasattr(layer, n) for n in need)
-        and all(hasattr(layer.self_attn, p) for p in projections)
+        all(hasattr(layer, n) for n in _NEED)
+        and all(hasattr(layer.self_attn, p) for p in _PROJECTIONS)
         for layer in layers
+    )
+
+
+def lean_layer_names(names: set[str], num_layers: int) -> bool:
+    """`lean_structure`'s layer check on the parameters' names (a load plan's, from the checkpoint's
+    headers: engine/weights/header_survey.py): every decoder layer holds the four parts and projections."""
+    return all(
+        all(any(n.startswith(f"model.layers.{l}.{part}.") for n in names) for part in _NEED)
+        and all(f"model.layers.{l}.self_attn.{p}.weight" in names for p in _PROJECTIONS)
+        for l in range(num_layers)
     )

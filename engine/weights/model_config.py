@@ -1,16 +1,21 @@
 """What a model directory's config.json says, and the device and dtype the engine runs it in: read before any
-weights (engine/worker/loader.py builds the model; engine/memory plans from the same reading)."""
+weights (engine/worker/loader.py builds the model; engine/memory plans from the same reading). torch is
+imported by the functions that return its objects: config.json is read without it (a load plan's header
+survey, engine/weights/header_survey.py, runs where torch is not importable: tests/test_load_plan.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.errors import CheckpointError, ConfigError
 from engine.weights.arch import arch_for
+
+if TYPE_CHECKING:
+    import torch
 
 DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
 
@@ -36,6 +41,8 @@ def read_config(model_dir: Path) -> PretrainedConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
@@ -47,6 +54,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if name == "auto":
         # The checkpoint's own dtype on every device, as transformers' dtype="auto", llama.cpp and vLLM
         # keep it: float32 on a CPU doubled a bf16 checkpoint in memory. --dtype float32 is the exact reference.
@@ -63,6 +72,8 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     """The dtype config.json states (float32 where it states none, as transformers' default)."""
+    import torch
+
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     d = (
         d

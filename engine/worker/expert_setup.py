@@ -68,27 +68,27 @@ class ExpertRuntime:
 
 
 def routed_experts(
-    sv: Survey, cfg: EngineConfig, plan: LoadPlan, native: NativeChoice
+    sv: Survey, sites: list[MoeSite], cfg: EngineConfig, plan: LoadPlan, native: NativeChoice
 ) -> RoutedExperts:
-    """The experts' geometry and kernel, blocks run by structure checked, and the format and locator of
-    the experts' slots (a quantized sidecar written once where --expert-quant asks), as `plan` sized
+    """The experts' geometry and kernel (`sv.experts`: the built model's), its sparse blocks (`sites`) run by
+    structure checked, and the format and locator of the experts' slots (a quantized sidecar written once where --expert-quant asks), as `plan` sized
     them; `native`: the plan's native kernels, active for the rest of the load."""
     ck, experts = sv.ck, sv.experts
     if ck.spec.by_structure:
         # Not in the table: each kind of block is checked once against its own forward.
-        for block in {type(s.block): s.block for s in sv.sites}.values():
+        for block in {type(s.block): s.block for s in sites}.values():
             verify_block(
                 block, adapter_for(ck.spec.model_type, block), experts.kernel, ck.spec.model_type
             )
     # What an expert computes (kernel), how a slot stores it (float, MXFP4/FP8 as shipped, int8/int4) and where from.
-    fmt, locator = expert_source(experts, cfg)
+    fmt, locator = expert_source(experts, cfg, native.kernels is not None)
     planned = plan.experts
     # The plan decided the format from the same headers: the slots it sized are the ones built.
-    built = (fmt.name, str(fmt.slot_dtype).removeprefix("torch."), fmt.slot_bytes)
+    built = (fmt.name, fmt.slot_dtype, fmt.slot_bytes)
     assert built == (planned.format, planned.slot_dtype, planned.slot_bytes), (built, planned)
     assert locator.nbytes_on_disk(experts.moe_layers[0], 0) == planned.disk_bytes
     return RoutedExperts(
-        sites=sv.sites,
+        sites=sites,
         moe_layers=experts.moe_layers,
         E=experts.num_experts,
         I=experts.shape.intermediate,
@@ -160,7 +160,7 @@ def _slow_tier(
         tier = RamTier(
             ex.locator,
             ex.moe_layers,
-            ex.fmt.slot_dtype,
+            getattr(torch, ex.fmt.slot_dtype),
             pin=device.type == "cuda",
             link=link,
             huge_pages=cfg.huge_pages,
@@ -195,7 +195,7 @@ def _fast_tier(
     store = ExpertStore(
         n_slots,
         ex.fmt.slot_numel,
-        ex.fmt.slot_dtype,
+        getattr(torch, ex.fmt.slot_dtype),
         device,
         eviction,
         stats,

@@ -1,9 +1,9 @@
 """Builds a transformers model whose routed experts live in the tiered expert store.
 
-Steps: survey the checkpoint (config.json and the safetensors headers, the transformers model built
-on the meta device: nothing is allocated) and resolve its load plan (engine/plan/: architecture,
-expert format, native kernels, memory split, execution path, prefetchers) -> `build` to the plan:
-swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert parameters), build slow
+Steps: survey the checkpoint (config.json and the safetensors headers alone) and resolve its load plan
+(engine/plan/: architecture, expert format, native kernels, memory split, execution path, prefetchers)
+-> `build` to the plan: the transformers model built on the meta device (nothing is allocated) and
+checked to be the one the plan was sized for (engine/worker/built.py), swap every sparse MoE block for OffloadedMoeBlock (dropping the fused expert parameters), build slow
 tier, fast tier and transfer engine (the routed experts' steps: engine/worker/expert_setup.py) ->
 materialize the rest on the compute device and fill it from the safetensors files by name -> on the
 CPU, replace the norms and bf16 linears with their native counterparts (engine/native/layers.py) ->
@@ -50,6 +50,7 @@ from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import DiskEmbedding, input_embedding_name
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.weights.moe_hook import decoder_layers
+from engine.worker.built import build_meta
 from engine.worker.expert_setup import (
     ExpertRuntime,
     RoutedExperts,
@@ -155,10 +156,12 @@ def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> Of
 def build(plan: LoadPlan, sv: Survey, cfg: EngineConfig) -> OffloadedModel:
     """Allocate and fill the surveyed model `sv` as `plan` decided, in one pass (the module docstring
     outlines the steps); nothing here decides again."""
-    ck, model = sv.ck, sv.model
+    # The model itself, on the meta device: checked to be the one the plan was sized for.
+    built = build_meta(sv)
+    ck, model = sv.ck, built.model
     native = chosen(plan.kernels.build, plan.kernels.line)
     activate(native)  # for the rest of the load (its own context): formats, layers, warm-up
-    ex = routed_experts(sv, cfg, plan, native)
+    ex = routed_experts(replace(sv, experts=built.experts), built.sites, cfg, plan, native)
     stats = EngineStats(num_layers=len(decoder_layers(model)))
     rt = expert_runtime(ck, ex, cfg, plan, sv.policies, stats)
     _materialize(model, ck, cfg.huge_pages, sv.embedding)

@@ -46,8 +46,8 @@ class CpuExperts:
         # quantized slots keep their byte layout and dequantize in the format's own compute dtype.
         self.weight_dtype = (
             torch.float32
-            if isinstance(fmt, PlainFormat) and fmt.slot_dtype != torch.float32
-            else fmt.slot_dtype
+            if isinstance(fmt, PlainFormat) and fmt.slot_dtype != "float32"
+            else getattr(torch, fmt.slot_dtype)
         )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cpu-expert")
         self._local = threading.local()
@@ -70,7 +70,7 @@ class CpuExperts:
                 x,
                 device=x.device,
                 dtype=x.dtype,
-                weight_dtype=self.fmt.slot_dtype,
+                weight_dtype=getattr(torch, self.fmt.slot_dtype),
                 native=native,
             )
         x_host = x.to("cpu", torch.float32)

@@ -18,6 +18,7 @@ from engine.experts.compute.native_mxfp4 import native_experts
 from engine.experts.formats.expert_kernels import SwiGLUKernel
 from engine.experts.formats.quant import ExpertFormat, PlainFormat
 from engine.experts.tiers.expert_store import ExpertStore
+from engine.native.decode_shapes import dtype_name
 from engine.weights.expert_layout import ExpertShape
 
 GROUPED_MAX_SLOT_BYTES = (
@@ -44,7 +45,8 @@ class ExpertCompute:
         if fmt is None:
             assert act_fn is not None, "the default SwiGLU format needs the experts' act_fn"
             fmt = PlainFormat(
-                SwiGLUKernel(shape.hidden, shape.intermediate, act_fn), store.slots.dtype
+                SwiGLUKernel(shape.hidden, shape.intermediate, act_fn),
+                dtype_name(store.slots.dtype),
             )
         self.fmt = fmt
         # Per-slot weight views, made once: windows onto each contiguous slot ([2I, H] and [H, I] for SwiGLU).

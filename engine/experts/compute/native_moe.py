@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.formats.expert_kernels import SwiGLUKernel
-from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, PlainFormat
+from engine.experts.formats.native_path import fused_weight_dtype, swiglu_line
+from engine.experts.formats.quant import ExpertFormat, PlainFormat
 from engine.native.kernels import W_CODES, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
@@ -26,6 +26,13 @@ from engine.native.row_kernels import native_rows_allowed
 # gate_up, gate_up scales, down, down scales (0: none); int4 slots add gate_up zeros and down zeros
 SlotPointers = tuple[int, ...]
 INT4 = torch.uint8  # NativeMoe.weight_dtype of int4 slots (two codes a byte)
+# fused_weight_dtype's names -> the weights NativeMoe reads
+WEIGHT_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": INT4,
+}
 W_Q4 = 3  # cpu_gemv.h's code for them
 
 
@@ -44,7 +51,9 @@ class NativeMoe:
         self.int4 = weight_dtype == INT4
         # The activation dtype float slots serve: the format's compute dtype (bf16 slots of an f32 model
         # take f32 rows and widen each weight as they read it).
-        self.float_x = fmt.compute_dtype if isinstance(fmt, PlainFormat) else weight_dtype
+        self.float_x = (
+            getattr(torch, fmt.compute_dtype) if isinstance(fmt, PlainFormat) else weight_dtype
+        )
 
     @property
     def wtype(self) -> int:
@@ -54,36 +63,15 @@ class NativeMoe:
     @classmethod
     def for_format(cls, fmt: ExpertFormat, hidden: int, intermediate: int) -> NativeMoe | None:
         """The fused path for slots of `fmt`, or None where it does not apply (then torch runs the experts)."""
-        if type(fmt.kernel) is not SwiGLUKernel:
-            return None
-        if isinstance(fmt, PlainFormat) and fmt.slot_dtype in (torch.float32, torch.bfloat16):
-            weight_dtype = fmt.slot_dtype
-        elif (
-            isinstance(fmt, GroupQuantFormat)
-            and fmt.bits == 8
-            and all(fmt.group_of(s[1]) == s[1] for _, s in fmt.kernel.views)
-        ):
-            weight_dtype = torch.int8
-        elif (
-            isinstance(fmt, GroupQuantFormat)
-            and fmt.bits == 4
-            and fmt.compute_dtype == torch.bfloat16
-            and all(fmt.group_of(s[1]) == 64 for _, s in fmt.kernel.views)
-            and hidden % 64 == 0
-            and intermediate % 64 == 0
-        ):
-            weight_dtype = INT4
-        else:
-            return None
+        weight_dtype = fused_weight_dtype(fmt, hidden, intermediate)
         kernels = native()
-        return (
-            cls(kernels, fmt, weight_dtype, hidden, intermediate) if kernels is not None else None
-        )
+        if weight_dtype is None or kernels is None:
+            return None
+        return cls(kernels, fmt, WEIGHT_DTYPES[weight_dtype], hidden, intermediate)
 
     def describe(self) -> str:
         """The plan's name for this path."""
-        what = "int4" if self.int4 else "int8" if self.quantized else str(self.weight_dtype)[6:]
-        return f"native SwiGLU, one call a layer ({what} weights)"
+        return swiglu_line("int4" if self.int4 else str(self.weight_dtype)[6:])
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether rows x run here: contiguous CPU rows of a step whose rows take the native kernels

@@ -14,13 +14,12 @@ import torch
 
 from engine.experts.compute.native_moe import NativeMoe, SlotPointers
 from engine.experts.formats.expert_kernels import GptOssKernel
+from engine.experts.formats.native_path import MXFP4_LINE, mxfp4_applies
 from engine.experts.formats.native_quant import Mxfp4GptOssFormat
 from engine.experts.formats.quant import ExpertFormat
 from engine.native.kernels import MAX_ROWS, NativeKernels
 from engine.native.loaded import native
 from engine.native.row_kernels import native_rows_allowed
-
-FLOATS = (torch.float32, torch.bfloat16)
 
 
 class NativeMxfp4Moe(NativeMoe):
@@ -33,7 +32,8 @@ class NativeMxfp4Moe(NativeMoe):
         kernel = fmt.kernel
         assert isinstance(kernel, GptOssKernel)
         self.alpha, self.limit = kernel.alpha, kernel.limit
-        self.bias_dtype, self.compute_dtype = fmt.bias_dtype, fmt.compute_dtype
+        self.bias_dtype = getattr(torch, fmt.bias_dtype)
+        self.compute_dtype = getattr(torch, fmt.compute_dtype)
 
     @property
     def wtype(self) -> int:
@@ -44,19 +44,13 @@ class NativeMxfp4Moe(NativeMoe):
         cls, fmt: Mxfp4GptOssFormat, hidden: int, intermediate: int
     ) -> NativeMxfp4Moe | None:
         """The native path for `fmt`'s slots, or None where it does not apply (then torch runs them)."""
-        if (
-            not isinstance(fmt.kernel, GptOssKernel)
-            or fmt.compute_dtype not in FLOATS
-            or fmt.bias_dtype not in FLOATS
-            or hidden % 32
-            or intermediate % 32
-        ):
-            return None
         kernels = native()
-        return cls(kernels, fmt, hidden, intermediate) if kernels is not None else None
+        if not mxfp4_applies(fmt, hidden, intermediate) or kernels is None:
+            return None
+        return cls(kernels, fmt, hidden, intermediate)
 
     def describe(self) -> str:
-        return "native MXFP4 (FP4 codes decoded in registers, f32 sums)"
+        return MXFP4_LINE
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Contiguous CPU rows in the compute dtype of a step whose rows take the native kernels."""

@@ -9,9 +9,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
@@ -24,11 +27,14 @@ from engine.experts.formats.native_quant import (
 )
 from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.formats.quant_cache import PackedShape, quantized_locator
-from engine.native.loaded import native
+from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import TensorLocation, read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
 from engine.weights.moe_hook import MoeSite, expert_geometry
+
+if TYPE_CHECKING:
+    from engine.weights.header_survey import HeaderSurvey
 
 _MXFP4 = (
     "gate_up_proj_bias",
@@ -105,6 +111,37 @@ class CheckpointExperts:
             top_k=top_k,
         )
 
+    @classmethod
+    def of_header(
+        cls,
+        spec: ArchSpec,
+        config: PretrainedConfig,
+        tensors: dict[str, TensorLocation],
+        hs: HeaderSurvey,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> CheckpointExperts:
+        """The experts as the checkpoint's headers describe them (engine/weights/header_survey.py): what a
+        load plan sizes. Their kernel's activation is the config's, as transformers' experts take it;
+        the loader's experts are `of_sites` of the model it builds, checked equal in geometry."""
+        experts = SimpleNamespace(
+            act_fn=ACT2FN[getattr(config, "hidden_act", "silu")],
+            alpha=getattr(config, "swiglu_alpha", None),
+            limit=getattr(config, "swiglu_limit", None),
+        )
+        return cls(
+            spec=spec,
+            config=config,
+            tensors=tensors,
+            moe_layers=list(hs.moe_layers),
+            num_experts=hs.num_experts,
+            shape=ExpertShape(hidden=hs.hidden, intermediate=hs.intermediate),
+            kernel=make_kernel(spec.kernel, experts, hs.hidden, hs.intermediate),
+            dtype=dtype,
+            device=device,
+            top_k=hs.top_k,
+        )
+
     def shipped(self) -> tuple[RawPartsFormat, RawLocator] | None:
         """The format and locator of experts quantized in the checkpoint; None: float experts."""
         return _native(self)
@@ -121,10 +158,11 @@ class CheckpointExperts:
 
 
 def slot_format(
-    experts: CheckpointExperts, cfg: EngineConfig
+    experts: CheckpointExperts, cfg: EngineConfig, native: bool
 ) -> tuple[ExpertFormat, SegmentLocator]:
     """The experts' slot format and where the checkpoint holds their bytes, before any quantized sidecar
-    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's)."""
+    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's).
+    `native`: whether the native kernels run (a load plan's choice, engine/plan/resolve.py)."""
     shipped = experts.shipped()
     if shipped is not None:
         if cfg.expert_quant != "none":
@@ -133,13 +171,16 @@ def slot_format(
             )
         return shipped
     locator = experts.float_locator()
-    return float_expert_format(experts.kernel, cfg, experts.dtype, locator, experts.device), locator
+    fmt = float_expert_format(
+        experts.kernel, cfg, experts.dtype, locator, experts.device, native=native
+    )
+    return fmt, locator
 
 
 def expert_source(
-    experts: CheckpointExperts, cfg: EngineConfig
+    experts: CheckpointExperts, cfg: EngineConfig, native: bool
 ) -> tuple[ExpertFormat, SegmentLocator]:
-    fmt, locator = slot_format(experts, cfg)
+    fmt, locator = slot_format(experts, cfg, native)
     if cfg.expert_quant != "none":
         assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
         assert isinstance(locator, ExpertLocator)
@@ -155,30 +196,34 @@ def float_expert_format(
     dtype: torch.dtype,
     locator: ExpertLocator,
     device: torch.device,
+    *,
+    native: bool,
 ) -> ExpertFormat:
-    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says."""
+    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says
+    (`native`: whether the native kernels run)."""
     return make_format(
         kernel,
         cfg.expert_quant,
         cfg.quant_group(),
-        dtype,
-        plain_slot_dtype(cfg, dtype, locator, device),
+        dtype_name(dtype),
+        plain_slot_dtype(cfg, dtype, locator, device) if native else None,
     )
 
 
 def plain_slot_dtype(
     cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> torch.dtype | None:
+) -> str | None:
     """bf16 where unquantized experts compute in f32 on the CPU from a checkpoint that stores every one
     of them in bf16 (cfg.bf16_expert_slots): the slots keep the checkpoint's bytes, half of f32's, and
     lose nothing, since bf16 widens to f32 exactly. Only with the native kernels, which widen each
     weight as they read it; torch's path would widen a whole expert per call (`moe-offload plan`
     resolves them without this model's measurement, so on a CPU where torch measures faster the plan
-    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype."""
-    return _bf16_slots(cfg, dtype, locator, device) if native() is not None else None
+    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype. Asked only where the
+    native kernels run (float_expert_format)."""
+    return _bf16_slots(cfg, dtype, locator, device)
 
 
-def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dtype | None:
+def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> str | None:
     """The float slots' dtype if the native kernels run (plain_slot_dtype's choice then), before they are
     chosen: what their measurement (engine/native/autotune.py) must time the experts in. None: the
     compute dtype, or experts that are not float (quantized, or shipped quantized)."""
@@ -189,7 +234,7 @@ def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> torch.dt
 
 def _bf16_slots(
     cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> torch.dtype | None:
+) -> str | None:
     if (
         not cfg.bf16_expert_slots
         or cfg.expert_quant != "none"
@@ -197,7 +242,7 @@ def _bf16_slots(
         or device.type != "cpu"
     ):
         return None
-    return torch.bfloat16 if locator.dtypes() == {torch.bfloat16} else None
+    return "bfloat16" if locator.dtypes() == {torch.bfloat16} else None
 
 
 def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | None:
@@ -218,7 +263,9 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
             for b in first
             if f"{b}.experts.gate_up_proj_blocks" in tensors
         )
-        fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype)
+        fmt: RawPartsFormat = Mxfp4GptOssFormat(
+            kernel, H, I, dtype_name(bias.dtype), dtype_name(dtype)
+        )
         names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
         probe = "experts.gate_up_proj_blocks"
     elif (
@@ -226,7 +273,7 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
         and spec.gate_up_down
         and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
     ):
-        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype)
+        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype_name(dtype))
         names = lambda b, e: (  # noqa: E731
             [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]
             + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
@@ -250,9 +297,9 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
                         f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})"
                     )
                 loc = loc.slice_first_dim(row) if row is not None else loc
-                if tuple(loc.shape) != tuple(want_shape) or loc.dtype != want_dtype:
+                if tuple(loc.shape) != tuple(want_shape) or dtype_name(loc.dtype) != want_dtype:
                     raise CheckpointError(
-                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected {want_dtype} {tuple(want_shape)}"
+                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected torch.{want_dtype} {tuple(want_shape)}"
                     )
                 segs.append(
                     TensorLocation(

@@ -22,37 +22,43 @@ import torch
 
 from engine.experts.formats.expert_kernels import ExpertKernel
 from engine.experts.formats.quant import ExpertFormat
+from engine.native.decode_shapes import ITEMSIZE
 
 # FP4 e2m1 code -> value (the same table as transformers.integrations.mxfp4.FP4_VALUES).
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-Part = tuple[torch.dtype, tuple[int, ...]]
+Part = tuple[str, tuple[int, ...]]  # a dtype by torch's name ("uint8"), a shape
 
 
 class RawPartsFormat(ExpertFormat):
     """A slot made of the checkpoint's tensors back to back, each viewed in place with its dtype."""
 
     def __init__(
-        self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: torch.dtype
+        self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: str
     ) -> None:
         self.name, self.kernel, self.compute_dtype, self.slot_dtype = (
             name,
             kernel,
             compute_dtype,
-            torch.uint8,
+            "uint8",
         )
-        self._parts: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
+        self._parts: list[tuple[int, int, str, tuple[int, ...]]] = []
         at = 0
         for dtype, shape in parts:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if at % torch.empty((), dtype=dtype).element_size():
-                raise ValueError(f"{name}: part of dtype {dtype} at unaligned byte offset {at}")
+            n = math.prod(shape) * ITEMSIZE[dtype]
+            if at % ITEMSIZE[dtype]:
+                raise ValueError(
+                    f"{name}: part of dtype torch.{dtype} at unaligned byte offset {at}"
+                )
             self._parts.append((at, n, dtype, shape))
             at += n
         self.slot_numel = at
 
     def views(self, row: torch.Tensor) -> list:
-        return [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in self._parts]
+        return [
+            row[off : off + n].view(getattr(torch, dtype)).view(shape)
+            for off, n, dtype, shape in self._parts
+        ]
 
 
 @functools.cache
@@ -86,24 +92,24 @@ class Mxfp4GptOssFormat(RawPartsFormat):
         kernel: ExpertKernel,
         hidden: int,
         intermediate: int,
-        bias_dtype: torch.dtype,
-        compute_dtype: torch.dtype,
+        bias_dtype: str,
+        compute_dtype: str,
     ) -> None:
         H, I = hidden, intermediate
         self.bias_dtype = bias_dtype
         parts = [
             (bias_dtype, (2 * I,)),
             (bias_dtype, (H,)),
-            (torch.uint8, (2 * I, H // 32, 16)),
-            (torch.uint8, (2 * I, H // 32)),
-            (torch.uint8, (H, I // 32, 16)),
-            (torch.uint8, (H, I // 32)),
+            ("uint8", (2 * I, H // 32, 16)),
+            ("uint8", (2 * I, H // 32)),
+            ("uint8", (H, I // 32, 16)),
+            ("uint8", (H, I // 32)),
         ]
         super().__init__("mxfp4", kernel, parts, compute_dtype)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         gu_bias, down_bias, gu_blocks, gu_scales, d_blocks, d_scales = views
-        dt = self.compute_dtype
+        dt = getattr(torch, self.compute_dtype)
         gate_up = dequant_mxfp4(
             gu_blocks, gu_scales, dt
         ).t()  # [2I, H] on disk -> [H, 2I] as the kernel wants
@@ -129,20 +135,20 @@ class Fp8BlockSwiGLUFormat(RawPartsFormat):
         hidden: int,
         intermediate: int,
         block: int,
-        compute_dtype: torch.dtype,
+        compute_dtype: str,
     ) -> None:
         H, I = hidden, intermediate
         self.block = block
         mats = [(I, H), (I, H), (H, I)]
         parts: list[Part] = [
-            (torch.float32, (math.ceil(r / block), math.ceil(c / block))) for r, c in mats
+            ("float32", (math.ceil(r / block), math.ceil(c / block))) for r, c in mats
         ]
-        parts += [(torch.float8_e4m3fn, shape) for shape in mats]
+        parts += [("float8_e4m3fn", shape) for shape in mats]
         super().__init__("fp8-block", kernel, parts, compute_dtype)
 
     def weights(self, views: list) -> list[torch.Tensor]:
         sg, su, sd, g, u, d = views
-        dt, b = self.compute_dtype, self.block
+        dt, b = getattr(torch, self.compute_dtype), self.block
         gate_up = torch.cat(
             (dequant_fp8_block(g, sg, b, dt), dequant_fp8_block(u, su, b, dt))
         )  # [2I, H]

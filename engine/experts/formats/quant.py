@@ -38,6 +38,7 @@ from typing import cast
 import torch
 
 from engine.experts.formats.expert_kernels import ExpertKernel, SwiGLUKernel
+from engine.native.decode_shapes import ITEMSIZE
 from engine.native.loaded import usable
 
 QUANT_KINDS = ("none", "int8", "int4")
@@ -47,12 +48,12 @@ _ALIGN = 16
 class ExpertFormat(ABC):
     name: str
     kernel: ExpertKernel
-    slot_dtype: torch.dtype
+    slot_dtype: str  # torch's name for it ("bfloat16")
     slot_numel: int
 
     @property
     def slot_bytes(self) -> int:
-        return self.slot_numel * self.slot_dtype.itemsize
+        return self.slot_numel * ITEMSIZE[self.slot_dtype]
 
     @abstractmethod
     def views(self, row: torch.Tensor) -> list:
@@ -72,9 +73,7 @@ class PlainFormat(ExpertFormat):
     compute dtype (bf16 slots, f32 compute): `weights` widens them, the native kernels read them
     as they are."""
 
-    def __init__(
-        self, kernel: ExpertKernel, dtype: torch.dtype, slot_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, kernel: ExpertKernel, dtype: str, slot_dtype: str | None = None) -> None:
         self.name, self.kernel, self.slot_numel = "none", kernel, kernel.numel
         self.compute_dtype = dtype
         self.slot_dtype = slot_dtype or dtype
@@ -90,7 +89,7 @@ class PlainFormat(ExpertFormat):
     def weights(self, views: list) -> list[torch.Tensor]:
         if self.slot_dtype == self.compute_dtype:
             return views
-        return [v.to(self.compute_dtype) for v in views]
+        return [v.to(getattr(torch, self.compute_dtype)) for v in views]
 
 
 def _aligned(n: int) -> int:
@@ -98,9 +97,7 @@ def _aligned(n: int) -> int:
 
 
 class GroupQuantFormat(ExpertFormat):
-    def __init__(
-        self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: torch.dtype
-    ) -> None:
+    def __init__(self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: str) -> None:
         if kind not in ("int8", "int4"):
             raise ValueError(
                 f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}"
@@ -116,29 +113,28 @@ class GroupQuantFormat(ExpertFormat):
             group,
         )
         self.compute_dtype = compute_dtype
-        self.slot_dtype = torch.uint8
-        # Byte layout of one slot: per view, its parts as (offset, nbytes, dtype, shape).
-        self._layout: list[list[tuple[int, int, torch.dtype, tuple[int, ...]]]] = []
+        self.slot_dtype = "uint8"
+        # Byte layout of one slot: per view, its parts as (offset, nbytes, dtype name, shape).
+        self._layout: list[list[tuple[int, int, str, tuple[int, ...]]]] = []
         at = 0
         for _, shape in kernel.views:
             parts = []
             for dtype, pshape in self._parts(shape):
-                nbytes = math.prod(pshape) * dtype.itemsize
+                nbytes = math.prod(pshape) * ITEMSIZE[dtype]
                 parts.append((at, nbytes, dtype, pshape))
                 at = _aligned(at + nbytes)
             self._layout.append(parts)
         self.slot_numel = at
         self._int8_rows = (
             self.bits == 8
-            and compute_dtype == torch.bfloat16
+            and compute_dtype == "bfloat16"
             and type(kernel) is SwiGLUKernel
             and all(self.group_of(shape[1]) == shape[1] for _, shape in kernel.views)
-            and hasattr(torch.ops.aten, "_weight_int8pack_mm")
         )
         # int4 in groups of 64, SwiGLU, bf16 compute: the native int4 kernel (where it applies) reads the slot as is.
         self._int4_groups = (
             self.bits == 4
-            and compute_dtype == torch.bfloat16
+            and compute_dtype == "bfloat16"
             and type(kernel) is SwiGLUKernel
             and all(self.group_of(shape[1]) == 64 for _, shape in kernel.views)
         )
@@ -146,19 +142,15 @@ class GroupQuantFormat(ExpertFormat):
     def group_of(self, cols: int) -> int:
         return math.gcd(cols, self.group)  # group 0: gcd(cols, 0) = cols, whole rows
 
-    def _parts(self, shape: tuple[int, ...]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    def _parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
         if len(shape) != 2:
-            return [(torch.float32, shape)]  # biases: kept exact
+            return [("float32", shape)]  # biases: kept exact
         rows, cols = shape
         g = self.group_of(cols)
         groups = (rows, cols // g, 1)
         if self.bits == 8:
-            return [(torch.int8, (rows, cols // g, g)), (torch.float16, groups)]
-        return [
-            (torch.uint8, (rows, cols // g, g // 2)),
-            (torch.float16, groups),
-            (torch.float16, groups),
-        ]
+            return [("int8", (rows, cols // g, g)), ("float16", groups)]
+        return [("uint8", (rows, cols // g, g // 2)), ("float16", groups), ("float16", groups)]
 
     # -- encoding (when the slow tier is built) -------------------------------------
     def encode(self, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -176,19 +168,22 @@ class GroupQuantFormat(ExpertFormat):
                 )
             )
             for t, (off, nbytes, dtype, _pshape) in zip(encoded, parts):
-                out[off : off + nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
+                out[off : off + nbytes] = t.to(getattr(torch, dtype)).reshape(-1).view(torch.uint8)
         return out
 
     # -- decoding (on every expert call) ---------------------------------------------
     def views(self, row: torch.Tensor) -> list:
         return [
-            [row[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in parts]
+            [
+                row[off : off + n].view(getattr(torch, dtype)).view(shape)
+                for off, n, dtype, shape in parts
+            ]
             for parts in self._layout
         ]
 
     def forward(self, views: list, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            if self._int8_rows:
+            if self._int8_rows and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
                 (q_gu, s_gu), (q_d, s_d) = views
                 gate, up = _int8_linear(x, q_gu, s_gu).chunk(2, dim=-1)
                 return _int8_linear(
@@ -220,22 +215,17 @@ class GroupQuantFormat(ExpertFormat):
         )
 
     def weights(self, views: list) -> list[torch.Tensor]:
-        out = []
+        out, dt = [], getattr(torch, self.compute_dtype)
         for parts, (_, shape) in zip(views, self.kernel.views):
             if len(parts) == 1:
-                out.append(parts[0].to(self.compute_dtype))
+                out.append(parts[0].to(dt))
             elif self.bits == 8:
                 q, s = parts
-                out.append((q.to(self.compute_dtype) * s.to(self.compute_dtype)).view(shape))
+                out.append((q.to(dt) * s.to(dt)).view(shape))
             else:
                 packed, s, z = parts
                 q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [rows, groups, g]
-                out.append(
-                    (
-                        (q.to(self.compute_dtype) - z.to(self.compute_dtype))
-                        * s.to(self.compute_dtype)
-                    ).view(shape)
-                )
+                out.append(((q.to(dt) - z.to(dt)) * s.to(dt)).view(shape))
         return out
 
 
@@ -287,8 +277,8 @@ def make_format(
     kernel: ExpertKernel,
     kind: str,
     group: int,
-    compute_dtype: torch.dtype,
-    plain_slot_dtype: torch.dtype | None = None,
+    compute_dtype: str,
+    plain_slot_dtype: str | None = None,
 ) -> ExpertFormat:
     """The format of `kind` ("none", "int8", "int4"); `plain_slot_dtype`: the slots' dtype of the
     "none" format where it differs from the compute dtype (engine/experts/formats/expert_source.py decides)."""

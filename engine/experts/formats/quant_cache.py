@@ -138,7 +138,7 @@ def _build(
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
     unpack = PlainFormat(
-        fmt.kernel, torch.float32
+        fmt.kernel, "float32"
     )  # splits a packed float buffer into the kernel's weights
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
