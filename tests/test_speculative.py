@@ -322,6 +322,37 @@ def test_adaptive_k_measures_the_row_cost() -> None:
     assert k.k_for("r") == 0  # a new batch size is measured again
 
 
+def test_a_long_catch_up_is_not_charged_to_one_proposed_token() -> None:
+    """A draft that caught up on a prompt (or on a stretch decoded without proposals) before proposing
+    spent that prefill's time too: adaptive k must not read it as what one proposed token costs, or a
+    one-token probe window looks as dear as a prefill and speculation never switches back on."""
+    import time
+    from types import SimpleNamespace
+
+    from engine.speculative.proposals import ProposerBase
+
+    class Timed(ProposerBase):
+        caught_up_long = False
+
+        def _propose(self, plan):
+            time.sleep(0.005)
+            self._caught_up_long = self.caught_up_long
+            return plan
+
+    def one_window(p: Timed) -> float:
+        w = SimpleNamespace(request_id="a", num_draft=1, is_prefill=False)
+        plan = SimpleNamespace(work=[w], free_ids=[])
+        p.propose(plan)
+        p.observe(plan, SimpleNamespace(seconds=0.02, results={}))
+        return p.k.proposal_cost
+
+    p = Timed(AdaptiveK(k_max=4), None)
+    p.caught_up_long = True
+    assert one_window(p) == 0.0  # not observed
+    p.caught_up_long = False
+    assert one_window(p) > 0.0  # a window's own proposing is
+
+
 def test_adaptive_k_keeps_its_plain_baseline_fresh() -> None:
     k = AdaptiveK(k_max=4, row_cost=0.1, refresh_every=5)
     k.begin_step(2)

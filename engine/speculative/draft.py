@@ -66,6 +66,9 @@ class DraftProposer(ProposerBase):
             starts.append(keep)
             caches.append(self.caches[rid])
             self.fed[rid] = full
+        # A window of confirmed tokens is at most k_max + 1 long; a longer catch-up (a prompt, a stretch
+        # without proposals) would charge its prefill to the proposals' cost (adaptive k's estimate).
+        self._caught_up_long = max(len(win) for win in windows) > self.k.k_max + 1
         drafts: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))

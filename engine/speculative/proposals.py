@@ -41,9 +41,14 @@ class ProposerBase:
         self.k = k
         self.stats = stats
         self._propose_s = 0.0
+        # Set by `_propose` where this step's proposing also caught the proposer up on more tokens than
+        # a window confirms (a request's prompt, or the tokens of a stretch decoded without proposals):
+        # its time is then no measure of what one proposed token costs, and is not observed.
+        self._caught_up_long = False
 
     def propose(self, plan: StepPlan) -> StepPlan:
         self.k.begin_step(_decode_batch(plan))
+        self._caught_up_long = False
         t0 = time.perf_counter()
         out = self._propose(plan)
         self._propose_s = time.perf_counter() - t0
@@ -66,7 +71,7 @@ class ProposerBase:
             self.forget(rid)
         deepest = max((w.num_draft for w in plan.work), default=0)
         self.k.observe_step(_decode_batch(plan), sum(w.num_draft for w in plan.work), out.seconds)
-        if deepest and out.seconds > 0:
+        if deepest and out.seconds > 0 and not self._caught_up_long:
             # Proposing runs `deepest` sequential draft steps for the whole batch: one of them is
             # the cost of one more proposed token.
             self.k.observe_proposal_time(
