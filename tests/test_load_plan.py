@@ -23,7 +23,7 @@ from engine.native.decode_shapes import decode_shapes
 from engine.native.loaded import probe
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
-from engine.plan.survey import survey
+from engine.plan.survey import survey, survey_footprint
 from engine.weights.forward_support import MOE_LEAN_MODEL_TYPES
 from engine.worker.built import build_meta, model_layout
 from engine.worker.loader import load_model
@@ -176,7 +176,6 @@ def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) 
     `import torch` fails, and equal what resolve gives. Given from here: the experts' slot and disk bytes
     and the dense bytes a load keeps on disk or narrower (the formats and embedding still need torch)."""
     from engine.memory.planner import KvRequest, kv_token_budget
-    from engine.plan.survey import survey_footprint
 
     cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
     given, want = {}, {}
@@ -184,7 +183,7 @@ def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) 
         path = headers(arch)
         sv, plan = survey(path, cfg), resolve(path, cfg, ROOMY)
         ex = plan.experts
-        fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes)
+        fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes, plan.kernels.build is not None)
         given[arch] = [str(path), ex.slot_bytes, ex.disk_bytes]
         given[arch] += [fp.dense_on_disk_bytes, fp.dense_saved_bytes]
         shapes = decode_shapes(sv.ck.config, "float32", ex.hidden, ex.intermediate, ex.top_k)
@@ -263,6 +262,21 @@ def test_the_plan_reads_the_kernels_the_machine_states(headers) -> None:
     assert steps["expert kernel"]["chosen"] == "native SwiGLU, one call a layer (bfloat16 weights)"
     off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
     assert off.kernels.build is None and off.experts.slot_dtype == "float32"
+
+
+def test_narrowed_dense_bytes_follow_the_plans_kernels(headers) -> None:
+    """An f32 model from a bf16 checkpoint reads its dense weights as bf16 only where the native kernels
+    run: the plan counts those bytes saved by its own kernel answer, not by whichever build this process
+    could load (which planned a narrowing that a load with --native-kernels off never makes)."""
+    stated = replace(ROOMY, kernels=StatedKernels("avx2", "on: stated"))
+    bf16 = headers("qwen3_moe", torch.bfloat16)
+    on = resolve(bf16, EngineConfig(device="cpu", dtype="float32"), stated)
+    off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
+    dense_on, dense_off = on.memory.planned()["dense"], off.memory.planned()["dense"]
+    assert dense_on < dense_off  # the narrowed linears hold half their f32 bytes
+    sv = survey(bf16, EngineConfig(device="cpu", dtype="float32"))
+    saved = survey_footprint(sv, EngineConfig(device="cpu", dtype="float32"), 1, 1, True)
+    assert saved.dense_saved_bytes == dense_off - dense_on
 
 
 def test_the_load_builds_the_plan_and_plan_prints_it(tiny_ckpt, capsys) -> None:

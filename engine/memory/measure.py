@@ -11,7 +11,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.memory.planner import MemoryPlan
 from engine.native.decode_shapes import dtype_name
-from engine.native.dense_names import DenseLinear, dense_bytes_saved
+from engine.native.dense_names import DenseLinear, dense_bytes_saved, narrows_dense
 from engine.weights.checkpoint import TensorLocation
 
 
@@ -21,14 +21,14 @@ def dense_saved(
     cfg: EngineConfig,
     device: torch.device,
     dtype: str,
+    native: bool,
 ) -> int:
     """Dense bytes the load will not hold in the compute `dtype` (torch's name for it): --dense-quant int8 codes, and an f32
-    model's bf16 dense weights where the native kernels read them (the loader's rule for narrow_dense);
+    model's bf16 dense weights where the native kernels read them (`native`: the plan's kernel answer; the
+    loader's rule for narrow_dense, dense_names.narrows_dense);
     `linears`: the dense linears as the checkpoint's headers name them (engine/weights/header_survey.py)."""
-    from engine.native.quant_linear import narrows_dense
-
     dtypes = {name: dtype_name(t.dtype) for name, t in tensors.items()}
-    narrow = narrows_dense(cfg.bf16_dense, device)
+    narrow = narrows_dense(cfg.bf16_dense, device.type, native)
     return dense_bytes_saved(linears, dtype, dtypes, cfg.dense_quant, narrow)
 
 

@@ -16,6 +16,14 @@ QUANTIZED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 FLOAT_NAMES = ("float32", "bfloat16", "float16")  # the weight dtypes quantize_dense quantizes
 
 
+def narrows_dense(bf16_dense: bool, device_type: str, native: bool) -> bool:
+    """Whether a load narrows an f32 model's bf16-valued dense weights (quant_linear.narrow_dense):
+    EngineConfig.bf16_dense, on the CPU, where the native kernels run (`native`: the plan's kernel build
+    is not None), which read bf16 weights for f32 rows. The plan counts the bytes by this rule and the
+    load narrows by it, both from the plan's kernel answer."""
+    return bf16_dense and device_type == "cpu" and native
+
+
 @dataclass(frozen=True)
 class DenseLinear:
     """A dense linear's weight (`dense_linears`) as a load plan counts it from the checkpoint's headers

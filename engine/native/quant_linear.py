@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.huge_pages import empty, huge_empty
 from engine.native.dense_names import FLOAT_NAMES, QUANTIZED_NAMES
-from engine.native.loaded import native, usable
+from engine.native.loaded import usable
 
 DENSE_QUANTS = ("none", "int8")
 FLOAT_WEIGHTS = tuple(
@@ -117,12 +117,6 @@ def shared_weights(model: nn.Module) -> set[int]:
         if type(m) is not nn.Linear
         for p in m.parameters(recurse=False)
     }
-
-
-def narrows_dense(bf16_dense: bool, device: torch.device) -> bool:
-    """Whether the load runs narrow_dense: EngineConfig.bf16_dense, on the CPU, with the native kernels,
-    which read bf16 weights for f32 rows."""
-    return bf16_dense and device.type == "cpu" and native() is not None
 
 
 def _narrowable(w: torch.Tensor, shared: set[int]) -> bool:

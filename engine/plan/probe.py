@@ -56,8 +56,9 @@ def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
     layers, E = source.moe_layers, source.num_experts
     # Slots as the widest build this CPU runs would size them, whatever --native-kernels says (as before
     # the plan held the kernel choice: the projection's footprint, not the plan's).
-    fmt, locator = slot_format(source, cfg, native() is not None)
-    fp = survey_footprint(sv, cfg, fmt.slot_bytes, locator.nbytes_on_disk(layers[0], 0))
+    widest = native() is not None
+    fmt, locator = slot_format(source, cfg, widest)
+    fp = survey_footprint(sv, cfg, fmt.slot_bytes, locator.nbytes_on_disk(layers[0], 0), widest)
     tied = bool(getattr(ck.config, "tie_word_embeddings", False))
     embed = 0 if tied else fp.vocab * fp.hidden * ck.dtype.itemsize
     if cfg.expert_quant != "none":

@@ -64,7 +64,7 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     quantizes = cfg.expert_quant != "none"
     # The disk tier reads a quantized sidecar's rows (one slot each), else the checkpoint's bytes.
     disk = fmt.slot_bytes if quantizes else locator.nbytes_on_disk(ex.moe_layers[0], 0)
-    fp = survey_footprint(sv, cfg, fmt.slot_bytes, disk)
+    fp = survey_footprint(sv, cfg, fmt.slot_bytes, disk, runs)
     sidecar = len(ex.moe_layers) * ex.num_experts * fmt.slot_bytes if quantizes else 0
     memory = _memory(fp, cfg, str(ck.device), machine, kv_request, sidecar)
     complete = memory.n_slots == len(ex.moe_layers) * ex.num_experts

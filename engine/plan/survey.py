@@ -84,9 +84,12 @@ def survey(model_dir: str | Path, cfg: EngineConfig) -> Survey:
     return Survey(ck, layout, experts, policies, embedding)
 
 
-def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes: int) -> Footprint:
+def survey_footprint(
+    sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes: int, native: bool
+) -> Footprint:
     """The bytes the surveyed model needs (engine/memory/footprint.py) with experts of `slot_bytes` a
-    slot and `disk_bytes` a disk read: what the memory plan is sized from."""
+    slot and `disk_bytes` a disk read, where the native kernels run or not (`native`): what the memory
+    plan is sized from."""
     ck, ex, layout = sv.ck, sv.experts, sv.layout
     return footprint(
         layout.dense_params,
@@ -103,6 +106,6 @@ def survey_footprint(sv: Survey, cfg: EngineConfig, slot_bytes: int, disk_bytes:
         if sv.embedding
         else 0,
         dense_saved_bytes=dense_saved(
-            layout.dense_linears, ck.tensors, cfg, ck.device, dtype_name(ck.dtype)
+            layout.dense_linears, ck.tensors, cfg, ck.device, dtype_name(ck.dtype), native
         ),
     )

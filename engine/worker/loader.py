@@ -37,9 +37,10 @@ from engine.huge_pages import rehome_untouched
 from engine.memory.machine import this_machine
 from engine.memory.measure import memory_probe
 from engine.memory.planner import KvRequest
+from engine.native.dense_names import narrows_dense
 from engine.native.layers import accelerate
 from engine.native.loaded import NativeChoice, activate, active, chosen
-from engine.native.quant_linear import narrow_dense, narrows_dense, quantize_dense
+from engine.native.quant_linear import narrow_dense, quantize_dense
 from engine.plan.execution import prefetch_choice
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import decide
@@ -165,7 +166,7 @@ def build(plan: LoadPlan, sv: Survey, cfg: EngineConfig) -> OffloadedModel:
     stats = EngineStats(num_layers=len(decoder_layers(model)))
     rt = expert_runtime(ck, ex, cfg, plan, sv.policies, stats)
     _materialize(model, ck, cfg.huge_pages, sv.embedding)
-    _finish_dense(model, cfg, ck.device)
+    _finish_dense(model, cfg, ck.device, plan.kernels.build is not None)
     om = _offloaded_model(model, ck, cfg, ex, rt, stats)
     om.memory_plan = plan.memory
     om.kv_token_budget = plan.kv_token_budget  # the scheduler admits against it
@@ -195,12 +196,15 @@ def _as_built(plan: LoadPlan, om: OffloadedModel, cfg: EngineConfig) -> LoadPlan
     )
 
 
-def _finish_dense(model: PreTrainedModel, cfg: EngineConfig, device: torch.device) -> None:
+def _finish_dense(
+    model: PreTrainedModel, cfg: EngineConfig, device: torch.device, native: bool
+) -> None:
     """The filled dense weights as the settings ask them run: quantized (--dense-quant), f32 linears
-    holding bf16 values read as bf16 (unless --no-bf16-dense), and on the CPU the native kernels."""
+    holding bf16 values read as bf16 where the plan's native kernels run (`native`; unless
+    --no-bf16-dense), and on the CPU the native kernels."""
     # --dense-quant: before accelerate, which then leaves the quantized linears alone
     quantize_dense(model, cfg.dense_quant, cfg.huge_pages)
-    if narrows_dense(cfg.bf16_dense, device):
+    if narrows_dense(cfg.bf16_dense, device.type, native):
         narrow_dense(model, cfg.huge_pages)  # f32 linears holding bf16 values: read as bf16
     if device.type == "cpu":
         # Norms (and bf16 linears) through the native kernels (engine/native/layers.py).
