@@ -12,11 +12,19 @@ which request. With no subscriber, publishing costs one truth test.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+def spans_of(lengths: list[int]) -> list[tuple[int, int]]:
+    """Row range [start, end) of each window in the packed sequence."""
+    spans, start = [], 0
+    for n in lengths:
+        spans.append((start, start + n))
+        start += n
+    return spans
 
 
 @dataclass(frozen=True)
@@ -35,8 +43,7 @@ class StepContext:
         cls, request_ids: tuple[str, ...], windows: list[list[int]], starts: list[int]
     ) -> StepContext:
         """The context of a packed step of `windows` (one per request, in row order)."""
-        ends = list(itertools.accumulate(len(w) for w in windows))
-        spans = tuple((e - len(w), e) for w, e in zip(windows, ends))
+        spans = tuple(spans_of([len(w) for w in windows]))
         return cls(request_ids, spans, tuple(windows), tuple(starts))
 
 

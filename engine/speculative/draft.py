@@ -73,7 +73,7 @@ class DraftProposer(ProposerBase):
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         live = list(range(len(active)))
         logits = self.runner.forward(
-            windows, starts, caches, [[len(win) - 1] for win in windows], kind=_kind(starts)
+            windows, starts, caches, [[len(win) - 1] for win in windows], kind=catch_up_kind(starts)
         )
         for _step in range(max(k for _, _, k in active)):
             for j, lg in zip(live, logits):
@@ -121,7 +121,7 @@ class DraftProposer(ProposerBase):
         return draw(q, self.generators[w.request_id]), q
 
 
-def _kind(starts: list[int]) -> str:
+def catch_up_kind(starts: list[int]) -> str:
     """The runner's kind for a catch-up step, which picks its kernels (engine/native/row_kernels.py):
     a window from position 0 is a prompt and takes torch's kernels, as the target's prompt rows do;
     the few tokens confirmed since the last proposal take the few-row ones, as the target's

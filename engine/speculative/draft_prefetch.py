@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.prefetch.draft_predictor import DraftPredictor
+from engine.speculative.draft import catch_up_kind
 from engine.speculative.factory import check_draft
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loader import load_dense_model
@@ -29,8 +30,8 @@ def draft_predictor(om: Any, draft_dir: str | Path, heads: torch.nn.Module) -> D
     runner = ModelRunner(draft)
 
     def run(window: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
-        # The kinds pick the kernels as the proposer's catch-up and draft steps do (engine/speculative/draft.py).
-        kind = "prefill" if start == 0 else "decode" if len(window) == 1 else "verify"
+        # The kinds pick the kernels as the proposer's draft steps (one token) and catch-up steps do.
+        kind = "decode" if start and len(window) == 1 else catch_up_kind([start])
         return runner.forward([window], [start], [cache], [list(range(len(window)))], kind=kind)[0]
 
     return DraftPredictor(run, lambda: new_kv_cache(draft.config), heads.to(om.device))

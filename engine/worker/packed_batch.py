@@ -28,6 +28,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from engine.experts.routing_bus import spans_of
 from engine.weights.forward_support import PACKED_MODEL_TYPES
 
 PACKED_ATTENTION = "moe_offload_packed"
@@ -49,15 +50,6 @@ class PackedBatch:
 
     def __post_init__(self) -> None:
         self.spans = spans_of(self.lengths)
-
-
-def spans_of(lengths: list[int]) -> list[tuple[int, int]]:
-    """Row range [start, end) of each window in the packed sequence."""
-    spans, start = [], 0
-    for n in lengths:
-        spans.append((start, start + n))
-        start += n
-    return spans
 
 
 class PackedCache:

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from engine.core.faults import request_fault
 from engine.core.step_types import SeqResult, SeqWork, StepOutput, StepPlan
 from engine.experts.compute.moe_executor import ExpertLoadError
-from engine.experts.routing_bus import StepContext
+from engine.experts.routing_bus import StepContext, spans_of
 from engine.native.loaded import active
 from engine.structured import GrammarCompiler, TokenConstraint
 from engine.worker.kv_cache import new_kv_cache, truncate_cache
@@ -33,7 +33,6 @@ from engine.worker.packed_batch import (
     NO_ROLLBACK_MODEL_TYPES,
     one_by_one_forward,
     packed_forward,
-    spans_of,
 )
 from engine.worker.prefix_cache import PrefixCache
 from engine.worker.sampling import (
