@@ -76,19 +76,6 @@ def native_attention(
     layers = [c.layers[att.layer_idx] for c in batch.caches]
     if not all(type(c) in NATIVE_KV_LAYERS for c in layers):
         return None
-    if len(layers) == 1:  # one request (a decode step of one stream): views, no per-request slices
-        n = q.shape[0]
-        return _attend_rows(
-            kernels,
-            layers[0],
-            q.view(n, hq, d),
-            k=k.view(n, hk, d),
-            v=v.view(n, hk, d),
-            norms=norms,
-            cos=cos[0],
-            sin=sin[0],
-            scale=att.scaling,
-        )
     outs = [
         _attend_rows(
             kernels,
