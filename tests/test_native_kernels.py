@@ -289,6 +289,33 @@ def test_native_linear_matches_f_linear(engine_nk) -> None:
     )
 
 
+def test_native_linear_keeps_its_descriptor_only_while_nothing_changed(engine_nk) -> None:
+    """A NativeLinear keeps its last native call's weight descriptor (decode sends each projection the same
+    rows every step); a weight replaced, refilled in new memory, a step on torch's kernels, rows of another
+    dtype or width each take the general path again, whose result the kept one equals bit for bit."""
+    from engine.native.row_kernels import native_rows
+
+    g = torch.Generator().manual_seed(3)
+    lin = NativeLinear.replacing(torch.nn.Linear(64, 24, bias=False))
+    x = torch.randn(2, 64, generator=g)
+    first = lin(x)  # the general path, which keeps the descriptor
+    assert lin._kept is not None and torch.equal(lin(x), first)
+    lin.weight = torch.nn.Parameter(torch.randn(24, 64, generator=g))  # another Parameter
+    assert torch.equal(lin(x), torch.stack([lin(row[None])[0] for row in x]))
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    lin.weight.data = torch.randn(24, 64, generator=g)  # the same Parameter, new memory
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    with native_rows(False):
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert (
+        lin(x.bfloat16()).dtype == torch.bfloat16
+    )  # bf16 rows of an f32 layer: torch's widening path
+    with pytest.raises(RuntimeError):
+        lin(
+            torch.randn(2, 32)
+        )  # rows of another width fail as F.linear fails, never read past the weight
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
 def test_bf16_engine_decodes_like_transformers(engine_nk, tiny_ckpt, arch: str) -> None:
     """The bf16 decode path (native dense layers and fused experts) gives transformers' bf16 greedy tokens."""

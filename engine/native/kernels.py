@@ -18,6 +18,7 @@ from engine.native.structs import Experts, Router, Routes, Rows, Weight
 
 __all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
+_ONE_ROW = torch.empty(1, 0)  # _routing reads only its row count
 
 
 class NativeKernels(KernelLibrary):
@@ -83,16 +84,28 @@ class NativeKernels(KernelLibrary):
         int8 with `scale` [rows] in fp16 (y = (x . q_r) * s_r). Both contiguous, on the CPU. Each row's
         result is bit for bit the one that row gets alone (m = 1): up to MAX_ROWS rows share each weight row's
         loads (a decode batch, a window), more go through gemm.c's register tiles (a prompt)."""
-        m, cols = x.shape
-        rows = w.shape[0]
-        y = torch.empty((m, rows), dtype=x.dtype)
-        weight = Weight(
+        return self.gemv_with(self.weight_of(w, scale), x)
+
+    def weight_of(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> Weight:
+        """The descriptor of weight w [rows, cols] (and its int8 row scales) that gemv_with takes, kept
+        while w's memory is (a layer passes the same weights every step)."""
+        return self._fixed(
+            Weight,
             w=w.data_ptr(),
             scale=scale.data_ptr() if scale is not None else None,
-            rows=rows,
-            cols=cols,
+            rows=w.shape[0],
+            cols=w.shape[1],
             wtype=W_CODES[w.dtype],
         )
+
+    def gemv_with(self, weight: Weight, x: torch.Tensor) -> torch.Tensor:
+        """gemv's product for x [m, weight.cols] (contiguous, on the CPU, a dtype of X_CODES) and the
+        weight `weight` describes (weight_of): a layer that keeps its descriptor skips rebuilding it."""
+        m, cols = x.shape
+        rows = weight.rows
+        if cols != weight.cols:
+            raise ValueError(f"native gemv: rows of {cols} for a weight of {weight.cols} columns")
+        y = torch.empty((m, rows), dtype=x.dtype)
         xs = Rows(x=x.data_ptr(), out=y.data_ptr(), m=m, n=cols, xtype=X_CODES[x.dtype])
         work = self._work(self._scratch("gemv_work_bytes", rows, cols, m))
         rc = self.lib.gemv_call(weight, xs, work, torch.get_num_threads())
@@ -171,15 +184,55 @@ class NativeKernels(KernelLibrary):
         its scales; 0: none), unscaled -> [n, H] in x's dtype. Each row's result is what moe_swiglu gives
         that row alone with weight 1: a window's or a prompt's rows compute as single decode rows do."""
         n = x.shape[0]  # every row to expert 0 of a one-expert table, weight 1
-        return self.moe_rows(
-            x,
-            weight_dtype,
-            hidden,
-            intermediate=intermediate,
-            slots=[slot],
-            ids=[0] * n,
-            weights=[1.0] * n,
+        # The slot's table and the unit routes are kept (a missed expert's rows run this once each
+        # on the decode path; building the C arrays per call cost a third of its Python).
+        experts = self._one_expert(slot, W_CODES[weight_dtype], hidden, intermediate)
+        routes = self._unit_routes(n)
+        out = torch.empty((n, hidden), dtype=x.dtype)
+        rc = self._run_experts(
+            "moe_swiglu_rows_call", experts, routes, x, out, "moe_rows_work_bytes"
         )
+        if rc != 0:
+            raise ValueError("native expert_rows: bad arguments")
+        return out
+
+    def _one_expert(
+        self, slot: tuple[int, ...], wtype: int, hidden: int, intermediate: int
+    ) -> Experts:
+        """The descriptor of a one-expert table at `slot` (gate_up, its scales, down, its scales; 0:
+        none), built on first use and kept as _fixed keeps its descriptors."""
+        key = (Experts, slot, wtype, hidden, intermediate)
+        found = self._fixed_structs.get(key)
+        if found is None:
+            quantized = wtype == W_CODES[torch.int8]
+            one = [slot]
+            _, table = self._routing(
+                _ONE_ROW, one, [0], [1.0], (0, 1, 2, 3) if quantized else (0, 2)
+            )
+            found = self._keep(
+                key,
+                Experts(
+                    gate_up=table[0],
+                    gate_up_scale=table.get(1),
+                    down=table[2],
+                    down_scale=table.get(3),
+                    wtype=wtype,
+                    H=hidden,
+                    I=intermediate,
+                ),
+            )
+        return found  # type: ignore[return-value]
+
+    def _unit_routes(self, n: int) -> Routes:
+        """n rows routed to expert 0 with weight 1 (kept per n, as _one_expert keeps its tables)."""
+        key = (Routes, n)
+        found = self._fixed_structs.get(key)
+        if found is None:
+            found = self._keep(
+                key,
+                Routes(ids=(ctypes.c_int64 * n)(), w=(ctypes.c_float * n)(*[1.0] * n), R=n, k=1),
+            )
+        return found  # type: ignore[return-value]
 
     def moe_rows(
         self,

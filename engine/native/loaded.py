@@ -204,7 +204,7 @@ def row_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     rows take the native kernels; w contiguous), else None: the caller keeps torch's path. Each row's
     result is the one a single row gets, whatever m and whatever the other rows are: a decode row, a
     verification window's and a prompt's rows compute alike (batch-invariant)."""
-    if not reads_weights(w.dtype, x.dtype) or not w.is_contiguous():
-        return None
+    if not reads_weights(w.dtype, x.dtype) or not w.is_contiguous() or w.shape[-1] != x.shape[-1]:
+        return None  # (rows of another width fail on torch's path, as F.linear fails them)
     kernels = usable(x)
     return kernels.gemv(x, w) if kernels is not None else None

@@ -76,10 +76,15 @@ class KernelLibrary:
         key = (cls, *fields.values())
         found = self._fixed_structs.get(key)
         if found is None:
-            if len(self._fixed_structs) >= _FIXED_KEPT:  # buffers come and go: keep the recent ones
-                self._fixed_structs.clear()
-            found = self._fixed_structs[key] = cls(**fields)
+            found = self._keep(key, cls(**fields))
         return found  # type: ignore[return-value]
+
+    def _keep(self, key: tuple, struct: S) -> S:
+        """`struct` kept under `key` for the next call that needs it."""
+        if len(self._fixed_structs) >= _FIXED_KEPT:  # buffers come and go: keep the recent ones
+            self._fixed_structs.clear()
+        self._fixed_structs[key] = struct
+        return struct
 
     def _kv_cache(
         self,
