@@ -66,8 +66,18 @@ def test_rows_through_a_small_cache_are_the_table(tiny_ckpt, monkeypatch) -> Non
     for _ in range(2):
         assert torch.equal(emb(ids), table[ids])
         assert len(emb._rows) == 3
-    with pytest.raises(IndexError):
-        emb(torch.tensor([loc.shape[0]]))
+    for one in (
+        torch.tensor([7]),
+        torch.tensor([[250]]),
+        torch.tensor(3),
+    ):  # a decode step's one row
+        got = emb(one)
+        assert torch.equal(got, table[one])
+        got.zero_()  # the caller's copy: the cached row stays the table's
+        assert torch.equal(emb(one), table[one])
+    for wrong in (loc.shape[0], -1):
+        with pytest.raises(IndexError):
+            emb(torch.tensor([wrong]))
     emb.close()
 
 

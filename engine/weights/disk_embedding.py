@@ -86,6 +86,19 @@ class DiskEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if (
+            flat.numel() == 1
+        ):  # a one-row decode step: no unique, stack or gather (a twentieth of a token)
+            i = int(flat.item())
+            if not 0 <= i < self.num_embeddings:
+                raise IndexError(
+                    f"token id out of range for an embedding of {self.num_embeddings} rows"
+                )
+            with self._lock:
+                row = self._row(i)
+            return row.clone().view(
+                *ids.shape, self.embedding_dim
+            )  # a copy: callers update rows in place
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(
                 f"token id out of range for an embedding of {self.num_embeddings} rows"
