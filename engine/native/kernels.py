@@ -412,7 +412,7 @@ class NativeKernels(KernelLibrary):
     def _route(self, fn: str, x: torch.Tensor, w: torch.Tensor, router: Router) -> int:
         """Rows x through the router entry point `fn` with weight w [E, H], outputs where `router` says."""
         E, H = w.shape
-        weight = Weight(w=w.data_ptr(), rows=E, cols=H, wtype=W_CODES[w.dtype])
+        weight = self.weight_of(w)
         rows = Rows(x=x.data_ptr(), m=x.shape[0], n=H, xtype=X_CODES[x.dtype])
         work = self._work(self._scratch("gemv_work_bytes", E, H, 1))
         return int(
