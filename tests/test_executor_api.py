@@ -78,3 +78,33 @@ def test_no_resident_lane_closes_the_lane_and_says_so(tiny_ckpt) -> None:
         assert om.plan.to_dict()["experts"]["chosen"] == "planned"
     finally:
         om.close()
+
+
+def test_nothing_planned_around_misses_slows_a_model_whose_experts_are_all_resident(
+    tiny_ckpt,
+) -> None:
+    """At cache 1.0 nothing can miss, so CPU-run experts and the utility estimator have nothing to decide:
+    the plan and the executor keep the resident lane, decode steps take the fused path, and the tokens
+    and logprobs are bitwise the plain configuration's. (They took the per-layer plan, 3-4x slower.)"""
+    from engine.core.completion import generate
+
+    spac = dict(cpu_experts="auto", prefetch="utility", eviction="utility")
+    got = {}
+    for name, over in (("plain", {}), ("spac", spac)):
+        om = load_model(
+            tiny_ckpt("qwen3_moe"),
+            EngineConfig(cache_fraction=1.0, offload="ram", device="cpu", **over),
+        )
+        try:
+            caps = om.executor.capabilities()
+            assert caps.store_complete and caps.lane_open and caps.resident_lane, name
+            assert om.plan.to_dict()["experts"]["chosen"] == "resident lane", name
+            assert (om.executor.cpu is not None) == (name == "spac")
+            c = generate(
+                om, [3, 4, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True), logprobs=0
+            )
+            assert set(om.stats.snapshot()["steps"]["decode"]) == {"fused"}, name
+            got[name] = (c.token_ids, [lp.logprob for lp in c.logprobs])
+        finally:
+            om.close()
+    assert got["spac"] == got["plain"]

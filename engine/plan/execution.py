@@ -149,10 +149,18 @@ def resolve_plan(
     if forward == "transformers":
         attention = ("transformers", "the model's own attention")
     experts = (
-        ("resident lane", "every routed expert resident: no planning per layer")
-        if complete and cfg.cpu_experts == "off" and cfg.resident_lane
+        (
+            "resident lane",
+            "every routed expert resident: no planning per layer"
+            + (
+                f" (--cpu-experts {cfg.cpu_experts} and the utility estimator see no miss)"
+                if cfg.cpu_experts != "off"
+                else ""
+            ),
+        )
+        if complete and cfg.resident_lane
         else ("planned", "--no-resident-lane: every step through the per-layer plan")
-        if complete and cfg.cpu_experts == "off"
+        if complete
         else ("cpu split", f"--cpu-experts {cfg.cpu_experts}: misses may run on CPU workers")
         if cfg.cpu_experts != "off"
         else (

@@ -99,15 +99,20 @@ class MoeExecutor:
         )
 
     def lane_open(self) -> bool:
-        """Whether a one-row step may take the resident lane: nothing that plans around misses is
-        attached (CPU experts, the balancer's meter, the utility estimator, a per-layer hook). The
-        lane also needs store.complete, which the caller checks."""
-        return (
-            self.resident_lane
-            and self.cpu is None
-            and self.meter is None
-            and self.utility is None
-            and self.after_layer is None
+        """Whether a one-row step may take the resident lane: every expert resident (store.complete:
+        nothing can miss, so what plans around misses has nothing to decide: CPU experts and the
+        balancer's meter see no miss, the utility estimator nothing to prefetch or evict, its
+        per-layer hook nothing to top up), or none of those attached. The lane also needs
+        store.complete, which the caller checks; a store that stops being complete (the KV pool
+        borrowing slots) takes the planned path again."""
+        return self.resident_lane and (
+            self.store.complete
+            or (
+                self.cpu is None
+                and self.meter is None
+                and self.utility is None
+                and self.after_layer is None
+            )
         )
 
     def expert(self, key: int, x: torch.Tensor) -> torch.Tensor:
