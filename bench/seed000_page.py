@@ -46,6 +46,20 @@ def matched(tries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def lower_shares(d: dict[str, Any]) -> str:
+    """The claims table's contrast at the other protected cutoffs: each rule's share, its ΔPPL, the
+    unprotected rule's at that share."""
+    prot = {**d.get("contrast_protected", {}), **by_label(d["table"])}
+    parts = []
+    for label, tries in d["contrast"].items():
+        if label != "threshold":
+            m = matched(tries)
+            parts.append(
+                f"{label} at {m['share']:.1%}: protected {pct(prot[label]['delta_ppl_pct'])}, unprotected {pct(m['delta_ppl_pct'])}"
+            )
+    return ("; " + "; ".join(parts)) if parts else ""
+
+
 def claims(d: dict[str, Any]) -> list[str]:
     t, m = by_label(d["table"]), d["mass"]
     thr, qf, sf = t["threshold"], t["quality-first"], t["speed-first"]
@@ -79,7 +93,8 @@ def claims(d: dict[str, Any]) -> list[str]:
         f"QF {pct(qf['delta_ppl_pct'])}, SF {pct(sf['delta_ppl_pct'])} | 1, 7 |",
         f"| the 0.15 rule substitutes 7.5 % of calls at +0.35 % | 7.5 %, +0.35 % | {thr['substitution_share']:.1%}, {pct(thr['delta_ppl_pct'])} | 1 |",
         f"| no protection at a similar share costs far more | 8.5 %, +5.67 % | {match['share']:.1%} "
-        f"({'interpolated between two runs' if match['interpolated'] else 'the nearest run'}), {pct(match['delta_ppl_pct'])} | 2 |",
+        f"({'interpolated between two runs' if match['interpolated'] else 'the nearest run'}), {pct(match['delta_ppl_pct'])}"
+        f"{lower_shares(d)} | 2 |",
         f"| experiment B: few heavy cost more than many light, equal mass | heavy > light (inconclusive by its rule) | 2nd choice: heavy {pct(heavy['delta_ppl_pct'])} at mass "
         f"{heavy['mean_substituted_mass']:.4f}, light {pct(light['delta_ppl_pct'])} at {light['mean_substituted_mass']:.4f}; "
         f"1st choice: heavy {pct(d['experiment_b'][1]['heavy']['delta_ppl_pct'])}, light {pct(d['experiment_b'][1]['light']['delta_ppl_pct'])} | 3 |",
@@ -127,7 +142,10 @@ def sections(d: dict[str, Any], stem: str) -> list[str]:
         "| protected rule | its share | unprotected cutoff tried | unprotected share | protected mass | unprotected mass | protected ΔPPL | unprotected ΔPPL |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    tb = by_label(t)
+    tb = {
+        **d.get("contrast_protected", {}),
+        **by_label(t),
+    }  # protected rows measured apart (--only-contrast)
     for label, tries in d["contrast"].items():
         for r in tries:
             out.append(
@@ -359,6 +377,19 @@ def result_line(d: dict[str, Any]) -> str:
     )
 
 
+def contrast_command(d: dict[str, Any]) -> str:
+    """The Command line's words for section 2's cutoffs: the main run's where not the default, and
+    the runs of their own (`--only-contrast`) merged since."""
+    main = d["args"].get("contrast_cutoffs", "0.15")
+    words = f"; section 2 at cutoffs {main} (`--contrast-cutoffs {main}`)" if main != "0.15" else ""
+    for cutoffs in d.get("contrast_runs", []):
+        words += (
+            f"; section 2's rows at cutoffs {cutoffs} are a run of their own, `python -m bench seed-000 "
+            f"--only-contrast --contrast-cutoffs {cutoffs}` (bench/seed000_contrast.py), merged into the JSON"
+        )
+    return words
+
+
 def render(d: dict[str, Any], out: Path) -> str:
     a, shape = d["args"], d["model_shape"]
     js = out.with_suffix(".json").name
@@ -368,7 +399,9 @@ def render(d: dict[str, Any], out: Path) -> str:
         f"- **Result:** {result_line(d)}",
         "- **Command:** `python -m bench seed-000` (bench/seed_000.py: sections 1-7, the plots and the JSON); section 8 "
         "is a run of its own, `python -m bench seed-000 --llama-cpp DIR --only-llama` (DIR: a llama.cpp source tree with "
-        "build/bin/llama-server; bench/seed000_llama.py), merged into the JSON; `--render-only` rewrites the page from "
+        "build/bin/llama-server; bench/seed000_llama.py), merged into the JSON"
+        + contrast_command(d)
+        + "; `--render-only` rewrites the page from "
         f"the JSON; numbers in [{js}]({js}).",
         f"- **Machine:** {d['machine'].removeprefix('Machine: ')} A shared 2-core machine: quality figures are "
         "deterministic (teacher-forced, background loads settled before each layer plans, prefetch off); speed figures "

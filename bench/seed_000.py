@@ -21,11 +21,11 @@ import torch
 
 from bench.policy_bench import workload
 from bench.report import add_common_flags, machine_line, positive_int
+from bench.seed000_contrast import contrasts, only_contrast, protected_rows, router_trace
 from bench.seed000_experiments import (
     admission_tables,
     experiment_b,
     mass_hypothesis,
-    matched_contrast,
     policy_table,
     rows,
     topic_shift,
@@ -163,6 +163,12 @@ def parse_args() -> argparse.Namespace:
         help="run only the llama.cpp comparison (needs --llama-cpp) and merge it into the JSON beside --out",
     )
     ap.add_argument(
+        "--only-contrast",
+        action="store_true",
+        help="run only the protection contrast at --contrast-cutoffs (e.g. 0.12 for the paper's 7.5 %% share) "
+        "and merge it into the JSON beside --out (give the --data, --tokens and --window it was made with)",
+    )
+    ap.add_argument(
         "--llama-tokens",
         type=positive_int,
         default=64,
@@ -204,32 +210,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def quality(args: argparse.Namespace, setup: Setup) -> dict:
-    from engine import EngineConfig, load_model, record_trace
-
     ids = tokenize(setup.model_dir, args.data)
     chunks = spread_windows(ids, args.tokens, args.window)
-    om = load_model(setup.model_dir, EngineConfig(cache_fraction=1.0, prefetch="none"))
-    try:  # the router's gates on the same tokens (batched; routing does not depend on the cache)
-        trace = record_trace(om, [t for c in chunks for t in c], args.window, logits=True)
-    finally:
-        om.close()
+    trace = router_trace(setup, chunks, args.window)
     gates = normalized_gates(trace["weights"])
     scored = policy_table(setup, chunks)
     table = rows(scored)
     by = {r["label"]: r for r in table}
-    contrast = {}
-    for c in (float(x) for x in args.contrast_cutoffs.split(",")):
-        label = "threshold" if c == 0.15 else f"threshold@{c:.2f}"
-        contrast[label] = matched_contrast(
-            setup,
-            chunks,
-            gates,
-            by[label],
-            c,
-            scored["fetch-all"],
-            args.match_tolerance,
-            args.match_tries,
-        )
+    protected, apart = protected_rows(args, setup, chunks, by, scored["fetch-all"])
+    contrast = contrasts(args, setup, chunks, gates, protected, scored["fetch-all"])
     a, b = args.shift.split(",")
     data = Path(args.data).parent
     shift_chunks = shift_windows(
@@ -241,6 +230,7 @@ def quality(args: argparse.Namespace, setup: Setup) -> dict:
     return {
         "table": table,
         "contrast": contrast,
+        "contrast_protected": apart,  # protected rows of cutoffs the policy table lacks
         "experiment_b": experiment_b(scored),
         "admission": admission_tables(table),
         "shift": {
@@ -304,13 +294,16 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path("docs/seeds/000-substitution.md")
-    if args.render_only or args.only_llama:
+    if args.render_only or args.only_llama or args.only_contrast:
         result = json.loads(out.with_suffix(".json").read_text())
+        setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
         if args.only_llama:
             if args.llama_cpp is None:
                 raise SystemExit("--only-llama needs --llama-cpp DIR")
-            setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
             result["llama"] = against_llama(args, setup)
+        if args.only_contrast:
+            only_contrast(args, setup, result)
+        if args.only_llama or args.only_contrast:
             out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         write_plots(result, out)
         out.write_text(render(result, out))

@@ -132,6 +132,15 @@ def test_the_command_runs_end_to_end_on_a_tiny_checkpoint(tiny_ckpt, tmp_path) -
     text = out.read_text()
     assert "## 2. The protection contrast at matched substitution shares" in text
     assert (out.parent / "000-shift.png").exists() and (out.parent / "000-mass.png").exists()
+    # The contrast at another cutoff, measured on its own and merged into the JSON and the page.
+    assert cli(["seed-000", *args, "--only-contrast", "--contrast-cutoffs", "0.12"]) == 0
+    d = json.loads(out.with_suffix(".json").read_text())
+    assert d["contrast"]["threshold@0.12"] and d["contrast"]["threshold"]
+    assert d["contrast_protected"]["threshold@0.12"]["label"] == "threshold@0.12"
+    assert "| threshold@0.12 |" in out.read_text() and "threshold@0.12 at " in out.read_text()
+    with pytest.raises(SystemExit, match="give the --data, --tokens and --window"):
+        other = [*args[:5], "48", *args[6:]]  # --tokens 48: other windows than the JSON's
+        cli(["seed-000", *other, "--only-contrast", "--contrast-cutoffs", "0.12"])
 
 
 def test_bracketing_tries_interpolate_the_matched_row() -> None:
