@@ -147,13 +147,13 @@ from engine.native.decode_shapes import decode_shapes
 from engine.weights.arch import arch_for, text_config
 from engine.weights.header_survey import header_survey
 from engine.weights.model_config import read_config
-from engine.weights.safetensors_index import index_entries
+from engine.weights.safetensors_index import index_checkpoint
 cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
 out = {}
 for arch, (path, slot, disk, on_disk, saved) in json.loads(sys.argv[1]).items():
     spec = arch_for(read_config(Path(path)).model_type)
     config = text_config(spec, read_config(Path(path)))
-    entries = index_entries(Path(path))
+    entries = index_checkpoint(Path(path))
     hs = header_survey(spec, config, entries, path)
     fp = footprint(
         hs.dense_params, len(hs.moe_layers), config, dtype="float32", slot_bytes=slot,

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from engine.native.decode_shapes import ITEMSIZE
 
 if TYPE_CHECKING:
-    from engine.weights.checkpoint import TensorLocation
+    from engine.weights.safetensors_index import TensorLocation
 
 MiB = 1 << 20
 

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.memory.planner import MemoryPlan
 from engine.native.decode_shapes import dtype_name
 from engine.native.dense_names import DenseLinear, dense_bytes_saved, narrows_dense
-from engine.weights.checkpoint import TensorLocation
+from engine.weights.safetensors_index import TensorLocation
 
 
 def dense_saved(

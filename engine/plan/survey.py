@@ -17,10 +17,10 @@ from engine.memory.footprint import Footprint, footprint
 from engine.memory.measure import dense_saved
 from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec, arch_for, text_config
-from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
 from engine.weights.header_survey import HeaderSurvey, header_survey
 from engine.weights.model_config import read_config, resolve_device, resolve_dtype
+from engine.weights.safetensors_index import TensorLocation, index_checkpoint
 from policies.registry import PolicyBundle
 
 

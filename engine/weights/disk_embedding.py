@@ -23,8 +23,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.errors import CheckpointError
+from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec, disk_names
-from engine.weights.checkpoint import TensorLocation
+from engine.weights.checkpoint import torch_dtype
+from engine.weights.safetensors_index import TensorLocation
 
 CACHE_BYTES = 16 << 20  # rows kept in RAM, most recently used first (4096 rows of 4 KiB)
 
@@ -56,7 +58,7 @@ def disk_embedding_source(
     if name is None:
         return None
     loc = next((tensors[n] for n in disk_names(spec, name) if n in tensors), None)
-    if loc is None or loc.dtype != dtype or f"{loc.name}_scale_inv" in tensors:
+    if loc is None or loc.dtype != dtype_name(dtype) or f"{loc.name}_scale_inv" in tensors:
         return None
     return loc
 
@@ -82,7 +84,7 @@ class DiskEmbedding(nn.Module):
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
         self._fd = os.open(loc.path, os.O_RDONLY)
-        self.weight = torch.empty(0, dtype=loc.dtype)
+        self.weight = torch.empty(0, dtype=torch_dtype(loc.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -98,7 +100,7 @@ class DiskEmbedding(nn.Module):
                 else None
             )
         if rows is None:
-            return torch.empty((*ids.shape, self.embedding_dim), dtype=self.loc.dtype)
+            return torch.empty((*ids.shape, self.embedding_dim), dtype=torch_dtype(self.loc.dtype))
         return rows[inverse].view(*ids.shape, self.embedding_dim)
 
     def _row(self, i: int) -> torch.Tensor:
@@ -112,7 +114,7 @@ class DiskEmbedding(nn.Module):
             raise CheckpointError(
                 f"{self.loc.path}: truncated: wanted {self.row_bytes} bytes at offset {at}, got {len(data)}"
             )
-        row = torch.frombuffer(bytearray(data), dtype=self.loc.dtype)
+        row = torch.frombuffer(bytearray(data), dtype=torch_dtype(self.loc.dtype))
         self._rows[i] = row
         if len(self._rows) > self._capacity:
             self._rows.popitem(last=False)

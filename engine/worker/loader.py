@@ -47,10 +47,10 @@ from engine.plan.resolve import decide
 from engine.plan.survey import Checkpoint, Survey, survey
 from engine.stats import EngineStats
 from engine.weights.arch import disk_names
-from engine.weights.checkpoint import TensorLocation, index_checkpoint
 from engine.weights.disk_embedding import DiskEmbedding, input_embedding_name
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.weights.moe_hook import decoder_layers
+from engine.weights.safetensors_index import TensorLocation, index_checkpoint
 from engine.worker.built import build_meta
 from engine.worker.expert_setup import (
     ExpertRuntime,

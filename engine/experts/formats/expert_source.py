@@ -29,9 +29,10 @@ from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_fo
 from engine.experts.formats.quant_cache import PackedShape, quantized_locator
 from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec
-from engine.weights.checkpoint import TensorLocation, read_tensor
+from engine.weights.checkpoint import read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
 from engine.weights.moe_hook import MoeSite, expert_geometry
+from engine.weights.safetensors_index import TensorLocation
 
 if TYPE_CHECKING:
     from engine.weights.header_survey import HeaderSurvey
@@ -242,7 +243,7 @@ def _bf16_slots(
         or device.type != "cpu"
     ):
         return None
-    return "bfloat16" if locator.dtypes() == {torch.bfloat16} else None
+    return "bfloat16" if locator.dtypes() == {"bfloat16"} else None
 
 
 def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | None:
@@ -263,9 +264,7 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
             for b in first
             if f"{b}.experts.gate_up_proj_blocks" in tensors
         )
-        fmt: RawPartsFormat = Mxfp4GptOssFormat(
-            kernel, H, I, dtype_name(bias.dtype), dtype_name(dtype)
-        )
+        fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype_name(dtype))
         names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
         probe = "experts.gate_up_proj_blocks"
     elif (
@@ -297,13 +296,13 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
                         f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})"
                     )
                 loc = loc.slice_first_dim(row) if row is not None else loc
-                if tuple(loc.shape) != tuple(want_shape) or dtype_name(loc.dtype) != want_dtype:
+                if tuple(loc.shape) != tuple(want_shape) or loc.dtype != want_dtype:
                     raise CheckpointError(
-                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected torch.{want_dtype} {tuple(want_shape)}"
+                        f"{loc.path}: tensor {loc.name} is torch.{loc.dtype} {tuple(loc.shape)}, expected torch.{want_dtype} {tuple(want_shape)}"
                     )
                 segs.append(
                     TensorLocation(
-                        loc.name, loc.path, loc.offset, loc.nbytes, torch.uint8, (loc.nbytes,)
+                        loc.name, loc.path, loc.offset, loc.nbytes, "uint8", (loc.nbytes,)
                     )
                 )
             segments[(layer, e)] = segs

@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from engine import env
 from engine.errors import ConfigError
 from engine.experts.formats.quant import GroupQuantFormat, PlainFormat
-from engine.weights.checkpoint import TensorLocation, read_header, read_tensor
+from engine.weights.checkpoint import read_tensor
 from engine.weights.expert_layout import ExpertLocator
+from engine.weights.safetensors_index import TensorLocation, read_header
 
 SIDECAR_VERSION = 1  # bump when the encoding changes, so stale sidecars are never reused
 
