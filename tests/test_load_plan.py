@@ -126,7 +126,7 @@ def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: 
     for dtype in (torch.float32, torch.bfloat16):
         for dense_quant in ("none", "int8"):
             cfg = EngineConfig(device="cpu", dtype="float32", dense_quant=dense_quant)
-            sv = survey(headers(arch, dtype), cfg)
+            sv = survey(headers(arch, dtype), cfg, "cpu")
             built = build_meta(sv)  # check_built: raises where any fact differs
             assert model_layout(built).dense_params == sv.layout.dense_params > 0
             assert [s.layer for s in built.sites] == list(sv.layout.moe_layers)
@@ -181,7 +181,7 @@ def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) 
     given, want = {}, {}
     for arch in ALL_ARCHS:
         path = headers(arch)
-        sv, plan = survey(path, cfg), resolve(path, cfg, ROOMY)
+        sv, plan = survey(path, cfg, "cpu"), resolve(path, cfg, ROOMY)
         ex = plan.experts
         fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes, plan.kernels.build is not None)
         given[arch] = [str(path), ex.slot_bytes, ex.disk_bytes]
@@ -203,7 +203,7 @@ def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) 
 
 
 def test_a_model_unlike_its_headers_fails_the_load_in_one_line(headers) -> None:
-    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"), "cpu")
     for wrong in (
         dict(dense_params=sv.layout.dense_params + 1),
         dict(moe_layers=(1,)),
@@ -274,7 +274,7 @@ def test_narrowed_dense_bytes_follow_the_plans_kernels(headers) -> None:
     off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
     dense_on, dense_off = on.memory.planned()["dense"], off.memory.planned()["dense"]
     assert dense_on < dense_off  # the narrowed linears hold half their f32 bytes
-    sv = survey(bf16, EngineConfig(device="cpu", dtype="float32"))
+    sv = survey(bf16, EngineConfig(device="cpu", dtype="float32"), "cpu")
     saved = survey_footprint(sv, EngineConfig(device="cpu", dtype="float32"), 1, 1, True)
     assert saved.dense_saved_bytes == dense_off - dense_on
 

@@ -20,15 +20,11 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.errors import CheckpointError
-from engine.native.decode_shapes import dtype_name
-from engine.weights.arch import ArchSpec, disk_names
 from engine.weights.checkpoint import torch_dtype
+from engine.weights.embedding_source import CACHE_BYTES
 from engine.weights.safetensors_index import TensorLocation
-
-CACHE_BYTES = 16 << 20  # rows kept in RAM, most recently used first (4096 rows of 4 KiB)
 
 
 def input_embedding_name(model: nn.Module) -> str | None:
@@ -39,33 +35,6 @@ def input_embedding_name(model: nn.Module) -> str | None:
     if type(emb) is not nn.Embedding or not isinstance(weight, torch.Tensor):
         return None
     return next((n for n, p in model.named_parameters() if p is weight), None)
-
-
-def disk_embedding_source(
-    name: str | None,
-    config: PretrainedConfig,
-    spec: ArchSpec,
-    tensors: dict[str, TensorLocation],
-    dtype: torch.dtype,
-    device: torch.device,
-    enabled: bool = True,
-) -> TensorLocation | None:
-    """Where the input embedding's rows are read from when it stays on disk (`enabled`:
-    EngineConfig.embedding_on_disk), else None (it is copied into memory); `name`: the input
-    embedding's in-memory name (None: it has none)."""
-    if not enabled or device.type != "cpu" or getattr(config, "tie_word_embeddings", False):
-        return None
-    if name is None:
-        return None
-    loc = next((tensors[n] for n in disk_names(spec, name) if n in tensors), None)
-    if loc is None or loc.dtype != dtype_name(dtype) or f"{loc.name}_scale_inv" in tensors:
-        return None
-    return loc
-
-
-def resident_bytes(loc: TensorLocation) -> int:
-    """What a DiskEmbedding over `loc` holds in memory at most: its row cache."""
-    return min(loc.nbytes, CACHE_BYTES)
 
 
 class DiskEmbedding(nn.Module):

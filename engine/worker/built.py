@@ -20,6 +20,7 @@ from engine.native.dense_names import DenseLinear
 from engine.native.quant_linear import dense_linears, shared_weights
 from engine.plan.survey import Survey
 from engine.weights.arch import disk_names, unsupported
+from engine.weights.checkpoint import torch_dtype
 from engine.weights.disk_embedding import input_embedding_name
 from engine.weights.forward_support import lean_structure
 from engine.weights.header_survey import HeaderSurvey, memory_name
@@ -41,7 +42,7 @@ def build_meta(sv: Survey) -> Built:
     survey (`check_built`)."""
     ck = sv.ck
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(ck.config, dtype=ck.dtype)
+        model = AutoModelForCausalLM.from_config(ck.config, dtype=torch_dtype(ck.dtype))
     sites = find_moe_sites(model)
     if not sites:
         if ck.spec.by_structure:

@@ -27,10 +27,10 @@ from engine.experts.formats.native_quant import (
 )
 from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
 from engine.experts.formats.quant_cache import PackedShape, quantized_locator
-from engine.native.decode_shapes import dtype_name
 from engine.weights.arch import ArchSpec
 from engine.weights.checkpoint import read_tensor
 from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
+from engine.weights.model_config import device_type
 from engine.weights.moe_hook import MoeSite, expert_geometry
 from engine.weights.safetensors_index import TensorLocation
 
@@ -81,8 +81,8 @@ class CheckpointExperts:
     num_experts: int
     shape: ExpertShape
     kernel: ExpertKernel
-    dtype: torch.dtype
-    device: torch.device
+    dtype: str  # the compute dtype, by torch's name ("bfloat16")
+    device: str  # "cpu", "cuda:0"
     top_k: int = 0  # experts a token routes to
 
     @classmethod
@@ -92,8 +92,8 @@ class CheckpointExperts:
         config: PretrainedConfig,
         tensors: dict[str, TensorLocation],
         sites: list[MoeSite],
-        dtype: torch.dtype,
-        device: torch.device,
+        dtype: str,
+        device: str,
     ) -> CheckpointExperts:
         """The experts of a model's sparse blocks `sites`: their geometry, read off the first block,
         and what an expert computes (the architecture's kernel)."""
@@ -119,8 +119,8 @@ class CheckpointExperts:
         config: PretrainedConfig,
         tensors: dict[str, TensorLocation],
         hs: HeaderSurvey,
-        dtype: torch.dtype,
-        device: torch.device,
+        dtype: str,
+        device: str,
     ) -> CheckpointExperts:
         """The experts as the checkpoint's headers describe them (engine/weights/header_survey.py): what a
         load plan sizes. Their kernel's activation is the config's, as transformers' experts take it;
@@ -194,9 +194,9 @@ def expert_source(
 def float_expert_format(
     kernel: ExpertKernel,
     cfg: EngineConfig,
-    dtype: torch.dtype,
+    dtype: str,
     locator: ExpertLocator,
-    device: torch.device,
+    device: str,
     *,
     native: bool,
 ) -> ExpertFormat:
@@ -206,13 +206,13 @@ def float_expert_format(
         kernel,
         cfg.expert_quant,
         cfg.quant_group(),
-        dtype_name(dtype),
+        dtype,
         plain_slot_dtype(cfg, dtype, locator, device) if native else None,
     )
 
 
 def plain_slot_dtype(
-    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
+    cfg: EngineConfig, dtype: str, locator: ExpertLocator, device: str
 ) -> str | None:
     """bf16 where unquantized experts compute in f32 on the CPU from a checkpoint that stores every one
     of them in bf16 (cfg.bf16_expert_slots): the slots keep the checkpoint's bytes, half of f32's, and
@@ -233,14 +233,12 @@ def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> str | No
     return _bf16_slots(cfg, experts.dtype, experts.float_locator(), experts.device)
 
 
-def _bf16_slots(
-    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> str | None:
+def _bf16_slots(cfg: EngineConfig, dtype: str, locator: ExpertLocator, device: str) -> str | None:
     if (
         not cfg.bf16_expert_slots
         or cfg.expert_quant != "none"
-        or dtype != torch.float32
-        or device.type != "cpu"
+        or dtype != "float32"
+        or device_type(device) != "cpu"
     ):
         return None
     return "bfloat16" if locator.dtypes() == {"bfloat16"} else None
@@ -264,7 +262,7 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
             for b in first
             if f"{b}.experts.gate_up_proj_blocks" in tensors
         )
-        fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype_name(dtype))
+        fmt: RawPartsFormat = Mxfp4GptOssFormat(kernel, H, I, bias.dtype, dtype)
         names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
         probe = "experts.gate_up_proj_blocks"
     elif (
@@ -272,7 +270,7 @@ def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | N
         and spec.gate_up_down
         and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
     ):
-        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype_name(dtype))
+        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype)
         names = lambda b, e: (  # noqa: E731
             [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]
             + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
