@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import slot_format
+from engine.experts.formats.checkpoint_experts import slot_format
 from engine.memory.footprint import Footprint
 from engine.native.decode_shapes import ITEMSIZE
 from engine.native.loaded import native
@@ -64,15 +64,15 @@ def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
     tied = bool(getattr(ck.config, "tie_word_embeddings", False))
     embed = 0 if tied else fp.vocab * fp.hidden * ITEMSIZE[ck.dtype]
     if cfg.expert_quant != "none":
-        from engine.experts.formats.quant import GroupQuantFormat
         from engine.experts.formats.quant_cache import (
             SidecarLocator,
             default_cache_dir,
             sidecar_path,
         )
+        from engine.experts.formats.slot_layout import GroupQuantLayout
         from engine.weights.expert_layout import ExpertLocator
 
-        assert isinstance(fmt, GroupQuantFormat) and isinstance(locator, ExpertLocator)
+        assert isinstance(fmt, GroupQuantLayout) and isinstance(locator, ExpertLocator)
         path = sidecar_path(locator, fmt, layers, Path(cfg.quant_cache_dir or default_cache_dir()))
         if path.exists():
             locator = SidecarLocator(path, layers, E, fmt.slot_numel)

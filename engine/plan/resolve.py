@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import native_slot_dtype, slot_format
+from engine.experts.formats.checkpoint_experts import native_slot_dtype, slot_format
 from engine.experts.formats.native_path import native_experts_line
-from engine.experts.formats.quant import ExpertFormat
+from engine.experts.formats.slot_layout import SlotLayout
 from engine.memory.footprint import Footprint
 from engine.memory.machine import Machine, this_machine
 from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget, plan_memory
@@ -165,7 +165,7 @@ def _arch(sv: Survey) -> ArchChoice:
     return ArchChoice(str(sv.ck.config.model_type), spec.by_structure, why)
 
 
-def _slots(sv: Survey, cfg: EngineConfig, fmt: ExpertFormat, disk: int) -> ExpertSlots:
+def _slots(sv: Survey, cfg: EngineConfig, fmt: SlotLayout, disk: int) -> ExpertSlots:
     """The experts' slots as the plan holds them, and why that format."""
     ck, ex = sv.ck, sv.experts
     if ex.shipped() is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import CheckpointExperts
+from engine.experts.formats.checkpoint_experts import CheckpointExperts
 from engine.memory.footprint import Footprint, dense_saved, footprint
 from engine.weights.arch import ArchSpec, arch_for, text_config
 from engine.weights.embedding_source import disk_embedding_source, resident_bytes

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.errors import CheckpointError
-from engine.experts.formats.expert_source import CheckpointExperts
+from engine.experts.formats.checkpoint_experts import CheckpointExperts
+from engine.experts.formats.expert_source import experts_of_sites
 from engine.native.dense_names import DenseLinear
 from engine.native.quant_linear import dense_linears, shared_weights
 from engine.plan.survey import Survey
@@ -50,7 +51,7 @@ def build_meta(sv: Survey) -> Built:
         raise CheckpointError(
             f"{ck.model_dir / 'config.json'}: no sparse MoE layers in this configuration"
         )
-    experts = CheckpointExperts.of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
+    experts = experts_of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
     built = Built(model, sites, experts)
     check_built(sv, built)
     return built
