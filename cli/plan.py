@@ -230,8 +230,9 @@ def plan_ahead(model: str | Path, cfg: EngineConfig, kv: KvRequest) -> tuple[Pro
     cannot run or fit), and the checkpoint's probe for the projection: one survey for both."""
     from engine import decide, machine_ahead, probe_of, survey
 
-    sv = survey(model, cfg)
-    return probe_of(sv, cfg), decide(sv, cfg, machine_ahead(cfg), kv)
+    machine = machine_ahead(cfg)
+    sv = survey(model, cfg, machine.device)
+    return probe_of(sv, cfg), decide(sv, cfg, machine, kv)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

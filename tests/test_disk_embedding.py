@@ -17,8 +17,10 @@ from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import CheckpointError
 from engine.plan.probe import probe_checkpoint
-from engine.weights.checkpoint import index_checkpoint, read_tensor
-from engine.weights.disk_embedding import DiskEmbedding, resident_bytes
+from engine.weights.checkpoint import read_tensor
+from engine.weights.disk_embedding import DiskEmbedding
+from engine.weights.embedding_source import resident_bytes
+from engine.weights.safetensors_index import index_checkpoint
 from engine.worker.loader import load_model
 from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams

@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.memory.machine import HostMemory, Machine, StatedKernels
-from engine.native.decode_shapes import decode_shapes
 from engine.native.loaded import probe
 from engine.plan.load_plan import LoadPlan
 from engine.plan.resolve import machine_ahead, resolve
@@ -126,7 +125,7 @@ def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: 
     for dtype in (torch.float32, torch.bfloat16):
         for dense_quant in ("none", "int8"):
             cfg = EngineConfig(device="cpu", dtype="float32", dense_quant=dense_quant)
-            sv = survey(headers(arch, dtype), cfg)
+            sv = survey(headers(arch, dtype), cfg, "cpu")
             built = build_meta(sv)  # check_built: raises where any fact differs
             assert model_layout(built).dense_params == sv.layout.dense_params > 0
             assert [s.layer for s in built.sites] == list(sv.layout.moe_layers)
@@ -135,75 +134,69 @@ def test_the_model_a_load_builds_is_the_one_its_headers_describe(headers, arch: 
             assert built.experts.kernel.views == sv.experts.kernel.views
 
 
-_WITHOUT_TORCH = """
-import json, sys
-from pathlib import Path
-sys.modules["torch"] = None  # `import torch` fails from here on
+# Every checkpoint's survey and plan as text, resolved in the test and in a child where torch cannot be imported.
+_PLANS = """
 from engine.config import EngineConfig
-from engine.memory.footprint import footprint
-from engine.memory.machine import HostMemory, StatedKernels
-from engine.memory.planner import KvRequest, kv_token_budget, plan_memory
-from engine.native.decode_shapes import decode_shapes
-from engine.weights.arch import arch_for, text_config
-from engine.weights.header_survey import header_survey
-from engine.weights.model_config import read_config
-from engine.weights.safetensors_index import index_entries
-cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
-out = {}
-for arch, (path, slot, disk, on_disk, saved) in json.loads(sys.argv[1]).items():
-    spec = arch_for(read_config(Path(path)).model_type)
-    config = text_config(spec, read_config(Path(path)))
-    entries = index_entries(Path(path))
-    hs = header_survey(spec, config, entries, path)
-    fp = footprint(
-        hs.dense_params, len(hs.moe_layers), config, dtype="float32", slot_bytes=slot,
-        expert_disk_bytes=disk, experts_per_layer=hs.num_experts, top_k=hs.top_k,
-        moe_intermediate=hs.intermediate, tensors=entries, dense_on_disk_bytes=on_disk,
-        dense_saved_bytes=saved,
-    )
-    memory = plan_memory(fp, cfg, "cpu", HostMemory(8 << 30, "stated", None, None))
-    shapes = decode_shapes(config, "float32", hs.hidden, hs.intermediate, hs.top_k)
-    kernels = StatedKernels()("auto", shapes, "auto", "auto")
-    out[arch] = [repr(hs), repr(memory), kv_token_budget(fp, cfg, KvRequest()), repr(shapes), kernels]
-print(json.dumps(out))
+from engine.memory.machine import HostMemory, Machine, StatedKernels
+from engine.plan.resolve import resolve
+from engine.plan.survey import survey
+
+
+def plans(paths):
+    host = HostMemory(8 << 30, "stated", None, None)
+    machine = Machine(host, quant_disk_free=1 << 30, ahead=True, kernels=StatedKernels("avx2", "on: stated"))
+    out = {}
+    for name, path in paths.items():
+        for kernels, quant in (("off", "none"), ("auto", "none"), ("off", "int8")):
+            cfg = EngineConfig(device="cpu", dtype="float32", native_kernels=kernels, expert_quant=quant)
+            sv, plan = survey(path, cfg, "cpu"), resolve(path, cfg, machine)
+            ck, ex = sv.ck, sv.experts
+            facts = [ck.device, ck.dtype, sorted(map(repr, ck.tensors.values())), repr(sv.layout)]
+            facts += [ex.moe_layers, ex.num_experts, repr(ex.shape), ex.kernel.views, ex.top_k]
+            out[f"{name} {kernels} {quant}"] = [repr(plan), plan.describe(), repr(facts), repr(sv.embedding)]
+    return out
 """
+_WITHOUT_TORCH = (
+    """
+import json, sys
+sys.modules["torch"] = None  # `import torch` fails from here on
+"""
+    + _PLANS
+    + """
+print(json.dumps(plans(json.loads(sys.argv[1]))))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "torch")))
+"""
+)
 
 
-def test_the_survey_and_memory_plan_run_where_torch_cannot_be_imported(headers) -> None:
-    """What the plan is sized from (every architecture's MoE layers, experts' geometry, dense parameters
-    and linears, embedding and lean structure), its footprint, memory plan and KV budget, the kernels'
-    decode shapes and a stated kernel probe come from config.json and the headers in a process where
-    `import torch` fails, and equal what resolve gives. Given from here: the experts' slot and disk bytes
-    and the dense bytes a load keeps on disk or narrower (the formats and embedding still need torch)."""
-    from engine.memory.planner import KvRequest, kv_token_budget
-
-    cfg = EngineConfig(device="cpu", dtype="float32", native_kernels="off")
-    given, want = {}, {}
-    for arch in ALL_ARCHS:
-        path = headers(arch)
-        sv, plan = survey(path, cfg), resolve(path, cfg, ROOMY)
-        ex = plan.experts
-        fp = survey_footprint(sv, cfg, ex.slot_bytes, ex.disk_bytes, plan.kernels.build is not None)
-        given[arch] = [str(path), ex.slot_bytes, ex.disk_bytes]
-        given[arch] += [fp.dense_on_disk_bytes, fp.dense_saved_bytes]
-        shapes = decode_shapes(sv.ck.config, "float32", ex.hidden, ex.intermediate, ex.top_k)
-        budget = kv_token_budget(fp, cfg, KvRequest())
-        assert budget == plan.kv_token_budget
-        kernels = [plan.kernels.build, "off: no native kernels stated for this machine"]
-        want[arch] = [repr(sv.layout), repr(plan.memory), budget, repr(shapes), kernels]
+def test_the_load_plan_resolves_where_torch_cannot_be_imported(headers) -> None:
+    """resolve and survey need config.json and the headers only: in a process where `import torch` fails,
+    every architecture's checkpoint, in f32 and bf16, with the native kernels off, stated on, and int8
+    experts planned ahead, gives the plan (and the survey) this process gives, to the character."""
+    paths = {
+        f"{arch} {str(dtype)[6:]}": str(headers(arch, dtype))
+        for arch in ALL_ARCHS
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    here: dict = {}
+    exec(_PLANS, here)
+    want = here["plans"](paths)
+    assert any("bf16 slots" in plan for plan, *_ in want.values())  # the stated kernels ran
     done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(given)],
+        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(paths)],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == want
+    got, loaded = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert loaded == ["torch"]  # the blocked name alone: no torch module was loaded
+    assert got == want
 
 
 def test_a_model_unlike_its_headers_fails_the_load_in_one_line(headers) -> None:
-    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    sv = survey(headers("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"), "cpu")
     for wrong in (
         dict(dense_params=sv.layout.dense_params + 1),
         dict(moe_layers=(1,)),
@@ -274,7 +267,7 @@ def test_narrowed_dense_bytes_follow_the_plans_kernels(headers) -> None:
     off = resolve(bf16, EngineConfig(device="cpu", dtype="float32", native_kernels="off"), stated)
     dense_on, dense_off = on.memory.planned()["dense"], off.memory.planned()["dense"]
     assert dense_on < dense_off  # the narrowed linears hold half their f32 bytes
-    sv = survey(bf16, EngineConfig(device="cpu", dtype="float32"))
+    sv = survey(bf16, EngineConfig(device="cpu", dtype="float32"), "cpu")
     saved = survey_footprint(sv, EngineConfig(device="cpu", dtype="float32"), 1, 1, True)
     assert saved.dense_saved_bytes == dense_off - dense_on
 

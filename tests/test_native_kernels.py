@@ -120,10 +120,10 @@ def test_gemv_int4_groups(nk) -> None:
 
 def test_int4_expert_format_runs_natively_in_bf16(engine_nk) -> None:
     from engine.experts.formats.expert_kernels import SwiGLUKernel
-    from engine.experts.formats.quant import make_format
+    from engine.experts.formats.native_quant import FORMATS
 
     H, I = 128, 64
-    fmt = make_format(SwiGLUKernel(H, I, torch.nn.SiLU()), "int4", 64, "bfloat16")
+    fmt = FORMATS.make(SwiGLUKernel(H, I, torch.nn.SiLU()), "int4", 64, "bfloat16")
     g = torch.Generator().manual_seed(9)
     views = fmt.views(
         fmt.encode([torch.randn(2 * I, H, generator=g) / 8, torch.randn(H, I, generator=g) / 8])

@@ -11,7 +11,8 @@ from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.errors import ConfigError
 from engine.experts.formats.expert_kernels import SwiGLUKernel, make_kernel
-from engine.experts.formats.quant import GroupQuantFormat, make_format
+from engine.experts.formats.native_quant import FORMATS
+from engine.experts.formats.quant import GroupQuantFormat
 from engine.weights.arch import arch_for
 from engine.weights.moe_hook import expert_geometry, find_moe_sites
 from engine.worker.loader import load_model
@@ -37,7 +38,7 @@ def _dequantized_reference(path, kind: str, group: int) -> torch.nn.Module:
         for site in find_moe_sites(ref):
             ex = site.block.experts
             E, H, I, _ = expert_geometry(site.block, transposed=spec.kernel != "swiglu")
-            fmt = make_format(make_kernel(spec.kernel, ex, H, I), kind, group, "float32")
+            fmt = FORMATS.make(make_kernel(spec.kernel, ex, H, I), kind, group, "float32")
             for e in range(E):
                 weights = [getattr(ex, _PARAM[name])[e] for name, _ in fmt.kernel.views]
                 for p, w in zip(weights, fmt.weights(fmt.views(fmt.encode(weights)))):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from bench.real_shapes import RELEASED, TINY_WIDTHS, config_for, entries, write_checkpoint
 from engine.config import EngineConfig
 from engine.core.completion import generate
-from engine.weights.checkpoint import index_checkpoint
+from engine.weights.safetensors_index import index_checkpoint
 from engine.worker.loader import load_model
 from engine.worker.parity import prompt_logits
 from engine.worker.sampling import SamplingParams
@@ -39,7 +39,7 @@ def test_tiny_builds_match_transformers(tmp_path, model: str) -> None:
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # several shards, as released
     tensors = index_checkpoint(path)
-    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert all(t.dtype == "bfloat16" for t in tensors.values())
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in tensors
     ref, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True
@@ -70,11 +70,11 @@ def test_tiny_gpt_oss_has_mxfp4_experts_as_released(tmp_path, capsys) -> None:
         tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"],
         tensors["model.layers.1.mlp.experts.down_proj_scales"],
     )
-    assert (blocks.dtype, blocks.shape) == (torch.uint8, (4, 64, 2, 16)) and (
+    assert (blocks.dtype, blocks.shape) == ("uint8", (4, 64, 2, 16)) and (
         scales.dtype,
         scales.shape,
-    ) == (torch.uint8, (4, 64, 1))
-    assert tensors["model.layers.1.mlp.experts.gate_up_proj_bias"].dtype == torch.bfloat16
+    ) == ("uint8", (4, 64, 1))
+    assert tensors["model.layers.1.mlp.experts.gate_up_proj_bias"].dtype == "bfloat16"
     om = load_model(path, EngineConfig(cache_fraction=0.5, offload="disk"))
     try:
         assert om.executor.fmt.name == "mxfp4"  # the slots hold the released bytes

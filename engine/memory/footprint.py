@@ -1,11 +1,13 @@
 """What a model needs, in bytes, from its config and safetensors headers alone (nothing is read
 but the headers, so this takes seconds for a 160 GB checkpoint): the dense part in the compute
-dtype, one fast-tier slot per routed expert, KV cache per token, activation scratch. Plain numbers: the
-compute dtype is torch's name for it ("bfloat16"), sized by engine/native/decode_shapes.py `ITEMSIZE`, so
-a plan is sized with torch not imported."""
+dtype (less what narrower dense weights save: `dense_saved`), one fast-tier slot per routed expert, KV
+cache per token, activation scratch. Plain numbers: the compute dtype is torch's name for it
+("bfloat16"), sized by engine/native/decode_shapes.py `ITEMSIZE`, so a plan is sized with torch not
+imported."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,9 +15,12 @@ from typing import TYPE_CHECKING
 from transformers import PretrainedConfig
 
 from engine.native.decode_shapes import ITEMSIZE
+from engine.native.dense_names import DenseLinear, dense_bytes_saved, narrows_dense
+from engine.weights.model_config import device_type
 
 if TYPE_CHECKING:
-    from engine.weights.checkpoint import TensorLocation
+    from engine.config import EngineConfig
+    from engine.weights.safetensors_index import TensorLocation
 
 MiB = 1 << 20
 
@@ -134,3 +139,20 @@ def footprint(
 def checkpoint_dir_bytes(model_dir: str | Path) -> int:
     """Bytes of the *.safetensors files in a model directory."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def dense_saved(
+    linears: Iterable[DenseLinear],
+    tensors: dict[str, TensorLocation],
+    cfg: EngineConfig,
+    device: str,
+    dtype: str,
+    native: bool,
+) -> int:
+    """Dense bytes the load will not hold in the compute `dtype` (torch's name for it): --dense-quant int8 codes, and an f32
+    model's bf16 dense weights where the native kernels read them (`native`: the plan's kernel answer; the
+    loader's rule for narrow_dense, dense_names.narrows_dense);
+    `linears`: the dense linears as the checkpoint's headers name them (engine/weights/header_survey.py)."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    narrow = narrows_dense(cfg.bf16_dense, device_type(device), native)
+    return dense_bytes_saved(linears, dtype, dtypes, cfg.dense_quant, narrow)

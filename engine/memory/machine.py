@@ -191,7 +191,8 @@ class Machine:
     (listed by a load's plan; 0 in a plan made ahead of it). `ahead`: a plan made before any load (serve's
     check, `moe-offload plan`), which lists the quantized-expert file still to be written and checks it
     against `quant_disk_free`; a load writes that file and plans none. `kernels`: the native kernels this
-    machine runs for a model (`KernelProbe`; stated: none)."""
+    machine runs for a model (`KernelProbe`; stated: none). `device`: the device the model computes on, as
+    engine/weights/model_config.py `resolve_device` found it ("cpu", "cuda", "cuda:N")."""
 
     host: HostMemory
     device_free: int | None = None
@@ -199,6 +200,7 @@ class Machine:
     quant_disk_free: int | None = None
     ahead: bool = False
     kernels: KernelProbe = field(default_factory=StatedKernels)
+    device: str = "cpu"
 
 
 def this_machine(device: str, at_load: bool, quant_dir: str | Path | None = None) -> Machine:
@@ -216,4 +218,5 @@ def this_machine(device: str, at_load: bool, quant_dir: str | Path | None = None
         quant_disk_free=disk_free(quant_dir) if quant_dir is not None and not at_load else None,
         ahead=not at_load,
         kernels=probe,
+        device=device,
     )

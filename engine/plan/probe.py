@@ -11,10 +11,12 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import slot_format
+from engine.experts.formats.checkpoint_experts import slot_format
 from engine.memory.footprint import Footprint
+from engine.native.decode_shapes import ITEMSIZE
 from engine.native.loaded import native
 from engine.plan.survey import Survey, survey, survey_footprint
+from engine.weights.model_config import resolve_device
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Probe:
 
 def probe_checkpoint(model_dir: str | Path, cfg: EngineConfig) -> Probe:
     """Footprint of a checkpoint from config.json and safetensors headers only (no weights read)."""
-    return probe_of(survey(model_dir, cfg), cfg)
+    return probe_of(survey(model_dir, cfg, str(resolve_device(cfg.device))), cfg)
 
 
 def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
@@ -60,17 +62,17 @@ def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
     fmt, locator = slot_format(source, cfg, widest)
     fp = survey_footprint(sv, cfg, fmt.slot_bytes, locator.nbytes_on_disk(layers[0], 0), widest)
     tied = bool(getattr(ck.config, "tie_word_embeddings", False))
-    embed = 0 if tied else fp.vocab * fp.hidden * ck.dtype.itemsize
+    embed = 0 if tied else fp.vocab * fp.hidden * ITEMSIZE[ck.dtype]
     if cfg.expert_quant != "none":
-        from engine.experts.formats.quant import GroupQuantFormat
         from engine.experts.formats.quant_cache import (
             SidecarLocator,
             default_cache_dir,
             sidecar_path,
         )
+        from engine.experts.formats.slot_layout import GroupQuantLayout
         from engine.weights.expert_layout import ExpertLocator
 
-        assert isinstance(fmt, GroupQuantFormat) and isinstance(locator, ExpertLocator)
+        assert isinstance(fmt, GroupQuantLayout) and isinstance(locator, ExpertLocator)
         path = sidecar_path(locator, fmt, layers, Path(cfg.quant_cache_dir or default_cache_dir()))
         if path.exists():
             locator = SidecarLocator(path, layers, E, fmt.slot_numel)
@@ -78,7 +80,7 @@ def probe_of(sv: Survey, cfg: EngineConfig) -> Probe:
         fp,
         str(ck.config.model_type),
         fmt.name,
-        ck.device,
+        torch.device(ck.device),
         config=ck.config,
         moe_intermediate=source.shape.intermediate,
         dense_streamed_bytes=max(0, fp.dense_bytes + fp.dense_on_disk_bytes - embed),

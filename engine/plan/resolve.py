@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import native_slot_dtype, slot_format
+from engine.experts.formats.checkpoint_experts import native_slot_dtype, slot_format
 from engine.experts.formats.native_path import native_experts_line
-from engine.experts.formats.quant import ExpertFormat
+from engine.experts.formats.slot_layout import SlotLayout
 from engine.memory.footprint import Footprint
 from engine.memory.machine import Machine, this_machine
 from engine.memory.planner import KvRequest, MemoryPlan, kv_token_budget, plan_memory
-from engine.native.decode_shapes import decode_shapes, dtype_name
+from engine.native.decode_shapes import decode_shapes
 from engine.plan.execution import (
     ExecutionPlan,
     expert_kernel,
@@ -31,7 +31,7 @@ from engine.plan.load_plan import ArchChoice, ExpertSlots, KernelBuild, LoadPlan
 from engine.plan.prefetch import prefetch_kinds
 from engine.plan.survey import Survey, survey, survey_footprint
 from engine.weights.forward_support import PACKED_MODEL_TYPES
-from engine.weights.model_config import resolve_device
+from engine.weights.model_config import device_type, resolve_device
 from policies.miss import SubstitutingPolicy
 
 
@@ -40,7 +40,7 @@ def resolve(
 ) -> LoadPlan:
     """The plan of loading `model_dir` as `cfg` says on `machine`; `kv_request`: the context length and
     sequences the KV reservation covers (the stated defaults where open)."""
-    return decide(survey(model_dir, cfg), cfg, machine, kv_request)
+    return decide(survey(model_dir, cfg, machine.device), cfg, machine, kv_request)
 
 
 def machine_ahead(cfg: EngineConfig) -> Machine:
@@ -56,7 +56,7 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     """The plan for the surveyed checkpoint `sv` (resolve's second half; the loader surveys once for both)."""
     ck, ex = sv.ck, sv.experts
     native = kernel_choice(sv, cfg, machine)
-    on_cpu, runs = ck.device.type == "cpu", native.build is not None
+    on_cpu, runs = device_type(ck.device) == "cpu", native.build is not None
     # The slots' dtype and the native expert path follow the chosen kernels.
     fmt, locator = slot_format(ex, cfg, runs)
     shape = ex.shape
@@ -66,14 +66,14 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     disk = fmt.slot_bytes if quantizes else locator.nbytes_on_disk(ex.moe_layers[0], 0)
     fp = survey_footprint(sv, cfg, fmt.slot_bytes, disk, runs)
     sidecar = len(ex.moe_layers) * ex.num_experts * fmt.slot_bytes if quantizes else 0
-    memory = _memory(fp, cfg, str(ck.device), machine, kv_request, sidecar)
+    memory = _memory(fp, cfg, ck.device, machine, kv_request, sidecar)
     complete = memory.n_slots == len(ex.moe_layers) * ex.num_experts
     kinds = prefetch_kinds(
         cfg,
         ck.model_dir,
         partial=not complete,
         moe_layers=len(ex.moe_layers),
-        pays=isinstance(sv.policies.miss, SubstitutingPolicy) or ck.device.type == "cuda",
+        pays=isinstance(sv.policies.miss, SubstitutingPolicy) or device_type(ck.device) == "cuda",
     )
     prefetch = tuple(sorted(kinds))
     execution = _execution(sv, cfg, native, complete).with_choice(
@@ -82,8 +82,8 @@ def decide(sv: Survey, cfg: EngineConfig, machine: Machine, kv_request: KvReques
     )
     return LoadPlan(
         model_dir=str(ck.model_dir),
-        device=str(ck.device),
-        dtype=str(ck.dtype).removeprefix("torch."),
+        device=ck.device,
+        dtype=ck.dtype,
         arch=_arch(sv),
         experts=_slots(sv, cfg, fmt, disk),
         kernels=native,
@@ -106,13 +106,13 @@ def kernel_choice(sv: Survey, cfg: EngineConfig, machine: Machine) -> KernelBuil
     slots = native_slot_dtype(ex, cfg)
     shapes = decode_shapes(
         ck.config,
-        str(ck.dtype).removeprefix("torch."),
+        ck.dtype,
         ex.shape.hidden,
         ex.shape.intermediate,
         ex.top_k,
         slots,
     )
-    mode = cfg.native_kernels if ck.device.type == "cpu" else "off"
+    mode = cfg.native_kernels if device_type(ck.device) == "cpu" else "off"
     return KernelBuild(*machine.kernels(mode, shapes, cfg.native_build, cfg.native_build_limit))
 
 
@@ -142,7 +142,7 @@ def _memory(
 
 def _execution(sv: Survey, cfg: EngineConfig, native: KernelBuild, complete: bool) -> ExecutionPlan:
     """The paths this model's steps may take (engine/plan/execution.py), with the reasons."""
-    model_type, on_cpu = sv.ck.config.model_type, sv.ck.device.type == "cpu"
+    model_type, on_cpu = sv.ck.config.model_type, device_type(sv.ck.device) == "cpu"
     lean_ok = lean_declined(model_type, model_type in PACKED_MODEL_TYPES, sv.layout.lean)
     return resolve_plan(
         cfg,
@@ -165,14 +165,14 @@ def _arch(sv: Survey) -> ArchChoice:
     return ArchChoice(str(sv.ck.config.model_type), spec.by_structure, why)
 
 
-def _slots(sv: Survey, cfg: EngineConfig, fmt: ExpertFormat, disk: int) -> ExpertSlots:
+def _slots(sv: Survey, cfg: EngineConfig, fmt: SlotLayout, disk: int) -> ExpertSlots:
     """The experts' slots as the plan holds them, and why that format."""
     ck, ex = sv.ck, sv.experts
     if ex.shipped() is not None:
         why = "quantized in the checkpoint: slots hold the shipped bytes"
     elif cfg.expert_quant != "none":
         why = f"--expert-quant {cfg.expert_quant}: quantized once into a sidecar file (--quant-cache-dir), read from it"
-    elif fmt.slot_dtype != dtype_name(ck.dtype):
+    elif fmt.slot_dtype != ck.dtype:
         why = "every expert is bf16 in the checkpoint: bf16 slots, widened exactly as the native kernels read them"
     else:
         why = "float experts in the compute dtype (--expert-quant none)"

@@ -8,19 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
-from engine.experts.formats.expert_source import CheckpointExperts
-from engine.memory.footprint import Footprint, footprint
-from engine.memory.measure import dense_saved
-from engine.native.decode_shapes import dtype_name
+from engine.experts.formats.checkpoint_experts import CheckpointExperts
+from engine.memory.footprint import Footprint, dense_saved, footprint
 from engine.weights.arch import ArchSpec, arch_for, text_config
-from engine.weights.checkpoint import TensorLocation, index_checkpoint
-from engine.weights.disk_embedding import disk_embedding_source, resident_bytes
+from engine.weights.embedding_source import disk_embedding_source, resident_bytes
 from engine.weights.header_survey import HeaderSurvey, header_survey
-from engine.weights.model_config import read_config, resolve_device, resolve_dtype
+from engine.weights.model_config import read_config, resolve_dtype
+from engine.weights.safetensors_index import TensorLocation, index_checkpoint
 from policies.registry import PolicyBundle
 
 
@@ -32,8 +29,8 @@ class Checkpoint:
     config: PretrainedConfig  # the text model's (multimodal wrappers: text_config)
     spec: ArchSpec
     tensors: dict[str, TensorLocation]
-    device: torch.device
-    dtype: torch.dtype
+    device: str  # "cpu", "cuda", "cuda:N": the Machine's (engine/memory/machine.py)
+    dtype: str  # torch's name for the compute dtype ("bfloat16")
 
 
 @dataclass(frozen=True)
@@ -49,24 +46,26 @@ class Survey:
     embedding: TensorLocation | None
 
 
-def read_checkpoint(model_dir: Path, cfg: EngineConfig) -> tuple[Checkpoint, PolicyBundle]:
-    """config.json, the architecture, the tensor index, the policies `cfg` names, and the device and
-    dtype the model runs in: what fails with one line before any weight is read."""
+def read_checkpoint(
+    model_dir: Path, cfg: EngineConfig, device: str
+) -> tuple[Checkpoint, PolicyBundle]:
+    """config.json, the architecture, the tensor index, the policies `cfg` names, and the dtype the model
+    runs in on `device`: what fails with one line before any weight is read."""
     config = read_config(model_dir)
     spec = arch_for(config.model_type)
     # Multimodal wrappers (qwen3_5_moe, llama4): we run the text model.
     config = text_config(spec, config)
     tensors = index_checkpoint(model_dir)
     policies = cfg.policies()  # bad policy names fail here, before any weights are read
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, config, device)
+    dtype = resolve_dtype(cfg.dtype, config)
     return Checkpoint(model_dir, config, spec, tensors, device, dtype), policies
 
 
-def survey(model_dir: str | Path, cfg: EngineConfig) -> Survey:
-    """The checkpoint at `model_dir` as `cfg` runs it, from its headers: its sparse MoE layers, their
-    experts' geometry, its dense parameters (engine/weights/header_survey.py)."""
-    ck, policies = read_checkpoint(Path(model_dir), cfg)
+def survey(model_dir: str | Path, cfg: EngineConfig, device: str) -> Survey:
+    """The checkpoint at `model_dir` as `cfg` runs it on `device` (the Machine's: "cpu", "cuda:0"), from
+    its headers: its sparse MoE layers, their experts' geometry, its dense parameters
+    (engine/weights/header_survey.py)."""
+    ck, policies = read_checkpoint(Path(model_dir), cfg, device)
     layout = header_survey(ck.spec, ck.config, ck.tensors, str(ck.model_dir / "config.json"))
     experts = CheckpointExperts.of_header(
         ck.spec, ck.config, ck.tensors, layout, ck.dtype, ck.device
@@ -95,7 +94,7 @@ def survey_footprint(
         layout.dense_params,
         len(layout.moe_layers),
         ck.config,
-        dtype=dtype_name(ck.dtype),
+        dtype=ck.dtype,
         slot_bytes=slot_bytes,
         expert_disk_bytes=disk_bytes,
         experts_per_layer=ex.num_experts,
@@ -106,6 +105,6 @@ def survey_footprint(
         if sv.embedding
         else 0,
         dense_saved_bytes=dense_saved(
-            layout.dense_linears, ck.tensors, cfg, ck.device, dtype_name(ck.dtype), native
+            layout.dense_linears, ck.tensors, cfg, ck.device, ck.dtype, native
         ),
     )

@@ -20,13 +20,11 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.errors import CheckpointError
-from engine.weights.arch import ArchSpec, disk_names
-from engine.weights.checkpoint import TensorLocation
-
-CACHE_BYTES = 16 << 20  # rows kept in RAM, most recently used first (4096 rows of 4 KiB)
+from engine.weights.checkpoint import torch_dtype
+from engine.weights.embedding_source import CACHE_BYTES
+from engine.weights.safetensors_index import TensorLocation
 
 
 def input_embedding_name(model: nn.Module) -> str | None:
@@ -37,33 +35,6 @@ def input_embedding_name(model: nn.Module) -> str | None:
     if type(emb) is not nn.Embedding or not isinstance(weight, torch.Tensor):
         return None
     return next((n for n, p in model.named_parameters() if p is weight), None)
-
-
-def disk_embedding_source(
-    name: str | None,
-    config: PretrainedConfig,
-    spec: ArchSpec,
-    tensors: dict[str, TensorLocation],
-    dtype: torch.dtype,
-    device: torch.device,
-    enabled: bool = True,
-) -> TensorLocation | None:
-    """Where the input embedding's rows are read from when it stays on disk (`enabled`:
-    EngineConfig.embedding_on_disk), else None (it is copied into memory); `name`: the input
-    embedding's in-memory name (None: it has none)."""
-    if not enabled or device.type != "cpu" or getattr(config, "tie_word_embeddings", False):
-        return None
-    if name is None:
-        return None
-    loc = next((tensors[n] for n in disk_names(spec, name) if n in tensors), None)
-    if loc is None or loc.dtype != dtype or f"{loc.name}_scale_inv" in tensors:
-        return None
-    return loc
-
-
-def resident_bytes(loc: TensorLocation) -> int:
-    """What a DiskEmbedding over `loc` holds in memory at most: its row cache."""
-    return min(loc.nbytes, CACHE_BYTES)
 
 
 class DiskEmbedding(nn.Module):
@@ -82,7 +53,7 @@ class DiskEmbedding(nn.Module):
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
         self._fd = os.open(loc.path, os.O_RDONLY)
-        self.weight = torch.empty(0, dtype=loc.dtype)
+        self.weight = torch.empty(0, dtype=torch_dtype(loc.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -111,7 +82,7 @@ class DiskEmbedding(nn.Module):
                 else None
             )
         if rows is None:
-            return torch.empty((*ids.shape, self.embedding_dim), dtype=self.loc.dtype)
+            return torch.empty((*ids.shape, self.embedding_dim), dtype=torch_dtype(self.loc.dtype))
         return rows[inverse].view(*ids.shape, self.embedding_dim)
 
     def _row(self, i: int) -> torch.Tensor:
@@ -125,7 +96,7 @@ class DiskEmbedding(nn.Module):
             raise CheckpointError(
                 f"{self.loc.path}: truncated: wanted {self.row_bytes} bytes at offset {at}, got {len(data)}"
             )
-        row = torch.frombuffer(bytearray(data), dtype=self.loc.dtype)
+        row = torch.frombuffer(bytearray(data), dtype=torch_dtype(self.loc.dtype))
         self._rows[i] = row
         if len(self._rows) > self._capacity:
             self._rows.popitem(last=False)

@@ -18,11 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from engine.errors import CheckpointError
 from engine.weights.arch import ArchSpec, disk_names
-from engine.weights.checkpoint import TensorLocation
+from engine.weights.safetensors_index import TensorLocation
 
 
 @dataclass(frozen=True)
@@ -117,8 +115,8 @@ class ExpertLocator:
     def nbytes_on_disk(self, layer: int, expert: int) -> int:
         return sum(s.nbytes for s in self._segments[(layer, expert)])
 
-    def dtypes(self) -> set[torch.dtype]:
-        """The dtypes the checkpoint stores these experts in."""
+    def dtypes(self) -> set[str]:
+        """The dtypes the checkpoint stores these experts in, by torch's names."""
         return {s.dtype for segs in self._segments.values() for s in segs}
 
 

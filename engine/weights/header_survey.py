@@ -35,8 +35,8 @@ _BUFFER_SUFFIXES = (".e_score_correction_bias", ".inv_freq", "_scale_inv")
 
 
 class Shaped(Protocol):
-    """A tensor as a header describes it: engine/weights/safetensors_index.py `HeaderEntry` (read without
-    torch) or engine/weights/checkpoint.py `TensorLocation`."""
+    """A tensor as a header describes it: engine/weights/safetensors_index.py `TensorLocation` (read
+    without torch)."""
 
     @property
     def name(self) -> str: ...

@@ -1,7 +1,8 @@
 """What a model directory's config.json says, and the device and dtype the engine runs it in: read before any
-weights (engine/worker/loader.py builds the model; engine/memory plans from the same reading). torch is
-imported by the functions that return its objects: config.json is read without it (a load plan's header
-survey, engine/weights/header_survey.py, runs where torch is not importable: tests/test_load_plan.py)."""
+weights (engine/worker/loader.py builds the model; engine/memory plans from the same reading). Devices and
+dtypes are named ("cuda:0", "bfloat16"): only `resolve_device`, which asks torch for a GPU, imports it, and
+a load plan, which takes its device from the Machine, never calls it (it resolves where torch is not
+importable: tests/test_load_plan.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 DENSE_ARCHS = ("qwen3", "qwen2", "llama", "mistral")  # drafts: loaded whole, no expert store
+_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+_ALIASES = {"float": "float32", "half": "float16"}  # torch's other names for the compute dtypes
 
 
 def read_config(model_dir: Path) -> PretrainedConfig:
@@ -53,31 +56,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    import torch
+def device_type(device: str) -> str:
+    """The type of a device's name ("cuda" of "cuda:1"), as torch.device(device).type says."""
+    return device.split(":")[0]
 
+
+def resolve_dtype(name: str, config: PretrainedConfig) -> str:
+    """The compute dtype --dtype `name` asks for, by torch's name ("bfloat16")."""
     if name == "auto":
         # The checkpoint's own dtype on every device, as transformers' dtype="auto", llama.cpp and vLLM
         # keep it: float32 on a CPU doubled a bf16 checkpoint in memory. --dtype float32 is the exact reference.
         return checkpoint_dtype(config)
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-            name
-        ]
-    except KeyError:
-        raise ConfigError(
-            f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16"
-        ) from None
+    if name not in _COMPUTE_DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return name
 
 
-def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
-    """The dtype config.json states (float32 where it states none, as transformers' default)."""
-    import torch
-
+def checkpoint_dtype(config: PretrainedConfig) -> str:
+    """The dtype config.json states (float32 where it states none, as transformers' default): a torch
+    dtype or its name, torch's aliases ("half") included."""
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    d = (
-        d
-        if isinstance(d, torch.dtype)
-        else getattr(torch, str(d or "float32").removeprefix("torch."), None)
-    )
-    return d if d in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    name = str(d or "float32").removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    return name if name in _COMPUTE_DTYPES else "float32"

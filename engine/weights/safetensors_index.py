@@ -1,10 +1,11 @@
-"""Safetensors headers read without torch: each tensor's file, byte range, dtype tag and shape.
+"""Safetensors headers read without torch: each tensor's file, byte range, dtype and shape
+(`TensorLocation`), so expert weights can be fetched by file offset.
 
-A file is 8 bytes of header length, the header (JSON) and the data. We parse the header ourselves
-(engine/weights/checkpoint.py turns these entries into `TensorLocation`s with torch dtypes): the disk
-tier needs each tensor's absolute byte range for uncached reads, a truncated file must be caught at load
-with a clear message, and a load plan (engine/weights/header_survey.py) is decided from names and shapes
-alone, with torch not imported."""
+A file is 8 bytes of header length, the header (JSON) and the data. We parse the header ourselves: the
+disk tier needs each tensor's absolute byte range for uncached reads, a truncated file must be caught at
+load with a clear message, and a load plan (engine/plan/resolve.py) is decided from names, dtypes and
+shapes alone, with torch not imported. Dtypes are torch's names for them ("bfloat16"); where tensors are
+made, engine/weights/checkpoint.py `torch_dtype` turns a name into torch's dtype."""
 
 from __future__ import annotations
 
@@ -36,18 +37,35 @@ _MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors library
 
 
 @dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor as its file's header describes it: `dtype`, torch's name for it (DTYPE_NAMES)."""
+class TensorLocation:
+    """Where one tensor's bytes live: absolute offset in `path`, row-major; `dtype`, torch's name for
+    it (DTYPE_NAMES)."""
 
     name: str
     path: Path
-    offset: int  # absolute, in `path`
+    offset: int
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
 
+    def slice_first_dim(self, index: int) -> TensorLocation:
+        """The location of `tensor[index]`, which is contiguous because storage is row-major."""
+        if not self.shape or not 0 <= index < self.shape[0]:
+            raise CheckpointError(
+                f"{self.path}: tensor {self.name} has no row {index} (shape {self.shape})"
+            )
+        row = self.nbytes // self.shape[0]
+        return TensorLocation(
+            f"{self.name}[{index}]",
+            self.path,
+            self.offset + index * row,
+            row,
+            self.dtype,
+            self.shape[1:],
+        )
 
-def read_entries(path: Path) -> dict[str, HeaderEntry]:
+
+def read_header(path: Path) -> dict[str, TensorLocation]:
     """Parse and validate one safetensors file; raise CheckpointError naming the file on any problem."""
     try:
         size = os.path.getsize(path)
@@ -72,7 +90,7 @@ def read_entries(path: Path) -> dict[str, HeaderEntry]:
 
     data_start = 8 + header_len
     path = Path(path)  # one object shared by the file's tensors (a shard holds thousands)
-    out: dict[str, HeaderEntry] = {}
+    out: dict[str, TensorLocation] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -88,11 +106,11 @@ def read_entries(path: Path) -> dict[str, HeaderEntry]:
             raise CheckpointError(
                 f"{path}: truncated safetensors file: tensor {name} ends at byte {data_start + end} but the file has {size} bytes"
             )
-        out[name] = HeaderEntry(name, path, data_start + begin, end - begin, dtype, shape)
+        out[name] = TensorLocation(name, path, data_start + begin, end - begin, dtype, shape)
     return out
 
 
-def index_entries(model_dir: Path) -> dict[str, HeaderEntry]:
+def index_checkpoint(model_dir: Path) -> dict[str, TensorLocation]:
     """Map every tensor name in a HF checkpoint directory to its location.
 
     Accepts a single `model.safetensors`, shards listed by `model.safetensors.index.json`,
@@ -117,7 +135,7 @@ def index_entries(model_dir: Path) -> dict[str, HeaderEntry]:
             raise CheckpointError(
                 f"{model_dir}: no *.safetensors weights found (expected model.safetensors or an index)"
             )
-    out: dict[str, HeaderEntry] = {}
+    out: dict[str, TensorLocation] = {}
     for f in files:
-        out.update(read_entries(f))
+        out.update(read_header(f))
     return out

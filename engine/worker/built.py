@@ -15,11 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.errors import CheckpointError
-from engine.experts.formats.expert_source import CheckpointExperts
+from engine.experts.formats.checkpoint_experts import CheckpointExperts
+from engine.experts.formats.expert_source import experts_of_sites
 from engine.native.dense_names import DenseLinear
 from engine.native.quant_linear import dense_linears, shared_weights
 from engine.plan.survey import Survey
 from engine.weights.arch import disk_names, unsupported
+from engine.weights.checkpoint import torch_dtype
 from engine.weights.disk_embedding import input_embedding_name
 from engine.weights.forward_support import lean_structure
 from engine.weights.header_survey import HeaderSurvey, memory_name
@@ -41,7 +43,7 @@ def build_meta(sv: Survey) -> Built:
     survey (`check_built`)."""
     ck = sv.ck
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(ck.config, dtype=ck.dtype)
+        model = AutoModelForCausalLM.from_config(ck.config, dtype=torch_dtype(ck.dtype))
     sites = find_moe_sites(model)
     if not sites:
         if ck.spec.by_structure:
@@ -49,7 +51,7 @@ def build_meta(sv: Survey) -> Built:
         raise CheckpointError(
             f"{ck.model_dir / 'config.json'}: no sparse MoE layers in this configuration"
         )
-    experts = CheckpointExperts.of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
+    experts = experts_of_sites(ck.spec, ck.config, ck.tensors, sites, ck.dtype, ck.device)
     built = Built(model, sites, experts)
     check_built(sv, built)
     return built

@@ -111,9 +111,10 @@ def expert_runtime(
     """Slow tier, fast tier, transfer engine and executor, as `plan`'s memory plan sizes them; every
     sparse block of the model swapped for an OffloadedMoeBlock that runs through them."""
     mplan = plan.memory
-    tier = _slow_tier(ex, cfg, mplan.offload, ck.device)
+    device = torch.device(ck.device)
+    tier = _slow_tier(ex, cfg, mplan.offload, device)
     store, zero_copy = _fast_tier(
-        ex, cfg, mplan.n_slots, tier, ck.device, eviction=policies.eviction, stats=stats
+        ex, cfg, mplan.n_slots, tier, device, eviction=policies.eviction, stats=stats
     )
     kinds = set(plan.prefetch)
     meter = CostMeter() if cfg.cpu_experts != "off" or "adapter" in kinds else None

@@ -47,10 +47,11 @@ from engine.plan.resolve import decide
 from engine.plan.survey import Checkpoint, Survey, survey
 from engine.stats import EngineStats
 from engine.weights.arch import disk_names
-from engine.weights.checkpoint import TensorLocation, index_checkpoint
+from engine.weights.checkpoint import torch_dtype
 from engine.weights.disk_embedding import DiskEmbedding, input_embedding_name
 from engine.weights.model_config import DENSE_ARCHS, read_config, resolve_device, resolve_dtype
 from engine.weights.moe_hook import decoder_layers
+from engine.weights.safetensors_index import TensorLocation, index_checkpoint
 from engine.worker.built import build_meta
 from engine.worker.expert_setup import (
     ExpertRuntime,
@@ -112,7 +113,9 @@ def load_dense_model(
     dev = resolve_device(device)
     # Ignored: transformers types the decorated PreTrainedModel.to without its bound self.
     model = (
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, config, dev))
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype(resolve_dtype(dtype, config))
+        )
         .to(dev)  # type: ignore[arg-type]
         .eval()
     )
@@ -149,8 +152,9 @@ def load_model(
 def _load_model(model_dir: Path, cfg: EngineConfig, kv_request: KvRequest) -> OffloadedModel:
     """The checkpoint surveyed, its plan resolved on this machine as it is now (engine/plan/), and the
     model built to it, in load_model's copy of the context."""
-    sv = survey(model_dir, cfg)
-    plan = decide(sv, cfg, this_machine(str(sv.ck.device), at_load=True), kv_request)
+    device = str(resolve_device(cfg.device))
+    sv = survey(model_dir, cfg, device)
+    plan = decide(sv, cfg, this_machine(device, at_load=True), kv_request)
     return build(plan, sv, cfg)
 
 
@@ -166,7 +170,7 @@ def build(plan: LoadPlan, sv: Survey, cfg: EngineConfig) -> OffloadedModel:
     stats = EngineStats(num_layers=len(decoder_layers(model)))
     rt = expert_runtime(ck, ex, cfg, plan, sv.policies, stats)
     _materialize(model, ck, cfg.huge_pages, sv.embedding)
-    _finish_dense(model, cfg, ck.device, plan.kernels.build is not None)
+    _finish_dense(model, cfg, torch.device(ck.device), plan.kernels.build is not None)
     om = _offloaded_model(model, ck, cfg, ex, rt, stats)
     om.memory_plan = plan.memory
     om.kv_token_budget = plan.kv_token_budget  # the scheduler admits against it
@@ -228,7 +232,7 @@ def _offloaded_model(
         tokenizer=tokenizer,
         generation_config=gen_cfg,
         model_dir=ck.model_dir,
-        device=ck.device,
+        device=torch.device(ck.device),
         packed=packed,
         engine_config=cfg,
         store=rt.store,
@@ -253,7 +257,7 @@ def _materialize(
     """Allocate the non-expert weights on `ck.device` and fill them from `ck` (on the CPU, large
     ones in huge pages where `huge_pages`: engine/huge_pages.py); `embedding`: where the input
     embedding's rows are read from instead of a copy (a DiskEmbedding), or None."""
-    config, spec, tensors, device = ck.config, ck.spec, ck.tensors, ck.device
+    config, spec, tensors, device = ck.config, ck.spec, ck.tensors, torch.device(ck.device)
     on_disk = input_embedding_name(model) if embedding is not None else None
     model.to_empty(device=device)
     if huge_pages and device.type == "cpu":

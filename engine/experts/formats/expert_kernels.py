@@ -1,7 +1,8 @@
 """What one routed expert computes, and how its weights sit in its packed buffer.
 
 Every expert is one contiguous buffer (see engine/weights/expert_layout.py). A kernel names
-the weights in that buffer, in order, with their shapes (`views`), and computes the expert
+the weights in that buffer, in order, with their shapes (`views`: its geometry, plain data in
+engine/experts/formats/slot_layout.py), and computes the expert
 from float tensors of exactly those shapes. Storage formats (engine/experts/formats/quant.py) decide
 how each weight is encoded in the slot and hand the kernel dequantized float tensors.
 
@@ -16,7 +17,6 @@ Three kernels cover the architectures we run:
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -24,20 +24,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.experts.formats.slot_layout import GptOssViews, KernelViews, Llama4Views, SwiGLUViews
 from engine.native.loaded import row_gemv
 from engine.native.row_kernels import native_rows_allowed
 
-View = tuple[str, tuple[int, ...]]  # (weight name, shape in the packed buffer)
 
-
-class ExpertKernel(ABC):
-    views: tuple[View, ...]
-    hidden: int
-    intermediate: int
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for _, s in self.views)
+class ExpertKernel(KernelViews, ABC):
+    """A kernel's geometry (engine/experts/formats/slot_layout.py) and what it computes."""
 
     @abstractmethod
     def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -70,13 +63,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-class SwiGLUKernel(ExpertKernel):
+class SwiGLUKernel(SwiGLUViews, ExpertKernel):
     def __init__(
         self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        H, I = hidden, intermediate
-        self.hidden, self.intermediate = H, I
-        self.views = (("gate_up", (2 * I, H)), ("down", (H, I)))
+        super().__init__(hidden, intermediate)
         self.act_fn = _fast_act(act_fn)
 
     def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -85,16 +76,9 @@ class SwiGLUKernel(ExpertKernel):
         return _linear(self.act_fn(gate) * up, down)
 
 
-class GptOssKernel(ExpertKernel):
+class GptOssKernel(GptOssViews, ExpertKernel):
     def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
-        H, I = hidden, intermediate
-        self.hidden, self.intermediate = H, I
-        self.views = (
-            ("gate_up", (H, 2 * I)),
-            ("gate_up_bias", (2 * I,)),
-            ("down", (I, H)),
-            ("down_bias", (H,)),
-        )
+        super().__init__(hidden, intermediate)
         self.alpha, self.limit = alpha, limit
 
     def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +90,11 @@ class GptOssKernel(ExpertKernel):
         return ((up + 1) * glu) @ down + down_bias
 
 
-class Llama4Kernel(ExpertKernel):
+class Llama4Kernel(Llama4Views, ExpertKernel):
     def __init__(
         self, hidden: int, intermediate: int, act_fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        H, I = hidden, intermediate
-        self.hidden, self.intermediate = H, I
-        self.views = (("gate_up", (H, 2 * I)), ("down", (I, H)))
+        super().__init__(hidden, intermediate)
         self.act_fn = _fast_act(act_fn)
 
     def forward(self, w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

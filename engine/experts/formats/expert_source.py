@@ -1,313 +1,69 @@
-"""Where the routed experts come from and how their slots are encoded: one decision per model.
-
-1. Experts quantized in the checkpoint (gpt-oss MXFP4, FP8 block-quantized DeepSeek / MiniMax /
-   Qwen-FP8): read as their raw bytes, back to back, one slot per expert (engine/experts/formats/native_quant.py).
-2. Otherwise the checkpoint's float experts (ExpertLocator), either as they are or, with
-   --expert-quant int8|int4, through a quantized sidecar file (engine/experts/formats/quant_cache.py).
-"""
+"""The routed experts' slot format and locator as a load builds them: the decision of
+engine/experts/formats/checkpoint_experts.py made with the formats that encode and compute
+(engine/experts/formats/quant.py, native_quant.py), a quantized sidecar written once where
+--expert-quant asks (engine/experts/formats/quant_cache.py), and the experts of a built model's
+sparse blocks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
-
 import torch
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from engine.config import EngineConfig
-from engine.errors import CheckpointError, ConfigError
-from engine.experts.formats.expert_kernels import ExpertKernel, make_kernel
-from engine.experts.formats.native_quant import (
-    Fp8BlockSwiGLUFormat,
-    Mxfp4GptOssFormat,
-    RawPartsFormat,
-    dequant_fp8_block,
+from engine.experts.formats.checkpoint_experts import (
+    CheckpointExperts,
+    fp8_block_edge,
+    slot_format,
 )
-from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, make_format
-from engine.experts.formats.quant_cache import PackedShape, quantized_locator
-from engine.native.decode_shapes import dtype_name
+from engine.experts.formats.expert_kernels import make_kernel
+from engine.experts.formats.native_quant import FORMATS, dequant_fp8_block
+from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat
+from engine.experts.formats.quant_cache import quantized_locator
 from engine.weights.arch import ArchSpec
-from engine.weights.checkpoint import TensorLocation, read_tensor
-from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator, block_prefixes
+from engine.weights.checkpoint import read_tensor
+from engine.weights.expert_layout import ExpertLocator, ExpertShape, SegmentLocator
 from engine.weights.moe_hook import MoeSite, expert_geometry
-
-if TYPE_CHECKING:
-    from engine.weights.header_survey import HeaderSurvey
-
-_MXFP4 = (
-    "gate_up_proj_bias",
-    "down_proj_bias",
-    "gate_up_proj_blocks",
-    "gate_up_proj_scales",
-    "down_proj_blocks",
-    "down_proj_scales",
-)
+from engine.weights.safetensors_index import TensorLocation
 
 
-class RawLocator:
-    """ExpertLocator's interface over checkpoint tensors read as raw bytes (their dtypes differ)."""
-
-    def __init__(
-        self,
-        segments: dict[tuple[int, int], list[TensorLocation]],
-        num_experts: int,
-        slot_bytes: int,
-    ) -> None:
-        self._segments, self.num_experts, self.shape = (
-            segments,
-            num_experts,
-            PackedShape(slot_bytes),
-        )
-
-    def segments(self, layer: int, expert: int) -> list[TensorLocation]:
-        return self._segments[(layer, expert)]
-
-    def nbytes_on_disk(self, layer: int, expert: int) -> int:
-        return sum(s.nbytes for s in self._segments[(layer, expert)])
-
-
-@dataclass(frozen=True)
-class CheckpointExperts:
-    """A checkpoint's routed experts: where their tensors are and what they compute. What
-    expert_source and native_slot_dtype both decide from."""
-
-    spec: ArchSpec
-    config: PretrainedConfig
-    tensors: dict[str, TensorLocation]
-    moe_layers: list[int]
-    num_experts: int
-    shape: ExpertShape
-    kernel: ExpertKernel
-    dtype: torch.dtype
-    device: torch.device
-    top_k: int = 0  # experts a token routes to
-
-    @classmethod
-    def of_sites(
-        cls,
-        spec: ArchSpec,
-        config: PretrainedConfig,
-        tensors: dict[str, TensorLocation],
-        sites: list[MoeSite],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> CheckpointExperts:
-        """The experts of a model's sparse blocks `sites`: their geometry, read off the first block,
-        and what an expert computes (the architecture's kernel)."""
-        block = sites[0].block
-        E, H, I, top_k = expert_geometry(block, transposed=spec.kernel != "swiglu")
-        return cls(
-            spec=spec,
-            config=config,
-            tensors=tensors,
-            moe_layers=[s.layer for s in sites],
-            num_experts=E,
-            shape=ExpertShape(hidden=H, intermediate=I),
-            kernel=make_kernel(spec.kernel, block.get_submodule("experts"), H, I),
-            dtype=dtype,
-            device=device,
-            top_k=top_k,
-        )
-
-    @classmethod
-    def of_header(
-        cls,
-        spec: ArchSpec,
-        config: PretrainedConfig,
-        tensors: dict[str, TensorLocation],
-        hs: HeaderSurvey,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> CheckpointExperts:
-        """The experts as the checkpoint's headers describe them (engine/weights/header_survey.py): what a
-        load plan sizes. Their kernel's activation is the config's, as transformers' experts take it;
-        the loader's experts are `of_sites` of the model it builds, checked equal in geometry."""
-        experts = SimpleNamespace(
-            act_fn=ACT2FN[getattr(config, "hidden_act", "silu")],
-            alpha=getattr(config, "swiglu_alpha", None),
-            limit=getattr(config, "swiglu_limit", None),
-        )
-        return cls(
-            spec=spec,
-            config=config,
-            tensors=tensors,
-            moe_layers=list(hs.moe_layers),
-            num_experts=hs.num_experts,
-            shape=ExpertShape(hidden=hs.hidden, intermediate=hs.intermediate),
-            kernel=make_kernel(spec.kernel, experts, hs.hidden, hs.intermediate),
-            dtype=dtype,
-            device=device,
-            top_k=hs.top_k,
-        )
-
-    def shipped(self) -> tuple[RawPartsFormat, RawLocator] | None:
-        """The format and locator of experts quantized in the checkpoint; None: float experts."""
-        return _native(self)
-
-    def float_locator(self) -> ExpertLocator:
-        return ExpertLocator(
-            self.spec,
-            self.tensors,
-            self.moe_layers,
-            self.num_experts,
-            self.shape,
-            self.kernel.views,
-        )
-
-
-def slot_format(
-    experts: CheckpointExperts, cfg: EngineConfig, native: bool
-) -> tuple[ExpertFormat, SegmentLocator]:
-    """The experts' slot format and where the checkpoint holds their bytes, before any quantized sidecar
-    is written: as shipped (MXFP4, FP8 blocks), else the float experts' format (--expert-quant's).
-    `native`: whether the native kernels run (a load plan's choice, engine/plan/resolve.py)."""
-    shipped = experts.shipped()
-    if shipped is not None:
-        if cfg.expert_quant != "none":
-            raise ConfigError(
-                f"--expert-quant {cfg.expert_quant}: this checkpoint's experts are already quantized ({shipped[0].name})"
-            )
-        return shipped
-    locator = experts.float_locator()
-    fmt = float_expert_format(
-        experts.kernel, cfg, experts.dtype, locator, experts.device, native=native
+def experts_of_sites(
+    spec: ArchSpec,
+    config: PretrainedConfig,
+    tensors: dict[str, TensorLocation],
+    sites: list[MoeSite],
+    dtype: str,
+    device: str,
+) -> CheckpointExperts:
+    """The experts of a model's sparse blocks `sites`: their geometry, read off the first block,
+    and what an expert computes (the architecture's kernel)."""
+    block = sites[0].block
+    E, H, I, top_k = expert_geometry(block, transposed=spec.kernel != "swiglu")
+    return CheckpointExperts(
+        spec=spec,
+        config=config,
+        tensors=tensors,
+        moe_layers=[s.layer for s in sites],
+        num_experts=E,
+        shape=ExpertShape(hidden=H, intermediate=I),
+        kernel=make_kernel(spec.kernel, block.get_submodule("experts"), H, I),
+        dtype=dtype,
+        device=device,
+        top_k=top_k,
     )
-    return fmt, locator
 
 
 def expert_source(
     experts: CheckpointExperts, cfg: EngineConfig, native: bool
 ) -> tuple[ExpertFormat, SegmentLocator]:
-    fmt, locator = slot_format(experts, cfg, native)
+    fmt, locator = slot_format(experts, cfg, native, FORMATS)
+    assert isinstance(fmt, ExpertFormat)  # FORMATS' classes compute
     if cfg.expert_quant != "none":
-        assert isinstance(fmt, GroupQuantFormat)  # make_format's choice for int8/int4
+        assert isinstance(fmt, GroupQuantFormat)  # the format for int8/int4
         assert isinstance(locator, ExpertLocator)
         return fmt, quantized_locator(
             locator, fmt, experts.moe_layers, cfg.quant_cache_dir
         )  # sidecar, built once
     return fmt, locator
-
-
-def float_expert_format(
-    kernel: ExpertKernel,
-    cfg: EngineConfig,
-    dtype: torch.dtype,
-    locator: ExpertLocator,
-    device: torch.device,
-    *,
-    native: bool,
-) -> ExpertFormat:
-    """The format of a checkpoint's float experts: --expert-quant's, its slots as plain_slot_dtype says
-    (`native`: whether the native kernels run)."""
-    return make_format(
-        kernel,
-        cfg.expert_quant,
-        cfg.quant_group(),
-        dtype_name(dtype),
-        plain_slot_dtype(cfg, dtype, locator, device) if native else None,
-    )
-
-
-def plain_slot_dtype(
-    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> str | None:
-    """bf16 where unquantized experts compute in f32 on the CPU from a checkpoint that stores every one
-    of them in bf16 (cfg.bf16_expert_slots): the slots keep the checkpoint's bytes, half of f32's, and
-    lose nothing, since bf16 widens to f32 exactly. Only with the native kernels, which widen each
-    weight as they read it; torch's path would widen a whole expert per call (`moe-offload plan`
-    resolves them without this model's measurement, so on a CPU where torch measures faster the plan
-    sizes bf16 slots the load then keeps in f32). None: slots in the compute dtype. Asked only where the
-    native kernels run (float_expert_format)."""
-    return _bf16_slots(cfg, dtype, locator, device)
-
-
-def native_slot_dtype(experts: CheckpointExperts, cfg: EngineConfig) -> str | None:
-    """The float slots' dtype if the native kernels run (plain_slot_dtype's choice then), before they are
-    chosen: what their measurement (engine/native/autotune.py) must time the experts in. None: the
-    compute dtype, or experts that are not float (quantized, or shipped quantized)."""
-    if cfg.expert_quant != "none" or experts.shipped():
-        return None
-    return _bf16_slots(cfg, experts.dtype, experts.float_locator(), experts.device)
-
-
-def _bf16_slots(
-    cfg: EngineConfig, dtype: torch.dtype, locator: ExpertLocator, device: torch.device
-) -> str | None:
-    if (
-        not cfg.bf16_expert_slots
-        or cfg.expert_quant != "none"
-        or dtype != torch.float32
-        or device.type != "cpu"
-    ):
-        return None
-    return "bfloat16" if locator.dtypes() == {torch.bfloat16} else None
-
-
-def _native(experts: CheckpointExperts) -> tuple[RawPartsFormat, RawLocator] | None:
-    spec, config, tensors = experts.spec, experts.config, experts.tensors
-    moe_layers, E, kernel, dtype = (
-        experts.moe_layers,
-        experts.num_experts,
-        experts.kernel,
-        experts.dtype,
-    )
-    H, I = experts.shape.hidden, experts.shape.intermediate
-    first = block_prefixes(spec, moe_layers[0])
-    if spec.kernel == "gpt_oss" and any(
-        f"{b}.experts.gate_up_proj_blocks" in tensors for b in first
-    ):
-        bias = next(
-            tensors[f"{b}.experts.gate_up_proj_bias"]
-            for b in first
-            if f"{b}.experts.gate_up_proj_blocks" in tensors
-        )
-        fmt: RawPartsFormat = Mxfp4GptOssFormat(
-            kernel, H, I, dtype_name(bias.dtype), dtype_name(dtype)
-        )
-        names = lambda b, e: [(f"{b}.experts.{n}", e) for n in _MXFP4]  # noqa: E731
-        probe = "experts.gate_up_proj_blocks"
-    elif (
-        spec.kernel == "swiglu"
-        and spec.gate_up_down
-        and any(f"{b}.experts.0.{spec.gate_up_down[0]}.weight_scale_inv" in tensors for b in first)
-    ):
-        fmt = Fp8BlockSwiGLUFormat(kernel, H, I, _fp8_block(config), dtype_name(dtype))
-        names = lambda b, e: (  # noqa: E731
-            [(f"{b}.experts.{e}.{p}.weight_scale_inv", None) for p in spec.gate_up_down]
-            + [(f"{b}.experts.{e}.{p}.weight", None) for p in spec.gate_up_down]
-        )
-        probe = f"experts.0.{spec.gate_up_down[0]}.weight_scale_inv"
-    else:
-        return None
-    segments: dict[tuple[int, int], list[TensorLocation]] = {}
-    for layer in moe_layers:
-        b = next((b for b in block_prefixes(spec, layer) if f"{b}.{probe}" in tensors), None)
-        if b is None:
-            raise CheckpointError(
-                f"checkpoint is missing expert tensor {block_prefixes(spec, layer)[0]}.{probe} (layer {layer})"
-            )
-        for e in range(E):
-            segs = []
-            for (name, row), (_, _, want_dtype, want_shape) in zip(names(b, e), fmt._parts):
-                loc = tensors.get(name)
-                if loc is None:
-                    raise CheckpointError(
-                        f"checkpoint is missing expert tensor {name} (layer {layer}, expert {e})"
-                    )
-                loc = loc.slice_first_dim(row) if row is not None else loc
-                if tuple(loc.shape) != tuple(want_shape) or dtype_name(loc.dtype) != want_dtype:
-                    raise CheckpointError(
-                        f"{loc.path}: tensor {loc.name} is {loc.dtype} {tuple(loc.shape)}, expected torch.{want_dtype} {tuple(want_shape)}"
-                    )
-                segs.append(
-                    TensorLocation(
-                        loc.name, loc.path, loc.offset, loc.nbytes, torch.uint8, (loc.nbytes,)
-                    )
-                )
-            segments[(layer, e)] = segs
-    return fmt, RawLocator(segments, E, fmt.slot_numel)
 
 
 def read_dense(
@@ -318,13 +74,4 @@ def read_dense(
     scale = tensors.get(f"{loc.name}_scale_inv")
     if scale is None or t.dim() != 2:
         return t
-    return dequant_fp8_block(t, read_tensor(scale), _fp8_block(config), torch.float32)
-
-
-def _fp8_block(config: PretrainedConfig) -> int:
-    """Block edge of FP8 scales: quantization_config.weight_block_size (128 in every released checkpoint)."""
-    q = getattr(config, "quantization_config", None) or {}
-    size = (
-        q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)
-    )
-    return int(size[0]) if size else 128
+    return dequant_fp8_block(t, read_tensor(scale), fp8_block_edge(config), torch.float32)

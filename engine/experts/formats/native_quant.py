@@ -8,51 +8,34 @@
   F8_E4M3 `weight` [out, in] and an F32 `weight_scale_inv` [ceil(out/B), ceil(in/B)], one
   scale per B x B block (B = 128 in every released checkpoint).
 
-The slot is the checkpoint's own bytes, concatenated (see NativeLayout in
-engine/experts/formats/expert_source.py), so reads, transfers and the fast tier all carry the
+The slot is the checkpoint's own bytes, concatenated (see RawPartsLayout in
+engine/experts/formats/slot_layout.py), so reads, transfers and the fast tier all carry the
 quantized size; dequantization happens per expert call, on the compute device.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from engine.experts.formats.expert_kernels import ExpertKernel
-from engine.experts.formats.quant import ExpertFormat
-from engine.native.decode_shapes import ITEMSIZE
+from engine.experts.formats.quant import ExpertFormat, GroupQuantFormat, PlainFormat
+from engine.experts.formats.slot_layout import (
+    Fp8BlockLayout,
+    Layouts,
+    Mxfp4Layout,
+    RawPartsLayout,
+)
 
 # FP4 e2m1 code -> value (the same table as transformers.integrations.mxfp4.FP4_VALUES).
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-Part = tuple[str, tuple[int, ...]]  # a dtype by torch's name ("uint8"), a shape
 
-
-class RawPartsFormat(ExpertFormat):
+class RawPartsFormat(RawPartsLayout, ExpertFormat):
     """A slot made of the checkpoint's tensors back to back, each viewed in place with its dtype."""
 
-    def __init__(
-        self, name: str, kernel: ExpertKernel, parts: list[Part], compute_dtype: str
-    ) -> None:
-        self.name, self.kernel, self.compute_dtype, self.slot_dtype = (
-            name,
-            kernel,
-            compute_dtype,
-            "uint8",
-        )
-        self._parts: list[tuple[int, int, str, tuple[int, ...]]] = []
-        at = 0
-        for dtype, shape in parts:
-            n = math.prod(shape) * ITEMSIZE[dtype]
-            if at % ITEMSIZE[dtype]:
-                raise ValueError(
-                    f"{name}: part of dtype torch.{dtype} at unaligned byte offset {at}"
-                )
-            self._parts.append((at, n, dtype, shape))
-            at += n
-        self.slot_numel = at
+    kernel: ExpertKernel
 
     def views(self, row: torch.Tensor) -> list:
         return [
@@ -84,28 +67,10 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return (vals * scale).view(R, G * 32)
 
 
-class Mxfp4GptOssFormat(RawPartsFormat):
+class Mxfp4GptOssFormat(Mxfp4Layout, RawPartsFormat):
     """Slot: gate_up_bias | down_bias | gate_up blocks | gate_up scales | down blocks | down scales."""
 
-    def __init__(
-        self,
-        kernel: ExpertKernel,
-        hidden: int,
-        intermediate: int,
-        bias_dtype: str,
-        compute_dtype: str,
-    ) -> None:
-        H, I = hidden, intermediate
-        self.bias_dtype = bias_dtype
-        parts = [
-            (bias_dtype, (2 * I,)),
-            (bias_dtype, (H,)),
-            ("uint8", (2 * I, H // 32, 16)),
-            ("uint8", (2 * I, H // 32)),
-            ("uint8", (H, I // 32, 16)),
-            ("uint8", (H, I // 32)),
-        ]
-        super().__init__("mxfp4", kernel, parts, compute_dtype)
+    kernel: ExpertKernel
 
     def weights(self, views: list) -> list[torch.Tensor]:
         gu_bias, down_bias, gu_blocks, gu_scales, d_blocks, d_scales = views
@@ -126,25 +91,10 @@ def dequant_fp8_block(
     return w.to(dtype) * s
 
 
-class Fp8BlockSwiGLUFormat(RawPartsFormat):
+class Fp8BlockSwiGLUFormat(Fp8BlockLayout, RawPartsFormat):
     """Slot: gate, up, down scales (f32, first so they stay 4-byte aligned) | gate, up, down weights (fp8)."""
 
-    def __init__(
-        self,
-        kernel: ExpertKernel,
-        hidden: int,
-        intermediate: int,
-        block: int,
-        compute_dtype: str,
-    ) -> None:
-        H, I = hidden, intermediate
-        self.block = block
-        mats = [(I, H), (I, H), (H, I)]
-        parts: list[Part] = [
-            ("float32", (math.ceil(r / block), math.ceil(c / block))) for r, c in mats
-        ]
-        parts += [("float8_e4m3fn", shape) for shape in mats]
-        super().__init__("fp8-block", kernel, parts, compute_dtype)
+    kernel: ExpertKernel
 
     def weights(self, views: list) -> list[torch.Tensor]:
         sg, su, sd, g, u, d = views
@@ -153,3 +103,7 @@ class Fp8BlockSwiGLUFormat(RawPartsFormat):
             (dequant_fp8_block(g, sg, b, dt), dequant_fp8_block(u, su, b, dt))
         )  # [2I, H]
         return [gate_up, dequant_fp8_block(d, sd, b, dt)]
+
+
+# The formats that encode and compute, one per kind (engine/experts/formats/slot_layout.py `Layouts`).
+FORMATS = Layouts(PlainFormat, GroupQuantFormat, Mxfp4GptOssFormat, Fp8BlockSwiGLUFormat)

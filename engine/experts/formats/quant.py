@@ -38,22 +38,14 @@ from typing import cast
 import torch
 
 from engine.experts.formats.expert_kernels import ExpertKernel, SwiGLUKernel
-from engine.native.decode_shapes import ITEMSIZE
+from engine.experts.formats.slot_layout import GroupQuantLayout, PlainLayout, SlotLayout
 from engine.native.loaded import usable
 
-QUANT_KINDS = ("none", "int8", "int4")
-_ALIGN = 16
 
+class ExpertFormat(SlotLayout, ABC):
+    """A slot's layout (engine/experts/formats/slot_layout.py) and how its weights are read back."""
 
-class ExpertFormat(ABC):
-    name: str
     kernel: ExpertKernel
-    slot_dtype: str  # torch's name for it ("bfloat16")
-    slot_numel: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.slot_numel * ITEMSIZE[self.slot_dtype]
 
     @abstractmethod
     def views(self, row: torch.Tensor) -> list:
@@ -67,16 +59,12 @@ class ExpertFormat(ABC):
         return self.kernel.forward(self.weights(views), x)
 
 
-class PlainFormat(ExpertFormat):
+class PlainFormat(PlainLayout, ExpertFormat):
     """The checkpoint's weights as floats in `slot_dtype` (default: the compute dtype, and then
-    `weights` is free, no copy). A narrower slot dtype is only ever one that widens exactly to the
-    compute dtype (bf16 slots, f32 compute): `weights` widens them, the native kernels read them
-    as they are."""
+    `weights` is free, no copy). A narrower slot dtype (bf16 slots, f32 compute): `weights` widens
+    them, the native kernels read them as they are."""
 
-    def __init__(self, kernel: ExpertKernel, dtype: str, slot_dtype: str | None = None) -> None:
-        self.name, self.kernel, self.slot_numel = "none", kernel, kernel.numel
-        self.compute_dtype = dtype
-        self.slot_dtype = slot_dtype or dtype
+    kernel: ExpertKernel
 
     def views(self, row: torch.Tensor) -> list:
         out, at = [], 0
@@ -92,39 +80,11 @@ class PlainFormat(ExpertFormat):
         return [v.to(getattr(torch, self.compute_dtype)) for v in views]
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+class GroupQuantFormat(GroupQuantLayout, ExpertFormat):
+    kernel: ExpertKernel
 
-
-class GroupQuantFormat(ExpertFormat):
     def __init__(self, kernel: ExpertKernel, kind: str, group: int, compute_dtype: str) -> None:
-        if kind not in ("int8", "int4"):
-            raise ValueError(
-                f"unknown expert quantization {kind!r}; use one of {', '.join(QUANT_KINDS)}"
-            )
-        if group != 0 and (group < 2 or group % 2):
-            raise ValueError(
-                f"quantization group size must be 0 (whole rows) or an even number >= 2, got {group}"
-            )
-        self.name, self.kernel, self.bits, self.group = (
-            kind,
-            kernel,
-            8 if kind == "int8" else 4,
-            group,
-        )
-        self.compute_dtype = compute_dtype
-        self.slot_dtype = "uint8"
-        # Byte layout of one slot: per view, its parts as (offset, nbytes, dtype name, shape).
-        self._layout: list[list[tuple[int, int, str, tuple[int, ...]]]] = []
-        at = 0
-        for _, shape in kernel.views:
-            parts = []
-            for dtype, pshape in self._parts(shape):
-                nbytes = math.prod(pshape) * ITEMSIZE[dtype]
-                parts.append((at, nbytes, dtype, pshape))
-                at = _aligned(at + nbytes)
-            self._layout.append(parts)
-        self.slot_numel = at
+        super().__init__(kernel, kind, group, compute_dtype)
         self._int8_rows = (
             self.bits == 8
             and compute_dtype == "bfloat16"
@@ -138,19 +98,6 @@ class GroupQuantFormat(ExpertFormat):
             and type(kernel) is SwiGLUKernel
             and all(self.group_of(shape[1]) == 64 for _, shape in kernel.views)
         )
-
-    def group_of(self, cols: int) -> int:
-        return math.gcd(cols, self.group)  # group 0: gcd(cols, 0) = cols, whole rows
-
-    def _parts(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        if len(shape) != 2:
-            return [("float32", shape)]  # biases: kept exact
-        rows, cols = shape
-        g = self.group_of(cols)
-        groups = (rows, cols // g, 1)
-        if self.bits == 8:
-            return [("int8", (rows, cols // g, g)), ("float16", groups)]
-        return [("uint8", (rows, cols // g, g // 2)), ("float16", groups), ("float16", groups)]
 
     # -- encoding (when the slow tier is built) -------------------------------------
     def encode(self, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -271,17 +218,3 @@ def quantize_int4(w: torch.Tensor, g: int, steps: int = 4) -> list[torch.Tensor]
     q = torch.round(wg / s16 + z16).clamp(0, 15).to(torch.uint8)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     return [packed, s16, z16]
-
-
-def make_format(
-    kernel: ExpertKernel,
-    kind: str,
-    group: int,
-    compute_dtype: str,
-    plain_slot_dtype: str | None = None,
-) -> ExpertFormat:
-    """The format of `kind` ("none", "int8", "int4"); `plain_slot_dtype`: the slots' dtype of the
-    "none" format where it differs from the compute dtype (engine/experts/formats/expert_source.py decides)."""
-    if kind == "none":
-        return PlainFormat(kernel, compute_dtype, plain_slot_dtype)
-    return GroupQuantFormat(kernel, kind, group, compute_dtype)

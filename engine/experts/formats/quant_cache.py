@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,18 +25,14 @@ from tqdm.auto import tqdm
 
 from engine import env
 from engine.errors import ConfigError
+from engine.experts.formats.checkpoint_experts import PackedShape
 from engine.experts.formats.quant import GroupQuantFormat, PlainFormat
-from engine.weights.checkpoint import TensorLocation, read_header, read_tensor
+from engine.experts.formats.slot_layout import GroupQuantLayout
+from engine.weights.checkpoint import read_tensor
 from engine.weights.expert_layout import ExpertLocator
+from engine.weights.safetensors_index import TensorLocation, read_header
 
 SIDECAR_VERSION = 1  # bump when the encoding changes, so stale sidecars are never reused
-
-
-@dataclass(frozen=True)
-class PackedShape:
-    """Stands in for ExpertShape where only the packed size matters (the slow tiers use `numel`)."""
-
-    numel: int
 
 
 class SidecarLocator:
@@ -66,7 +61,7 @@ def default_cache_dir() -> Path:
 
 
 def sidecar_path(
-    locator: ExpertLocator, fmt: GroupQuantFormat, moe_layers: list[int], cache_dir: Path
+    locator: ExpertLocator, fmt: GroupQuantLayout, moe_layers: list[int], cache_dir: Path
 ) -> Path:
     files = sorted(
         {

@@ -18,8 +18,9 @@ from engine.experts.tiers.link import EmulatedLink
 from engine.experts.tiers.read_faults import ReadFaults
 from engine.experts.tiers.uncached_io import UncachedReader
 from engine.huge_pages import empty
-from engine.weights.checkpoint import TensorLocation, read_tensor
+from engine.weights.checkpoint import read_tensor, torch_dtype
 from engine.weights.expert_layout import SegmentLocator
+from engine.weights.safetensors_index import TensorLocation
 
 # Named as before the move into tiers/ (issue 52): the engine's log lines print the logger's name.
 log = logging.getLogger("engine.experts.slow_tier")
@@ -207,7 +208,8 @@ class DiskTier(SlowTier):
             return _pack(
                 [
                     torch.frombuffer(
-                        raw[s.offset - start : s.offset - start + s.nbytes], dtype=s.dtype
+                        raw[s.offset - start : s.offset - start + s.nbytes],
+                        dtype=torch_dtype(s.dtype),
                     )
                     for s in segs
                 ],
@@ -221,7 +223,7 @@ class DiskTier(SlowTier):
         """Tensors of one dtype far apart in their files (gpt-oss keeps a layer's experts in one tensor
         per part): one read per tensor, each into the thread's reusable buffer and copied at once to its
         place in the slot (`into` where it fits, else a new buffer), so no read pays for a fresh buffer."""
-        dtype, total = segs[0].dtype, sum(s.nbytes for s in segs)
+        dtype, total = torch_dtype(segs[0].dtype), sum(s.nbytes for s in segs)
         fits = (
             into is not None
             and into.device.type == "cpu"
@@ -242,7 +244,7 @@ class DiskTier(SlowTier):
 
     def _read(self, seg: TensorLocation) -> torch.Tensor:
         raw = self.reader.read(seg.path, seg.offset, seg.nbytes)
-        return torch.frombuffer(raw, dtype=seg.dtype)
+        return torch.frombuffer(raw, dtype=torch_dtype(seg.dtype))
 
     def close(self) -> None:
         self.reader.close()
