@@ -1,7 +1,8 @@
 """Typed wrappers over the native CPU kernels (engine/native/cpu_gemv.c, decode_layer.c).
 
 `NativeKernels` wraps one loaded build (engine/native/variants.py) of the library: the matrix kernels
-here, the row-wise ones (norms, rotary, attention) in engine/native/row_ops.py. The process's one
+here, the routers in engine/native/route_kernels.py, the row-wise ones (norms, rotary, attention) in
+engine/native/row_ops.py. The process's one
 instance, and whether the kernels run at all, are engine/native/loaded.py's (`native()`).
 """
 
@@ -13,15 +14,16 @@ from collections.abc import Sequence
 import torch
 
 from engine.native.limits import MAX_ROWS, MAX_TOPK
-from engine.native.row_ops import W_CODES, X_CODES, KernelLibrary
-from engine.native.structs import Experts, Router, Routes, Rows, Weight
+from engine.native.route_kernels import RouteKernels
+from engine.native.row_ops import W_CODES, X_CODES
+from engine.native.structs import Experts, Routes, Rows, Weight
 
 __all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
 _ONE_ROW = torch.empty(1, 0)  # _routing reads only its row count
 
 
-class NativeKernels(KernelLibrary):
+class NativeKernels(RouteKernels):
     def __init__(self, lib: ctypes.CDLL, variant: str = "portable") -> None:
         super().__init__(lib)
         self.variant = variant  # which build (engine/native/variants.py)
@@ -85,18 +87,6 @@ class NativeKernels(KernelLibrary):
         result is bit for bit the one that row gets alone (m = 1): up to MAX_ROWS rows share each weight row's
         loads (a decode batch, a window), more go through gemm.c's register tiles (a prompt)."""
         return self.gemv_with(self.weight_of(w, scale), x)
-
-    def weight_of(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> Weight:
-        """The descriptor of weight w [rows, cols] (and its int8 row scales) that gemv_with takes, kept
-        while w's memory is (a layer passes the same weights every step)."""
-        return self._fixed(
-            Weight,
-            w=w.data_ptr(),
-            scale=scale.data_ptr() if scale is not None else None,
-            rows=w.shape[0],
-            cols=w.shape[1],
-            wtype=W_CODES[w.dtype],
-        )
 
     def gemv_with(self, weight: Weight, x: torch.Tensor) -> torch.Tensor:
         """gemv's product for x [m, weight.cols] (contiguous, on the CPU, a dtype of X_CODES) and the
@@ -354,73 +344,3 @@ class NativeKernels(KernelLibrary):
                 f"native moe_mxfp4 takes 1 to {MAX_ROWS} rows, {MAX_TOPK} distinct experts a row, H and I multiples of 32"
             )
         return out
-
-    def router_topk(
-        self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A softmax top-k router for one row x [1, H] with weight w [E, H] (both f32 or both bf16,
-        contiguous): (logits [1, E], top-k weights [1, k], ids [1, k]), as transformers' TopKRouter
-        returns them, or None where the kernel does not apply."""
-        E, H = w.shape
-        logits = torch.empty((1, E), dtype=x.dtype)
-        weights = torch.empty((1, k), dtype=x.dtype)
-        ids = torch.empty((1, k), dtype=torch.int64)
-        router = Router(
-            k=k,
-            norm=int(norm),
-            logits=logits.data_ptr(),
-            weights=weights.data_ptr(),
-            ids=ids.data_ptr(),
-        )
-        rc = self._route("router_topk_call", x, w, router)
-        return (logits, weights, ids) if rc == 0 else None
-
-    def router_sigmoid(
-        self,
-        x: torch.Tensor,
-        w: torch.Tensor,
-        bias: torch.Tensor | None,
-        k: int,
-        n_group: int,
-        topk_group: int,
-        norm: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A DeepSeek-V3-style router for rows x [R, H] (contiguous, f32 or bf16) with weight w [E, H] (f32 or bf16)
-        and an f32 correction bias [E] or None (decode_layer.c `router_sigmoid_rows`: each row as `router_sigmoid`
-        routes it alone): (logits [R, E], weights [R, k], ids [R, k]), logits and weights in f32 as transformers'
-        Glm4Moe/DeepseekV3 TopkRouter returns them, or None where the kernel does not take the shape."""
-        E, H = w.shape
-        R = x.shape[0]
-        logits, weights = torch.empty((R, E)), torch.empty((R, k))
-        ids, xf = torch.empty((R, k), dtype=torch.int64), torch.empty(H)
-        router = Router(
-            k=k,
-            norm=int(norm),
-            n_group=n_group,
-            topk_group=topk_group,
-            scale=scale,
-            bias=None if bias is None else bias.data_ptr(),
-            logits=logits.data_ptr(),
-            weights=weights.data_ptr(),
-            ids=ids.data_ptr(),
-            xf=xf.data_ptr(),
-        )
-        rc = self._route("router_sigmoid_rows_call", x, w, router)
-        return (logits, weights, ids) if rc == 0 else None
-
-    def _route(self, fn: str, x: torch.Tensor, w: torch.Tensor, router: Router) -> int:
-        """Rows x through the router entry point `fn` with weight w [E, H], outputs where `router` says."""
-        E, H = w.shape
-        weight = self.weight_of(w)
-        rows = Rows(x=x.data_ptr(), m=x.shape[0], n=H, xtype=X_CODES[x.dtype])
-        work = self._work(self._scratch("gemv_work_bytes", E, H, 1))
-        return int(
-            getattr(self.lib, fn)(
-                weight,
-                rows,
-                router,
-                work,
-                torch.get_num_threads(),
-            )
-        )

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.native.signatures import declare
-from engine.native.structs import Attend, Heads, KVCache, KVNew, Norm, QKNorm, Rotary, Rows
+from engine.native.structs import Attend, Heads, KVCache, KVNew, Norm, QKNorm, Rotary, Rows, Weight
 
 W_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # weight dtypes the kernels read
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # activation dtypes
@@ -106,6 +106,18 @@ class KernelLibrary:
             bs=bs,
             heads=heads,
             d=d,
+        )
+
+    def weight_of(self, w: torch.Tensor, scale: torch.Tensor | None = None) -> Weight:
+        """The descriptor of weight w [rows, cols] (and its int8 row scales) that gemv_with takes, kept
+        while w's memory is (a layer passes the same weights every step)."""
+        return self._fixed(
+            Weight,
+            w=w.data_ptr(),
+            scale=scale.data_ptr() if scale is not None else None,
+            rows=w.shape[0],
+            cols=w.shape[1],
+            wtype=W_CODES[w.dtype],
         )
 
     def _work(self, nbytes: int) -> int:

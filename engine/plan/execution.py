@@ -148,7 +148,23 @@ def resolve_plan(
     )
     if forward == "transformers":
         attention = ("transformers", "the model's own attention")
-    experts = (
+    experts = experts_choice(cfg, complete)
+    choices = (
+        Choice("forward", forward, why),
+        Choice("exactness", *exactness(forward, native and on_cpu, native_attention)),
+        Choice("attention", *attention),
+        Choice("experts", *experts),
+        Choice("router", *router.split(": ", 1)),
+        Choice("native kernels", *kernels.split(": ", 1)),
+        Choice("dense weights", *dense_weights(cfg.dense_quant, native and on_cpu)),
+    )
+    return ExecutionPlan(forward, native_attention and forward != "transformers", choices)
+
+
+def experts_choice(cfg: Any, complete: bool) -> tuple[str, str]:
+    """The plan's line for how a step's routed experts run: `complete`, every routed expert in the fast
+    tier (nothing can miss, whatever plans around misses is attached)."""
+    return (
         (
             "resident lane",
             "every routed expert resident: no planning per layer"
@@ -168,16 +184,6 @@ def resolve_plan(
             f"a fast tier of part of the experts ({cfg.offload} slow tier, --policy {cfg.policy})",
         )
     )
-    choices = (
-        Choice("forward", forward, why),
-        Choice("exactness", *exactness(forward, native and on_cpu, native_attention)),
-        Choice("attention", *attention),
-        Choice("experts", *experts),
-        Choice("router", *router.split(": ", 1)),
-        Choice("native kernels", *kernels.split(": ", 1)),
-        Choice("dense weights", *dense_weights(cfg.dense_quant, native and on_cpu)),
-    )
-    return ExecutionPlan(forward, native_attention and forward != "transformers", choices)
 
 
 def lean_declined(model_type: str, packed: bool, structure: bool) -> str | None:
