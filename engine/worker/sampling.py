@@ -60,14 +60,8 @@ def greedy_token(logits: torch.Tensor) -> int:
     The index and its logit come to the host in one read (as float64, exact for any vocabulary
     index): on a GPU that is the decode step's one synchronization (tests/test_host_reads.py)."""
     at = torch.argmax(logits)
-    if (
-        logits.is_cpu
-    ):  # no synchronization to save: two reads, not the three ops that pack them into one
-        i = int(at)
-        v = float(logits[i])
-    else:
-        i_f, v = torch.stack([at.double(), logits[at].double()]).tolist()
-        i = int(i_f)
+    i_f, v = torch.stack([at.double(), logits[at].double()]).tolist()
+    i = int(i_f)
     if not math.isnan(v) and v != float("-inf"):  # some token is possible
         return i
     return int(torch.argmax(sanitize_logits(logits)))
