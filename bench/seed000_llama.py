@@ -174,7 +174,9 @@ def run(s: LlamaSetup) -> dict[str, Any]:
         free_url, free_pid = stack.enter_context(
             llama_server(exe, free_copy, 1, ctx, s.threads, s.work / "llama-free.log")
         )
-        completion(lim_url, s.prompts[0], s.tokens)  # its buffers allocated, its pages touched
+        completion(
+            lim_url, s.prompts[0], s.tokens, drafting=False
+        )  # its buffers allocated, its pages touched
         anon = cg.anon()
         limit = anon + weights + MARGIN
         cg.set_limit(limit)
@@ -189,7 +191,7 @@ def run(s: LlamaSetup) -> dict[str, Any]:
             if cell in urls:
                 url, pid = urls[cell]
                 before = read_bytes(pid)
-                r = completion(url, prompt, s.tokens)
+                r = completion(url, prompt, s.tokens, drafting=False)
                 return {
                     "tok_s": r["tok_s"],
                     "read_MB_per_token": (read_bytes(pid) - before) / 1e6 / s.tokens,
