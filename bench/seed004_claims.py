@@ -35,12 +35,15 @@ def ratio(rows: dict[str, dict[str, Any]], label: str, key: str = "ratio") -> fl
     return rows[label][key] if label in rows else None
 
 
-def sampled_rows(d: dict[str, Any], text: str, greedy: bool) -> dict[str, dict[str, Any]]:
-    """Section 6's rows of one prompt text, greedy or sampled."""
+def sampled_rows(d: dict[str, Any], text: str, mode: str) -> dict[str, dict[str, Any]]:
+    """Section 6's rows of one prompt text and decoding."""
     rows = d["measured"].get("sampled", [])
-    return {
-        r["config"]: r for r in rows if r["text"] == text and (r["decoding"] == "greedy") == greedy
-    }
+    return {r["config"]: r for r in rows if r["text"] == text and r["decoding"] == mode}
+
+
+def decodings(d: dict[str, Any]) -> list[str]:
+    """Section 6's decodings in run order: greedy, then sampled seeded and unseeded."""
+    return list(dict.fromkeys(r["decoding"] for r in d["measured"].get("sampled", [])))
 
 
 def sampled_texts(d: dict[str, Any]) -> list[str]:
@@ -51,11 +54,9 @@ def text_name(text: str) -> str:
     return Path(text).name
 
 
-def temperature(d: dict[str, Any]) -> str:
-    return next(
-        (r["decoding"] for r in d["measured"].get("sampled", []) if r["decoding"] != "greedy"),
-        "sampled",
-    )
+def sampled_modes(d: dict[str, Any]) -> list[str]:
+    """Section 6's sampled decodings, seeded first."""
+    return [m for m in decodings(d) if m != "greedy"]
 
 
 def best(rows: dict[str, dict[str, Any]], labels: tuple[str, ...], key: str) -> tuple[str, float]:
@@ -98,22 +99,46 @@ def _main_headline(d: dict[str, Any]) -> str:
 
 
 def _sampled_headline(d: dict[str, Any]) -> str:
-    """Section 6's verdict: spec+utility+cpu on sampled text, per prompt text, and the best exact
-    configuration there."""
-    lab = "spec+utility+cpu"
-    parts = []
-    for text in sampled_texts(d):
-        rows = sampled_rows(d, text, greedy=False)
-        if lab not in rows:
-            continue
-        top, v = best(rows, EXACT_SPEC + EXACT_PLAIN, "ratio")
-        parts.append(
-            f"{rows[lab]['ratio']:.2f}× plain at {rows[lab]['tokens_per_verification']:.2f} tokens a verification "
-            f"on {text_name(text)} (best exact there: {top}, {v:.2f}×)"
-        )
-    if not parts:
+    """Section 6's verdict: spec+utility+cpu on seeded sampled text per prompt text (with the same
+    run's greedy beside it), the best exact configuration there, and unseeded sampling."""
+    lab, modes = "spec+utility+cpu", sampled_modes(d)
+    if not modes or not _per_text(d, modes[0], lab):
         return ""
-    return f"on sampled text ({temperature(d)}, section 6) {lab} is " + "; ".join(parts)
+    seeded, temp = modes[0], modes[0].split(", ")[0]
+    tops = {
+        t: best(sampled_rows(d, t, seeded), EXACT_SPEC + EXACT_PLAIN, "ratio")[0]
+        for t in sampled_texts(d)
+    }
+    if len(set(tops.values())) == 1:  # one configuration best on every text
+        top = next(iter(tops.values()))
+        best_txt = f"{top} ({_per_text(d, seeded, top)}, {_per_text(d, seeded, top, 'tokens_per_verification')} tokens a verification)"
+    else:
+        best_txt = ", ".join(
+            f"{top} on {text_name(t)} ({_per_text(d, seeded, top)})" for t, top in tops.items()
+        )
+    out = (
+        f"on seeded sampled text ({temp}, section 6: every configuration generates plain's tokens) {lab}, × plain, "
+        f"is {_per_text(d, seeded, lab)} at {_per_text(d, seeded, lab, 'tokens_per_verification')} tokens a "
+        f"verification (greedy in the same run: {_per_text(d, 'greedy', lab)}), and the best exact configuration "
+        f"there is {best_txt}"
+    )
+    for mode in modes[1:]:
+        out += (
+            f"; {mode.split(', ')[-1]} ({_per_text(d, mode, lab, 'tokens_per_verification')} tokens a "
+            f"verification, each cell its own text) {_per_text(d, mode, lab)}"
+        )
+    return out
+
+
+def _per_text(d: dict[str, Any], mode: str, label: str, key: str = "ratio") -> str:
+    """`label`'s `key` in section 6 under `mode`, per prompt text ("" when not run)."""
+    got = []
+    for t in sampled_texts(d):
+        row = sampled_rows(d, t, mode).get(label)
+        if row is not None:
+            v = row[key]
+            got.append(f"{v:.2f}× on {text_name(t)}" if key == "ratio" else f"{v:.2f}")
+    return " and ".join(got) if key == "ratio" else "/".join(got)
 
 
 def opening(d: dict[str, Any], out: Path) -> list[str]:
@@ -187,11 +212,12 @@ def claims(d: dict[str, Any]) -> list[str]:
     tpv = ratio(off, "spec", "tokens_per_verification")
     tpa = ratio(off, "spec adaptive+utility+cpu", "tokens_per_verification")
     samp = [
-        f"{sampled_rows(d, t, False)['spec']['tokens_per_verification']:.2f} ({text_name(t)})"
+        f"{sampled_rows(d, t, m)['spec']['tokens_per_verification']:.2f} ({text_name(t)}, {m})"
         for t in sampled_texts(d)
-        if "spec" in sampled_rows(d, t, False)
+        for m in sampled_modes(d)
+        if "spec" in sampled_rows(d, t, m)
     ]
-    samp_txt = f"; k = 4 on sampled text ({temperature(d)}): {', '.join(samp)}" if samp else ""
+    samp_txt = f"; k = 4 on sampled text: {', '.join(samp)}" if samp else ""
     lines.append(
         f"| the window's counts are a richer signal, and speculation pays | (premise) | tokens / verification: k = 4 "
         f"{tpv if tpv is None else round(tpv, 2)}, adaptive k {tpa if tpa is None else round(tpa, 2)}{samp_txt} | "
@@ -218,11 +244,12 @@ def _sampled_command(d: dict[str, Any]) -> str:
 def _sampled_ratios(d: dict[str, Any], label: str) -> str:
     """`label`'s × plain in section 6 on sampled text, per prompt text ("" when not run)."""
     got = [
-        f"{_x(ratio(sampled_rows(d, t, False), label))} on {text_name(t)}"
+        f"{_x(ratio(sampled_rows(d, t, m), label))} ({text_name(t)}, {m})"
         for t in sampled_texts(d)
-        if label in sampled_rows(d, t, False)
+        for m in sampled_modes(d)
+        if label in sampled_rows(d, t, m)
     ]
-    return f"; on sampled text ({temperature(d)}) {', '.join(got)}" if got else ""
+    return f"; on sampled text {', '.join(got)}" if got else ""
 
 
 def _utility_claim(d: dict[str, Any]) -> str:
@@ -235,10 +262,9 @@ def _utility_claim(d: dict[str, Any]) -> str:
         [f"section 1: without {_x(ratio(off, a))} vs with {_x(ratio(off, b))}"] if a in off else []
     )
     for t in sampled_texts(d):
-        for greedy in (True, False):
-            rows = sampled_rows(d, t, greedy)
+        for mode in decodings(d):
+            rows = sampled_rows(d, t, mode)
             if a in rows and b in rows:
-                mode = "greedy" if greedy else temperature(d)
                 meas.append(
                     f"{text_name(t)}, {mode}: without {_x(ratio(rows, a))} vs with {_x(ratio(rows, b))}"
                 )

@@ -11,9 +11,10 @@ from typing import Any
 from bench.seed004_claims import claims, opening, sampled_command, text_name
 
 KEEP_FROM = "\n## Why the results differ"
-ABLATION = (
-    "spec+cpu, no utility"  # the utility estimator's ablation (bench/seed004_runs.py CONFIGS)
-)
+# the utility estimator's ablation (bench/seed004_runs.py CONFIGS)
+ABLATION = "spec+cpu, no utility"
+# did a section-6 cell generate plain's tokens (–: unseeded sampling, not expected to)
+SAME = {True: "yes", False: "no", None: "–"}
 
 
 def pct(v: float) -> str:
@@ -79,7 +80,8 @@ def main_section(d: dict[str, Any]) -> list[str]:
 
 
 def sampled_section(d: dict[str, Any]) -> list[str]:
-    """Section 6: the exact configurations on greedy and on seeded sampled text, per prompt text."""
+    """Section 6: the exact configurations on greedy and on sampled text (seeded and unseeded),
+    per prompt text."""
     from bench.seed004_runs import SEED
 
     rows = d["measured"].get("sampled", [])
@@ -93,18 +95,20 @@ def sampled_section(d: dict[str, Any]) -> list[str]:
         if run
         else "Measured in the page's run."
     )
-    same = all(r["same_tokens_as_plain"] for r in rows)
+    same = all(r["same_tokens_as_plain"] is not False for r in rows)
     out = [
         "## 6. Sampled text: the same comparison where the text does not repeat",
         "",
         f"At cache {a['cache']} behind `{a['link']}`, one stream, {a['prompt_tokens']}-token prompts from each text, "
         f"{a['tokens']} tokens each, prefill excluded, medians of {a['rounds']} interleaved rounds after a warm-up round "
         "(round r uses the text's prompt r in every cell). Each configuration runs greedy and sampled at "
-        f"T = {float(a['temperature']):g}, round r's request seeded {SEED} + r: the engine draws a seeded token from the "
-        "seed and its position alone, so an exact configuration, with or without speculation, generates the same "
-        "text. "
+        f"T = {float(a['temperature']):g}, seeded and unseeded. Seeded, round r's request is seeded {SEED} + r: the "
+        "engine draws a seeded token from the seed and its position alone, so an exact configuration, with or without "
+        "speculation, generates the same text, and a proposal is accepted only where it is the token drawn (p(d) a "
+        "proposal, engine/worker/verify.py). Unseeded, a proposal is accepted by the rejection rule (min(1, p(d) / q(d))): "
+        "the same distribution, higher acceptance, but each cell samples its own text. "
         + (
-            "Checked: in every round every configuration generated plain's tokens."
+            "Checked: in every round every greedy and seeded configuration generated plain's tokens."
             if same
             else "Checked: some configurations did not generate plain's tokens (the last column)."
         )
@@ -119,7 +123,7 @@ def sampled_section(d: dict[str, Any]) -> list[str]:
     out += [
         f"| {text_name(r['text'])} | {r['decoding']} | {r['config']} | {r['tok_s']:.1f} | {r['ratio']:.2f}× | "
         f"{r['tokens_per_verification']:.2f} | {r['stall_share']:.0%} | {r['hit_rate']:.0%} | "
-        f"{r['cpu_calls_per_token']:.1f} | {'yes' if r['same_tokens_as_plain'] else 'no'} |"
+        f"{r['cpu_calls_per_token']:.1f} | {SAME[r['same_tokens_as_plain']]} |"
         for r in rows
     ]
     return out + [""]

@@ -233,21 +233,30 @@ def long_runs(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str,
 
 
 def sampled_table(args: Any, texts: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
-    """SAMPLED_CONFIGS at --cache behind --link, per prompt text, greedy and sampled at
-    --temperature (round r's request seeded SEED + r in every configuration, so an exact one
-    generates the same tokens as plain): ratios to `plain` of the same text and decoding, and
-    whether every configuration generated plain's tokens in every round."""
+    """SAMPLED_CONFIGS at --cache behind --link, per prompt text: greedy, sampled at --temperature
+    seeded (round r's request seeded SEED + r in every configuration, so an exact one generates
+    plain's tokens; a proposal is accepted only where it is the token drawn), and sampled unseeded
+    (the rejection rule's acceptance, each cell its own text). Ratios to `plain` of the same text
+    and decoding, and whether every configuration generated plain's tokens in every round (None
+    unseeded)."""
     link = Setting(args.cache, "disk", args.link)
-    modes = {"greedy": 0.0, f"T = {args.temperature:g}, seeded": args.temperature}
-    engines = {((t, m), c): engine(link, c) for t in texts for m in modes for c in SAMPLED_CONFIGS}
+    t = args.temperature
+    modes = {
+        "greedy": (0.0, False),
+        f"T = {t:g}, seeded": (t, True),
+        f"T = {t:g}, unseeded": (t, False),
+    }
+    engines = {((x, m), c): engine(link, c) for x in texts for m in modes for c in SAMPLED_CONFIGS}
     turn = dict.fromkeys(engines, 0)
 
     def one(cell: tuple[tuple[str, str], str]) -> dict[str, Any]:
         (text, mode), label = cell
         r, turn[cell] = turn[cell], turn[cell] + 1
         prompt = texts[text][r % len(texts[text])]
-        seed = SEED + r if modes[mode] else None
-        return engine_figures(engines[cell], label, prompt, args.tokens, modes[mode], seed)
+        temp, seeded = modes[mode]
+        return engine_figures(
+            engines[cell], label, prompt, args.tokens, temp, SEED + r if seeded else None
+        )
 
     try:
         res = interleaved(list(engines), args.rounds, one)
@@ -258,5 +267,6 @@ def sampled_table(args: Any, texts: dict[str, list[list[int]]]) -> list[dict[str
         where = row.pop("where")
         plain, mine = res[(where, "plain")], res[(where, row["config"])]
         same = all(a["token_ids"] == b["token_ids"] for a, b in zip(mine, plain))
-        row.update(text=where[0], decoding=where[1], same_tokens_as_plain=same)
+        exact = modes[where[1]][1] or not modes[where[1]][0]  # greedy or seeded
+        row.update(text=where[0], decoding=where[1], same_tokens_as_plain=same if exact else None)
     return rows

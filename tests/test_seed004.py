@@ -169,7 +169,7 @@ def _simulated_only() -> dict:
 
 
 def _sampled_rows() -> list[dict]:
-    """Section 6's rows: plain, spec+cpu without and with utility, greedy and sampled on one text."""
+    """Section 6's rows: plain, spec+cpu without and with utility; greedy, seeded and unseeded."""
     ratios = {"plain": 1.0, "spec+cpu, no utility": 0.6, "spec+utility+cpu": 0.9}
     return [
         {
@@ -182,9 +182,9 @@ def _sampled_rows() -> list[dict]:
             "stall_share": 0.5,
             "hit_rate": 0.8,
             "cpu_calls_per_token": 2.0,
-            "same_tokens_as_plain": True,
+            "same_tokens_as_plain": None if mode.endswith("unseeded") else True,
         }
-        for mode, tpv in (("greedy", 3.5), ("T = 0.8, seeded", 1.4))
+        for mode, tpv in (("greedy", 3.5), ("T = 0.8, seeded", 1.4), ("T = 0.8, unseeded", 2.0))
         for lb, r in ratios.items()
     ]
 
@@ -228,7 +228,10 @@ def test_only_sampled_merges_its_section_and_the_page_reports_it(
     text = out.read_text()
     assert "## 6. Sampled text" in text and "`python -m bench seed-004 --only-sampled`" in text
     assert (
-        "on sampled text (T = 0.8, seeded, section 6) spec+utility+cpu is 0.90× plain at 1.40"
+        "on seeded sampled text (T = 0.8, section 6: every configuration generates plain's tokens) "
+        "spec+utility+cpu, × plain, is 0.90× on test.txt at 1.40 tokens a verification (greedy in the same "
+        "run: 1.10× on test.txt), and the best exact configuration there is plain (1.00× on test.txt, 1.00 "
+        "tokens a verification); unseeded (2.00 tokens a verification, each cell its own text) 0.90× on test.txt"
         in text
     )
     assert (
@@ -237,6 +240,11 @@ def test_only_sampled_merges_its_section_and_the_page_reports_it(
     )
     assert "PROJECTED without 1.30× vs with 1.30×" in text  # the simulator's ablation label
     assert "| test.txt | T = 0.8, seeded | spec+cpu, no utility | 6.0 | 0.60× | 1.40 |" in text
+    assert (
+        "| test.txt | T = 0.8, unseeded | plain | 10.0 | 1.00× | 1.00 | 50% | 80% | 2.0 | – |"
+        in text
+    )
+    assert "every greedy and seeded configuration generated plain's tokens" in text
 
 
 @pytest.mark.slow  # 10-20 s on 2 cores: every simulated table on a small synthetic trace
