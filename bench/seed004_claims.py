@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import Any
 
 PAPER = "Qwen3-30B-A3B, RTX 4090, PCIe 4.0"
-EXACT_SPEC = ("spec", "spec+utility", "spec+utility+cpu", "spec adaptive+utility+cpu")
+EXACT_SPEC = (
+    "spec",
+    "spec+utility",
+    "spec+utility+cpu",
+    "spec adaptive+utility+cpu",
+    "spec+cpu, no utility",
+)
 EXACT_PLAIN = ("plain", "plain reuse", "plain+cpu")
 
 
@@ -29,6 +35,30 @@ def ratio(rows: dict[str, dict[str, Any]], label: str, key: str = "ratio") -> fl
     return rows[label][key] if label in rows else None
 
 
+def sampled_rows(d: dict[str, Any], text: str, mode: str) -> dict[str, dict[str, Any]]:
+    """Section 6's rows of one prompt text and decoding."""
+    rows = d["measured"].get("sampled", [])
+    return {r["config"]: r for r in rows if r["text"] == text and r["decoding"] == mode}
+
+
+def decodings(d: dict[str, Any]) -> list[str]:
+    """Section 6's decodings in run order: greedy, then sampled seeded and unseeded."""
+    return list(dict.fromkeys(r["decoding"] for r in d["measured"].get("sampled", [])))
+
+
+def sampled_texts(d: dict[str, Any]) -> list[str]:
+    return list(dict.fromkeys(r["text"] for r in d["measured"].get("sampled", [])))
+
+
+def text_name(text: str) -> str:
+    return Path(text).name
+
+
+def sampled_modes(d: dict[str, Any]) -> list[str]:
+    """Section 6's sampled decodings, seeded first."""
+    return [m for m in decodings(d) if m != "greedy"]
+
+
 def best(rows: dict[str, dict[str, Any]], labels: tuple[str, ...], key: str) -> tuple[str, float]:
     have = [lb for lb in labels if lb in rows]
     top = max(have, key=lambda lb: rows[lb][key])
@@ -37,7 +67,7 @@ def best(rows: dict[str, dict[str, Any]], labels: tuple[str, ...], key: str) -> 
 
 def headline(d: dict[str, Any]) -> str:
     """The page's first line: measured best exact speculative against best exact plain (with the
-    acceptance it had), and the crossover's verdict."""
+    acceptance it had), spec+utility+cpu on sampled text (section 6), and the crossover's verdict."""
     cross = d["simulated"]["crossover"]
     wins = [c for c in cross if c["ratio"] > 1.0]
     top = max(cross, key=lambda c: c["ratio"]) if cross else {}
@@ -47,9 +77,15 @@ def headline(d: dict[str, Any]) -> str:
         if wins
         else ""
     )
+    parts = [_main_headline(d), _sampled_headline(d), here]
+    return "; ".join(p for p in parts if p) + "."
+
+
+def _main_headline(d: dict[str, Any]) -> str:
+    """Section 1's verdict: the best exact speculative configuration against the best exact plain one."""
     rows = main_rows(d)
     if not rows:
-        return here + "."
+        return ""
     s_lab, s_v = best(rows, EXACT_SPEC, "ratio")
     p_lab, p_v = best(rows, EXACT_PLAIN, "ratio")
     verdict = "beats" if s_v > p_v else "does not beat"
@@ -58,8 +94,51 @@ def headline(d: dict[str, Any]) -> str:
         f"measured at cache {d['args']['cache']} behind the emulated {d['args']['link']} link, the best exact "
         f"speculative configuration ({s_lab}, {s_v:.2f}× plain, at {tpv:.2f} tokens a verification: greedy text that "
         f"falls into repetition, see below) {verdict} the best "
-        f"exact one without speculation ({p_lab}, {p_v:.2f}×); " + here + "."
+        f"exact one without speculation ({p_lab}, {p_v:.2f}×)"
     )
+
+
+def _sampled_headline(d: dict[str, Any]) -> str:
+    """Section 6's verdict: spec+utility+cpu on seeded sampled text per prompt text (with the same
+    run's greedy beside it), the best exact configuration there, and unseeded sampling."""
+    lab, modes = "spec+utility+cpu", sampled_modes(d)
+    if not modes or not _per_text(d, modes[0], lab):
+        return ""
+    seeded, temp = modes[0], modes[0].split(", ")[0]
+    tops = {
+        t: best(sampled_rows(d, t, seeded), EXACT_SPEC + EXACT_PLAIN, "ratio")[0]
+        for t in sampled_texts(d)
+    }
+    if len(set(tops.values())) == 1:  # one configuration best on every text
+        top = next(iter(tops.values()))
+        best_txt = f"{top} ({_per_text(d, seeded, top)}, {_per_text(d, seeded, top, 'tokens_per_verification')} tokens a verification)"
+    else:
+        best_txt = ", ".join(
+            f"{top} on {text_name(t)} ({_per_text(d, seeded, top)})" for t, top in tops.items()
+        )
+    out = (
+        f"on seeded sampled text ({temp}, section 6: every configuration generates plain's tokens) {lab}, × plain, "
+        f"is {_per_text(d, seeded, lab)} at {_per_text(d, seeded, lab, 'tokens_per_verification')} tokens a "
+        f"verification (greedy in the same run: {_per_text(d, 'greedy', lab)}), and the best exact configuration "
+        f"there is {best_txt}"
+    )
+    for mode in modes[1:]:
+        out += (
+            f"; {mode.split(', ')[-1]} ({_per_text(d, mode, lab, 'tokens_per_verification')} tokens a "
+            f"verification, each cell its own text) {_per_text(d, mode, lab)}"
+        )
+    return out
+
+
+def _per_text(d: dict[str, Any], mode: str, label: str, key: str = "ratio") -> str:
+    """`label`'s `key` in section 6 under `mode`, per prompt text ("" when not run)."""
+    got = []
+    for t in sampled_texts(d):
+        row = sampled_rows(d, t, mode).get(label)
+        if row is not None:
+            v = row[key]
+            got.append(f"{v:.2f}× on {text_name(t)}" if key == "ratio" else f"{v:.2f}")
+    return " and ".join(got) if key == "ratio" else "/".join(got)
 
 
 def opening(d: dict[str, Any], out: Path) -> list[str]:
@@ -70,7 +149,7 @@ def opening(d: dict[str, Any], out: Path) -> list[str]:
         "",
         f"- **Result:** {headline(d)}",
         "- **Command:** `python -m bench seed-004 --llama-cpp DIR` (DIR: a llama.cpp source tree with build/bin/llama-server); "
-        f"numbers in [{js}]({js}), run time {d['seconds'] / 60:.1f} min.",
+        f"numbers in [{js}]({js}), run time {d['seconds'] / 60:.1f} min{_sampled_command(d)}.",
         f"- **Machine:** {d['machine'].removeprefix('Machine: ')} The project's shared 2-core machine, other work running beside it: "
         "speed figures are ratios within one interleaved round, medians over rounds.",
         f"- **Limit:** behind `{a['link']}` one expert load takes 8.3 ms against about 7 ms for a whole one-row step of the "
@@ -109,14 +188,10 @@ def claims(d: dict[str, Any]) -> list[str]:
     )
     lines.append(
         f"| over standard offloading baselines | 4.04× on average | spec+utility+cpu {_x(ratio(off, 'spec+utility+cpu'))} plain "
-        f"(on-demand, LRU); plain+cpu {_x(ratio(off, 'plain+cpu'))} | this machine's profile {_x(ratio(here, 'spec+utility+cpu', 'vs_plain'))}; "
-        f"PROJECTED {_x(ratio(pj, 'spec+utility+cpu', 'vs_plain'))} | 1, 2 |"
+        f"(on-demand, LRU); plain+cpu {_x(ratio(off, 'plain+cpu'))}{_sampled_ratios(d, 'spec+utility+cpu')} | this machine's profile "
+        f"{_x(ratio(here, 'spec+utility+cpu', 'vs_plain'))}; PROJECTED {_x(ratio(pj, 'spec+utility+cpu', 'vs_plain'))} | 1, 2, 6 |"
     )
-    lines.append(
-        f"| without the utility estimator (SpecUE) it drops sharply | large drop | spec {_x(ratio(off, 'spec'))} vs spec+utility "
-        f"{_x(ratio(off, 'spec+utility'))} plain | PROJECTED spec+cpu without utility {_x(ratio(pj, 'spec+cpu, no utility', 'vs_plain'))} "
-        f"vs with {_x(ratio(pj, 'spec+utility+cpu', 'vs_plain'))} | 1, 2 |"
-    )
+    lines.append(_utility_claim(d))
     fixed = ", ".join(
         f"{lv} {_x(ratio(pj, f'spec+utility+cpu fixed level {lv}', 'vs_plain'))}"
         for lv in (1, 2, 3)
@@ -136,11 +211,72 @@ def claims(d: dict[str, Any]) -> list[str]:
     lines.append(_long_claim(d))
     tpv = ratio(off, "spec", "tokens_per_verification")
     tpa = ratio(off, "spec adaptive+utility+cpu", "tokens_per_verification")
+    samp = [
+        f"{sampled_rows(d, t, m)['spec']['tokens_per_verification']:.2f} ({text_name(t)}, {m})"
+        for t in sampled_texts(d)
+        for m in sampled_modes(d)
+        if "spec" in sampled_rows(d, t, m)
+    ]
+    samp_txt = f"; k = 4 on sampled text: {', '.join(samp)}" if samp else ""
     lines.append(
         f"| the window's counts are a richer signal, and speculation pays | (premise) | tokens / verification: k = 4 "
-        f"{tpv if tpv is None else round(tpv, 2)}, adaptive k {tpa if tpa is None else round(tpa, 2)} | see the crossover | 5 |"
+        f"{tpv if tpv is None else round(tpv, 2)}, adaptive k {tpa if tpa is None else round(tpa, 2)}{samp_txt} | "
+        "see the crossover | 5, 6 |"
     )
     return lines if m or d["simulated"] else lines[:2]
+
+
+def sampled_command(d: dict[str, Any]) -> str:
+    """The command of a separate section-6 run (`sampled_run` in the JSON), its non-default rounds kept."""
+    rounds = d["sampled_run"]["args"]["rounds"]
+    return "python -m bench seed-004 --only-sampled" + (
+        f" --rounds {rounds}" if rounds != "2" else ""
+    )
+
+
+def _sampled_command(d: dict[str, Any]) -> str:
+    if "sampled_run" not in d:
+        return ""
+    run = d["sampled_run"]
+    return f"; section 6 was measured apart, `{sampled_command(d)}` ({run['seconds'] / 60:.1f} min, merged into the JSON)"
+
+
+def _sampled_ratios(d: dict[str, Any], label: str) -> str:
+    """`label`'s × plain in section 6 on sampled text, per prompt text ("" when not run)."""
+    got = [
+        f"{_x(ratio(sampled_rows(d, t, m), label))} ({text_name(t)}, {m})"
+        for t in sampled_texts(d)
+        for m in sampled_modes(d)
+        if label in sampled_rows(d, t, m)
+    ]
+    return f"; on sampled text {', '.join(got)}" if got else ""
+
+
+def _utility_claim(d: dict[str, Any]) -> str:
+    """The utility estimator's ablation: spec+utility+cpu against spec+cpu without it (LRU, no
+    utility prefetch), each × plain in the same rounds: the main table's when it has both, and
+    section 6's run, greedy and sampled, per text."""
+    off, pj, here = main_rows(d), sim_rows(d, "projected"), sim_rows(d, "here")
+    a, b = "spec+cpu, no utility", "spec+utility+cpu"
+    meas = (
+        [f"section 1: without {_x(ratio(off, a))} vs with {_x(ratio(off, b))}"] if a in off else []
+    )
+    for t in sampled_texts(d):
+        for mode in decodings(d):
+            rows = sampled_rows(d, t, mode)
+            if a in rows and b in rows:
+                meas.append(
+                    f"{text_name(t)}, {mode}: without {_x(ratio(rows, a))} vs with {_x(ratio(rows, b))}"
+                )
+    what = "not run"
+    if meas:
+        what = "spec+cpu (k = 4, LRU, no utility prefetch) without vs with the utility estimator, × plain: "
+        what += "; ".join(meas)
+    return (
+        f"| without the utility estimator (SpecUE) it drops sharply | large drop | {what} | this machine's profile "
+        f"without {_x(ratio(here, a, 'vs_plain'))} vs with {_x(ratio(here, b, 'vs_plain'))}; PROJECTED without "
+        f"{_x(ratio(pj, a, 'vs_plain'))} vs with {_x(ratio(pj, b, 'vs_plain'))} | 1, 2, 6 |"
+    )
 
 
 def _drafting(ram: dict[str, dict[str, Any]]) -> str:

@@ -8,9 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.seed004_claims import claims, opening
+from bench.seed004_claims import claims, opening, sampled_command, text_name
 
 KEEP_FROM = "\n## Why the results differ"
+# the utility estimator's ablation (bench/seed004_runs.py CONFIGS)
+ABLATION = "spec+cpu, no utility"
+# did a section-6 cell generate plain's tokens (–: unseeded sampling, not expected to)
+SAME = {True: "yes", False: "no", None: "–"}
 
 
 def pct(v: float) -> str:
@@ -31,7 +35,7 @@ def by(rows: list[dict[str, Any]], *keys: str) -> dict[tuple, dict[str, Any]]:
 
 def main_section(d: dict[str, Any]) -> list[str]:
     m, s = d["measured"], d["simulated"]
-    if not m:
+    if not m.get("main"):
         return ["## 1. Every configuration, measured", "", "Not run (`--no-measure`).", ""]
     a = d.get("measured_args", d["args"])
     sim = by(s["here"], "config")
@@ -66,6 +70,62 @@ def main_section(d: dict[str, Any]) -> list[str]:
         out.append(
             f"| {r['where']} | {r['config']} | {r['tok_s']:.1f} | {ratio} | {peer} | {simc} | {tail}"
         )
+    if not any(r["config"] == ABLATION for r in m["main"]):
+        out += [
+            "",
+            f"`{ABLATION}` (the utility estimator's ablation) joined the configurations after this run; "
+            "it is measured in section 6, beside plain and spec+utility+cpu in the same rounds.",
+        ]
+    return out + [""]
+
+
+def sampled_section(d: dict[str, Any]) -> list[str]:
+    """Section 6: the exact configurations on greedy and on sampled text (seeded and unseeded),
+    per prompt text."""
+    from bench.seed004_runs import SEED
+
+    rows = d["measured"].get("sampled", [])
+    if not rows:
+        return []
+    run = d.get("sampled_run")
+    a = run["args"] if run else d.get("measured_args", d["args"])
+    how = (
+        f"Measured apart (`{sampled_command(d)}`, {run['seconds'] / 60:.1f} min; {run['machine'].removeprefix('Machine: ')} "
+        "Other work ran beside it: figures are ratios within one interleaved round) and merged into the JSON."
+        if run
+        else "Measured in the page's run."
+    )
+    same = all(r["same_tokens_as_plain"] is not False for r in rows)
+    out = [
+        "## 6. Sampled text: the same comparison where the text does not repeat",
+        "",
+        f"At cache {a['cache']} behind `{a['link']}`, one stream, {a['prompt_tokens']}-token prompts from each text, "
+        f"{a['tokens']} tokens each, prefill excluded, medians of {a['rounds']} interleaved rounds after a warm-up round "
+        "(round r uses the text's prompt r in every cell). Each configuration runs greedy and sampled at "
+        f"T = {float(a['temperature']):g}, seeded and unseeded. Seeded, round r's request is seeded {SEED} + r: the "
+        "engine draws a seeded token from the seed and its position alone, so an exact configuration, with or without "
+        "speculation, generates the same text, and a proposal is accepted only where it is the token drawn (p(d) a "
+        "proposal, engine/worker/verify.py). Unseeded, a proposal is accepted by the rejection rule (min(1, p(d) / q(d))): "
+        "the same distribution, higher acceptance, but each cell samples its own text. "
+        + (
+            "Checked: in every round every greedy and seeded configuration generated plain's tokens."
+            if same
+            else "Checked: some configurations did not generate plain's tokens (the last column)."
+        )
+        + f" {ABLATION}: k = 4 speculation and CPU-run experts with LRU eviction and no utility prefetch "
+        "(the `spec` row's eviction). × plain: against `plain` (fetch-all, LRU) of the same text and decoding in the same round. "
+        + how,
+        "",
+        "| text | decoding | configuration | decode tok/s | × plain | tokens / verification | stall share | hit rate | "
+        "CPU-run experts / token | plain's tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {text_name(r['text'])} | {r['decoding']} | {r['config']} | {r['tok_s']:.1f} | {r['ratio']:.2f}× | "
+        f"{r['tokens_per_verification']:.2f} | {r['stall_share']:.0%} | {r['hit_rate']:.0%} | "
+        f"{r['cpu_calls_per_token']:.1f} | {SAME[r['same_tokens_as_plain']]} |"
+        for r in rows
+    ]
     return out + [""]
 
 
@@ -97,7 +157,7 @@ def sweep_section(d: dict[str, Any], stem: str) -> list[str]:
         f"![tok/s against the cache ratio]({stem}-cache.png)",
         "",
     ]
-    if m:
+    if m.get("sweep"):
         out += [
             f"MEASURED behind `{a['link']}`, {a['sweep_tokens']} tokens a request, {a['rounds']} interleaved rounds:",
             "",
@@ -126,7 +186,7 @@ def sweep_section(d: dict[str, Any], stem: str) -> list[str]:
 def long_section(d: dict[str, Any]) -> list[str]:
     a, m, s = d.get("measured_args", d["args"]), d["measured"], d["simulated"]
     out = ["## 4. Long generations", ""]
-    if m:
+    if m.get("long"):
         out += [
             f"MEASURED at cache {a['cache']} behind `{a['link']}` (llama-server -md: in RAM), one request per length, "
             f"{a['long_rounds']} interleaved round(s) after a warm-up round; the pair's context is 1024 tokens, so "
@@ -212,6 +272,7 @@ def render(d: dict[str, Any], out: Path) -> str:
         + sweep_section(d, out.stem)
         + long_section(d)
         + crossover_section(d, out.stem)
+        + sampled_section(d)
     )
     old = out.read_text() if out.exists() else ""
     kept = old[old.index(KEEP_FROM) :] if KEEP_FROM in old else ""

@@ -37,10 +37,21 @@ CONFIGS: dict[str, tuple[SpecConfig, dict[str, Any]]] = {
     "spec+utility eviction only": (K4, {"eviction": "utility"}),
     "spec+utility+cpu": (K4, CPU),
     "spec+utility+cpu fixed level 2": (K4, {**CPU, "balancer_level": 2}),
+    # The utility estimator's ablation: CPU-run experts and speculation, LRU eviction as `spec`'s.
+    "spec+cpu, no utility": (K4, {"eviction": "lru", "cpu_experts": "auto"}),
 }
 RAM_CONFIGS = ("plain", "spec", "spec adaptive+utility+cpu")
 SWEEP_CONFIGS = ("plain", "plain reuse", "spec+utility+cpu", "spec adaptive+utility+cpu")
 LONG_CONFIGS = ("plain reuse", "spec", "spec+utility+cpu")
+SAMPLED_CONFIGS = (
+    "plain",
+    "plain reuse",
+    "spec",
+    "spec+cpu, no utility",
+    "spec+utility+cpu",
+    "spec adaptive+utility+cpu",
+)
+SEED = 4000  # round r's request is seeded SEED + r in every sampled cell
 KEYS = (
     "tok_s",
     "tokens_per_verification",
@@ -86,9 +97,16 @@ def _target() -> str:
     return str(EMBEDDED_TARGET)
 
 
-def engine_figures(om: Any, label: str, prompt: list[int], tokens: int) -> dict[str, Any]:
-    fig = spac_figures(run_cell(om, CONFIGS[label][0], [prompt], tokens))
-    return fig
+def engine_figures(
+    om: Any,
+    label: str,
+    prompt: list[int],
+    tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    r = run_cell(om, CONFIGS[label][0], [prompt], tokens, temperature, seed)
+    return {**spac_figures(r), "token_ids": r["token_ids"]}
 
 
 def measure(
@@ -211,4 +229,44 @@ def long_runs(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str,
     rows = table(res, lambda c: (short, c[1]))
     for r in rows:
         r["tokens"] = r.pop("where")
+    return rows
+
+
+def sampled_table(args: Any, texts: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    """SAMPLED_CONFIGS at --cache behind --link, per prompt text: greedy, sampled at --temperature
+    seeded (round r's request seeded SEED + r in every configuration, so an exact one generates
+    plain's tokens; a proposal is accepted only where it is the token drawn), and sampled unseeded
+    (the rejection rule's acceptance, each cell its own text). Ratios to `plain` of the same text
+    and decoding, and whether every configuration generated plain's tokens in every round (None
+    unseeded)."""
+    link = Setting(args.cache, "disk", args.link)
+    t = args.temperature
+    modes = {
+        "greedy": (0.0, False),
+        f"T = {t:g}, seeded": (t, True),
+        f"T = {t:g}, unseeded": (t, False),
+    }
+    engines = {((x, m), c): engine(link, c) for x in texts for m in modes for c in SAMPLED_CONFIGS}
+    turn = dict.fromkeys(engines, 0)
+
+    def one(cell: tuple[tuple[str, str], str]) -> dict[str, Any]:
+        (text, mode), label = cell
+        r, turn[cell] = turn[cell], turn[cell] + 1
+        prompt = texts[text][r % len(texts[text])]
+        temp, seeded = modes[mode]
+        return engine_figures(
+            engines[cell], label, prompt, args.tokens, temp, SEED + r if seeded else None
+        )
+
+    try:
+        res = interleaved(list(engines), args.rounds, one)
+    finally:
+        close(engines)
+    rows = table(res, lambda c: (c[0], "plain"))
+    for row in rows:
+        where = row.pop("where")
+        plain, mine = res[(where, "plain")], res[(where, row["config"])]
+        same = all(a["token_ids"] == b["token_ids"] for a, b in zip(mine, plain))
+        exact = modes[where[1]][1] or not modes[where[1]][0]  # greedy or seeded
+        row.update(text=where[0], decoding=where[1], same_tokens_as_plain=same if exact else None)
     return rows

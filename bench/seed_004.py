@@ -5,7 +5,9 @@ experts), its tables and ablations run on this project's embedded pair:
 MEASURED (the engine, interleaved rounds on this machine): every configuration and ablation at
 cache 0.25 behind the emulated link, the fixed-threshold balancer against the optimized τ,
 prefetch and eviction apart, the same pair in RAM beside llama-server with and without its draft
-(`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75) and long generations.
+(`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75), long generations, and the exact
+configurations on greedy and on seeded sampled text (`--only-sampled` measures that section alone
+and merges it into the JSON beside --out).
 SIMULATED (engine/offline/, the router trace of the embedded model): the same configurations on
 this machine's profile, PROJECTED onto the paper's hardware and model, and the crossover grid
 (expert load time x compute per extra window row) that says where speculation would pay.
@@ -54,7 +56,7 @@ def parse_args() -> argparse.Namespace:
         "--tokens",
         type=positive_int,
         default=64,
-        help="greedy tokens per request, main table (default 64)",
+        help="tokens per request, main table and sampled-text section (default 64)",
     )
     add(
         "--rounds",
@@ -165,6 +167,25 @@ def parse_args() -> argparse.Namespace:
         default=256,
         help="tokens per crossover cell (default 256)",
     )
+    add(
+        "--sampled-data",
+        type=lambda t: t.split(","),
+        default=["models/embedded/data/test.txt", "models/embedded/data/test_pydocs.txt"],
+        help="texts the sampled-text section's prompts are cut from, comma-separated (default: the test "
+        "split and its Python-docs half)",
+    )
+    add(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature of the sampled-text section (default 0.8; each request seeded)",
+    )
+    add(
+        "--only-sampled",
+        action="store_true",
+        help="measure only the sampled-text section (greedy and seeded sampling, the exact configurations "
+        "and spec+cpu without utility) and merge it into the JSON beside --out, then rewrite the page",
+    )
     add("--no-measure", action="store_true", help="simulate only (the smoke test's setting)")
     add(
         "--measured-from",
@@ -214,16 +235,42 @@ def simulated(args: argparse.Namespace) -> dict:
     }
 
 
-def measured(args: argparse.Namespace) -> dict:
+def _prompts(args: argparse.Namespace, data: str) -> list[list[int]]:
+    """The prompts cut from `data`, the same ones in every section (round r uses prompt r)."""
     from transformers import AutoTokenizer
 
+    from models import EMBEDDED_TARGET
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
+    return cut_prompts(tok, data, max(args.rounds, args.long_rounds) + 1, args.prompt_tokens)
+
+
+def sampled(args: argparse.Namespace) -> list[dict]:
+    from bench.seed004_runs import sampled_table
+
+    return sampled_table(args, {t: _prompts(args, t) for t in args.sampled_data})
+
+
+def sampled_only(args: argparse.Namespace, out: Path) -> dict:
+    """--only-sampled: the sampled-text section measured alone and merged into the JSON of a full
+    run as measured.sampled, with this run's machine, arguments and time as `sampled_run`."""
+    result = json.loads(out.with_suffix(".json").read_text())
+    t0 = time.perf_counter()
+    result["measured"]["sampled"] = sampled(args)
+    result["sampled_run"] = {
+        "machine": machine_line(args.threads),
+        "args": recorded_args(args),
+        "seconds": time.perf_counter() - t0,
+    }
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def measured(args: argparse.Namespace) -> dict:
     from bench.seed004_runs import long_runs, main_table, sweep_table
     from models import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
-    tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
-    prompts = cut_prompts(
-        tok, args.data, max(args.rounds, args.long_rounds) + 1, args.prompt_tokens
-    )
+    prompts = _prompts(args, args.data)
     llama = None
     if args.llama_cpp is not None:
         from bench.seed004_llama import LlamaServers, gguf_pair
@@ -236,6 +283,7 @@ def measured(args: argparse.Namespace) -> dict:
             "main": main_table(args, prompts, llama),
             "sweep": sweep_table(args, prompts),
             "long": long_runs(args, prompts, llama),
+            "sampled": sampled(args),
             "llama": llama is not None,
         }
     finally:
@@ -258,6 +306,8 @@ def main() -> int:
     out = args.out or OUT
     if args.render_only:
         result = json.loads(out.with_suffix(".json").read_text())
+    elif args.only_sampled:
+        result = sampled_only(args, out)
     else:
         t0 = time.perf_counter()
         result = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -73,7 +74,16 @@ def _checked(outputs: list) -> list:
     return outputs
 
 
-def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+def run_cell(
+    om,
+    spec: SpecConfig,
+    prompts: list[list[int]],
+    tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """The prompts decoded together (greedy, or sampled at `temperature` with every request seeded
+    `seed`): decode-phase figures, and each request's generated token ids."""
     proposer, observers = speculation_for(om, spec)
     core = EngineCore.for_model(
         om,
@@ -81,15 +91,20 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         proposer,
         observers,
     )
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=seed, ignore_eos=True)
     for p in prompts:
-        core.add(core.local_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)))
-    started: set[str] = set()
-    while len(started) < len(prompts):
-        started |= {o.request_id for o in _checked(core.step()) if o.token_ids}
+        core.add(core.local_request(p, params))
+    ids: dict[str, list[int]] = {}
+    while len(ids) < len(prompts):
+        for o in _checked(core.step()):
+            if o.token_ids:
+                ids.setdefault(o.request_id, []).extend(o.token_ids)
     om.stats.reset()
     t0, produced = time.perf_counter(), 0
     while core.has_work():
-        produced += sum(len(o.token_ids) for o in _checked(core.step()))
+        for o in _checked(core.step()):
+            produced += len(o.token_ids)
+            ids.setdefault(o.request_id, []).extend(o.token_ids)
     wall = time.perf_counter() - t0
     s = om.stats.snapshot()
     per_layer = [
@@ -106,6 +121,7 @@ def run_cell(om, spec: SpecConfig, prompts: list[list[int]], tokens: int) -> dic
         "stall_share": s["stall_seconds"] / wall,
         "produced": produced,
         "stats": s,  # the whole decode-phase snapshot, for benchmarks that report more
+        "token_ids": list(ids.values()),
     }
 
 

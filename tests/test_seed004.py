@@ -141,8 +141,8 @@ def _rows(labels: list[str], ratio: float = 1.0) -> list[dict]:
     ]
 
 
-def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
-    from bench.seed004_page import render
+def _simulated_only() -> dict:
+    """A simulator-only run's result, as bench/seed_004.py writes it."""
     from bench.seed004_sim import SIM_CONFIGS
 
     labels = [lb for lb in SIM_CONFIGS if lb != "plain"]
@@ -151,7 +151,7 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
         for s in (0.0, 1.0)
         for x in (1.0, 8.0)
     ]
-    d = {
+    return {
         "machine": "Machine: test.",
         "seconds": 60.0,
         "args": {"link": "hdd", "cache": "0.25", "profile": "p", "shape": "s", "proj_tokens": "64"},
@@ -166,6 +166,33 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
             "trace_tokens": 100,
         },
     }
+
+
+def _sampled_rows() -> list[dict]:
+    """Section 6's rows: plain, spec+cpu without and with utility; greedy, seeded and unseeded."""
+    ratios = {"plain": 1.0, "spec+cpu, no utility": 0.6, "spec+utility+cpu": 0.9}
+    return [
+        {
+            "text": "models/embedded/data/test.txt",
+            "decoding": mode,
+            "config": lb,
+            "tok_s": 10.0 * r,
+            "ratio": r + (0.2 if mode == "greedy" else 0.0),
+            "tokens_per_verification": 1.0 if lb == "plain" else tpv,
+            "stall_share": 0.5,
+            "hit_rate": 0.8,
+            "cpu_calls_per_token": 2.0,
+            "same_tokens_as_plain": None if mode.endswith("unseeded") else True,
+        }
+        for mode, tpv in (("greedy", 3.5), ("T = 0.8, seeded", 1.4), ("T = 0.8, unseeded", 2.0))
+        for lb, r in ratios.items()
+    ]
+
+
+def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
+    from bench.seed004_page import render
+
+    d = _simulated_only()
     out = tmp_path / "004.md"
     text = render(d, out)
     assert "2 of 4 crossover cells favour speculation" in text
@@ -173,6 +200,51 @@ def test_the_page_renders_from_a_simulator_only_run(tmp_path: Path) -> None:
     assert "PROJECTED fixed level 1 1.30×" in text
     out.write_text(text + "\n## Why the results differ\n\nkept\n")
     assert render(d, out).endswith("kept\n")  # the hand-written analysis survives a rerun
+
+
+def test_only_sampled_merges_its_section_and_the_page_reports_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import bench.seed004_runs
+    from bench.__main__ import cli
+
+    d = _simulated_only()
+    d["measured"] = {"main": [], "sweep": [], "long": [], "llama": False}
+    out = tmp_path / "004.md"
+    out.with_suffix(".json").write_text(json.dumps(d))
+    seen = {}
+
+    def fake(args, texts):  # the engine's cells stand in: only the merge and the page are tested
+        seen.update(texts=list(texts), temperature=args.temperature)
+        return _sampled_rows()
+
+    monkeypatch.setattr(bench.seed004_runs, "sampled_table", fake)
+    data = "models/embedded/data/test.txt"
+    assert cli(["seed-004", "--only-sampled", "--sampled-data", data, "--out", str(out)]) == 0
+    assert seen == {"texts": [data], "temperature": 0.8}
+    merged = json.loads(out.with_suffix(".json").read_text())
+    assert merged["measured"]["sampled"] == _sampled_rows()
+    assert merged["simulated"] == d["simulated"] and "sampled_run" in merged
+    text = out.read_text()
+    assert "## 6. Sampled text" in text and "`python -m bench seed-004 --only-sampled`" in text
+    assert (
+        "on seeded sampled text (T = 0.8, section 6: every configuration generates plain's tokens) "
+        "spec+utility+cpu, × plain, is 0.90× on test.txt at 1.40 tokens a verification (greedy in the same "
+        "run: 1.10× on test.txt), and the best exact configuration there is plain (1.00× on test.txt, 1.00 "
+        "tokens a verification); unseeded (2.00 tokens a verification, each cell its own text) 0.90× on test.txt"
+        in text
+    )
+    assert (
+        "test.txt, greedy: without 0.80× vs with 1.10×; test.txt, T = 0.8, seeded: without 0.60× vs with 0.90×"
+        in text
+    )
+    assert "PROJECTED without 1.30× vs with 1.30×" in text  # the simulator's ablation label
+    assert "| test.txt | T = 0.8, seeded | spec+cpu, no utility | 6.0 | 0.60× | 1.40 |" in text
+    assert (
+        "| test.txt | T = 0.8, unseeded | plain | 10.0 | 1.00× | 1.00 | 50% | 80% | 2.0 | – |"
+        in text
+    )
+    assert "every greedy and seeded configuration generated plain's tokens" in text
 
 
 @pytest.mark.slow  # 10-20 s on 2 cores: every simulated table on a small synthetic trace
