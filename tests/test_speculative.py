@@ -19,7 +19,7 @@ from engine.speculative.config import SpecConfig
 from engine.speculative.factory import check_draft, make_speculation
 from engine.speculative.ngram import lookup
 from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
+from engine.worker.sampling import SamplingParams, seeded_draw, target_probs
 from engine.worker.verify import verify_window
 from models import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from policies.adaptive_k import AdaptiveK
@@ -222,6 +222,20 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_ckpt, tiny_draft:
         assert a == _run(om, spec, [[5, 6, 7], [9, 10]], params)
     finally:
         om.close()
+
+
+def test_a_seeded_request_accepts_proposals_drawn_with_its_uniform() -> None:
+    """A seeded request keeps a proposal only where it equals the token the target draws with the seed's
+    uniform at that position (verify_window); the draft draws its proposals with the same uniform
+    (`seeded_draw`), so a draft whose distribution is the target's has every proposal accepted, where a
+    stream of its own matched about the sum of p squared of them."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 64, generator=g) * 0.5  # flat: sum of p^2 about 1/50
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    first = 40
+    drafts = [seeded_draw(target_probs(logits[i], params), 11, first + i) for i in range(4)]
+    out = verify_window(logits, drafts, params, None, lambda row, _: row, first_position=first)
+    assert out[:4] == drafts and len(out) == 5
 
 
 def test_sensor_reports_window_counts(tiny_ckpt) -> None:

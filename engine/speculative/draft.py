@@ -22,7 +22,13 @@ from engine.speculative.proposals import ProposerBase, history, with_drafts
 from engine.worker.kv_cache import new_kv_cache
 from engine.worker.loaded_model import LoadedModel
 from engine.worker.runner import ModelRunner, truncate_cache
-from engine.worker.sampling import draw, make_generator, process_logits, target_probs
+from engine.worker.sampling import (
+    draw,
+    make_generator,
+    process_logits,
+    seeded_draw,
+    target_probs,
+)
 
 
 class DraftProposer(ProposerBase):
@@ -118,7 +124,14 @@ class DraftProposer(ProposerBase):
         if req.params.greedy:
             return int(torch.argmax(logits)), None
         q = target_probs(logits, req.params)  # [V]
-        return draw(q, self.generators[w.request_id]), q
+        if req.params.seed is None:
+            return draw(q, self.generators[w.request_id]), q
+        # A seeded request keeps a proposal only where it is the token the target draws at that position
+        # (engine/worker/verify.py), with the uniform of the seed and the position: the draft draws with
+        # that same uniform, so where q and the target's distribution agree around it, so do the tokens
+        # (1.2 tokens a verification with the draft's own stream on the embedded pair at T = 0.8).
+        at = len(history(w)) - 1 + len(proposed)  # the row that predicts this token
+        return seeded_draw(q, req.params.seed, at), q
 
 
 def catch_up_kind(starts: list[int]) -> str:
@@ -130,12 +143,8 @@ def catch_up_kind(starts: list[int]) -> str:
 
 
 def _draft_generator(w: SeqWork, device: torch.device) -> torch.Generator | None:
-    g = make_generator(w.req.params, device)
-    if g is not None and w.req.params.seed is not None:
-        g.manual_seed(
-            (w.req.params.seed * 1_000_003 + 17) % 2**63
-        )  # its own stream, still reproducible
-    return g
+    """An unseeded sampling request's proposal stream (a seeded one draws by position: `_choose`)."""
+    return make_generator(w.req.params, device) if w.req.params.seed is None else None
 
 
 def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:

@@ -22,6 +22,13 @@ def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Ge
     return g
 
 
+def seeded_draw(weights: torch.Tensor, seed: int, position: int) -> int:
+    """The token a seeded request draws from [V] `weights` at the row `position`: the target's own
+    token (engine/worker/verify.py) and the draft's proposal there (engine/speculative/draft.py) use
+    this one uniform, so where the two distributions agree around it, so do the tokens."""
+    return draw(weights, seeded_generator(seed, position, weights.device))
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     if params.greedy:
         return None

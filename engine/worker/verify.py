@@ -32,7 +32,7 @@ from engine.worker.sampling import (
     draw,
     greedy_token,
     sample,
-    seeded_generator,
+    seeded_draw,
     target_probs,
 )
 
@@ -53,8 +53,8 @@ def verify_window(
     out: list[int] = []
     if params.seed is not None and not params.greedy and first_position is not None:
         for i in range(len(drafts) + 1):
-            g = seeded_generator(params.seed, first_position + i, logits.device)
-            out.append(sample(process(logits[i], out), params, g))
+            p = target_probs(process(logits[i], out), params)
+            out.append(seeded_draw(p, params.seed, first_position + i))
             if i == len(drafts) or out[-1] != drafts[i]:
                 return out
     for i, d in enumerate(drafts):
