@@ -385,3 +385,23 @@ def test_adaptive_k_keeps_its_plain_baseline_fresh() -> None:
     k.observe_proposal_time(2, 0.005, step_seconds=0.050)
     # Measured against the plain step, not the longer verification step that followed.
     assert k.proposal_cost == pytest.approx((1 - k.decay) * 0.005 / k._plain_step[2])
+
+
+def test_the_seeded_race_draws_each_token_by_its_weight_and_couples_close_distributions() -> None:
+    """seeded_draw picks each index with probability weight / sum (never a zero weight), a function of the
+    seed and position alone; two close distributions raced with the same draws agree at least
+    (1 - d) / (1 + d) of the time, d their total variation distance."""
+    w = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    n = 20000
+    counts = torch.bincount(torch.tensor([seeded_draw(w, 7, pos) for pos in range(n)]), minlength=5)
+    assert counts[4] == 0
+    assert torch.allclose(counts[:4] / n, w[:4], atol=0.015), counts
+    assert [seeded_draw(w, 7, pos) for pos in range(50)] == [
+        seeded_draw(w, 7, pos) for pos in range(50)
+    ]
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(64, generator=g), 0)
+    q = torch.softmax(torch.log(p) + 0.3 * torch.randn(64, generator=g), 0)
+    d = float((p - q).abs().sum()) / 2
+    same = sum(seeded_draw(p, 3, pos) == seeded_draw(q, 3, pos) for pos in range(4000)) / 4000
+    assert same >= (1 - d) / (1 + d) - 0.02, (same, d)

@@ -23,10 +23,17 @@ def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Ge
 
 
 def seeded_draw(weights: torch.Tensor, seed: int, position: int) -> int:
-    """The token a seeded request draws from [V] `weights` at the row `position`: the target's own
-    token (engine/worker/verify.py) and the draft's proposal there (engine/speculative/draft.py) use
-    this one uniform, so where the two distributions agree around it, so do the tokens."""
-    return draw(weights, seeded_generator(seed, position, weights.device))
+    """The token a seeded request draws from [V] `weights` at the row `position`: an exponential race,
+    argmax of weight / e over one Exp(1) draw e per token from the seed and the position, which picks
+    each token with probability weight / sum. The target's own token (engine/worker/verify.py) and the
+    draft's proposal there (engine/speculative/draft.py) race with the same e, so the two agree with
+    probability at least (1 - d) / (1 + d) for distributions d apart in total variation, where two
+    inverse-CDF draws at one shared uniform drift apart with every token the cumulative sums differ on."""
+    g = seeded_generator(seed, position, weights.device)
+    e = torch.empty(weights.shape, dtype=torch.float64, device=weights.device).exponential_(
+        generator=g
+    )
+    return int(torch.argmax(weights.double() / e))  # the one host read
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
