@@ -14,11 +14,13 @@ token when every proposal is accepted.
 p comes from the same processing as plain sampling (penalties, min_tokens EOS ban,
 temperature, top-k, top-p), applied per row with the tokens accepted before it, so it is a
 valid distribution whatever the logits hold (engine/worker/sampling.py).
-- Seeded sampling (a request with a `seed`): each row draws the target's own token with a
-  generator of the seed and the row's position (`seeded_generator`), and a proposal is accepted
-  only where it equals that token. The output is then exactly plain seeded sampling's, token
-  for token, with or without speculation and whatever shares the step; the price is acceptance
-  p(d) per proposal instead of min(1, p(d) / q(d)).
+- Seeded sampling (a request with a `seed`): each row draws the target's own token by a race of
+  the seed's and the row position's random draws (`seeded_draw`), and a proposal is accepted only
+  where it equals that token. The output is then exactly plain seeded sampling's, token for
+  token, with or without speculation and whatever shares the step. The draft proposes by the same
+  race (engine/speculative/draft.py), so a proposal matches with probability at least
+  (1 - d) / (1 + d), d the total variation between the two distributions, against
+  1 - d for the rule above.
 """
 
 from __future__ import annotations
