@@ -104,9 +104,10 @@ def sampled_section(d: dict[str, Any]) -> list[str]:
         "(round r uses the text's prompt r in every cell). Each configuration runs greedy and sampled at "
         f"T = {float(a['temperature']):g}, seeded and unseeded. Seeded, round r's request is seeded {SEED} + r: the "
         "engine draws a seeded token from the seed and its position alone, so an exact configuration, with or without "
-        "speculation, generates the same text, and a proposal is accepted only where it is the token drawn (p(d) a "
-        "proposal, engine/worker/verify.py). Unseeded, a proposal is accepted by the rejection rule (min(1, p(d) / q(d))): "
-        "the same distribution, higher acceptance, but each cell samples its own text. "
+        "speculation, generates the same text, and a proposal is accepted only where it is the token drawn; the draft "
+        "proposes by the same race of the seed's draws (engine/worker/sampling.py `seeded_draw`), so the two agree "
+        "about as often as the rejection rule accepts. Unseeded, a proposal is accepted by the rejection rule "
+        "(min(1, p(d) / q(d))), and each cell samples its own text. "
         + (
             "Checked: in every round every greedy and seeded configuration generated plain's tokens."
             if same
