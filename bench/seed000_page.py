@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.seed000_generation import generation_claim, generation_section
 from bench.seed000_stats import at_share
 
 KEEP_FROM = "\n## Why the results differ"
@@ -109,6 +110,7 @@ def claims(d: dict[str, Any]) -> list[str]:
         + (f", {sf_over_thr(gen)} generating" if gen else "")
         + f" (ratio of the two × fetch-all), PROJECTED {pj['speed-first']['tok_s'] / pj['threshold']['tok_s']:.2f}×; PPL {gain('speed-first'):+.2f} % | 7 |",
         llama_claim(d),
+        generation_claim(d),
     ]
 
 
@@ -230,7 +232,7 @@ def sections(d: dict[str, Any], stem: str) -> list[str]:
         "",
     ]
     out += speed_sections(d)
-    return out + llama_section(d)
+    return out + llama_section(d) + generation_section(d)
 
 
 def quartiles(xs: list[float]) -> str:
@@ -397,7 +399,7 @@ def render(d: dict[str, Any], out: Path) -> str:
         "# Seed 000: which expert misses are worth waiting for (substitution and caching), run here",
         "",
         f"- **Result:** {result_line(d)}",
-        "- **Command:** `python -m bench seed-000` (bench/seed_000.py: sections 1-7, the plots and the JSON); section 8 "
+        "- **Command:** `python -m bench seed-000` (bench/seed_000.py: sections 1-7 and 9, the plots and the JSON; section 9 alone: `--only-generation`); section 8 "
         "is a run of its own, `python -m bench seed-000 --llama-cpp DIR --only-llama` (DIR: a llama.cpp source tree with "
         "build/bin/llama-server; bench/seed000_llama.py), merged into the JSON"
         + contrast_command(d)

@@ -30,6 +30,7 @@ from bench.seed000_experiments import (
     rows,
     topic_shift,
 )
+from bench.seed000_generation import generation_test
 from bench.seed000_page import render, write_plots
 from bench.seed000_runs import Setup, shift_windows, spread_windows, tokenize
 from bench.seed000_speed import measured_speed, projected_speed
@@ -169,6 +170,24 @@ def parse_args() -> argparse.Namespace:
         "and merge it into the JSON beside --out (give the --data, --tokens and --window it was made with)",
     )
     ap.add_argument(
+        "--gen-prompts",
+        type=positive_int,
+        default=16,
+        help="generation test: held-out prompts of 32 tokens (default 16)",
+    )
+    ap.add_argument(
+        "--gen-tokens",
+        type=positive_int,
+        default=64,
+        help="generation test: greedy tokens per prompt and policy (default 64)",
+    )
+    ap.add_argument(
+        "--only-generation",
+        action="store_true",
+        help="run only the generation test (each policy's greedy text against fetch-all's) and merge it into "
+        "the JSON beside --out",
+    )
+    ap.add_argument(
         "--llama-tokens",
         type=positive_int,
         default=64,
@@ -294,7 +313,7 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path("docs/seeds/000-substitution.md")
-    if args.render_only or args.only_llama or args.only_contrast:
+    if args.render_only or args.only_llama or args.only_contrast or args.only_generation:
         result = json.loads(out.with_suffix(".json").read_text())
         setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
         if args.only_llama:
@@ -303,7 +322,9 @@ def main() -> int:
             result["llama"] = against_llama(args, setup)
         if args.only_contrast:
             only_contrast(args, setup, result)
-        if args.only_llama or args.only_contrast:
+        if args.only_generation:
+            result["generation"] = generation_test(args, setup)
+        if args.only_llama or args.only_contrast or args.only_generation:
             out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         write_plots(result, out)
         out.write_text(render(result, out))
@@ -324,6 +345,7 @@ def main() -> int:
             setup.model_dir, args.cache_fraction, args.link, chunks, prompts, args.speed_tokens
         )
     projected = projected_speed(trace, args.profile, args.shape, args.cache_fraction, q["tokens"])
+    generation = generation_test(args, setup)
     result = {
         "machine": machine_line(args.threads),
         "model": portable_path(setup.model_dir),
@@ -334,6 +356,7 @@ def main() -> int:
         **q,
         "speed": speed,
         "projected": projected,
+        "generation": generation,
     }
     if args.llama_cpp is not None:
         result["llama"] = against_llama(args, setup)

@@ -122,6 +122,7 @@ def test_the_command_runs_end_to_end_on_a_tiny_checkpoint(tiny_ckpt, tmp_path) -
     args = ["--model", str(ckpt), "--data", str(tmp_path / "test.txt"), "--tokens", "64"]
     args += ["--window", "32", "--shift", "a,b", "--shift-windows", "2", "--shift-window", "16"]
     args += ["--speed-windows", "1", "--speed-window", "8", "--match-tries", "2", "--out", str(out)]
+    args += ["--gen-prompts", "2", "--gen-tokens", "8"]
     assert cli(["seed-000", *args]) == 0
     d = json.loads(out.with_suffix(".json").read_text())
     labels = {r["label"] for r in d["table"]}
@@ -132,6 +133,10 @@ def test_the_command_runs_end_to_end_on_a_tiny_checkpoint(tiny_ckpt, tmp_path) -
     text = out.read_text()
     assert "## 2. The protection contrast at matched substitution shares" in text
     assert (out.parent / "000-shift.png").exists() and (out.parent / "000-mass.png").exists()
+    gen = {r["label"]: r for r in d["generation"]["rows"]}
+    assert set(gen) == {"fetch-all", "threshold", "first-choice", "quality-first", "speed-first"}
+    assert gen["fetch-all"]["token_match"] == 1.0 and gen["fetch-all"]["identical_prompts"] == 2
+    assert "## 9. Generation" in text
     # The contrast at another cutoff, measured on its own and merged into the JSON and the page.
     assert cli(["seed-000", *args, "--only-contrast", "--contrast-cutoffs", "0.12"]) == 0
     d = json.loads(out.with_suffix(".json").read_text())
