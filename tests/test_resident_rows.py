@@ -76,7 +76,8 @@ def test_a_step_with_an_expert_missing_streams_expert_by_expert(
         tiny_ckpt("qwen3_moe"),
         EngineConfig(device="cpu", forward="lean", cache_fraction=0.25, warm_start=False),
     )
-    calls = _count_calls(monkeypatch, "_run_experts")  # every routed-experts call: one expert's rows too
+    # every routed-experts call: a missed expert's rows too
+    calls = _count_calls(monkeypatch, "_run_experts")
     got = _prefill(om, PROMPT)
     layers = om.config.num_hidden_layers
     om.close()
