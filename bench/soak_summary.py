@@ -133,13 +133,15 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     ]
     lost = [r for r in reqs if r["outcome"] == "lost"]
     restarts = [k["restart_s"] for k in raw["kills"]]
-    # A client recovered when it completed a request after the last fault's restart was done.
+    # A client recovered when it completed a request after the last fault's restart was done: its end,
+    # not its start, after it (an agent CLI's session runs tens of seconds, so one that began while the
+    # engine restarted and ended served is the recovery; asking for a start after it raced the drain).
     back = max((t1 - WINDOW_MARGIN_S for _, t1, _ in windows), default=0.0)
     recovered = {
         c: any(
             r["client"] == c
             and r["outcome"] in ("complete", "error", "disconnected")
-            and r["t0"] >= back
+            and r["t1"] >= back
             for r in reqs
         )
         for c in per_client

@@ -173,6 +173,9 @@ def test_each_cut_request_is_laid_to_the_fault_that_cut_it() -> None:
             _req("agent_cli", 101.0, 503, CLI_FAULT),
             _req("agent_cli", 90.0, 500, CLI_FAULT),  # in no window: not explained
             _req("openai_chat", 95.0, 200, "", "complete"),
+            # an agent session begun while the engine restarted, ended served after: recovered
+            {**_req("responses", 96.0, 200, "", "complete"), "t0": 70.0},
+            _req("slow_reader", 77.0, 200, "", "complete"),  # ended before the restart was done
         ],
     }
     s = summarize(raw)
@@ -187,3 +190,5 @@ def test_each_cut_request_is_laid_to_the_fault_that_cut_it() -> None:
     # Recovered: a completed request after the last fault's restart (60 + 18 s).
     assert s["recovered_after_last_kill"]["openai_chat"] is True
     assert s["recovered_after_last_kill"]["anthropic"] is False
+    assert s["recovered_after_last_kill"]["responses"] is True
+    assert s["recovered_after_last_kill"]["slow_reader"] is False
