@@ -9,7 +9,7 @@ instance, and whether the kernels run at all, are engine/native/loaded.py's (`na
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -20,7 +20,31 @@ from engine.native.structs import Experts, Routes, Rows, Weight
 
 __all__ = ["MAX_ROWS", "W_CODES", "X_CODES", "NativeKernels"]
 _P = ctypes.c_void_p
-_ONE_ROW = torch.empty(1, 0)  # _routing reads only its row count
+
+
+def _address_tables(
+    slots: Sequence[Sequence[int]], columns: Iterable[int]
+) -> dict[int, ctypes.Array]:
+    """An address table (a C array, one entry a slot) for each slot column in `columns`: only those the
+    kernel reads, each built per call on the decode's path."""
+    return {j: (_P * len(slots))(*(s[j] for s in slots)) for j in columns}
+
+
+def _swiglu_experts(
+    slots: Sequence[Sequence[int]], weight_dtype: torch.dtype, hidden: int, intermediate: int
+) -> Experts:
+    """The descriptor of SwiGLU experts at `slots` (each: gate_up, its int8 scales, down, its scales; 0:
+    none): their address tables (the scales' only for int8 slots) and their form."""
+    table = _address_tables(slots, (0, 1, 2, 3) if weight_dtype == torch.int8 else (0, 2))
+    return Experts(
+        gate_up=table[0],
+        gate_up_scale=table.get(1),
+        down=table[2],
+        down_scale=table.get(3),
+        wtype=W_CODES[weight_dtype],
+        H=hidden,
+        I=intermediate,
+    )
 
 
 class NativeKernels(RouteKernels):
@@ -42,20 +66,23 @@ class NativeKernels(RouteKernels):
         return f"native CPU kernels, build {self.variant} ({isa})"
 
     @staticmethod
+    def _routes(x: torch.Tensor, ids: Sequence[int], weights: Sequence[float]) -> Routes:
+        """The routes of rows x: R rows, k experts a row, the ids and weights as C arrays."""
+        R, n = x.shape[0], len(ids)
+        ids_c, weights_c = (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights)
+        return Routes(ids=ids_c, w=weights_c, R=R, k=n // max(R, 1))
+
     def _routing(
+        self,
         x: torch.Tensor,
         slots: Sequence[Sequence[int]],
         ids: Sequence[int],
         weights: Sequence[float],
-        columns: Sequence[int],
+        columns: Iterable[int],
     ) -> tuple[Routes, dict[int, ctypes.Array]]:
-        """The routed expert kernels' common arguments: the routes (R rows, k experts a row, the ids and
-        weights as C arrays), and an address table for each slot column in `columns` (only those the
-        kernel reads: each table is a ctypes array built per call, on the decode's path)."""
-        R, n = x.shape[0], len(ids)
-        tables = {j: (_P * len(slots))(*(s[j] for s in slots)) for j in columns}
-        ids_c, weights_c = (ctypes.c_int64 * n)(*ids), (ctypes.c_float * n)(*weights)
-        return Routes(ids=ids_c, w=weights_c, R=R, k=n // max(R, 1)), tables
+        """The routed expert kernels' common arguments: the routes and an address table for each slot
+        column in `columns`."""
+        return self._routes(x, ids, weights), _address_tables(slots, columns)
 
     def _run_experts(
         self,
@@ -176,7 +203,7 @@ class NativeKernels(RouteKernels):
         n = x.shape[0]  # every row to expert 0 of a one-expert table, weight 1
         # The slot's table and the unit routes are kept (a missed expert's rows run this once each
         # on the decode path; building the C arrays per call cost a third of its Python).
-        experts = self._one_expert(slot, W_CODES[weight_dtype], hidden, intermediate)
+        experts = self._one_expert(slot, weight_dtype, hidden, intermediate)
         routes = self._unit_routes(n)
         out = torch.empty((n, hidden), dtype=x.dtype)
         rc = self._run_experts(
@@ -187,30 +214,14 @@ class NativeKernels(RouteKernels):
         return out
 
     def _one_expert(
-        self, slot: tuple[int, ...], wtype: int, hidden: int, intermediate: int
+        self, slot: tuple[int, ...], weight_dtype: torch.dtype, hidden: int, intermediate: int
     ) -> Experts:
-        """The descriptor of a one-expert table at `slot` (gate_up, its scales, down, its scales; 0:
-        none), built on first use and kept as _fixed keeps its descriptors."""
-        key = (Experts, slot, wtype, hidden, intermediate)
+        """The descriptor of a one-expert table at `slot`, built on first use and kept as _fixed keeps
+        its descriptors."""
+        key = (Experts, slot, weight_dtype, hidden, intermediate)
         found = self._fixed_structs.get(key)
         if found is None:
-            quantized = wtype == W_CODES[torch.int8]
-            one = [slot]
-            _, table = self._routing(
-                _ONE_ROW, one, [0], [1.0], (0, 1, 2, 3) if quantized else (0, 2)
-            )
-            found = self._keep(
-                key,
-                Experts(
-                    gate_up=table[0],
-                    gate_up_scale=table.get(1),
-                    down=table[2],
-                    down_scale=table.get(3),
-                    wtype=wtype,
-                    H=hidden,
-                    I=intermediate,
-                ),
-            )
+            found = self._keep(key, _swiglu_experts([slot], weight_dtype, hidden, intermediate))
         return found  # type: ignore[return-value]
 
     def _unit_routes(self, n: int) -> Routes:
@@ -238,18 +249,9 @@ class NativeKernels(RouteKernels):
         distinct experts slots[ids[r * k + j]] (each slot: gate_up, its int8 scales, down, its scales; 0: none),
         scaled by weights[r * k + j], summed in ascending slot index -> [R, H] in x's dtype. Each row's result
         is the one it gets alone."""
-        quantized = weight_dtype == torch.int8
-        routes, table = self._routing(x, slots, ids, weights, (0, 1, 2, 3) if quantized else (0, 2))
+        routes = self._routes(x, ids, weights)
         out = torch.empty((x.shape[0], hidden), dtype=x.dtype)
-        experts = Experts(
-            gate_up=table[0],
-            gate_up_scale=table.get(1),
-            down=table[2],
-            down_scale=table.get(3),
-            wtype=W_CODES[weight_dtype],
-            H=hidden,
-            I=intermediate,
-        )
+        experts = _swiglu_experts(slots, weight_dtype, hidden, intermediate)
         rc = self._run_experts(
             "moe_swiglu_rows_call", experts, routes, x, out, "moe_rows_work_bytes"
         )
