@@ -57,23 +57,16 @@ class DiskEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if (
-            flat.numel() == 1
-        ):  # a one-row decode step: no unique, stack or gather (a twentieth of a token)
+        if flat.numel() == 1:
+            # A one-row decode step: no unique, stack or gather (a twentieth of a token); a copy of the
+            # row, which callers update in place.
             i = int(flat.item())
-            if not 0 <= i < self.num_embeddings:
-                raise IndexError(
-                    f"token id out of range for an embedding of {self.num_embeddings} rows"
-                )
+            self._check_ids(i, i)
             with self._lock:
                 row = self._row(i)
-            return row.clone().view(
-                *ids.shape, self.embedding_dim
-            )  # a copy: callers update rows in place
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"token id out of range for an embedding of {self.num_embeddings} rows"
-            )
+            return row.clone().view(*ids.shape, self.embedding_dim)
+        if flat.numel():
+            self._check_ids(int(flat.min()), int(flat.max()))
         unique, inverse = torch.unique(flat, return_inverse=True)
         with self._lock:
             rows = (
@@ -84,6 +77,12 @@ class DiskEmbedding(nn.Module):
         if rows is None:
             return torch.empty((*ids.shape, self.embedding_dim), dtype=torch_dtype(self.loc.dtype))
         return rows[inverse].view(*ids.shape, self.embedding_dim)
+
+    def _check_ids(self, lowest: int, highest: int) -> None:
+        if lowest < 0 or highest >= self.num_embeddings:
+            raise IndexError(
+                f"token id out of range for an embedding of {self.num_embeddings} rows"
+            )
 
     def _row(self, i: int) -> torch.Tensor:
         row = self._rows.get(i)
