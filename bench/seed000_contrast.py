@@ -4,8 +4,8 @@ share, for each protected cutoff asked (`--contrast-cutoffs`).
 The full page's run measures it at the cutoffs it is given (by default the 0.15 rule's, where this
 model's flat gates substitute a third of calls). `--only-contrast` measures further cutoffs on their
 own and merges them into the page's JSON, for the paper's kind of share (7.5 %) without rerunning the
-page: fetch-all and each protected rule are scored again on the same windows, and fetch-all must
-score what the JSON's fetch-all scored (the same tokens), or the run stops.
+page: fetch-all is scored again on the same windows and must score what the JSON's fetch-all scored
+(the same tokens), or the run stops; a protected rule the policy table lacks is scored too.
 """
 
 from __future__ import annotations
@@ -97,10 +97,12 @@ def only_contrast(args: argparse.Namespace, setup: Setup, result: dict[str, Any]
             f"{before['ppl']:.4f} in the JSON; give the --data, --tokens and --window it was made "
             "with (or the engine's numbers changed since: rerun the page)"
         )
-    protected, apart = protected_rows(args, setup, chunks, {}, ref)
+    # The JSON's policy table was scored on these windows (fetch-all agrees): its rows are the protected
+    # rules' where it has them.
+    known = {r["label"]: r for r in result["table"]}
+    protected, apart = protected_rows(args, setup, chunks, known, ref)
     gates = normalized_gates(router_trace(setup, chunks, args.window)["weights"])
     result["contrast"].update(contrasts(args, setup, chunks, gates, protected, ref))
     result.setdefault("contrast_protected", {}).update(apart)
-    result.setdefault("contrast_runs", []).append(
-        args.contrast_cutoffs
-    )  # the page's Command line names them
+    # the page's Command line names the cutoffs of each run of its own
+    result.setdefault("contrast_runs", []).append(args.contrast_cutoffs)

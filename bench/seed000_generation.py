@@ -34,9 +34,8 @@ def _continuations(setup: Setup, label: str, prompts: list[list[int]], tokens: i
             before = om.stats.snapshot()["substituted_mass"]
             c = generate(om, p, SamplingParams(max_tokens=tokens, ignore_eos=True))
             mass = om.stats.snapshot()["substituted_mass"] - before
-            rows = (
-                len(p) + tokens - 1
-            )  # the prompt's rows and every decode row but the last token's
+            # the prompt's rows and every decode row but the last token's
+            rows = len(p) + tokens - 1
             out.append({"tokens": c.token_ids, "mass": mass / (rows * len(om.moe_layers))})
         return out
     finally:
