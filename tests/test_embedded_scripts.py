@@ -53,3 +53,13 @@ def test_the_train_parser_reads_every_recorded_command_line() -> None:
         assert args.stage in ("target", "draft"), argv
     first = build_parser(None).parse_args(log["target"]["phases"][0])
     assert (first.arch, first.target_steps, first.sticky_cap) == ("glm4_moe", 1000, 3.0)
+
+
+def test_the_long_pairs_recorded_command_line_reads() -> None:
+    from models.embedded.training.args import build_parser
+
+    log = json.loads((EMBEDDED / "long" / "train_log.json").read_text())
+    args = build_parser(None).parse_args(log["args"]["argv"])
+    assert (args.stage, args.context, args.seq_len) == ("long", 4096, 4096)
+    assert log["long_target"]["steps_done"] == args.long_target_steps
+    assert log["long_draft"]["steps_done"] == args.long_draft_steps

@@ -41,8 +41,16 @@ from models.embedded.training.data import (
     load_stream,
     target_continuations,
 )
+from models.embedded.training.long_context import train_long_pair
 from models.embedded.training.loop import train_one
-from models.embedded.training.paths import DATA, DRAFT_DIR, HERE, LOG_JSON, TARGET_DIR
+from models.embedded.training.paths import (
+    DATA,
+    DRAFT_DIR,
+    HERE,
+    LOG_JSON,
+    LONG_LOG_JSON,
+    TARGET_DIR,
+)
 
 
 @dataclass
@@ -69,8 +77,14 @@ def main(argv=None):
     ensure_corpus()
     corpus = load_corpus(args)
     resume = args.target_resume and args.stage in ("both", "target")
-    log = start_log(args, resume, corpus)
     argv_list = list(argv if argv is not None else sys.argv[1:])
+    if args.stage == "long":  # its own log beside the long pair; the main pair's log is not touched
+        os.makedirs(os.path.dirname(LONG_LOG_JSON), exist_ok=True)
+        args.argv, args.log_json = argv_list, LONG_LOG_JSON
+        train_long_pair(args, corpus, {"args": vars(args)}, make_regulariser)
+        print("done", flush=True)
+        return
+    log = start_log(args, resume, corpus)
 
     tcfg, dcfg = target_config(args), draft_config(args)
     ta, da = active_params(tcfg), active_params(dcfg)

@@ -76,6 +76,7 @@ def intro_and_rebuild(x: Card) -> list[str]:
         "* `data/`: `valid.txt`, `test.txt` and per-domain `valid_*.txt`, `test_*.txt` (documents separated by "
         "`\\n<|endoftext|>\\n`)\n"
         "* `corpus_stats.json`, `train_log.json`, `eval.json`; scripts `build_corpus.py`, `train.py` (its stages in `training/`), `evaluate.py` (its stages in `evaluation/`)\n"
+        "* `long/`: the long-context pair, the same two models fine-tuned on 4096-token windows with a 4096-token context (`train.py --stage long`, evaluated by `long_eval.py`): [its card](long/README.md)\n"
     )
     L.append("## Rebuild\n")
     cmds = [

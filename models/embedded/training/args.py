@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from models.embedded.training.paths import LOG_JSON
+
 
 def build_parser(description: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -14,7 +16,42 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     _add_shape_and_balance_flags(ap)
     _add_locality_resume_and_schedule_flags(ap)
     _add_optimiser_draft_and_output_flags(ap)
+    _add_long_context_flags(ap)
+    ap.set_defaults(log_json=LOG_JSON)  # where train_one writes the log (the long stage: its own)
     return ap
+
+
+def _add_long_context_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=4096,
+        help="--stage long: the long pair's context (max_position_embeddings; default 4096)",
+    )
+    ap.add_argument(
+        "--long-target-steps",
+        type=int,
+        default=250,
+        help="--stage long: optimiser steps of the target (default 250)",
+    )
+    ap.add_argument(
+        "--long-target-lr",
+        type=float,
+        default=1e-3,
+        help="--stage long: peak learning rate of the target (default 1e-3)",
+    )
+    ap.add_argument(
+        "--long-draft-steps",
+        type=int,
+        default=150,
+        help="--stage long: optimiser steps of the draft, distilled from the long target (default 150)",
+    )
+    ap.add_argument(
+        "--long-draft-lr",
+        type=float,
+        default=2e-3,
+        help="--stage long: peak learning rate of the draft (default 2e-3)",
+    )
 
 
 def _add_calibration_run_and_arch_flags(ap: argparse.ArgumentParser) -> None:
@@ -39,9 +76,10 @@ def _add_calibration_run_and_arch_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--stage",
-        choices=["both", "target", "draft", "calibrate"],
+        choices=["both", "target", "draft", "calibrate", "long"],
         default="both",
-        help="train target then draft (both), or only one; 'draft' loads the saved target as teacher",
+        help="train target then draft (both), or only one; 'draft' loads the saved target as teacher; "
+        "'long' fine-tunes the saved pair on --seq-len windows into models/embedded/long/",
     )
     ap.add_argument(
         "--seed", type=int, default=0, help="seed for init, batch sampling and chat synthesis"

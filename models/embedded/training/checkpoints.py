@@ -46,8 +46,11 @@ def save_model(model, out_dir, tok):
     json.dump(cfg, open(p, "w"), indent=2)
 
 
-def write_log(log):
-    json.dump(log, open(LOG_JSON, "w"), indent=2)
+def write_log(log, path=LOG_JSON):
+    """Write the training log; the main pair's log (LOG_JSON) also redraws its loss curves."""
+    json.dump(log, open(path, "w"), indent=2)
+    if path != LOG_JSON:
+        return
     try:
         import matplotlib
 

@@ -214,12 +214,12 @@ def train_one(
             rec["train_seconds"] = time.time() - t0 + rec.get("seconds_before_resume", 0.0)
             rec["steps_done"] = s + 1
             save_model(model, out_dir, tok)
-            write_log(log)
+            write_log(log, args.log_json)
         if last:
             break
     rec["train_seconds"] = time.time() - t0 + rec.get("seconds_before_resume", 0.0)
     rec["steps_done"] = s + 1
-    write_log(log)
+    write_log(log, args.log_json)
     return model
 
 
