@@ -321,7 +321,10 @@ def _long_claim(d: dict[str, Any]) -> str:
         if sim
         else "–"
     )
+    run = d.get("long_run")
+    a = run["args"] if run else d.get("measured_args", d["args"])
+    pair = " (the long-context pair)" if a.get("long_model") else ""
     return (
-        f"| no overhead accumulates over long generations | stable, 512-4096 tokens | at {longest} tokens × the shortest run: "
+        f"| no overhead accumulates over long generations | stable, 512-4096 tokens | at {longest} tokens{pair} × the shortest run: "
         f"{meas or 'not run'} | SIMULATED {simtxt} | 4 |"
     )

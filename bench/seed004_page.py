@@ -184,14 +184,34 @@ def sweep_section(d: dict[str, Any], stem: str) -> list[str]:
     return out + [""]
 
 
+def long_pair_words(a: dict[str, Any]) -> str:
+    """Which pair the long generations ran on: the long-context pair, or (older runs) the embedded
+    pair itself, whose 1024-token context bounded the lengths."""
+    model = a.get("long_model")
+    if not model:
+        return "on the embedded pair, whose context is 1024 tokens (prompt + length must fit)."
+    return (
+        f"on `{model}` and its draft: the embedded pair fine-tuned on 4096-token windows (context 4096; "
+        "models/embedded/README.md, the long-context pair), so prompt + length must fit 4096."
+    )
+
+
 def long_section(d: dict[str, Any]) -> list[str]:
-    a, m, s = d.get("measured_args", d["args"]), d["measured"], d["simulated"]
+    m, s = d["measured"], d["simulated"]
+    run = d.get("long_run")
+    a = run["args"] if run else d.get("measured_args", d["args"])
     out = ["## 4. Long generations", ""]
     if m.get("long"):
         out += [
             f"MEASURED at cache {a['cache']} behind `{a['link']}` (llama-server -md: in RAM), one request per length, "
-            f"{a['long_rounds']} interleaved round(s) after a warm-up round; the pair's context is 1024 tokens, so "
-            f"{a['prompt_tokens']} + the length must fit. × shortest: against the same configuration at the shortest length, same round.",
+            f"{a['long_rounds']} interleaved round(s) after a warm-up round, {a['prompt_tokens']}-token prompts; "
+            f"{long_pair_words(a)} × shortest: against the same configuration at the shortest length, same round."
+            + (
+                f" Measured apart (`python -m bench seed-004 --only-long{' --llama-cpp DIR' if a.get('llama_cpp') == 'DIR' else ''}`, "
+                f"{run['seconds'] / 60:.1f} min; {run['machine'].removeprefix('Machine: ')}) and merged into the JSON."
+                if run
+                else ""
+            ),
             "",
             "| tokens | configuration | decode tok/s | × shortest | tokens / verification | stall share | hit rate |",
             "|---|---|---|---|---|---|---|",

@@ -10,6 +10,7 @@ costs more than it saves)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,9 @@ class Setting:
         return f"cache {self.cache:g} ({self.offload}{' + ' + self.link if self.link else ''})"
 
 
-def engine(setting: Setting, label: str) -> Any:
+def engine(setting: Setting, label: str, model: str | None = None) -> Any:
+    """`label`'s configuration in `setting`, on `model` (default: the embedded target; its draft
+    the sibling draft/)."""
     _, over = CONFIGS[label]
     cfg = EngineConfig(
         cache_fraction=setting.cache,
@@ -88,7 +91,7 @@ def engine(setting: Setting, label: str) -> Any:
         link=setting.link,
         **{"prefetch": "none", **over},
     )
-    return load_model(Path(_target()), cfg)
+    return load_model(Path(model or _target()), cfg)
 
 
 def _target() -> str:
@@ -209,8 +212,16 @@ def sweep_table(args: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
 def long_runs(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str, Any]]:
     """Each of --long generation lengths at --cache behind --link (and llama-server -md in RAM):
     ratios to the same configuration at the shortest length, in the same round."""
+    context = json.loads((Path(args.long_model) / "config.json").read_text())[
+        "max_position_embeddings"
+    ]
+    if args.prompt_tokens + max(args.long) + 5 > context:  # 5: a last k = 4 window
+        raise SystemExit(
+            f"--long {max(args.long)} tokens after a {args.prompt_tokens}-token prompt do not fit "
+            f"{args.long_model}'s {context}-token context: use at most {context - args.prompt_tokens - 5}"
+        )
     link = Setting(args.cache, "disk", args.link)
-    engines = {(n, c): engine(link, c) for n in args.long for c in LONG_CONFIGS}
+    engines = {(n, c): engine(link, c, args.long_model) for n in args.long for c in LONG_CONFIGS}
     cells = list(engines)
     if llama is not None:
         cells += [(n, "llama-server -md") for n in args.long]

@@ -5,9 +5,10 @@ experts), its tables and ablations run on this project's embedded pair:
 MEASURED (the engine, interleaved rounds on this machine): every configuration and ablation at
 cache 0.25 behind the emulated link, the fixed-threshold balancer against the optimized τ,
 prefetch and eviction apart, the same pair in RAM beside llama-server with and without its draft
-(`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75), long generations, and the exact
-configurations on greedy and on seeded sampled text (`--only-sampled` measures that section alone
-and merges it into the JSON beside --out).
+(`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75), long generations of up to 4000
+tokens on the long-context pair (models/embedded/long), and the exact configurations on greedy and
+on seeded sampled text (`--only-long` and `--only-sampled` measure one section alone and merge it
+into the JSON beside --out).
 SIMULATED (engine/offline/, the router trace of the embedded model): the same configurations on
 this machine's profile, PROJECTED onto the paper's hardware and model, and the crossover grid
 (expert load time x compute per extra window row) that says where speculation would pay.
@@ -19,6 +20,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +29,8 @@ from bench.seed004_page import render, write_plots
 from engine import costs_for, load_trace
 
 OUT = Path("docs/seeds/004-spac.md")
+# The long-context pair (models/embedded/long), as a path from the repository root.
+LONG_MODEL = "models/embedded/long/target"
 
 
 def floats(text: str) -> list[float]:
@@ -87,9 +91,15 @@ def parse_args() -> argparse.Namespace:
     add(
         "--long",
         type=ints,
-        default=[64, 512, 928],
-        help="generation lengths measured (default 64,512,928; prompt + length <= 1024, the pair's "
-        "context, with room for a last k = 4 window)",
+        default=[64, 512, 1024, 2048, 4000],
+        help="generation lengths measured (default 64,512,1024,2048,4000; prompt + length must fit "
+        "the --long-model's context with room for a last k = 4 window)",
+    )
+    add(
+        "--long-model",
+        default=LONG_MODEL,
+        help=f"the target the long generations run on, its draft the sibling draft/ (default "
+        f"{LONG_MODEL}: the embedded pair fine-tuned on 4096-token windows, context 4096)",
     )
     add(
         "--long-rounds",
@@ -181,6 +191,12 @@ def parse_args() -> argparse.Namespace:
         help="sampling temperature of the sampled-text section (default 0.8; each request seeded)",
     )
     add(
+        "--only-long",
+        action="store_true",
+        help="measure only the long generations (and llama-server -md on the long pair, with "
+        "--llama-cpp) and merge them into the JSON beside --out, then rewrite the page",
+    )
+    add(
         "--only-sampled",
         action="store_true",
         help="measure only the sampled-text section (greedy and seeded sampling, the exact configurations "
@@ -251,13 +267,14 @@ def sampled(args: argparse.Namespace) -> list[dict]:
     return sampled_table(args, {t: _prompts(args, t) for t in args.sampled_data})
 
 
-def sampled_only(args: argparse.Namespace, out: Path) -> dict:
-    """--only-sampled: the sampled-text section measured alone and merged into the JSON of a full
-    run as measured.sampled, with this run's machine, arguments and time as `sampled_run`."""
+def only_section(args: argparse.Namespace, out: Path, key: str, measure: Any) -> dict:
+    """--only-sampled / --only-long: one section measured alone (`measure(args)`) and merged into
+    the JSON of a full run as measured[key], with this run's machine, arguments and time as
+    `{key}_run`."""
     result = json.loads(out.with_suffix(".json").read_text())
     t0 = time.perf_counter()
-    result["measured"]["sampled"] = sampled(args)
-    result["sampled_run"] = {
+    result["measured"][key] = measure(args)
+    result[f"{key}_run"] = {
         "machine": machine_line(args.threads),
         "args": recorded_args(args),
         "seconds": time.perf_counter() - t0,
@@ -266,29 +283,49 @@ def sampled_only(args: argparse.Namespace, out: Path) -> dict:
     return result
 
 
+def llama_servers(args: argparse.Namespace, target: Path, work: Path, tokens: int) -> Any:
+    """llama-server without and with the draft (target's sibling draft/) for requests of up to
+    `tokens` tokens, or None without --llama-cpp."""
+    if args.llama_cpp is None:
+        return None
+    from bench.seed004_llama import LlamaServers, gguf_pair
+
+    ggufs = gguf_pair(args.llama_cpp, target, target.parent / "draft", work)
+    return LlamaServers(args.llama_cpp, ggufs, args.prompt_tokens + tokens + 16, args.threads, work)
+
+
+def long_measured(args: argparse.Namespace) -> list[dict]:
+    """The long generations on --long-model, beside llama-server -md on the same pair."""
+    from bench.seed004_runs import long_runs
+
+    llama = llama_servers(args, Path(args.long_model), args.work / "long", max(args.long))
+    try:
+        return long_runs(args, _prompts(args, args.data), llama)
+    finally:
+        if llama is not None:
+            llama.close()
+
+
 def measured(args: argparse.Namespace) -> dict:
-    from bench.seed004_runs import long_runs, main_table, sweep_table
-    from models import EMBEDDED_DRAFT, EMBEDDED_TARGET
+    from bench.seed004_runs import main_table, sweep_table
+    from models import EMBEDDED_TARGET
 
     prompts = _prompts(args, args.data)
-    llama = None
-    if args.llama_cpp is not None:
-        from bench.seed004_llama import LlamaServers, gguf_pair
-
-        ggufs = gguf_pair(args.llama_cpp, Path(EMBEDDED_TARGET), Path(EMBEDDED_DRAFT), args.work)
-        ctx = args.prompt_tokens + max(args.tokens, *args.long) + 16
-        llama = LlamaServers(args.llama_cpp, ggufs, ctx, args.threads, args.work)
+    llama = llama_servers(args, Path(EMBEDDED_TARGET), args.work, args.tokens)
     try:
-        return {
+        tables = {
             "main": main_table(args, prompts, llama),
             "sweep": sweep_table(args, prompts),
-            "long": long_runs(args, prompts, llama),
-            "sampled": sampled(args),
-            "llama": llama is not None,
         }
     finally:
         if llama is not None:
             llama.close()
+    return {
+        **tables,
+        "long": long_measured(args),
+        "sampled": sampled(args),
+        "llama": llama is not None,
+    }
 
 
 def recorded_args(args: argparse.Namespace) -> dict[str, str]:
@@ -307,7 +344,9 @@ def main() -> int:
     if args.render_only:
         result = json.loads(out.with_suffix(".json").read_text())
     elif args.only_sampled:
-        result = sampled_only(args, out)
+        result = only_section(args, out, "sampled", sampled)
+    elif args.only_long:
+        result = only_section(args, out, "long", long_measured)
     else:
         t0 = time.perf_counter()
         result = {

@@ -283,3 +283,61 @@ def test_the_command_runs_simulator_only(tmp_path: Path) -> None:
     assert cli(["seed-004", *args[1:], "--measured-from", str(earlier)]) == 0
     again = json.loads(out.with_suffix(".json").read_text())
     assert again["measured"] == d["measured"] and again["machine"] == "Machine: earlier."
+
+
+def _long_rows() -> list[dict]:
+    """Section 4's rows: two lengths, one engine configuration and llama-server -md."""
+    return [
+        {
+            "tokens": n,
+            "config": "spec+utility+cpu",
+            "tok_s": 40.0,
+            "ratio": 1.0 if n == 64 else 1.25,
+            "tokens_per_verification": 3.0,
+            "stall_share": 0.4,
+            "hit_rate": 0.9,
+        }
+        for n in (64, 2048)
+    ] + [{"tokens": 2048, "config": "llama-server -md", "tok_s": 100.0, "ratio": 0.5}]
+
+
+def test_only_long_merges_its_section_on_the_long_pair(tmp_path: Path, monkeypatch) -> None:
+    import bench.seed004_runs
+    from bench.__main__ import cli
+
+    d = _simulated_only()
+    d["measured"] = {"main": [], "sweep": [], "long": [], "llama": False}
+    out = tmp_path / "004.md"
+    out.with_suffix(".json").write_text(json.dumps(d))
+    seen = {}
+
+    def fake(
+        args, prompts, llama
+    ):  # the engine's cells stand in: the merge and the page are tested
+        seen.update(model=args.long_model, lengths=args.long, llama=llama)
+        return _long_rows()
+
+    monkeypatch.setattr(bench.seed004_runs, "long_runs", fake)
+    assert cli(["seed-004", "--only-long", "--long", "64,2048", "--out", str(out)]) == 0
+    assert seen == {"model": "models/embedded/long/target", "lengths": [64, 2048], "llama": None}
+    merged = json.loads(out.with_suffix(".json").read_text())
+    assert merged["measured"]["long"] == _long_rows() and "long_run" in merged
+    text = out.read_text()
+    assert "on `models/embedded/long/target` and its draft" in text
+    assert "`python -m bench seed-004 --only-long`" in text
+    assert "| 2048 | spec+utility+cpu | 40.0 | 1.25× | 3.00 | 40% | 90% |" in text
+    assert (
+        "at 2048 tokens (the long-context pair) × the shortest run: spec+utility+cpu 1.25×" in text
+    )
+
+
+def test_long_lengths_beyond_the_long_pairs_context_fail_in_one_line() -> None:
+    from types import SimpleNamespace
+
+    from bench.seed004_runs import long_runs
+
+    args = SimpleNamespace(
+        long_model="models/embedded/long/target", long=[64, 4096], prompt_tokens=64
+    )
+    with pytest.raises(SystemExit, match="do not fit .*4096-token context: use at most 4027"):
+        long_runs(args, [], None)
