@@ -7,7 +7,9 @@ cache 0.25 behind the emulated link, the fixed-threshold balancer against the op
 prefetch and eviction apart, the same pair in RAM beside llama-server with and without its draft
 (`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75), long generations, and the exact
 configurations on greedy and on seeded sampled text (`--only-sampled` measures that section alone
-and merges it into the JSON beside --out).
+and merges it into the JSON beside --out; `--only-real-shape` measures plain, CPU-run experts and
+speculation with the n-gram proposer standing in for the draft on a RANDOM-WEIGHT checkpoint of
+Qwen3-30B-A3B's layer shape, bench/seed_real_shape.py).
 SIMULATED (engine/offline/, the router trace of the embedded model): the same configurations on
 this machine's profile, PROJECTED onto the paper's hardware and model, and the crossover grid
 (expert load time x compute per extra window row) that says where speculation would pay.
@@ -24,6 +26,7 @@ import torch
 
 from bench.report import add_common_flags, cut_prompts, machine_line, positive_int
 from bench.seed004_page import render, write_plots
+from bench.seed_real_shape import add_real_shape_flags, merge_real_shape
 from engine import costs_for, load_trace
 
 OUT = Path("docs/seeds/004-spac.md")
@@ -197,6 +200,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run nothing: rewrite the page and plots from the JSON beside --out",
     )
+    add_real_shape_flags(ap)
     add_common_flags(ap, f"write the page here (default {OUT}; JSON and plots beside it)")
     return ap.parse_args()
 
@@ -308,6 +312,8 @@ def main() -> int:
         result = json.loads(out.with_suffix(".json").read_text())
     elif args.only_sampled:
         result = sampled_only(args, out)
+    elif args.only_real_shape:
+        result = merge_real_shape("004", args, out)
     else:
         t0 = time.perf_counter()
         result = {
