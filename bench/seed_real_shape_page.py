@@ -124,9 +124,11 @@ def section(d: dict[str, Any], seed: str, number: int, command: str) -> list[str
         "",
         f"**{RANDOM}.** A checkpoint of Qwen3-30B-A3B's released layer shape ({sh['experts']} experts a layer, "
         f"top-{sh['top_k']}, bf16) at {sh['layers']} decoder layers, random weights (bench/real_shapes.py; "
-        f"{ck['bytes'] / 1e9:.1f} GB at `{ck['path']}`, not committed). Random weights route without a trained "
-        "model's locality, and their text means nothing: quality and perplexity are not measured, only speed "
-        f"and bytes. Here: {WHAT[seed]}.",
+        f"{ck['bytes'] / 1e9:.1f} GB at `{ck['path']}`, not committed). Random weights route as no trained model "
+        "does, and their text means nothing: quality and perplexity are not measured, only speed and bytes. "
+        f"Their routing is far from uniform: at cache {rs['cache']:g} the {base['config']} cell found "
+        f"{base['hit_rate']:.0%} of its expert calls in the fast tier (uniform routing: about {rs['cache']:.0%}). "
+        f"Here: {WHAT[seed]}.",
         "",
         f"- **Machine:** {machine}{note}. Load average {rs['load_average']['before']:.2f} "
         f"before, {rs['load_average']['after']:.2f} after; run time {rs['seconds'] / 60:.1f} min.",
