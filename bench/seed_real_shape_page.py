@@ -154,10 +154,12 @@ def claim_row(d: dict[str, Any], seed: str, number: int) -> list[str]:
     if not rs:
         return []
     ratios = "; ".join(f"{r['config']} {r['ratio']:.2f}×" for r in rs["rows"][1:])
+    if any(r["config"].startswith("spec") for r in rs["rows"]):
+        ratios += ", the n-gram proposer standing in for the draft"
     cells = [
         f"the same designs at Qwen3-30B-A3B's layer shape, {RANDOM} (4 layers, disk, cache 0.25)",
         "–",
-        f"{ratios} {COLUMNS[seed][0]} ({RANDOM}: speed only)",
+        f"{ratios} (ratios to {COLUMNS[seed][0]}; {RANDOM}: speed only)",
         *(["–"] if seed == "004" else []),  # its claims table has a SIMULATED column
         str(number),
     ]

@@ -124,6 +124,7 @@ def test_every_heading_and_row_says_random_weights(seed: str) -> None:
     (claim,) = claim_row(d, seed, NUMBER[seed])
     assert RANDOM in claim and claim.count(" | ") == (4 if seed == "004" else 3)
     assert claim.endswith(f"| {NUMBER[seed]} |")
+    assert ("n-gram proposer standing in for the draft" in claim) == (seed == "004")
 
 
 def test_no_run_no_section() -> None:
