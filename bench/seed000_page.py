@@ -9,6 +9,7 @@ from typing import Any
 
 from bench.seed000_generation import generation_claim, generation_section
 from bench.seed000_stats import at_share
+from bench.seed_real_shape_page import claim_row, section
 
 KEEP_FROM = "\n## Why the results differ"
 QUALITY_COLS = (
@@ -420,7 +421,8 @@ def render(d: dict[str, Any], out: Path) -> str:
         "## The paper's claims beside this project's measurements",
         "",
     ]
-    body = head + claims(d) + [""] + sections(d, out.stem)
+    real = section(d, "000", 10, "seed-000")
+    body = head + claims(d) + claim_row(d, "000", 10) + [""] + sections(d, out.stem) + real
     old = out.read_text() if out.exists() else ""
     kept = old[old.index(KEEP_FROM) :] if KEEP_FROM in old else ""
     return "\n".join(body) + ("\n" + kept.lstrip("\n") if kept else "")

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.seed_real_shape_page import claim_row, section
+
 KEEP_FROM = "\n## Why the results differ"
 NONE = "no prefetch"
 
@@ -327,10 +329,12 @@ def render(d: dict[str, Any], out: Path) -> str:
     body = (
         head
         + claims(d)
+        + claim_row(d, "003", 5)
         + [""]
         + recall_section(d)
         + measured_section(d)
         + simulated_section(d, stem)
+        + section(d, "003", 5, "seed-003")
     )
     old = out.read_text() if out.exists() else ""
     kept = old[old.index(KEEP_FROM) :] if KEEP_FROM in old else ""

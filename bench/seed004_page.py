@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.seed004_claims import claims, opening, sampled_command, text_name
+from bench.seed_real_shape_page import claim_row, section
 
 KEEP_FROM = "\n## Why the results differ"
 # the utility estimator's ablation (bench/seed004_runs.py CONFIGS)
@@ -287,6 +288,7 @@ def render(d: dict[str, Any], out: Path) -> str:
         opening(d, out)
         + ["## The paper's claims beside this project's measurements", ""]
         + claims(d)
+        + claim_row(d, "004", 7)
         + [""]
         + main_section(d)
         + projected_section(d)
@@ -294,6 +296,7 @@ def render(d: dict[str, Any], out: Path) -> str:
         + long_section(d)
         + crossover_section(d, out.stem)
         + sampled_section(d)
+        + section(d, "004", 7, "seed-004")
     )
     old = out.read_text() if out.exists() else ""
     kept = old[old.index(KEEP_FROM) :] if KEEP_FROM in old else ""

@@ -6,7 +6,9 @@ Quality (teacher-forced perplexity, deterministic, prefetch off): the policy tab
 contrast at matched substitution shares, background admission with the eviction held fixed, a text
 that switches domain mid-way, and the mass hypothesis. Speed: the policies measured side by side in
 one interleaved run on the emulated slow link, and the router-trace simulator's projection onto the
-paper's hardware and model (labelled simulated / projected).
+paper's hardware and model (labelled simulated / projected). `--only-real-shape` measures the
+policies' speed on a RANDOM-WEIGHT checkpoint of Qwen3-30B-A3B's layer shape
+(bench/seed_real_shape.py) and merges it into the JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from bench.seed000_page import render, write_plots
 from bench.seed000_runs import Setup, shift_windows, spread_windows, tokenize
 from bench.seed000_speed import measured_speed, projected_speed
 from bench.seed000_stats import normalized_gates
+from bench.seed_real_shape import add_real_shape_flags, carry_real_shape, merge_real_shape
 from engine import portable_path
 
 DATA = Path("models/embedded/data")
@@ -222,6 +225,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run nothing: rewrite the page and plots from the JSON beside --out (after editing the page's analysis)",
     )
+    add_real_shape_flags(ap)
     add_common_flags(
         ap, "write the page here (default docs/seeds/000-substitution.md; JSON and plots beside it)"
     )
@@ -313,7 +317,10 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path("docs/seeds/000-substitution.md")
-    if args.render_only or args.only_llama or args.only_contrast or args.only_generation:
+    only = args.only_llama or args.only_contrast or args.only_generation
+    if args.only_real_shape:  # measured alone, merged into the JSON; the page is rewritten below
+        merge_real_shape("000", args, out)
+    if args.render_only or only or args.only_real_shape:
         result = json.loads(out.with_suffix(".json").read_text())
         setup = Setup(Path(resolve_model_dir(args.model)), args.cache_fraction)
         if args.only_llama:
@@ -324,7 +331,7 @@ def main() -> int:
             only_contrast(args, setup, result)
         if args.only_generation:
             result["generation"] = generation_test(args, setup)
-        if args.only_llama or args.only_contrast or args.only_generation:
+        if only:
             out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         write_plots(result, out)
         out.write_text(render(result, out))
@@ -361,6 +368,7 @@ def main() -> int:
     if args.llama_cpp is not None:
         result["llama"] = against_llama(args, setup)
     out.parent.mkdir(parents=True, exist_ok=True)
+    carry_real_shape(out, result)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     write_plots(result, out)
     out.write_text(render(result, out))

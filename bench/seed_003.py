@@ -11,7 +11,9 @@
 
 `--only-draft` runs the draft-model predictor's measured rows alone (no prefetch and FATE beside
 it, in one interleaved run; its heads refitted) and merges them into the JSON as `draft_run`,
-whose rows the page shows apart, with that run's machine and load.
+whose rows the page shows apart, with that run's machine and load. `--only-real-shape` measures no
+prefetch, the FATE-like guess and an adapter fitted for it on a RANDOM-WEIGHT checkpoint of
+Qwen3-30B-A3B's layer shape (bench/seed_real_shape.py) and merges them into the JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from bench.seed003_speed import (
     sim_profiles,
     simulated,
 )
+from bench.seed_real_shape import add_real_shape_flags, carry_real_shape, merge_real_shape
 from engine import portable_path
 
 DATA = Path("models/embedded/data")
@@ -141,6 +144,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run nothing: rewrite the page and plot from the JSON beside --out",
     )
+    add_real_shape_flags(ap)
     add_common_flags(
         ap, "write the page here (default docs/seeds/003-specprefetch.md; JSON and plot beside it)"
     )
@@ -217,7 +221,9 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path("docs/seeds/003-specprefetch.md")
-    if args.render_only:
+    if args.only_real_shape:  # measured alone, merged into the JSON; the page is rewritten below
+        merge_real_shape("003", args, out)
+    if args.render_only or args.only_real_shape:
         result = json.loads(out.with_suffix(".json").read_text())
         write_plot(result, out)
         out.write_text(render(result, out))
@@ -266,6 +272,7 @@ def main() -> int:
         "load_average": load,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
+    carry_real_shape(out, result)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     write_plot(result, out)
     out.write_text(render(result, out))

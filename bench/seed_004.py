@@ -8,7 +8,9 @@ prefetch and eviction apart, the same pair in RAM beside llama-server with and w
 (`-md`, with --llama-cpp), the cache-ratio sweep (0.1-0.75), long generations of up to 4000
 tokens on the long-context pair (models/embedded/long), and the exact configurations on greedy and
 on seeded sampled text (`--only-long` and `--only-sampled` measure one section alone and merge it
-into the JSON beside --out).
+into the JSON beside --out; `--only-real-shape` measures plain, CPU-run experts and speculation
+with the n-gram proposer standing in for the draft on a RANDOM-WEIGHT checkpoint of
+Qwen3-30B-A3B's layer shape, bench/seed_real_shape.py).
 SIMULATED (engine/offline/, the router trace of the embedded model): the same configurations on
 this machine's profile, PROJECTED onto the paper's hardware and model, and the crossover grid
 (expert load time x compute per extra window row) that says where speculation would pay.
@@ -26,6 +28,7 @@ import torch
 
 from bench.report import add_common_flags, cut_prompts, machine_line, positive_int
 from bench.seed004_page import render, write_plots
+from bench.seed_real_shape import add_real_shape_flags, carry_real_shape, merge_real_shape
 from engine import costs_for, load_trace
 
 OUT = Path("docs/seeds/004-spac.md")
@@ -213,6 +216,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run nothing: rewrite the page and plots from the JSON beside --out",
     )
+    add_real_shape_flags(ap)
     add_common_flags(ap, f"write the page here (default {OUT}; JSON and plots beside it)")
     return ap.parse_args()
 
@@ -347,6 +351,8 @@ def main() -> int:
         result = only_section(args, out, "sampled", sampled)
     elif args.only_long:
         result = only_section(args, out, "long", long_measured)
+    elif args.only_real_shape:
+        result = merge_real_shape("004", args, out)
     else:
         t0 = time.perf_counter()
         result = {
@@ -363,6 +369,7 @@ def main() -> int:
             result["measured_seconds"] = time.perf_counter() - t0
             result["measured_args"] = result["args"]
         out.parent.mkdir(parents=True, exist_ok=True)
+        carry_real_shape(out, result)
         # Written once measured, again once simulated: a failed simulation keeps the measurements.
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         t1 = time.perf_counter()
