@@ -468,3 +468,20 @@ def test_settled_prefetch_does_not_depend_on_transfer_timing() -> None:
         finally:
             om.close()
     assert counts[0] == counts[1] and counts[0]["prefetch_issued"] > 0, counts
+
+
+def test_adapter_data_comes_from_a_bf16_checkpoint(tiny_ckpt) -> None:
+    """A trace stores hidden states as float32; a bf16 model's router reads them in its own dtype,
+    as it does while decoding (it failed with a dtype mismatch before)."""
+    om = load_model(tiny_ckpt("qwen3_moe", dtype=torch.bfloat16), EngineConfig())
+    try:
+        assert next(om.model.parameters()).dtype == torch.bfloat16
+        ids = torch.randint(
+            3, om.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)
+        )
+        trace = record_trace(om, ids.tolist(), 32, logits=True, hidden=True)
+        data = data_from_trace(trace, om.model, om.moe_layers)
+        assert data.base.dtype == torch.float32 and torch.isfinite(data.base).all()
+        assert data.base.shape[:2] == (len(ids), len(om.moe_layers) - 1)
+    finally:
+        om.close()

@@ -87,12 +87,15 @@ def data_from_trace(
     hidden = torch.from_numpy(trace["hidden"].astype(np.float32))  # [N, L, D]
     logits = torch.from_numpy(trace["logits"].astype(np.float32))  # [N, L, E]
     ids = torch.from_numpy(trace["ids"].astype(np.int64))  # [N, L, k]
-    dev = next(model.parameters()).device
+    # The trace keeps float32; the router reads its input in the model's dtype, as while decoding.
+    first = next(model.parameters())
     base = torch.stack(
         [
             torch.cat(
                 [
-                    next_router_logits(blocks[moe_layers[a + 1]], chunk.to(dev)).cpu()
+                    next_router_logits(
+                        blocks[moe_layers[a + 1]], chunk.to(first.device, first.dtype)
+                    ).cpu()
                     for chunk in hidden[:, a].split(4096)
                 ]
             )
