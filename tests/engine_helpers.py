@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -37,3 +38,26 @@ def tokens_and_logprobs(core, reqs, after_step=None) -> list[list[tuple[int, flo
         if after_step is not None:
             after_step()
     return [out[r.request_id] for r in reqs]
+
+
+def greedy_in_engine_and_transformers(model_dir, ids: list[int], n: int) -> tuple[Any, list[int]]:
+    """`n` greedy tokens after `ids` from the engine (fp32, cache 0.25 on disk) and the engine's
+    result beside transformers' fp32 tokens (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import EngineConfig
+    from engine.core.completion import generate
+    from engine.worker.loader import load_model
+    from engine.worker.sampling import SamplingParams
+
+    om = load_model(model_dir, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32"))
+    try:
+        res = generate(om, ids, SamplingParams(max_tokens=n, ignore_eos=True))
+    finally:
+        om.close()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expect = ref.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )[0, len(ids) :].tolist()
+    return res, expect

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import greedy_in_engine_and_transformers
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
 from engine.core.completion import generate
 from engine.worker.loader import load_dense_model, load_model
 from engine.worker.sampling import SamplingParams
@@ -103,22 +103,9 @@ def test_chat_template() -> None:
 
 
 def test_target_generates_through_the_engine_like_transformers() -> None:
-    from transformers import AutoModelForCausalLM
-
     tok = AutoTokenizer.from_pretrained(EMBEDDED_TARGET)
     ids = tok("ROMEO. But soft, what light")["input_ids"]
-    om = load_model(
-        EMBEDDED_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32")
-    )
-    try:
-        res = generate(om, ids, SamplingParams(max_tokens=16, ignore_eos=True))
-    finally:
-        om.close()
-    ref = AutoModelForCausalLM.from_pretrained(EMBEDDED_TARGET, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expect = ref.generate(
-            torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
-        )[0, len(ids) :].tolist()
+    res, expect = greedy_in_engine_and_transformers(EMBEDDED_TARGET, ids, 16)
     assert res.tokens == expect
     assert len(res.text) > 10
 

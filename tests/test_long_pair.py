@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 
-import torch
+from engine_helpers import greedy_in_engine_and_transformers
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.core.completion import generate
 from engine.launch import max_model_len_of
-from engine.worker.loader import load_model
-from engine.worker.sampling import SamplingParams
 from models import EMBEDDED_DIR, EMBEDDED_DRAFT, EMBEDDED_LONG_TARGET, EMBEDDED_TARGET
 
 LONG_DIR = EMBEDDED_LONG_TARGET.parent
@@ -52,22 +48,9 @@ def test_the_card_reports_its_measurements_and_the_long_stage_pays() -> None:
 
 
 def test_the_long_target_decodes_past_1024_positions_like_transformers() -> None:
-    from transformers import AutoModelForCausalLM
-
     tok = AutoTokenizer.from_pretrained(EMBEDDED_LONG_TARGET)
     text = (EMBEDDED_DIR / "data" / "test.txt").read_text()[:20000]
     ids = tok(text)["input_ids"][:1100]
     assert len(ids) == 1100
-    om = load_model(
-        EMBEDDED_LONG_TARGET, EngineConfig(cache_fraction=0.25, offload="disk", dtype="float32")
-    )
-    try:
-        res = generate(om, ids, SamplingParams(max_tokens=8, ignore_eos=True))
-    finally:
-        om.close()
-    ref = AutoModelForCausalLM.from_pretrained(EMBEDDED_LONG_TARGET, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expect = ref.generate(
-            torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False
-        )[0, len(ids) :].tolist()
+    res, expect = greedy_in_engine_and_transformers(EMBEDDED_LONG_TARGET, ids, 8)
     assert res.tokens == expect

@@ -33,6 +33,13 @@ def _load(path: str, context: int, **kw: Any):
     return model
 
 
+def _batches(args, corpus, seed: int) -> Batcher:
+    """--batch-size windows of --seq-len training tokens (chat rows mixed in), drawn from `seed`."""
+    return Batcher(
+        corpus.train_ids, corpus.pool, args.seq_len, args.batch_size, args.chat_frac, seed
+    )
+
+
 def train_long_pair(args, corpus, log: dict, make_regulariser) -> None:
     """Fine-tune the target, then the draft, on --seq-len windows with the context set to --context;
     both saved into models/embedded/long/ (log keys `long_target`, `long_draft`)."""
@@ -42,14 +49,7 @@ def train_long_pair(args, corpus, log: dict, make_regulariser) -> None:
     target = _load(TARGET_DIR, args.context, experts_implementation=args.experts_impl)
     target.config.router_aux_loss_coef = args.aux_coef
     log["long_target"] = {"argv": args.argv, "context": args.context, "from": "target"}
-    batch = Batcher(
-        corpus.train_ids,
-        corpus.pool,
-        args.seq_len,
-        args.batch_size,
-        args.chat_frac,
-        args.seed + 11,
-    )
+    batch = _batches(args, corpus, args.seed + 11)
     train_one(
         "long_target",
         target,
@@ -67,14 +67,7 @@ def train_long_pair(args, corpus, log: dict, make_regulariser) -> None:
     target.eval()
     draft = _load(DRAFT_DIR, args.context)
     log["long_draft"] = {"argv": args.argv, "context": args.context, "from": "draft"}
-    batch = Batcher(
-        corpus.train_ids,
-        corpus.pool,
-        args.seq_len,
-        args.batch_size,
-        args.chat_frac,
-        args.seed + 12,
-    )
+    batch = _batches(args, corpus, args.seed + 12)
     train_one(
         "long_draft",
         draft,
