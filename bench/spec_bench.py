@@ -85,9 +85,10 @@ def run_cell(
     """The prompts decoded together (greedy, or sampled at `temperature` with every request seeded
     `seed`): decode-phase figures, and each request's generated token ids."""
     proposer, observers = speculation_for(om, spec)
+    context = int(getattr(om.config, "max_position_embeddings", None) or 2048)
     core = EngineCore.for_model(
         om,
-        CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=2048),
+        CoreLimits(max_running=len(prompts), prefill_token_budget=4096, max_model_len=context),
         proposer,
         observers,
     )
@@ -106,6 +107,11 @@ def run_cell(
             produced += len(o.token_ids)
             ids.setdefault(o.request_id, []).extend(o.token_ids)
     wall = time.perf_counter() - t0
+    if short := [len(v) for v in ids.values() if len(v) < tokens]:  # only the context stops one
+        raise RuntimeError(
+            f"a request stopped after {min(short)} of {tokens} tokens: prompt + tokens exceed "
+            f"the model's {context}-token context"
+        )
     s = om.stats.snapshot()
     per_layer = [
         r["distinct_experts_per_window"] for r in s["per_layer"] if r["distinct_experts_per_window"]

@@ -15,6 +15,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.experts.compute.cpu_split import CpuSplit
 from engine.offline.sim_settings import manual_costs
 from engine.offline.simulator import simulate
+from engine.worker.loader import load_model
 from policies.balancer import fixed_tau
 from policies.base import ExpertPlan
 
@@ -341,3 +342,23 @@ def test_long_lengths_beyond_the_long_pairs_context_fail_in_one_line() -> None:
     )
     with pytest.raises(SystemExit, match="do not fit .*4096-token context: use at most 4027"):
         long_runs(args, [], None)
+
+
+def test_a_measured_cell_runs_to_its_length_within_the_models_context(tiny_ckpt) -> None:
+    """run_cell takes the model's context (not a fixed 2048) and refuses to report a request the
+    context cut short: a 4000-token cell once measured about 2000 tokens."""
+    from bench.spec_bench import run_cell
+    from engine.speculative.config import SpecConfig
+
+    long = load_model(tiny_ckpt(max_position_embeddings=4096), EngineConfig())
+    try:
+        r = run_cell(long, SpecConfig(speculative="off"), [[5, 6, 7]], 2100)
+        assert r["produced"] == 2100 - 1 and len(r["token_ids"][0]) == 2100
+    finally:
+        long.close()
+    short = load_model(tiny_ckpt(max_position_embeddings=64), EngineConfig())
+    try:
+        with pytest.raises(RuntimeError, match="stopped after .* of 100 tokens.*64-token context"):
+            run_cell(short, SpecConfig(speculative="off"), [[5, 6, 7]], 100)
+    finally:
+        short.close()
