@@ -63,3 +63,11 @@ def test_the_long_pairs_recorded_command_line_reads() -> None:
     assert (args.stage, args.context, args.seq_len) == ("long", 4096, 4096)
     assert log["long_target"]["steps_done"] == args.long_target_steps
     assert log["long_draft"]["steps_done"] == args.long_draft_steps
+
+
+def test_no_training_log_holds_a_path_of_this_machine() -> None:
+    for log in (EMBEDDED / "train_log.json", EMBEDDED / "long" / "train_log.json"):
+        assert str(REPO) not in log.read_text(), log
+    from models.embedded.training.args import build_parser, recorded_args
+
+    assert "log_json" not in recorded_args(build_parser(None).parse_args([]))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.embedded.training.args import build_parser
+from models.embedded.training.args import build_parser, recorded_args
 from models.embedded.training.balance import BiasBalancer, RoutingRegulariser, calibrate_bias
 from models.embedded.training.checkpoints import save_model, write_log
 from models.embedded.training.configs import active_params, draft_config, target_config
@@ -81,7 +81,7 @@ def main(argv=None):
     if args.stage == "long":  # its own log beside the long pair; the main pair's log is not touched
         os.makedirs(os.path.dirname(LONG_LOG_JSON), exist_ok=True)
         args.argv, args.log_json = argv_list, LONG_LOG_JSON
-        train_long_pair(args, corpus, {"args": vars(args)}, make_regulariser)
+        train_long_pair(args, corpus, {"args": recorded_args(args)}, make_regulariser)
         print("done", flush=True)
         return
     log = start_log(args, resume, corpus)
@@ -144,7 +144,7 @@ def start_log(args, resume, corpus: Corpus) -> dict:
             t.get("argv")
         ]
         t["phase1_argv"] = t["phases"][0]
-    log["args"] = vars(args)
+    log["args"] = recorded_args(args)
     log["train_tokens"] = int(len(corpus.train_ids))
     return log
 
@@ -176,7 +176,9 @@ def train_target(args, argv_list, corpus: Corpus, log: dict, tcfg, resume):
         + (" + shared expert, aux-loss-free bias balancing" if args.arch == "glm4_moe" else "")
     )
     log["target"]["argv"] = argv_list
-    log["target"]["args"] = vars(args)  # the model card reads the target's own settings from here
+    log["target"]["args"] = recorded_args(
+        args
+    )  # the model card reads the target's own settings from here
     print(f"target params {n:,}", flush=True)
     batcher = Batcher(
         corpus.train_ids,

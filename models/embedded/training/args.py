@@ -21,6 +21,12 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def recorded_args(args: argparse.Namespace) -> dict:
+    """The arguments as the training log keeps them: without where the log itself goes (a path
+    of this machine)."""
+    return {k: v for k, v in vars(args).items() if k != "log_json"}
+
+
 def _add_long_context_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--context",
