@@ -235,10 +235,19 @@ def sampled_command(d: dict[str, Any]) -> str:
 
 
 def _sampled_command(d: dict[str, Any]) -> str:
-    if "sampled_run" not in d:
-        return ""
-    run = d["sampled_run"]
-    return f"; section 6 was measured apart, `{sampled_command(d)}` ({run['seconds'] / 60:.1f} min, merged into the JSON)"
+    """The sections measured apart (`sampled_run`, `long_run` in the JSON): their commands and times."""
+    out = ""
+    if "long_run" in d:
+        run = d["long_run"]
+        llama = " --llama-cpp DIR" if run["args"].get("llama_cpp") == "DIR" else ""
+        out += (
+            f"; section 4 was measured apart, `python -m bench seed-004 --only-long{llama}` "
+            f"({run['seconds'] / 60:.1f} min, merged into the JSON)"
+        )
+    if "sampled_run" in d:
+        run = d["sampled_run"]
+        out += f"; section 6 was measured apart, `{sampled_command(d)}` ({run['seconds'] / 60:.1f} min, merged into the JSON)"
+    return out
 
 
 def _sampled_ratios(d: dict[str, Any], label: str) -> str:

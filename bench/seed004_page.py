@@ -193,7 +193,7 @@ def long_pair_words(a: dict[str, Any]) -> str:
         return "on the embedded pair, whose context is 1024 tokens (prompt + length must fit)."
     return (
         f"on `{model}` and its draft: the embedded pair fine-tuned on 4096-token windows (context 4096; "
-        "models/embedded/README.md, the long-context pair), so prompt + length must fit 4096."
+        "its card: models/embedded/long/README.md), so prompt + length must fit 4096."
     )
 
 

@@ -326,6 +326,7 @@ def test_only_long_merges_its_section_on_the_long_pair(tmp_path: Path, monkeypat
     text = out.read_text()
     assert "on `models/embedded/long/target` and its draft" in text
     assert "`python -m bench seed-004 --only-long`" in text
+    assert "section 4 was measured apart, `python -m bench seed-004 --only-long` (" in text
     assert "| 2048 | spec+utility+cpu | 40.0 | 1.25× | 3.00 | 40% | 90% |" in text
     assert (
         "at 2048 tokens (the long-context pair) × the shortest run: spec+utility+cpu 1.25×" in text
