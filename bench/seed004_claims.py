@@ -149,7 +149,7 @@ def opening(d: dict[str, Any], out: Path) -> list[str]:
         "",
         f"- **Result:** {headline(d)}",
         "- **Command:** `python -m bench seed-004 --llama-cpp DIR` (DIR: a llama.cpp source tree with build/bin/llama-server); "
-        f"numbers in [{js}]({js}), run time {d['seconds'] / 60:.1f} min{_sampled_command(d)}.",
+        f"numbers in [{js}]({js}), run time {d['seconds'] / 60:.1f} min{_apart_commands(d)}.",
         f"- **Machine:** {d['machine'].removeprefix('Machine: ')} The project's shared 2-core machine, other work running beside it: "
         "speed figures are ratios within one interleaved round, medians over rounds.",
         f"- **Limit:** behind `{a['link']}` one expert load takes 8.3 ms against about 7 ms for a whole one-row step of the "
@@ -234,16 +234,25 @@ def sampled_command(d: dict[str, Any]) -> str:
     )
 
 
-def _sampled_command(d: dict[str, Any]) -> str:
-    """The sections measured apart (`sampled_run`, `long_run` in the JSON): their commands and times."""
+def section_args(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """The arguments a section was measured with: its own run's (`{key}_run`, a section measured
+    apart) or the page's measured run's."""
+    run = d.get(f"{key}_run")
+    return run["args"] if run else d.get("measured_args", d["args"])
+
+
+def long_command(d: dict[str, Any]) -> str:
+    """The command of a separate section-4 run (`long_run` in the JSON)."""
+    llama = " --llama-cpp DIR" if d["long_run"]["args"].get("llama_cpp") == "DIR" else ""
+    return f"python -m bench seed-004 --only-long{llama}"
+
+
+def _apart_commands(d: dict[str, Any]) -> str:
+    """The sections measured apart (`long_run`, `sampled_run` in the JSON): their commands and times."""
     out = ""
     if "long_run" in d:
         run = d["long_run"]
-        llama = " --llama-cpp DIR" if run["args"].get("llama_cpp") == "DIR" else ""
-        out += (
-            f"; section 4 was measured apart, `python -m bench seed-004 --only-long{llama}` "
-            f"({run['seconds'] / 60:.1f} min, merged into the JSON)"
-        )
+        out += f"; section 4 was measured apart, `{long_command(d)}` ({run['seconds'] / 60:.1f} min, merged into the JSON)"
     if "sampled_run" in d:
         run = d["sampled_run"]
         out += f"; section 6 was measured apart, `{sampled_command(d)}` ({run['seconds'] / 60:.1f} min, merged into the JSON)"
@@ -330,9 +339,7 @@ def _long_claim(d: dict[str, Any]) -> str:
         if sim
         else "–"
     )
-    run = d.get("long_run")
-    a = run["args"] if run else d.get("measured_args", d["args"])
-    pair = " (the long-context pair)" if a.get("long_model") else ""
+    pair = " (the long-context pair)" if section_args(d, "long").get("long_model") else ""
     return (
         f"| no overhead accumulates over long generations | stable, 512-4096 tokens | at {longest} tokens{pair} × the shortest run: "
         f"{meas or 'not run'} | SIMULATED {simtxt} | 4 |"

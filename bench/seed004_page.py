@@ -8,7 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.seed004_claims import claims, opening, sampled_command, text_name
+from bench.seed004_claims import (
+    claims,
+    long_command,
+    opening,
+    sampled_command,
+    section_args,
+    text_name,
+)
 from bench.seed_real_shape_page import claim_row, section
 
 KEEP_FROM = "\n## Why the results differ"
@@ -89,7 +96,7 @@ def sampled_section(d: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     run = d.get("sampled_run")
-    a = run["args"] if run else d.get("measured_args", d["args"])
+    a = section_args(d, "sampled")
     how = (
         f"Measured apart (`{sampled_command(d)}`, {run['seconds'] / 60:.1f} min; {run['machine'].removeprefix('Machine: ')} "
         "Other work ran beside it: figures are ratios within one interleaved round) and merged into the JSON."
@@ -200,7 +207,7 @@ def long_pair_words(a: dict[str, Any]) -> str:
 def long_section(d: dict[str, Any]) -> list[str]:
     m, s = d["measured"], d["simulated"]
     run = d.get("long_run")
-    a = run["args"] if run else d.get("measured_args", d["args"])
+    a = section_args(d, "long")
     out = ["## 4. Long generations", ""]
     if m.get("long"):
         out += [
@@ -208,7 +215,7 @@ def long_section(d: dict[str, Any]) -> list[str]:
             f"{a['long_rounds']} interleaved round(s) after a warm-up round, {a['prompt_tokens']}-token prompts; "
             f"{long_pair_words(a)} × shortest: against the same configuration at the shortest length, same round."
             + (
-                f" Measured apart (`python -m bench seed-004 --only-long{' --llama-cpp DIR' if a.get('llama_cpp') == 'DIR' else ''}`, "
+                f" Measured apart (`{long_command(d)}`, "
                 f"{run['seconds'] / 60:.1f} min; {run['machine'].removeprefix('Machine: ')}) and merged into the JSON."
                 if run
                 else ""
