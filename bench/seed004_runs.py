@@ -10,7 +10,6 @@ costs more than it saves)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 from bench.report import interleaved, summarize
 from bench.spac_bench import spac_figures
 from bench.spec_bench import run_cell
-from engine import EngineConfig, SpecConfig, load_model
+from engine import EngineConfig, SpecConfig, load_model, max_model_len_of
 
 OFF = SpecConfig(speculative="off")
 K4 = SpecConfig(speculative="draft", num_speculative_tokens=4, adaptive=False)
@@ -212,9 +211,7 @@ def sweep_table(args: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
 def long_runs(args: Any, prompts: list[list[int]], llama: Any) -> list[dict[str, Any]]:
     """Each of --long generation lengths at --cache behind --link (and llama-server -md in RAM):
     ratios to the same configuration at the shortest length, in the same round."""
-    context = json.loads((Path(args.long_model) / "config.json").read_text())[
-        "max_position_embeddings"
-    ]
+    context = max_model_len_of(args.long_model, None)
     if args.prompt_tokens + max(args.long) + 5 > context:  # 5: a last k = 4 window
         raise SystemExit(
             f"--long {max(args.long)} tokens after a {args.prompt_tokens}-token prompt do not fit "
