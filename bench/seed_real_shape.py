@@ -16,8 +16,8 @@ after the first (bench/spec_bench.py `run_cell`), every cell once per round afte
 the section's baseline. Engines are kept across rounds, as a server keeps them.
 
 Seed 003's SpecPrefetch adapter is fitted here once (cached beside the checkpoint) on a trace of
-the engine's float32 forward: `moe-offload train-prefetcher` traces in the checkpoint's dtype and
-its next-router step then fails on a bf16 checkpoint.
+the engine's float32 forward (written when fitting on a bf16 model failed, fixed since in
+engine/prefetch/training.py; kept so the cached adapter is the one the page measured).
 """
 
 from __future__ import annotations
