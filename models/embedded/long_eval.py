@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from models.embedded.evaluation.text import load_ids, perplexity, windows
+from models.embedded.training.long_context import load_fp32
 from models.embedded.training.paths import (
     DATA,
     DRAFT_DIR,
@@ -29,16 +30,9 @@ from models.embedded.training.paths import (
 )
 
 BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096))
+WINDOW = BUCKETS[-1][1]  # tokens a long window holds, and the context the models are loaded with
 PAIRS = {"embedded pair": (TARGET_DIR, DRAFT_DIR), "long pair": (LONG_TARGET_DIR, LONG_DRAFT_DIR)}
 CARD = os.path.join(os.path.dirname(LONG_TARGET_DIR), "README.md")
-
-
-def load(path: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.config.max_position_embeddings = max(model.config.max_position_embeddings, 4096)
-    return model.eval()
 
 
 @torch.no_grad()
@@ -61,12 +55,12 @@ def by_position(target, draft, wins: list[torch.Tensor]) -> dict[str, list[float
 
 def measure(tok, n_long: int, short_every: int) -> dict:
     ids = load_ids(tok, os.path.join(DATA, "test.txt"))
-    long_wins = windows(ids, 4096)
+    long_wins = windows(ids, WINDOW)
     long_wins = long_wins[:: max(1, len(long_wins) // n_long)][:n_long]
     short_wins = windows(ids, 256)[::short_every]
     out: dict = {"long_windows": len(long_wins), "short_windows": len(short_wins), "pairs": {}}
     for name, (tdir, ddir) in PAIRS.items():
-        target, draft = load(tdir), load(ddir)
+        target, draft = load_fp32(tdir, WINDOW).eval(), load_fp32(ddir, WINDOW).eval()
         out["pairs"][name] = {
             "by_position": by_position(target, draft, long_wins),
             "ppl_256": {

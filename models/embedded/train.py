@@ -176,9 +176,8 @@ def train_target(args, argv_list, corpus: Corpus, log: dict, tcfg, resume):
         + (" + shared expert, aux-loss-free bias balancing" if args.arch == "glm4_moe" else "")
     )
     log["target"]["argv"] = argv_list
-    log["target"]["args"] = recorded_args(
-        args
-    )  # the model card reads the target's own settings from here
+    # the model card reads the target's own settings from here
+    log["target"]["args"] = recorded_args(args)
     print(f"target params {n:,}", flush=True)
     batcher = Batcher(
         corpus.train_ids,

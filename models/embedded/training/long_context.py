@@ -25,7 +25,8 @@ from models.embedded.training.paths import (
 )
 
 
-def _load(path: str, context: int, **kw: Any):
+def load_fp32(path: str, context: int, **kw: Any):
+    """A model of the pair in float32 with its context (max_position_embeddings) set to `context`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
@@ -46,7 +47,7 @@ def train_long_pair(args, corpus, log: dict, make_regulariser) -> None:
     if args.seq_len > args.context:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --context {args.context}")
     torch.manual_seed(args.seed)
-    target = _load(TARGET_DIR, args.context, experts_implementation=args.experts_impl)
+    target = load_fp32(TARGET_DIR, args.context, experts_implementation=args.experts_impl)
     target.config.router_aux_loss_coef = args.aux_coef
     log["long_target"] = {"argv": args.argv, "context": args.context, "from": "target"}
     batch = _batches(args, corpus, args.seed + 11)
@@ -65,7 +66,7 @@ def train_long_pair(args, corpus, log: dict, make_regulariser) -> None:
         regulariser=make_regulariser(args, target.config, target),
     )
     target.eval()
-    draft = _load(DRAFT_DIR, args.context)
+    draft = load_fp32(DRAFT_DIR, args.context)
     log["long_draft"] = {"argv": args.argv, "context": args.context, "from": "draft"}
     batch = _batches(args, corpus, args.seed + 12)
     train_one(
